@@ -1,0 +1,3 @@
+"""kconvert: stream-convert Kimi-K2 family MoE checkpoints shard by shard."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,216 @@
+"""On-disk formats of one linear's parameters, as codecs with batched decode/encode.
+
+A codec turns the parameter tensors of B same-shaped linears (each stacked on a leading batch
+dim) into fp32 weights [B, out, in] and back. Which codec a source module uses is read off
+the parameters it has (`detect_codec`), so mixed checkpoints need no configuration.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from kconvert import nvfp4
+from kconvert.errors import KconvertError
+from kconvert.safetensors_io import TensorInfo
+
+ParamSpec = tuple[str, str, tuple[int, ...]]  # (param suffix, safetensors dtype, shape)
+
+
+class Codec:
+    """Base: `params` names the parameter suffixes a module in this format has."""
+
+    name: ClassVar[str]
+    params: ClassVar[tuple[str, ...]]
+    quantized: ClassVar[bool] = True
+
+    @classmethod
+    def logical_shape(cls, infos: dict[str, TensorInfo], shape_value: tuple[int, int] | None
+                      ) -> tuple[int, int]:
+        raise NotImplementedError
+
+    @classmethod
+    def decode(cls, t: dict[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class DenseCodec(Codec):
+    """Plain floating-point `weight` (BF16 in Kimi)."""
+
+    name = "bf16"
+    params = ("weight",)
+    quantized = False
+
+    @classmethod
+    def logical_shape(cls, infos, shape_value):
+        return tuple(infos["weight"].shape)
+
+    @classmethod
+    def decode(cls, t, shape):
+        return t["weight"].float()
+
+    @staticmethod
+    def specs(shape: tuple[int, int]) -> list[ParamSpec]:
+        return [("weight", "BF16", shape)]
+
+    @staticmethod
+    def encode(w: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"weight": w.to(torch.bfloat16)}
+
+
+class Int4Codec(Codec):
+    """compressed-tensors pack-quantized INT4 (formats.md §1): what Kimi-K2-Thinking ships."""
+
+    name = "int4-pack-quantized"
+    params = ("weight_packed", "weight_scale", "weight_shape")
+
+    @classmethod
+    def logical_shape(cls, infos, shape_value):
+        packed, scale = infos["weight_packed"].shape, infos["weight_scale"].shape
+        if shape_value is None or len(shape_value) != 2:
+            info = infos["weight_shape"]
+            raise KconvertError("weight_shape is not [out, in]", file=info.file.name,
+                                tensor=info.name)
+        out, inp = shape_value
+        ok = (
+            packed == (out, inp // 8) and inp % 8 == 0 and len(scale) == 2 and scale[0] == out
+            and scale[1] > 0 and inp % scale[1] == 0
+        )
+        if not ok:
+            raise KconvertError(
+                f"weight_shape {list(shape_value)} disagrees with weight_packed {list(packed)} "
+                f"and weight_scale {list(scale)}",
+                file=infos["weight_packed"].file.name, tensor=infos["weight_packed"].name,
+            )
+        return out, inp
+
+    @classmethod
+    def decode(cls, t, shape):
+        """Exact q * scale in fp32 (compressed-tensors rounds this product to bf16)."""
+        packed, scale = t["weight_packed"], t["weight_scale"]
+        b, out, words = packed.shape
+        shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+        codes = ((packed.unsqueeze(-1) >> shifts) & 0xF) - 8  # [B, out, in/8, 8], low nibble first
+        groups = scale.shape[-1]
+        q = codes.reshape(b, out, groups, -1).float()
+        return (q * scale.float().unsqueeze(-1)).reshape(b, out, words * 8)
+
+
+class Nvfp4Codec(Codec):
+    """compressed-tensors "nvfp4-pack-quantized" (formats.md §3a)."""
+
+    name = "nvfp4-compressed-tensors"
+    params = ("weight_packed", "weight_scale", "weight_global_scale")
+    packed_param = "weight_packed"
+
+    @classmethod
+    def logical_shape(cls, infos, shape_value):
+        out, half = infos[cls.packed_param].shape
+        return out, half * 2
+
+    @classmethod
+    def decode(cls, t, shape):
+        return nvfp4.dequantize(t["weight_packed"], t["weight_scale"], t["weight_global_scale"])
+
+    @classmethod
+    def specs(cls, shape: tuple[int, int], input_scale: bool = False) -> list[ParamSpec]:
+        out, inp = shape
+        specs = [
+            ("weight_packed", "U8", (out, inp // 2)),
+            ("weight_scale", "F8_E4M3", (out, inp // nvfp4.BLOCK)),
+            ("weight_global_scale", "F32", (1,)),
+        ]
+        if input_scale:
+            specs.append(("input_global_scale", "F32", (1,)))
+        return specs
+
+    @staticmethod
+    def encode(q: nvfp4.Quantized, i: int) -> dict[str, torch.Tensor]:
+        return {
+            "weight_packed": q.packed[i],
+            "weight_scale": q.block_scale[i],
+            "weight_global_scale": q.global_scale[i].reshape(1),
+        }
+
+
+class ModeloptNvfp4Codec(Nvfp4Codec):
+    """ModelOpt's HF export of NVFP4 (formats.md §3b): same bytes, reciprocal scalar scale."""
+
+    name = "nvfp4-modelopt"
+    params = ("weight", "weight_scale", "weight_scale_2")
+    packed_param = "weight"
+
+    @classmethod
+    def decode(cls, t, shape):
+        codes = nvfp4.unpack_codes(t["weight"])
+        lut = torch.tensor(nvfp4.E2M1, dtype=torch.float32, device=codes.device)
+        values = lut[(codes & 7).long()]
+        values = torch.where((codes & 8).bool(), -values, values)
+        b, m, k = values.shape
+        step = t["weight_scale"].float() * t["weight_scale_2"].float().reshape(-1, 1, 1)
+        blocks = values.reshape(b, m, k // nvfp4.BLOCK, nvfp4.BLOCK) * step.unsqueeze(-1)
+        return blocks.reshape(b, m, k)
+
+    @classmethod
+    def specs(cls, shape: tuple[int, int], input_scale: bool = False) -> list[ParamSpec]:
+        out, inp = shape
+        specs = [
+            ("weight", "U8", (out, inp // 2)),
+            ("weight_scale", "F8_E4M3", (out, inp // nvfp4.BLOCK)),
+            ("weight_scale_2", "F32", ()),
+        ]
+        if input_scale:
+            specs.append(("input_scale", "F32", ()))
+        return specs
+
+    @staticmethod
+    def encode(q: nvfp4.Quantized, i: int) -> dict[str, torch.Tensor]:
+        return {
+            "weight": q.packed[i],
+            "weight_scale": q.block_scale[i],
+            "weight_scale_2": (1.0 / q.global_scale[i].double()).float().reshape(()),
+        }
+
+
+class Fp8BlockCodec(Codec):
+    """DeepSeek-V3 / Kimi-K2-Instruct FP8 with 128x128 block scales (formats.md §4)."""
+
+    name = "fp8-block"
+    params = ("weight", "weight_scale_inv")
+
+    @classmethod
+    def logical_shape(cls, infos, shape_value):
+        return tuple(infos["weight"].shape)
+
+    @classmethod
+    def decode(cls, t, shape):
+        w, s = t["weight"].float(), t["weight_scale_inv"].float()
+        _, out, inp = w.shape
+        s = s.repeat_interleave(128, dim=1)[:, :out].repeat_interleave(128, dim=2)[:, :, :inp]
+        return w * s  # despite the name, the scale multiplies
+
+
+SOURCE_CODECS: tuple[type[Codec], ...] = (
+    Int4Codec, Nvfp4Codec, ModeloptNvfp4Codec, Fp8BlockCodec, DenseCodec,
+)
+OUTPUT_CODECS = {"compressed-tensors": Nvfp4Codec, "modelopt": ModeloptNvfp4Codec}
+# Parameters that belong to a format but that a decode does not need (W4A4 input scales).
+OPTIONAL_PARAMS = {"input_scale", "input_global_scale"}
+
+
+def detect_codec(infos: dict[str, TensorInfo]) -> type[Codec] | None:
+    """The codec whose parameters exactly match a module's, or None (not a linear we know)."""
+    names = set(infos) - OPTIONAL_PARAMS
+    weight = infos.get("weight")
+    for codec in SOURCE_CODECS:
+        if names != set(codec.params):
+            continue
+        if codec is DenseCodec and weight.dtype not in ("BF16", "F16", "F32"):
+            continue
+        if codec is Fp8BlockCodec and weight.dtype != "F8_E4M3":
+            continue
+        if codec is ModeloptNvfp4Codec and weight.dtype != "U8":
+            continue
+        return codec
+    return None

@@ -1,0 +1,507 @@
+"""The streaming engine: plan every output byte, then read -> compute -> write in a pipeline.
+
+1. `build_plan` turns the source's tensors and the stages into output tensors, output shard
+   headers and a list of work items: copy items (byte ranges of tensors that pass through,
+   at most COPY_CHUNK each) and transform items (a few fused sets of one layer and role,
+   sized so their fp32 decode fits `work_elems`).
+2. `execute` runs the items: reader threads fill host buffers ahead (bounded prefetch), the
+   calling thread decodes/transforms/encodes on the chosen device, one writer thread hashes
+   and `pwrite`s results into planned `.partial` files and renames each shard into place the
+   moment its last byte is written, recording its hashes under `.kconvert/done/`.
+Memory is bounded by (prefetch + queue) items, never by shard or model size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import xxhash
+
+from kconvert import nvfp4
+from kconvert.codecs import DenseCodec, Nvfp4Codec
+from kconvert.errors import KconvertError
+from kconvert.layout import parse_name
+from kconvert.safetensors_io import TensorInfo
+from kconvert.source import Checkpoint
+from kconvert.stages import ModulePlan, Quantize, Stage, group_modules
+
+COPY_CHUNK = 64 << 20
+STATE_DIR = ".kconvert"
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    shard: str
+    sources: tuple[str, ...]
+    stage: str  # "copy" or the stages that produced it, e.g. "dequant+quantize"
+
+
+@dataclass
+class CopyItem:
+    """Byte ranges of pass-through tensors: (source, out name, offset, length)."""
+
+    chunks: list[tuple[TensorInfo, str, int, int]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c[3] for c in self.chunks)
+
+
+@dataclass
+class DecodeGroup:
+    """Same-codec, same-shape modules decoded as one batch [B, out, in]."""
+
+    modules: list[ModulePlan]
+
+    @property
+    def codec(self):
+        return self.modules[0].codec
+
+
+@dataclass
+class TransformItem:
+    sets: list[list[ModulePlan]]
+    groups: list[DecodeGroup] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        by_key: dict[tuple, list[ModulePlan]] = defaultdict(list)
+        for fused in self.sets:
+            for m in fused:
+                by_key[(m.codec.name, m.shape, m.out_codec.__name__)].append(m)
+        self.groups = [DecodeGroup(ms) for ms in by_key.values()]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(i.nbytes for s in self.sets for m in s for i in m.params.values())
+
+
+Item = CopyItem | TransformItem
+
+
+@dataclass
+class Plan:
+    ckpt: Checkpoint
+    stages: list[Stage]
+    modules: list[ModulePlan]
+    outputs: dict[str, OutTensor]
+    items: list[Item]
+
+    @property
+    def shard_entries(self) -> dict[str, list[tuple[str, str, tuple[int, ...]]]]:
+        entries: dict[str, list] = defaultdict(list)
+        for t in self.outputs.values():
+            entries[t.shard].append((t.name, t.dtype, t.shape))
+        return dict(sorted(entries.items()))
+
+    @property
+    def block_scale(self) -> str:
+        return next((s.block_scale for s in self.stages if isinstance(s, Quantize)), "mse")
+
+    def item_shards(self, item: Item) -> set[str]:
+        if isinstance(item, CopyItem):
+            return {self.outputs[c[1]].shard for c in item.chunks}
+        return {m.primary.file.name for s in item.sets for m in s}
+
+
+def read_shape_values(ckpt: Checkpoint) -> dict[str, tuple[int, ...]]:
+    """Contents of every INT4 `weight_shape` tensor (8-16 bytes each), needed to plan shapes."""
+    values = {}
+    for name, info in ckpt.tensors.items():
+        if name.endswith(".weight_shape"):
+            values[name] = tuple(int(v) for v in ckpt.reader_for(info).read(info).tolist())
+    return values
+
+
+def _out_specs(m: ModulePlan, fmt_input_scale: bool = False) -> list[tuple[str, str, tuple]]:
+    if m.out_codec is DenseCodec:
+        return DenseCodec.specs(m.shape)
+    return m.out_codec.specs(m.shape, fmt_input_scale)
+
+
+def build_plan(ckpt: Checkpoint, stages: list[Stage], work_elems: int) -> Plan:
+    tensors = ckpt.tensors
+    modules, others = group_modules(tensors, read_shape_values(ckpt))
+    for m in modules:
+        for stage in stages:
+            stage.plan(m)
+
+    outputs: dict[str, OutTensor] = {}
+    copies: list[tuple[TensorInfo, str]] = [(info, info.name) for info in others]
+    transformed: list[ModulePlan] = []
+    for m in modules:
+        if m.out_codec is None:
+            copies += [(info, m.out_module + "." + p) for p, info in m.params.items()]
+            continue
+        transformed.append(m)
+        stage = "+".join(m.stages)
+        sources = tuple(i.name for i in m.params.values())
+        for param, dtype, shape in _out_specs(m):
+            name = f"{m.out_module}.{param}"
+            outputs[name] = OutTensor(name, dtype, tuple(shape), m.primary.file.name, sources,
+                                      stage)
+    for info, out_name in copies:
+        outputs[out_name] = OutTensor(
+            out_name, info.dtype, info.shape, info.file.name, (info.name,), "copy"
+        )
+
+    items: list[Item] = []
+    for shard in ckpt.shards:
+        items += _copy_items([c for c in copies if c[0].file.name == shard])
+        items += _transform_items([m for m in transformed if m.primary.file.name == shard],
+                                  work_elems)
+    return Plan(ckpt, stages, modules, outputs, items)
+
+
+def _copy_items(copies: list[tuple[TensorInfo, str]]) -> list[CopyItem]:
+    """Pass-through bytes in items of at most COPY_CHUNK: big tensors split, small ones merged."""
+    items, current, size = [], [], 0
+    for info, out_name in sorted(copies, key=lambda c: c[0].start):
+        item_size = torch.empty((), dtype=info.torch_dtype).element_size()
+        step = max(item_size, COPY_CHUNK // item_size * item_size)
+        for offset in range(0, max(info.nbytes, 1), step):
+            length = min(step, info.nbytes - offset)
+            if size + length > COPY_CHUNK and current:
+                items.append(CopyItem(current))
+                current, size = [], 0
+            current.append((info, out_name, offset, length))
+            size += length
+    if current:
+        items.append(CopyItem(current))
+    return items
+
+
+def _transform_items(modules: list[ModulePlan], work_elems: int) -> list[TransformItem]:
+    """Fused sets of one layer and role, batched up to `work_elems` decoded elements."""
+    sets: dict[str, list[ModulePlan]] = {}
+    for m in modules:
+        sets.setdefault(m.tn.fused_set, []).append(m)
+
+    def order(s: list[ModulePlan]) -> tuple:
+        tn = s[0].tn
+        return (tn.layer if tn.layer is not None else -1, tn.role.value,
+                tn.expert if tn.expert is not None else -1, tn.fused_set)
+
+    items, current, elems, key = [], [], 0, None
+    for fused in sorted(sets.values(), key=order):
+        fused.sort(key=lambda m: m.module)
+        n = sum(m.shape[0] * m.shape[1] for m in fused)
+        this_key = (fused[0].tn.layer, fused[0].tn.role)
+        if current and (this_key != key or elems + n > work_elems):
+            items.append(TransformItem(current))
+            current, elems = [], 0
+        current.append(fused)
+        elems += n
+        key = this_key
+    if current:
+        items.append(TransformItem(current))
+    return items
+
+
+# ---------------------------------------------------------------- execution
+
+@dataclass
+class ModuleStats:
+    amax: float
+    global_scale: float | None
+    err_sq: float
+    ref_sq: float
+
+    @property
+    def rel_mse(self) -> float:
+        return self.err_sq / self.ref_sq if self.ref_sq else 0.0
+
+
+@dataclass
+class Result:
+    """What the compute step hands the writer: out tensors (name, bytes, offset) + stats."""
+
+    index: int
+    writes: list[tuple[str, torch.Tensor, int]]
+    stats: dict[str, ModuleStats]
+    nbytes: int
+
+
+def read_item(ckpt: Checkpoint, item: Item, pin: bool) -> list[torch.Tensor]:
+    """Host buffers for an item: one per copy chunk, or one stacked tensor per group param."""
+    if isinstance(item, CopyItem):
+        bufs = []
+        for info, _, offset, length in item.chunks:
+            buf = torch.empty(length, dtype=torch.uint8, pin_memory=pin)
+            ckpt.reader_for(info).read_into(info, buf, offset)
+            bufs.append(buf)
+        return bufs
+    bufs = []
+    for group in item.groups:
+        for param in group.codec.params:
+            first = group.modules[0].params[param]
+            raw = torch.empty(len(group.modules), first.nbytes, dtype=torch.uint8, pin_memory=pin)
+            for i, m in enumerate(group.modules):
+                info = m.params[param]
+                if info.shape != first.shape or info.dtype != first.dtype:
+                    raise KconvertError(
+                        f"{param} is {info.dtype}{list(info.shape)} but its siblings are "
+                        f"{first.dtype}{list(first.shape)}", file=info.file.name, tensor=info.name)
+                ckpt.reader_for(info).read_into(info, raw[i])
+            bufs.append(raw.view(first.torch_dtype).reshape(len(group.modules), *first.shape))
+    return bufs
+
+
+def _check_finite(values: torch.Tensor, info: TensorInfo) -> None:
+    if values.is_floating_point() and not bool(torch.isfinite(values).all()):
+        raise KconvertError("NaN or Inf in the source weights", file=info.file.name,
+                            tensor=info.name)
+
+
+def compute_item(plan: Plan, item: Item, bufs: list[torch.Tensor], device: torch.device,
+                 index: int, chunk_elems: int) -> Result:
+    if isinstance(item, CopyItem):
+        writes = []
+        for (info, out_name, offset, _), buf in zip(item.chunks, bufs, strict=True):
+            if info.torch_dtype.is_floating_point and info.torch_dtype.itemsize >= 2:
+                _check_finite(buf.view(info.torch_dtype), info)
+            writes.append((out_name, buf, offset))
+        return Result(index, writes, {}, item.nbytes)
+
+    # Decode every group to fp32 on the device.
+    decoded: dict[str, torch.Tensor] = {}
+    amax: dict[str, torch.Tensor] = {}
+    pos = 0
+    for group in item.groups:
+        params = {}
+        for param in group.codec.params:
+            params[param] = bufs[pos].to(device, non_blocking=True)
+            pos += 1
+        w = group.codec.decode(params, group.modules[0].shape)
+        group_amax = w.abs().amax(dim=(1, 2))
+        for i, m in enumerate(group.modules):
+            decoded[m.module] = w[i]
+            amax[m.module] = group_amax[i]
+    finite = torch.isfinite(torch.stack(list(amax.values()))).cpu()
+    in_order = [m for g in item.groups for m in g.modules]
+    for ok, m in zip(finite.tolist(), in_order, strict=True):
+        if not ok:
+            raise KconvertError("NaN or Inf in the source weights", file=m.primary.file.name,
+                                tensor=m.primary.name)
+
+    set_amax = {}
+    for fused in item.sets:
+        shared = torch.stack([amax[m.module] for m in fused]).amax()
+        set_amax.update({m.module: shared for m in fused})
+
+    writes, stats = [], {}
+    for group in item.groups:
+        ms = group.modules
+        w = torch.stack([decoded[m.module] for m in ms])
+        out_codec = ms[0].out_codec
+        if out_codec is DenseCodec:
+            enc = DenseCodec.encode(w)["weight"].cpu()
+            for i, m in enumerate(ms):
+                writes.append((m.out_module + ".weight", enc[i], 0))
+            continue
+        a = torch.stack([set_amax[m.module] for m in ms])
+        q = nvfp4.quantize(w, a, plan.block_scale, chunk_elems)
+        q = nvfp4.Quantized(*(t.cpu() for t in (q.packed, q.block_scale, q.global_scale,
+                                                q.err_sq, q.ref_sq)))
+        for i, m in enumerate(ms):
+            for param, t in out_codec.encode(q, i).items():
+                writes.append((f"{m.out_module}.{param}", t, 0))
+            stats[m.out_module] = ModuleStats(
+                float(a[i]), float(q.global_scale[i]), float(q.err_sq[i]), float(q.ref_sq[i]))
+    del decoded
+    return Result(index, writes, stats, item.nbytes)
+
+
+class ShardSink:
+    """The writer side: planned .partial files, hashing, and rename-on-complete."""
+
+    def __init__(self, plan: Plan, dst: Path, done: dict[str, dict]):
+        from kconvert.safetensors_io import ShardWriter, plan_header
+
+        self._writer_cls = ShardWriter
+        self.plan, self.dst = plan, dst
+        self.state = dst / STATE_DIR
+        (self.state / "partial").mkdir(parents=True, exist_ok=True)
+        (self.state / "done").mkdir(parents=True, exist_ok=True)
+        self.entries = plan.shard_entries
+        self.done = done  # shard -> record, for shards already complete
+        self.remaining = {
+            shard: plan_header(e)[0] and sum(
+                _nbytes(d, s) for _, d, s in e) for shard, e in self.entries.items()
+        }
+        self.writers: dict = {}
+        self.hashers: dict[str, xxhash.xxh3_128] = {}
+        self.records: dict[str, dict] = defaultdict(lambda: {"tensors": {}, "modules": {}})
+
+    def write(self, result: Result) -> None:
+        # Stats first: the writes below may complete (and close the record of) their shard.
+        for module, st in result.stats.items():
+            shard = self.plan.outputs[_first_output(self.plan, module)].shard
+            if shard not in self.done:
+                self.records[shard]["modules"][module] = st.__dict__
+        for name, data, offset in result.writes:
+            shard = self.plan.outputs[name].shard
+            if shard in self.done:
+                continue
+            writer = self.writers.get(shard)
+            if writer is None:
+                writer = self.writers[shard] = self._writer_cls(
+                    self.dst / shard, self.state / "partial" / shard, self.entries[shard])
+            data = data.contiguous()
+            hasher = self.hashers.setdefault(name, xxhash.xxh3_128())
+            hasher.update(memoryview(data.view(torch.uint8).numpy()).cast("B"))
+            writer.write(name, data, offset)
+            nbytes = data.numel() * data.element_size()
+            if offset + nbytes == _nbytes(self.plan.outputs[name].dtype,
+                                          self.plan.outputs[name].shape):
+                self.records[shard]["tensors"][name] = self.hashers.pop(name).hexdigest()
+            self.remaining[shard] -= nbytes
+            if self.remaining[shard] == 0:
+                self._finish(shard)
+
+    def _finish(self, shard: str) -> None:
+        self.writers.pop(shard).finish()
+        record = self.records.pop(shard)
+        _atomic_json(self.state / "done" / f"{shard}.json", record)
+        self.done[shard] = record
+
+    def finish_empty(self) -> None:
+        """Shards with no data bytes at all (possible only for zero-size tensors)."""
+        for shard, left in self.remaining.items():
+            if left == 0 and shard not in self.done:
+                self.writers[shard] = self._writer_cls(
+                    self.dst / shard, self.state / "partial" / shard, self.entries[shard])
+                self._finish(shard)
+
+    def abandon(self) -> None:
+        for writer in self.writers.values():
+            writer.abandon()
+
+
+def _first_output(plan: Plan, module: str) -> str:
+    return next(n for n in plan.outputs if n.startswith(module + "."))
+
+
+def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    from kconvert.safetensors_io import DTYPES
+
+    n = DTYPES[dtype].itemsize
+    for d in shape:
+        n *= d
+    return n
+
+
+def _atomic_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def execute(
+    plan: Plan,
+    dst: Path,
+    device: torch.device,
+    done: dict[str, dict],
+    progress: Callable[[int], None],
+    readers: int = 4,
+    prefetch: int = 4,
+) -> dict[str, dict]:
+    """Run every item whose output is not already complete; returns shard -> record."""
+    sink = ShardSink(plan, dst, done)
+    todo = [(i, it) for i, it in enumerate(plan.items) if plan.item_shards(it) - set(done)]
+    skipped = sum(it.nbytes for it in plan.items) - sum(it.nbytes for _, it in todo)
+    if skipped:
+        progress(skipped)
+    pin = device.type == "cuda"
+    chunk_elems = 1 << 27 if device.type == "cuda" else 1 << 22
+    results: queue.Queue = queue.Queue(maxsize=2)
+    failure: list[BaseException] = []
+
+    def writer() -> None:
+        while (res := results.get()) is not None:
+            if failure:
+                continue
+            try:
+                sink.write(res)
+                progress(res.nbytes)
+            except BaseException as exc:  # surfaced by the main thread
+                failure.append(exc)
+
+    wthread = threading.Thread(target=writer, name="kconvert-writer", daemon=True)
+    wthread.start()
+    try:
+        with ThreadPoolExecutor(readers, thread_name_prefix="kconvert-read") as pool:
+            for index, item, bufs in _prefetched(pool, plan, todo, pin, prefetch):
+                if failure:
+                    break
+                results.put(compute_item(plan, item, bufs, device, index, chunk_elems))
+    except BaseException:
+        results.put(None)
+        wthread.join()
+        sink.abandon()
+        raise
+    results.put(None)
+    wthread.join()
+    if failure:
+        sink.abandon()
+        raise failure[0]
+    sink.finish_empty()
+    return sink.done
+
+
+def _prefetched(pool: ThreadPoolExecutor, plan: Plan, todo: list[tuple[int, Item]], pin: bool,
+                depth: int) -> Iterator[tuple[int, Item, list[torch.Tensor]]]:
+    """Items with their host buffers, read `depth` items ahead by the pool."""
+    pending: list[tuple[int, Item, Future]] = []
+    it = iter(todo)
+    for index, item in it:
+        pending.append((index, item, pool.submit(read_item, plan.ckpt, item, pin)))
+        if len(pending) >= depth:
+            break
+    while pending:
+        index, item, fut = pending.pop(0)
+        nxt = next(it, None)
+        if nxt is not None:
+            pending.append((nxt[0], nxt[1], pool.submit(read_item, plan.ckpt, nxt[1], pin)))
+        try:
+            bufs = fut.result()
+        except BaseException:
+            for _, _, f in pending:
+                f.cancel()
+            raise
+        yield index, item, bufs
+
+
+def describe(plan: Plan) -> list[tuple[str, str, str, int, int, int]]:
+    """Dry-run rows: (role, source format, output, tensor count, source bytes, output bytes)."""
+    rows: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0, 0])
+    for m in plan.modules:
+        out = m.out_codec.name if m.out_codec else "copy"
+        row = rows[(m.tn.role.value, m.codec.name, out)]
+        nin = sum(i.nbytes for i in m.params.values())
+        row[0] += 1
+        row[1] += nin
+        row[2] += sum(_nbytes(d, s) for _, d, s in _out_specs(m)) if m.out_codec else nin
+    module_params = {i.name for m in plan.modules for i in m.params.values()}
+    for name, info in plan.ckpt.tensors.items():
+        if name in module_params:
+            continue
+        row = rows[(parse_name(name).role.value, info.dtype, "copy")]
+        row[0] += 1
+        row[1] += info.nbytes
+        row[2] += info.nbytes
+    return [(k[0], k[1], k[2], *v) for k, v in sorted(rows.items())]
+
+
+__all__ = ["Nvfp4Codec", "Plan", "build_plan", "describe", "execute"]

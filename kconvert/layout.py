@@ -1,0 +1,156 @@
+"""The one place that knows how Kimi-K2 / DeepSeek-V3 tensor names are spelled.
+
+Every name is parsed into a `TensorName`: its role (routed expert, router bias, vision, ...),
+the decoder layer and expert id where there is one, the module path and the parameter suffix.
+Names this module does not recognise get the role OTHER and pass through untouched.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from enum import StrEnum
+
+
+class Role(StrEnum):
+    ROUTED_EXPERT = "routed_expert"
+    SHARED_EXPERT = "shared_expert"
+    DENSE_MLP = "dense_mlp"
+    ROUTER_WEIGHT = "router_weight"
+    ROUTER_BIAS = "router_bias"
+    ATTENTION = "attention"
+    NORM = "norm"
+    EMBEDDING = "embedding"
+    LM_HEAD = "lm_head"
+    VISION = "vision"
+    PROJECTOR = "projector"
+    OTHER = "other"
+
+
+# Parameter suffixes of a quantized or dense linear, longest first so that `weight_scale_2`
+# is not read as `weight_scale` + junk. A name ending in one of these splits into module + param.
+PARAM_SUFFIXES = (
+    "weight_global_scale",
+    "input_global_scale",
+    "weight_sparse_packed",
+    "weight_sparse_mask",
+    "weight_zero_point",
+    "weight_scale_inv",
+    "weight_scale_2",
+    "weight_packed",
+    "weight_scale",
+    "weight_shape",
+    "input_scale",
+    "weight",
+    "bias",
+)
+
+# Targets a user can name in --targets, mapped to the roles they select.
+TARGET_ROLES: dict[str, Role] = {
+    "experts": Role.ROUTED_EXPERT,
+    "shared_experts": Role.SHARED_EXPERT,
+    "dense_mlp": Role.DENSE_MLP,
+    "attention": Role.ATTENTION,
+}
+
+_LAYER = re.compile(
+    r"^(?P<prefix>language_model\.model\.|language_model\.|model\.)layers\.(?P<layer>\d+)\.(?P<rest>.+)$"
+)
+_EXPERT = re.compile(r"^mlp\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$")
+_SHARED = re.compile(r"^mlp\.shared_experts\.(?P<proj>gate_proj|up_proj|down_proj)$")
+_DENSE = re.compile(r"^mlp\.(?P<proj>gate_proj|up_proj|down_proj)$")
+_ATTN = re.compile(r"^self_attn\.(?P<proj>[a-z_]+)$")
+_TOP = re.compile(r"^(?P<prefix>language_model\.model\.|language_model\.|model\.)(?P<rest>.+)$")
+
+
+@dataclass(frozen=True)
+class TensorName:
+    """A parsed tensor name. `module` + "." + `param` == `name` whenever `param` is set."""
+
+    name: str
+    role: Role
+    prefix: str = ""
+    layer: int | None = None
+    expert: int | None = None
+    proj: str | None = None
+    module: str = ""
+    param: str = ""
+
+    @property
+    def fused_set(self) -> str:
+        """Name of the group of linears that must share one NVFP4 global scale.
+
+        Serving engines fuse gate_proj and up_proj into one GEMM with ONE global scale
+        (formats.md §2), and likewise q_a_proj with kv_a_proj_with_mqa; every other linear
+        is its own set.
+        """
+        if self.proj in ("gate_proj", "up_proj") and self.role in (
+            Role.ROUTED_EXPERT,
+            Role.SHARED_EXPERT,
+            Role.DENSE_MLP,
+        ):
+            return self.module.rsplit(".", 1)[0] + ".gate_up_proj"
+        if self.role is Role.ATTENTION and self.proj in ("q_a_proj", "kv_a_proj_with_mqa"):
+            return self.module.rsplit(".", 1)[0] + ".q_a_kv_a_proj"
+        return self.module
+
+    def with_expert(self, expert: int) -> TensorName:
+        """The same parameter of another expert id (used when experts are renumbered)."""
+        assert self.role is Role.ROUTED_EXPERT and self.layer is not None
+        module = f"{self.prefix}layers.{self.layer}.mlp.experts.{expert}.{self.proj}"
+        return replace(self, name=f"{module}.{self.param}", expert=expert, module=module)
+
+
+def split_param(name: str) -> tuple[str, str]:
+    """('a.b.weight_scale_2') -> ('a.b', 'weight_scale_2'); unknown suffix -> (name, '')."""
+    for suffix in PARAM_SUFFIXES:
+        if name.endswith("." + suffix):
+            return name[: -len(suffix) - 1], suffix
+    if name.endswith(".e_score_correction_bias"):
+        return name[: -len(".e_score_correction_bias")], "e_score_correction_bias"
+    return name, ""
+
+
+def parse_name(name: str) -> TensorName:
+    module, param = split_param(name)
+    base = TensorName(name=name, role=Role.OTHER, module=module, param=param)
+    if name.startswith("vision_tower."):
+        return replace(base, role=Role.VISION)
+    if name.startswith("mm_projector."):
+        return replace(base, role=Role.PROJECTOR)
+    if name.startswith(("lm_head.", "language_model.lm_head.")):
+        return replace(base, role=Role.LM_HEAD)
+
+    m = _LAYER.match(module if param else name)
+    if m is None:
+        top = _TOP.match(name)
+        if top is None:
+            return base
+        rest = top["rest"]
+        if rest.startswith("embed_tokens."):
+            return replace(base, role=Role.EMBEDDING, prefix=top["prefix"])
+        if rest.startswith("norm."):
+            return replace(base, role=Role.NORM, prefix=top["prefix"])
+        return replace(base, prefix=top["prefix"])
+
+    prefix, layer, rest = m["prefix"], int(m["layer"]), m["rest"]
+    base = replace(base, prefix=prefix, layer=layer)
+    if (e := _EXPERT.match(rest)) is not None:
+        return replace(base, role=Role.ROUTED_EXPERT, expert=int(e["expert"]), proj=e["proj"])
+    if (s := _SHARED.match(rest)) is not None:
+        return replace(base, role=Role.SHARED_EXPERT, proj=s["proj"])
+    if (d := _DENSE.match(rest)) is not None:
+        return replace(base, role=Role.DENSE_MLP, proj=d["proj"])
+    if rest == "mlp.gate":
+        role = Role.ROUTER_BIAS if param == "e_score_correction_bias" else Role.ROUTER_WEIGHT
+        return replace(base, role=role)
+    if rest.endswith("layernorm"):
+        return replace(base, role=Role.NORM)
+    if (a := _ATTN.match(rest)) is not None:
+        return replace(base, role=Role.ATTENTION, proj=a["proj"])
+    return base
+
+
+def is_linear(tn: TensorName) -> bool:
+    """Roles whose modules are quantizable linears (the router is never quantized)."""
+    return tn.role in TARGET_ROLES.values() and bool(tn.param)

@@ -1,0 +1,91 @@
+"""The audit manifest `DST/kconvert-manifest.json`: written last, its presence means complete.
+
+The pydantic models below ARE the schema; `manifests/manifest.schema.json` is generated from
+them (`python -m kconvert.manifest > manifests/manifest.schema.json`) and a test keeps the two
+in step. Hashes are xxh3-128 of a tensor's raw bytes: fast enough to hash 600 GB at disk speed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+import xxhash
+from pydantic import BaseModel, Field
+
+MANIFEST = "kconvert-manifest.json"
+SCHEMA_ID = "kconvert-manifest/1"
+
+
+class TensorEntry(BaseModel):
+    file: str
+    dtype: str
+    shape: list[int]
+    hash: str = Field(description="xxh3-128 hex digest of the tensor's raw bytes")
+    stage: str = Field(description="'copy' or the stages that produced it, e.g. dequant+quantize")
+    sources: list[str] = Field(description="source tensors this output tensor was made from")
+
+
+class FusedSetEntry(BaseModel):
+    members: list[str] = Field(description="modules that share this NVFP4 global scale")
+    amax: float
+    global_scale: float = Field(description="2688 / amax, as stored (reciprocal in ModelOpt)")
+
+
+class LayerEntry(BaseModel):
+    quantized_modules: int
+    rel_mse_mean: float = Field(description="mean over modules of sum((w'-w)^2) / sum(w^2)")
+    rel_mse_max: float
+
+
+class SourceEntry(BaseModel):
+    path: str | None = None
+    repo: str | None = None
+    revision: str | None = None
+    commit: str | None = None
+
+
+class FileEntry(BaseModel):
+    bytes: int
+    tensors: int
+
+
+class Manifest(BaseModel):
+    schema_id: Literal["kconvert-manifest/1"] = SCHEMA_ID
+    tool: dict[str, str]
+    command: str
+    options: dict
+    source: SourceEntry
+    output_format: str = Field(description="compressed-tensors | modelopt | bf16 | source")
+    files: dict[str, FileEntry]
+    non_weight_files: dict[str, str] = Field(description="relative path -> xxh3-128 of bytes")
+    tensors: dict[str, TensorEntry]
+    fused_sets: dict[str, FusedSetEntry]
+    layers: dict[str, LayerEntry]
+    summary: dict[str, float | int]
+    dropped: dict[str, str] = Field(default_factory=dict,
+                                    description="source tensor or file -> why it is not in DST")
+
+
+def hash_file(path: Path, chunk: int = 16 << 20) -> str:
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(dst: Path, manifest: Manifest) -> None:
+    tmp = dst / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest.model_dump(mode="json"), indent=1, sort_keys=True))
+    os.replace(tmp, dst / MANIFEST)
+
+
+def read_manifest(path: Path) -> Manifest:
+    return Manifest.model_validate_json(path.read_text())
+
+
+if __name__ == "__main__":
+    print(json.dumps(Manifest.model_json_schema(), indent=2, sort_keys=True))

@@ -1,0 +1,129 @@
+"""Stages: plain functions over one module's plan (and, later, one layer's fp32 weights).
+
+A conversion is a list of stages. At plan time each stage may claim a source module and say
+how it leaves: decoded and re-encoded by an output codec, or (when no stage claims it)
+copied byte for byte. The engine then decodes only what some stage claimed, runs the
+stages' weight transforms on the fp32 values, and encodes with the module's output codec.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kconvert.codecs import OUTPUT_CODECS, Codec, DenseCodec, detect_codec
+from kconvert.errors import KconvertError
+from kconvert.layout import TARGET_ROLES, Role, TensorName, parse_name
+from kconvert.safetensors_io import TensorInfo
+
+# Parameter suffixes that only exist in quantized formats: a module that has one of these but
+# matches no codec is a layout we do not understand, and must not be copied into an output
+# whose quantization_config no longer describes it.
+QUANT_ONLY_PARAMS = {
+    "weight_packed", "weight_scale", "weight_shape", "weight_global_scale", "weight_scale_2",
+    "weight_scale_inv", "weight_zero_point",
+}
+
+
+@dataclass
+class ModulePlan:
+    """One source linear and what becomes of it."""
+
+    module: str
+    tn: TensorName  # parsed name of the module's first parameter (role, layer, expert, ...)
+    codec: type[Codec]
+    params: dict[str, TensorInfo]
+    shape: tuple[int, int]
+    out_module: str = ""
+    out_codec: type[Codec] | None = None  # None: every parameter copied unchanged
+    stages: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.out_module = self.out_module or self.module
+
+    @property
+    def primary(self) -> TensorInfo:
+        """The parameter whose shard the module's output lands in."""
+        return self.params[self.codec.params[0]]
+
+
+@dataclass(frozen=True)
+class Dequant:
+    """Every quantized module (INT4, NVFP4, FP8) is decoded; alone, it writes BF16."""
+
+    name: str = "dequant"
+
+    def plan(self, m: ModulePlan) -> None:
+        if m.codec.quantized:
+            m.out_codec = DenseCodec
+            m.stages.append(self.name)
+
+
+@dataclass(frozen=True)
+class Quantize:
+    """Targeted modules become NVFP4 in the chosen on-disk flavour.
+
+    A quantized module that is not a target but is in another format is decoded to BF16:
+    the output's quantization_config describes NVFP4 only, never a stale format.
+    """
+
+    targets: frozenset[Role]
+    fmt: str = "compressed-tensors"
+    block_scale: str = "mse"
+    name: str = "quantize"
+
+    def plan(self, m: ModulePlan) -> None:
+        if m.tn.role in self.targets:
+            if m.shape[1] % 16:
+                raise KconvertError(
+                    f"input dimension {m.shape[1]} is not a multiple of 16; NVFP4 needs it",
+                    file=m.primary.file.name, tensor=m.primary.name,
+                )
+            m.out_codec = OUTPUT_CODECS[self.fmt]
+            m.stages.append(self.name)
+        elif m.codec.quantized and m.codec is not OUTPUT_CODECS[self.fmt]:
+            m.out_codec = DenseCodec
+            m.stages.append("dequant")
+
+
+Stage = Dequant | Quantize
+
+
+def parse_targets(spec: str | list[str] | tuple[str, ...]) -> frozenset[Role]:
+    names = spec.split(",") if isinstance(spec, str) else list(spec)
+    unknown = [n for n in names if n.strip() not in TARGET_ROLES]
+    if unknown:
+        raise KconvertError(f"unknown --targets {unknown}; choose from {sorted(TARGET_ROLES)}")
+    return frozenset(TARGET_ROLES[n.strip()] for n in names if n.strip())
+
+
+def group_modules(
+    tensors: dict[str, TensorInfo], shape_values: dict[str, tuple[int, ...]]
+) -> tuple[list[ModulePlan], list[TensorInfo]]:
+    """Split the source tensors into linears (with their codec) and everything else.
+
+    `shape_values` holds the contents of the tiny `weight_shape` tensors (INT4 modules).
+    """
+    by_module: dict[str, dict[str, TensorInfo]] = {}
+    for name, info in tensors.items():
+        tn = parse_name(name)
+        if tn.param and tn.role in TARGET_ROLES.values():
+            by_module.setdefault(tn.module, {})[tn.param] = info
+    modules, grouped = [], set()
+    for module, params in by_module.items():
+        codec = detect_codec(params)
+        if codec is None:
+            if QUANT_ONLY_PARAMS & set(params):
+                first = next(iter(params.values()))
+                raise KconvertError(
+                    f"quantized module with parameters {sorted(params)} matches no known format",
+                    file=first.file.name, tensor=first.name,
+                )
+            continue
+        shape_info = params.get("weight_shape")
+        shape_value = shape_values.get(shape_info.name) if shape_info else None
+        shape = codec.logical_shape(params, shape_value)
+        tn = parse_name(params[codec.params[0]].name)
+        modules.append(ModulePlan(module, tn, codec, params, shape))
+        grouped.update(info.name for info in params.values())
+    others = [info for name, info in tensors.items() if name not in grouped]
+    return modules, others

@@ -1,0 +1,30 @@
+"""Shared fixtures: tiny Kimi-shaped checkpoints made by scripts/make_fixture.py."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from make_fixture import FixtureDims, make_fixture  # noqa: E402
+
+BUNDLED = ROOT / "tests" / "fixtures" / "tiny-k2-thinking-int4"
+
+
+@pytest.fixture(scope="session")
+def fixture_dir(tmp_path_factory):
+    """make(variant, **dims) -> path of a fixture checkpoint, cached per session."""
+    cache: dict = {}
+
+    def make(variant: str, seed: int = 0, **dims) -> Path:
+        key = (variant, seed, tuple(sorted(dims.items())))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(variant)
+            cache[key] = make_fixture(out, variant, FixtureDims(**dims), seed=seed)
+        return cache[key]
+
+    return make
