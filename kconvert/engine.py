@@ -274,8 +274,8 @@ def compute_item(plan: Plan, item: Item, bufs: list[torch.Tensor], device: torch
             writes.append((out_name, buf, offset))
         return Result(index, writes, {}, item.nbytes)
 
-    # Decode every group to fp32 on the device.
-    decoded: dict[str, torch.Tensor] = {}
+    # Decode every group to fp32 on the device: one batched op per (codec, shape) group.
+    decoded: list[torch.Tensor] = []
     amax: dict[str, torch.Tensor] = {}
     pos = 0
     for group in item.groups:
@@ -285,9 +285,8 @@ def compute_item(plan: Plan, item: Item, bufs: list[torch.Tensor], device: torch
             pos += 1
         w = group.codec.decode(params, group.modules[0].shape)
         group_amax = w.abs().amax(dim=(1, 2))
-        for i, m in enumerate(group.modules):
-            decoded[m.module] = w[i]
-            amax[m.module] = group_amax[i]
+        decoded.append(w)
+        amax.update({m.module: group_amax[i] for i, m in enumerate(group.modules)})
     finite = torch.isfinite(torch.stack(list(amax.values()))).cpu()
     in_order = [m for g in item.groups for m in g.modules]
     for ok, m in zip(finite.tolist(), in_order, strict=True):
@@ -295,15 +294,15 @@ def compute_item(plan: Plan, item: Item, bufs: list[torch.Tensor], device: torch
             raise KconvertError("NaN or Inf in the source weights", file=m.primary.file.name,
                                 tensor=m.primary.name)
 
+    # A fused set's members share the largest amax of the set (one global scale).
     set_amax = {}
     for fused in item.sets:
         shared = torch.stack([amax[m.module] for m in fused]).amax()
         set_amax.update({m.module: shared for m in fused})
 
     writes, stats = [], {}
-    for group in item.groups:
+    for group, w in zip(item.groups, decoded, strict=True):
         ms = group.modules
-        w = torch.stack([decoded[m.module] for m in ms])
         out_codec = ms[0].out_codec
         if out_codec is DenseCodec:
             enc = DenseCodec.encode(w)["weight"].cpu()
@@ -319,7 +318,6 @@ def compute_item(plan: Plan, item: Item, bufs: list[torch.Tensor], device: torch
                 writes.append((f"{m.out_module}.{param}", t, 0))
             stats[m.out_module] = ModuleStats(
                 float(a[i]), float(q.global_scale[i]), float(q.err_sq[i]), float(q.ref_sq[i]))
-    del decoded
     return Result(index, writes, stats, item.nbytes)
 
 
