@@ -37,6 +37,9 @@ def _quant_options(f):
         click.option("--block-scale", type=click.Choice(["amax", "mse"]), default=None,
                      help="FP8 block-scale rule: amax (compressed-tensors/ModelOpt bytes) or mse "
                           "(min block error) [default: mse]."),
+        click.option("--act-stats", type=click.Path(exists=True, dir_okay=False), default=None,
+                     help="Calibration statistics JSON {\"input_amax\": {module: amax}}: "
+                          "listed modules become W4A4 with input scales."),
         click.option("--targets", default=None,
                      help="Comma list of experts,shared_experts,dense_mlp,attention "
                           "[default: experts]."),
@@ -71,10 +74,11 @@ def main() -> None:
 @click.argument("dst")
 @_quant_options
 @_run_options
-def int4_to_nvfp4(src, dst, fmt, block_scale, targets, revision, **run):
+def int4_to_nvfp4(src, dst, fmt, block_scale, act_stats, targets, revision, **run):
     """INT4 pack-quantized SRC -> NVFP4 DST in one pass (dequant + quantize)."""
     _go("int4-to-nvfp4", src, dst,
-        {"format": fmt, "block_scale": block_scale, "targets": targets}, revision, **run)
+        {"format": fmt, "block_scale": block_scale, "targets": targets,
+         "act_stats": act_stats}, revision, **run)
 
 
 @main.command()
@@ -82,10 +86,11 @@ def int4_to_nvfp4(src, dst, fmt, block_scale, targets, revision, **run):
 @click.argument("dst")
 @_quant_options
 @_run_options
-def quantize(src, dst, fmt, block_scale, targets, revision, **run):
+def quantize(src, dst, fmt, block_scale, act_stats, targets, revision, **run):
     """Any SRC -> NVFP4 on the targeted modules."""
     _go("quantize", src, dst,
-        {"format": fmt, "block_scale": block_scale, "targets": targets}, revision, **run)
+        {"format": fmt, "block_scale": block_scale, "targets": targets,
+         "act_stats": act_stats}, revision, **run)
 
 
 @main.command()
@@ -103,9 +108,10 @@ def dequant(src, dst, revision, **run):
 @click.argument("dst")
 @_quant_options
 @_run_options
-def run_recipe(recipe, src, dst, fmt, block_scale, targets, revision, **run):
+def run_recipe(recipe, src, dst, fmt, block_scale, act_stats, targets, revision, **run):
     """Run RECIPE (a pipelines/ name or a .toml path) on SRC into DST."""
-    _go(recipe, src, dst, {"format": fmt, "block_scale": block_scale, "targets": targets},
+    _go(recipe, src, dst, {"format": fmt, "block_scale": block_scale, "targets": targets,
+         "act_stats": act_stats},
         revision, **run)
 if __name__ == "__main__":
     main()

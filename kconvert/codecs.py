@@ -126,12 +126,16 @@ class Nvfp4Codec(Codec):
         return specs
 
     @staticmethod
-    def encode(q: nvfp4.Quantized, i: int) -> dict[str, torch.Tensor]:
-        return {
+    def encode(q: nvfp4.Quantized, i: int, input_amax: float | None = None
+               ) -> dict[str, torch.Tensor]:
+        out = {
             "weight_packed": q.packed[i],
             "weight_scale": q.block_scale[i],
             "weight_global_scale": q.global_scale[i].reshape(1),
         }
+        if input_amax is not None:
+            out["input_global_scale"] = nvfp4.global_scale(torch.tensor([input_amax]))
+        return out
 
 
 class ModeloptNvfp4Codec(Nvfp4Codec):
@@ -165,12 +169,17 @@ class ModeloptNvfp4Codec(Nvfp4Codec):
         return specs
 
     @staticmethod
-    def encode(q: nvfp4.Quantized, i: int) -> dict[str, torch.Tensor]:
-        return {
+    def encode(q: nvfp4.Quantized, i: int, input_amax: float | None = None
+               ) -> dict[str, torch.Tensor]:
+        out = {
             "weight": q.packed[i],
             "weight_scale": q.block_scale[i],
             "weight_scale_2": (1.0 / q.global_scale[i].double()).float().reshape(()),
         }
+        if input_amax is not None:
+            amax = torch.tensor(input_amax, dtype=torch.float32)
+            out["input_scale"] = amax / nvfp4.GLOBAL_NUMERATOR  # fp32, as ModelOpt computes it
+        return out
 
 
 class Fp8BlockCodec(Codec):

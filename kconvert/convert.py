@@ -82,6 +82,11 @@ def _fingerprint(ckpt: Checkpoint, command: str, options: dict) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+def _stats_hash(stages) -> str | None:
+    paths = [s.act_stats for s in stages if getattr(s, "act_stats", None)]
+    return hash_file(Path(paths[0])) if paths else None
+
+
 def _load_done(dst: Path, plan: Plan, fingerprint: str) -> dict[str, dict]:
     """Records of shards a previous run of the same conversion finished (and that still hold)."""
     from kconvert.safetensors_io import plan_header, read_header
@@ -139,9 +144,8 @@ def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, options: dict, run: Ru
         _print_plan(plan, echo)
         return None
 
-    recorded = {**{s.name: vars(s) for s in stages}, "recipe": recipe.name}
-    recorded = json.loads(json.dumps(recorded, default=lambda o: sorted(str(x.value) for x in o)))
-    fingerprint = _fingerprint(ckpt, recipe.name, recorded)
+    recorded = {**{s.name: s.recorded() for s in stages}, "recipe": recipe.name}
+    fingerprint = _fingerprint(ckpt, recipe.name, {**recorded, "act_stats": _stats_hash(stages)})
     if run.overwrite and dst.exists():
         shutil.rmtree(dst)
     dst.mkdir(parents=True, exist_ok=True)

@@ -124,10 +124,10 @@ def read_shape_values(ckpt: Checkpoint) -> dict[str, tuple[int, ...]]:
     return values
 
 
-def _out_specs(m: ModulePlan, fmt_input_scale: bool = False) -> list[tuple[str, str, tuple]]:
+def _out_specs(m: ModulePlan) -> list[tuple[str, str, tuple]]:
     if m.out_codec is DenseCodec:
         return DenseCodec.specs(m.shape)
-    return m.out_codec.specs(m.shape, fmt_input_scale)
+    return m.out_codec.specs(m.shape, m.input_amax is not None)
 
 
 def build_plan(ckpt: Checkpoint, stages: list[Stage], work_elems: int) -> Plan:
@@ -136,6 +136,7 @@ def build_plan(ckpt: Checkpoint, stages: list[Stage], work_elems: int) -> Plan:
     for m in modules:
         for stage in stages:
             stage.plan(m)
+    _share_input_amax(modules)
 
     outputs: dict[str, OutTensor] = {}
     copies: list[tuple[TensorInfo, str]] = [(info, info.name) for info in others]
@@ -162,6 +163,21 @@ def build_plan(ckpt: Checkpoint, stages: list[Stage], work_elems: int) -> Plan:
         items += _transform_items([m for m in transformed if m.primary.file.name == shard],
                                   work_elems)
     return Plan(ckpt, stages, modules, outputs, items)
+
+
+def _share_input_amax(modules: list[ModulePlan]) -> None:
+    """A fused set runs as one GEMM on one quantized input: its members share the input scale."""
+    sets: dict[str, list[ModulePlan]] = defaultdict(list)
+    for m in modules:
+        sets[m.tn.fused_set].append(m)
+    for members in sets.values():
+        given = [m.input_amax for m in members if m.input_amax is not None]
+        if given:
+            if len(given) != len(members):
+                raise KconvertError("activation statistics cover only part of a fused set",
+                                    tensor=members[0].tn.fused_set)
+            for m in members:
+                m.input_amax = max(given)
 
 
 def _copy_items(copies: list[tuple[TensorInfo, str]]) -> list[CopyItem]:
@@ -314,7 +330,7 @@ def compute_item(plan: Plan, item: Item, bufs: list[torch.Tensor], device: torch
         q = nvfp4.Quantized(*(t.cpu() for t in (q.packed, q.block_scale, q.global_scale,
                                                 q.err_sq, q.ref_sq)))
         for i, m in enumerate(ms):
-            for param, t in out_codec.encode(q, i).items():
+            for param, t in out_codec.encode(q, i, m.input_amax).items():
                 writes.append((f"{m.out_module}.{param}", t, 0))
             stats[m.out_module] = ModuleStats(
                 float(a[i]), float(q.global_scale[i]), float(q.err_sq[i]), float(q.ref_sq[i]))

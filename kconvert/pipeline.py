@@ -63,6 +63,7 @@ def build_stages(recipe: Recipe, overrides: dict) -> list[Stage]:
                 targets=parse_targets(opts.get("targets", ["experts"])),
                 fmt=opts.get("format", "compressed-tensors"),
                 block_scale=opts.get("block_scale", "mse"),
+                act_stats=opts.get("act_stats"),
             ))
         else:
             raise KconvertError(f"unknown stage {kind!r} in recipe {recipe.name}")

@@ -43,8 +43,9 @@ def _nvfp4_roles(modules: list[ModulePlan]) -> list[Role]:
     return [r for r in CT_TARGETS if r in roles]
 
 
-def compressed_tensors_block(modules: list[ModulePlan], has_vision: bool, w4a4: bool = False
-                             ) -> dict:
+def compressed_tensors_block(modules: list[ModulePlan], has_vision: bool) -> dict:
+    """NVFP4A16, or NVFP4 (W4A4) when calibrated input scales were written."""
+    w4a4 = any(m.input_amax is not None for m in modules)
     # Imported here: compressed-tensors pulls in transformers, seconds of startup a dry run
     # or a dequant does not need.
     import compressed_tensors

@@ -8,7 +8,10 @@ stages' weight transforms on the fp32 values, and encodes with the module's outp
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
 
 from kconvert.codecs import OUTPUT_CODECS, Codec, DenseCodec, detect_codec
 from kconvert.errors import KconvertError
@@ -36,6 +39,8 @@ class ModulePlan:
     out_module: str = ""
     out_codec: type[Codec] | None = None  # None: every parameter copied unchanged
     stages: list[str] = field(default_factory=list)
+    # Calibrated activation amax (W4A4 input scale); shared by the module's fused set.
+    input_amax: float | None = None
 
     def __post_init__(self) -> None:
         self.out_module = self.out_module or self.module
@@ -51,6 +56,9 @@ class Dequant:
     """Every quantized module (INT4, NVFP4, FP8) is decoded; alone, it writes BF16."""
 
     name: str = "dequant"
+
+    def recorded(self) -> dict:
+        return {}
 
     def plan(self, m: ModulePlan) -> None:
         if m.codec.quantized:
@@ -69,10 +77,30 @@ class Quantize:
     targets: frozenset[Role]
     fmt: str = "compressed-tensors"
     block_scale: str = "mse"
+    # Activation statistics from calibration: JSON {"input_amax": {module: amax}}. A module
+    # found there is W4A4 and gets an input scale (2688/amax in compressed-tensors, amax/2688
+    # in ModelOpt); without statistics the output is W4A16.
+    act_stats: str | None = None
     name: str = "quantize"
+
+    @cached_property
+    def input_amax(self) -> dict[str, float]:
+        if self.act_stats is None:
+            return {}
+        try:
+            return {k: float(v) for k, v in
+                    json.loads(Path(self.act_stats).read_text())["input_amax"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise KconvertError(f"bad activation statistics: {exc}", file=self.act_stats) from exc
+
+    def recorded(self) -> dict:
+        """The options that decide the output bytes, for the manifest and resume checks."""
+        return {"targets": sorted(r.value for r in self.targets), "format": self.fmt,
+                "block_scale": self.block_scale, "act_stats": self.act_stats}
 
     def plan(self, m: ModulePlan) -> None:
         if m.tn.role in self.targets:
+            m.input_amax = self.input_amax.get(m.module)
             if m.shape[1] % 16:
                 raise KconvertError(
                     f"input dimension {m.shape[1]} is not a multiple of 16; NVFP4 needs it",

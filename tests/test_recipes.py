@@ -1,0 +1,45 @@
+"""Recipes: `kconvert run` on the built-in int4-to-nvfp4 recipe gives the command's bytes."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import BUNDLED
+from kconvert.convert import RunControl, convert
+from kconvert.errors import KconvertError
+from kconvert.pipeline import load_recipe
+
+
+def _shard_bytes(d):
+    return {p.name: p.read_bytes() for p in sorted(d.glob("*.safetensors"))}
+
+
+def test_recipe_file_equals_builtin_command(tmp_path):
+    quiet = RunControl(quiet=True)
+    convert(str(BUNDLED), str(tmp_path / "a"), load_recipe("int4-to-nvfp4"), {}, quiet)
+    recipe = tmp_path / "mine.toml"
+    recipe.write_text(
+        'name = "mine"\n[[stages]]\nstage = "dequant"\n'
+        '[[stages]]\nstage = "quantize"\ntargets = ["experts"]\nblock_scale = "mse"\n'
+    )
+    convert(str(BUNDLED), str(tmp_path / "b"), load_recipe(str(recipe)), {}, quiet)
+    a, b = _shard_bytes(tmp_path / "a"), _shard_bytes(tmp_path / "b")
+    assert a and a == b
+
+
+def test_recipe_options_are_overridden_and_validated(tmp_path):
+    quiet = RunControl(quiet=True)
+    m = convert(str(BUNDLED), str(tmp_path / "a"), load_recipe("int4-to-nvfp4"),
+                {"block_scale": "amax"}, quiet)
+    assert m.options["quantize"]["block_scale"] == "amax"
+    with pytest.raises(KconvertError, match="unknown --targets"):
+        convert(str(BUNDLED), str(tmp_path / "b"), load_recipe("int4-to-nvfp4"),
+                {"targets": "routers"}, quiet)
+    with pytest.raises(KconvertError, match="no recipe"):
+        load_recipe("no-such-recipe")
+
+
+def test_int4_recipe_refuses_a_bf16_source(tmp_path, fixture_dir):
+    with pytest.raises(KconvertError, match="int4-pack-quantized"):
+        convert(str(fixture_dir("bf16")), str(tmp_path / "o"), load_recipe("int4-to-nvfp4"), {},
+                RunControl(quiet=True))
