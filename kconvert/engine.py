@@ -374,7 +374,7 @@ class ShardSink:
                     self.dst / shard, self.state / "partial" / shard, self.entries[shard])
             data = data.contiguous()
             hasher = self.hashers.setdefault(name, xxhash.xxh3_128())
-            hasher.update(memoryview(data.view(torch.uint8).numpy()).cast("B"))
+            hasher.update(memoryview(data.reshape(-1).view(torch.uint8).numpy()).cast("B"))
             writer.write(name, data, offset)
             nbytes = data.numel() * data.element_size()
             if offset + nbytes == _nbytes(self.plan.outputs[name].dtype,

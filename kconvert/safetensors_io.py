@@ -147,7 +147,7 @@ class ShardWriter:
     def write(self, name: str, data: torch.Tensor, offset: int = 0) -> None:
         """Write `data` (any dtype, contiguous CPU) at byte `offset` inside tensor `name`."""
         start, end = self.offsets[name]
-        view = memoryview(data.contiguous().view(torch.uint8).numpy()).cast("B")
+        view = memoryview(data.contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
         if start + offset + len(view) > end:
             raise AssertionError(f"{name}: write past the planned end of the tensor")
         pos, done = self.base + start + offset, 0
