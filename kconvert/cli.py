@@ -10,6 +10,8 @@ from kconvert import __version__
 from kconvert.convert import RunControl, convert
 from kconvert.errors import KconvertError
 from kconvert.pipeline import load_recipe
+from kconvert.plan import load_plan
+from kconvert.reap import CRITERIA, keep_count, plan_from_scores, prune_stage, scores_from_stats
 
 
 def _run_options(f):
@@ -49,11 +51,12 @@ def _quant_options(f):
     return f
 
 
-def _go(recipe_name: str, src: str, dst: str, overrides: dict, revision, **run) -> None:
+def _go(recipe_name: str, src: str, dst: str, overrides: dict, revision, prepare=None,
+        **run) -> None:
     try:
         recipe = load_recipe(recipe_name)
         manifest = convert(src, dst, recipe, overrides, RunControl(**run), revision=revision,
-                           echo=click.echo)
+                           echo=click.echo, prepare=prepare)
     except KconvertError as exc:
         click.echo(f"kconvert: error: {exc}", err=True)
         sys.exit(2)
@@ -102,16 +105,67 @@ def dequant(src, dst, revision, **run):
     _go("dequant", src, dst, {}, revision, **run)
 
 
+def _prune_options(f):
+    options = [
+        click.option("--keep", type=int, default=None, help="Routed experts to keep per layer."),
+        click.option("--prune-ratio", type=float, default=None,
+                     help="Fraction of routed experts to drop (instead of --keep)."),
+        click.option("--criterion", type=click.Choice(sorted(CRITERIA)), default="reap",
+                     show_default=True, help="How experts are ranked."),
+        click.option("--plan", "plan_file", type=click.Path(exists=True, dir_okay=False),
+                     default=None, help="Apply this plan file instead of computing one."),
+        click.option("--stats", type=click.Path(exists=True, file_okay=False), default=None,
+                     help="Calibration statistics from `kconvert calibrate`."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _pruning(keep, prune_ratio, criterion, plan_file, stats):
+    """prepare(ckpt) for convert(): the Prune stage from a plan file or from statistics."""
+    if plan_file is None and stats is None:
+        return None
+
+    def prepare(ckpt):
+        if plan_file is not None:
+            plan = load_plan(plan_file)
+        else:
+            n = keep_count(ckpt.text_config.get("n_routed_experts", 0), keep, prune_ratio)
+            plan = plan_from_scores(scores_from_stats(stats), n, criterion, ckpt.identity)
+        return {"prune": prune_stage(plan, ckpt)}
+
+    return prepare
+
+
+@main.command()
+@click.argument("src")
+@click.argument("dst")
+@_prune_options
+@_run_options
+def reap(src, dst, keep, prune_ratio, criterion, plan_file, stats, revision, **run):
+    """Prune routed experts of SRC by REAP saliency (from --stats) or a given --plan."""
+    prepare = _pruning(keep, prune_ratio, criterion, plan_file, stats)
+    if prepare is None:
+        raise click.UsageError("give --plan FILE or --stats DIR (with --keep or --prune-ratio)")
+    _go("reap", src, dst, {}, revision, prepare=prepare, **run)
+
+
 @main.command("run")
 @click.argument("recipe")
 @click.argument("src")
 @click.argument("dst")
 @_quant_options
+@_prune_options
 @_run_options
-def run_recipe(recipe, src, dst, fmt, block_scale, act_stats, targets, revision, **run):
+def run_recipe(recipe, src, dst, fmt, block_scale, act_stats, targets, keep, prune_ratio,
+               criterion, plan_file, stats, revision, **run):
     """Run RECIPE (a pipelines/ name or a .toml path) on SRC into DST."""
-    _go(recipe, src, dst, {"format": fmt, "block_scale": block_scale, "targets": targets,
-         "act_stats": act_stats},
-        revision, **run)
+    overrides = {"format": fmt, "block_scale": block_scale, "targets": targets,
+                 "act_stats": act_stats}
+    _go(recipe, src, dst, overrides, revision,
+        prepare=_pruning(keep, prune_ratio, criterion, plan_file, stats), **run)
+
+
 if __name__ == "__main__":
     main()

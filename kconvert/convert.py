@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,10 +121,17 @@ def _load_done(dst: Path, plan: Plan, fingerprint: str) -> dict[str, dict]:
 
 
 def convert(src: str, dst: str, recipe: Recipe, options: dict, run: RunControl,
-            revision: str | None = None, echo=print) -> Manifest | None:
-    """Run `recipe` on SRC into DST; `options` override its stages and go in the manifest."""
+            revision: str | None = None, echo=print,
+            prepare: Callable[[Checkpoint], dict] | None = None) -> Manifest | None:
+    """Run `recipe` on SRC into DST; `options` override its stages' options.
+
+    `prepare(ckpt)` may add options that need the opened source, e.g. the pruning stage,
+    whose plan is checked against (or computed from) the checkpoint.
+    """
     ckpt = open_checkpoint(src, revision)
     try:
+        if prepare is not None:
+            options = {**options, **prepare(ckpt)}
         return _convert(ckpt, Path(dst), recipe, options, run, echo)
     finally:
         ckpt.close()
@@ -197,7 +205,7 @@ def _finish(ckpt: Checkpoint, dst: Path, plan: Plan, records: dict[str, dict], c
 
     fmt = output_format(plan.modules)
     names = list(plan.outputs)
-    dropped = {}
+    dropped = dict(plan.dropped)
     if fmt == "modelopt":
         block, hf_quant = modelopt_blocks(plan.modules, names)
         _atomic_json(dst / "hf_quant_config.json", hf_quant)
@@ -210,7 +218,16 @@ def _finish(ckpt: Checkpoint, dst: Path, plan: Plan, records: dict[str, dict], c
                 "quantization_config")
         if (ckpt.root / "hf_quant_config.json").is_file():
             dropped["hf_quant_config.json"] = "ModelOpt quantization file; output is not ModelOpt"
-    _atomic_json(dst / "config.json", rewrite_config(ckpt.config, block))
+    config = rewrite_config(ckpt.config, block)
+    for stage in plan.stages:
+        stage.edit_config(config.get("text_config", config))
+    _atomic_json(dst / "config.json", config)
+    for stage in plan.stages:
+        for name, text in stage.output_files().items():
+            _atomic_text(dst / name, text)
+    generated = {p.name: hash_file(p) for p in sorted(dst.iterdir())
+                 if p.is_file() and p.suffix != ".safetensors" and p.name not in non_weight
+                 and p.name != MANIFEST}
 
     tensors = {}
     for t in plan.outputs.values():
@@ -244,12 +261,19 @@ def _finish(ckpt: Checkpoint, dst: Path, plan: Plan, records: dict[str, dict], c
     manifest = Manifest(
         tool={"name": "kconvert", "version": __version__}, command=command, options=options,
         source=SourceEntry(**ckpt.identity), output_format=fmt, files=files,
-        non_weight_files=non_weight, tensors=dict(sorted(tensors.items())),
+        non_weight_files=non_weight, generated_files=generated,
+        tensors=dict(sorted(tensors.items())),
         fused_sets=dict(sorted(fused_sets.items())), layers=layers, summary=summary,
         dropped=dropped,
     )
     write_manifest(dst, manifest)
     return manifest
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".kconvert-tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _itemsize(dtype: str) -> int:

@@ -29,7 +29,7 @@ import xxhash
 from kconvert import nvfp4
 from kconvert.codecs import DenseCodec, Nvfp4Codec
 from kconvert.errors import KconvertError
-from kconvert.layout import parse_name
+from kconvert.layout import Role, parse_name, split_param
 from kconvert.safetensors_io import TensorInfo
 from kconvert.source import Checkpoint
 from kconvert.stages import ModulePlan, Quantize, Stage, group_modules
@@ -48,15 +48,24 @@ class OutTensor:
     stage: str  # "copy" or the stages that produced it, e.g. "dequant+quantize"
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """A byte range of a pass-through tensor; with `rows`, the whole tensor, rows selected."""
+
+    info: TensorInfo
+    out_name: str
+    offset: int
+    length: int
+    rows: tuple[int, ...] | None = None
+
+
 @dataclass
 class CopyItem:
-    """Byte ranges of pass-through tensors: (source, out name, offset, length)."""
-
-    chunks: list[tuple[TensorInfo, str, int, int]]
+    chunks: list[Chunk]
 
     @property
     def nbytes(self) -> int:
-        return sum(c[3] for c in self.chunks)
+        return sum(c.length for c in self.chunks)
 
 
 @dataclass
@@ -97,6 +106,7 @@ class Plan:
     modules: list[ModulePlan]
     outputs: dict[str, OutTensor]
     items: list[Item]
+    dropped: dict[str, str]  # source tensor -> why it has no output
 
     @property
     def shard_entries(self) -> dict[str, list[tuple[str, str, tuple[int, ...]]]]:
@@ -111,7 +121,7 @@ class Plan:
 
     def item_shards(self, item: Item) -> set[str]:
         if isinstance(item, CopyItem):
-            return {self.outputs[c[1]].shard for c in item.chunks}
+            return {self.outputs[c.out_name].shard for c in item.chunks}
         return {m.primary.file.name for s in item.sets for m in s}
 
 
@@ -130,20 +140,45 @@ def _out_specs(m: ModulePlan) -> list[tuple[str, str, tuple]]:
     return m.out_codec.specs(m.shape, m.input_amax is not None)
 
 
+def _renames(names, stages: list[Stage]) -> dict[str, tuple[str | None, tuple[int, ...] | None]]:
+    """Source name -> (output name or None if dropped, router rows kept or None)."""
+    out = {}
+    for name in names:
+        new, rows = name, None
+        for stage in stages:
+            if new is None:
+                break
+            new, stage_rows = stage.rename(parse_name(new))
+            rows = stage_rows if stage_rows is not None else rows
+        out[name] = (new, rows)
+    return out
+
+
 def build_plan(ckpt: Checkpoint, stages: list[Stage], work_elems: int) -> Plan:
     tensors = ckpt.tensors
-    modules, others = group_modules(tensors, read_shape_values(ckpt))
-    for m in modules:
+    renames = _renames(tensors, stages)
+    dropped = {n: "routed expert not kept by the plan" for n, (new, _) in renames.items()
+               if new is None}
+    all_modules, others = group_modules(tensors, read_shape_values(ckpt))
+    modules = []
+    for m in all_modules:
+        new = renames[m.primary.name][0]
+        if new is None:
+            continue
+        m.out_module = split_param(new)[0]
         for stage in stages:
             stage.plan(m)
+        modules.append(m)
     _share_input_amax(modules)
 
     outputs: dict[str, OutTensor] = {}
-    copies: list[tuple[TensorInfo, str]] = [(info, info.name) for info in others]
+    copies: list[tuple[TensorInfo, str, tuple[int, ...] | None]] = [
+        (info, *renames[info.name]) for info in others if renames[info.name][0] is not None
+    ]
     transformed: list[ModulePlan] = []
     for m in modules:
         if m.out_codec is None:
-            copies += [(info, m.out_module + "." + p) for p, info in m.params.items()]
+            copies += [(info, m.out_module + "." + p, None) for p, info in m.params.items()]
             continue
         transformed.append(m)
         stage = "+".join(m.stages)
@@ -152,17 +187,18 @@ def build_plan(ckpt: Checkpoint, stages: list[Stage], work_elems: int) -> Plan:
             name = f"{m.out_module}.{param}"
             outputs[name] = OutTensor(name, dtype, tuple(shape), m.primary.file.name, sources,
                                       stage)
-    for info, out_name in copies:
-        outputs[out_name] = OutTensor(
-            out_name, info.dtype, info.shape, info.file.name, (info.name,), "copy"
-        )
+    for info, out_name, rows in copies:
+        shape = info.shape if rows is None else (len(rows), *info.shape[1:])
+        stage = "copy" if rows is None else "select-rows"
+        outputs[out_name] = OutTensor(out_name, info.dtype, shape, info.file.name, (info.name,),
+                                      stage)
 
     items: list[Item] = []
     for shard in ckpt.shards:
         items += _copy_items([c for c in copies if c[0].file.name == shard])
         items += _transform_items([m for m in transformed if m.primary.file.name == shard],
                                   work_elems)
-    return Plan(ckpt, stages, modules, outputs, items)
+    return Plan(ckpt, stages, modules, outputs, items, dropped)
 
 
 def _share_input_amax(modules: list[ModulePlan]) -> None:
@@ -180,18 +216,21 @@ def _share_input_amax(modules: list[ModulePlan]) -> None:
                 m.input_amax = max(given)
 
 
-def _copy_items(copies: list[tuple[TensorInfo, str]]) -> list[CopyItem]:
-    """Pass-through bytes in items of at most COPY_CHUNK: big tensors split, small ones merged."""
+def _copy_items(copies: list[tuple[TensorInfo, str, tuple[int, ...] | None]]) -> list[CopyItem]:
+    """Pass-through bytes in items of at most COPY_CHUNK: big tensors split, small ones merged.
+
+    A tensor with selected rows (a pruned router) is read whole: it is small.
+    """
     items, current, size = [], [], 0
-    for info, out_name in sorted(copies, key=lambda c: c[0].start):
-        item_size = torch.empty((), dtype=info.torch_dtype).element_size()
-        step = max(item_size, COPY_CHUNK // item_size * item_size)
-        for offset in range(0, max(info.nbytes, 1), step):
+    for info, out_name, rows in sorted(copies, key=lambda c: c[0].start):
+        item_size = info.torch_dtype.itemsize
+        step = info.nbytes if rows is not None else COPY_CHUNK // item_size * item_size
+        for offset in range(0, max(info.nbytes, 1), max(step, item_size)):
             length = min(step, info.nbytes - offset)
             if size + length > COPY_CHUNK and current:
                 items.append(CopyItem(current))
                 current, size = [], 0
-            current.append((info, out_name, offset, length))
+            current.append(Chunk(info, out_name, offset, length, rows))
             size += length
     if current:
         items.append(CopyItem(current))
@@ -253,9 +292,9 @@ def read_item(ckpt: Checkpoint, item: Item, pin: bool) -> list[torch.Tensor]:
     """Host buffers for an item: one per copy chunk, or one stacked tensor per group param."""
     if isinstance(item, CopyItem):
         bufs = []
-        for info, _, offset, length in item.chunks:
-            buf = torch.empty(length, dtype=torch.uint8, pin_memory=pin)
-            ckpt.reader_for(info).read_into(info, buf, offset)
+        for c in item.chunks:
+            buf = torch.empty(c.length, dtype=torch.uint8, pin_memory=pin)
+            ckpt.reader_for(c.info).read_into(c.info, buf, c.offset)
             bufs.append(buf)
         return bufs
     bufs = []
@@ -284,10 +323,14 @@ def compute_item(plan: Plan, item: Item, bufs: list[torch.Tensor], device: torch
                  index: int, chunk_elems: int) -> Result:
     if isinstance(item, CopyItem):
         writes = []
-        for (info, out_name, offset, _), buf in zip(item.chunks, bufs, strict=True):
-            if info.torch_dtype.is_floating_point and info.torch_dtype.itemsize >= 2:
-                _check_finite(buf.view(info.torch_dtype), info)
-            writes.append((out_name, buf, offset))
+        for c, buf in zip(item.chunks, bufs, strict=True):
+            dtype = c.info.torch_dtype
+            if dtype.is_floating_point and dtype.itemsize >= 2:
+                _check_finite(buf.view(dtype), c.info)
+            if c.rows is not None:
+                rows = torch.tensor(c.rows, dtype=torch.long)
+                buf = buf.view(dtype).reshape(c.info.shape).index_select(0, rows)
+            writes.append((c.out_name, buf, c.offset))
         return Result(index, writes, {}, item.nbytes)
 
     # Decode every group to fp32 on the device: one batched op per (codec, shape) group.
@@ -504,17 +547,22 @@ def describe(plan: Plan) -> list[tuple[str, str, str, int, int, int]]:
         out = m.out_codec.name if m.out_codec else "copy"
         row = rows[(m.tn.role.value, m.codec.name, out)]
         nin = sum(i.nbytes for i in m.params.values())
-        row[0] += 1
+        row[0] += len(m.params)
         row[1] += nin
         row[2] += sum(_nbytes(d, s) for _, d, s in _out_specs(m)) if m.out_codec else nin
     module_params = {i.name for m in plan.modules for i in m.params.values()}
+    sources = {s: t for t in plan.outputs.values() if t.stage in ("copy", "select-rows")
+               for s in t.sources}
     for name, info in plan.ckpt.tensors.items():
         if name in module_params:
             continue
-        row = rows[(parse_name(name).role.value, info.dtype, "copy")]
+        out = sources.get(name)
+        tn = parse_name(name)
+        fmt = "(by module)" if tn.role is Role.ROUTED_EXPERT else info.dtype
+        row = rows[(tn.role.value, fmt, out.stage if out else "dropped")]
         row[0] += 1
         row[1] += info.nbytes
-        row[2] += info.nbytes
+        row[2] += _nbytes(out.dtype, out.shape) if out else 0
     return [(k[0], k[1], k[2], *v) for k, v in sorted(rows.items())]
 
 

@@ -60,7 +60,11 @@ class Manifest(BaseModel):
     source: SourceEntry
     output_format: str = Field(description="compressed-tensors | modelopt | bf16 | source")
     files: dict[str, FileEntry]
-    non_weight_files: dict[str, str] = Field(description="relative path -> xxh3-128 of bytes")
+    non_weight_files: dict[str, str] = Field(
+        description="files carried over from the source: relative path -> xxh3-128 of bytes")
+    generated_files: dict[str, str] = Field(
+        default_factory=dict, description="files kconvert made (config.json, index, plan, ...): "
+                                          "name -> xxh3-128 of bytes")
     tensors: dict[str, TensorEntry]
     fused_sets: dict[str, FusedSetEntry]
     layers: dict[str, LayerEntry]

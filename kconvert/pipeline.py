@@ -55,8 +55,15 @@ def build_stages(recipe: Recipe, overrides: dict) -> list[Stage]:
         kind = spec.get("stage")
         if kind == "dequant":
             stages.append(Dequant())
+        elif kind == "prune":
+            # The plan is data, not a recipe option: `kconvert reap` (or --plan) supplies it.
+            if overrides.get("prune") is None:
+                raise KconvertError(f"recipe {recipe.name} prunes experts: give a plan "
+                                    "(kconvert reap ... --plan FILE | --stats DIR | --data FILE)")
+            stages.append(overrides["prune"])
         elif kind == "quantize":
-            opts = {**spec, **{k: v for k, v in overrides.items() if v is not None}}
+            opts = {**spec, **{k: v for k, v in overrides.items()
+                                if v is not None and k != "prune"}}
             if opts.get("format", "compressed-tensors") not in ("compressed-tensors", "modelopt"):
                 raise KconvertError(f"unknown format {opts['format']!r}")
             stages.append(Quantize(

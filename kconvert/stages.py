@@ -8,6 +8,7 @@ stages' weight transforms on the fp32 values, and encodes with the module's outp
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -21,6 +22,7 @@ from kconvert.safetensors_io import TensorInfo
 # Parameter suffixes that only exist in quantized formats: a module that has one of these but
 # matches no codec is a layout we do not understand, and must not be copied into an output
 # whose quantization_config no longer describes it.
+PLAN_FILE = "reap-plan.json"
 QUANT_ONLY_PARAMS = {
     "weight_packed", "weight_scale", "weight_shape", "weight_global_scale", "weight_scale_2",
     "weight_scale_inv", "weight_zero_point",
@@ -51,14 +53,36 @@ class ModulePlan:
         return self.params[self.codec.params[0]]
 
 
+class Stage:
+    """A stage's hooks; each defaults to "leave it alone"."""
+
+    name: str
+
+    def rename(self, tn: TensorName) -> tuple[str | None, tuple[int, ...] | None]:
+        """Output name of a source tensor (None: dropped) and, for router tensors, the rows
+        (experts) to keep."""
+        return tn.name, None
+
+    def plan(self, m: ModulePlan) -> None:
+        """Claim a module for decoding: set `m.out_codec` and append to `m.stages`."""
+
+    def edit_config(self, text_config: dict) -> None:
+        """Change the language model's config (in place) to describe the output."""
+
+    def recorded(self) -> dict:
+        """The options that decide the output bytes, for the manifest and resume checks."""
+        return {}
+
+    def output_files(self) -> dict[str, str]:
+        """Files (name -> text) this stage adds to the output, e.g. the pruning plan."""
+        return {}
+
+
 @dataclass(frozen=True)
-class Dequant:
+class Dequant(Stage):
     """Every quantized module (INT4, NVFP4, FP8) is decoded; alone, it writes BF16."""
 
     name: str = "dequant"
-
-    def recorded(self) -> dict:
-        return {}
 
     def plan(self, m: ModulePlan) -> None:
         if m.codec.quantized:
@@ -67,7 +91,7 @@ class Dequant:
 
 
 @dataclass(frozen=True)
-class Quantize:
+class Quantize(Stage):
     """Targeted modules become NVFP4 in the chosen on-disk flavour.
 
     A quantized module that is not a target but is in another format is decoded to BF16:
@@ -94,7 +118,6 @@ class Quantize:
             raise KconvertError(f"bad activation statistics: {exc}", file=self.act_stats) from exc
 
     def recorded(self) -> dict:
-        """The options that decide the output bytes, for the manifest and resume checks."""
         return {"targets": sorted(r.value for r in self.targets), "format": self.fmt,
                 "block_scale": self.block_scale, "act_stats": self.act_stats}
 
@@ -113,7 +136,53 @@ class Quantize:
             m.stages.append("dequant")
 
 
-Stage = Dequant | Quantize
+@dataclass(frozen=True)
+class Prune(Stage):
+    """Drop the routed experts a plan does not keep and renumber the rest 0..N-1.
+
+    Kept experts keep their bytes (whatever their format) under new ids; the router's gate
+    rows and e_score_correction_bias entries are sliced to the kept ids, in the same order.
+    """
+
+    keep: tuple[tuple[int, tuple[int, ...]], ...]  # (layer, kept source ids ascending)
+    plan_json: str = ""  # the plan file's text, written to DST as reap-plan.json
+    name: str = "prune"
+
+    @cached_property
+    def _new_id(self) -> dict[int, dict[int, int]]:
+        return {layer: {old: new for new, old in enumerate(ids)} for layer, ids in self.keep}
+
+    @cached_property
+    def _rows(self) -> dict[int, tuple[int, ...]]:
+        return dict(self.keep)
+
+    @property
+    def kept(self) -> int:
+        return len(self.keep[0][1])
+
+    def rename(self, tn: TensorName) -> tuple[str | None, tuple[int, ...] | None]:
+        if tn.layer not in self._new_id:
+            return tn.name, None
+        if tn.role is Role.ROUTED_EXPERT:
+            new = self._new_id[tn.layer].get(tn.expert)
+            return (None, None) if new is None else (tn.with_expert(new).name, None)
+        if tn.role in (Role.ROUTER_WEIGHT, Role.ROUTER_BIAS):
+            return tn.name, self._rows[tn.layer]
+        return tn.name, None
+
+    def edit_config(self, text_config: dict) -> None:
+        # Group-limited routing needs equal experts per group; kept ids rarely are, so routing
+        # falls back to one group (Kimi already has n_group = topk_group = 1).
+        text_config["n_routed_experts"] = self.kept
+        text_config["n_group"] = 1
+        text_config["topk_group"] = 1
+
+    def recorded(self) -> dict:
+        return {"kept_per_layer": self.kept, "layers": len(self.keep),
+                "plan": hashlib.sha256(self.plan_json.encode()).hexdigest()}
+
+    def output_files(self) -> dict[str, str]:
+        return {PLAN_FILE: self.plan_json}
 
 
 def parse_targets(spec: str | list[str] | tuple[str, ...]) -> frozenset[Role]:

@@ -1,0 +1,131 @@
+"""Expert-pruning plans: which routed experts of each MoE layer a pruned checkpoint keeps.
+
+A plan is JSON (`manifests/plan.schema.json` is generated from the models below:
+`python -m kconvert.plan > manifests/plan.schema.json`; a test keeps the two in step):
+
+    {"criterion": "reap",
+     "layers": {"1": {"keep": [0, 3, 7, ...], "saliency": [...], "frequency": [...]}, ...}}
+
+`keep` lists SOURCE expert ids in ascending source order; the expert at position i of `keep`
+becomes expert i of the pruned layer, its router row is source row keep[i] and its
+`e_score_correction_bias` entry source entry keep[i] (reap.md, "Pruning rewrite").
+`saliency` and `frequency`, when given, have one value per SOURCE expert. Layer keys are
+decimal decoder-layer indices. Unknown extra fields are kept (a pruner may record more).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kconvert.errors import KconvertError
+
+PLAN_SCHEMA_ID = "kconvert-plan/1"
+
+
+class LayerPlan(BaseModel):
+    """The plan for one MoE layer."""
+
+    model_config = ConfigDict(extra="allow")
+
+    keep: list[int] = Field(
+        description="source expert ids kept, strictly ascending; new id i <- source id keep[i]")
+    saliency: list[float] | None = Field(
+        default=None, description="per SOURCE expert: the score the criterion ranked by "
+                                  "(REAP: mean over routed tokens of gate weight x ||expert out||)")
+    frequency: list[float] | None = Field(
+        default=None, description="per SOURCE expert: how often it was routed on the calibration "
+                                  "data (count or fraction)")
+
+    @field_validator("keep")
+    @classmethod
+    def _ascending(cls, keep: list[int]) -> list[int]:
+        if not keep:
+            raise ValueError("keep is empty: a layer must keep at least one expert")
+        if keep[0] < 0:
+            raise ValueError(f"keep has a negative expert id {keep[0]}")
+        for a, b in itertools.pairwise(keep):
+            if b <= a:
+                raise ValueError(f"keep must be strictly ascending source ids; {a} then {b}")
+        return keep
+
+    @model_validator(mode="after")
+    def _per_source_lengths(self) -> LayerPlan:
+        lengths = {name: len(v) for name, v in (("saliency", self.saliency),
+                                                ("frequency", self.frequency)) if v is not None}
+        if len(set(lengths.values())) > 1:
+            raise ValueError(f"saliency and frequency have different lengths {lengths}")
+        for name, n in lengths.items():
+            if self.keep[-1] >= n:
+                raise ValueError(f"keep names expert {self.keep[-1]} but {name} has only {n} "
+                                 "entries (one per source expert)")
+        return self
+
+
+class Plan(BaseModel):
+    """An expert-pruning plan for a Kimi-K2 / DeepSeek-V3 MoE checkpoint."""
+
+    model_config = ConfigDict(extra="allow")
+
+    schema_id: str = Field(default=PLAN_SCHEMA_ID, description="format version of this file")
+    criterion: str | None = Field(
+        default=None, description="how experts were ranked: reap, frequency, router_l2, ...")
+    routing: str | None = Field(
+        default=None, description="routing convention used for the statistics, e.g. 'model' "
+                                  "(sigmoid + e_score_correction_bias top-k, as served) or "
+                                  "'softmax' (the REAP reference code's approximation)")
+    source: dict | None = Field(default=None, description="identity of the source checkpoint")
+    n_routed_experts: int | None = Field(
+        default=None, description="routed experts per layer in the SOURCE")
+    layers: dict[str, LayerPlan] = Field(
+        description="decimal decoder-layer index -> that layer's plan; every MoE layer is listed")
+
+    @field_validator("layers")
+    @classmethod
+    def _layer_keys(cls, layers: dict[str, LayerPlan]) -> dict[str, LayerPlan]:
+        for key in layers:
+            if not key.isdigit():
+                raise ValueError(f"layer key {key!r} is not a decimal layer index")
+        return layers
+
+    @model_validator(mode="after")
+    def _within_source(self) -> Plan:
+        if self.n_routed_experts is not None:
+            for key, layer in self.layers.items():
+                if layer.keep[-1] >= self.n_routed_experts:
+                    raise ValueError(f"layer {key} keeps expert {layer.keep[-1]} but the source "
+                                     f"has {self.n_routed_experts} routed experts")
+        return self
+
+    def keep(self, layer: int) -> list[int] | None:
+        entry = self.layers.get(str(layer))
+        return None if entry is None else entry.keep
+
+
+def parse_plan(data: dict | str | bytes, where: str = "plan") -> Plan:
+    try:
+        if isinstance(data, dict):
+            return Plan.model_validate(data)
+        return Plan.model_validate_json(data)
+    except ValidationError as exc:
+        raise KconvertError(f"invalid plan: {exc}", file=where) from exc
+
+
+def load_plan(path: str | Path) -> Plan:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise KconvertError(f"cannot read plan: {exc}", file=str(path)) from exc
+    return parse_plan(text, str(path))
+
+
+def plan_json_schema() -> dict:
+    return Plan.model_json_schema()
+
+
+if __name__ == "__main__":
+    print(json.dumps(plan_json_schema(), indent=2, sort_keys=True))
