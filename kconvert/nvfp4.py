@@ -22,6 +22,7 @@ FP4_MAX = 6.0
 FP8_MAX = 448.0
 GLOBAL_NUMERATOR = FP8_MAX * FP4_MAX  # 2688
 ZERO_BLOCK_SCALE = 0.125  # what compressed-tensors writes for a block whose scale is 0
+_ZERO_CODE = int(torch.tensor(ZERO_BLOCK_SCALE).to(torch.float8_e4m3fn).view(torch.uint8))
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Offsets (in FP8 code steps; 8 steps = one octave) tried around the amax rule's code by `mse`.
 # On Kimi-style INT4 sources (codes -7..7 on a group-32 grid) the best scale is usually 4-6
@@ -68,21 +69,24 @@ def _block_sum(x: torch.Tensor) -> torch.Tensor:
 
 
 def _amax_block_scale(blocks: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
-    """FP8 block scales by the amax rule; blocks [N, nb, 16], gs [N, 1]."""
+    """FP8 block scale codes (uint8 bits of float8_e4m3fn) by the amax rule.
+
+    blocks [N, nb, 16], gs [N, 1]. Scale selection works on the uint8 bits: positive FP8
+    codes are ordered like their values, and uint8 ops exist on every device.
+    """
     local = blocks.abs().amax(dim=-1) / FP4_MAX
-    d = (gs * local).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    zero = torch.tensor(ZERO_BLOCK_SCALE, dtype=torch.float8_e4m3fn, device=d.device)
-    return torch.where(d.float() == 0, zero, d)
+    d = (gs * local).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.where(d == 0, _ZERO_CODE, d)
 
 
 def _block_error(
     mag: torch.Tensor, d: torch.Tensor, gs: torch.Tensor, cuts: torch.Tensor, lut: torch.Tensor
 ) -> torch.Tensor:
-    """Squared error per block of |x| blocks [N, nb, 16] under FP8 block scales d [N, nb].
+    """Squared error per block of |x| blocks [N, nb, 16] under FP8 block scale codes d [N, nb].
 
     Working on magnitudes is exact: the sign of a code never changes its error.
     """
-    step = (d.float() / gs).unsqueeze(-1)
+    step = (d.view(torch.float8_e4m3fn).float() / gs).unsqueeze(-1)
     idx = torch.bucketize(mag / step, cuts, out_int32=True)
     err = lut[idx] * step - mag
     return _block_sum(err * err)
@@ -90,8 +94,8 @@ def _block_error(
 
 def _nibbles(blocks: torch.Tensor, d: torch.Tensor, gs: torch.Tensor, cuts: torch.Tensor
              ) -> torch.Tensor:
-    """E2M1 nibbles (sign << 3 | code) of blocks [N, nb, 16] under block scales d."""
-    y = blocks / (d.float() / gs).unsqueeze(-1)
+    """E2M1 nibbles (sign << 3 | code) of blocks [N, nb, 16] under block scale codes d."""
+    y = blocks / (d.view(torch.float8_e4m3fn).float() / gs).unsqueeze(-1)
     idx = torch.bucketize(y.abs(), cuts, out_int32=True).to(torch.uint8)
     # compressed-tensors takes the sign from sign(y): a negative value that rounds to 0 is
     # written 0x8, while -0.0 itself stays 0x0.
@@ -130,15 +134,15 @@ def quantize(
         mag = blocks.abs()
         err = _block_error(mag, d, gsi, cuts, lut)
         if block_scale == "mse":
-            base = d.view(torch.uint8).to(torch.int16)
+            base = d.to(torch.int16)
             for off in MSE_CODE_OFFSETS[1:]:
-                code = (base + off).clamp(1, 0x7E).to(torch.uint8).view(torch.float8_e4m3fn)
+                code = (base + off).clamp(1, 0x7E).to(torch.uint8)
                 cand = _block_error(mag, code, gsi, cuts, lut)
                 better = cand < err  # strict: ties keep the earlier (amax-nearer) code
                 err = torch.where(better, cand, err)
                 d = torch.where(better, code, d)
         packed[sl] = pack_codes(_nibbles(blocks, d, gsi, cuts).flatten(-2))
-        scales[sl] = d
+        scales[sl] = d.view(torch.float8_e4m3fn)
         row_err[sl] = err.sum(-1, dtype=torch.float64)
         row_ref[sl] = mag.double().square().sum((-1, -2))
     return Quantized(
