@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 BLOCK = 16
@@ -22,6 +23,7 @@ FP4_MAX = 6.0
 FP8_MAX = 448.0
 GLOBAL_NUMERATOR = FP8_MAX * FP4_MAX  # 2688
 ZERO_BLOCK_SCALE = 0.125  # what compressed-tensors writes for a block whose scale is 0
+_FP8_VALUES = torch.arange(128, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
 _ZERO_CODE = int(torch.tensor(ZERO_BLOCK_SCALE).to(torch.float8_e4m3fn).view(torch.uint8))
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Offsets (in FP8 code steps; 8 steps = one octave) tried around the amax rule's code by `mse`.
@@ -103,13 +105,15 @@ def _nibbles(blocks: torch.Tensor, d: torch.Tensor, gs: torch.Tensor, cuts: torc
 
 
 def quantize(
-    w: torch.Tensor, amax: torch.Tensor, block_scale: str = "mse", chunk_elems: int = 1 << 22
+    w: torch.Tensor, amax: torch.Tensor, block_scale: str = "mse", chunk_elems: int = 1 << 22,
+    fused_cpu: bool = True,
 ) -> Quantized:
     """Encode fp32 matrices w [B, M, K] with one global scale per matrix from `amax` [B].
 
     `amax` is passed in (not taken from w) because a fused set's members share the largest
     amax of the set. All B*M rows are processed together in chunks of about `chunk_elems`
-    elements, which bounds temporary memory and keeps kernel launches few on a GPU.
+    elements, which bounds temporary memory and keeps kernel launches few on a GPU. On a CPU
+    the block search runs in the fused numba kernel (`fused_cpu`), which gives the same bytes.
     """
     if block_scale not in ("amax", "mse"):
         raise ValueError(f"block_scale must be 'amax' or 'mse', not {block_scale!r}")
@@ -126,16 +130,25 @@ def quantize(
     scales = torch.empty(b * m, k // BLOCK, dtype=torch.float8_e4m3fn, device=device)
     row_err = torch.empty(b * m, dtype=torch.float64, device=device)
     row_ref = torch.empty(b * m, dtype=torch.float64, device=device)
+    offsets = MSE_CODE_OFFSETS if block_scale == "mse" else MSE_CODE_OFFSETS[:1]
+    kernel = _cpu_kernel() if fused_cpu and device.type == "cpu" else None
     step_rows = max(1, chunk_elems // k)
     for r0 in range(0, b * m, step_rows):
         sl = slice(r0, r0 + step_rows)
         blocks, gsi = rows[sl].float(), row_gs[sl]
         d = _amax_block_scale(blocks, gsi)
+        if kernel is not None:
+            kernel(blocks.reshape(-1, k).contiguous().numpy(), gsi[:, 0].contiguous().numpy(),
+                   d.numpy(), np.array(offsets, dtype=np.int32), _FP8_VALUES.numpy(),
+                   cuts.numpy(), packed[sl].numpy(),
+                   scales.view(torch.uint8)[sl].numpy(), row_err[sl].numpy(),
+                   row_ref[sl].numpy())
+            continue
         mag = blocks.abs()
         err = _block_error(mag, d, gsi, cuts, lut)
         if block_scale == "mse":
             base = d.to(torch.int16)
-            for off in MSE_CODE_OFFSETS[1:]:
+            for off in offsets[1:]:
                 code = (base + off).clamp(1, 0x7E).to(torch.uint8)
                 cand = _block_error(mag, code, gsi, cuts, lut)
                 better = cand < err  # strict: ties keep the earlier (amax-nearer) code
@@ -152,6 +165,15 @@ def quantize(
         row_err.reshape(b, m).sum(-1),
         row_ref.reshape(b, m).sum(-1),
     )
+
+
+def _cpu_kernel():
+    """The fused CPU block search, or None where numba is missing (torch path then)."""
+    try:
+        from kconvert.nvfp4_cpu import quantize_rows
+    except ImportError:
+        return None
+    return quantize_rows
 
 
 def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
