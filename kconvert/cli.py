@@ -7,11 +7,19 @@ import sys
 import click
 
 from kconvert import __version__
-from kconvert.convert import RunControl, convert
+from kconvert.calibrate import calibrate, calibrate_cmd, load_calibration_data, save_stats
+from kconvert.convert import RunControl, convert, pick_device
 from kconvert.errors import KconvertError
 from kconvert.pipeline import load_recipe
 from kconvert.plan import load_plan
-from kconvert.reap import CRITERIA, keep_count, plan_from_scores, prune_stage, scores_from_stats
+from kconvert.reap import (
+    CRITERIA,
+    keep_count,
+    plan_from_scores,
+    prune_stage,
+    scores_from_stats,
+    scores_of,
+)
 
 
 def _run_options(f):
@@ -105,6 +113,10 @@ def dequant(src, dst, revision, **run):
     _go("dequant", src, dst, {}, revision, **run)
 
 
+PRUNE_OPTIONS = ("keep", "prune_ratio", "criterion", "plan_file", "stats", "data", "samples",
+                 "seq_len", "batch_size", "seed", "save_stats_dir")
+
+
 def _prune_options(f):
     options = [
         click.option("--keep", type=int, default=None, help="Routed experts to keep per layer."),
@@ -116,24 +128,46 @@ def _prune_options(f):
                      default=None, help="Apply this plan file instead of computing one."),
         click.option("--stats", type=click.Path(exists=True, file_okay=False), default=None,
                      help="Calibration statistics from `kconvert calibrate`."),
+        click.option("--data", type=click.Path(exists=True, dir_okay=False), default=None,
+                     help="Calibrate on this JSONL first (as `kconvert calibrate --data`)."),
+        click.option("--samples", default=1024, show_default=True,
+                     help="With --data: sequences."),
+        click.option("--seq-len", default=2048, show_default=True,
+                     help="With --data: tokens per sequence."),
+        click.option("--batch-size", default=8, show_default=True,
+                     help="With --data: sequences per step."),
+        click.option("--seed", default=0, show_default=True, help="With --data: data order."),
+        click.option("--save-stats", "save_stats_dir", type=click.Path(file_okay=False),
+                     default=None,
+                     help="With --data: also keep the statistics here, for reuse."),
     ]
     for option in reversed(options):
         f = option(f)
     return f
 
 
-def _pruning(keep, prune_ratio, criterion, plan_file, stats):
-    """prepare(ckpt) for convert(): the Prune stage from a plan file or from statistics."""
-    if plan_file is None and stats is None:
+def _pruning(keep, prune_ratio, criterion, plan_file, stats, data, samples, seq_len, batch_size,
+             seed, save_stats_dir, device):
+    """prepare(ckpt) for convert(): the Prune stage from a plan file, statistics or data."""
+    if sum(x is not None for x in (plan_file, stats, data)) > 1:
+        raise click.UsageError("give only one of --plan, --stats and --data")
+    if plan_file is None and stats is None and data is None:
         return None
 
     def prepare(ckpt):
         if plan_file is not None:
-            plan = load_plan(plan_file)
+            return {"prune": prune_stage(load_plan(plan_file), ckpt)}
+        n = keep_count(ckpt.text_config.get("n_routed_experts", 0), keep, prune_ratio)
+        if stats is not None:
+            scores = scores_from_stats(stats)
         else:
-            n = keep_count(ckpt.text_config.get("n_routed_experts", 0), keep, prune_ratio)
-            plan = plan_from_scores(scores_from_stats(stats), n, criterion, ckpt.identity)
-        return {"prune": prune_stage(plan, ckpt)}
+            ids = load_calibration_data(data, ckpt.root, samples, seq_len, seed)
+            measured = calibrate(ckpt, ids, pick_device(device), batch_size)
+            if save_stats_dir:
+                save_stats(measured, save_stats_dir)
+            scores = scores_of(measured)
+        return {"prune": prune_stage(plan_from_scores(scores, n, criterion, ckpt.identity),
+                                     ckpt)}
 
     return prepare
 
@@ -143,12 +177,13 @@ def _pruning(keep, prune_ratio, criterion, plan_file, stats):
 @click.argument("dst")
 @_prune_options
 @_run_options
-def reap(src, dst, keep, prune_ratio, criterion, plan_file, stats, revision, **run):
-    """Prune routed experts of SRC by REAP saliency (from --stats) or a given --plan."""
-    prepare = _pruning(keep, prune_ratio, criterion, plan_file, stats)
+def reap(src, dst, revision, **opts):
+    """Prune routed experts of SRC: REAP saliency from --data or --stats, or a given --plan."""
+    prune = {k: opts.pop(k) for k in PRUNE_OPTIONS}
+    prepare = _pruning(**prune, device=opts["device"])
     if prepare is None:
-        raise click.UsageError("give --plan FILE or --stats DIR (with --keep or --prune-ratio)")
-    _go("reap", src, dst, {}, revision, prepare=prepare, **run)
+        raise click.UsageError("give --data FILE, --stats DIR or --plan FILE")
+    _go("reap", src, dst, {}, revision, prepare=prepare, **opts)
 
 
 @main.command("run")
@@ -158,14 +193,16 @@ def reap(src, dst, keep, prune_ratio, criterion, plan_file, stats, revision, **r
 @_quant_options
 @_prune_options
 @_run_options
-def run_recipe(recipe, src, dst, fmt, block_scale, act_stats, targets, keep, prune_ratio,
-               criterion, plan_file, stats, revision, **run):
+def run_recipe(recipe, src, dst, fmt, block_scale, act_stats, targets, revision, **opts):
     """Run RECIPE (a pipelines/ name or a .toml path) on SRC into DST."""
     overrides = {"format": fmt, "block_scale": block_scale, "targets": targets,
                  "act_stats": act_stats}
+    prune = {k: opts.pop(k) for k in PRUNE_OPTIONS}
     _go(recipe, src, dst, overrides, revision,
-        prepare=_pruning(keep, prune_ratio, criterion, plan_file, stats), **run)
+        prepare=_pruning(**prune, device=opts["device"]), **opts)
 
+
+main.add_command(calibrate_cmd)
 
 if __name__ == "__main__":
     main()

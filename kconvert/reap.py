@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from kconvert.errors import KconvertError
 from kconvert.layout import Role, parse_name
@@ -30,15 +30,22 @@ def scores_from_stats(stats_dir: str | Path) -> dict[int, dict[str, torch.Tensor
     path = Path(stats_dir) / "stats.safetensors"
     if not path.is_file():
         raise KconvertError("no stats.safetensors in the statistics directory", file=str(path))
-    tensors = load_file(str(path))
     layers: dict[int, dict[str, torch.Tensor]] = {}
-    for name, t in tensors.items():
-        parts = name.split(".")
-        if len(parts) == 3 and parts[0] == "layers" and parts[2] in CRITERIA.values():
-            layers.setdefault(int(parts[1]), {})[parts[2]] = t.double()
+    # Only the per-layer score vectors: the file also holds ~1.5 GB of Wanda column norms.
+    with safe_open(str(path), "pt") as fh:
+        for name in fh.keys():
+            parts = name.split(".")
+            if len(parts) == 3 and parts[0] == "layers" and parts[2] in CRITERIA.values():
+                layers.setdefault(int(parts[1]), {})[parts[2]] = fh.get_tensor(name).double()
     if not layers:
         raise KconvertError("statistics hold no per-layer expert scores", file=str(path))
     return dict(sorted(layers.items()))
+
+
+def scores_of(stats) -> dict[int, dict[str, torch.Tensor]]:
+    """The same per-layer scores from an in-memory `calibrate.CalibrationStats`."""
+    return {layer: {k: stats.layer(layer, k).double() for k in CRITERIA.values()}
+            for layer in stats.moe_layers}
 
 
 def plan_from_scores(scores: dict[int, dict[str, torch.Tensor]], keep: int, criterion: str,

@@ -124,6 +124,10 @@ class Quantize(Stage):
     def plan(self, m: ModulePlan) -> None:
         if m.tn.role in self.targets:
             m.input_amax = self.input_amax.get(m.module)
+            if self.act_stats is not None and m.input_amax is None:
+                # One config group describes every target: all W4A4 or none.
+                raise KconvertError("activation statistics have no input amax for this "
+                                    "targeted module", file=self.act_stats, tensor=m.module)
             if m.shape[1] % 16:
                 raise KconvertError(
                     f"input dimension {m.shape[1]} is not a multiple of 16; NVFP4 needs it",

@@ -15,6 +15,15 @@ from make_fixture import FixtureDims, make_fixture  # noqa: E402
 BUNDLED = ROOT / "tests" / "fixtures" / "tiny-k2-thinking-int4"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """Tiny tensors: torch's thread pool costs far more than it gains (index_add_ on a 10x128
+    tensor takes ~100 ms multi-threaded on a busy 2-core machine, ~16 us on one thread)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def fixture_dir(tmp_path_factory):
     """make(variant, **dims) -> path of a fixture checkpoint, cached per session."""
