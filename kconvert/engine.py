@@ -369,7 +369,9 @@ def compute_item(plan: Plan, item: Item, bufs: list[torch.Tensor], device: torch
                 writes.append((m.out_module + ".weight", enc[i], 0))
             continue
         a = torch.stack([set_amax[m.module] for m in ms])
-        q = nvfp4.quantize(w, a, plan.block_scale, chunk_elems)
+        src_dtype = ms[0].primary.torch_dtype
+        local = src_dtype if ms[0].codec is DenseCodec else torch.float32
+        q = nvfp4.quantize(w, a, plan.block_scale, chunk_elems, local_dtype=local)
         q = nvfp4.Quantized(*(t.cpu() for t in (q.packed, q.block_scale, q.global_scale,
                                                 q.err_sq, q.ref_sq)))
         for i, m in enumerate(ms):

@@ -70,13 +70,16 @@ def _block_sum(x: torch.Tensor) -> torch.Tensor:
     return x[..., 0]
 
 
-def _amax_block_scale(blocks: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
+def _amax_block_scale(blocks: torch.Tensor, gs: torch.Tensor,
+                      local_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """FP8 block scale codes (uint8 bits of float8_e4m3fn) by the amax rule.
 
     blocks [N, nb, 16], gs [N, 1]. Scale selection works on the uint8 bits: positive FP8
     codes are ordered like their values, and uint8 ops exist on every device.
     """
-    local = blocks.abs().amax(dim=-1) / FP4_MAX
+    # compressed-tensors divides the block amax by 6 in the weight's own dtype (bf16 for a
+    # BF16 checkpoint) before multiplying by the fp32 global scale (formats.md §2).
+    local = (blocks.abs().amax(dim=-1).to(local_dtype) / FP4_MAX).float()
     d = (gs * local).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     return torch.where(d == 0, _ZERO_CODE, d)
 
@@ -106,7 +109,7 @@ def _nibbles(blocks: torch.Tensor, d: torch.Tensor, gs: torch.Tensor, cuts: torc
 
 def quantize(
     w: torch.Tensor, amax: torch.Tensor, block_scale: str = "mse", chunk_elems: int = 1 << 22,
-    fused_cpu: bool = True,
+    fused_cpu: bool = True, local_dtype: torch.dtype = torch.float32,
 ) -> Quantized:
     """Encode fp32 matrices w [B, M, K] with one global scale per matrix from `amax` [B].
 
@@ -136,7 +139,7 @@ def quantize(
     for r0 in range(0, b * m, step_rows):
         sl = slice(r0, r0 + step_rows)
         blocks, gsi = rows[sl].float(), row_gs[sl]
-        d = _amax_block_scale(blocks, gsi)
+        d = _amax_block_scale(blocks, gsi, local_dtype)
         if kernel is not None:
             kernel(blocks.reshape(-1, k).contiguous().numpy(), gsi[:, 0].contiguous().numpy(),
                    d.numpy(), np.array(offsets, dtype=np.int32), _FP8_VALUES.numpy(),

@@ -89,8 +89,11 @@ def modelopt_blocks(modules: list[ModulePlan], names: list[str]) -> tuple[dict, 
     """(config.json quantization_config, hf_quant_config.json) for ModelOpt NVFP4."""
     exclude = modelopt_exclude(modules, names)
     producer = {"name": "kconvert", "version": __version__}
-    quant = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
-             "exclude_modules": exclude}
+    # ModelOpt's "NVFP4" is W4A4 (engines read input_scale); weight-only NVFP4 is
+    # "W4A16_NVFP4" (ModelOpt PR #1313, vLLM PR #41769), which needs no input scales.
+    w4a4 = any(m.input_amax is not None for m in modules)
+    quant = {"quant_algo": "NVFP4" if w4a4 else "W4A16_NVFP4", "kv_cache_quant_algo": None,
+             "group_size": 16, "exclude_modules": exclude}
     return (
         {"quant_method": "modelopt", **quant, "producer": producer},
         {"producer": producer, "quantization": quant},

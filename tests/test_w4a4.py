@@ -51,6 +51,8 @@ def test_input_scales_from_activation_stats(tmp_path):
                         got = t[f"{base}.{proj}.input_scale"]
                         assert got.shape == ()
                         assert torch.equal(got, want32[0] / 2688.0)
+    modelopt = json.loads((tmp_path / "modelopt" / "hf_quant_config.json").read_text())
+    assert modelopt["quantization"]["quant_algo"] == "NVFP4"  # W4A4 in ModelOpt's naming
     qc = json.loads((tmp_path / "compressed-tensors" / "config.json").read_text())
     parsed = QuantizationConfig.model_validate(qc["quantization_config"])
     acts = parsed.config_groups["group_0"].input_activations
