@@ -7,6 +7,7 @@ import sys
 import click
 
 from kconvert import __version__
+from kconvert.audit import audit
 from kconvert.calibrate import calibrate, calibrate_cmd, load_calibration_data, save_stats
 from kconvert.convert import RunControl, convert, pick_device
 from kconvert.errors import KconvertError
@@ -203,6 +204,7 @@ def run_recipe(recipe, src, dst, fmt, block_scale, act_stats, targets, revision,
 
 
 main.add_command(calibrate_cmd)
+main.add_command(audit)
 
 if __name__ == "__main__":
     main()

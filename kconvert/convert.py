@@ -22,6 +22,7 @@ from tqdm import tqdm
 from kconvert import __version__
 from kconvert.engine import STATE_DIR, Plan, _atomic_json, build_plan, describe, execute
 from kconvert.errors import KconvertError
+from kconvert.layout import parse_name
 from kconvert.manifest import (
     MANIFEST,
     FileEntry,
@@ -40,7 +41,7 @@ from kconvert.quant_config import (
     output_format,
     rewrite_config,
 )
-from kconvert.source import INDEX, Checkpoint, open_checkpoint
+from kconvert.source import GENERATED_FILES, INDEX, Checkpoint, open_checkpoint
 
 
 @dataclass(frozen=True)
@@ -218,6 +219,9 @@ def _finish(ckpt: Checkpoint, dst: Path, plan: Plan, records: dict[str, dict], c
                 "quantization_config")
         if (ckpt.root / "hf_quant_config.json").is_file():
             dropped["hf_quant_config.json"] = "ModelOpt quantization file; output is not ModelOpt"
+    for name in sorted(GENERATED_FILES - {"config.json", "hf_quant_config.json", INDEX}):
+        if (ckpt.root / name).is_file():
+            dropped[name] = "written by an earlier kconvert run about ITS source; not carried"
     config = rewrite_config(ckpt.config, block)
     for stage in plan.stages:
         stage.edit_config(config.get("text_config", config))
@@ -241,8 +245,10 @@ def _finish(ckpt: Checkpoint, dst: Path, plan: Plan, records: dict[str, dict], c
         if m.out_module not in stats:
             continue
         st = stats[m.out_module]
+        # Keyed by the OUTPUT's fused set: after pruning, m.tn names the source expert.
+        out_set = parse_name(f"{m.out_module}.{m.tn.param}").fused_set
         entry = fused_sets.setdefault(
-            m.tn.fused_set, FusedSetEntry(members=[], amax=st["amax"],
+            out_set, FusedSetEntry(members=[], amax=st["amax"],
                                           global_scale=st["global_scale"]))
         entry.members.append(m.out_module)
         rel = st["err_sq"] / st["ref_sq"] if st["ref_sq"] else 0.0

@@ -22,7 +22,8 @@ SINGLE = "model.safetensors"
 SUPPORTED_MODEL_TYPES = {"kimi_k2", "deepseek_v3"}
 SUPPORTED_ARCHITECTURES = {"DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration"}
 # Files that describe weights and are regenerated for the output, never copied.
-GENERATED_FILES = {INDEX, "config.json", "hf_quant_config.json", "kconvert-manifest.json"}
+GENERATED_FILES = {INDEX, "config.json", "hf_quant_config.json", "kconvert-manifest.json",
+                   "reap-plan.json"}
 SKIPPED_DIRS = {".git", ".cache", ".kconvert"}
 
 
