@@ -9,9 +9,11 @@ manifest is written.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import shutil
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,7 +145,9 @@ def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, options: dict, run: Ru
     _check_dst(ckpt.root, dst, run)
     stages = build_stages(recipe, options)
     device = pick_device(run.device)
-    work_elems = 1 << 30 if device.type == "cuda" else 1 << 26
+    # GPU items of 2^28 decoded elements (~18 Kimi expert matrices): large enough to keep
+    # the GPU busy, small enough that prefetch + queued results stay within ~4 GB of host RAM.
+    work_elems = 1 << 28 if device.type == "cuda" else 1 << 26
     plan = build_plan(ckpt, stages, work_elems)
     if recipe.requires_source and not any(m.codec.name == recipe.requires_source
                                           for m in plan.modules):
@@ -162,6 +166,11 @@ def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, options: dict, run: Ru
     (dst / STATE_DIR).mkdir(exist_ok=True)
     _atomic_json(dst / STATE_DIR / "run.json", {"fingerprint": fingerprint})
 
+    if output_format(plan.modules) == "compressed-tensors":
+        # Its config models are needed only at the end; importing takes seconds, so do it
+        # now, beside the conversion, instead of after the last byte is written.
+        threading.Thread(target=importlib.import_module,
+                         args=("compressed_tensors.quantization",), daemon=True).start()
     total = sum(item.nbytes for item in plan.items)
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=run.quiet,
               desc=recipe.name, smoothing=0.1) as bar:

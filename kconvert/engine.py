@@ -291,10 +291,18 @@ class Result:
 def read_item(ckpt: Checkpoint, item: Item, pin: bool) -> list[torch.Tensor]:
     """Host buffers for an item: one per copy chunk, or one stacked tensor per group param."""
     if isinstance(item, CopyItem):
+        # Pass-through bytes never reach the GPU: plain memory, and the NaN/Inf check and row
+        # selection happen here in the reader threads, off the compute thread's critical path.
         bufs = []
         for c in item.chunks:
-            buf = torch.empty(c.length, dtype=torch.uint8, pin_memory=pin)
+            buf = torch.empty(c.length, dtype=torch.uint8)
             ckpt.reader_for(c.info).read_into(c.info, buf, c.offset)
+            dtype = c.info.torch_dtype
+            if dtype.is_floating_point and dtype.itemsize >= 2:
+                _check_finite(buf.view(dtype), c.info)
+            if c.rows is not None:
+                rows = torch.tensor(c.rows, dtype=torch.long)
+                buf = buf.view(dtype).reshape(c.info.shape).index_select(0, rows)
             bufs.append(buf)
         return bufs
     bufs = []
@@ -322,15 +330,7 @@ def _check_finite(values: torch.Tensor, info: TensorInfo) -> None:
 def compute_item(plan: Plan, item: Item, bufs: list[torch.Tensor], device: torch.device,
                  index: int, chunk_elems: int) -> Result:
     if isinstance(item, CopyItem):
-        writes = []
-        for c, buf in zip(item.chunks, bufs, strict=True):
-            dtype = c.info.torch_dtype
-            if dtype.is_floating_point and dtype.itemsize >= 2:
-                _check_finite(buf.view(dtype), c.info)
-            if c.rows is not None:
-                rows = torch.tensor(c.rows, dtype=torch.long)
-                buf = buf.view(dtype).reshape(c.info.shape).index_select(0, rows)
-            writes.append((c.out_name, buf, c.offset))
+        writes = [(c.out_name, buf, c.offset) for c, buf in zip(item.chunks, bufs, strict=True)]
         return Result(index, writes, {}, item.nbytes)
 
     # Decode every group to fp32 on the device: one batched op per (codec, shape) group.
@@ -346,12 +346,7 @@ def compute_item(plan: Plan, item: Item, bufs: list[torch.Tensor], device: torch
         group_amax = w.abs().amax(dim=(1, 2))
         decoded.append(w)
         amax.update({m.module: group_amax[i] for i, m in enumerate(group.modules)})
-    finite = torch.isfinite(torch.stack(list(amax.values()))).cpu()
-    in_order = [m for g in item.groups for m in g.modules]
-    for ok, m in zip(finite.tolist(), in_order, strict=True):
-        if not ok:
-            raise KconvertError("NaN or Inf in the source weights", file=m.primary.file.name,
-                                tensor=m.primary.name)
+    finite = _to_host(torch.isfinite(torch.stack(list(amax.values()))))
 
     # A fused set's members share the largest amax of the set (one global scale).
     set_amax = {}
@@ -359,12 +354,12 @@ def compute_item(plan: Plan, item: Item, bufs: list[torch.Tensor], device: torch
         shared = torch.stack([amax[m.module] for m in fused]).amax()
         set_amax.update({m.module: shared for m in fused})
 
-    writes, stats = [], {}
+    writes, stats, encoded = [], {}, []
     for group, w in zip(item.groups, decoded, strict=True):
         ms = group.modules
         out_codec = ms[0].out_codec
         if out_codec is DenseCodec:
-            enc = DenseCodec.encode(w)["weight"].cpu()
+            enc = _to_host(DenseCodec.encode(w)["weight"])
             for i, m in enumerate(ms):
                 writes.append((m.out_module + ".weight", enc[i], 0))
             continue
@@ -372,14 +367,35 @@ def compute_item(plan: Plan, item: Item, bufs: list[torch.Tensor], device: torch
         src_dtype = ms[0].primary.torch_dtype
         local = src_dtype if ms[0].codec is DenseCodec else torch.float32
         q = nvfp4.quantize(w, a, plan.block_scale, chunk_elems, local_dtype=local)
-        q = nvfp4.Quantized(*(t.cpu() for t in (q.packed, q.block_scale, q.global_scale,
-                                                q.err_sq, q.ref_sq)))
+        q = nvfp4.Quantized(*(_to_host(t) for t in (q.packed, q.block_scale, q.global_scale,
+                                                    q.err_sq, q.ref_sq)))
+        encoded.append((ms, q, _to_host(a)))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the one wait per item: every host copy has landed
+    in_order = [m for g in item.groups for m in g.modules]
+    for ok, m in zip(finite.tolist(), in_order, strict=True):
+        if not ok:
+            raise KconvertError("NaN or Inf in the source weights", file=m.primary.file.name,
+                                tensor=m.primary.name)
+    for ms, q, a in encoded:
+        out_codec = ms[0].out_codec
+        gs, err, ref, amaxes = (q.global_scale.tolist(), q.err_sq.tolist(), q.ref_sq.tolist(),
+                                a.tolist())
         for i, m in enumerate(ms):
             for param, t in out_codec.encode(q, i, m.input_amax).items():
                 writes.append((f"{m.out_module}.{param}", t, 0))
-            stats[m.out_module] = ModuleStats(
-                float(a[i]), float(q.global_scale[i]), float(q.err_sq[i]), float(q.ref_sq[i]))
+            stats[m.out_module] = ModuleStats(amaxes[i], gs[i], err[i], ref[i])
     return Result(index, writes, stats, item.nbytes)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """Device -> pinned host copy, not waited for (compute_item synchronises once per item);
+    a CPU tensor is returned as it is."""
+    if t.device.type == "cpu":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 class ShardSink:

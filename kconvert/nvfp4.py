@@ -79,7 +79,10 @@ def _amax_block_scale(blocks: torch.Tensor, gs: torch.Tensor,
     """
     # compressed-tensors divides the block amax by 6 in the weight's own dtype (bf16 for a
     # BF16 checkpoint) before multiplying by the fp32 global scale (formats.md §2).
-    local = (blocks.abs().amax(dim=-1).to(local_dtype) / FP4_MAX).float()
+    # Divide by a tensor, not a Python float: CUDA turns `t / 6.0` into `t * fp32(1/6)`, which
+    # rounds differently from the CPU's true division and would change bytes between devices.
+    six = torch.tensor(FP4_MAX, dtype=local_dtype, device=blocks.device)
+    local = (blocks.abs().amax(dim=-1).to(local_dtype) / six).float()
     d = (gs * local).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     return torch.where(d == 0, _ZERO_CODE, d)
 

@@ -1,0 +1,1147 @@
+"""kconvert int4-to-nvfp4 against llm-compressor's model_free_ptq (the anchor) and the I/O floor.
+
+    python scripts/bench_convert.py smoke   # correctness + CPU per-matrix comparison (short)
+    python scripts/bench_convert.py full    # the acceptance benchmark on the full-size set
+    python scripts/bench_convert.py tune    # proposed engine changes, emulated (see KC_TUNE)
+    python scripts/bench_convert.py tune2   # second round: pinned D2H, flusher thread
+
+On the device machine (wheels of compressed-tensors, llmcompressor, loguru, pydantic* in .whl/,
+anchor_convert.py + stub/ copied to .bench/):
+    pip install --no-index --no-deps --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site
+    ROOT=/tmp/kbench python3 scripts/bench_convert.py full 2>&1 | tee $OUT/log_full.txt
+
+`full` runs `anchor_convert.py` (shared/bench; it builds ROOT/src, a full-size synthetic
+Kimi-K2-Thinking shard set, and times the anchor, the cold read floor and the write floor),
+then, in the same run and on the same disk, a concurrent read+write floor and kconvert
+(`--device cuda`, `--block-scale mse` and `amax`), each in its own process with the page cache
+dropped first. Every kconvert run is timed in-process (after imports, like the anchor) and as
+a whole process, with its peak RSS, a timeline (RSS, disk bytes, CPU, GPU utilisation) and the
+busy time of each engine stage (reader threads, compute, writer, fsync), measured by wrapping
+the engine's functions in the child process (kconvert itself is not modified).
+
+`smoke` converts the bundled fixture on CPU and CUDA and compares every output byte, does the
+same on a shard of full-size experts, times kconvert's compute per expert matrix on the GPU
+and the CPU in-process, times a DIMS=tiny anchor set, and measures CPU throughput per expert
+matrix of both tools (CUDA hidden), end to end on shards of 2 and 8 full-size INT4 experts
+(per matrix = the slope between the two, which removes start-up costs) and in-process.
+
+`tune`/`tune2` re-measure the floors in the same run and time kconvert with proposed engine
+changes emulated by wrapping its functions in the child (KC_TUNE=ct,wb,flush,weNN,nopin,
+rfinite,pind2h,div: see `apply_tuning`); kconvert's files are never modified.
+Peak RSS of a child is its VmHWM: ru_maxrss is not used for that, because Linux carries the
+parent's RSS into a child across fork+exec (a parent that built the 15 GB set reads 20 GB).
+
+Env: ROOT (scratch, default /tmp/kbench), OUT (result folder, default ROOT/out),
+ANCHOR_SCRIPT (default .bench/anchor_convert.py, else ../shared/bench/anchor_convert.py),
+DEADLINE_S (skip optional steps after this many seconds; default 540), CPU_SIZES (expert
+counts of the two CPU shards, default 2,8).
+Results: OUT/bench_<mode>.json (everything, plus ratios) and the anchor's anchor.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+ROOT = Path(os.environ.get("ROOT", "/tmp/kbench"))
+OUT = Path(os.environ.get("OUT") or ROOT / "out")
+DEADLINE_S = float(os.environ.get("DEADLINE_S", "540"))
+T_START = time.perf_counter()
+FIXTURE = REPO / "tests" / "fixtures" / "tiny-k2-thinking-int4"
+H, I_MOE = 7168, 2048  # Kimi-K2 hidden size and expert intermediate size
+RES: dict = {}
+
+
+def anchor_script() -> Path:
+    env = os.environ.get("ANCHOR_SCRIPT")
+    for cand in (env, REPO / ".bench" / "anchor_convert.py",
+                 REPO.parent / "shared" / "bench" / "anchor_convert.py"):
+        if cand and Path(cand).is_file():
+            return Path(cand)
+    raise SystemExit("anchor_convert.py not found: set ANCHOR_SCRIPT or copy it to .bench/")
+
+
+def log(*a) -> None:
+    print(f"[{time.perf_counter() - T_START:7.1f}s]", *a, flush=True)
+
+
+def save(mode: str) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    tmp = OUT / f".bench_{mode}.json.tmp"
+    tmp.write_text(json.dumps(RES, indent=1, default=str))
+    os.replace(tmp, OUT / f"bench_{mode}.json")
+
+
+def late() -> bool:
+    return time.perf_counter() - T_START > DEADLINE_S
+
+
+def env_with(**kw) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update({k: str(v) for k, v in kw.items()})
+    return env
+
+
+def drop_caches() -> bool:
+    return subprocess.run("sync; echo 3 > /proc/sys/vm/drop_caches", shell=True,
+                          capture_output=True).returncode == 0
+
+
+def rm(path: Path) -> None:
+    if path.exists():
+        shutil.rmtree(path)
+
+
+def du(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+# ------------------------------------------------------------------ machine
+
+def machine() -> dict:
+    info = {"cpu_count": os.cpu_count(), "cpu_affinity": len(os.sched_getaffinity(0)),
+            "python": platform.python_version(), "kernel": platform.release()}
+    try:
+        info["cpu_model"] = next(ln.split(":", 1)[1].strip() for ln in _lines("/proc/cpuinfo")
+                                 if ln.startswith("model name"))
+        info["mem_total_gb"] = round(int(next(
+            ln.split()[1] for ln in _lines("/proc/meminfo") if ln.startswith("MemTotal"))) / 1e6, 1)
+    except (OSError, StopIteration):
+        pass
+    info["gpu"] = None
+    if shutil.which("nvidia-smi"):
+        p = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                            "--format=csv,noheader"], capture_output=True, text=True)
+        info["gpu"] = p.stdout.strip() if p.returncode == 0 else None
+    ROOT.mkdir(parents=True, exist_ok=True)
+    st = shutil.disk_usage(ROOT)
+    info["disk_free_gb"], info["disk_total_gb"] = round(st.free / 1e9, 1), round(st.total / 1e9, 1)
+    p = subprocess.run([sys.executable, "-c", "import torch, safetensors; print(torch.__version__,"
+                        " torch.version.cuda, safetensors.__version__)"],
+                       capture_output=True, text=True, env=env_with())
+    info["torch_cuda_safetensors"] = p.stdout.strip()
+    info["kconvert_sources_sha256"] = sources_sha()
+    for mod in ("compressed_tensors", "llmcompressor", "numba"):
+        p = subprocess.run([sys.executable, "-c", f"import importlib.metadata as m; "
+                            f"print(m.version('{mod.replace('_', '-')}'))"],
+                           capture_output=True, text=True, env=env_with())
+        info[mod] = p.stdout.strip() or p.stderr.strip()[-200:]
+    return info
+
+
+def sources_sha() -> str:
+    """Which kconvert was measured: sha256 over kconvert/*.py (names and bytes, sorted)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted((REPO / "kconvert").glob("*.py")):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def gpu_name() -> str:
+    g = RES.get("machine", {}).get("gpu") or "cpu"
+    return re.sub(r"[^A-Za-z0-9]+", "-", g.split(",")[0]).strip("-")
+
+
+# ------------------------------------------------------------------ monitoring
+
+def _lines(path: str) -> list[str]:
+    return Path(path).read_text().splitlines()
+
+
+def vmhwm_gb() -> float:
+    """This process's peak RSS (VmHWM). Unlike ru_maxrss it does not inherit the RSS the
+    parent had when it forked this process (Linux carries that across fork+exec)."""
+    kb = next(int(ln.split()[1]) for ln in _lines("/proc/self/status")
+              if ln.startswith("VmHWM"))
+    return round(kb * 1024 / 1e9, 3)
+
+def _disk_sectors() -> tuple[int, int]:
+    """(sectors read, sectors written) summed over whole disks (/sys/block, no loop/ram)."""
+    rd = wr = 0
+    try:
+        disks = {d for d in os.listdir("/sys/block") if not d.startswith(("loop", "ram", "zram"))}
+        for ln in _lines("/proc/diskstats"):
+            f = ln.split()
+            if f[2] in disks:
+                rd, wr = rd + int(f[5]), wr + int(f[9])
+    except OSError:
+        pass
+    return rd, wr
+
+
+def _proc(pid: int) -> tuple[int, int, int, float] | None:
+    """(VmRSS kB, read_bytes, write_bytes, cpu seconds) of a live process, or None."""
+    try:
+        rss = int(next(ln.split()[1] for ln in _lines(f"/proc/{pid}/status")
+                       if ln.startswith("VmRSS")))
+        io = dict(ln.split(": ") for ln in _lines(f"/proc/{pid}/io"))
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        cpu = (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+        return rss, int(io["read_bytes"]), int(io["write_bytes"]), cpu
+    except (OSError, StopIteration, KeyError, ValueError, IndexError):
+        return None
+
+
+class Monitor:
+    """Samples a child process and the disks every `period` s; nvidia-smi alongside."""
+
+    def __init__(self, pid: int, period: float = 0.25, gpu: bool = True):
+        self.pid, self.period, self.rows = pid, period, []
+        self.t0 = time.perf_counter()
+        self.d0 = _disk_sectors()
+        self.stop = threading.Event()
+        self.smi = None
+        self.smi_file = ROOT / f"smi_{pid}.csv"
+        if gpu and shutil.which("nvidia-smi"):
+            self.smi_fh = self.smi_file.open("w")
+            self.smi = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=utilization.gpu,memory.used",
+                 "--format=csv,noheader,nounits", "-lms", "200"],
+                stdout=self.smi_fh, stderr=subprocess.DEVNULL)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            p = _proc(self.pid)
+            d = _disk_sectors()
+            if p:
+                self.rows.append((round(time.perf_counter() - self.t0, 2), p[0], p[1], p[2],
+                                  p[3], d[0] - self.d0[0], d[1] - self.d0[1]))
+            self.stop.wait(self.period)
+
+    def finish(self) -> dict:
+        self.stop.set()
+        self.thread.join()
+        gpu = {}
+        if self.smi is not None:
+            self.smi.terminate()
+            self.smi.wait()
+            self.smi_fh.close()
+            util, mem = [], []
+            for ln in self.smi_file.read_text().splitlines():
+                try:
+                    u, m = (float(x) for x in ln.split(","))
+                    util.append(u)
+                    mem.append(m)
+                except ValueError:
+                    continue
+            self.smi_file.unlink(missing_ok=True)
+            if util:
+                gpu = {"util_mean_pct": round(statistics.mean(util), 1), "util_max_pct": max(util),
+                       "busy_frac": round(sum(u > 0 for u in util) / len(util), 3),
+                       "mem_max_mib": max(mem), "samples": len(util),
+                       "util_series_pct": util[::2]}
+        gb = 1e9
+        # Timeline every ~0.5 s: t, rss GB, proc read GB, proc write GB, cpu s, disk rd, disk wr
+        tl = [(r[0], round(r[1] * 1024 / gb, 2), round(r[2] / gb, 2), round(r[3] / gb, 2),
+               round(r[4], 1), round(r[5] * 512 / gb, 2), round(r[6] * 512 / gb, 2))
+              for r in self.rows[::2]]
+        out = {"timeline_cols": ["t_s", "rss_gb", "proc_read_gb", "proc_write_gb", "cpu_s",
+                                 "disk_read_gb", "disk_write_gb"], "timeline": tl, "gpu": gpu}
+        if self.rows:
+            last = self.rows[-1]
+            out.update(cpu_s=round(last[4], 1), proc_read_gb=round(last[2] / gb, 2),
+                       disk_read_gb=round(last[5] * 512 / gb, 2),
+                       disk_write_gb=round(last[6] * 512 / gb, 2),
+                       rss_sampled_max_gb=round(max(r[1] for r in self.rows) * 1024 / gb, 2))
+        return out
+
+
+def run_child(args: list[str], env: dict | None = None, monitor: bool = True,
+              gpu: bool = True, timeout: float = 600) -> dict:
+    """`python scripts/bench_convert.py <child args>`: its RESULT json + wall + timeline."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), *args]
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=env or env_with())
+    mon = Monitor(p.pid, gpu=gpu) if monitor else None
+    lines = []
+    for ln in p.stdout:
+        lines.append(ln)
+        if not ln.startswith("RESULT "):
+            print("    |", ln.rstrip()[:300], flush=True)
+    rc = p.wait(timeout=timeout)
+    wall = time.perf_counter() - t0
+    res = {"rc": rc, "wall_process_s": round(wall, 2)}
+    res.update(mon.finish() if mon else {})
+    got = [ln for ln in lines if ln.startswith("RESULT ")]
+    if got:
+        res.update(json.loads(got[-1][len("RESULT "):]))
+    if rc != 0 or not got:
+        res["error_tail"] = "".join(lines)[-3000:]
+    return res
+
+
+# ------------------------------------------------------------------ children
+
+def _intervals_union(iv: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(iv):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def child_kc(argv: list[str]) -> None:
+    """In-process kconvert CLI with the engine's stages timed (wrappers only)."""
+    import queue as queue_mod
+
+    import kconvert.cli as cli
+    from kconvert import convert as conv
+    from kconvert import engine, safetensors_io
+
+    ev: list[tuple[str, float, float]] = []
+
+    def wrap(fn, label):
+        def inner(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                lab = label(a) if callable(label) else label
+                ev.append((lab, t, time.perf_counter()))
+        return inner
+
+    def kind(a):
+        return "copy" if isinstance(a[1], engine.CopyItem) else "xform"
+
+    engine.read_item = wrap(engine.read_item, lambda a: "read_" + kind(a))
+    engine.compute_item = wrap(engine.compute_item, lambda a: "compute_" + kind(a))
+    engine.ShardSink.write = wrap(engine.ShardSink.write, "writer_item")
+    safetensors_io.ShardWriter.write = wrap(safetensors_io.ShardWriter.write, "pwrite")
+    safetensors_io.ShardWriter.finish = wrap(safetensors_io.ShardWriter.finish, "fsync")
+    for name in ("open_checkpoint", "build_plan", "execute", "_finish",
+                 "compressed_tensors_block", "write_manifest"):
+        setattr(conv, name, wrap(getattr(conv, name), "phase_" + name))
+
+    class TimedQueue(queue_mod.Queue):
+        def put(self, item, *a, **k):
+            t = time.perf_counter()
+            super().put(item, *a, **k)
+            ev.append(("main_wait_put", t, time.perf_counter()))
+
+        def get(self, *a, **k):
+            t = time.perf_counter()
+            item = super().get(*a, **k)
+            ev.append(("writer_wait_get", t, time.perf_counter()))
+            return item
+
+    class QueueShim:
+        Queue = TimedQueue
+
+    engine.queue = QueueShim
+    tune = set(filter(None, os.environ.get("KC_TUNE", "").split(",")))
+    if os.environ.get("KC_PREIMPORT_CT") == "1" or "ct" in tune:
+        # What moving this import off the run's tail buys (it is paid before t0 here).
+        import compressed_tensors.quantization  # noqa: F401
+    apply_tuning(tune, engine, safetensors_io, conv)
+    t0 = time.perf_counter()
+    rc = 0
+    try:
+        cli.main(argv, standalone_mode=False)
+    except SystemExit as exc:
+        rc = exc.code or 0
+    os.sync()
+    wall = time.perf_counter() - t0
+    stages: dict[str, dict] = {}
+    for lab in sorted({e[0] for e in ev}):
+        iv = [(a - t0, b - t0) for x, a, b in ev if x == lab]
+        stages[lab] = {"n": len(iv), "busy_s": round(sum(b - a for a, b in iv), 3),
+                       "union_s": round(_intervals_union(iv), 3),
+                       "first_s": round(min(a for a, _ in iv), 3),
+                       "last_s": round(max(b for _, b in iv), 3)}
+    out = {"wall_main_s": round(wall, 2), "rc_main": rc, "stages": stages,
+           "vmhwm_gb": vmhwm_gb(),
+           "maxrss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 3)}
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def apply_tuning(tune: set[str], engine, safetensors_io, conv) -> None:
+    """Proposed engine changes, emulated by wrapping kconvert's functions (kconvert unchanged).
+
+    wb:      start writeback every 256 MiB written (sync_file_range WRITE, in the writer
+             thread), so the shard's final fsync does not flush ~10 GB at once.
+    flush:   the same, from a separate flusher thread (the writer never blocks on it).
+    pind2h:  quantized results are copied device->host into pinned memory (non_blocking +
+             one sync) instead of `.cpu()` into pageable memory.
+    weNN:    transform items of 2**NN decoded elements on CUDA (default 2**30).
+    nopin:   copy items read into pageable memory (they never go to the GPU).
+    rfinite: the NaN/Inf check of copy items runs in the reader threads, not the compute thread.
+    div:     amax-rule `amax / 6` divides by a device tensor (true division on CPU and CUDA).
+    """
+    import ctypes
+
+    import torch
+
+    if "wb" in tune or "flush" in tune:
+        libc = ctypes.CDLL(None, use_errno=True)
+        sfr = libc.sync_file_range
+        sfr.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        orig_write = safetensors_io.ShardWriter.write
+        pending: set[int] = set()
+        wake = threading.Event()
+
+        def flusher():  # "flush": writeback is started from this thread; the writer never waits
+            while True:
+                wake.wait()
+                wake.clear()
+                for fd in list(pending):
+                    pending.discard(fd)
+                    sfr(fd, 0, 0, 2)
+
+        if "flush" in tune:
+            threading.Thread(target=flusher, daemon=True).start()
+
+        def write(self, name, data, offset=0):
+            orig_write(self, name, data, offset)
+            self._kb_dirty = getattr(self, "_kb_dirty", 0) + data.numel() * data.element_size()
+            if self._kb_dirty >= 256 << 20:
+                self._kb_dirty = 0
+                if "flush" in tune:
+                    pending.add(self._fd)
+                    wake.set()
+                else:
+                    sfr(self._fd, 0, 0, 2)  # SYNC_FILE_RANGE_WRITE: queue writeback
+
+        safetensors_io.ShardWriter.write = write
+    if "pind2h" in tune:  # results come back through pinned memory (t.cpu() is then a no-op)
+        from kconvert import nvfp4 as nv
+
+        orig_q = nv.quantize
+
+        def quantize(*a, **k):
+            q = orig_q(*a, **k)
+            if q.packed.device.type != "cuda":
+                return q
+            host = []
+            for t in (q.packed, q.block_scale, q.global_scale, q.err_sq, q.ref_sq):
+                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                h.copy_(t, non_blocking=True)
+                host.append(h)
+            torch.cuda.current_stream().synchronize()
+            return nv.Quantized(*host)
+
+        nv.quantize = quantize
+    we = [int(t[2:]) for t in tune if t.startswith("we") and t[2:].isdigit()]
+    if we:
+        orig_bp = conv.build_plan
+
+        def build_plan(ckpt, stages, work_elems, *a, **k):
+            return orig_bp(ckpt, stages, 1 << we[0] if work_elems > (1 << 26) else work_elems,
+                           *a, **k)
+
+        conv.build_plan = build_plan
+    orig_read, orig_check = engine.read_item, engine._check_finite
+    if "nopin" in tune or "rfinite" in tune:
+        def read_item(ckpt, item, pin):
+            copy = isinstance(item, engine.CopyItem)
+            bufs = orig_read(ckpt, item, pin and not (copy and "nopin" in tune))
+            if copy and "rfinite" in tune:
+                for c, buf in zip(item.chunks, bufs, strict=True):
+                    dt = c.info.torch_dtype
+                    if dt.is_floating_point and dt.itemsize >= 2:
+                        orig_check(buf.view(dt), c.info)
+            return bufs
+
+        engine.read_item = read_item
+        if "rfinite" in tune:
+            engine._check_finite = lambda values, info: None
+    if "div" in tune:
+        from kconvert import nvfp4
+
+        def amax_block_scale(blocks, gs, local_dtype=torch.float32):
+            six = torch.tensor(nvfp4.FP4_MAX, dtype=local_dtype, device=blocks.device)
+            local = (blocks.abs().amax(dim=-1).to(local_dtype) / six).float()
+            d = (gs * local).clamp(-nvfp4.FP8_MAX, nvfp4.FP8_MAX).to(torch.float8_e4m3fn)
+            d = d.view(torch.uint8)
+            return torch.where(d == 0, nvfp4._ZERO_CODE, d)
+
+        nvfp4._amax_block_scale = amax_block_scale
+
+
+def child_item_profile(argv: list[str]) -> None:
+    """compute_item on real full-size transform items (warm, in memory), timed + profiled."""
+    src, bs, work_log2 = argv[0], argv[1], int(argv[2])
+    import torch
+
+    from kconvert import engine
+    from kconvert.pipeline import build_stages, load_recipe
+    from kconvert.source import open_checkpoint
+
+    ckpt = open_checkpoint(src)
+    stages = build_stages(load_recipe("int4-to-nvfp4"),
+                          {"block_scale": bs, "format": None, "targets": None,
+                           "act_stats": None})
+    plan = engine.build_plan(ckpt, stages, 1 << work_log2)
+    items = [it for it in plan.items if isinstance(it, engine.TransformItem)][:4]
+    items = [items[i % len(items)] for i in range(4)]
+    dev = torch.device(os.environ.get("KC_DEVICE", "cuda"))
+    bufs = [engine.read_item(ckpt, it, dev.type == "cuda") for it in items]
+    engine.compute_item(plan, items[0], bufs[0], dev, 0, 1 << 27)  # warm-up
+    times = []
+    for it, b in zip(items[1:3], bufs[1:3], strict=True):
+        t = time.perf_counter()
+        engine.compute_item(plan, it, b, dev, 1, 1 << 27)
+        times.append(round(time.perf_counter() - t, 4))
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        engine.compute_item(plan, items[3], bufs[3], dev, 3, 1 << 27)
+    ka = prof.key_averages()
+    n_mat = sum(len(g.modules) for g in items[1].groups)
+    print("RESULT " + json.dumps({
+        "block_scale": bs, "work_elems_log2": work_log2, "matrices_per_item": n_mat,
+        "item_src_mb": round(items[1].nbytes / 1e6, 1), "compute_item_s": times,
+        "ms_per_matrix": round(min(times) / n_mat * 1e3, 2),
+        "top_cpu": ka.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=40),
+        "top_cuda": ka.table(sort_by="self_cuda_time_total", row_limit=12,
+                             max_name_column_width=40) if dev.type == "cuda" else ""}))
+
+
+def child_anchor(argv: list[str]) -> None:
+    """The anchor's model_free_ptq as anchor_convert.py runs it (same snippet), plus RSS."""
+    src, dst, workers, stub = argv
+    sys.path.insert(0, stub)
+    import torch
+    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import (
+        CompressedTensorsDequantizer,
+    )
+    from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
+    from llmcompressor.entrypoints.model_free import model_free_ptq
+
+    scheme = preset_name_to_scheme("NVFP4A16", [r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"])
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    t0 = time.perf_counter()
+    model_free_ptq(src, dst, scheme=scheme, converter=CompressedTensorsDequantizer(src),
+                   device=dev, max_workers=int(workers))
+    os.sync()
+    print("RESULT " + json.dumps({
+        "wall_main_s": round(time.perf_counter() - t0, 3), "device": dev,
+        "threads": torch.get_num_threads(), "vmhwm_gb": vmhwm_gb(),
+        "maxrss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 3)}))
+
+
+def child_anchor_compute(argv: list[str]) -> None:
+    """The anchor's compute alone (dequantizer + model_free converter) on tensors in memory."""
+    src, stub, reps = argv[0], argv[1], int(argv[2])
+    sys.path.insert(0, stub)
+    import torch
+    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import (
+        CompressedTensorsDequantizer,
+    )
+    from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
+    from llmcompressor.entrypoints.model_free.converter import ModelFreePtqConverter
+    from llmcompressor.entrypoints.model_free.validate import validate_config
+    from safetensors.torch import load_file
+
+    scheme = preset_name_to_scheme("NVFP4A16", [r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"])
+    config = validate_config(None, scheme, ())
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    base = {}
+    for f in sorted(Path(src).glob("*.safetensors")):
+        base.update(load_file(f, device=dev))
+    n_mat = sum(k.endswith(".weight_packed") for k in base)
+    times = []
+    for _ in range(reps):
+        tensors = dict(base)
+        t = time.perf_counter()
+        tensors = CompressedTensorsDequantizer(src).process(tensors)
+        tensors = ModelFreePtqConverter(config).process(tensors)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    print("RESULT " + json.dumps({"device": dev, "threads": torch.get_num_threads(),
+                                  "matrices": n_mat, "times_s": [round(x, 3) for x in times],
+                                  "per_matrix_ms": round(min(times) / n_mat * 1e3, 2)}))
+
+
+def child_kc_compute(argv: list[str]) -> None:
+    """kconvert's decode + NVFP4 quantize per expert matrix, in memory, like the engine does."""
+    dev_name, batch, reps = argv[0], int(argv[1]), int(argv[2])
+    import torch
+
+    from kconvert import nvfp4
+    from kconvert.codecs import Int4Codec
+
+    dev = torch.device(dev_name)
+    chunk = 1 << 27 if dev.type == "cuda" else 1 << 22  # as engine.execute picks
+    gen = torch.Generator(device=dev).manual_seed(0)
+    out: dict = {"device": dev_name, "threads": torch.get_num_threads(), "batch": batch}
+    for shape in ((I_MOE, H), (H, I_MOE)):
+        m, k = shape
+        packed = torch.randint(-2**31, 2**31 - 1, (batch, m, k // 8), dtype=torch.int32,
+                               device=dev, generator=gen)
+        scale = (torch.rand(batch, m, k // 32, device=dev, generator=gen) * 0.004 + 0.001
+                 ).to(torch.bfloat16)
+        for bs in ("amax", "mse"):
+            times = []
+            for _ in range(reps):
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                t = time.perf_counter()
+                w = Int4Codec.decode({"weight_packed": packed, "weight_scale": scale}, shape)
+                q = nvfp4.quantize(w, w.abs().amax(dim=(1, 2)), bs, chunk)
+                q.packed.view(-1)[:1].cpu()  # sync
+                times.append(time.perf_counter() - t)
+                del w, q
+            key = f"{bs}_{m}x{k}"
+            out[key + "_ms_per_matrix"] = round(statistics.median(times[1:] or times)
+                                                / batch * 1e3, 3)
+    print("RESULT " + json.dumps(out))
+
+
+def child_iofloor(argv: list[str]) -> None:
+    """Cold read of every source byte AND writing `nbytes` (fsync per 1 GiB file), at once."""
+    src, dst, nbytes = Path(argv[0]), Path(argv[1]), int(argv[2])
+    rm(dst)
+    dst.mkdir(parents=True)
+    res: dict = {}
+    chunk = 64 << 20
+
+    def reader():
+        buf = bytearray(chunk)
+        view = memoryview(buf)
+        t = time.perf_counter()
+        total = 0
+        for f in sorted(src.glob("*.safetensors")):
+            fd = os.open(f, os.O_RDONLY)
+            pos = 0
+            while n := os.preadv(fd, [view], pos):
+                pos += n
+            total += pos
+            os.close(fd)
+        res["read_s"], res["read_gb"] = round(time.perf_counter() - t, 2), round(total / 1e9, 2)
+
+    def writer():
+        buf = memoryview(os.urandom(chunk))
+        t = time.perf_counter()
+        for i, off in enumerate(range(0, nbytes, 1 << 30)):
+            fd = os.open(dst / f"w{i}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            n = min(1 << 30, nbytes - off)
+            pos = 0
+            while pos < n:
+                pos += os.pwrite(fd, buf[: min(chunk, n - pos)], pos)
+            os.fsync(fd)
+            os.close(fd)
+        res["write_s"] = round(time.perf_counter() - t, 2)
+
+    t = time.perf_counter()
+    threads = [threading.Thread(target=reader), threading.Thread(target=writer)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    res["both_s"] = round(time.perf_counter() - t, 2)
+    rm(dst)
+    print("RESULT " + json.dumps(res))
+
+
+# ------------------------------------------------------------------ helpers
+
+def load_anchor_ns() -> dict:
+    """anchor_convert.py's functions (int4_expert, make_src, ANCHOR, ...) without running main."""
+    text = anchor_script().read_text()
+    text = re.sub(r"\nmain\(\)\s*$", "\n", text)
+    ns: dict = {"__name__": "anchor_convert", "__file__": str(anchor_script())}
+    exec(compile(text, str(anchor_script()), "exec"), ns)
+    return ns
+
+
+def make_expert_set(dst: Path, n_experts: int, seed: int = 0) -> int:
+    """One shard with layer 1's experts 0..n-1 at full size (INT4 as anchor_convert makes them)
+    + the anchor's config (DIMS=full, n_routed_experts=n): a small set for CPU timing."""
+    import torch
+    from safetensors.torch import save_file
+
+    os.environ["DIMS"] = "full"
+    ns = load_anchor_ns()
+    torch.manual_seed(seed)
+    rm(dst)
+    dst.mkdir(parents=True)
+    t = {}
+    for e in range(n_experts):
+        for pj, shp in (("gate_proj", (I_MOE, H)), ("up_proj", (I_MOE, H)),
+                        ("down_proj", (H, I_MOE))):
+            pk, sc, sh = ns["int4_expert"](*shp)
+            b = f"model.layers.1.mlp.experts.{e}.{pj}"
+            t[f"{b}.weight_packed"], t[f"{b}.weight_scale"], t[f"{b}.weight_shape"] = pk, sc, sh
+    name = "model-00001-of-000001.safetensors"
+    save_file(t, dst / name, metadata={"format": "pt"})
+    (dst / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": (dst / name).stat().st_size},
+         "weight_map": dict.fromkeys(t, name)}, indent=2))
+    # The anchor's config, from a throwaway DIMS=full make_src config block.
+    cfg = anchor_config(ns)
+    cfg["n_routed_experts"] = n_experts
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return 3 * n_experts
+
+
+def anchor_config(ns: dict) -> dict:
+    """The config.json that anchor_convert.make_src writes (read from its source text)."""
+    text = anchor_script().read_text()
+    start = text.index("    cfg = {")
+    end = text.index("json.dump(cfg", start)
+    block = "\n".join(ln[4:] for ln in text[start:end].splitlines())
+    env = {k: ns[k] for k in ("H", "I_DENSE", "I_MOE", "E", "V", "QL", "KVL", "NH")}
+    env["MOE_LAYERS"] = 1
+    exec(compile(block, "anchor_cfg", "exec"), {}, env)
+    return env["cfg"]
+
+
+def compare_dirs(a: Path, b: Path) -> dict:
+    """Byte comparison of every file; tensor-level detail for differing .safetensors."""
+    from safetensors import safe_open
+
+    files = sorted({p.name for p in a.iterdir()} | {p.name for p in b.iterdir()})
+    out = {"files": len(files), "identical": [], "different": {}}
+    for f in files:
+        pa, pb = a / f, b / f
+        if not (pa.is_file() and pb.is_file()):
+            out["different"][f] = "missing in " + (str(b) if pa.is_file() else str(a))
+            continue
+        if pa.read_bytes() == pb.read_bytes():
+            out["identical"].append(f)
+            continue
+        if f.endswith(".safetensors"):
+            detail = {}
+            with safe_open(pa, "pt") as ha, safe_open(pb, "pt") as hb:
+                for k in sorted(set(ha.keys()) | set(hb.keys())):
+                    if k not in ha.keys() or k not in hb.keys():
+                        detail[k] = "missing on one side"
+                        continue
+                    ta, tb = ha.get_tensor(k), hb.get_tensor(k)
+                    if ta.dtype != tb.dtype or ta.shape != tb.shape:
+                        detail[k] = f"{ta.dtype}{list(ta.shape)} vs {tb.dtype}{list(tb.shape)}"
+                        continue
+                    ua = ta.contiguous().view(-1).view(__import__("torch").uint8)
+                    ub = tb.contiguous().view(-1).view(__import__("torch").uint8)
+                    diff = (ua != ub).nonzero().flatten()
+                    if len(diff):
+                        idx = diff[:5].tolist()
+                        detail[k] = {"dtype": str(ta.dtype), "shape": list(ta.shape),
+                                     "bytes_differing": len(diff), "bytes": ua.numel(),
+                                     "first_byte_idx": idx,
+                                     "a": [hex(int(ua[i])) for i in idx],
+                                     "b": [hex(int(ub[i])) for i in idx]}
+            out["different"][f] = detail or "header/metadata differs"
+        elif f.endswith(".json"):
+            ja, jb = json.loads(pa.read_text()), json.loads(pb.read_text())
+            out["different"][f] = _json_diff(ja, jb)[:20]
+        else:
+            out["different"][f] = "bytes differ"
+    out["identical"] = len(out["identical"])
+    return out
+
+
+def _json_diff(a, b, path="") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        d = []
+        for k in sorted(set(a) | set(b)):
+            d += _json_diff(a.get(k), b.get(k), f"{path}.{k}")
+        return d
+    return [] if a == b else [f"{path}: {str(a)[:80]} != {str(b)[:80]}"]
+
+
+def kc_args(src: Path, dst: Path, device: str, bs: str | None, extra=()) -> list[str]:
+    a = ["_kc", "int4-to-nvfp4", str(src), str(dst), "--device", device, "--quiet",
+         "--overwrite", *extra]
+    return a + (["--block-scale", bs] if bs else [])
+
+
+def timed_kc(src: Path, dst: Path, device: str, bs: str | None, env=None, extra=()) -> dict:
+    """A cold-cache kconvert run into a fresh `dst`."""
+    rm(dst)
+    cold = drop_caches()
+    r = run_child(kc_args(src, dst, device, bs, extra), env=env, gpu=device != "cpu")
+    r["drop_caches_ok"] = cold
+    r["out_bytes"] = du(dst) if dst.exists() else None
+    return r
+
+
+def stub_dir() -> str:
+    return str(anchor_script().parent / "stub")
+
+
+# ------------------------------------------------------------------ modes
+
+def cpu_comparison() -> dict:
+    """CPU per-matrix throughput of both tools, CUDA hidden, on 2 and 8 full-size experts."""
+    cpu_env = env_with(CUDA_VISIBLE_DEVICES="")
+    sizes = tuple(int(x) for x in os.environ.get("CPU_SIZES", "2,8").split(","))
+    res: dict = {"sets": {}, "sizes": sizes}
+    for n in sizes:
+        res["sets"][n] = make_expert_set(ROOT / f"cpu{n}", n)
+    runs: dict = {}
+    for n in sizes:
+        src = ROOT / f"cpu{n}"
+        runs[f"anchor_{n}"] = run_child(["_anchor", str(src), str(ROOT / f"cpu{n}_anchor"), "1",
+                                         stub_dir()], env=cpu_env, gpu=False)
+        log(f"anchor cpu n={n}", runs[f"anchor_{n}"].get("wall_main_s"))
+        for bs in ("mse", "amax"):
+            k = f"kc_{bs}_{n}"
+            runs[k] = run_child(kc_args(src, ROOT / f"cpu{n}_kc_{bs}", "cpu", bs), env=cpu_env,
+                                gpu=False)
+            log(f"kconvert cpu {bs} n={n}", runs[k].get("wall_main_s"))
+    for r in runs.values():
+        r.pop("timeline", None)
+    res["runs"] = runs
+    m1, m2 = 3 * sizes[0], 3 * sizes[1]
+    per = {}
+    for tool in ("anchor", "kc_mse", "kc_amax"):
+        a, b = runs[f"{tool}_{sizes[0]}"], runs[f"{tool}_{sizes[1]}"]
+        if "wall_main_s" in a and "wall_main_s" in b:
+            per[tool] = {
+                "slope_ms_per_matrix": round((b["wall_main_s"] - a["wall_main_s"]) / (m2 - m1)
+                                             * 1e3, 1),
+                "naive_ms_per_matrix_8": round(b["wall_main_s"] / m2 * 1e3, 1),
+                "process_slope_ms_per_matrix": round(
+                    (b["wall_process_s"] - a["wall_process_s"]) / (m2 - m1) * 1e3, 1)}
+    res["per_matrix"] = per
+    # In-process compute alone (no I/O, no start-up).
+    res["anchor_compute"] = run_child(
+        ["_anchor_compute", str(ROOT / f"cpu{sizes[0]}"), stub_dir(), "2"], env=cpu_env,
+        monitor=False)
+    res["kc_compute"] = run_child(["_kc_compute", "cpu", "3", "2"], env=cpu_env, monitor=False)
+    if "anchor" in per:
+        for bs in ("mse", "amax"):
+            if f"kc_{bs}" in per:
+                res[f"speedup_{bs}_vs_anchor_slope"] = round(
+                    per["anchor"]["slope_ms_per_matrix"]
+                    / max(per[f"kc_{bs}"]["slope_ms_per_matrix"], 1e-9), 2)
+    return res
+
+
+def smoke() -> None:
+    RES["mode"] = "smoke"
+    RES["machine"] = machine()
+    log("machine", RES["machine"])
+    save("smoke")
+    import torch
+
+    has_cuda = torch.cuda.is_available()
+    # 1. fixture: CPU vs CUDA bytes, both block-scale rules.
+    fx: dict = {}
+    for bs in ("amax", "mse"):
+        dirs = {}
+        for dev in ("cpu",) + (("cuda",) if has_cuda else ()):
+            d = ROOT / f"fx_{dev}_{bs}"
+            r = run_child(kc_args(FIXTURE, d, dev, bs), monitor=False)
+            fx[f"{dev}_{bs}"] = {k: r.get(k) for k in ("rc", "rc_main", "wall_process_s",
+                                                        "wall_main_s", "error_tail")}
+            dirs[dev] = d
+            log(f"fixture {dev} {bs}", fx[f"{dev}_{bs}"])
+        if has_cuda and all(fx[f"{d}_{bs}"]["rc"] == 0 for d in ("cpu", "cuda")):
+            fx[f"compare_{bs}"] = compare_dirs(dirs["cpu"], dirs["cuda"])
+            log(f"fixture compare {bs}", fx[f"compare_{bs}"])
+    RES["fixture_cpu_vs_cuda"] = fx
+    save("smoke")
+    # 2. GPU compute per matrix in-process.
+    if has_cuda:
+        RES["kc_compute_cuda"] = {b: run_child(["_kc_compute", "cuda", str(b), "4"],
+                                               monitor=False) for b in (3, 24)}
+        log("kc compute cuda", RES["kc_compute_cuda"])
+        save("smoke")
+    # 3. CPU comparison (CUDA hidden for both) on 2 and 8 full-size experts.
+    RES["cpu"] = cpu_comparison()
+    log("cpu per matrix", RES["cpu"].get("per_matrix"))
+    save("smoke")
+    # 4. The same 8-expert set on CUDA: bytes must equal the CPU output.
+    if has_cuda:
+        full8: dict = {}
+        n = RES["cpu"]["sizes"][-1]
+        for bs in ("mse", "amax"):
+            d = ROOT / f"cpu{n}_kc_cuda_{bs}"
+            r = run_child(kc_args(ROOT / f"cpu{n}", d, "cuda", bs))
+            r.pop("timeline", None)
+            full8[bs] = r
+            if r["rc"] == 0:
+                full8[f"compare_{bs}"] = compare_dirs(ROOT / f"cpu{n}_kc_{bs}", d)
+            log(f"{n} full-size experts cuda {bs}", r.get("wall_main_s"),
+                full8.get(f"compare_{bs}"))
+        RES["full_experts_cpu_vs_cuda"] = full8
+        save("smoke")
+    # 5. DIMS=tiny anchor set: anchor + floors (anchor_convert) and kconvert on the same src.
+    if not late() and os.environ.get("SMOKE_TINY", "1") == "1":
+        tiny = ROOT / "tiny"
+        p = subprocess.run([sys.executable, str(anchor_script())], env=env_with(
+            DIMS="tiny", MOE_LAYERS="1", WORKERS="1", ROOT=tiny, OUT=tiny / "out"),
+            capture_output=True, text=True)
+        RES["tiny_anchor"] = (json.loads((tiny / "out" / "anchor.json").read_text())
+                              if (tiny / "out" / "anchor.json").is_file() else p.stderr[-2000:])
+        dev = "cuda" if has_cuda else "cpu"
+        RES["tiny_kc"] = {bs: timed_kc(tiny / "src", tiny / "kc", dev, bs) for bs in ("mse",
+                                                                                    "amax")}
+        for r in RES["tiny_kc"].values():
+            r.pop("timeline", None)
+        log("tiny anchor", RES["tiny_anchor"])
+        log("tiny kc", {k: (v.get("wall_main_s"), v.get("wall_process_s"))
+                        for k, v in RES["tiny_kc"].items()})
+    RES["elapsed_s"] = round(time.perf_counter() - T_START, 1)
+    save("smoke")
+
+
+def full() -> None:
+    RES["mode"] = "full"
+    RES["machine"] = machine()
+    log("machine", RES["machine"])
+    save("full")
+    src = ROOT / "src"
+    # 1. anchor_convert.py: builds ROOT/src, times the anchor (cold) and the floors.
+    a_out = ROOT / "anchor_out"
+    t = time.perf_counter()
+    p = subprocess.Popen([sys.executable, str(anchor_script())], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, env=env_with(
+                             DIMS=os.environ.get("DIMS", "full"),
+                             MOE_LAYERS=os.environ.get("MOE_LAYERS", "1"),
+                             WORKERS=os.environ.get("WORKERS", "1"), ROOT=ROOT, OUT=a_out))
+    tail = []
+    for ln in p.stdout:
+        tail = [*tail, ln][-40:]
+        print("    |", ln.rstrip()[:300], flush=True)
+    p.wait()
+    anchor = json.loads((a_out / "anchor.json").read_text()) if (a_out / "anchor.json"
+                                                                ).is_file() else {}
+    anchor["script_wall_s"] = round(time.perf_counter() - t, 1)
+    if p.returncode:
+        anchor["error_tail"] = "".join(tail)[-3000:]
+    RES["anchor"] = anchor
+    if (a_out / "anchor.json").is_file():
+        OUT.mkdir(parents=True, exist_ok=True)
+        shutil.copy(a_out / "anchor.json", OUT / "anchor.json")
+    rm(ROOT / "dst_floor")
+    save("full")
+    dst_bytes = anchor.get("dst_bytes") or anchor.get("src_bytes")
+    # 2. Concurrent floor: read every source byte while writing the output's bytes.
+    if dst_bytes and src.is_dir():
+        cold = drop_caches()
+        r = run_child(["_iofloor", str(src), str(ROOT / "floor_conc"), str(dst_bytes)], gpu=False)
+        r["drop_caches_ok"] = cold
+        RES["io_floor_concurrent"] = r
+        log("concurrent floor", {k: r.get(k) for k in ("read_s", "write_s", "both_s")})
+        save("full")
+    # 3. kconvert on the same src, cold, its own process each.
+    if shutil.disk_usage(ROOT).free < 1.3 * (dst_bytes or 0):
+        rm(ROOT / "dst")
+    RES["kc"] = {}
+    pre = env_with(KC_PREIMPORT_CT=1)
+    variants = [("mse", None, (), None), ("amax", "amax", (), None)]
+    optional = [("mse_ct_preimported", None, (), pre),
+                ("mse_readers8", None, ("--readers", "8"), None)]
+    for label, bs, extra, env in variants + optional:
+        if (label, bs, extra, env) in optional and late():
+            continue
+        r = timed_kc(src, ROOT / "kc", os.environ.get("KC_DEVICE", "cuda"), bs, env=env,
+                     extra=extra)
+        RES["kc"][label] = r
+        log(f"kconvert cuda {label}", {k: r.get(k) for k in (
+            "rc", "wall_main_s", "wall_process_s", "vmhwm_gb", "maxrss_gb", "gpu")}
+            | {"stages": r.get("stages")})
+        if label == "amax" and (ROOT / "dst").is_dir() and r["rc"] == 0:
+            RES["anchor_vs_kc_amax_sample"] = sample_vs_anchor(ROOT / "dst", ROOT / "kc")
+        save("full")
+    rm(ROOT / "kc")
+    # 4. Ratios.
+    floor = anchor.get("io_floor_s")
+    ratios = {}
+    for label, r in RES["kc"].items():
+        if r.get("rc") == 0 and floor:
+            ratios[label] = {
+                "wall_main_over_floor": round(r["wall_main_s"] / floor, 2),
+                "wall_process_over_floor": round(r["wall_process_s"] / floor, 2),
+                "anchor_over_wall_main": round(anchor["anchor_w1_s"] / r["wall_main_s"], 2)
+                if anchor.get("anchor_w1_s") else None,
+                "peak_rss_gb": r.get("vmhwm_gb") or r.get("maxrss_gb"),
+                "target_wall_ok": r["wall_main_s"] <= 1.3 * floor,
+                "target_rss_ok": (r.get("vmhwm_gb") or r.get("maxrss_gb") or 99) <= 4.0}
+    conc = RES.get("io_floor_concurrent", {}).get("both_s")
+    if conc:
+        ratios["concurrent_floor_over_io_floor"] = round(conc / floor, 2) if floor else None
+    RES["ratios"] = ratios
+    save("full")
+    log("ratios", ratios)
+    # 5. CPU per expert matrix, both tools, same machine (skipped when short of time).
+    if not late():
+        rm(src)
+        RES["cpu"] = cpu_comparison()
+        log("cpu per matrix", RES["cpu"].get("per_matrix"))
+    RES["elapsed_s"] = round(time.perf_counter() - T_START, 1)
+    save("full")
+
+
+def tune() -> None:
+    """Proposed engine changes (KC_TUNE, emulated by wrappers) on the full-size set, with the
+    floors re-measured in the same run (no anchor: see `full` for it); a compute_item profile;
+    the fixture's CPU vs CUDA bytes with the proposed division fix."""
+    RES["mode"] = "tune"
+    RES["machine"] = machine()
+    log("machine", RES["machine"])
+    save("tune")
+    import torch
+
+    os.environ.setdefault("DIMS", "full")
+    ns = load_anchor_ns()
+    src = ROOT / "src"
+    t = time.perf_counter()
+    RES["src_bytes"] = ns["make_src"](str(src))
+    RES["make_src_s"] = round(time.perf_counter() - t, 1)
+    dst_bytes = int(os.environ.get("DST_BYTES", "15501972970"))  # kconvert's/anchor's output
+    RES["read_floor_cold_s"] = round(ns["read_floor"](str(src)), 2)
+    RES["write_floor_s"] = round(ns["write_floor"](str(ROOT / "dst_floor"), dst_bytes), 2)
+    rm(ROOT / "dst_floor")
+    RES["io_floor_s"] = max(RES["read_floor_cold_s"], RES["write_floor_s"])
+    torch.cuda.empty_cache()
+    log("floors", RES["read_floor_cold_s"], RES["write_floor_s"])
+    save("tune")
+    # 1. Fixture CPU vs CUDA with the division fix (both rules).
+    fx = {}
+    for bs in ("amax", "mse"):
+        dirs = {}
+        for dev in ("cpu", "cuda"):
+            dirs[dev] = ROOT / f"fxdiv_{dev}_{bs}"
+            r = run_child(kc_args(FIXTURE, dirs[dev], dev, bs), monitor=False,
+                          env=env_with(KC_TUNE="div"))
+            fx[f"{dev}_{bs}_rc"] = r["rc"]
+        fx[f"compare_{bs}"] = compare_dirs(dirs["cpu"], dirs["cuda"])
+        log(f"fixture cpu vs cuda, div fix, {bs}", fx[f"compare_{bs}"])
+    RES["fixture_div_fix"] = fx
+    save("tune")
+    # 2. compute_item profile on real items (1<<30 as shipped, 1<<28 proposed).
+    RES["item_profile"] = {}
+    for bs, wl in (("mse", 30), ("amax", 30), ("mse", 28)):
+        r = run_child(["_item_profile", str(src), bs, str(wl)], monitor=False)
+        RES["item_profile"][f"{bs}_{wl}"] = r
+        log(f"item profile {bs} 2^{wl}", {k: r.get(k) for k in (
+            "matrices_per_item", "compute_item_s", "ms_per_matrix", "error_tail")})
+        print(r.get("top_cuda", ""), flush=True)
+    save("tune")
+    # 3. Cold runs: baseline (CT import off the tail only) vs the proposed engine changes.
+    RES["kc"] = {}
+    variants = [("mse_ct", None, "ct"), ("mse_tuned", None, "ct,wb,we28,nopin,rfinite"),
+                ("amax_tuned", "amax", "ct,wb,we28,nopin,rfinite"),
+                ("mse_ct_wb", None, "ct,wb"), ("mse_tuned_we27", None, "ct,wb,we27,nopin,rfinite")]
+    for i, (label, bs, tn) in enumerate(variants):
+        if i >= 3 and late():
+            continue
+        r = timed_kc(src, ROOT / "kc", "cuda", bs, env=env_with(KC_TUNE=tn))
+        r["tune"] = tn
+        RES["kc"][label] = r
+        floor = RES["io_floor_s"]
+        log(f"kconvert {label} [{tn}]", {k: r.get(k) for k in (
+            "rc", "wall_main_s", "wall_process_s", "vmhwm_gb", "rss_sampled_max_gb")},
+            "x floor", round(r["wall_main_s"] / floor, 2) if r.get("wall_main_s") else None,
+            {k: v["busy_s"] for k, v in r.get("stages", {}).items()})
+        save("tune")
+    rm(ROOT / "kc")
+    RES["elapsed_s"] = round(time.perf_counter() - T_START, 1)
+    save("tune")
+
+
+def tune2() -> None:
+    """Second round: pinned D2H and a flusher thread on top of the first round's best set."""
+    RES["mode"] = "tune2"
+    RES["machine"] = machine()
+    log("machine", RES["machine"])
+    save("tune2")
+    import torch
+
+    os.environ.setdefault("DIMS", "full")
+    ns = load_anchor_ns()
+    src = ROOT / "src"
+    RES["src_bytes"] = ns["make_src"](str(src))
+    dst_bytes = int(os.environ.get("DST_BYTES", "15501972970"))
+    RES["read_floor_cold_s"] = round(ns["read_floor"](str(src)), 2)
+    RES["write_floor_s"] = round(ns["write_floor"](str(ROOT / "dst_floor"), dst_bytes), 2)
+    rm(ROOT / "dst_floor")
+    RES["io_floor_s"] = floor = max(RES["read_floor_cold_s"], RES["write_floor_s"])
+    torch.cuda.empty_cache()
+    cold = drop_caches()
+    r = run_child(["_iofloor", str(src), str(ROOT / "floor_conc"), str(dst_bytes)], gpu=False)
+    r["drop_caches_ok"] = cold
+    r.pop("timeline", None)
+    RES["io_floor_concurrent"] = r
+    log("floors", RES["read_floor_cold_s"], RES["write_floor_s"], r.get("both_s"))
+    save("tune2")
+    RES["kc"] = {}
+    base = "ct,we28,nopin,rfinite"
+    variants = [("mse_tuned", None, base + ",wb"), ("mse_tuned_pind2h", None, base + ",wb,pind2h"),
+                ("mse_tuned_pind2h_flush", None, base + ",flush,pind2h"),
+                ("amax_tuned_pind2h_flush", "amax", base + ",flush,pind2h")]
+    for label, bs, tn in variants:
+        r = timed_kc(src, ROOT / "kc", "cuda", bs, env=env_with(KC_TUNE=tn))
+        r["tune"] = tn
+        RES["kc"][label] = r
+        log(f"kconvert {label} [{tn}]", {k: r.get(k) for k in (
+            "rc", "wall_main_s", "wall_process_s", "vmhwm_gb", "rss_sampled_max_gb")},
+            "x floor", round(r["wall_main_s"] / floor, 2) if r.get("wall_main_s") else None,
+            {k: v["busy_s"] for k, v in r.get("stages", {}).items()})
+        save("tune2")
+    rm(ROOT / "kc")
+    RES["elapsed_s"] = round(time.perf_counter() - T_START, 1)
+    save("tune2")
+
+
+def sample_vs_anchor(anchor_dst: Path, kc_dst: Path, n: int = 4) -> dict:
+    """down_proj (no fused partner: same global scale rule) bytes, kconvert amax vs anchor."""
+    import torch
+    from safetensors import safe_open
+
+    def find(d: Path, name: str):
+        idx = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+        with safe_open(d / idx[name], "pt") as h:
+            return h.get_tensor(name)
+
+    out = {}
+    for e in range(n):
+        for p in ("weight_packed", "weight_scale", "weight_global_scale"):
+            name = f"model.layers.1.mlp.experts.{e}.down_proj.{p}"
+            try:
+                a, b = find(anchor_dst, name), find(kc_dst, name)
+            except (KeyError, OSError) as exc:
+                out[name] = f"missing: {exc}"
+                continue
+            ua, ub = a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(
+                torch.uint8)
+            out[name] = (round(float((ua == ub).float().mean()), 5) if ua.shape == ub.shape
+                         else f"shape {list(a.shape)} vs {list(b.shape)}")
+    return out
+
+
+CHILDREN = {"_kc": child_kc, "_anchor": child_anchor, "_anchor_compute": child_anchor_compute,
+            "_kc_compute": child_kc_compute, "_iofloor": child_iofloor,
+            "_item_profile": child_item_profile}
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] not in {"smoke", "full", "tune", "tune2", *CHILDREN}:
+        raise SystemExit(__doc__)
+    mode = sys.argv[1]
+    if mode in CHILDREN:
+        sys.path.insert(0, str(REPO))
+        CHILDREN[mode](sys.argv[2:])
+        return
+    ROOT.mkdir(parents=True, exist_ok=True)
+    {"smoke": smoke, "full": full, "tune": tune, "tune2": tune2}[mode]()
+    log("done", OUT)
+
+
+if __name__ == "__main__":
+    main()
