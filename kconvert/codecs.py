@@ -91,10 +91,12 @@ class Int4Codec(Codec):
         packed, scale = t["weight_packed"], t["weight_scale"]
         b, out, words = packed.shape
         shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
-        codes = ((packed.unsqueeze(-1) >> shifts) & 0xF) - 8  # [B, out, in/8, 8], low nibble first
+        # In place where possible: 2 live temporaries of the item's size instead of 3.
+        codes = (packed.unsqueeze(-1) >> shifts).bitwise_and_(0xF).sub_(8)  # low nibble first
         groups = scale.shape[-1]
         q = codes.reshape(b, out, groups, -1).float()
-        return (q * scale.float().unsqueeze(-1)).reshape(b, out, words * 8)
+        del codes
+        return q.mul_(scale.float().unsqueeze(-1)).reshape(b, out, words * 8)
 
 
 class Nvfp4Codec(Codec):

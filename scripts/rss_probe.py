@@ -1,6 +1,6 @@
 """Run one command as a child process and report its peak resident memory.
 
-    python scripts/rss_probe.py [--json] -- CMD [ARG ...]
+    python scripts/rss_probe.py [--quiet] -- CMD [ARG ...]
 
 The child is the only process this probe ever waits for, so
 `getrusage(RUSAGE_CHILDREN).ru_maxrss` is exactly the child's high-water mark (VmHWM): the
