@@ -9,11 +9,9 @@ manifest is written.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import os
 import shutil
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,11 +166,6 @@ def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, options: dict, run: Ru
     (dst / STATE_DIR).mkdir(exist_ok=True)
     _atomic_json(dst / STATE_DIR / "run.json", {"fingerprint": fingerprint})
 
-    if output_format(plan.modules) == "compressed-tensors":
-        # Its config models are needed only at the end; importing takes seconds, so do it
-        # now, beside the conversion, instead of after the last byte is written.
-        threading.Thread(target=importlib.import_module,
-                         args=("compressed_tensors.quantization",), daemon=True).start()
     total = sum(item.nbytes for item in plan.items)
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=run.quiet,
               desc=recipe.name, smoothing=0.1) as bar:

@@ -11,6 +11,9 @@ from __future__ import annotations
 import copy
 import re
 
+import compressed_tensors
+from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+
 from kconvert import __version__
 from kconvert.codecs import DenseCodec, ModeloptNvfp4Codec, Nvfp4Codec
 from kconvert.layout import Role
@@ -46,11 +49,6 @@ def _nvfp4_roles(modules: list[ModulePlan]) -> list[Role]:
 def compressed_tensors_block(modules: list[ModulePlan], has_vision: bool) -> dict:
     """NVFP4A16, or NVFP4 (W4A4) when calibrated input scales were written."""
     w4a4 = any(m.input_amax is not None for m in modules)
-    # Imported here: compressed-tensors pulls in transformers, seconds of startup a dry run
-    # or a dequant does not need.
-    import compressed_tensors
-    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
-
     scheme = preset_name_to_scheme(
         "NVFP4" if w4a4 else "NVFP4A16", [CT_TARGETS[r] for r in _nvfp4_roles(modules)]
     )

@@ -899,6 +899,16 @@ def smoke() -> None:
     save("smoke")
 
 
+def cpu_only() -> None:
+    """Just the CPU per-matrix comparison (both tools, CUDA hidden)."""
+    RES["mode"] = "cpu"
+    RES["machine"] = machine()
+    RES["cpu"] = cpu_comparison()
+    log("cpu per matrix", RES["cpu"].get("per_matrix"))
+    RES["elapsed_s"] = round(time.perf_counter() - T_START, 1)
+    save("cpu")
+
+
 def full() -> None:
     RES["mode"] = "full"
     RES["machine"] = machine()
@@ -1131,7 +1141,8 @@ CHILDREN = {"_kc": child_kc, "_anchor": child_anchor, "_anchor_compute": child_a
 
 
 def main() -> None:
-    if len(sys.argv) < 2 or sys.argv[1] not in {"smoke", "full", "tune", "tune2", *CHILDREN}:
+    if len(sys.argv) < 2 or sys.argv[1] not in {"smoke", "full", "tune", "tune2", "cpu",
+                                                *CHILDREN}:
         raise SystemExit(__doc__)
     mode = sys.argv[1]
     if mode in CHILDREN:
@@ -1139,7 +1150,7 @@ def main() -> None:
         CHILDREN[mode](sys.argv[2:])
         return
     ROOT.mkdir(parents=True, exist_ok=True)
-    {"smoke": smoke, "full": full, "tune": tune, "tune2": tune2}[mode]()
+    {"smoke": smoke, "full": full, "tune": tune, "tune2": tune2, "cpu": cpu_only}[mode]()
     log("done", OUT)
 
 
