@@ -57,6 +57,7 @@ from kconvert.codecs import (
     Nvfp4Codec,
     detect_codec,
 )
+from kconvert.convert import pick_device
 from kconvert.errors import KconvertError
 from kconvert.layout import Role, TensorName, parse_name
 from kconvert.manifest import MANIFEST, Manifest, hash_file, read_manifest
@@ -648,7 +649,7 @@ class Auditor:
         self.pool = _BufferPool(self.chunk, 2 * (PREFETCH + 1))
         self.report = Report(str(ckpt), source, plan_path)
         self.ckpt_path, self.source_arg, self.plan_path = ckpt, source, plan_path
-        self.device = _pick_device(device)
+        self.device = pick_device(device)
         self.revision, self.progress, self.max_rel_mse = revision, progress, max_rel_mse
         self.tree: Tree | None = None
         self.src: Tree | None = None
@@ -1686,15 +1687,6 @@ class Auditor:
 
 
 # ============================================================================ helpers
-
-
-def _pick_device(spec: str) -> torch.device:
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(spec)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise KconvertError(f"--device {spec}: no CUDA device is available")
-    return device
 
 
 def _short(v: object, n: int = 80) -> str:

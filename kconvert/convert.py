@@ -41,6 +41,7 @@ from kconvert.quant_config import (
     output_format,
     rewrite_config,
 )
+from kconvert.safetensors_io import tensor_nbytes
 from kconvert.source import GENERATED_FILES, INDEX, Checkpoint, open_checkpoint
 
 
@@ -203,8 +204,7 @@ def _finish(ckpt: Checkpoint, dst: Path, plan: Plan, records: dict[str, dict], c
 
     entries = plan.shard_entries
     if ckpt.has_index:
-        total = sum(
-            int(torch.Size(t.shape).numel()) * _itemsize(t.dtype) for t in plan.outputs.values())
+        total = sum(tensor_nbytes(t.dtype, t.shape) for t in plan.outputs.values())
         weight_map = {t.name: t.shard for t in sorted(plan.outputs.values(), key=lambda t: t.name)}
         _atomic_json(dst / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
 
@@ -285,8 +285,3 @@ def _atomic_text(path: Path, text: str) -> None:
     tmp.write_text(text)
     os.replace(tmp, path)
 
-
-def _itemsize(dtype: str) -> int:
-    from kconvert.safetensors_io import DTYPES
-
-    return DTYPES[dtype].itemsize

@@ -30,10 +30,10 @@ import torch
 import xxhash
 
 from kconvert import nvfp4
-from kconvert.codecs import DenseCodec, Nvfp4Codec
+from kconvert.codecs import DenseCodec
 from kconvert.errors import KconvertError
 from kconvert.layout import Role, parse_name, split_param
-from kconvert.safetensors_io import TensorInfo
+from kconvert.safetensors_io import ShardWriter, TensorInfo, tensor_nbytes
 from kconvert.source import Checkpoint
 from kconvert.stages import ModulePlan, Quantize, Stage, group_modules
 
@@ -420,19 +420,15 @@ class ShardSink:
     """The writer side: planned .partial files, hashing, and rename-on-complete."""
 
     def __init__(self, plan: Plan, dst: Path, done: dict[str, dict]):
-        from kconvert.safetensors_io import ShardWriter, plan_header
-
-        self._writer_cls = ShardWriter
         self.plan, self.dst = plan, dst
         self.state = dst / STATE_DIR
         (self.state / "partial").mkdir(parents=True, exist_ok=True)
         (self.state / "done").mkdir(parents=True, exist_ok=True)
         self.entries = plan.shard_entries
         self.done = done  # shard -> record, for shards already complete
-        self.remaining = {
-            shard: plan_header(e)[0] and sum(
-                _nbytes(d, s) for _, d, s in e) for shard, e in self.entries.items()
-        }
+        # Data bytes still to write per shard; the shard is finished when this reaches 0.
+        self.remaining = {shard: sum(tensor_nbytes(d, s) for _, d, s in e)
+                          for shard, e in self.entries.items()}
         self.writers: dict = {}
         self.hashers: dict[str, xxhash.xxh3_128] = {}
         self.records: dict[str, dict] = defaultdict(lambda: {"tensors": {}, "modules": {}})
@@ -449,14 +445,14 @@ class ShardSink:
                 continue
             writer = self.writers.get(shard)
             if writer is None:
-                writer = self.writers[shard] = self._writer_cls(
+                writer = self.writers[shard] = ShardWriter(
                     self.dst / shard, self.state / "partial" / shard, self.entries[shard])
             data = data.contiguous()
             hasher = self.hashers.setdefault(name, xxhash.xxh3_128())
             hasher.update(memoryview(data.reshape(-1).view(torch.uint8).numpy()).cast("B"))
             writer.write(name, data, offset)
             nbytes = data.numel() * data.element_size()
-            if offset + nbytes == _nbytes(self.plan.outputs[name].dtype,
+            if offset + nbytes == tensor_nbytes(self.plan.outputs[name].dtype,
                                           self.plan.outputs[name].shape):
                 self.records[shard]["tensors"][name] = self.hashers.pop(name).hexdigest()
             self.remaining[shard] -= nbytes
@@ -473,7 +469,7 @@ class ShardSink:
         """Shards with no data bytes at all (possible only for zero-size tensors)."""
         for shard, left in self.remaining.items():
             if left == 0 and shard not in self.done:
-                self.writers[shard] = self._writer_cls(
+                self.writers[shard] = ShardWriter(
                     self.dst / shard, self.state / "partial" / shard, self.entries[shard])
                 self._finish(shard)
 
@@ -485,14 +481,6 @@ class ShardSink:
 def _first_output(plan: Plan, module: str) -> str:
     return next(n for n in plan.outputs if n.startswith(module + "."))
 
-
-def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-    from kconvert.safetensors_io import DTYPES
-
-    n = DTYPES[dtype].itemsize
-    for d in shape:
-        n *= d
-    return n
 
 
 def _atomic_json(path: Path, data: dict) -> None:
@@ -599,7 +587,7 @@ def describe(plan: Plan) -> list[tuple[str, str, str, int, int, int]]:
         nin = sum(i.nbytes for i in m.params.values())
         row[0] += len(m.params)
         row[1] += nin
-        row[2] += sum(_nbytes(d, s) for _, d, s in _out_specs(m)) if m.out_codec else nin
+        row[2] += sum(tensor_nbytes(d, s) for _, d, s in _out_specs(m)) if m.out_codec else nin
     module_params = {i.name for m in plan.modules for i in m.params.values()}
     sources = {s: t for t in plan.outputs.values() if t.stage in ("copy", "select-rows")
                for s in t.sources}
@@ -612,8 +600,6 @@ def describe(plan: Plan) -> list[tuple[str, str, str, int, int, int]]:
         row = rows[(tn.role.value, fmt, out.stage if out else "dropped")]
         row[0] += 1
         row[1] += info.nbytes
-        row[2] += _nbytes(out.dtype, out.shape) if out else 0
+        row[2] += tensor_nbytes(out.dtype, out.shape) if out else 0
     return [(k[0], k[1], k[2], *v) for k, v in sorted(rows.items())]
 
-
-__all__ = ["Nvfp4Codec", "Plan", "build_plan", "describe", "execute"]

@@ -110,6 +110,14 @@ class ShardReader:
         return raw.view(info.torch_dtype).reshape(info.shape)
 
 
+def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    """Byte size of a tensor of safetensors dtype `dtype` and `shape`."""
+    n = DTYPES[dtype].itemsize
+    for dim in shape:
+        n *= dim
+    return n
+
+
 def plan_header(entries: Iterable[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes, dict]:
     """Header bytes and per-tensor (start, end) data offsets for a file of these tensors.
 
@@ -121,9 +129,7 @@ def plan_header(entries: Iterable[tuple[str, str, tuple[int, ...]]]) -> tuple[by
     offsets: dict[str, tuple[int, int]] = {}
     pos = 0
     for name, dtype, shape in ordered:
-        n = DTYPES[dtype].itemsize
-        for dim in shape:
-            n *= dim
+        n = tensor_nbytes(dtype, shape)
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + n]}
         offsets[name] = (pos, pos + n)
         pos += n
