@@ -20,7 +20,15 @@ import torch
 from tqdm import tqdm
 
 from kconvert import __version__
-from kconvert.engine import STATE_DIR, Plan, _atomic_json, build_plan, describe, execute
+from kconvert.engine import (
+    STATE_DIR,
+    Plan,
+    _atomic_json,
+    atomic_write_text,
+    build_plan,
+    describe,
+    execute,
+)
 from kconvert.errors import KconvertError
 from kconvert.layout import parse_name
 from kconvert.manifest import (
@@ -232,7 +240,7 @@ def _finish(ckpt: Checkpoint, dst: Path, plan: Plan, records: dict[str, dict], c
     _atomic_json(dst / "config.json", config)
     for stage in plan.stages:
         for name, text in stage.output_files().items():
-            _atomic_text(dst / name, text)
+            atomic_write_text(dst / name, text)
     generated = {p.name: hash_file(p) for p in sorted(dst.iterdir())
                  if p.is_file() and p.suffix != ".safetensors" and p.name not in non_weight
                  and p.name != MANIFEST}
@@ -278,10 +286,3 @@ def _finish(ckpt: Checkpoint, dst: Path, plan: Plan, records: dict[str, dict], c
     )
     write_manifest(dst, manifest)
     return manifest
-
-
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".kconvert-tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-

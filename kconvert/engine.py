@@ -277,10 +277,6 @@ class ModuleStats:
     err_sq: float
     ref_sq: float
 
-    @property
-    def rel_mse(self) -> float:
-        return self.err_sq / self.ref_sq if self.ref_sq else 0.0
-
 
 @dataclass
 class Result:
@@ -426,6 +422,8 @@ class ShardSink:
         (self.state / "done").mkdir(parents=True, exist_ok=True)
         self.entries = plan.shard_entries
         self.done = done  # shard -> record, for shards already complete
+        # A module's outputs all land in the shard of its primary source tensor.
+        self.module_shard = {m.out_module: m.primary.file.name for m in plan.modules}
         # Data bytes still to write per shard; the shard is finished when this reaches 0.
         self.remaining = {shard: sum(tensor_nbytes(d, s) for _, d, s in e)
                           for shard, e in self.entries.items()}
@@ -436,7 +434,7 @@ class ShardSink:
     def write(self, result: Result) -> None:
         # Stats first: the writes below may complete (and close the record of) their shard.
         for module, st in result.stats.items():
-            shard = self.plan.outputs[_first_output(self.plan, module)].shard
+            shard = self.module_shard[module]
             if shard not in self.done:
                 self.records[shard]["modules"][module] = st.__dict__
         for name, data, offset in result.writes:
@@ -478,15 +476,16 @@ class ShardSink:
             writer.abandon()
 
 
-def _first_output(plan: Plan, module: str) -> str:
-    return next(n for n in plan.outputs if n.startswith(module + "."))
 
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write to a temporary name, then rename: `path` only ever holds a complete file."""
+    tmp = path.with_name(path.name + ".kconvert-tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _atomic_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True))
 
 
 def execute(
