@@ -55,15 +55,18 @@ from kconvert.codecs import (
     Int4Codec,
     ModeloptNvfp4Codec,
     Nvfp4Codec,
+    Nvfp4PairBitmaskCodec,
     detect_codec,
 )
 from kconvert.convert import pick_device
 from kconvert.errors import KconvertError
 from kconvert.layout import Role, TensorName, parse_name
 from kconvert.manifest import MANIFEST, Manifest, hash_file, read_manifest
+from kconvert.p48 import check_packed
 from kconvert.plan import Plan, load_plan, parse_plan
 from kconvert.safetensors_io import ShardReader, TensorInfo
 from kconvert.source import GENERATED_FILES, INDEX, SINGLE, SKIPPED_DIRS, open_checkpoint
+from kconvert.sparsify import SPARSE_FLAG
 from kconvert.stages import PLAN_FILE
 
 CHUNK = 8 << 20  # default bytes per streamed piece of a plain tensor
@@ -93,7 +96,7 @@ SCALE_POSITIVE = {"weight_global_scale", "input_global_scale", "weight_scale_2",
 QUANT_PARAMS = {"weight_packed", "weight_scale", "weight_shape", "weight_global_scale",
                 "weight_scale_2", "weight_scale_inv", "weight_zero_point", "input_scale",
                 "input_global_scale", "weight_sparse_packed", "weight_sparse_mask"}
-NVFP4 = (Nvfp4Codec, ModeloptNvfp4Codec)
+NVFP4 = (Nvfp4Codec, Nvfp4PairBitmaskCodec, ModeloptNvfp4Codec)
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 P48_NAMES = ("p48", "paired-4:8", "paired48")
 GROUPS = ("structure", "quant-config", "scales", "manifest", "source", "p48")
@@ -461,6 +464,12 @@ def _param_specs(m: Module, group: int) -> dict[str, tuple[set[str], tuple | Non
                 "weight_scale": ({"F8_E4M3"}, (out, inp // group)),
                 "weight_global_scale": ({"F32"}, (1,)),
                 "input_global_scale": ({"F32"}, (1,))}
+    if m.codec is Nvfp4PairBitmaskCodec:
+        return {"weight_sparse_packed": ({"U8"}, (out, inp // 4)),
+                "weight_sparse_mask": ({"U8"}, (out, inp // 16)),
+                "weight_scale": ({"F8_E4M3"}, (out, inp // group)),
+                "weight_global_scale": ({"F32"}, (1,)),
+                "input_global_scale": ({"F32"}, (1,))}
     if m.codec is ModeloptNvfp4Codec:
         return {"weight": ({"U8"}, (out, inp // 2)),
                 "weight_scale": ({"F8_E4M3"}, (out, inp // group)),
@@ -472,45 +481,6 @@ def _param_specs(m: Module, group: int) -> dict[str, tuple[set[str], tuple | Non
 
 
 # ============================================================================ p48
-
-
-@dataclass
-class P48Result:
-    chunks: int = 0
-    over_two: int = 0  # chunks with 3 or 4 nonzero pairs
-    neg_zero: int = 0  # chunks whose pruned pairs are not all stored as 0x00
-    first: tuple[int, int, list[int]] | None = None  # (row, chunk, its 4 bytes)
-    first_kind: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return not self.over_two and not self.neg_zero
-
-
-def p48_check(packed: torch.Tensor) -> P48Result:
-    """Paired-4:8 over packed NVFP4 bytes [M, K/2] (p48.md).
-
-    Each 4-byte group is one 8-element chunk; a byte is one pair and is nonzero iff
-    (byte & 0x77) != 0 (0x8 is -0). At most 2 pairs per chunk may be nonzero, and a pruned
-    pair must be stored as 0x00: so at most 2 bytes per chunk may differ from 0x00 (a kept
-    pair may still quantize to zero or -0).
-    """
-    packed = packed.reshape(packed.shape[0] if packed.dim() > 1 else 1, -1)
-    rows, half = packed.shape
-    if half % 4:
-        raise ValueError(f"packed rows of {half} bytes are not whole 8-element chunks")
-    chunks = packed.reshape(rows, half // 4, 4)
-    nonzero = ((chunks & 0x77) != 0).sum(-1)
-    stored = (chunks != 0).sum(-1)
-    over = nonzero > 2
-    negz = (stored > 2) & ~over
-    res = P48Result(chunks=rows * (half // 4), over_two=int(over.sum()), neg_zero=int(negz.sum()))
-    for mask, kind in ((over, "nonzero"), (negz, "neg_zero")):
-        if res.first is None and bool(mask.any()):
-            r, c = (int(v) for v in mask.nonzero()[0])
-            res.first = (r, c, [int(b) for b in chunks[r, c]])
-            res.first_kind = kind
-    return res
 
 
 def _p48_spec(options: object) -> dict | None:
@@ -569,6 +539,9 @@ def expected_format(block: dict, m: Module) -> tuple[str, type[Codec] | None, di
                     return "ct", DenseCodec, {}
                 fmt = group.get("format") or block.get("format")
                 codec = CT_FORMATS.get(fmt)
+                sparse = (block.get(SPARSE_FLAG) or {}).get("layout")
+                if codec is Nvfp4Codec and sparse == "pair-bitmask":
+                    codec = Nvfp4PairBitmaskCodec
                 return ("ct", codec, group) if codec else (f"ct:{fmt}", None, group)
         return "ct", DenseCodec, {}
     if method == "modelopt":
@@ -1494,11 +1467,18 @@ class Auditor:
             self._finite(info, out[p])
             self._scale_values(info, p, out[p], m)
         if m.codec in NVFP4:
-            gs_name = "weight_global_scale" if m.codec is Nvfp4Codec else "weight_scale_2"
-            in_name = "input_global_scale" if m.codec is Nvfp4Codec else "input_scale"
+            modelopt = m.codec is ModeloptNvfp4Codec
+            gs_name = "weight_scale_2" if modelopt else "weight_global_scale"
+            in_name = "input_scale" if modelopt else "input_global_scale"
             self.fused[m.tn.fused_set][m.name] = (m.codec.name, out[gs_name], out.get(in_name))
             if self.p48 is not None and m.tn.role.value in self.p48_roles:
-                res = p48_check(out[m.codec.params[0]])
+                try:
+                    packed = m.codec.unpack(out)[0] if m.codec is Nvfp4PairBitmaskCodec \
+                        else out[m.codec.params[0]]
+                except ValueError as exc:  # a mask chunk without exactly 2 bits
+                    r.add("p48", "pattern", str(exc), tensor=m.params["weight_sparse_mask"].name)
+                    return
+                res = check_packed(packed)
                 r.ran("p48", res.chunks)
                 if not res.ok:
                     row, chunk, raw = res.first
@@ -1697,6 +1677,7 @@ def _short(v: object, n: int = 80) -> str:
 def _fmt_name(codec: type[Codec]) -> str:
     return {DenseCodec: "unquantized (no scale tensors)", Int4Codec: "INT4 pack-quantized",
             Nvfp4Codec: "NVFP4 (compressed-tensors)", ModeloptNvfp4Codec: "NVFP4 (ModelOpt)",
+            Nvfp4PairBitmaskCodec: "NVFP4 p48 pair-bitmask (compressed-tensors)",
             Fp8BlockCodec: "FP8 block"}.get(codec, codec.name)
 
 

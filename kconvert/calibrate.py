@@ -362,11 +362,20 @@ class _MoE(nn.Module):
         self.amax_down = torch.zeros(n, dtype=torch.float32, device=device)
         self.sq_in = torch.zeros(n, hidden, **f64)
         self.sq_down = torch.zeros(n, inter, **f64)
+        # With `capture`, the real rows of every batch's input and their top-k expert ids are
+        # kept (SparseGPT builds each expert's Hessian from them); `captured()` joins them.
+        self.capture = False
+        self._inputs: list[torch.Tensor] = []
+        self._indices: list[torch.Tensor] = []
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         _, topk_weights, topk_indices = self.gate(x)
+        if self.capture:
+            real = self.ctx.valid.reshape(-1) if self.ctx.valid is not None else slice(None)
+            self._inputs.append(x[real])
+            self._indices.append(topk_indices[real])
         routed = self._routed(x, topk_indices, topk_weights)
         return routed.to(x.dtype).reshape(shape) + self.shared_experts(hidden_states)
 
@@ -406,6 +415,19 @@ class _MoE(nn.Module):
         self.reap_sum += torch.bincount(exp, weights=(w * norms).double(), minlength=n)
         self.ean_sum += torch.bincount(exp, weights=norms.double(), minlength=n)
         return out
+
+    def captured(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs [tokens, hidden], top-k expert ids [tokens, k]) of every real token."""
+        if len(self._inputs) > 1:  # joined once; later calls reuse the joined tensors
+            self._inputs, self._indices = [torch.cat(self._inputs)], [torch.cat(self._indices)]
+        return self._inputs[0], self._indices[0]
+
+    def expert_inputs(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs of gate/up, inputs of down) over the tokens routed to `expert`."""
+        x, idx = self.captured()
+        xe = x[(idx == expert).any(-1)]
+        gate, up = nn.functional.linear(xe, self.experts.gate_up[expert]).chunk(2, dim=-1)
+        return xe, self.act_fn(gate) * up
 
     def results(self, layer: int) -> dict[str, torch.Tensor]:
         count = self.count.cpu()
@@ -609,6 +631,7 @@ def calibrate(
     hidden_on_device: bool | None = None,
     meta: dict | None = None,
     on_layer: Callable[[int, torch.Tensor], None] | None = None,
+    on_moe: Callable[[int, _MoE], None] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> CalibrationStats:
     """One layer-streamed pass over `input_ids` [num_seqs, seq_len]; see the module docstring.
@@ -618,7 +641,9 @@ def calibrate(
     through a layer at a time; the hidden states of all tokens are kept in `dtype` on the
     device (`hidden_on_device` None: when they take at most a third of its free memory) or
     else in CPU memory. `on_layer(L, hidden)` sees layer L's output hidden states [num_seqs,
-    seq_len, hidden] (for tests and debugging); `meta` is merged into the recorded meta.
+    seq_len, hidden] (for tests and debugging); `on_moe(L, moe)` sees MoE layer L after its
+    forward, weights still loaded and inputs captured (`moe.expert_inputs(e)`: SparseGPT's
+    Hessians); `meta` is merged into the recorded meta.
     """
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 
@@ -658,6 +683,8 @@ def calibrate(
     for layer in range(n_layers):
         t_layer = time.perf_counter()
         loaded = _load_layer(ckpt, cfg, layer, layer_tensors[layer], ctx, device, dtype)
+        if loaded.moe is not None:
+            loaded.moe.capture = on_moe is not None
         t_loaded = time.perf_counter()
         with torch.no_grad():
             for start in range(0, n_seq, batch_size):
@@ -677,6 +704,8 @@ def calibrate(
             tensors[f"{key}.input_amax"] = acc.amax.cpu()
             tensors[f"{key}.input_sq_sum"] = acc.sq.float().cpu()
         if loaded.moe is not None:
+            if on_moe is not None:
+                on_moe(layer, loaded.moe)
             tensors.update(loaded.moe.results(layer))
             for e, names in enumerate(loaded.moe.experts.names):
                 for proj, module in names.items():

@@ -21,6 +21,8 @@ from kconvert.reap import (
     scores_from_stats,
     scores_of,
 )
+from kconvert.sparsegpt import CalibrationHessians
+from kconvert.sparsify import METHODS, STORAGES, data_record
 
 
 def _run_options(f):
@@ -108,10 +110,12 @@ def quantize(src, dst, fmt, block_scale, act_stats, targets, revision, **run):
 @main.command()
 @click.argument("src")
 @click.argument("dst")
+@click.option("--dtype", type=click.Choice(["BF16", "F32"]), default="BF16", show_default=True,
+              help="F32 keeps INT4's q * scale exactly (a lossless intermediate).")
 @_run_options
-def dequant(src, dst, revision, **run):
-    """Quantized SRC -> BF16 DST, quantization_config removed."""
-    _go("dequant", src, dst, {}, revision, **run)
+def dequant(src, dst, dtype, revision, **run):
+    """Quantized SRC -> BF16 (or F32) DST, quantization_config removed."""
+    _go("dequant", src, dst, {"dtype": dtype}, revision, **run)
 
 
 PRUNE_OPTIONS = ("keep", "prune_ratio", "criterion", "plan_file", "stats", "data", "samples",
@@ -187,20 +191,116 @@ def reap(src, dst, revision, **opts):
     _go("reap", src, dst, {}, revision, prepare=prepare, **opts)
 
 
+SPARSIFY_OPTIONS = ("pattern", "method", "group_size", "storage")
+
+
+def _sparsify_options(f):
+    options = [
+        click.option("--pattern", type=click.Choice(["p48"]), default=None,
+                     help="Sparsity pattern: paired-4:8 [default: p48]."),
+        click.option("--method", type=click.Choice(METHODS), default=None,
+                     help="Mask selection: magnitude (data-free), wanda (--stats), sparsegpt "
+                          "(--data) [default: magnitude]."),
+        click.option("--group-size", type=click.Choice(["16", "32"]), default=None,
+                     help="Elements per FP8 block scale: 16 loads on stock vLLM, 32 is what "
+                          "sparse FP4 kernels read [default: 16]."),
+        click.option("--storage", type=click.Choice(STORAGES), default=None,
+                     help="dense (zeros inside weight_packed) or pair-bitmask (kept bytes + "
+                          "4-bit masks, ~0.65x) [default: dense]."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _sparsifying(sparse: dict, stats, data, samples, seq_len, batch_size, seed, device,
+                 prune_prepare=None):
+    """Overrides for the sparsify stage, and prepare(ckpt) for what needs the source:
+    SparseGPT's calibration pass (and a pruning plan, when the recipe prunes too)."""
+    overrides = {k: v for k, v in sparse.items() if v is not None}
+    if "group_size" in overrides:
+        overrides["group_size"] = int(overrides["group_size"])
+    if overrides.get("method") == "wanda" and stats is None:
+        raise click.UsageError("--method wanda needs --stats DIR (from kconvert calibrate)")
+    overrides["stats"] = stats
+    sparsegpt_data = overrides.get("method") == "sparsegpt"
+    if sparsegpt_data and data is None:
+        raise click.UsageError("--method sparsegpt needs --data FILE (calibration data)")
+
+    def prepare(ckpt):
+        out = prune_prepare(ckpt) if prune_prepare is not None else {}
+        if sparsegpt_data:
+            ids = load_calibration_data(data, ckpt.root, samples, seq_len, seed)
+            out["hessians"] = CalibrationHessians(ckpt, ids, pick_device(device), batch_size)
+            out["data_record"] = data_record(data, samples, seq_len, seed)
+        return out
+
+    return overrides, prepare
+
+
+@main.command()
+@click.argument("src")
+@click.argument("dst")
+@_sparsify_options
+@click.option("--stats", type=click.Path(exists=True, file_okay=False), default=None,
+              help="`kconvert calibrate` output: Wanda's input column norms.")
+@click.option("--data", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Calibration JSONL for SparseGPT (run layer by layer beside the conversion).")
+@click.option("--samples", default=128, show_default=True, help="With --data: sequences.")
+@click.option("--seq-len", default=2048, show_default=True, help="With --data: tokens each.")
+@click.option("--batch-size", default=8, show_default=True, help="With --data: per step.")
+@click.option("--seed", default=0, show_default=True, help="With --data: data order.")
+@_quant_options
+@_run_options
+def sparsify(src, dst, pattern, method, group_size, storage, stats, data, samples, seq_len,
+             batch_size, seed, fmt, block_scale, act_stats, targets, revision, **run):
+    """Paired-4:8 routed experts of SRC (BF16, INT4 or NVFP4) -> p48 NVFP4 DST, one pass."""
+    sparse = {"pattern": pattern, "method": method, "group_size": group_size,
+              "storage": storage}
+    overrides, prepare = _sparsifying(sparse, stats, data, samples, seq_len, batch_size, seed,
+                                      run["device"])
+    overrides.update({"format": fmt, "block_scale": block_scale, "targets": targets,
+                      "act_stats": act_stats})
+    _go("sparsify", src, dst, overrides, revision, prepare=prepare, **run)
+
+
+@main.command()
+@click.argument("src")
+@click.argument("dst")
+@_run_options
+def densify(src, dst, revision, **run):
+    """pair-bitmask p48 SRC -> dense NVFP4 DST (stock compressed-tensors layout), lossless."""
+    _go("densify", src, dst, {}, revision, **run)
+
+
 @main.command("run")
 @click.argument("recipe")
 @click.argument("src")
 @click.argument("dst")
 @_quant_options
 @_prune_options
+@_sparsify_options
 @_run_options
 def run_recipe(recipe, src, dst, fmt, block_scale, act_stats, targets, revision, **opts):
-    """Run RECIPE (a pipelines/ name or a .toml path) on SRC into DST."""
-    overrides = {"format": fmt, "block_scale": block_scale, "targets": targets,
-                 "act_stats": act_stats}
+    """Run RECIPE (a pipelines/ name or a .toml path) on SRC into DST.
+
+    --stats and --data serve every stage that needs calibration: REAP's saliency, Wanda's
+    column norms, SparseGPT's inputs."""
     prune = {k: opts.pop(k) for k in PRUNE_OPTIONS}
-    _go(recipe, src, dst, overrides, revision,
-        prepare=_pruning(**prune, device=opts["device"]), **opts)
+    sparse = {k: opts.pop(k) for k in SPARSIFY_OPTIONS}
+    calib = {k: prune[k] for k in ("stats", "data", "samples", "seq_len", "batch_size", "seed")}
+    try:
+        kinds = {s.get("stage") for s in load_recipe(recipe).stages}
+    except KconvertError:
+        kinds = set()  # _go reports the bad recipe
+    prune_prepare = _pruning(**prune, device=opts["device"]) if "prune" in kinds else None
+    if "sparsify" not in kinds:
+        calib.update(stats=None, data=None)  # calibration serves the pruning plan only
+    overrides, prepare = _sparsifying(sparse, **calib, device=opts["device"],
+                                      prune_prepare=prune_prepare)
+    overrides.update({"format": fmt, "block_scale": block_scale, "targets": targets,
+                      "act_stats": act_stats})
+    _go(recipe, src, dst, overrides, revision, prepare=prepare, **opts)
 
 
 main.add_command(calibrate_cmd)

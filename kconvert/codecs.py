@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import torch
 
-from kconvert import nvfp4
+from kconvert import nvfp4, p48
 from kconvert.errors import KconvertError
 from kconvert.safetensors_io import TensorInfo
 
@@ -50,13 +50,15 @@ class DenseCodec(Codec):
     def decode(cls, t, shape):
         return t["weight"].float()
 
-    @staticmethod
-    def specs(shape: tuple[int, int]) -> list[ParamSpec]:
-        return [("weight", "BF16", shape)]
+    DTYPES: ClassVar[dict[str, torch.dtype]] = {"BF16": torch.bfloat16, "F32": torch.float32}
 
     @staticmethod
-    def encode(w: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"weight": w.to(torch.bfloat16)}
+    def specs(shape: tuple[int, int], dtype: str = "BF16") -> list[ParamSpec]:
+        return [("weight", dtype, shape)]
+
+    @classmethod
+    def encode(cls, w: torch.Tensor, dtype: str = "BF16") -> dict[str, torch.Tensor]:
+        return {"weight": w.to(cls.DTYPES[dtype])}
 
 
 class Int4Codec(Codec):
@@ -113,22 +115,29 @@ class Nvfp4Codec(Codec):
 
     @classmethod
     def decode(cls, t, shape):
-        return nvfp4.dequantize(t["weight_packed"], t["weight_scale"], t["weight_global_scale"])
+        return nvfp4.dequantize(*cls.unpack(t))
 
     @classmethod
-    def specs(cls, shape: tuple[int, int], input_scale: bool = False) -> list[ParamSpec]:
+    def unpack(cls, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """(packed [B, M, K/2], block scales [B, M, K/block], global scales [B]): the NVFP4
+        bytes themselves, for lossless re-layouts (densify) and for decode."""
+        return t["weight_packed"], t["weight_scale"], t["weight_global_scale"].reshape(-1)
+
+    @classmethod
+    def specs(cls, shape: tuple[int, int], input_scale: bool = False, block: int = nvfp4.BLOCK
+              ) -> list[ParamSpec]:
         out, inp = shape
         specs = [
             ("weight_packed", "U8", (out, inp // 2)),
-            ("weight_scale", "F8_E4M3", (out, inp // nvfp4.BLOCK)),
+            ("weight_scale", "F8_E4M3", (out, inp // block)),
             ("weight_global_scale", "F32", (1,)),
         ]
         if input_scale:
             specs.append(("input_global_scale", "F32", (1,)))
         return specs
 
-    @staticmethod
-    def encode(q: nvfp4.Quantized, i: int, input_amax: float | None = None
+    @classmethod
+    def encode(cls, q: nvfp4.Quantized, i: int, input_amax: float | None = None
                ) -> dict[str, torch.Tensor]:
         out = {
             "weight_packed": q.packed[i],
@@ -138,6 +147,39 @@ class Nvfp4Codec(Codec):
         if input_amax is not None:
             out["input_global_scale"] = nvfp4.global_scale(torch.tensor([input_amax]))
         return out
+
+
+class Nvfp4PairBitmaskCodec(Nvfp4Codec):
+    """Paired-4:8 NVFP4 stored sparse (p48.md, MoESQ's "pair-bitmask"): only the 2 kept bytes
+    of every 4-byte chunk plus a 4-bit mask per chunk; ~0.65x the dense bytes, lossless."""
+
+    name = "nvfp4-pair-bitmask"
+    params = ("weight_sparse_packed", "weight_sparse_mask", "weight_scale",
+              "weight_global_scale")
+    packed_param = "weight_sparse_packed"
+
+    @classmethod
+    def logical_shape(cls, infos, shape_value):
+        out, quarter = infos[cls.packed_param].shape
+        return out, quarter * 4
+
+    @classmethod
+    def unpack(cls, t):
+        packed = p48.from_pair_bitmask(t["weight_sparse_packed"], t["weight_sparse_mask"])
+        return packed, t["weight_scale"], t["weight_global_scale"].reshape(-1)
+
+    @classmethod
+    def specs(cls, shape, input_scale=False, block=nvfp4.BLOCK):
+        out, inp = shape
+        dense = super().specs(shape, input_scale, block)
+        return [("weight_sparse_packed", "U8", (out, inp // 4)),
+                ("weight_sparse_mask", "U8", (out, inp // 16)), *dense[1:]]
+
+    @classmethod
+    def encode(cls, q, i, input_amax=None):
+        out = super().encode(q, i, input_amax)
+        sparse, mask = p48.to_pair_bitmask(out.pop("weight_packed"))
+        return {"weight_sparse_packed": sparse, "weight_sparse_mask": mask, **out}
 
 
 class ModeloptNvfp4Codec(Nvfp4Codec):
@@ -159,7 +201,13 @@ class ModeloptNvfp4Codec(Nvfp4Codec):
         return blocks.reshape(b, m, k)
 
     @classmethod
-    def specs(cls, shape: tuple[int, int], input_scale: bool = False) -> list[ParamSpec]:
+    def unpack(cls, t):
+        raise NotImplementedError("ModelOpt's reciprocal scale does not re-layout losslessly")
+
+    @classmethod
+    def specs(cls, shape, input_scale=False, block=nvfp4.BLOCK):
+        if block != nvfp4.BLOCK:
+            raise KconvertError(f"ModelOpt NVFP4 has block size {nvfp4.BLOCK}, not {block}")
         out, inp = shape
         specs = [
             ("weight", "U8", (out, inp // 2)),
@@ -170,9 +218,8 @@ class ModeloptNvfp4Codec(Nvfp4Codec):
             specs.append(("input_scale", "F32", ()))
         return specs
 
-    @staticmethod
-    def encode(q: nvfp4.Quantized, i: int, input_amax: float | None = None
-               ) -> dict[str, torch.Tensor]:
+    @classmethod
+    def encode(cls, q, i, input_amax=None):
         out = {
             "weight": q.packed[i],
             "weight_scale": q.block_scale[i],
@@ -203,7 +250,7 @@ class Fp8BlockCodec(Codec):
 
 
 SOURCE_CODECS: tuple[type[Codec], ...] = (
-    Int4Codec, Nvfp4Codec, ModeloptNvfp4Codec, Fp8BlockCodec, DenseCodec,
+    Int4Codec, Nvfp4Codec, Nvfp4PairBitmaskCodec, ModeloptNvfp4Codec, Fp8BlockCodec, DenseCodec,
 )
 OUTPUT_CODECS = {"compressed-tensors": Nvfp4Codec, "modelopt": ModeloptNvfp4Codec}
 # Parameters that belong to a format but that a decode does not need (W4A4 input scales).

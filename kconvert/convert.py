@@ -176,9 +176,13 @@ def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, options: dict, run: Ru
     _atomic_json(dst / STATE_DIR / "run.json", {"fingerprint": fingerprint})
 
     total = sum(item.nbytes for item in plan.items)
-    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=run.quiet,
-              desc=recipe.name, smoothing=0.1) as bar:
-        records = execute(plan, dst, device, done, bar.update, readers=run.readers)
+    try:
+        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=run.quiet,
+                  desc=recipe.name, smoothing=0.1) as bar:
+            records = execute(plan, dst, device, done, bar.update, readers=run.readers)
+    finally:
+        for stage in stages:
+            stage.close()
     manifest = _finish(ckpt, dst, plan, records, recipe.name, recorded)
     shutil.rmtree(dst / STATE_DIR)
     return manifest
@@ -229,6 +233,9 @@ def _finish(ckpt: Checkpoint, dst: Path, plan: Plan, records: dict[str, dict], c
         if fmt == "source":
             block = ckpt.config.get("quantization_config") or ckpt.text_config.get(
                 "quantization_config")
+        elif block is not None:
+            for stage in plan.stages:
+                stage.edit_quant_config(block)
         if (ckpt.root / "hf_quant_config.json").is_file():
             dropped["hf_quant_config.json"] = "ModelOpt quantization file; output is not ModelOpt"
     for name in sorted(GENERATED_FILES - {"config.json", "hf_quant_config.json", INDEX}):

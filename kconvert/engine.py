@@ -74,13 +74,18 @@ class CopyItem:
 
 @dataclass
 class DecodeGroup:
-    """Same-codec, same-shape modules decoded as one batch [B, out, in]."""
+    """Same-codec, same-shape, same-treatment modules decoded as one batch [B, out, in]."""
 
     modules: list[ModulePlan]
 
     @property
     def codec(self):
         return self.modules[0].codec
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        """Source parameters read: the codec's, plus those a re-layout carries over."""
+        return self.codec.params + self.modules[0].carried
 
 
 @dataclass
@@ -92,7 +97,9 @@ class TransformItem:
         by_key: dict[tuple, list[ModulePlan]] = defaultdict(list)
         for fused in self.sets:
             for m in fused:
-                by_key[(m.codec.name, m.shape, m.out_codec.__name__)].append(m)
+                key = (m.codec.name, m.shape, m.out_codec.__name__, m.block, m.repack,
+                       m.carried, id(m.transform))
+                by_key[key].append(m)
         self.groups = [DecodeGroup(ms) for ms in by_key.values()]
 
     @property
@@ -138,12 +145,6 @@ def read_shape_values(ckpt: Checkpoint) -> dict[str, tuple[int, ...]]:
     return values
 
 
-def _out_specs(m: ModulePlan) -> list[tuple[str, str, tuple]]:
-    if m.out_codec is DenseCodec:
-        return DenseCodec.specs(m.shape)
-    return m.out_codec.specs(m.shape, m.input_amax is not None)
-
-
 def _renames(names, stages: list[Stage]) -> dict[str, tuple[str | None, tuple[int, ...] | None]]:
     """Source name -> (output name or None if dropped, router rows kept or None)."""
     out = {}
@@ -187,7 +188,7 @@ def build_plan(ckpt: Checkpoint, stages: list[Stage], work_elems: int) -> Plan:
         transformed.append(m)
         stage = "+".join(m.stages)
         sources = tuple(i.name for i in m.params.values())
-        for param, dtype, shape in _out_specs(m):
+        for param, dtype, shape in m.out_specs():
             name = f"{m.out_module}.{param}"
             outputs[name] = OutTensor(name, dtype, tuple(shape), m.primary.file.name, sources,
                                       stage)
@@ -202,7 +203,16 @@ def build_plan(ckpt: Checkpoint, stages: list[Stage], work_elems: int) -> Plan:
         items += _copy_items([c for c in copies if c[0].file.name == shard])
         items += _transform_items([m for m in transformed if m.primary.file.name == shard],
                                   work_elems)
+    if any(getattr(s, "ordered_layers", False) for s in stages):
+        # A stage that streams calibration layers forward (SparseGPT) needs layer order
+        # across shards too; sorted() is stable, so within a layer shard order stays.
+        items.sort(key=lambda it: -1 if isinstance(it, CopyItem) else _item_layer(it))
     return Plan(ckpt, stages, modules, outputs, items, dropped)
+
+
+def _item_layer(item: TransformItem) -> int:
+    layer = item.sets[0][0].tn.layer
+    return -1 if layer is None else layer
 
 
 def _share_input_amax(modules: list[ModulePlan]) -> None:
@@ -307,7 +317,7 @@ def read_item(ckpt: Checkpoint, item: Item, pin: bool) -> list[torch.Tensor]:
         return bufs
     bufs = []
     for group in item.groups:
-        for param in group.codec.params:
+        for param in group.params:
             first = group.modules[0].params[param]
             raw = torch.empty(len(group.modules), first.nbytes, dtype=torch.uint8, pin_memory=pin)
             for i, m in enumerate(group.modules):
@@ -347,59 +357,97 @@ def compute_item(plan: Plan, item: Item, bufs: list[torch.Tensor], device: torch
         return Result(index, writes, {}, item.nbytes)
 
     # Decode every group to fp32 on the device: one batched op per (codec, shape) group.
-    decoded: list[torch.Tensor] = []
+    # A re-laid-out group (densify) is not decoded: its NVFP4 bytes go through unchanged.
+    decoded: list[torch.Tensor | None] = []
+    raw: list[dict[str, torch.Tensor]] = []
     amax: dict[str, torch.Tensor] = {}
     pos = 0
     for group in item.groups:
         params = {}
-        for param in group.codec.params:
+        for param in group.params:
             params[param] = bufs[pos].to(device, non_blocking=True)
             pos += 1
+        raw.append(params)
+        if group.modules[0].repack:
+            decoded.append(None)
+            continue
         w = group.codec.decode(params, group.modules[0].shape)
         group_amax = torch.maximum(w.amax(dim=(1, 2)), w.amin(dim=(1, 2)).neg())  # no |w| copy
         decoded.append(w)
         amax.update({m.module: group_amax[i] for i, m in enumerate(group.modules)})
-    finite = _to_host(torch.isfinite(torch.stack(list(amax.values()))))
+    checked = [m for g, w in zip(item.groups, decoded, strict=True) if w is not None
+               for m in g.modules]
+    finite = _to_host(torch.isfinite(torch.stack([amax[m.module] for m in checked]))) \
+        if checked else torch.ones(0, dtype=torch.bool)
 
-    # A fused set's members share the largest amax of the set (one global scale).
+    # A fused set's members share the largest amax of the set (one global scale), taken
+    # from the source weights, before any transform.
     set_amax = {}
     for fused in item.sets:
-        shared = torch.stack([amax[m.module] for m in fused]).amax()
-        set_amax.update({m.module: shared for m in fused})
+        if fused[0].module in amax:
+            shared = torch.stack([amax[m.module] for m in fused]).amax()
+            set_amax.update({m.module: shared for m in fused})
 
     writes, stats, encoded = [], {}, []
-    for group, w in zip(item.groups, decoded, strict=True):
+    for group, w, params in zip(item.groups, decoded, raw, strict=True):
         ms = group.modules
         out_codec = ms[0].out_codec
+        if w is None:
+            q = _unpacked(group.codec, params)
+            carried = {p: _to_host(params[p]) for p in ms[0].carried}
+            encoded.append((ms, q, _to_host(nvfp4.GLOBAL_NUMERATOR / q.global_scale), carried))
+            continue
         if out_codec is DenseCodec:
-            enc = _to_host(DenseCodec.encode(w)["weight"])
+            enc = _to_host(DenseCodec.encode(w, ms[0].dense_dtype)["weight"])
             for i, m in enumerate(ms):
                 writes.append((m.out_module + ".weight", enc[i], 0))
             continue
         a = torch.stack([set_amax[m.module] for m in ms])
         src_dtype = ms[0].primary.torch_dtype
         local = src_dtype if ms[0].codec is DenseCodec else torch.float32
-        q = nvfp4.quantize(w, a, plan.block_scale, chunk_elems, local_dtype=local)
+        source, codes = w, None
+        if ms[0].transform is not None:
+            w, codes = ms[0].transform.transform(ms, w, nvfp4.global_scale(a), plan.block_scale,
+                                                 local)
+        q = nvfp4.quantize(w, a, plan.block_scale, chunk_elems, local_dtype=local,
+                           block=ms[0].block, block_codes=codes)
+        if w is not source:  # the error that matters is against the source, not the transform
+            q.err_sq, q.ref_sq = _error_vs(source, q)
         q = nvfp4.Quantized(*(_to_host(t) for t in (q.packed, q.block_scale, q.global_scale,
                                                     q.err_sq, q.ref_sq)))
-        encoded.append((ms, q, _to_host(a)))
+        encoded.append((ms, q, _to_host(a), {}))
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the one wait per item: every host copy has landed
-    in_order = [m for g in item.groups for m in g.modules]
-    for ok, m in zip(finite.tolist(), in_order, strict=True):
+    for ok, m in zip(finite.tolist(), checked, strict=True):
         if not ok:
             bad = _nonfinite_param(plan.ckpt, m)
             raise KconvertError("NaN or Inf in the source weights", file=bad.file.name,
                                 tensor=bad.name)
-    for ms, q, a in encoded:
+    for ms, q, a, carried in encoded:
         out_codec = ms[0].out_codec
         gs, err, ref, amaxes = (q.global_scale.tolist(), q.err_sq.tolist(), q.ref_sq.tolist(),
                                 a.tolist())
         for i, m in enumerate(ms):
-            for param, t in out_codec.encode(q, i, m.input_amax).items():
+            tensors = {**out_codec.encode(q, i, m.input_amax),
+                       **{p: t[i] for p, t in carried.items()}}
+            for param, t in tensors.items():
                 writes.append((f"{m.out_module}.{param}", t, 0))
             stats[m.out_module] = ModuleStats(amaxes[i], gs[i], err[i], ref[i])
     return Result(index, writes, stats, item.nbytes)
+
+
+def _unpacked(codec, params: dict[str, torch.Tensor]) -> nvfp4.Quantized:
+    """NVFP4 bytes of a re-layout, host-side; it changes no value, so its error is 0."""
+    packed, scales, gs = (_to_host(t) for t in codec.unpack(params))
+    zero = torch.zeros(packed.shape[0], dtype=torch.float64)
+    return nvfp4.Quantized(packed, scales, gs, zero, zero)
+
+
+def _error_vs(source: torch.Tensor, q: nvfp4.Quantized) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of squared error of q's decode against `source`, sum of source squares) [B]."""
+    err = (nvfp4.dequantize(q.packed, q.block_scale, q.global_scale) - source).square()
+    return (err.sum((1, 2), dtype=torch.float64),
+            source.square().sum((1, 2), dtype=torch.float64))
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -586,7 +634,7 @@ def describe(plan: Plan) -> list[tuple[str, str, str, int, int, int]]:
         nin = sum(i.nbytes for i in m.params.values())
         row[0] += len(m.params)
         row[1] += nin
-        row[2] += sum(tensor_nbytes(d, s) for _, d, s in _out_specs(m)) if m.out_codec else nin
+        row[2] += sum(tensor_nbytes(d, s) for _, d, s in m.out_specs()) if m.out_codec else nin
     module_params = {i.name for m in plan.modules for i in m.params.values()}
     sources = {s: t for t in plan.outputs.values() if t.stage in ("copy", "select-rows")
                for s in t.sources}

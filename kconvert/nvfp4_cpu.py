@@ -1,83 +1,228 @@
-"""The NVFP4 block search fused into one pass per block, for CPUs (numba).
+"""The NVFP4 encoder fused into one pass per row, for CPUs (numba).
 
 Eager torch makes ~12 full passes over a matrix per candidate block scale; on a CPU that is
-memory-bound and far slower than the per-block work needs to be. This kernel does the same
-float32 operations in the same order as `nvfp4._block_error` / `nvfp4._nibbles` (one
-division for the step, one for y, a multiply and a subtract for the error, the fixed pairwise
-block sum, strict comparisons against the same cut points), so its bytes are identical to the
-torch path's; a test holds the two together.
+memory-bound and far slower than the per-block work needs to be. These kernels do the same
+float32 operations in the same order as the torch path (`nvfp4._amax_block_scale`,
+`_block_error`, `_nibbles`: true divisions, a multiply and a subtract for the error, the fixed
+pairwise block sum, strict comparisons against the same cut points, round-to-nearest-even into
+FP8), so their bytes are identical to the torch path's; tests hold the two together.
+
+The block search runs on LANES blocks side by side, stored transposed (element j of lane l at
+[j, l]): every step of it, the pairwise tree sum included, is then an element-wise operation
+on LANES-wide rows that LLVM vectorises, and the tree still adds in the torch path's order.
 """
 
 from __future__ import annotations
 
 import numba
 import numpy as np
+import torch
+
+from kconvert import nvfp4
+
+LANES = 16  # blocks searched side by side: one AVX-512 vector of fp32
+_FP8 = nvfp4._FP8_VALUES.numpy()  # fp32 value of each FP8 e4m3 code 0..127
+_CUTS = tuple(np.float32(c) for c in nvfp4._cut_points(torch.device("cpu")).tolist())
+_ZERO = np.int32(nvfp4._ZERO_CODE)
+_SIX = np.float32(nvfp4.FP4_MAX)
+_FP8_MAX = np.float32(nvfp4.FP8_MAX)
+_MIN_NORMAL = np.float32(2.0**-6)  # smallest normal FP8 e4m3; below it codes step by 2^-9
+# error_model="numpy": a float division has no zero-division branch, which would stop LLVM
+# from vectorising the loops (the torch path divides the same way: x / 0 -> inf).
+_JIT = {"cache": True, "error_model": "numpy"}
 
 
-@numba.njit(cache=True, inline="always")
-def _e2m1_index(y, cuts):
-    idx = 0
-    for c in range(7):
-        if y > cuts[c]:
-            idx += 1
-    return idx
+@numba.njit(inline="always", **_JIT)
+def _fp8_codes(v, out):
+    """out[i] = the FP8 e4m3 code nearest to fp32 v[i] >= 0, ties to even, v above 448 clamped
+    to 448: torch's float32 -> float8_e4m3fn cast after nvfp4's clamp (NaN -> 0x7F, as
+    torch's). Branch-free on the fp32 bits, so a loop over lanes vectorises."""
+    bits = v.view(np.int32)
+    for i in range(v.shape[0]):
+        f, b = v[i], bits[i]
+        # Normal range: round the 23 mantissa bits to 3 (ties to even); a carry moves into the
+        # exponent, and the fp32 exponent bias 127 becomes FP8's 7.
+        c = ((b + 0x7FFFF + ((b >> 20) & 1)) >> 20) - (120 << 3)
+        # Below 2^-6 (FP8 subnormals and 0): multiples of 2^-9, codes 0..8.
+        sub = np.int32(np.rint((f if f < _MIN_NORMAL else _MIN_NORMAL) * np.float32(512.0)))
+        c = sub if f < _MIN_NORMAL else c
+        c = 0x7E if f >= _FP8_MAX else c
+        out[i] = 0x7F if f != f else c
 
 
-@numba.njit(cache=True, inline="always")
-def _e2m1_value(y, cuts):
-    """E2M1 magnitude of y without a table or branches (so LLVM can vectorise): the steps
-    0.5, 0.5, 0.5, 0.5, 1, 1, 2 between the codes' values add up exactly in float32."""
-    half, one, two = np.float32(0.5), np.float32(1.0), np.float32(2.0)
-    return (half * np.float32(y > cuts[0]) + half * np.float32(y > cuts[1])
-            + half * np.float32(y > cuts[2]) + half * np.float32(y > cuts[3])
-            + one * np.float32(y > cuts[4]) + one * np.float32(y > cuts[5])
-            + two * np.float32(y > cuts[6]))
+@numba.njit(inline="always", **_JIT)
+def _e2m1_index(y):
+    """E2M1 code 0..7 of y >= 0: the number of cut points strictly below it (bucketize)."""
+    one = np.int32(1)
+    return ((one if y > _CUTS[0] else 0) + (one if y > _CUTS[1] else 0)
+            + (one if y > _CUTS[2] else 0) + (one if y > _CUTS[3] else 0)
+            + (one if y > _CUTS[4] else 0) + (one if y > _CUTS[5] else 0)
+            + (one if y > _CUTS[6] else 0))
 
 
-@numba.njit(cache=True)
-def _block_error(x, r, k0, step, cuts, sq):
-    for j in range(16):
-        a = abs(x[r, k0 + j])
-        e = _e2m1_value(a / step, cuts) * step - a
-        sq[j] = e * e
-    # Pairwise tree, as nvfp4._block_sum: (0+1), (2+3), ... then pairs of those.
-    n = 16
-    while n > 1:
-        for j in range(n // 2):
-            sq[j] = sq[2 * j] + sq[2 * j + 1]
-        n //= 2
-    return sq[0]
+@numba.njit(inline="always", **_JIT)
+def _e2m1_value(y):
+    """E2M1 magnitude of y >= 0, the value _e2m1_index's code stands for, in a few vector ops:
+    E2M1 is a grid of step 0.5 below 2, 1 below 4 and 2 up to 6, and rounding to it with the
+    cut points' ties (to the even code) is rint (ties to even) on that grid, exact in fp32."""
+    two, four, six = np.float32(2.0), np.float32(4.0), np.float32(6.0)
+    unit = np.float32(0.5) if y < two else (np.float32(1.0) if y < four else two)
+    inv = two if y < two else (np.float32(1.0) if y < four else np.float32(0.5))
+    return min(np.rint(y * inv) * unit, six)
 
 
-@numba.njit(parallel=True, cache=True)
-def quantize_rows(x, row_gs, base, offsets, fp8_values, cuts, packed, codes, row_err, row_ref):
-    """x [R, K] f32, row_gs [R] f32, base [R, K/16] u8 (amax-rule codes) -> packed, codes."""
-    rows, k = x.shape
+@numba.njit(inline="always", **_JIT)
+def _bit_reversal(n):
+    """rev [n]: each index 0..n-1 with its log2(n) bits in reverse order (n a power of 2)."""
+    rev = np.zeros(n, dtype=np.int64)
+    bit, weight = 1, n // 2
+    while weight >= 1:
+        for e in range(n):
+            rev[e] += weight if e & bit else 0
+        bit, weight = bit * 2, weight // 2
+    return rev
+
+
+@numba.njit(**_JIT)
+def _encode_row(x, gs, codes, codes_in, offsets, block, packed):
+    """Encode one row x [K] fp32 with global scale gs: packed [K/2], block scale codes
+    codes [K/block]; returns (sum of squared errors, sum of squares), float64.
+
+    Each block's scale is the first of base + offsets[o] (offsets[0] = 0, the others clamped to
+    1..0x7E) with the smallest block error, as nvfp4._choose; the base codes are the amax
+    rule's, computed here, unless `codes_in` says `codes` already holds them.
+
+    LANES blocks at a time are stored transposed, element e of lane l's block at row rev[e]
+    (bit reversal): nvfp4._block_sum's pairwise tree, (0+1), (2+3), ... then pairs of those,
+    is then row r + row r + h at every level, for h = block/2, block/4, ..., 1, in that order.
+    """
+    nb = x.shape[0] // block
+    half = block // 2
+    rev = _bit_reversal(block)
+    xt = np.zeros((block, LANES), dtype=np.float32)
+    mag = np.empty((block, LANES), dtype=np.float32)
+    sq = np.empty((half, LANES), dtype=np.float32)  # the tree's level sums
+    sq_flat = sq.reshape(half * LANES)  # the levels as flat loops, which LLVM vectorises
+    nib = np.empty((block, LANES), dtype=np.int32)
+    vec = np.empty(LANES, dtype=np.float32)  # per lane: block amax, then FP8 scale input
+    step = np.empty(LANES, dtype=np.float32)
+    base = np.empty(LANES, dtype=np.int32)
+    cand = np.empty(LANES, dtype=np.int32)
+    best = np.empty(LANES, dtype=np.int32)
+    best_err = np.empty(LANES, dtype=np.float32)
+    err = np.zeros(LANES, dtype=np.float64)
+    ref = np.zeros(LANES, dtype=np.float64)
+    steps = _FP8 / gs  # the element step fp32(d) / gs of every FP8 code d
+    for b0 in range(0, nb, LANES):
+        n = min(LANES, nb - b0)
+        if n < LANES:  # the lanes past the row's last block hold zeros and are dropped
+            xt[:] = 0
+        for lane in range(n):
+            for e in range(block):
+                xt[rev[e], lane] = x[(b0 + lane) * block + e]
+        vec[:] = 0  # block amax, NaN kept as torch's amax keeps it
+        for r in range(block):
+            for lane in range(LANES):
+                a = abs(xt[r, lane])
+                mag[r, lane] = a
+                ref[lane] += np.float64(a) * np.float64(a)
+                vec[lane] = a if a > vec[lane] or a != a else vec[lane]
+        if codes_in:
+            for lane in range(LANES):
+                base[lane] = codes[b0 + lane] if lane < n else _ZERO
+        else:  # nvfp4._amax_block_scale with local dtype fp32
+            for lane in range(LANES):
+                vec[lane] = gs * (vec[lane] / _SIX)
+            _fp8_codes(vec, base)
+            for lane in range(LANES):
+                base[lane] = _ZERO if base[lane] == 0 else base[lane]
+        for o in range(offsets.shape[0]):
+            off = offsets[o]
+            lo, hi = (0, 0x7F) if o == 0 else (1, 0x7E)
+            for lane in range(LANES):
+                c = min(max(base[lane] + off, lo), hi)
+                cand[lane] = c
+                step[lane] = steps[c]
+            for r in range(half):  # the squared errors of each pair of elements, summed
+                for lane in range(LANES):
+                    s, a0, a1 = step[lane], mag[r, lane], mag[r + half, lane]
+                    e0 = _e2m1_value(a0 / s) * s - a0
+                    e1 = _e2m1_value(a1 / s) * s - a1
+                    sq[r, lane] = e0 * e0 + e1 * e1
+            h = half * LANES
+            while h > LANES:
+                h //= 2
+                for i in range(h):
+                    sq_flat[i] = sq_flat[i] + sq_flat[i + h]
+            for lane in range(LANES):
+                e = sq[0, lane]  # the tree's root
+                better = o == 0 or e < best_err[lane]  # strict: ties keep the earlier code
+                best_err[lane] = e if better else best_err[lane]
+                best[lane] = cand[lane] if better else best[lane]
+        for lane in range(LANES):
+            err[lane] += best_err[lane]
+            step[lane] = steps[best[lane]]
+        for r in range(block):
+            for lane in range(LANES):
+                y = xt[r, lane] / step[lane]
+                # The sign from y < 0, as compressed-tensors: -0.0 and +0.0 give 0x0.
+                nib[r, lane] = _e2m1_index(abs(y)) | (8 if y < 0 else 0)
+        for lane in range(n):
+            codes[b0 + lane] = best[lane]
+            k0 = (b0 + lane) * half
+            for j in range(half):  # elements 2j and 2j+1: rows rev[2j] and rev[2j] + half
+                packed[k0 + j] = nib[rev[2 * j], lane] | (nib[rev[2 * j] + half, lane] << 4)
+    return err.sum(), ref.sum()
+
+
+@numba.njit(parallel=True, **_JIT)
+def quantize_rows(x, row_gs, codes, codes_in, offsets, block, packed, row_err, row_ref):
+    """Rows x [R, K] fp32, global scales row_gs [R] -> packed [R, K/2], codes [R, K/block]
+    (input too when `codes_in`), row_err / row_ref [R]; see _encode_row."""
+    for r in numba.prange(x.shape[0]):
+        err, ref = _encode_row(x[r], row_gs[r], codes[r], codes_in, offsets, block, packed[r])
+        row_err[r] = err
+        row_ref[r] = ref
+
+
+@numba.njit(inline="always", **_JIT)
+def _int4_code(words, i):
+    """INT4 code -8..7 of element i of a row of pack-quantized words (low nibble first)."""
+    return ((words[i >> 3] >> ((i & 7) * 4)) & 0xF) - 8
+
+
+@numba.njit(parallel=True, **_JIT)
+def quantize_int4_rows(words, scale, row_gs, offsets, block, packed, codes, row_err, row_ref):
+    """quantize_rows of INT4 rows (words int32 [R, K/8], fp32 scales [R, G]), each decoded to
+    fp32 (code * scale, exact as Int4Codec.decode) into a row buffer first."""
+    rows, k = words.shape[0], words.shape[1] * 8
+    group = k // scale.shape[1]
     for r in numba.prange(rows):
-        gs = row_gs[r]
-        sq = np.empty(16, dtype=np.float32)
-        err_total = 0.0
-        ref_total = 0.0
-        for b in range(k // 16):
-            k0 = b * 16
-            c0 = np.int32(base[r, b])
-            best = c0
-            best_err = _block_error(x, r, k0, fp8_values[c0] / gs, cuts, sq)
-            for o in range(1, offsets.shape[0]):
-                c = min(max(c0 + offsets[o], 1), 0x7E)
-                err = _block_error(x, r, k0, fp8_values[c] / gs, cuts, sq)
-                if err < best_err:  # strict: ties keep the earlier candidate
-                    best_err = err
-                    best = c
-            codes[r, b] = best
-            step = fp8_values[best] / gs
-            for j in range(0, 16, 2):
-                y0 = x[r, k0 + j] / step
-                y1 = x[r, k0 + j + 1] / step
-                n0 = _e2m1_index(abs(y0), cuts) | (8 if y0 < 0 else 0)
-                n1 = _e2m1_index(abs(y1), cuts) | (8 if y1 < 0 else 0)
-                packed[r, (k0 + j) // 2] = n0 | (n1 << 4)
-                ref_total += np.float64(x[r, k0 + j]) ** 2 + np.float64(x[r, k0 + j + 1]) ** 2
-            err_total += best_err
-        row_err[r] = err_total
-        row_ref[r] = ref_total
+        x = np.empty(k, dtype=np.float32)
+        for w in range(words.shape[1]):  # codes word by word: constant shifts
+            word = words[r, w]
+            for t in range(8):
+                x[8 * w + t] = np.float32(((word >> (4 * t)) & 0xF) - 8)
+        for g in range(scale.shape[1]):
+            s = scale[r, g]
+            for i in range(g * group, (g + 1) * group):
+                x[i] *= s
+        err, ref = _encode_row(x, row_gs[r], codes[r], False, offsets, block, packed[r])
+        row_err[r] = err
+        row_ref[r] = ref
+
+
+@numba.njit(parallel=True, **_JIT)
+def int4_row_amax(words, scale, out):
+    """out [R] = max |code * scale| of each INT4 row, as the largest |code| of each group
+    times |scale| (fp32 rounding is monotone, so this is exact); NaN propagates."""
+    group = words.shape[1] * 8 // scale.shape[1]
+    for r in numba.prange(words.shape[0]):
+        m = np.float32(0.0)
+        for g in range(scale.shape[1]):
+            c = 0
+            for i in range(g * group, (g + 1) * group):
+                c = max(c, abs(_int4_code(words[r], i)))
+            v = np.float32(c) * abs(scale[r, g])
+            m = v if v > m or v != v else m
+        out[r] = m

@@ -1,8 +1,8 @@
 """Recipes: declarative TOML files in `pipelines/` naming the stages of a conversion.
 
-A recipe is a list of `[[stages]]` tables (`stage = "dequant" | "quantize"` plus that stage's
-options) and optionally `requires_source`, a codec the source must contain. Command-line
-options override the recipe's stage options.
+A recipe is a list of `[[stages]]` tables (`stage = "dequant" | "prune" | "sparsify" |
+"quantize" | "densify"` plus that stage's options) and optionally `requires_source`, a codec
+the source must contain. Command-line options override the recipe's stage options.
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from kconvert.codecs import DenseCodec
 from kconvert.errors import KconvertError
+from kconvert.sparsify import Densify, Sparsify
 from kconvert.stages import Dequant, Quantize, Stage, parse_targets
 
 
@@ -49,12 +51,26 @@ def load_recipe(name_or_path: str) -> Recipe:
 
 
 def build_stages(recipe: Recipe, overrides: dict) -> list[Stage]:
-    """Stage objects from a recipe; non-None `overrides` replace quantize options."""
+    """Stage objects from a recipe; non-None `overrides` replace the recipe's options."""
     stages: list[Stage] = []
+    given = {k: v for k, v in overrides.items() if v is not None}
     for spec in recipe.stages:
         kind = spec.get("stage")
+        opts = {**spec, **given}
         if kind == "dequant":
-            stages.append(Dequant())
+            dtype = opts.get("dtype", "BF16")
+            if dtype not in DenseCodec.DTYPES:
+                raise KconvertError(f"dequant dtype must be one of {sorted(DenseCodec.DTYPES)}")
+            stages.append(Dequant(dtype))
+        elif kind == "sparsify":
+            if opts.get("pattern", "p48") != "p48":
+                raise KconvertError(f"unknown sparsity pattern {opts['pattern']!r}; only p48")
+            stages.append(Sparsify(
+                method=opts.get("method", "magnitude"), group_size=opts.get("group_size", 16),
+                storage=opts.get("storage", "dense"), stats=opts.get("stats"),
+                data=opts.get("data_record"), hessians=opts.get("hessians")))
+        elif kind == "densify":
+            stages.append(Densify())
         elif kind == "prune":
             # The plan is data, not a recipe option: `kconvert reap` (or --plan) supplies it.
             if overrides.get("prune") is None:
@@ -62,8 +78,6 @@ def build_stages(recipe: Recipe, overrides: dict) -> list[Stage]:
                                     "(kconvert reap ... --plan FILE | --stats DIR | --data FILE)")
             stages.append(overrides["prune"])
         elif kind == "quantize":
-            opts = {**spec, **{k: v for k, v in overrides.items()
-                                if v is not None and k != "prune"}}
             if opts.get("format", "compressed-tensors") not in ("compressed-tensors", "modelopt"):
                 raise KconvertError(f"unknown format {opts['format']!r}")
             stages.append(Quantize(
@@ -74,4 +88,8 @@ def build_stages(recipe: Recipe, overrides: dict) -> list[Stage]:
             ))
         else:
             raise KconvertError(f"unknown stage {kind!r} in recipe {recipe.name}")
+    kinds = [type(s) for s in stages]
+    if Sparsify in kinds and Quantize not in kinds[kinds.index(Sparsify):]:
+        raise KconvertError(f"recipe {recipe.name}: sparsify must be followed by a quantize "
+                            "stage (p48 output is NVFP4)")
     return stages

@@ -15,10 +15,12 @@ import compressed_tensors
 from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
 
 from kconvert import __version__
-from kconvert.codecs import DenseCodec, ModeloptNvfp4Codec, Nvfp4Codec
+from kconvert.codecs import DenseCodec, ModeloptNvfp4Codec, Nvfp4Codec, Nvfp4PairBitmaskCodec
+from kconvert.errors import KconvertError
 from kconvert.layout import Role
 from kconvert.stages import ModulePlan
 
+CT_NVFP4 = (Nvfp4Codec, Nvfp4PairBitmaskCodec)
 # compressed-tensors target regexes per role (vLLM matches them against module names).
 CT_TARGETS = {
     Role.ROUTED_EXPERT: r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$",
@@ -33,29 +35,43 @@ def output_format(modules: list[ModulePlan]) -> str:
     codecs = {m.out_codec or m.codec for m in modules}
     if ModeloptNvfp4Codec in codecs:
         return "modelopt"
-    if Nvfp4Codec in codecs:
+    if codecs & set(CT_NVFP4):
         return "compressed-tensors"
     if codecs <= {DenseCodec}:
         return "bf16"
     return "source"  # nothing re-encoded and the source was quantized: its block stays
 
 
-def _nvfp4_roles(modules: list[ModulePlan]) -> list[Role]:
-    roles = {m.tn.role for m in modules if (m.out_codec or m.codec) in (Nvfp4Codec,
-                                                                        ModeloptNvfp4Codec)}
-    return [r for r in CT_TARGETS if r in roles]
+def _roles_by_block(modules: list[ModulePlan]) -> dict[int, list[Role]]:
+    """NVFP4 roles of the output per scale block size (16; 32 for sparse kernels)."""
+    blocks: dict[Role, set[int]] = {}
+    for m in modules:
+        if (m.out_codec or m.codec) in CT_NVFP4:
+            blocks.setdefault(m.tn.role, set()).add(m.block)
+    mixed = [r.value for r, b in blocks.items() if len(b) > 1]
+    if mixed:
+        raise KconvertError(f"{mixed}: one role must use one NVFP4 block size")
+    by_block: dict[int, list[Role]] = {}
+    for role in CT_TARGETS:
+        if role in blocks:
+            by_block.setdefault(next(iter(blocks[role])), []).append(role)
+    return dict(sorted(by_block.items()))
 
 
 def compressed_tensors_block(modules: list[ModulePlan], has_vision: bool) -> dict:
-    """NVFP4A16, or NVFP4 (W4A4) when calibrated input scales were written."""
-    w4a4 = any(m.input_amax is not None for m in modules)
-    scheme = preset_name_to_scheme(
-        "NVFP4" if w4a4 else "NVFP4A16", [CT_TARGETS[r] for r in _nvfp4_roles(modules)]
-    )
-    scheme.format = "nvfp4-pack-quantized"
+    """NVFP4A16, or NVFP4 (W4A4) when calibrated input scales were written; one config
+    group per block size (group 32 is p48's sparse-kernel form, see the README)."""
+    w4a4 = any(m.has_input_scale for m in modules)
+    groups = {}
+    for i, (block, roles) in enumerate(_roles_by_block(modules).items()):
+        scheme = preset_name_to_scheme("NVFP4" if w4a4 else "NVFP4A16",
+                                       [CT_TARGETS[r] for r in roles])
+        scheme.weights.group_size = block
+        scheme.format = "nvfp4-pack-quantized"
+        groups[f"group_{i}"] = scheme
     ignore = ["lm_head"] + (["re:vision_tower.*", "re:mm_projector.*"] if has_vision else [])
     qc = QuantizationConfig(
-        config_groups={"group_0": scheme},
+        config_groups=groups,
         format="nvfp4-pack-quantized",
         quantization_status="compressed",
         ignore=ignore,
@@ -89,7 +105,7 @@ def modelopt_blocks(modules: list[ModulePlan], names: list[str]) -> tuple[dict, 
     producer = {"name": "kconvert", "version": __version__}
     # ModelOpt's "NVFP4" is W4A4 (engines read input_scale); weight-only NVFP4 is
     # "W4A16_NVFP4" (ModelOpt PR #1313, vLLM PR #41769), which needs no input scales.
-    w4a4 = any(m.input_amax is not None for m in modules)
+    w4a4 = any(m.has_input_scale for m in modules)
     quant = {"quant_algo": "NVFP4" if w4a4 else "W4A16_NVFP4", "kv_cache_quant_algo": None,
              "group_size": 16, "exclude_modules": exclude}
     return (

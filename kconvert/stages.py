@@ -13,8 +13,18 @@ import json
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
+from typing import Protocol
 
-from kconvert.codecs import OUTPUT_CODECS, Codec, DenseCodec, detect_codec
+import torch
+
+from kconvert.codecs import (
+    OPTIONAL_PARAMS,
+    OUTPUT_CODECS,
+    Codec,
+    DenseCodec,
+    Nvfp4PairBitmaskCodec,
+    detect_codec,
+)
 from kconvert.errors import KconvertError
 from kconvert.layout import TARGET_ROLES, Role, TensorName, parse_name
 from kconvert.safetensors_io import TensorInfo
@@ -43,6 +53,13 @@ class ModulePlan:
     stages: list[str] = field(default_factory=list)
     # Calibrated activation amax (W4A4 input scale); shared by the module's fused set.
     input_amax: float | None = None
+    dense_dtype: str = "BF16"  # what a decoded module is written as (F32: exact INT4 values)
+    block: int = 16  # NVFP4 elements per FP8 block scale (32 for sparse kernels)
+    storage: str = "dense"  # NVFP4 byte layout: "dense" or "pair-bitmask" (p48 only)
+    # The stage that changes the decoded fp32 weights before encoding (sparsify), if any.
+    transform: WeightTransform | None = None
+    # Re-laid out byte for byte (NVFP4 -> NVFP4, e.g. densify), never decoded or re-encoded.
+    repack: bool = False
 
     def __post_init__(self) -> None:
         self.out_module = self.out_module or self.module
@@ -51,6 +68,34 @@ class ModulePlan:
     def primary(self) -> TensorInfo:
         """The parameter whose shard the module's output lands in."""
         return self.params[self.codec.params[0]]
+
+    @property
+    def carried(self) -> tuple[str, ...]:
+        """Optional parameters (W4A4 input scales) a re-layout carries over unchanged."""
+        return tuple(p for p in sorted(OPTIONAL_PARAMS) if self.repack and p in self.params)
+
+    @property
+    def has_input_scale(self) -> bool:
+        """W4A4: the output carries an input scale (calibrated, or carried by a re-layout)."""
+        return self.input_amax is not None or any(p in self.carried for p in OPTIONAL_PARAMS)
+
+    def out_specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(param, dtype, shape) of every output tensor of a re-encoded module."""
+        if self.out_codec is DenseCodec:
+            return DenseCodec.specs(self.shape, self.dense_dtype)
+        specs = self.out_codec.specs(self.shape, self.input_amax is not None, self.block)
+        return specs + [(p, self.params[p].dtype, self.params[p].shape) for p in self.carried]
+
+
+class WeightTransform(Protocol):
+    """Changes B same-shaped modules' decoded fp32 weights before they are encoded."""
+
+    def transform(self, modules: list[ModulePlan], w: torch.Tensor, gs: torch.Tensor,
+                  block_scale: str, local_dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(new weights [B, M, K], FP8 block-scale codes to encode them with, or None to let
+        the encoder choose). `gs` [B] are the NVFP4 global scales they will be encoded with."""
+        ...
 
 
 class Stage:
@@ -73,21 +118,33 @@ class Stage:
         """The options that decide the output bytes, for the manifest and resume checks."""
         return {}
 
+    def edit_quant_config(self, block: dict) -> None:
+        """Change the output's compressed-tensors quantization_config block (in place)."""
+
     def output_files(self) -> dict[str, str]:
         """Files (name -> text) this stage adds to the output, e.g. the pruning plan."""
         return {}
 
+    def close(self) -> None:
+        """Release what the stage holds for the run (threads, open files)."""
+
 
 @dataclass(frozen=True)
 class Dequant(Stage):
-    """Every quantized module (INT4, NVFP4, FP8) is decoded; alone, it writes BF16."""
+    """Every quantized module (INT4, NVFP4, FP8) is decoded; alone, it writes BF16, or F32
+    (`dtype`), which holds INT4's q * scale exactly: a lossless intermediate."""
 
+    dtype: str = "BF16"
     name: str = "dequant"
 
     def plan(self, m: ModulePlan) -> None:
         if m.codec.quantized:
             m.out_codec = DenseCodec
+            m.dense_dtype = self.dtype
             m.stages.append(self.name)
+
+    def recorded(self) -> dict:
+        return {"dtype": self.dtype}
 
 
 @dataclass(frozen=True)
@@ -134,7 +191,17 @@ class Quantize(Stage):
                     file=m.primary.file.name, tensor=m.primary.name,
                 )
             m.out_codec = OUTPUT_CODECS[self.fmt]
+            if m.storage == "pair-bitmask" or m.block != 16:
+                if self.fmt != "compressed-tensors":
+                    raise KconvertError(f"--format {self.fmt} has no form for block size "
+                                        f"{m.block} / {m.storage} storage; use "
+                                        "compressed-tensors", tensor=m.module)
+                if m.storage == "pair-bitmask":
+                    m.out_codec = Nvfp4PairBitmaskCodec
             m.stages.append(self.name)
+        elif m.transform is not None:
+            raise KconvertError("a sparsified module must also be quantized: add its role to "
+                                "the quantize stage's targets", tensor=m.module)
         elif m.codec.quantized and m.codec is not OUTPUT_CODECS[self.fmt]:
             m.out_codec = DenseCodec
             m.stages.append("dequant")

@@ -24,8 +24,9 @@ from safetensors.torch import save_file
 from third_party_prune import prune
 
 from conftest import ROOT
-from kconvert.audit import audit, p48_check
+from kconvert.audit import audit
 from kconvert.convert import RunControl, convert
+from kconvert.p48 import check_packed as p48_check
 from kconvert.pipeline import load_recipe
 from kconvert.plan import Plan, load_plan, plan_json_schema
 from kconvert.reap import prune_stage

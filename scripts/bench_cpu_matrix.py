@@ -1,0 +1,75 @@
+"""CPU milliseconds per full-size expert matrix, INT4 -> NVFP4, with every core of this machine.
+
+    python scripts/bench_cpu_matrix.py [--shape 2048x7168] [--batch 4] [--reps 5]
+
+Source: random Kimi-style INT4 (codes -7..7, bf16 group-32 scales), as Kimi-K2-Thinking ships.
+Two paths, each for the `amax` and `mse` block-scale rules:
+  decode+quantize  Int4Codec.decode to fp32, amax from it, nvfp4.quantize (what the engine does)
+  quantize_int4    nvfp4.int4_amax + nvfp4.quantize_int4 (INT4 decoded inside the fused kernel)
+The anchor (llm-compressor model_free_ptq, 16 cores) takes 233 ms per 2048x7168 matrix; 10x
+that is 23 ms. Prints one JSON line; the first (compiling) call of each path is not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from kconvert import nvfp4
+from kconvert.codecs import Int4Codec
+
+
+def kimi_int4(batch: int, m: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """packed int32 [B, M, K/8] with codes -7..7 (low nibble first), bf16 scales [B, M, K/32]."""
+    g = torch.Generator().manual_seed(seed)
+    nibbles = torch.randint(1, 16, (batch, m, k // 8, 8), generator=g, dtype=torch.int32)
+    packed = (nibbles << torch.arange(0, 32, 4, dtype=torch.int32)).sum(-1, dtype=torch.int32)
+    scale = (torch.rand(batch, m, k // 32, generator=g) * 0.004 + 0.001).to(torch.bfloat16)
+    return packed, scale
+
+
+def decode_quantize(packed: torch.Tensor, scale: torch.Tensor, mode: str) -> nvfp4.Quantized:
+    m, k = packed.shape[1], packed.shape[2] * 8
+    w = Int4Codec.decode({"weight_packed": packed, "weight_scale": scale}, (m, k))
+    return nvfp4.quantize(w, w.abs().amax(dim=(1, 2)), mode)
+
+
+def fused_int4(packed: torch.Tensor, scale: torch.Tensor, mode: str) -> nvfp4.Quantized:
+    return nvfp4.quantize_int4(packed, scale, nvfp4.int4_amax(packed, scale), mode)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="2048x7168", help="MxK of one matrix")
+    ap.add_argument("--batch", type=int, default=4, help="matrices per call")
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    m, k = (int(v) for v in args.shape.split("x"))
+    packed, scale = kimi_int4(args.batch, m, k)
+    paths = {"decode+quantize": decode_quantize}
+    if hasattr(nvfp4, "quantize_int4"):  # so that older checkouts give their "before" numbers
+        paths["quantize_int4"] = fused_int4
+    import numba
+
+    out: dict = {"nproc": os.cpu_count(), "numba_threads": numba.get_num_threads(),
+                 "torch_threads": torch.get_num_threads(), "shape": args.shape,
+                 "batch": args.batch}
+    for name, fn in paths.items():
+        for mode in ("amax", "mse"):
+            fn(packed, scale, mode)  # compile / warm up
+            times = []
+            for _ in range(args.reps):
+                t = time.perf_counter()
+                fn(packed, scale, mode)
+                times.append(time.perf_counter() - t)
+            out[f"{name} {mode} ms/matrix"] = round(statistics.median(times) / args.batch * 1e3, 2)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
