@@ -30,7 +30,7 @@ import torch
 import xxhash
 
 from kconvert import nvfp4
-from kconvert.codecs import DenseCodec
+from kconvert.codecs import DenseCodec, Int4Codec
 from kconvert.errors import KconvertError
 from kconvert.layout import Role, parse_name, split_param
 from kconvert.safetensors_io import ShardWriter, TensorInfo, tensor_nbytes
@@ -371,12 +371,15 @@ def compute_item(plan: Plan, item: Item, bufs: list[torch.Tensor], device: torch
         if group.modules[0].repack:
             decoded.append(None)
             continue
-        w = group.codec.decode(params, group.modules[0].shape)
-        group_amax = torch.maximum(w.amax(dim=(1, 2)), w.amin(dim=(1, 2)).neg())  # no |w| copy
-        decoded.append(w)
+        if _fused_int4(group, device):  # decoded inside the CPU encoder, never as fp32
+            group_amax = nvfp4.int4_amax(params["weight_packed"], params["weight_scale"])
+            decoded.append(None)
+        else:
+            w = group.codec.decode(params, group.modules[0].shape)
+            group_amax = torch.maximum(w.amax(dim=(1, 2)), w.amin(dim=(1, 2)).neg())  # no |w|
+            decoded.append(w)
         amax.update({m.module: group_amax[i] for i, m in enumerate(group.modules)})
-    checked = [m for g, w in zip(item.groups, decoded, strict=True) if w is not None
-               for m in g.modules]
+    checked = [m for g in item.groups if not g.modules[0].repack for m in g.modules]
     finite = _to_host(torch.isfinite(torch.stack([amax[m.module] for m in checked]))) \
         if checked else torch.ones(0, dtype=torch.bool)
 
@@ -392,7 +395,7 @@ def compute_item(plan: Plan, item: Item, bufs: list[torch.Tensor], device: torch
     for group, w, params in zip(item.groups, decoded, raw, strict=True):
         ms = group.modules
         out_codec = ms[0].out_codec
-        if w is None:
+        if ms[0].repack:
             q = _unpacked(group.codec, params)
             carried = {p: _to_host(params[p]) for p in ms[0].carried}
             encoded.append((ms, q, _to_host(nvfp4.GLOBAL_NUMERATOR / q.global_scale), carried))
@@ -403,6 +406,11 @@ def compute_item(plan: Plan, item: Item, bufs: list[torch.Tensor], device: torch
                 writes.append((m.out_module + ".weight", enc[i], 0))
             continue
         a = torch.stack([set_amax[m.module] for m in ms])
+        if w is None:
+            q = nvfp4.quantize_int4(params["weight_packed"], params["weight_scale"], a,
+                                    plan.block_scale, ms[0].block, chunk_elems)
+            encoded.append((ms, q, a, {}))
+            continue
         src_dtype = ms[0].primary.torch_dtype
         local = src_dtype if ms[0].codec is DenseCodec else torch.float32
         source, codes = w, None
@@ -434,6 +442,14 @@ def compute_item(plan: Plan, item: Item, bufs: list[torch.Tensor], device: torch
                 writes.append((f"{m.out_module}.{param}", t, 0))
             stats[m.out_module] = ModuleStats(amaxes[i], gs[i], err[i], ref[i])
     return Result(index, writes, stats, item.nbytes)
+
+
+def _fused_int4(group: DecodeGroup, device: torch.device) -> bool:
+    """INT4 -> NVFP4 with no transform, on a CPU: the fused kernel decodes while it encodes
+    (about 4x faster than an fp32 decode first; same bytes, tested)."""
+    m = group.modules[0]
+    return (device.type == "cpu" and group.codec is Int4Codec and m.transform is None
+            and not m.repack and m.out_codec is not DenseCodec)
 
 
 def _unpacked(codec, params: dict[str, torch.Tensor]) -> nvfp4.Quantized:

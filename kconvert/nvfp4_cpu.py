@@ -84,7 +84,40 @@ def _bit_reversal(n):
 
 
 @numba.njit(**_JIT)
-def _encode_row(x, gs, codes, codes_in, offsets, block, packed):
+def _workspace(block):
+    """_encode_row's scratch arrays for `block`, allocated once per chunk of rows."""
+    half = block // 2
+    rev = _bit_reversal(block)
+    # Gather tables, uint32 (numba adds no negative-index wraparound, so the loops vectorise):
+    # xt[r, lane] = group[load[r * LANES + lane]] for a group of LANES blocks, and byte j of
+    # lane's block = pair[store[lane * half + j]].
+    load = np.empty(block * LANES, dtype=np.uint32)
+    for r in range(block):
+        for lane in range(LANES):
+            load[r * LANES + lane] = lane * block + rev[r]
+    store = np.empty(half * LANES, dtype=np.uint32)
+    for lane in range(LANES):
+        for j in range(half):  # elements 2j and 2j + 1 are at rows rev[2j], rev[2j] + half
+            store[lane * half + j] = rev[2 * j] * LANES + lane
+    return (load, store,
+            np.zeros(block * LANES, dtype=np.float32),  # a last group of < LANES blocks, padded
+            np.empty((block, LANES), dtype=np.float32),  # xt: the group, transposed
+            np.empty((block, LANES), dtype=np.float32),  # mag: |xt|
+            np.empty((half, LANES), dtype=np.float32),  # sq: the tree's level sums
+            np.empty((half, LANES), dtype=np.uint8),  # pair: packed bytes, transposed
+            np.empty(_FP8.shape[0], dtype=np.float32),  # steps: fp32(d) / gs of every code d
+            np.empty(LANES, dtype=np.float32),  # vec: block amax, then FP8 scale input
+            np.empty(LANES, dtype=np.float32),  # step: of the candidate, then of the best
+            np.empty(LANES, dtype=np.int32),  # base: the search's offset-0 codes
+            np.empty(LANES, dtype=np.int32),  # cand
+            np.empty(LANES, dtype=np.int32),  # best
+            np.empty(LANES, dtype=np.float32),  # best_err
+            np.empty(LANES, dtype=np.float64),  # err: per lane, summed over the row
+            np.empty(LANES, dtype=np.float64))  # ref: likewise
+
+
+@numba.njit(**_JIT)
+def _encode_row(x, gs, codes, codes_in, offsets, block, packed, ws):
     """Encode one row x [K] fp32 with global scale gs: packed [K/2], block scale codes
     codes [K/block]; returns (sum of squared errors, sum of squares), float64.
 
@@ -96,30 +129,25 @@ def _encode_row(x, gs, codes, codes_in, offsets, block, packed):
     (bit reversal): nvfp4._block_sum's pairwise tree, (0+1), (2+3), ... then pairs of those,
     is then row r + row r + h at every level, for h = block/2, block/4, ..., 1, in that order.
     """
+    (load, store, tail, xt, mag, sq, pair, steps, vec, step, base, cand, best, best_err, err,
+     ref) = ws
     nb = x.shape[0] // block
     half = block // 2
-    rev = _bit_reversal(block)
-    xt = np.zeros((block, LANES), dtype=np.float32)
-    mag = np.empty((block, LANES), dtype=np.float32)
-    sq = np.empty((half, LANES), dtype=np.float32)  # the tree's level sums
-    sq_flat = sq.reshape(half * LANES)  # the levels as flat loops, which LLVM vectorises
-    nib = np.empty((block, LANES), dtype=np.int32)
-    vec = np.empty(LANES, dtype=np.float32)  # per lane: block amax, then FP8 scale input
-    step = np.empty(LANES, dtype=np.float32)
-    base = np.empty(LANES, dtype=np.int32)
-    cand = np.empty(LANES, dtype=np.int32)
-    best = np.empty(LANES, dtype=np.int32)
-    best_err = np.empty(LANES, dtype=np.float32)
-    err = np.zeros(LANES, dtype=np.float64)
-    ref = np.zeros(LANES, dtype=np.float64)
-    steps = _FP8 / gs  # the element step fp32(d) / gs of every FP8 code d
+    xt_flat = xt.reshape(block * LANES)
+    sq_flat = sq.reshape(half * LANES)  # the tree's levels as flat loops, which LLVM vectorises
+    pair_flat = pair.reshape(half * LANES)
+    for c in range(steps.shape[0]):
+        steps[c] = _FP8[c] / gs
+    err[:] = 0
+    ref[:] = 0
     for b0 in range(0, nb, LANES):
         n = min(LANES, nb - b0)
+        group = x[b0 * block:(b0 + n) * block]
         if n < LANES:  # the lanes past the row's last block hold zeros and are dropped
-            xt[:] = 0
-        for lane in range(n):
-            for e in range(block):
-                xt[rev[e], lane] = x[(b0 + lane) * block + e]
+            tail[:n * block] = group
+            group = tail
+        for i in range(block * LANES):
+            xt_flat[i] = group[load[i]]
         vec[:] = 0  # block amax, NaN kept as torch's amax keeps it
         for r in range(block):
             for lane in range(LANES):
@@ -162,67 +190,82 @@ def _encode_row(x, gs, codes, codes_in, offsets, block, packed):
         for lane in range(LANES):
             err[lane] += best_err[lane]
             step[lane] = steps[best[lane]]
-        for r in range(block):
+        for r in range(half):  # the byte of each pair of elements, rows r and r + half
             for lane in range(LANES):
-                y = xt[r, lane] / step[lane]
-                # The sign from y < 0, as compressed-tensors: -0.0 and +0.0 give 0x0.
-                nib[r, lane] = _e2m1_index(abs(y)) | (8 if y < 0 else 0)
+                s = step[lane]
+                pair[r, lane] = _nibble(xt[r, lane] / s) | (_nibble(xt[r + half, lane] / s) << 4)
+        out = packed[b0 * half:(b0 + n) * half]
+        for i in range(n * half):
+            out[i] = pair_flat[store[i]]
         for lane in range(n):
             codes[b0 + lane] = best[lane]
-            k0 = (b0 + lane) * half
-            for j in range(half):  # elements 2j and 2j+1: rows rev[2j] and rev[2j] + half
-                packed[k0 + j] = nib[rev[2 * j], lane] | (nib[rev[2 * j] + half, lane] << 4)
     return err.sum(), ref.sum()
+
+
+@numba.njit(inline="always", **_JIT)
+def _chunks(rows):
+    """How many contiguous chunks of rows to spread over the threads: a few per thread, so
+    that each allocates its scratch once and uneven finishing evens out."""
+    return min(rows, 4 * numba.get_num_threads())
 
 
 @numba.njit(parallel=True, **_JIT)
 def quantize_rows(x, row_gs, codes, codes_in, offsets, block, packed, row_err, row_ref):
     """Rows x [R, K] fp32, global scales row_gs [R] -> packed [R, K/2], codes [R, K/block]
     (input too when `codes_in`), row_err / row_ref [R]; see _encode_row."""
-    for r in numba.prange(x.shape[0]):
-        err, ref = _encode_row(x[r], row_gs[r], codes[r], codes_in, offsets, block, packed[r])
-        row_err[r] = err
-        row_ref[r] = ref
+    rows = x.shape[0]
+    chunks = _chunks(rows)
+    for c in numba.prange(chunks):
+        ws = _workspace(block)
+        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
+            err, ref = _encode_row(x[r], row_gs[r], codes[r], codes_in, offsets, block,
+                                   packed[r], ws)
+            row_err[r] = err
+            row_ref[r] = ref
 
 
 @numba.njit(inline="always", **_JIT)
-def _int4_code(words, i):
-    """INT4 code -8..7 of element i of a row of pack-quantized words (low nibble first)."""
-    return ((words[i >> 3] >> ((i & 7) * 4)) & 0xF) - 8
+def _int4_code(word, t):
+    """INT4 code -8..7 of element t (0..7) of a pack-quantized int32 word (low nibble first)."""
+    return ((word >> (4 * t)) & 0xF) - 8
 
 
 @numba.njit(parallel=True, **_JIT)
 def quantize_int4_rows(words, scale, row_gs, offsets, block, packed, codes, row_err, row_ref):
-    """quantize_rows of INT4 rows (words int32 [R, K/8], fp32 scales [R, G]), each decoded to
-    fp32 (code * scale, exact as Int4Codec.decode) into a row buffer first."""
+    """quantize_rows of INT4 rows (words int32 [R, K/8], fp32 scales [R, G], whole words per
+    group), each decoded to fp32 (code * scale, exactly as Int4Codec.decode) first."""
     rows, k = words.shape[0], words.shape[1] * 8
-    group = k // scale.shape[1]
-    for r in numba.prange(rows):
+    per_group = words.shape[1] // scale.shape[1]
+    chunks = _chunks(rows)
+    for c in numba.prange(chunks):
+        ws = _workspace(block)
         x = np.empty(k, dtype=np.float32)
-        for w in range(words.shape[1]):  # codes word by word: constant shifts
-            word = words[r, w]
-            for t in range(8):
-                x[8 * w + t] = np.float32(((word >> (4 * t)) & 0xF) - 8)
-        for g in range(scale.shape[1]):
-            s = scale[r, g]
-            for i in range(g * group, (g + 1) * group):
-                x[i] *= s
-        err, ref = _encode_row(x, row_gs[r], codes[r], False, offsets, block, packed[r])
-        row_err[r] = err
-        row_ref[r] = ref
+        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
+            for g in range(scale.shape[1]):
+                s = scale[r, g]
+                for w in range(g * per_group, (g + 1) * per_group):
+                    word = words[r, w]
+                    for t in range(8):
+                        x[8 * w + t] = np.float32(_int4_code(word, t)) * s
+            err, ref = _encode_row(x, row_gs[r], codes[r], False, offsets, block, packed[r], ws)
+            row_err[r] = err
+            row_ref[r] = ref
 
 
 @numba.njit(parallel=True, **_JIT)
 def int4_row_amax(words, scale, out):
-    """out [R] = max |code * scale| of each INT4 row, as the largest |code| of each group
-    times |scale| (fp32 rounding is monotone, so this is exact); NaN propagates."""
-    group = words.shape[1] * 8 // scale.shape[1]
+    """out [R] = max |code * scale| of each INT4 row (as quantize_int4_rows takes them): each
+    group's largest |code| times |scale|, exact since fp32 rounding is monotone; NaN
+    propagates."""
+    per_group = words.shape[1] // scale.shape[1]
     for r in numba.prange(words.shape[0]):
         m = np.float32(0.0)
         for g in range(scale.shape[1]):
             c = 0
-            for i in range(g * group, (g + 1) * group):
-                c = max(c, abs(_int4_code(words[r], i)))
+            for w in range(g * per_group, (g + 1) * per_group):
+                word = words[r, w]
+                for t in range(8):
+                    c = max(c, abs(_int4_code(word, t)))
             v = np.float32(c) * abs(scale[r, g])
             m = v if v > m or v != v else m
         out[r] = m

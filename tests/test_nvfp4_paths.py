@@ -1,11 +1,16 @@
-"""The fused CPU kernel and the torch path (the GPU's) write the same NVFP4 bytes."""
+"""The fused CPU kernels and the torch path (the GPU's) write the same NVFP4 bytes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
 from kconvert import nvfp4
+from kconvert.codecs import Int4Codec
+
+numba = pytest.importorskip("numba")
+nvfp4_cpu = pytest.importorskip("kconvert.nvfp4_cpu")
 
 
 def _kimi_style(out: int, inp: int, seed: int) -> torch.Tensor:
@@ -15,23 +20,123 @@ def _kimi_style(out: int, inp: int, seed: int) -> torch.Tensor:
     return (q.reshape(out, -1, 32) * s.unsqueeze(-1)).reshape(out, inp)
 
 
-@pytest.mark.parametrize("mode", ["amax", "mse"])
-def test_fused_cpu_kernel_equals_torch_path(mode):
+def _batch() -> torch.Tensor:
+    """Kimi-style, Gaussian and tiny matrices with the edge cases the kernels must match.
+
+    K = 544 gives 34 blocks of 16 and 17 of 32: neither a multiple of the kernel's 16 lanes.
+    """
     g = torch.Generator().manual_seed(3)
-    w = torch.stack([_kimi_style(96, 512, 1), torch.randn(96, 512, generator=g) * 0.02,
-                     torch.randn(96, 512, generator=g) * 1e-6])
-    w[0, 0, :16] = 0  # an all-zero block (scale 0.125, as compressed-tensors writes)
+    w = torch.stack([_kimi_style(40, 544, 1), torch.randn(40, 544, generator=g) * 0.02,
+                     torch.randn(40, 544, generator=g) * 1e-6])
+    w[0, 0, :32] = 0  # an all-zero block (scale 0.125, as compressed-tensors writes)
     w[1, 2, 3] = -1e-12  # a negative value that rounds to zero: nibble 0x8
     w[2, 5, :] = -0.0
+    return w
+
+
+def _assert_same(a: nvfp4.Quantized, b: nvfp4.Quantized) -> None:
+    assert torch.equal(a.packed, b.packed)
+    assert torch.equal(a.block_scale.view(torch.uint8), b.block_scale.view(torch.uint8))
+    assert torch.equal(a.global_scale, b.global_scale)
+    torch.testing.assert_close(a.err_sq, b.err_sq, rtol=1e-9, atol=0)
+    torch.testing.assert_close(a.ref_sq, b.ref_sq, rtol=1e-9, atol=0)
+
+
+@pytest.mark.parametrize("block", nvfp4.BLOCK_SIZES)
+@pytest.mark.parametrize("mode", ["amax", "mse"])
+def test_fused_cpu_kernel_equals_torch_path(mode, block):
+    w = _batch()
     amax = w.abs().amax(dim=(1, 2))
-    fused = nvfp4.quantize(w, amax, mode, fused_cpu=True)
-    eager = nvfp4.quantize(w, amax, mode, fused_cpu=False)
-    assert torch.equal(fused.packed, eager.packed)
-    assert torch.equal(fused.block_scale.view(torch.uint8), eager.block_scale.view(torch.uint8))
-    assert torch.equal(fused.global_scale, eager.global_scale)
-    torch.testing.assert_close(fused.err_sq, eager.err_sq, rtol=1e-9, atol=0)
-    torch.testing.assert_close(fused.ref_sq, eager.ref_sq, rtol=1e-9, atol=0)
+    fused = nvfp4.quantize(w, amax, mode, fused_cpu=True, block=block)
+    eager = nvfp4.quantize(w, amax, mode, fused_cpu=False, block=block)
+    _assert_same(fused, eager)
+    assert fused.block_scale.shape == (3, 40, 544 // block)
     # The comparison can fail: another block-scale rule gives other bytes.
-    other = nvfp4.quantize(w, amax, "amax" if mode == "mse" else "mse", fused_cpu=False)
+    other = nvfp4.quantize(w, amax, "amax" if mode == "mse" else "mse", fused_cpu=False,
+                           block=block)
     assert not torch.equal(other.block_scale.view(torch.uint8),
                            eager.block_scale.view(torch.uint8))
+
+
+@pytest.mark.parametrize("mode", ["amax", "mse"])
+def test_fused_cpu_kernel_with_bf16_local_dtype(mode):
+    """A BF16 source's amax rule (block amax / 6 in bf16) comes from torch into the kernel."""
+    w = _batch().to(torch.bfloat16).float()
+    amax = w.abs().amax(dim=(1, 2))
+    fused = nvfp4.quantize(w, amax, mode, fused_cpu=True, local_dtype=torch.bfloat16)
+    eager = nvfp4.quantize(w, amax, mode, fused_cpu=False, local_dtype=torch.bfloat16)
+    _assert_same(fused, eager)
+
+
+@pytest.mark.parametrize("block", nvfp4.BLOCK_SIZES)
+def test_given_block_codes_are_used_as_they_are(block):
+    w = _batch()
+    amax = w.abs().amax(dim=(1, 2))
+    nb = 544 // block
+    g = torch.Generator().manual_seed(5)
+    # Codes around the amax rule's, some far off (heavy clipping or a coarse grid).
+    amax_codes = nvfp4.quantize(w, amax, "amax", block=block).block_scale.view(torch.uint8)
+    codes = (amax_codes.short() + torch.randint(-6, 9, amax_codes.shape, generator=g)
+             ).clamp(1, 0x7E).to(torch.uint8)
+    fused = nvfp4.quantize(w, amax, "mse", fused_cpu=True, block=block, block_codes=codes)
+    eager = nvfp4.quantize(w, amax, "mse", fused_cpu=False, block=block, block_codes=codes)
+    _assert_same(fused, eager)
+    assert torch.equal(fused.block_scale.view(torch.uint8), codes)
+    # err_sq is the error of exactly that encoding.
+    decoded = nvfp4.dequantize(fused.packed, fused.block_scale, fused.global_scale)
+    torch.testing.assert_close(fused.err_sq, (decoded.double() - w.double()).square().sum((1, 2)),
+                               rtol=1e-5, atol=0)
+    with pytest.raises(ValueError, match="uint8"):
+        nvfp4.quantize(w, amax, block=block, block_codes=codes[:, :, : nb - 1])
+    with pytest.raises(ValueError, match="1..0x7E"):
+        nvfp4.quantize(w, amax, block=block, block_codes=torch.zeros_like(codes))
+
+
+def test_fp8_codes_equal_torch_cast():
+    """The kernels' FP8 rounding is torch's float32 -> float8_e4m3fn cast after the clamp to
+    448: every code, the midpoints between neighbours (ties) and one ulp either side."""
+    values = nvfp4._FP8_VALUES[:127]
+    mids = (values[:-1] + values[1:]) / 2  # exact in fp32
+    pts = torch.cat([values, mids])
+    pts = torch.cat([pts, torch.nextafter(pts, torch.tensor(0.0)),
+                     torch.nextafter(pts, torch.tensor(1e9)),
+                     torch.rand(20000, generator=torch.Generator().manual_seed(0)) * 500,
+                     torch.tensor([2.0**-12, 448.5, 1e30, float("inf"), float("nan")])])
+    expected = pts.clamp(max=nvfp4.FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    got = torch.empty_like(pts, dtype=torch.int32)
+    nvfp4_cpu._fp8_codes(pts.numpy(), got.numpy())
+    assert torch.equal(got, expected.int())
+
+
+def _int4(b: int, m: int, k: int, group: int, codes_lo: int, scale_dtype: torch.dtype
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """packed [B, M, K/8] written by compressed-tensors' own packer, scales [B, M, K/group]."""
+    g = torch.Generator().manual_seed(k + group)
+    q = torch.randint(codes_lo, 8, (b * m, k), generator=g, dtype=torch.int8)
+    packed = pack_to_int32(q, 4).reshape(b, m, k // 8)
+    scale = (torch.rand(b, m, k // group, generator=g) * 0.004 + 0.001).to(scale_dtype)
+    return packed, scale
+
+
+@pytest.mark.parametrize(("group", "codes_lo", "scale_dtype"), [
+    (32, -7, torch.bfloat16),  # Kimi: codes -7..7, bf16 scales
+    (64, -8, torch.float32),  # compressed-tensors' own range, fp32 scales
+])
+@pytest.mark.parametrize("block", nvfp4.BLOCK_SIZES)
+@pytest.mark.parametrize("mode", ["amax", "mse"])
+def test_quantize_int4_equals_decode_then_quantize(mode, block, group, codes_lo, scale_dtype):
+    packed, scale = _int4(2, 24, 576, group, codes_lo, scale_dtype)  # 36 / 18 blocks per row
+    w = Int4Codec.decode({"weight_packed": packed, "weight_scale": scale}, (24, 576))
+    amax = nvfp4.int4_amax(packed, scale)
+    assert torch.equal(amax, w.abs().amax(dim=(1, 2)))
+    reference = nvfp4.quantize(w, amax, mode, fused_cpu=False, block=block)
+    _assert_same(nvfp4.quantize_int4(packed, scale, amax, mode, block), reference)
+    _assert_same(nvfp4.quantize_int4(packed, scale, amax, mode, block, fused_cpu=False),
+                 reference)
+
+
+def test_int4_amax_propagates_nan():
+    packed, scale = _int4(2, 4, 64, 32, -7, torch.bfloat16)
+    scale[1, 2, 1] = float("nan")
+    amax = nvfp4.int4_amax(packed, scale)
+    assert amax[0].isfinite() and amax[1].isnan()
