@@ -294,10 +294,10 @@ def int4_amax(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """max |value| [B] f32 of each INT4 pack-quantized matrix (packed int32 [B, M, K/8], scale
     [B, M, G]; see `quantize_int4`), NaN or Inf where a scale is.
 
-    On a CPU (numba) no fp32 copy of the matrices is made: the max is taken over each group's
-    largest |code| times |scale|, which is exact (fp32 rounding is monotone).
+    With the CPU kernels no fp32 copy of the matrices is made: the max is taken over each
+    group's largest |code| times |scale|, which is exact (fp32 rounding is monotone).
     """
-    kernel = _cpu_kernels() if packed.device.type == "cpu" else None
+    kernel = _int4_kernels(packed, scale)
     if kernel is None:
         return _int4_decode(packed, scale).abs().amax(dim=(1, 2))
     words, scales = _int4_rows(packed, scale)
@@ -321,7 +321,7 @@ def quantize_int4(packed: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
     _check_rule(block_scale)
     b, m, words = packed.shape
     k = words * 8
-    kernel = _cpu_kernels() if fused_cpu and packed.device.type == "cpu" else None
+    kernel = _int4_kernels(packed, scale, fused_cpu)
     if kernel is None:
         return quantize(_int4_decode(packed, scale), amax, block_scale, chunk_elems, fused_cpu,
                         block=block)
@@ -332,6 +332,15 @@ def quantize_int4(packed: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
                               _offsets(block_scale == "mse"), block, out.packed.numpy(),
                               out.codes.numpy(), out.err.numpy(), out.ref.numpy())
     return out.result(b, m, gs)
+
+
+def _int4_kernels(packed: torch.Tensor, scale: torch.Tensor, fused_cpu: bool = True):
+    """The CPU kernels for these INT4 tensors, or None (then they are decoded with torch). The
+    kernels take whole words per scale group (group % 8 == 0: Kimi's 32, compressed-tensors'
+    usual 32/64/128)."""
+    if not fused_cpu or packed.device.type != "cpu" or packed.shape[-1] % scale.shape[-1]:
+        return None
+    return _cpu_kernels()
 
 
 def _cpu_kernels():

@@ -72,6 +72,13 @@ def _e2m1_value(y):
 
 
 @numba.njit(inline="always", **_JIT)
+def _nibble(y):
+    """sign << 3 | E2M1 code of y; the sign from y < 0, as compressed-tensors' (so -0.0 and
+    +0.0, a pruned p48 pair, give 0x0)."""
+    return _e2m1_index(abs(y)) | (8 if y < 0 else 0)
+
+
+@numba.njit(inline="always", **_JIT)
 def _bit_reversal(n):
     """rev [n]: each index 0..n-1 with its log2(n) bits in reverse order (n a power of 2)."""
     rev = np.zeros(n, dtype=np.int64)
