@@ -277,7 +277,7 @@ def quantize(
 def _int4_rows(packed: torch.Tensor, scale: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """INT4 words [B*M, K/8] and fp32 scales [B*M, G] as numpy arrays for the CPU kernels."""
     b, m, words = packed.shape
-    if scale.shape[:2] != (b, m) or (words * 8) % scale.shape[-1]:
+    if scale.shape[:2] != (b, m):
         raise ValueError(f"INT4 scale {list(scale.shape)} does not fit packed {list(packed.shape)}")
     return (packed.reshape(b * m, words).contiguous().numpy(),
             scale.reshape(b * m, -1).float().contiguous().numpy())
@@ -314,9 +314,9 @@ def quantize_int4(packed: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
 
     packed: int32 [B, M, K/8], 8 codes per word, low nibble first, value = (nibble - 8) *
     scale in fp32; scale: [B, M, G] bf16 or fp32, one per K/G elements; amax [B] (a fused
-    set's shared amax, or `int4_amax`). On a CPU with numba (`fused_cpu`) each row is decoded
-    inside the fused encoder, so no fp32 copy of the matrices is made; elsewhere the matrices
-    are decoded and passed to `quantize`.
+    set's shared amax, or `int4_amax`). On a CPU with numba (`fused_cpu`), for groups of whole
+    words (group % 8 == 0), each row is decoded inside the fused encoder, so no fp32 copy of
+    the matrices is made; otherwise the matrices are decoded and passed to `quantize`.
     """
     _check_rule(block_scale)
     b, m, words = packed.shape

@@ -7,9 +7,10 @@ float32 operations in the same order as the torch path (`nvfp4._amax_block_scale
 pairwise block sum, strict comparisons against the same cut points, round-to-nearest-even into
 FP8), so their bytes are identical to the torch path's; tests hold the two together.
 
-The block search runs on LANES blocks side by side, stored transposed (element j of lane l at
-[j, l]): every step of it, the pairwise tree sum included, is then an element-wise operation
-on LANES-wide rows that LLVM vectorises, and the tree still adds in the torch path's order.
+The block search runs on LANES blocks side by side, stored transposed (a row per element
+position, in bit-reversed order, a column per block): every step of it, the pairwise tree sum
+included, is then an element-wise operation on LANES-wide rows that LLVM vectorises, and the
+tree still adds in the torch path's order.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ import torch
 
 from kconvert import nvfp4
 
-LANES = 16  # blocks searched side by side: one AVX-512 vector of fp32
+# Blocks searched side by side: two AVX-512 vectors of fp32 per row of a block, which keeps
+# the loop overhead per element low; Kimi's rows (448, 224, 128 or 64 blocks) fill every lane.
+LANES = 32
+CHUNK_ROWS = 16  # rows a thread takes at a time, with one allocation of scratch
 _FP8 = nvfp4._FP8_VALUES.numpy()  # fp32 value of each FP8 e4m3 code 0..127
 _CUTS = tuple(np.float32(c) for c in nvfp4._cut_points(torch.device("cpu")).tolist())
 _ZERO = np.int32(nvfp4._ZERO_CODE)
@@ -209,22 +213,14 @@ def _encode_row(x, gs, codes, codes_in, offsets, block, packed, ws):
     return err.sum(), ref.sum()
 
 
-@numba.njit(inline="always", **_JIT)
-def _chunks(rows):
-    """How many contiguous chunks of rows to spread over the threads: a few per thread, so
-    that each allocates its scratch once and uneven finishing evens out."""
-    return min(rows, 4 * numba.get_num_threads())
-
-
 @numba.njit(parallel=True, **_JIT)
 def quantize_rows(x, row_gs, codes, codes_in, offsets, block, packed, row_err, row_ref):
     """Rows x [R, K] fp32, global scales row_gs [R] -> packed [R, K/2], codes [R, K/block]
     (input too when `codes_in`), row_err / row_ref [R]; see _encode_row."""
     rows = x.shape[0]
-    chunks = _chunks(rows)
-    for c in numba.prange(chunks):
+    for c in numba.prange((rows + CHUNK_ROWS - 1) // CHUNK_ROWS):
         ws = _workspace(block)
-        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
+        for r in range(c * CHUNK_ROWS, min((c + 1) * CHUNK_ROWS, rows)):
             err, ref = _encode_row(x[r], row_gs[r], codes[r], codes_in, offsets, block,
                                    packed[r], ws)
             row_err[r] = err
@@ -243,11 +239,10 @@ def quantize_int4_rows(words, scale, row_gs, offsets, block, packed, codes, row_
     group), each decoded to fp32 (code * scale, exactly as Int4Codec.decode) first."""
     rows, k = words.shape[0], words.shape[1] * 8
     per_group = words.shape[1] // scale.shape[1]
-    chunks = _chunks(rows)
-    for c in numba.prange(chunks):
+    for c in numba.prange((rows + CHUNK_ROWS - 1) // CHUNK_ROWS):
         ws = _workspace(block)
         x = np.empty(k, dtype=np.float32)
-        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
+        for r in range(c * CHUNK_ROWS, min((c + 1) * CHUNK_ROWS, rows)):
             for g in range(scale.shape[1]):
                 s = scale[r, g]
                 for w in range(g * per_group, (g + 1) * per_group):

@@ -71,7 +71,7 @@ def test_block32_amax_is_compressed_tensors_with_32_element_scales():
 def test_pruned_pairs_are_zero_bytes(block, fused_cpu):
     """+0.0 weights encode to nibble 0x0, so a pruned p48 pair is the byte 0x00 (p48.md)."""
     w = _weights(2)
-    pruned = torch.zeros(w.shape[:2] + (w.shape[2] // 8, 4), dtype=torch.bool)
+    pruned = torch.zeros((*w.shape[:2], w.shape[2] // 8, 4), dtype=torch.bool)
     pruned[..., 1] = pruned[..., 3] = True  # pairs 1 and 3 of every chunk of 8
     w = w.reshape(*pruned.shape, 2).masked_fill(pruned.unsqueeze(-1), 0.0).reshape(w.shape)
     for rule in ("amax", "mse"):

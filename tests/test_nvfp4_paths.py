@@ -23,7 +23,7 @@ def _kimi_style(out: int, inp: int, seed: int) -> torch.Tensor:
 def _batch() -> torch.Tensor:
     """Kimi-style, Gaussian and tiny matrices with the edge cases the kernels must match.
 
-    K = 544 gives 34 blocks of 16 and 17 of 32: neither a multiple of the kernel's 16 lanes.
+    K = 544 gives 34 blocks of 16 and 17 of 32: neither a multiple of the kernel's LANES.
     """
     g = torch.Generator().manual_seed(3)
     w = torch.stack([_kimi_style(40, 544, 1), torch.randn(40, 544, generator=g) * 0.02,
@@ -88,7 +88,7 @@ def test_given_block_codes_are_used_as_they_are(block):
                                rtol=1e-5, atol=0)
     with pytest.raises(ValueError, match="uint8"):
         nvfp4.quantize(w, amax, block=block, block_codes=codes[:, :, : nb - 1])
-    with pytest.raises(ValueError, match="1..0x7E"):
+    with pytest.raises(ValueError, match=r"1\.\.0x7E"):
         nvfp4.quantize(w, amax, block=block, block_codes=torch.zeros_like(codes))
 
 
@@ -121,6 +121,7 @@ def _int4(b: int, m: int, k: int, group: int, codes_lo: int, scale_dtype: torch.
 @pytest.mark.parametrize(("group", "codes_lo", "scale_dtype"), [
     (32, -7, torch.bfloat16),  # Kimi: codes -7..7, bf16 scales
     (64, -8, torch.float32),  # compressed-tensors' own range, fp32 scales
+    (4, -8, torch.float32),  # groups of half a word: decoded by torch, not the kernels
 ])
 @pytest.mark.parametrize("block", nvfp4.BLOCK_SIZES)
 @pytest.mark.parametrize("mode", ["amax", "mse"])
