@@ -46,7 +46,7 @@ _TIE_UP = (0.75, 1.75, 3.5)
 
 @dataclass
 class Quantized:
-    """NVFP4 encoding of a batch of B matrices [B, M, K] with blocks of `block` elements."""
+    """NVFP4 encoding of a batch of B matrices [B, M, K], blocks of K / block_scale.shape[-1]."""
 
     packed: torch.Tensor  # uint8 [B, M, K/2], even element in the low nibble
     block_scale: torch.Tensor  # float8_e4m3fn [B, M, K/block]

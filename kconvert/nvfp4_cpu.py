@@ -24,7 +24,7 @@ from kconvert import nvfp4
 # Blocks searched side by side: two AVX-512 vectors of fp32 per row of a block, which keeps
 # the loop overhead per element low; Kimi's rows (448, 224, 128 or 64 blocks) fill every lane.
 LANES = 32
-CHUNK_ROWS = 16  # rows a thread takes at a time, with one allocation of scratch
+CHUNK_ROWS = 4  # rows a thread takes at a time, with one allocation of scratch
 _FP8 = nvfp4._FP8_VALUES.numpy()  # fp32 value of each FP8 e4m3 code 0..127
 _CUTS = tuple(np.float32(c) for c in nvfp4._cut_points(torch.device("cpu")).tolist())
 _ZERO = np.int32(nvfp4._ZERO_CODE)

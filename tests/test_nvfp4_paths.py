@@ -108,6 +108,32 @@ def test_fp8_codes_equal_torch_cast():
     assert torch.equal(got, expected.int())
 
 
+def test_e2m1_rounding_equals_torch_bucketize():
+    """The kernels' E2M1 value (a rint on the grid) and nibble equal the torch path's bucketize
+    over the cut points: on each cut point, a few ulps either side, and random values."""
+    cuts = nvfp4._cut_points(torch.device("cpu"))
+    down = up = torch.cat([torch.tensor(nvfp4._CUTS), torch.tensor([0.0, 2.0, 4.0, 6.0, 1e30])])
+    near = [down]
+    for _ in range(3):
+        down, up = torch.nextafter(down, torch.tensor(0.0)), torch.nextafter(up, torch.tensor(1e38))
+        near += [down, up]
+    y = torch.cat([*near, torch.rand(20000, generator=torch.Generator().manual_seed(1)) * 8])
+    idx = torch.bucketize(y, cuts)
+    lut = torch.tensor(nvfp4.E2M1)
+
+    @numba.njit
+    def kernel_rounding(y, values, nibbles):
+        for i in range(y.shape[0]):
+            values[i] = nvfp4_cpu._e2m1_value(y[i])
+            nibbles[i] = nvfp4_cpu._nibble(-y[i])
+
+    values, nibbles = torch.empty_like(y), torch.empty(y.shape, dtype=torch.int32)
+    kernel_rounding(y.numpy(), values.numpy(), nibbles.numpy())
+    assert torch.equal(values, lut[idx])
+    expected = torch.where(y > 0, idx | 8, idx)  # the sign of -y: 0x8 only where -y < 0
+    assert torch.equal(nibbles, expected.int())
+
+
 def _int4(b: int, m: int, k: int, group: int, codes_lo: int, scale_dtype: torch.dtype
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """packed [B, M, K/8] written by compressed-tensors' own packer, scales [B, M, K/group]."""
