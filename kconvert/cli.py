@@ -220,12 +220,9 @@ def _sparsifying(sparse: dict, stats, data, samples, seq_len, batch_size, seed, 
     overrides = {k: v for k, v in sparse.items() if v is not None}
     if "group_size" in overrides:
         overrides["group_size"] = int(overrides["group_size"])
-    if overrides.get("method") == "wanda" and stats is None:
-        raise click.UsageError("--method wanda needs --stats DIR (from kconvert calibrate)")
     overrides["stats"] = stats
-    sparsegpt_data = overrides.get("method") == "sparsegpt"
-    if sparsegpt_data and data is None:
-        raise click.UsageError("--method sparsegpt needs --data FILE (calibration data)")
+    # Without --data, the stage itself refuses sparsegpt (as it refuses wanda without --stats).
+    sparsegpt_data = overrides.get("method") == "sparsegpt" and data is not None
 
     def prepare(ckpt):
         out = prune_prepare(ckpt) if prune_prepare is not None else {}

@@ -191,14 +191,8 @@ class ModeloptNvfp4Codec(Nvfp4Codec):
 
     @classmethod
     def decode(cls, t, shape):
-        codes = nvfp4.unpack_codes(t["weight"])
-        lut = torch.tensor(nvfp4.E2M1, dtype=torch.float32, device=codes.device)
-        values = lut[(codes & 7).long()]
-        values = torch.where((codes & 8).bool(), -values, values)
-        b, m, k = values.shape
         step = t["weight_scale"].float() * t["weight_scale_2"].float().reshape(-1, 1, 1)
-        blocks = values.reshape(b, m, k // nvfp4.BLOCK, nvfp4.BLOCK) * step.unsqueeze(-1)
-        return blocks.reshape(b, m, k)
+        return nvfp4.decode_steps(t["weight"], step)
 
     @classmethod
     def unpack(cls, t):

@@ -203,7 +203,7 @@ def build_plan(ckpt: Checkpoint, stages: list[Stage], work_elems: int) -> Plan:
         items += _copy_items([c for c in copies if c[0].file.name == shard])
         items += _transform_items([m for m in transformed if m.primary.file.name == shard],
                                   work_elems)
-    if any(getattr(s, "ordered_layers", False) for s in stages):
+    if any(s.ordered_layers for s in stages):
         # A stage that streams calibration layers forward (SparseGPT) needs layer order
         # across shards too; sorted() is stable, so within a layer shard order stays.
         items.sort(key=lambda it: -1 if isinstance(it, CopyItem) else _item_layer(it))

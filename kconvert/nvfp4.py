@@ -365,9 +365,16 @@ def pack_codes(codes: torch.Tensor) -> torch.Tensor:
 def dequantize(packed: torch.Tensor, block_scale: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
     """fp32 [B, M, K] from packed [B, M, K/2], block scales [B, M, K/block] (float8_e4m3fn;
     the block size is read off the shapes), global scales [B]."""
+    return decode_steps(packed, _step(block_scale, gs.float().reshape(-1, 1, 1))[..., 0])
+
+
+def decode_steps(packed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """fp32 [B, M, K] from packed [B, M, K/2] and each block's step [B, M, K/block] (the value
+    of E2M1 1.0 in that block): the one place packed NVFP4 becomes numbers, whichever way a
+    format stores its scales (compressed-tensors divides by gs, ModelOpt multiplies)."""
     b, m, half = packed.shape
-    k, nb = 2 * half, block_scale.shape[-1]
+    k, nb = 2 * half, step.shape[-1]
     if k % nb:
         raise ValueError(f"{nb} block scales do not divide a row of {k} elements")
     nibbles = unpack_codes(packed).reshape(b, m, nb, k // nb)
-    return _values(nibbles, _step(block_scale, gs.float().reshape(-1, 1, 1))).reshape(b, m, k)
+    return _values(nibbles, step.unsqueeze(-1)).reshape(b, m, k)

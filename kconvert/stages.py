@@ -102,6 +102,9 @@ class Stage:
     """A stage's hooks; each defaults to "leave it alone"."""
 
     name: str
+    # True when the stage streams calibration layers forward (SparseGPT): the engine then
+    # runs transform items in layer order across shards.
+    ordered_layers: bool = False
 
     def rename(self, tn: TensorName) -> tuple[str | None, tuple[int, ...] | None]:
         """Output name of a source tensor (None: dropped) and, for router tensors, the rows
