@@ -12,9 +12,11 @@ are produced, into `<shard>.partial`, then fsync'd and renamed into place.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import struct
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +41,7 @@ DTYPES: dict[str, torch.dtype] = {
     "F8_E5M2": torch.float8_e5m2,
 }
 WRITEBACK_BYTES = 256 << 20
+SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of dirty pages, do not wait
 ST_DTYPE: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 
@@ -162,10 +165,10 @@ class ShardWriter:
         while done < len(view):
             done += os.pwrite(self._fd, view[done:], pos + done)
         self._unflushed += len(view)
-        if self._unflushed >= WRITEBACK_BYTES and hasattr(os, "sync_file_range"):
+        if self._unflushed >= WRITEBACK_BYTES:
             # Start writeback now instead of leaving gigabytes dirty for the final fsync, which
             # would then stall the disk (and the reads) for seconds at the end of each shard.
-            os.sync_file_range(self._fd, 0, 0, os.SYNC_FILE_RANGE_WRITE)
+            start_writeback(self._fd)
             self._unflushed = 0
 
     def finish(self) -> None:
@@ -176,6 +179,31 @@ class ShardWriter:
 
     def abandon(self) -> None:
         os.close(self._fd)
+
+
+def _sync_file_range():
+    """libc's sync_file_range (Linux only; Python's os module does not expose it)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)
+    if fn is not None:
+        fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+
+
+def start_writeback(fd: int) -> bool:
+    """Queue the file's dirty pages for writing, without waiting; False where the OS has no
+    such call (the final fsync then writes everything, which is only slower)."""
+    if _SYNC_FILE_RANGE is None:
+        return False
+    if _SYNC_FILE_RANGE(fd, 0, 0, SYNC_FILE_RANGE_WRITE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"sync_file_range: {os.strerror(err)}")
+    return True
 
 
 def read_header(path: Path) -> bytes:

@@ -2,8 +2,7 @@
 
     python scripts/bench_convert.py smoke   # correctness + CPU per-matrix comparison (short)
     python scripts/bench_convert.py full    # the acceptance benchmark on the full-size set
-    python scripts/bench_convert.py tune    # proposed engine changes, emulated (see KC_TUNE)
-    python scripts/bench_convert.py tune2   # second round: pinned D2H, flusher thread
+    python scripts/bench_convert.py cpu     # only the CPU per-matrix comparison
 
 On the device machine (wheels of compressed-tensors, llmcompressor, loguru, pydantic* in .whl/,
 anchor_convert.py + stub/ copied to .bench/):
@@ -13,28 +12,32 @@ anchor_convert.py + stub/ copied to .bench/):
 `full` runs `anchor_convert.py` (shared/bench; it builds ROOT/src, a full-size synthetic
 Kimi-K2-Thinking shard set, and times the anchor, the cold read floor and the write floor),
 then, in the same run and on the same disk, a concurrent read+write floor and kconvert
-(`--device cuda`, `--block-scale mse` and `amax`), each in its own process with the page cache
-dropped first. Every kconvert run is timed in-process (after imports, like the anchor) and as
-a whole process, with its peak RSS, a timeline (RSS, disk bytes, CPU, GPU utilisation) and the
-busy time of each engine stage (reader threads, compute, writer, fsync), measured by wrapping
-the engine's functions in the child process (kconvert itself is not modified).
+(`--device cuda` with `--block-scale mse` and `amax`, then `--device cpu` mse on the same set),
+each in its own process with the page cache dropped first, and last the CPU per-matrix
+comparison of `smoke` step 3. Every kconvert run is timed in-process (after imports, like
+the anchor) and as a whole process, with its peak RSS, a timeline (RSS, disk bytes, CPU, GPU
+utilisation) and the busy time of each engine stage (reader threads, compute, writer, fsync),
+measured by wrapping the engine's functions in the child process (kconvert is not modified).
 
 `smoke` converts the bundled fixture on CPU and CUDA and compares every output byte, does the
 same on a shard of full-size experts, times kconvert's compute per expert matrix on the GPU
 and the CPU in-process, times a DIMS=tiny anchor set, and measures CPU throughput per expert
-matrix of both tools (CUDA hidden), end to end on shards of 2 and 8 full-size INT4 experts
+matrix of both tools (CUDA hidden), end to end on shards of 8 and 32 full-size INT4 experts
 (per matrix = the slope between the two, which removes start-up costs) and in-process.
 
-`tune`/`tune2` re-measure the floors in the same run and time kconvert with proposed engine
-changes emulated by wrapping its functions in the child (KC_TUNE=ct,wb,flush,weNN,nopin,
-rfinite,pind2h,div: see `apply_tuning`); kconvert's files are never modified.
+Earlier rounds emulated engine changes in this script before they landed (modes `tune` and
+`tune2` at commit 55ee068 and before; their results are in scripts/results/README.md).
 Peak RSS of a child is its VmHWM: ru_maxrss is not used for that, because Linux carries the
 parent's RSS into a child across fork+exec (a parent that built the 15 GB set reads 20 GB).
 
 Env: ROOT (scratch, default /tmp/kbench), OUT (result folder, default ROOT/out),
 ANCHOR_SCRIPT (default .bench/anchor_convert.py, else ../shared/bench/anchor_convert.py),
 DEADLINE_S (skip optional steps after this many seconds; default 540), CPU_SIZES (expert
-counts of the two CPU shards, default 2,8).
+counts of the two CPU shards, default 8,32).
+
+The fused CPU kernels are compiled by numba on first use and cached next to the module (about
+15 s, once per install); before any timed CPU run, `warm_cpu_kernels` converts the bundled
+fixture on the CPU once and records that first run's time, so no timing includes the compile.
 Results: OUT/bench_<mode>.json (everything, plus ratios) and the anchor's anchor.json.
 """
 
@@ -347,11 +350,6 @@ def child_kc(argv: list[str]) -> None:
         Queue = TimedQueue
 
     engine.queue = QueueShim
-    tune = set(filter(None, os.environ.get("KC_TUNE", "").split(",")))
-    if os.environ.get("KC_PREIMPORT_CT") == "1" or "ct" in tune:
-        # What moving this import off the run's tail buys (it is paid before t0 here).
-        import compressed_tensors.quantization  # noqa: F401
-    apply_tuning(tune, engine, safetensors_io, conv)
     t0 = time.perf_counter()
     rc = 0
     try:
@@ -371,149 +369,6 @@ def child_kc(argv: list[str]) -> None:
            "vmhwm_gb": vmhwm_gb(),
            "maxrss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 3)}
     print("RESULT " + json.dumps(out), flush=True)
-
-
-def apply_tuning(tune: set[str], engine, safetensors_io, conv) -> None:
-    """Proposed engine changes, emulated by wrapping kconvert's functions (kconvert unchanged).
-
-    wb:      start writeback every 256 MiB written (sync_file_range WRITE, in the writer
-             thread), so the shard's final fsync does not flush ~10 GB at once.
-    flush:   the same, from a separate flusher thread (the writer never blocks on it).
-    pind2h:  quantized results are copied device->host into pinned memory (non_blocking +
-             one sync) instead of `.cpu()` into pageable memory.
-    weNN:    transform items of 2**NN decoded elements on CUDA (default 2**30).
-    nopin:   copy items read into pageable memory (they never go to the GPU).
-    rfinite: the NaN/Inf check of copy items runs in the reader threads, not the compute thread.
-    div:     amax-rule `amax / 6` divides by a device tensor (true division on CPU and CUDA).
-    """
-    import ctypes
-
-    import torch
-
-    if "wb" in tune or "flush" in tune:
-        libc = ctypes.CDLL(None, use_errno=True)
-        sfr = libc.sync_file_range
-        sfr.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-        orig_write = safetensors_io.ShardWriter.write
-        pending: set[int] = set()
-        wake = threading.Event()
-
-        def flusher():  # "flush": writeback is started from this thread; the writer never waits
-            while True:
-                wake.wait()
-                wake.clear()
-                for fd in list(pending):
-                    pending.discard(fd)
-                    sfr(fd, 0, 0, 2)
-
-        if "flush" in tune:
-            threading.Thread(target=flusher, daemon=True).start()
-
-        def write(self, name, data, offset=0):
-            orig_write(self, name, data, offset)
-            self._kb_dirty = getattr(self, "_kb_dirty", 0) + data.numel() * data.element_size()
-            if self._kb_dirty >= 256 << 20:
-                self._kb_dirty = 0
-                if "flush" in tune:
-                    pending.add(self._fd)
-                    wake.set()
-                else:
-                    sfr(self._fd, 0, 0, 2)  # SYNC_FILE_RANGE_WRITE: queue writeback
-
-        safetensors_io.ShardWriter.write = write
-    if "pind2h" in tune:  # results come back through pinned memory (t.cpu() is then a no-op)
-        from kconvert import nvfp4 as nv
-
-        orig_q = nv.quantize
-
-        def quantize(*a, **k):
-            q = orig_q(*a, **k)
-            if q.packed.device.type != "cuda":
-                return q
-            host = []
-            for t in (q.packed, q.block_scale, q.global_scale, q.err_sq, q.ref_sq):
-                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                h.copy_(t, non_blocking=True)
-                host.append(h)
-            torch.cuda.current_stream().synchronize()
-            return nv.Quantized(*host)
-
-        nv.quantize = quantize
-    we = [int(t[2:]) for t in tune if t.startswith("we") and t[2:].isdigit()]
-    if we:
-        orig_bp = conv.build_plan
-
-        def build_plan(ckpt, stages, work_elems, *a, **k):
-            return orig_bp(ckpt, stages, 1 << we[0] if work_elems > (1 << 26) else work_elems,
-                           *a, **k)
-
-        conv.build_plan = build_plan
-    orig_read, orig_check = engine.read_item, engine._check_finite
-    if "nopin" in tune or "rfinite" in tune:
-        def read_item(ckpt, item, pin):
-            copy = isinstance(item, engine.CopyItem)
-            bufs = orig_read(ckpt, item, pin and not (copy and "nopin" in tune))
-            if copy and "rfinite" in tune:
-                for c, buf in zip(item.chunks, bufs, strict=True):
-                    dt = c.info.torch_dtype
-                    if dt.is_floating_point and dt.itemsize >= 2:
-                        orig_check(buf.view(dt), c.info)
-            return bufs
-
-        engine.read_item = read_item
-        if "rfinite" in tune:
-            engine._check_finite = lambda values, info: None
-    if "div" in tune:
-        from kconvert import nvfp4
-
-        def amax_block_scale(blocks, gs, local_dtype=torch.float32):
-            six = torch.tensor(nvfp4.FP4_MAX, dtype=local_dtype, device=blocks.device)
-            local = (blocks.abs().amax(dim=-1).to(local_dtype) / six).float()
-            d = (gs * local).clamp(-nvfp4.FP8_MAX, nvfp4.FP8_MAX).to(torch.float8_e4m3fn)
-            d = d.view(torch.uint8)
-            return torch.where(d == 0, nvfp4._ZERO_CODE, d)
-
-        nvfp4._amax_block_scale = amax_block_scale
-
-
-def child_item_profile(argv: list[str]) -> None:
-    """compute_item on real full-size transform items (warm, in memory), timed + profiled."""
-    src, bs, work_log2 = argv[0], argv[1], int(argv[2])
-    import torch
-
-    from kconvert import engine
-    from kconvert.pipeline import build_stages, load_recipe
-    from kconvert.source import open_checkpoint
-
-    ckpt = open_checkpoint(src)
-    stages = build_stages(load_recipe("int4-to-nvfp4"),
-                          {"block_scale": bs, "format": None, "targets": None,
-                           "act_stats": None})
-    plan = engine.build_plan(ckpt, stages, 1 << work_log2)
-    items = [it for it in plan.items if isinstance(it, engine.TransformItem)][:4]
-    items = [items[i % len(items)] for i in range(4)]
-    dev = torch.device(os.environ.get("KC_DEVICE", "cuda"))
-    bufs = [engine.read_item(ckpt, it, dev.type == "cuda") for it in items]
-    engine.compute_item(plan, items[0], bufs[0], dev, 0, 1 << 27)  # warm-up
-    times = []
-    for it, b in zip(items[1:3], bufs[1:3], strict=True):
-        t = time.perf_counter()
-        engine.compute_item(plan, it, b, dev, 1, 1 << 27)
-        times.append(round(time.perf_counter() - t, 4))
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        engine.compute_item(plan, items[3], bufs[3], dev, 3, 1 << 27)
-    ka = prof.key_averages()
-    n_mat = sum(len(g.modules) for g in items[1].groups)
-    print("RESULT " + json.dumps({
-        "block_scale": bs, "work_elems_log2": work_log2, "matrices_per_item": n_mat,
-        "item_src_mb": round(items[1].nbytes / 1e6, 1), "compute_item_s": times,
-        "ms_per_matrix": round(min(times) / n_mat * 1e3, 2),
-        "top_cpu": ka.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=40),
-        "top_cuda": ka.table(sort_by="self_cuda_time_total", row_limit=12,
-                             max_name_column_width=40) if dev.type == "cuda" else ""}))
 
 
 def child_anchor(argv: list[str]) -> None:
@@ -574,7 +429,8 @@ def child_anchor_compute(argv: list[str]) -> None:
 
 
 def child_kc_compute(argv: list[str]) -> None:
-    """kconvert's decode + NVFP4 quantize per expert matrix, in memory, like the engine does."""
+    """kconvert's INT4 -> NVFP4 per expert matrix, in memory, as the engine does it on this
+    device (CPU: the fused kernel; CUDA: decode, then quantize)."""
     dev_name, batch, reps = argv[0], int(argv[1]), int(argv[2])
     import torch
 
@@ -597,15 +453,105 @@ def child_kc_compute(argv: list[str]) -> None:
                 if dev.type == "cuda":
                     torch.cuda.synchronize()
                 t = time.perf_counter()
-                w = Int4Codec.decode({"weight_packed": packed, "weight_scale": scale}, shape)
-                q = nvfp4.quantize(w, w.abs().amax(dim=(1, 2)), bs, chunk)
+                if dev.type == "cpu":  # the fused kernel, as engine.compute_item on a CPU
+                    amax = nvfp4.int4_amax(packed, scale)
+                    q = nvfp4.quantize_int4(packed, scale, amax, bs, chunk_elems=chunk)
+                else:
+                    w = Int4Codec.decode({"weight_packed": packed, "weight_scale": scale}, shape)
+                    q = nvfp4.quantize(w, w.abs().amax(dim=(1, 2)), bs, chunk)
+                    del w
                 q.packed.view(-1)[:1].cpu()  # sync
                 times.append(time.perf_counter() - t)
-                del w, q
+                del q
             key = f"{bs}_{m}x{k}"
             out[key + "_ms_per_matrix"] = round(statistics.median(times[1:] or times)
                                                 / batch * 1e3, 3)
     print("RESULT " + json.dumps(out))
+
+
+def child_ioprobe(argv: list[str]) -> None:
+    """How this disk reads and writes with more I/O in flight, and without the page cache:
+    buffered vs O_DIRECT reads of every source byte (THREADS threads, 16 MiB requests), and
+    O_DIRECT writes of `nbytes` alone and at the same time as O_DIRECT reads. The caller drops
+    the page cache before; each phase drops it again (this child runs as root or not at all)."""
+    import mmap
+
+    src, dst, nbytes = Path(argv[0]), Path(argv[1]), int(argv[2])
+    threads, chunk = int(os.environ.get("PROBE_THREADS", "4")), 16 << 20
+    files = sorted(src.glob("*.safetensors"))
+    jobs = [(f, off) for f in files for off in range(0, f.stat().st_size, chunk)]
+    res: dict = {"threads": threads, "chunk_mib": chunk >> 20,
+                 "read_gb": round(sum(f.stat().st_size for f in files) / 1e9, 2)}
+
+    def reads(direct: bool) -> None:
+        flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
+        fds = {f: os.open(f, flags) for f in files}
+        todo = iter(list(jobs))
+        lock = threading.Lock()
+
+        def work():
+            buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
+            while True:
+                with lock:
+                    job = next(todo, None)
+                if job is None:
+                    return
+                os.preadv(fds[job[0]], [buf], job[1])
+
+        ts = [threading.Thread(target=work) for _ in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        for fd in fds.values():
+            os.close(fd)
+
+    def writes() -> None:
+        rm(dst)
+        dst.mkdir(parents=True)
+        buf = mmap.mmap(-1, chunk)
+        buf.write(os.urandom(chunk))
+        per_file = 1 << 30
+        jobs_w = [(i, off) for i in range(-(-nbytes // per_file))
+                  for off in range(0, min(per_file, nbytes - i * per_file), chunk)]
+        fds = {i: os.open(dst / f"w{i}.bin", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+               for i in {j[0] for j in jobs_w}}
+        todo = iter(jobs_w)
+        lock = threading.Lock()
+
+        def work():
+            while True:
+                with lock:
+                    job = next(todo, None)
+                if job is None:
+                    return
+                os.pwritev(fds[job[0]], [buf], job[1])
+
+        ts = [threading.Thread(target=work) for _ in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        for fd in fds.values():
+            os.fsync(fd)
+            os.close(fd)
+
+    def timed(label: str, *fns) -> None:
+        drop_caches()
+        t = time.perf_counter()
+        ts = [threading.Thread(target=fn) for fn in fns]
+        for th in ts:
+            th.start()
+        for th in ts:
+            th.join()
+        res[label] = round(time.perf_counter() - t, 2)
+
+    timed("read_buffered_s", lambda: reads(False))
+    timed("read_direct_s", lambda: reads(True))
+    timed("write_direct_s", writes)
+    timed("read_write_direct_s", lambda: reads(True), writes)
+    rm(dst)
+    print("RESULT " + json.dumps(res))
 
 
 def child_iofloor(argv: list[str]) -> None:
@@ -783,10 +729,23 @@ def stub_dir() -> str:
 
 # ------------------------------------------------------------------ modes
 
+def warm_cpu_kernels() -> None:
+    """Compile (or load) numba's cache of the CPU kernels before any timed CPU run."""
+    if "cpu_kernels_warmup" in RES:
+        return
+    r = run_child(kc_args(FIXTURE, ROOT / "warm", "cpu", None), monitor=False,
+                  env=env_with(CUDA_VISIBLE_DEVICES=""))
+    RES["cpu_kernels_warmup"] = {k: r.get(k) for k in ("rc", "wall_main_s", "wall_process_s")}
+    log("cpu kernels warm-up (first CPU run: numba compiles and caches)",
+        RES["cpu_kernels_warmup"])
+    rm(ROOT / "warm")
+
+
 def cpu_comparison() -> dict:
-    """CPU per-matrix throughput of both tools, CUDA hidden, on 2 and 8 full-size experts."""
+    """CPU per-matrix throughput of both tools, CUDA hidden, on two sets of full-size experts."""
+    warm_cpu_kernels()
     cpu_env = env_with(CUDA_VISIBLE_DEVICES="")
-    sizes = tuple(int(x) for x in os.environ.get("CPU_SIZES", "2,8").split(","))
+    sizes = tuple(int(x) for x in os.environ.get("CPU_SIZES", "8,32").split(","))
     res: dict = {"sets": {}, "sizes": sizes}
     for n in sizes:
         res["sets"][n] = make_expert_set(ROOT / f"cpu{n}", n)
@@ -860,7 +819,7 @@ def smoke() -> None:
                                                monitor=False) for b in (3, 24)}
         log("kc compute cuda", RES["kc_compute_cuda"])
         save("smoke")
-    # 3. CPU comparison (CUDA hidden for both) on 2 and 8 full-size experts.
+    # 3. CPU comparison (CUDA hidden for both) on two sets of full-size experts.
     RES["cpu"] = cpu_comparison()
     log("cpu per matrix", RES["cpu"].get("per_matrix"))
     save("smoke")
@@ -948,21 +907,29 @@ def full() -> None:
         RES["io_floor_concurrent"] = r
         log("concurrent floor", {k: r.get(k) for k in ("read_s", "write_s", "both_s")})
         save("full")
+    # 2b. What the disk does with more requests in flight and O_DIRECT (not a floor).
+    if dst_bytes and src.is_dir() and os.environ.get("IO_PROBE", "1") == "1":
+        r = run_child(["_ioprobe", str(src), str(ROOT / "probe"), str(dst_bytes)], gpu=False)
+        r.pop("timeline", None)
+        RES["io_probe"] = r
+        log("io probe", {k: v for k, v in r.items() if k.endswith("_s")})
+        save("full")
     # 3. kconvert on the same src, cold, its own process each.
     if shutil.disk_usage(ROOT).free < 1.3 * (dst_bytes or 0):
         rm(ROOT / "dst")
     RES["kc"] = {}
-    pre = env_with(KC_PREIMPORT_CT=1)
-    variants = [("mse", None, (), None), ("amax", "amax", (), None)]
-    optional = [("mse_ct_preimported", None, (), pre),
-                ("mse_readers8", None, ("--readers", "8"), None)]
-    for label, bs, extra, env in variants + optional:
-        if (label, bs, extra, env) in optional and late():
+    variants = [("mse", None, "cuda"), ("amax", "amax", "cuda"), ("mse_cpu", None, "cpu")]
+    for label, bs, device in variants:
+        if device == "cpu" and late():
             continue
-        r = timed_kc(src, ROOT / "kc", os.environ.get("KC_DEVICE", "cuda"), bs, env=env,
-                     extra=extra)
+        env = None
+        if device == "cpu":
+            warm_cpu_kernels()
+            env = env_with(CUDA_VISIBLE_DEVICES="")
+        r = timed_kc(src, ROOT / "kc", device, bs, env=env)
+        r["device"] = device
         RES["kc"][label] = r
-        log(f"kconvert cuda {label}", {k: r.get(k) for k in (
+        log(f"kconvert {label}", {k: r.get(k) for k in (
             "rc", "wall_main_s", "wall_process_s", "vmhwm_gb", "maxrss_gb", "gpu")}
             | {"stages": r.get("stages")})
         if label == "amax" and (ROOT / "dst").is_dir() and r["rc"] == 0:
@@ -973,7 +940,7 @@ def full() -> None:
     floor = anchor.get("io_floor_s")
     ratios = {}
     for label, r in RES["kc"].items():
-        if r.get("rc") == 0 and floor:
+        if r.get("rc") == 0 and r.get("rc_main") == 0 and floor:
             ratios[label] = {
                 "wall_main_over_floor": round(r["wall_main_s"] / floor, 2),
                 "wall_process_over_floor": round(r["wall_process_s"] / floor, 2),
@@ -995,118 +962,6 @@ def full() -> None:
         log("cpu per matrix", RES["cpu"].get("per_matrix"))
     RES["elapsed_s"] = round(time.perf_counter() - T_START, 1)
     save("full")
-
-
-def tune() -> None:
-    """Proposed engine changes (KC_TUNE, emulated by wrappers) on the full-size set, with the
-    floors re-measured in the same run (no anchor: see `full` for it); a compute_item profile;
-    the fixture's CPU vs CUDA bytes with the proposed division fix."""
-    RES["mode"] = "tune"
-    RES["machine"] = machine()
-    log("machine", RES["machine"])
-    save("tune")
-    import torch
-
-    os.environ.setdefault("DIMS", "full")
-    ns = load_anchor_ns()
-    src = ROOT / "src"
-    t = time.perf_counter()
-    RES["src_bytes"] = ns["make_src"](str(src))
-    RES["make_src_s"] = round(time.perf_counter() - t, 1)
-    dst_bytes = int(os.environ.get("DST_BYTES", "15501972970"))  # kconvert's/anchor's output
-    RES["read_floor_cold_s"] = round(ns["read_floor"](str(src)), 2)
-    RES["write_floor_s"] = round(ns["write_floor"](str(ROOT / "dst_floor"), dst_bytes), 2)
-    rm(ROOT / "dst_floor")
-    RES["io_floor_s"] = max(RES["read_floor_cold_s"], RES["write_floor_s"])
-    torch.cuda.empty_cache()
-    log("floors", RES["read_floor_cold_s"], RES["write_floor_s"])
-    save("tune")
-    # 1. Fixture CPU vs CUDA with the division fix (both rules).
-    fx = {}
-    for bs in ("amax", "mse"):
-        dirs = {}
-        for dev in ("cpu", "cuda"):
-            dirs[dev] = ROOT / f"fxdiv_{dev}_{bs}"
-            r = run_child(kc_args(FIXTURE, dirs[dev], dev, bs), monitor=False,
-                          env=env_with(KC_TUNE="div"))
-            fx[f"{dev}_{bs}_rc"] = r["rc"]
-        fx[f"compare_{bs}"] = compare_dirs(dirs["cpu"], dirs["cuda"])
-        log(f"fixture cpu vs cuda, div fix, {bs}", fx[f"compare_{bs}"])
-    RES["fixture_div_fix"] = fx
-    save("tune")
-    # 2. compute_item profile on real items (1<<30 as shipped, 1<<28 proposed).
-    RES["item_profile"] = {}
-    for bs, wl in (("mse", 30), ("amax", 30), ("mse", 28)):
-        r = run_child(["_item_profile", str(src), bs, str(wl)], monitor=False)
-        RES["item_profile"][f"{bs}_{wl}"] = r
-        log(f"item profile {bs} 2^{wl}", {k: r.get(k) for k in (
-            "matrices_per_item", "compute_item_s", "ms_per_matrix", "error_tail")})
-        print(r.get("top_cuda", ""), flush=True)
-    save("tune")
-    # 3. Cold runs: baseline (CT import off the tail only) vs the proposed engine changes.
-    RES["kc"] = {}
-    variants = [("mse_ct", None, "ct"), ("mse_tuned", None, "ct,wb,we28,nopin,rfinite"),
-                ("amax_tuned", "amax", "ct,wb,we28,nopin,rfinite"),
-                ("mse_ct_wb", None, "ct,wb"), ("mse_tuned_we27", None, "ct,wb,we27,nopin,rfinite")]
-    for i, (label, bs, tn) in enumerate(variants):
-        if i >= 3 and late():
-            continue
-        r = timed_kc(src, ROOT / "kc", "cuda", bs, env=env_with(KC_TUNE=tn))
-        r["tune"] = tn
-        RES["kc"][label] = r
-        floor = RES["io_floor_s"]
-        log(f"kconvert {label} [{tn}]", {k: r.get(k) for k in (
-            "rc", "wall_main_s", "wall_process_s", "vmhwm_gb", "rss_sampled_max_gb")},
-            "x floor", round(r["wall_main_s"] / floor, 2) if r.get("wall_main_s") else None,
-            {k: v["busy_s"] for k, v in r.get("stages", {}).items()})
-        save("tune")
-    rm(ROOT / "kc")
-    RES["elapsed_s"] = round(time.perf_counter() - T_START, 1)
-    save("tune")
-
-
-def tune2() -> None:
-    """Second round: pinned D2H and a flusher thread on top of the first round's best set."""
-    RES["mode"] = "tune2"
-    RES["machine"] = machine()
-    log("machine", RES["machine"])
-    save("tune2")
-    import torch
-
-    os.environ.setdefault("DIMS", "full")
-    ns = load_anchor_ns()
-    src = ROOT / "src"
-    RES["src_bytes"] = ns["make_src"](str(src))
-    dst_bytes = int(os.environ.get("DST_BYTES", "15501972970"))
-    RES["read_floor_cold_s"] = round(ns["read_floor"](str(src)), 2)
-    RES["write_floor_s"] = round(ns["write_floor"](str(ROOT / "dst_floor"), dst_bytes), 2)
-    rm(ROOT / "dst_floor")
-    RES["io_floor_s"] = floor = max(RES["read_floor_cold_s"], RES["write_floor_s"])
-    torch.cuda.empty_cache()
-    cold = drop_caches()
-    r = run_child(["_iofloor", str(src), str(ROOT / "floor_conc"), str(dst_bytes)], gpu=False)
-    r["drop_caches_ok"] = cold
-    r.pop("timeline", None)
-    RES["io_floor_concurrent"] = r
-    log("floors", RES["read_floor_cold_s"], RES["write_floor_s"], r.get("both_s"))
-    save("tune2")
-    RES["kc"] = {}
-    base = "ct,we28,nopin,rfinite"
-    variants = [("mse_tuned", None, base + ",wb"), ("mse_tuned_pind2h", None, base + ",wb,pind2h"),
-                ("mse_tuned_pind2h_flush", None, base + ",flush,pind2h"),
-                ("amax_tuned_pind2h_flush", "amax", base + ",flush,pind2h")]
-    for label, bs, tn in variants:
-        r = timed_kc(src, ROOT / "kc", "cuda", bs, env=env_with(KC_TUNE=tn))
-        r["tune"] = tn
-        RES["kc"][label] = r
-        log(f"kconvert {label} [{tn}]", {k: r.get(k) for k in (
-            "rc", "wall_main_s", "wall_process_s", "vmhwm_gb", "rss_sampled_max_gb")},
-            "x floor", round(r["wall_main_s"] / floor, 2) if r.get("wall_main_s") else None,
-            {k: v["busy_s"] for k, v in r.get("stages", {}).items()})
-        save("tune2")
-    rm(ROOT / "kc")
-    RES["elapsed_s"] = round(time.perf_counter() - T_START, 1)
-    save("tune2")
 
 
 def sample_vs_anchor(anchor_dst: Path, kc_dst: Path, n: int = 4) -> dict:
@@ -1137,12 +992,11 @@ def sample_vs_anchor(anchor_dst: Path, kc_dst: Path, n: int = 4) -> dict:
 
 CHILDREN = {"_kc": child_kc, "_anchor": child_anchor, "_anchor_compute": child_anchor_compute,
             "_kc_compute": child_kc_compute, "_iofloor": child_iofloor,
-            "_item_profile": child_item_profile}
+            "_ioprobe": child_ioprobe}
 
 
 def main() -> None:
-    if len(sys.argv) < 2 or sys.argv[1] not in {"smoke", "full", "tune", "tune2", "cpu",
-                                                *CHILDREN}:
+    if len(sys.argv) < 2 or sys.argv[1] not in {"smoke", "full", "cpu", *CHILDREN}:
         raise SystemExit(__doc__)
     mode = sys.argv[1]
     if mode in CHILDREN:
@@ -1150,7 +1004,7 @@ def main() -> None:
         CHILDREN[mode](sys.argv[2:])
         return
     ROOT.mkdir(parents=True, exist_ok=True)
-    {"smoke": smoke, "full": full, "tune": tune, "tune2": tune2, "cpu": cpu_only}[mode]()
+    {"smoke": smoke, "full": full, "cpu": cpu_only}[mode]()
     log("done", OUT)
 
 
