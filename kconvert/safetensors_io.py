@@ -13,6 +13,7 @@ are produced, into `<shard>.partial`, then fsync'd and renamed into place.
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
 import struct
@@ -193,15 +194,20 @@ def _sync_file_range():
 
 
 _SYNC_FILE_RANGE = _sync_file_range()
+# What a sandbox or a file system without the call answers (seccomp, pipes, some FUSE mounts).
+_NOT_SUPPORTED = {errno.ENOSYS, errno.EINVAL, errno.ESPIPE, errno.EOPNOTSUPP}
 
 
 def start_writeback(fd: int) -> bool:
-    """Queue the file's dirty pages for writing, without waiting; False where the OS has no
-    such call (the final fsync then writes everything, which is only slower)."""
+    """Queue the file's dirty pages for writing, without waiting; False where the OS or the
+    file system has no such call (the final fsync then writes everything, only slower). A real
+    error (a bad descriptor, an I/O error) raises."""
     if _SYNC_FILE_RANGE is None:
         return False
     if _SYNC_FILE_RANGE(fd, 0, 0, SYNC_FILE_RANGE_WRITE) != 0:
         err = ctypes.get_errno()
+        if err in _NOT_SUPPORTED:
+            return False
         raise OSError(err, f"sync_file_range: {os.strerror(err)}")
     return True
 
