@@ -35,9 +35,10 @@ ANCHOR_SCRIPT (default .bench/anchor_convert.py, else ../shared/bench/anchor_con
 DEADLINE_S (skip optional steps after this many seconds; default 540), CPU_SIZES (expert
 counts of the two CPU shards, default 8,32).
 
-The fused CPU kernels are compiled by numba on first use and cached next to the module (about
-15 s, once per install); before any timed CPU run, `warm_cpu_kernels` converts the bundled
-fixture on the CPU once and records that first run's time, so no timing includes the compile.
+The fused CPU kernels are compiled by numba on first use and cached next to the module (11.5 s
+on the H200 machine, once per install); before any timed CPU run, `warm_cpu_kernels` converts
+the bundled fixture on the CPU once and records that first run's time, so no timing includes
+the compile.
 Results: OUT/bench_<mode>.json (everything, plus ratios) and the anchor's anchor.json.
 """
 
@@ -472,8 +473,8 @@ def child_kc_compute(argv: list[str]) -> None:
 def child_ioprobe(argv: list[str]) -> None:
     """How this disk reads and writes with more I/O in flight, and without the page cache:
     buffered vs O_DIRECT reads of every source byte (THREADS threads, 16 MiB requests), and
-    O_DIRECT writes of `nbytes` alone and at the same time as O_DIRECT reads. The caller drops
-    the page cache before; each phase drops it again (this child runs as root or not at all)."""
+    O_DIRECT writes of `nbytes` (each 1 GiB file rounded up to 16 MiB) alone and at the same
+    time as O_DIRECT reads. The page cache is dropped before each phase (needs root)."""
     import mmap
 
     src, dst, nbytes = Path(argv[0]), Path(argv[1]), int(argv[2])
