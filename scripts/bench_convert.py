@@ -484,55 +484,46 @@ def child_ioprobe(argv: list[str]) -> None:
     res: dict = {"threads": threads, "chunk_mib": chunk >> 20,
                  "read_gb": round(sum(f.stat().st_size for f in files) / 1e9, 2)}
 
-    def reads(direct: bool) -> None:
-        flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
-        fds = {f: os.open(f, flags) for f in files}
-        todo = iter(list(jobs))
-        lock = threading.Lock()
-
-        def work():
-            buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
-            while True:
-                with lock:
-                    job = next(todo, None)
-                if job is None:
-                    return
-                os.preadv(fds[job[0]], [buf], job[1])
-
-        ts = [threading.Thread(target=work) for _ in range(threads)]
+    def together(*fns) -> None:
+        ts = [threading.Thread(target=fn) for fn in fns]
         for t in ts:
             t.start()
         for t in ts:
             t.join()
+
+    def drain(todo: list, io) -> None:
+        """`threads` workers take jobs in order; io(job, buf) with a page-aligned buffer of
+        the worker's own (as O_DIRECT needs)."""
+        pending, lock = iter(todo), threading.Lock()
+
+        def work():
+            buf = mmap.mmap(-1, chunk)
+            while True:
+                with lock:
+                    job = next(pending, None)
+                if job is None:
+                    return
+                io(job, buf)
+
+        together(*[work] * threads)
+
+    def reads(direct: bool) -> None:
+        fds = {f: os.open(f, os.O_RDONLY | (os.O_DIRECT if direct else 0)) for f in files}
+        drain(jobs, lambda job, buf: os.preadv(fds[job[0]], [buf], job[1]))
         for fd in fds.values():
             os.close(fd)
 
     def writes() -> None:
         rm(dst)
         dst.mkdir(parents=True)
-        buf = mmap.mmap(-1, chunk)
-        buf.write(os.urandom(chunk))
+        data = mmap.mmap(-1, chunk)
+        data.write(os.urandom(chunk))
         per_file = 1 << 30
         jobs_w = [(i, off) for i in range(-(-nbytes // per_file))
                   for off in range(0, min(per_file, nbytes - i * per_file), chunk)]
         fds = {i: os.open(dst / f"w{i}.bin", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
                for i in {j[0] for j in jobs_w}}
-        todo = iter(jobs_w)
-        lock = threading.Lock()
-
-        def work():
-            while True:
-                with lock:
-                    job = next(todo, None)
-                if job is None:
-                    return
-                os.pwritev(fds[job[0]], [buf], job[1])
-
-        ts = [threading.Thread(target=work) for _ in range(threads)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
+        drain(jobs_w, lambda job, _: os.pwritev(fds[job[0]], [data], job[1]))
         for fd in fds.values():
             os.fsync(fd)
             os.close(fd)
@@ -540,11 +531,7 @@ def child_ioprobe(argv: list[str]) -> None:
     def timed(label: str, *fns) -> None:
         drop_caches()
         t = time.perf_counter()
-        ts = [threading.Thread(target=fn) for fn in fns]
-        for th in ts:
-            th.start()
-        for th in ts:
-            th.join()
+        together(*fns)
         res[label] = round(time.perf_counter() - t, 2)
 
     timed("read_buffered_s", lambda: reads(False))

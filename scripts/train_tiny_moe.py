@@ -67,8 +67,8 @@ from make_fixture import FixtureDims, _k2_config
 __all__ = [
     "BOS",
     "EOS",
+    "TINY_MOE_DIMS",
     "VOCAB",
-    "TinyMoeDims",
     "corpus_ids",
     "expert_load",
     "heldout_ids",
@@ -87,25 +87,9 @@ META_FILE = "tiny_moe.json"  # training record written next to the weights
 _EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
 
-@dataclass(frozen=True)
-class TinyMoeDims:
-    """Model dims (the fixture's; hidden/intermediates are multiples of 32 so INT4/NVFP4 fit)."""
-
-    hidden: int = 128
-    intermediate: int = 256  # dense MLP of layer 0
-    moe_intermediate: int = 64
-    experts: int = 24
-    top_k: int = 4
-    moe_layers: int = 3
-    q_lora_rank: int = 64
-    kv_lora_rank: int = 32
-    qk_nope_head_dim: int = 16
-    qk_rope_head_dim: int = 8
-    v_head_dim: int = 16
-    heads: int = 4
-
-    def fixture_dims(self) -> FixtureDims:
-        return FixtureDims(**asdict(self), vocab=VOCAB)
+# The fixture's dims with more experts and layers (hidden/intermediates are multiples of 32 so
+# INT4/NVFP4 fit) and the byte-level vocabulary.
+TINY_MOE_DIMS = FixtureDims(experts=24, moe_layers=3, vocab=VOCAB)
 
 
 @dataclass(frozen=True)
@@ -226,10 +210,10 @@ def _batches(seqs: list[torch.Tensor], batch_size: int) -> Iterator[torch.Tensor
 # ----------------------------------------------------------------------------- configs / io
 
 
-def kimi_config(dims: TinyMoeDims = TinyMoeDims()) -> dict[str, Any]:
+def kimi_config(dims: FixtureDims = TINY_MOE_DIMS) -> dict[str, Any]:
     """config.json: make_fixture's Kimi-K2-Thinking config (rope/yarn/router fields verbatim)
     at these dims, with byte-level specials and without auto_map (no remote code shipped)."""
-    cfg = _k2_config(dims.fixture_dims(), quantized=False)
+    cfg = _k2_config(dims, quantized=False)
     del cfg["auto_map"]
     cfg.update(bos_token_id=BOS, eos_token_id=EOS)
     return cfg
@@ -463,7 +447,7 @@ def _lr_at(step: int, a: TrainArgs) -> float:
 
 
 def train(
-    dims: TinyMoeDims, a: TrainArgs, log: Any = print, device: str = "cpu"
+    dims: FixtureDims, a: TrainArgs, log: Any = print, device: str = "cpu"
 ) -> tuple[Any, dict[str, Any]]:
     """Train from scratch; returns the model (weights rounded to BF16 values, on the CPU) and a
     record. ``device`` other than "cpu" is for quick hyper-parameter sweeps only."""
@@ -606,7 +590,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             ap.error(f"{out} is not empty (use --overwrite)")
         shutil.rmtree(out)
     torch.set_num_threads(a.threads)
-    dims = TinyMoeDims()
+    dims = TINY_MOE_DIMS
     targs = TrainArgs(
         steps=a.steps,
         batch_size=a.batch_size,
@@ -632,7 +616,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     meta = {
         "what": "tiny Kimi-K2-shaped MoE trained by scripts/train_tiny_moe.py",
         "vocab": {"bytes": "0..255", "bos": BOS, "eos": EOS, "size": VOCAB},
-        "dims": asdict(dims),
+        "dims": {k: v for k, v in asdict(dims).items() if k != "vocab"},  # vocab: above
         "train_args": asdict(targs),
         "corpus": info,
         "torch": torch.__version__,
