@@ -8,7 +8,8 @@
    calling thread decodes/transforms/encodes on the chosen device, one writer thread hashes
    and `pwrite`s results into planned `.partial` files and renames each shard into place the
    moment its last byte is written, recording its hashes under `.kconvert/done/`.
-Memory is bounded by (prefetch + queue) items, never by shard or model size.
+Memory is bounded by (prefetch + queue) items, never by shard or model size. On a CPU run the
+reader and writer threads get cores of their own (`split_cores`), the kernels the rest.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ import queue
 import sys
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import xxhash
 
@@ -39,6 +41,12 @@ from kconvert.stages import ModulePlan, Quantize, Stage, group_modules
 
 # Pass-through bytes move in pieces of this size (memory: ~8 pieces in flight).
 COPY_CHUNK = 16 << 20
+# On a CPU run the reader and writer threads get cores of their own, one in IO_CORE_EVERY of
+# the cores this process may use (none below that many), and the kernels the rest. Sharing
+# cores, an I/O thread preempts a kernel thread, and a parallel kernel waits for its slowest
+# thread: on 16 cores an expert matrix took 28-32 ms end to end that way, 19 ms with two
+# cores set apart (scripts/results/README.md, session 4).
+IO_CORE_EVERY = 8
 STATE_DIR = ".kconvert"
 
 
@@ -307,12 +315,10 @@ def read_item(ckpt: Checkpoint, item: Item, pin: bool) -> list[torch.Tensor]:
         for c in item.chunks:
             buf = torch.empty(c.length, dtype=torch.uint8)
             ckpt.reader_for(c.info).read_into(c.info, buf, c.offset)
-            dtype = c.info.torch_dtype
-            if dtype.is_floating_point and dtype.itemsize >= 2:
-                _check_finite(buf.view(dtype), c.info)
+            _check_finite(buf, c.info)
             if c.rows is not None:
                 rows = torch.tensor(c.rows, dtype=torch.long)
-                buf = buf.view(dtype).reshape(c.info.shape).index_select(0, rows)
+                buf = buf.view(c.info.torch_dtype).reshape(c.info.shape).index_select(0, rows)
             bufs.append(buf)
         return bufs
     bufs = []
@@ -344,8 +350,25 @@ def _nonfinite_param(ckpt: Checkpoint, m: ModulePlan) -> TensorInfo:
     return m.primary
 
 
-def _check_finite(values: torch.Tensor, info: TensorInfo) -> None:
-    if values.is_floating_point() and not bool(torch.isfinite(values).all()):
+# Per float dtype: its bits as an unsigned integer, and the bits that are all ones exactly for
+# Inf and NaN (the exponent field; FP8 e4m3fn has no Inf, and its NaN is exponent and mantissa
+# all ones). Pass-through bytes are checked on these bits with numpy, single-threaded: torch's
+# isfinite from a reader thread starts a thread pool of its own for that thread, and on a CPU
+# run, with the reader threads kept to a core or two, those pools fought over them (the
+# full-size set's pass-through reads took 2.6x as long).
+_NONFINITE_BITS = {torch.float16: (np.uint16, 0x7C00), torch.bfloat16: (np.uint16, 0x7F80),
+                   torch.float32: (np.uint32, 0x7F800000),
+                   torch.float64: (np.uint64, 0x7FF0000000000000),
+                   torch.float8_e4m3fn: (np.uint8, 0x7F), torch.float8_e5m2: (np.uint8, 0x7C)}
+
+
+def _check_finite(raw: torch.Tensor, info: TensorInfo) -> None:
+    """Raise if the uint8 bytes `raw` of a piece of `info` hold a NaN or Inf."""
+    bits = _NONFINITE_BITS.get(info.torch_dtype)
+    if bits is None:  # integers
+        return
+    uint, ones = bits[0], bits[0](bits[1])
+    if np.any(np.bitwise_and(raw.numpy().view(uint), ones) == ones):
         raise KconvertError("NaN or Inf in the source weights", file=info.file.name,
                             tensor=info.name)
 
@@ -573,7 +596,8 @@ def execute(
     results: queue.Queue = queue.Queue(maxsize=2)
     failure: list[BaseException] = []
 
-    def writer() -> None:
+    def writer(io_cores: set[int] | None) -> None:
+        _pin_thread(io_cores)
         while (res := results.get()) is not None:
             if failure:
                 continue
@@ -583,26 +607,75 @@ def execute(
             except BaseException as exc:  # surfaced by the main thread
                 failure.append(exc)
 
-    wthread = threading.Thread(target=writer, name="kconvert-writer", daemon=True)
-    wthread.start()
-    try:
-        with ThreadPoolExecutor(readers, thread_name_prefix="kconvert-read") as pool:
-            for index, item, bufs in _prefetched(pool, plan, todo, pin, prefetch):
-                if failure:
-                    break
-                results.put(compute_item(plan, item, bufs, device, index, chunk_elems))
-    except BaseException:
+    with _cores_set_apart(device) as io_cores:
+        wthread = threading.Thread(target=writer, args=(io_cores,), name="kconvert-writer",
+                                   daemon=True)
+        wthread.start()
+        try:
+            with ThreadPoolExecutor(readers, thread_name_prefix="kconvert-read",
+                                    initializer=_pin_thread, initargs=(io_cores,)) as pool:
+                for index, item, bufs in _prefetched(pool, plan, todo, pin, prefetch):
+                    if failure:
+                        break
+                    results.put(compute_item(plan, item, bufs, device, index, chunk_elems))
+        except BaseException:
+            results.put(None)
+            wthread.join()
+            sink.abandon()
+            raise
         results.put(None)
         wthread.join()
-        sink.abandon()
-        raise
-    results.put(None)
-    wthread.join()
     if failure:
         sink.abandon()
         raise failure[0]
     sink.finish_empty()
     return sink.done
+
+
+def split_cores(cores: Iterable[int]) -> tuple[set[int], set[int]] | None:
+    """(kernel cores, I/O cores) for a CPU run on `cores`, or None (too few to set any apart)."""
+    ordered = sorted(cores)
+    n_io = len(ordered) // IO_CORE_EVERY
+    if not n_io:
+        return None
+    return set(ordered[:-n_io]), set(ordered[-n_io:])
+
+
+@contextlib.contextmanager
+def _cores_set_apart(device: torch.device) -> Iterator[set[int] | None]:
+    """On a CPU run: every thread of this process on the kernel cores (the thread pools that
+    torch and numba keep may predate this run; threads they start later inherit the mask of
+    this thread), kernels on as many threads as cores; yields the I/O cores for the reader and
+    writer threads to pin themselves to. Every thread's mask is restored after (threads born
+    during the run get this thread's former mask)."""
+    split = split_cores(os.sched_getaffinity(0)) \
+        if device.type == "cpu" and hasattr(os, "sched_setaffinity") else None
+    if split is None:
+        yield None
+        return
+    kernel, io = split
+    own = os.sched_getaffinity(0)
+    before = {}
+    for tid in _thread_ids():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            before[tid] = os.sched_getaffinity(tid)
+            os.sched_setaffinity(tid, kernel)
+    try:
+        with nvfp4.cpu_threads(len(kernel)):
+            yield io
+    finally:
+        for tid in _thread_ids():
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(tid, before.get(tid, own))
+
+
+def _thread_ids() -> list[int]:
+    return [int(t) for t in os.listdir("/proc/self/task")]
+
+
+def _pin_thread(cores: set[int] | None) -> None:
+    if cores:
+        os.sched_setaffinity(0, cores)
 
 
 def _fix_mmap_threshold(nbytes: int = 1 << 20) -> None:

@@ -16,7 +16,10 @@ source. Every reduction that decides a byte is done in a fixed order, so CPU and
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -274,13 +277,20 @@ def quantize(
     return out.result(b, m, gs)
 
 
-def _int4_rows(packed: torch.Tensor, scale: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """INT4 words [B*M, K/8] and fp32 scales [B*M, G] as numpy arrays for the CPU kernels."""
+def _int4_rows(kernels: ModuleType, packed: torch.Tensor, scale: torch.Tensor,
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """INT4 words [B*M, K/8] and fp32 scales [B*M, G] as numpy arrays for the CPU kernels
+    (bf16 scales widened by the kernels' own `widen_bf16`)."""
     b, m, words = packed.shape
     if scale.shape[:2] != (b, m):
         raise ValueError(f"INT4 scale {list(scale.shape)} does not fit packed {list(packed.shape)}")
-    return (packed.reshape(b * m, words).contiguous().numpy(),
-            scale.reshape(b * m, -1).float().contiguous().numpy())
+    rows = scale.reshape(b * m, -1).contiguous()
+    if rows.dtype == torch.bfloat16:
+        wide = np.empty(rows.shape, dtype=np.float32)
+        kernels.widen_bf16(rows.view(torch.int16).numpy().view(np.uint16), wide)
+    else:
+        wide = rows.float().numpy()
+    return packed.reshape(b * m, words).contiguous().numpy(), wide
 
 
 def _int4_decode(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -300,7 +310,7 @@ def int4_amax(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     kernel = _int4_kernels(packed, scale)
     if kernel is None:
         return _int4_decode(packed, scale).abs().amax(dim=(1, 2))
-    words, scales = _int4_rows(packed, scale)
+    words, scales = _int4_rows(kernel, packed, scale)
     row_amax = np.empty(words.shape[0], dtype=np.float32)
     kernel.int4_row_amax(words, scales, row_amax)
     return torch.from_numpy(row_amax).reshape(packed.shape[:2]).amax(-1)
@@ -328,7 +338,8 @@ def quantize_int4(packed: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
     _num_blocks(k, block)
     gs = global_scale(amax)
     out = _Rows.empty(b * m, k, block, packed.device)
-    kernel.quantize_int4_rows(*_int4_rows(packed, scale), gs.repeat_interleave(m).numpy(),
+    words, scales = _int4_rows(kernel, packed, scale)
+    kernel.quantize_int4_rows(words, scales, gs.repeat_interleave(m).numpy(),
                               _offsets(block_scale == "mse"), block, out.packed.numpy(),
                               out.codes.numpy(), out.err.numpy(), out.ref.numpy())
     return out.result(b, m, gs)
@@ -350,6 +361,30 @@ def _cpu_kernels():
     except ImportError:
         return None
     return nvfp4_cpu
+
+
+@contextlib.contextmanager
+def cpu_threads(n: int) -> Iterator[None]:
+    """CPU work launched from this thread (the fused kernels, torch's ops) uses `n` threads.
+
+    numba's count is per launching thread; torch's is the process's. Both are restored after.
+    """
+    torch_before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        if _cpu_kernels() is None:
+            yield
+            return
+        import numba
+
+        numba_before = numba.get_num_threads()
+        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+        try:
+            yield
+        finally:
+            numba.set_num_threads(numba_before)
+    finally:
+        torch.set_num_threads(torch_before)
 
 
 def unpack_codes(packed: torch.Tensor) -> torch.Tensor:

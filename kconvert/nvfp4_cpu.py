@@ -33,6 +33,8 @@ _FP8_MAX = np.float32(nvfp4.FP8_MAX)
 _MIN_NORMAL = np.float32(2.0**-6)  # smallest normal FP8 e4m3; below it codes step by 2^-9
 # error_model="numpy": a float division has no zero-division branch, which would stop LLVM
 # from vectorising the loops (the torch path divides the same way: x / 0 -> inf).
+# The parallel kernels below release the GIL while they run (nogil=True), so that the engine's
+# reader and writer threads keep moving bytes meanwhile.
 _JIT = {"cache": True, "error_model": "numpy"}
 
 
@@ -213,7 +215,7 @@ def _encode_row(x, gs, codes, codes_in, offsets, block, packed, ws):
     return err.sum(), ref.sum()
 
 
-@numba.njit(parallel=True, **_JIT)
+@numba.njit(parallel=True, nogil=True, **_JIT)
 def quantize_rows(x, row_gs, codes, codes_in, offsets, block, packed, row_err, row_ref):
     """Rows x [R, K] fp32, global scales row_gs [R] -> packed [R, K/2], codes [R, K/block]
     (input too when `codes_in`), row_err / row_ref [R]; see _encode_row."""
@@ -233,7 +235,7 @@ def _int4_code(word, t):
     return ((word >> (4 * t)) & 0xF) - 8
 
 
-@numba.njit(parallel=True, **_JIT)
+@numba.njit(parallel=True, nogil=True, **_JIT)
 def quantize_int4_rows(words, scale, row_gs, offsets, block, packed, codes, row_err, row_ref):
     """quantize_rows of INT4 rows (words int32 [R, K/8], fp32 scales [R, G], whole words per
     group), each decoded to fp32 (code * scale, exactly as Int4Codec.decode) first."""
@@ -254,7 +256,7 @@ def quantize_int4_rows(words, scale, row_gs, offsets, block, packed, codes, row_
             row_ref[r] = ref
 
 
-@numba.njit(parallel=True, **_JIT)
+@numba.njit(parallel=True, nogil=True, **_JIT)
 def int4_row_amax(words, scale, out):
     """out [R] = max |code * scale| of each INT4 row (as quantize_int4_rows takes them): each
     group's largest |code| times |scale|, exact since fp32 rounding is monotone; NaN
@@ -271,3 +273,15 @@ def int4_row_amax(words, scale, out):
             v = np.float32(c) * abs(scale[r, g])
             m = v if v > m or v != v else m
         out[r] = m
+
+
+@numba.njit(parallel=True, nogil=True, **_JIT)
+def widen_bf16(bits, out):
+    """out [R, G] fp32 = the bf16 values whose bits are `bits` [R, G] uint16: the bits shifted
+    into the top half of an fp32, exactly torch's bf16 -> fp32 (NaN payloads included). Here
+    rather than torch's cast: a torch op between two kernels wakes torch's own thread pool while
+    numba's still holds the cores, and took 5-15x its time alone (measured in the engine)."""
+    wide = out.view(np.uint32)
+    for r in numba.prange(bits.shape[0]):
+        for g in range(bits.shape[1]):
+            wide[r, g] = np.uint32(bits[r, g]) << np.uint32(16)

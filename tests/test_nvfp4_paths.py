@@ -134,6 +134,15 @@ def test_e2m1_rounding_equals_torch_bucketize():
     assert torch.equal(nibbles, expected.int())
 
 
+def test_widen_bf16_equals_torch_cast_for_every_bf16():
+    """The kernels widen bf16 INT4 scales themselves: all 65536 bit patterns (subnormals,
+    infinities and NaN payloads included) give torch's bf16 -> fp32 bits."""
+    bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).reshape(256, 256)
+    got = torch.empty(bits.shape, dtype=torch.float32)
+    nvfp4_cpu.widen_bf16(bits.numpy().view("uint16"), got.numpy())
+    assert torch.equal(got.view(torch.int32), bits.view(torch.bfloat16).float().view(torch.int32))
+
+
 def _int4(b: int, m: int, k: int, group: int, codes_lo: int, scale_dtype: torch.dtype
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """packed [B, M, K/8] written by compressed-tensors' own packer, scales [B, M, K/group]."""

@@ -13,6 +13,8 @@
    under its final name; --overwrite replaces; --resume of a finished output refuses.
 4. --dry-run writes nothing and prints the per-role table.
 5. The shard writer queues dirty pages for the disk as it goes (no multi-GB final fsync).
+6. A CPU run gives the reader and writer threads cores of their own, the kernels the rest,
+   and puts every thread back where it was; the bytes are the same either way.
 """
 
 from __future__ import annotations
@@ -402,6 +404,44 @@ BAD_INPUT = [
 ]
 
 
+def _patterns(dtype: torch.dtype) -> torch.Tensor:
+    """Every bit pattern of a 1- or 2-byte float; for wider ones, the special values, the
+    largest finite, the smallest subnormal, and one ulp either side of each."""
+    if dtype.itemsize <= 2:
+        ints = {1: torch.uint8, 2: torch.int16}[dtype.itemsize]
+        lo, hi = (0, 256) if dtype.itemsize == 1 else (-(1 << 15), 1 << 15)
+        return torch.arange(lo, hi, dtype=torch.int32).to(ints).view(dtype)
+    fi = torch.finfo(dtype)
+    v = torch.tensor([0.0, -0.0, 1.0, fi.max, -fi.max, fi.tiny, fi.smallest_normal / 2**10,
+                      math.inf, -math.inf, math.nan], dtype=dtype)
+    return torch.cat([v, torch.nextafter(v, v.new_tensor(math.inf)),
+                      torch.nextafter(v, v.new_tensor(-math.inf))])
+
+
+@pytest.mark.parametrize("name", ["F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"])
+def test_pass_through_nan_inf_check_equals_torch_isfinite(name):
+    """Pass-through bytes are checked on their bits (numpy, in the reader threads): the verdict
+    on each value is torch.isfinite's."""
+    from kconvert.engine import _check_finite
+    from kconvert.safetensors_io import DTYPES, TensorInfo
+
+    values = _patterns(DTYPES[name])
+    info = TensorInfo("model.layers.0.w", Path("a.safetensors"), name, (1,), 0, 1)
+    wide = values.float() if values.dtype.itemsize == 1 else values  # FP8: exact in fp32
+    finite = torch.isfinite(wide).tolist()
+    raw = values.view(torch.uint8).reshape(len(values), -1)
+    verdicts = []
+    for row in raw:
+        try:
+            _check_finite(row.clone(), info)
+            verdicts.append(True)
+        except KconvertError as err:
+            assert "a.safetensors" in str(err) and "model.layers.0.w" in str(err)
+            verdicts.append(False)
+    assert verdicts == finite
+    assert not all(finite) and any(finite)
+
+
 @pytest.mark.parametrize("case", BAD_INPUT, ids=[c.id for c in BAD_INPUT])
 def test_bad_input_fails_cleanly(case: Case, tmp_path):
     src = tmp_path / "src"
@@ -685,3 +725,67 @@ def test_shard_writer_starts_writeback_every_writeback_bytes(tmp_path, monkeypat
     finally:
         os.close(read_end)
         os.close(write_end)
+
+
+# -------------------------------------------------------- 6. cores set apart on a CPU run
+
+
+def test_split_cores_sets_one_core_in_eight_apart():
+    from kconvert.engine import split_cores
+
+    assert split_cores(range(16)) == (set(range(14)), {14, 15})
+    assert split_cores(range(7)) is None  # too few: every thread shares every core
+    odd = range(1, 19, 2)  # 9 cores, as a cpuset may give them
+    assert split_cores(odd) == (set(range(1, 17, 2)), {17})
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs thread affinity and 2 cores")
+def test_cpu_run_gives_io_threads_cores_of_their_own_and_restores_every_thread(
+        tmp_path, monkeypatch):
+    import threading
+
+    import numba
+
+    from kconvert import engine
+
+    allowed = os.sched_getaffinity(0)
+    shared = tmp_path / "shared"
+    monkeypatch.setattr(engine, "IO_CORE_EVERY", 10**6)  # no core set apart
+    run_inproc("int4-to-nvfp4", BUNDLED, shared)
+
+    monkeypatch.setattr(engine, "IO_CORE_EVERY", len(allowed))  # one core set apart
+    kernel, io = engine.split_cores(allowed)
+    idle = threading.Event()
+    bystander = threading.Thread(target=idle.wait)  # a thread of the host program
+    bystander.start()
+    seen: dict[str, set] = {"read": set(), "write": set(), "compute": set(), "bystander": set()}
+    threads = set()
+
+    def recording(kind, fn):
+        def inner(*a, **k):
+            seen[kind].add(frozenset(os.sched_getaffinity(0)))
+            if kind == "compute":
+                seen["bystander"].add(frozenset(os.sched_getaffinity(bystander.native_id)))
+                threads.add((numba.get_num_threads(), torch.get_num_threads()))
+            return fn(*a, **k)
+        return inner
+
+    monkeypatch.setattr(engine, "read_item", recording("read", engine.read_item))
+    monkeypatch.setattr(engine, "compute_item", recording("compute", engine.compute_item))
+    monkeypatch.setattr(engine.ShardSink, "write", recording("write", engine.ShardSink.write))
+    torch_threads, numba_threads = torch.get_num_threads(), numba.get_num_threads()
+    apart = tmp_path / "apart"
+    try:
+        run_inproc("int4-to-nvfp4", BUNDLED, apart)
+        after = os.sched_getaffinity(bystander.native_id)
+    finally:
+        idle.set()
+        bystander.join()
+
+    assert seen["read"] == seen["write"] == {frozenset(io)}
+    assert seen["compute"] == seen["bystander"] == {frozenset(kernel)}
+    assert threads == {(len(kernel), len(kernel))}
+    assert os.sched_getaffinity(0) == after == allowed
+    assert (torch.get_num_threads(), numba.get_num_threads()) == (torch_threads, numba_threads)
+    assert snapshot(apart) == snapshot(shared)

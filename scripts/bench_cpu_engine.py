@@ -1,0 +1,153 @@
+"""The CPU path end to end per expert matrix, under engine variants: where the time goes.
+
+    ROOT=/tmp/kbench OUT=... VARIANTS=base,every1000000,gil python scripts/bench_cpu_engine.py
+
+Builds two shards of full-size INT4 experts (CPU_SIZES, default 8 and 32, as
+bench_convert.make_expert_set makes them), then runs one child process per variant. Each child
+converts the bundled fixture first (numba loads or compiles its kernels), then both shards REPS
+times (default 2) in-process, page cache warm, with `--device cpu`. Per matrix, as the slope
+between the two shards (start-up costs cancel): wall, compute thread busy (compute_item), the
+INT4 -> NVFP4 kernel and the amax kernel, process CPU time, minor page faults, involuntary
+context switches; and the same kernels alone in that process on a gate+up item (2 x 2048x7168),
+for comparison. Variants (kconvert's code is patched in the child only):
+  base          the engine as it is
+  every<N>      engine.IO_CORE_EVERY = N (every1000000: no core set apart for the I/O threads)
+  gil           the parallel kernels hold the GIL while they run (own numba cache dir)
+  nohash        no content hashes (diagnostic: output not valid)
+  nowrite       no pwrite (diagnostic)
+  r<N>          --readers N
+  nt<N>         NUMBA_NUM_THREADS=N
+  dyn           numba.set_parallel_chunksize(8): dynamic scheduling
+  nommap        glibc's own mmap threshold instead of the engine's 1 MiB
+Prints one JSON line per variant; writes OUT/cpu_engine.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_convert as bc
+
+CHILD = r'''
+import contextlib, json, os, re, resource, statistics, sys, time
+variant, root, fixture, sizes = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+small, large = (int(x) for x in sizes.split(","))
+import numba
+if variant == "gil":
+    _njit = numba.njit
+    def njit(*a, **k):
+        if k.get("parallel"):
+            k["nogil"] = False
+        return _njit(*a, **k)
+    numba.njit = njit
+if variant == "dyn":
+    numba.set_parallel_chunksize(8)
+import torch
+sys.path.insert(0, os.getcwd())
+from kconvert import engine, nvfp4, nvfp4_cpu, safetensors_io
+import kconvert.cli as cli
+if variant.startswith("every"):
+    engine.IO_CORE_EVERY = int(variant[5:])
+if variant == "nommap":
+    engine._fix_mmap_threshold = lambda *a, **k: None
+if variant == "nohash":
+    class NoHash:
+        def update(self, data): pass
+        def hexdigest(self): return "0"
+    engine.xxhash.xxh3_128 = NoHash
+if variant == "nowrite":
+    safetensors_io.ShardWriter.write = lambda self, *a, **k: None
+readers = variant[1:] if re.fullmatch(r"r\d+", variant) else "4"
+busy = {"kernel": 0.0, "amax": 0.0, "compute": 0.0}
+def timed(mod, name, key):
+    fn = getattr(mod, name)
+    def inner(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            busy[key] += time.perf_counter() - t
+    setattr(mod, name, inner)
+timed(nvfp4_cpu, "quantize_int4_rows", "kernel")
+timed(nvfp4_cpu, "int4_row_amax", "amax")
+timed(engine, "compute_item", "compute")
+def convert(src, dst):
+    for k in busy:
+        busy[k] = 0.0
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
+    t = time.perf_counter()
+    with contextlib.suppress(SystemExit):
+        cli.main(["int4-to-nvfp4", src, dst, "--device", "cpu", "--quiet", "--overwrite",
+                  "--readers", readers], standalone_mode=False)
+    wall = time.perf_counter() - t
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return {"wall": wall, **busy, "minflt": ru.ru_minflt - ru0.ru_minflt,
+            "nivcsw": ru.ru_nivcsw - ru0.ru_nivcsw,
+            "cpu": ru.ru_utime + ru.ru_stime - ru0.ru_utime - ru0.ru_stime}
+convert(fixture, root + "/warm")
+runs = {small: [], large: []}
+for _ in range(int(os.environ.get("REPS", "2"))):
+    for n in (small, large):
+        runs[n].append(convert(f"{root}/cpu{n}", f"{root}/cpu{n}_out"))
+matrices = 3 * (large - small)
+out = {"variant": variant}
+for key in ("wall", "compute", "kernel", "amax", "cpu", "minflt", "nivcsw"):
+    scale = 1e3 if key in ("wall", "compute", "kernel", "amax", "cpu") else 1
+    out[key + ("_ms" if scale > 1 else "") + "_per_matrix"] = [
+        round((b[key] - a[key]) / matrices * scale, 2) for a, b in zip(runs[small], runs[large])]
+g = torch.Generator().manual_seed(0)
+packed = torch.randint(-2**31, 2**31 - 1, (2, 2048, 7168 // 8), dtype=torch.int32, generator=g)
+scale = (torch.rand(2, 2048, 7168 // 32, generator=g) * 0.004 + 0.001).to(torch.bfloat16)
+alone = []
+for _ in range(6):
+    for k in busy:
+        busy[k] = 0.0
+    t = time.perf_counter()
+    nvfp4.quantize_int4(packed, scale, nvfp4.int4_amax(packed, scale), "mse")
+    alone.append(((time.perf_counter() - t) / 2, busy["kernel"] / 2, busy["amax"] / 2))
+out["alone_ms_per_matrix"] = dict(zip(("all", "kernel", "amax"), (
+    round(statistics.median(x[i] for x in alone[1:]) * 1e3, 2) for i in range(3))))
+print("RESULT", json.dumps(out), flush=True)
+'''
+
+
+def main() -> None:
+    root = bc.ROOT
+    root.mkdir(parents=True, exist_ok=True)
+    sizes = os.environ.get("CPU_SIZES", "8,32")
+    for n in (int(x) for x in sizes.split(",")):
+        if not (root / f"cpu{n}" / "config.json").exists():
+            bc.make_expert_set(root / f"cpu{n}", n)
+    env = bc.env_with(CUDA_VISIBLE_DEVICES="")
+    results = []
+    for variant in os.environ.get("VARIANTS", "base,every1000000,gil").split(","):
+        if bc.late():
+            print("deadline: skipped", variant, flush=True)
+            continue
+        extra = {}
+        if variant.startswith("nt"):
+            extra["NUMBA_NUM_THREADS"] = variant[2:]
+        if variant == "gil":
+            extra["NUMBA_CACHE_DIR"] = str(root / "numba_gil")
+        t = time.perf_counter()
+        p = subprocess.run([sys.executable, "-c", CHILD, variant, str(root), str(bc.FIXTURE),
+                            sizes], env={**env, **extra}, capture_output=True, text=True,
+                           cwd=bc.REPO)
+        got = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT")]
+        r = json.loads(got[-1][7:]) if got else {"variant": variant, "err": p.stderr[-1500:]}
+        r["process_s"] = round(time.perf_counter() - t, 1)
+        results.append(r)
+        print(json.dumps(r), flush=True)
+        bc.OUT.mkdir(parents=True, exist_ok=True)
+        (bc.OUT / "cpu_engine.json").write_text(json.dumps(
+            {"machine": bc.machine(), "sizes": sizes, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
