@@ -47,6 +47,8 @@ COPY_CHUNK = 16 << 20
 # thread: on 16 cores an expert matrix took 28-32 ms end to end that way, 19 ms with two
 # cores set apart (scripts/results/README.md, session 4).
 IO_CORE_EVERY = 8
+# Thread masks are read and set per thread through /proc/self/task: Linux only.
+_CAN_PIN = sys.platform.startswith("linux") and hasattr(os, "sched_setaffinity")
 STATE_DIR = ".kconvert"
 
 
@@ -356,19 +358,19 @@ def _nonfinite_param(ckpt: Checkpoint, m: ModulePlan) -> TensorInfo:
 # isfinite from a reader thread starts a thread pool of its own for that thread, and on a CPU
 # run, with the reader threads kept to a core or two, those pools fought over them (the
 # full-size set's pass-through reads took 2.6x as long).
-_NONFINITE_BITS = {torch.float16: (np.uint16, 0x7C00), torch.bfloat16: (np.uint16, 0x7F80),
-                   torch.float32: (np.uint32, 0x7F800000),
-                   torch.float64: (np.uint64, 0x7FF0000000000000),
-                   torch.float8_e4m3fn: (np.uint8, 0x7F), torch.float8_e5m2: (np.uint8, 0x7C)}
+_NONFINITE_BITS = {torch.float16: np.uint16(0x7C00), torch.bfloat16: np.uint16(0x7F80),
+                   torch.float32: np.uint32(0x7F800000),
+                   torch.float64: np.uint64(0x7FF0000000000000),
+                   torch.float8_e4m3fn: np.uint8(0x7F), torch.float8_e5m2: np.uint8(0x7C)}
 
 
 def _check_finite(raw: torch.Tensor, info: TensorInfo) -> None:
-    """Raise if the uint8 bytes `raw` of a piece of `info` hold a NaN or Inf."""
-    bits = _NONFINITE_BITS.get(info.torch_dtype)
-    if bits is None:  # integers
+    """Raise if the uint8 bytes `raw` of a piece of `info` hold a NaN or Inf (safetensors is
+    little-endian, as every machine torch runs on)."""
+    ones = _NONFINITE_BITS.get(info.torch_dtype)
+    if ones is None:  # integers
         return
-    uint, ones = bits[0], bits[0](bits[1])
-    if np.any(np.bitwise_and(raw.numpy().view(uint), ones) == ones):
+    if np.any(np.bitwise_and(raw.numpy().view(ones.dtype), ones) == ones):
         raise KconvertError("NaN or Inf in the source weights", file=info.file.name,
                             tensor=info.name)
 
@@ -648,19 +650,18 @@ def _cores_set_apart(device: torch.device) -> Iterator[set[int] | None]:
     this thread), kernels on as many threads as cores; yields the I/O cores for the reader and
     writer threads to pin themselves to. Every thread's mask is restored after (threads born
     during the run get this thread's former mask)."""
-    split = split_cores(os.sched_getaffinity(0)) \
-        if device.type == "cpu" and hasattr(os, "sched_setaffinity") else None
+    own = os.sched_getaffinity(0) if _CAN_PIN else set()
+    split = split_cores(own) if device.type == "cpu" and _CAN_PIN else None
     if split is None:
         yield None
         return
     kernel, io = split
-    own = os.sched_getaffinity(0)
-    before = {}
-    for tid in _thread_ids():
-        with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            before[tid] = os.sched_getaffinity(tid)
-            os.sched_setaffinity(tid, kernel)
+    before: dict[int, set[int]] = {}
     try:
+        for tid in _thread_ids():
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                before[tid] = os.sched_getaffinity(tid)
+                os.sched_setaffinity(tid, kernel)
         with nvfp4.cpu_threads(len(kernel)):
             yield io
     finally:
@@ -674,8 +675,11 @@ def _thread_ids() -> list[int]:
 
 
 def _pin_thread(cores: set[int] | None) -> None:
+    """Pin the calling (reader or writer) thread; if the system refuses (a cpuset that changed
+    meanwhile), it runs unpinned: slower, never stuck."""
     if cores:
-        os.sched_setaffinity(0, cores)
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, cores)
 
 
 def _fix_mmap_threshold(nbytes: int = 1 << 20) -> None:

@@ -17,6 +17,7 @@ source. Every reduction that decides a byte is done in a fixed order, so CPU and
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
@@ -260,11 +261,12 @@ def quantize(
             codes_in = block_codes is not None or local_dtype != torch.float32
             if block_codes is None and codes_in:
                 codes.copy_(_amax_block_scale(blocks, gsi, local_dtype))
-            kernel.quantize_rows(blocks.reshape(-1, k).contiguous().numpy(),
-                                 gsi[:, 0].contiguous().numpy(), codes.numpy(), codes_in,
-                                 _offsets(block_codes is None and block_scale == "mse"),
-                                 block, out.packed[sl].numpy(), out.err[sl].numpy(),
-                                 out.ref[sl].numpy())
+            with _KERNEL_LAUNCH:
+                kernel.quantize_rows(blocks.reshape(-1, k).contiguous().numpy(),
+                                     gsi[:, 0].contiguous().numpy(), codes.numpy(), codes_in,
+                                     _offsets(block_codes is None and block_scale == "mse"),
+                                     block, out.packed[sl].numpy(), out.err[sl].numpy(),
+                                     out.ref[sl].numpy())
             continue
         if block_codes is None:
             d, err = _choose(blocks, gsi, block_scale, local_dtype, cuts, lut)
@@ -287,7 +289,8 @@ def _int4_rows(kernels: ModuleType, packed: torch.Tensor, scale: torch.Tensor,
     rows = scale.reshape(b * m, -1).contiguous()
     if rows.dtype == torch.bfloat16:
         wide = np.empty(rows.shape, dtype=np.float32)
-        kernels.widen_bf16(rows.view(torch.int16).numpy().view(np.uint16), wide)
+        with _KERNEL_LAUNCH:
+            kernels.widen_bf16(rows.view(torch.int16).numpy().view(np.uint16), wide)
     else:
         wide = rows.float().numpy()
     return packed.reshape(b * m, words).contiguous().numpy(), wide
@@ -312,7 +315,8 @@ def int4_amax(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return _int4_decode(packed, scale).abs().amax(dim=(1, 2))
     words, scales = _int4_rows(kernel, packed, scale)
     row_amax = np.empty(words.shape[0], dtype=np.float32)
-    kernel.int4_row_amax(words, scales, row_amax)
+    with _KERNEL_LAUNCH:
+        kernel.int4_row_amax(words, scales, row_amax)
     return torch.from_numpy(row_amax).reshape(packed.shape[:2]).amax(-1)
 
 
@@ -339,9 +343,10 @@ def quantize_int4(packed: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
     gs = global_scale(amax)
     out = _Rows.empty(b * m, k, block, packed.device)
     words, scales = _int4_rows(kernel, packed, scale)
-    kernel.quantize_int4_rows(words, scales, gs.repeat_interleave(m).numpy(),
-                              _offsets(block_scale == "mse"), block, out.packed.numpy(),
-                              out.codes.numpy(), out.err.numpy(), out.ref.numpy())
+    with _KERNEL_LAUNCH:
+        kernel.quantize_int4_rows(words, scales, gs.repeat_interleave(m).numpy(),
+                                  _offsets(block_scale == "mse"), block, out.packed.numpy(),
+                                  out.codes.numpy(), out.err.numpy(), out.ref.numpy())
     return out.result(b, m, gs)
 
 
@@ -352,6 +357,12 @@ def _int4_kernels(packed: torch.Tensor, scale: torch.Tensor, fused_cpu: bool = T
     if not fused_cpu or packed.device.type != "cpu" or packed.shape[-1] % scale.shape[-1]:
         return None
     return _cpu_kernels()
+
+
+# The CPU kernels release the GIL while they run. numba's workqueue threading layer (its
+# fallback where neither OpenMP nor TBB is present) aborts the process when two threads launch
+# parallel kernels at once, so launches from different threads take turns, as under the GIL.
+_KERNEL_LAUNCH = threading.Lock()
 
 
 def _cpu_kernels():
@@ -365,12 +376,11 @@ def _cpu_kernels():
 
 @contextlib.contextmanager
 def cpu_threads(n: int) -> Iterator[None]:
-    """CPU work launched from this thread (the fused kernels, torch's ops) uses `n` threads.
-
-    numba's count is per launching thread; torch's is the process's. Both are restored after.
-    """
+    """CPU work launched from this thread (the fused kernels, torch's ops) uses at most `n`
+    threads (never more than each was set to). numba's count is per launching thread, torch's
+    the process's; both are restored after."""
     torch_before = torch.get_num_threads()
-    torch.set_num_threads(n)
+    torch.set_num_threads(min(n, torch_before))
     try:
         if _cpu_kernels() is None:
             yield
@@ -378,7 +388,7 @@ def cpu_threads(n: int) -> Iterator[None]:
         import numba
 
         numba_before = numba.get_num_threads()
-        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+        numba.set_num_threads(min(n, numba_before))
         try:
             yield
         finally:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
@@ -132,6 +134,39 @@ def test_e2m1_rounding_equals_torch_bucketize():
     assert torch.equal(values, lut[idx])
     expected = torch.where(y > 0, idx | 8, idx)  # the sign of -y: 0x8 only where -y < 0
     assert torch.equal(nibbles, expected.int())
+
+
+CONCURRENT_LAUNCHES = """
+import threading, torch
+from kconvert import nvfp4
+g = torch.Generator().manual_seed(0)
+packed = torch.randint(-2**31, 2**31 - 1, (2, 64, 64), dtype=torch.int32, generator=g)
+scale = (torch.rand(2, 64, 16, generator=g) * 0.004 + 0.001).to(torch.bfloat16)
+ref = nvfp4.quantize_int4(packed, scale, nvfp4.int4_amax(packed, scale), "mse").packed
+bad = []
+def work():
+    for _ in range(100):
+        q = nvfp4.quantize_int4(packed, scale, nvfp4.int4_amax(packed, scale), "mse")
+        bad.extend([] if torch.equal(q.packed, ref) else [1])
+threads = [threading.Thread(target=work) for _ in range(4)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+import numba
+print(numba.threading_layer(), len(bad))
+"""
+
+
+def test_kernels_launched_from_several_threads_take_turns():
+    """The kernels release the GIL; under numba's workqueue layer (no OpenMP or TBB) two
+    threads launching at once abort the process, so launches take turns (nvfp4's lock)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NUMBA_THREADING_LAYER": "workqueue"}
+    proc = subprocess.run([sys.executable, "-c", CONCURRENT_LAUNCHES], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["workqueue", "0"]
 
 
 def test_widen_bf16_equals_torch_cast_for_every_bf16():

@@ -406,7 +406,7 @@ BAD_INPUT = [
 
 def _patterns(dtype: torch.dtype) -> torch.Tensor:
     """Every bit pattern of a 1- or 2-byte float; for wider ones, the special values, the
-    largest finite, the smallest subnormal, and one ulp either side of each."""
+    largest finite, the smallest normal, a subnormal, and one ulp either side of each."""
     if dtype.itemsize <= 2:
         ints = {1: torch.uint8, 2: torch.int16}[dtype.itemsize]
         lo, hi = (0, 256) if dtype.itemsize == 1 else (-(1 << 15), 1 << 15)
@@ -771,8 +771,9 @@ def test_cpu_run_gives_io_threads_cores_of_their_own_and_restores_every_thread(
             return fn(*a, **k)
         return inner
 
+    compute = engine.compute_item
     monkeypatch.setattr(engine, "read_item", recording("read", engine.read_item))
-    monkeypatch.setattr(engine, "compute_item", recording("compute", engine.compute_item))
+    monkeypatch.setattr(engine, "compute_item", recording("compute", compute))
     monkeypatch.setattr(engine.ShardSink, "write", recording("write", engine.ShardSink.write))
     torch_threads, numba_threads = torch.get_num_threads(), numba.get_num_threads()
     apart = tmp_path / "apart"
@@ -785,7 +786,22 @@ def test_cpu_run_gives_io_threads_cores_of_their_own_and_restores_every_thread(
 
     assert seen["read"] == seen["write"] == {frozenset(io)}
     assert seen["compute"] == seen["bystander"] == {frozenset(kernel)}
-    assert threads == {(len(kernel), len(kernel))}
+    assert threads == {(min(len(kernel), numba_threads), min(len(kernel), torch_threads))}
     assert os.sched_getaffinity(0) == after == allowed
     assert (torch.get_num_threads(), numba.get_num_threads()) == (torch_threads, numba_threads)
     assert snapshot(apart) == snapshot(shared)
+
+    # A run that fails midway puts every thread and thread count back too.
+    calls = []
+
+    def failing(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("compute failed")
+        return compute(*a, **k)
+
+    monkeypatch.setattr(engine, "compute_item", failing)
+    with pytest.raises(RuntimeError, match="compute failed"):
+        run_inproc("int4-to-nvfp4", BUNDLED, tmp_path / "failed")
+    assert os.sched_getaffinity(0) == allowed
+    assert (torch.get_num_threads(), numba.get_num_threads()) == (torch_threads, numba_threads)
