@@ -107,11 +107,12 @@ class Nvfp4Codec(Codec):
     name = "nvfp4-compressed-tensors"
     params = ("weight_packed", "weight_scale", "weight_global_scale")
     packed_param = "weight_packed"
+    elements_per_byte = 2  # of packed_param: two E2M1 nibbles
 
     @classmethod
     def logical_shape(cls, infos, shape_value):
-        out, half = infos[cls.packed_param].shape
-        return out, half * 2
+        out, packed = infos[cls.packed_param].shape
+        return out, packed * cls.elements_per_byte
 
     @classmethod
     def decode(cls, t, shape):
@@ -157,11 +158,7 @@ class Nvfp4PairBitmaskCodec(Nvfp4Codec):
     params = ("weight_sparse_packed", "weight_sparse_mask", "weight_scale",
               "weight_global_scale")
     packed_param = "weight_sparse_packed"
-
-    @classmethod
-    def logical_shape(cls, infos, shape_value):
-        out, quarter = infos[cls.packed_param].shape
-        return out, quarter * 4
+    elements_per_byte = 4  # 2 kept bytes of every 4: half the nibbles are stored
 
     @classmethod
     def unpack(cls, t):

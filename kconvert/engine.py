@@ -345,9 +345,8 @@ def _nonfinite_param(ckpt: Checkpoint, m: ModulePlan) -> TensorInfo:
     An INT4 module's bad value is in its weight_scale, never in the int32 weight_packed.
     """
     for info in m.params.values():
-        dtype = info.torch_dtype
-        if (dtype.is_floating_point and dtype.itemsize >= 2
-                and not bool(torch.isfinite(ckpt.reader_for(info).read(info).float()).all())):
+        if _nonfinite(ckpt.reader_for(info).read(info).reshape(-1).view(torch.uint8),
+                      info.torch_dtype):
             return info
     return m.primary
 
@@ -364,13 +363,17 @@ _NONFINITE_BITS = {torch.float16: np.uint16(0x7C00), torch.bfloat16: np.uint16(0
                    torch.float8_e4m3fn: np.uint8(0x7F), torch.float8_e5m2: np.uint8(0x7C)}
 
 
+def _nonfinite(raw: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the uint8 bytes `raw` of values of `dtype` hold a NaN or Inf (never for
+    integers; safetensors is little-endian, as every machine torch runs on)."""
+    ones = _NONFINITE_BITS.get(dtype)
+    return ones is not None and bool(
+        np.any(np.bitwise_and(raw.numpy().view(ones.dtype), ones) == ones))
+
+
 def _check_finite(raw: torch.Tensor, info: TensorInfo) -> None:
-    """Raise if the uint8 bytes `raw` of a piece of `info` hold a NaN or Inf (safetensors is
-    little-endian, as every machine torch runs on)."""
-    ones = _NONFINITE_BITS.get(info.torch_dtype)
-    if ones is None:  # integers
-        return
-    if np.any(np.bitwise_and(raw.numpy().view(ones.dtype), ones) == ones):
+    """Raise if the uint8 bytes `raw` of a piece of `info` hold a NaN or Inf."""
+    if _nonfinite(raw, info.torch_dtype):
         raise KconvertError("NaN or Inf in the source weights", file=info.file.name,
                             tensor=info.name)
 
