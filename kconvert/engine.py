@@ -5,11 +5,12 @@
    at most COPY_CHUNK each) and transform items (a few fused sets of one layer and role,
    sized so their fp32 decode fits `work_elems`).
 2. `execute` runs the items: reader threads fill host buffers ahead (bounded prefetch), the
-   calling thread decodes/transforms/encodes on the chosen device, one writer thread hashes
-   and `pwrite`s results into planned `.partial` files and renames each shard into place the
-   moment its last byte is written, recording its hashes under `.kconvert/done/`.
+   calling thread decodes/transforms/encodes on the chosen device, one writer thread
+   `pwrite`s results into planned `.partial` files while a hasher thread hashes them, and
+   each shard is renamed into place the moment its last byte is written, its hashes
+   recorded under `.kconvert/done/`.
 Memory is bounded by (prefetch + queue) items, never by shard or model size. On a CPU run the
-reader and writer threads get cores of their own (`split_cores`), the kernels the rest.
+reader, writer and hasher threads get cores of their own (`split_cores`), the kernels the rest.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from kconvert import nvfp4
 from kconvert.codecs import DenseCodec, Int4Codec
 from kconvert.errors import KconvertError
 from kconvert.layout import Role, parse_name, split_param
-from kconvert.safetensors_io import ShardWriter, TensorInfo, tensor_nbytes
+from kconvert.safetensors_io import ShardWriter, TensorInfo, byte_view, tensor_nbytes
 from kconvert.source import Checkpoint
 from kconvert.stages import ModulePlan, Quantize, Stage, group_modules
 
@@ -514,6 +515,7 @@ class ShardSink:
         (self.state / "done").mkdir(parents=True, exist_ok=True)
         self.entries = plan.shard_entries
         self.done = done  # shard -> record, for shards already complete
+        self.skipped = set(done)  # complete before this run: nothing is written or hashed
         # A module's outputs all land in the shard of its primary source tensor.
         self.module_shard = {m.out_module: m.primary.file.name for m in plan.modules}
         # Data bytes still to write per shard; the shard is finished when this reaches 0.
@@ -523,31 +525,50 @@ class ShardSink:
         self.hashers: dict[str, xxhash.xxh3_128] = {}
         self.records: dict[str, dict] = defaultdict(lambda: {"tensors": {}, "modules": {}})
 
-    def write(self, result: Result) -> None:
+    def _complete(self, name: str, offset: int, nbytes: int) -> bool:
+        out = self.plan.outputs[name]
+        return offset + nbytes == tensor_nbytes(out.dtype, out.shape)
+
+    def hash(self, result: Result) -> dict[str, str]:
+        """Content hashes of the output tensors that `result` completes. Runs in a thread of
+        its own, beside the writer, one result after another in order (a tensor may span
+        results). In the writer thread, hashing kept the writer, the pipeline's busiest
+        stage, busy 2.7 s longer per 15.5 GB (scripts/results/README.md, session 5)."""
+        digests = {}
+        for name, data, offset in result.writes:
+            if self.plan.outputs[name].shard in self.skipped:
+                continue
+            view = byte_view(data)
+            hasher = self.hashers.setdefault(name, xxhash.xxh3_128())
+            hasher.update(view)
+            if self._complete(name, offset, len(view)):
+                digests[name] = self.hashers.pop(name).hexdigest()
+        return digests
+
+    def write(self, result: Result, hashed: Future) -> None:
+        """Write `result`'s bytes; `hashed` is its `hash`, computed meanwhile."""
         # Stats first: the writes below may complete (and close the record of) their shard.
         for module, st in result.stats.items():
             shard = self.module_shard[module]
-            if shard not in self.done:
+            if shard not in self.skipped:
                 self.records[shard]["modules"][module] = st.__dict__
+        finished = []
         for name, data, offset in result.writes:
             shard = self.plan.outputs[name].shard
-            if shard in self.done:
+            if shard in self.skipped:
                 continue
             writer = self.writers.get(shard)
             if writer is None:
                 writer = self.writers[shard] = ShardWriter(
                     self.dst / shard, self.state / "partial" / shard, self.entries[shard])
-            data = data.contiguous()
-            hasher = self.hashers.setdefault(name, xxhash.xxh3_128())
-            hasher.update(memoryview(data.reshape(-1).view(torch.uint8).numpy()).cast("B"))
             writer.write(name, data, offset)
-            nbytes = data.numel() * data.element_size()
-            if offset + nbytes == tensor_nbytes(self.plan.outputs[name].dtype,
-                                          self.plan.outputs[name].shape):
-                self.records[shard]["tensors"][name] = self.hashers.pop(name).hexdigest()
-            self.remaining[shard] -= nbytes
+            self.remaining[shard] -= data.numel() * data.element_size()
             if self.remaining[shard] == 0:
-                self._finish(shard)
+                finished.append(shard)
+        for name, digest in hashed.result().items():
+            self.records[self.plan.outputs[name].shard]["tensors"][name] = digest
+        for shard in finished:
+            self._finish(shard)
 
     def _finish(self, shard: str) -> None:
         self.writers.pop(shard).finish()
@@ -603,16 +624,18 @@ def execute(
 
     def writer(io_cores: set[int] | None) -> None:
         _pin_thread(io_cores)
-        while (res := results.get()) is not None:
+        while (got := results.get()) is not None:
             if failure:
                 continue
             try:
-                sink.write(res)
-                progress(res.nbytes)
+                sink.write(*got)
+                progress(got[0].nbytes)
             except BaseException as exc:  # surfaced by the main thread
                 failure.append(exc)
 
-    with _cores_set_apart(device) as io_cores:
+    with _cores_set_apart(device) as io_cores, \
+            ThreadPoolExecutor(1, thread_name_prefix="kconvert-hash", initializer=_pin_thread,
+                               initargs=(io_cores,)) as hasher:
         wthread = threading.Thread(target=writer, args=(io_cores,), name="kconvert-writer",
                                    daemon=True)
         wthread.start()
@@ -622,7 +645,8 @@ def execute(
                 for index, item, bufs in _prefetched(pool, plan, todo, pin, prefetch):
                     if failure:
                         break
-                    results.put(compute_item(plan, item, bufs, device, index, chunk_elems))
+                    res = compute_item(plan, item, bufs, device, index, chunk_elems)
+                    results.put((res, hasher.submit(sink.hash, res)))
         except BaseException:
             results.put(None)
             wthread.join()

@@ -142,6 +142,11 @@ def plan_header(entries: Iterable[tuple[str, str, tuple[int, ...]]]) -> tuple[by
     return struct.pack("<Q", len(blob)) + blob, offsets
 
 
+def byte_view(data: torch.Tensor) -> memoryview:
+    """The bytes of a CPU tensor, as stored (no copy if it is contiguous)."""
+    return memoryview(data.contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
 class ShardWriter:
     """Writes one planned safetensors file; tensors may arrive in any order and in pieces."""
 
@@ -159,7 +164,7 @@ class ShardWriter:
     def write(self, name: str, data: torch.Tensor, offset: int = 0) -> None:
         """Write `data` (any dtype, contiguous CPU) at byte `offset` inside tensor `name`."""
         start, end = self.offsets[name]
-        view = memoryview(data.contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
+        view = byte_view(data)
         if start + offset + len(view) > end:
             raise AssertionError(f"{name}: write past the planned end of the tensor")
         pos, done = self.base + start + offset, 0

@@ -17,7 +17,7 @@ each in its own process with the page cache dropped first, and last the CPU per-
 comparison of `smoke` step 3. Every kconvert run is timed in-process (after imports, like
 the anchor; on the CPU also after numba's cached kernels are loaded) and as a whole
 process, with its peak RSS, a timeline (RSS, disk bytes, CPU, GPU utilisation) and the busy
-time of each engine stage (reader threads, compute, writer, fsync),
+time of each engine stage (reader threads, compute, hasher, writer, fsync),
 measured by wrapping the engine's functions in the child process (kconvert is not modified).
 
 `smoke` converts the bundled fixture on CPU and CUDA and compares every output byte, does the
@@ -330,11 +330,13 @@ def child_kc(argv: list[str]) -> None:
     engine.read_item = wrap(engine.read_item, lambda a: "read_" + kind(a))
     engine.compute_item = wrap(engine.compute_item, lambda a: "compute_" + kind(a))
     engine.ShardSink.write = wrap(engine.ShardSink.write, "writer_item")
+    engine.ShardSink.hash = wrap(engine.ShardSink.hash, "hash_item")
     safetensors_io.ShardWriter.write = wrap(safetensors_io.ShardWriter.write, "pwrite")
     safetensors_io.ShardWriter.finish = wrap(safetensors_io.ShardWriter.finish, "fsync")
     for name in ("open_checkpoint", "build_plan", "execute", "_finish",
                  "compressed_tensors_block", "write_manifest"):
         setattr(conv, name, wrap(getattr(conv, name), "phase_" + name))
+    engine.read_shape_values = wrap(engine.read_shape_values, "phase_read_shape_values")
 
     class TimedQueue(queue_mod.Queue):
         def put(self, item, *a, **k):
@@ -368,6 +370,7 @@ def child_kc(argv: list[str]) -> None:
         stages[lab] = {"n": len(iv), "busy_s": round(sum(b - a for a, b in iv), 3),
                        "union_s": round(_intervals_union(iv), 3),
                        "first_s": round(min(a for a, _ in iv), 3),
+                       "first_dur_s": round(min(iv)[1] - min(iv)[0], 3),
                        "last_s": round(max(b for _, b in iv), 3)}
     out = {"wall_main_s": round(wall, 2), "rc_main": rc, "stages": stages,
            "vmhwm_gb": vmhwm_gb(),

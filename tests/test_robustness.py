@@ -37,6 +37,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -650,6 +651,27 @@ def test_resume_of_a_finished_output_refuses(tmp_path):
     assert snapshot(dst) == state
 
 
+def test_manifest_hashes_are_the_bytes_written_when_tensors_span_many_items(
+        tmp_path, monkeypatch):
+    """Hashes are computed in a thread of their own beside the writer, one result after
+    another. With 4 KiB copy items every larger pass-through tensor spans several results:
+    each manifest hash must still be xxh3-128 of the tensor's bytes as safetensors reads them
+    back from the output."""
+    from kconvert import engine
+
+    monkeypatch.setattr(engine, "COPY_CHUNK", 4096)
+    dst = tmp_path / "out"
+    run_inproc("int4-to-nvfp4", BUNDLED, dst)
+    tensors = json.loads((dst / MANIFEST).read_text())["tensors"]
+    spanning = 0
+    for name, entry in tensors.items():
+        with safe_open(str(dst / entry["file"]), "pt") as fh:
+            raw = fh.get_tensor(name).contiguous().reshape(-1).view(torch.uint8).numpy()
+        assert entry["hash"] == xxhash.xxh3_128(raw.tobytes()).hexdigest(), name
+        spanning += entry["stage"] == "copy" and raw.size > 4096
+    assert spanning >= 10
+
+
 # ------------------------------------------------------------------------- 4. dry run
 
 
@@ -759,7 +781,8 @@ def test_cpu_run_gives_io_threads_cores_of_their_own_and_restores_every_thread(
     idle = threading.Event()
     bystander = threading.Thread(target=idle.wait)  # a thread of the host program
     bystander.start()
-    seen: dict[str, set] = {"read": set(), "write": set(), "compute": set(), "bystander": set()}
+    seen: dict[str, set] = {"read": set(), "write": set(), "hash": set(), "compute": set(),
+                            "bystander": set()}
     threads = set()
 
     def recording(kind, fn):
@@ -775,6 +798,7 @@ def test_cpu_run_gives_io_threads_cores_of_their_own_and_restores_every_thread(
     monkeypatch.setattr(engine, "read_item", recording("read", engine.read_item))
     monkeypatch.setattr(engine, "compute_item", recording("compute", compute))
     monkeypatch.setattr(engine.ShardSink, "write", recording("write", engine.ShardSink.write))
+    monkeypatch.setattr(engine.ShardSink, "hash", recording("hash", engine.ShardSink.hash))
     torch_threads, numba_threads = torch.get_num_threads(), numba.get_num_threads()
     apart = tmp_path / "apart"
     try:
@@ -784,7 +808,7 @@ def test_cpu_run_gives_io_threads_cores_of_their_own_and_restores_every_thread(
         idle.set()
         bystander.join()
 
-    assert seen["read"] == seen["write"] == {frozenset(io)}
+    assert seen["read"] == seen["write"] == seen["hash"] == {frozenset(io)}
     assert seen["compute"] == seen["bystander"] == {frozenset(kernel)}
     assert threads == {(min(len(kernel), numba_threads), min(len(kernel), torch_threads))}
     assert os.sched_getaffinity(0) == after == allowed
