@@ -39,8 +39,7 @@ import queue
 import re
 import sys
 from collections import Counter, defaultdict
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,7 +63,7 @@ from kconvert.layout import Role, TensorName, parse_name
 from kconvert.manifest import MANIFEST, Manifest, hash_file, read_manifest
 from kconvert.p48 import check_packed
 from kconvert.plan import Plan, load_plan, parse_plan
-from kconvert.safetensors_io import ShardReader, TensorInfo
+from kconvert.safetensors_io import ShardReader, TensorInfo, read_ahead
 from kconvert.source import GENERATED_FILES, INDEX, SINGLE, SKIPPED_DIRS, open_checkpoint
 from kconvert.sparsify import SPARSE_FLAG
 from kconvert.stages import PLAN_FILE
@@ -1396,7 +1395,7 @@ class Auditor:
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="audit",
                   disable=not self.progress, file=sys.stderr, smoothing=0.1) as bar, \
                 ThreadPoolExecutor(2, thread_name_prefix="kconvert-audit") as pool:
-            for u, (out, src, bufs) in _prefetched(pool, units, self._read, PREFETCH):
+            for u, (out, src, bufs) in read_ahead(pool, units, self._read, PREFETCH):
                 if u.module is not None:
                     self._module_unit(u, out, src)
                 else:
@@ -1805,28 +1804,6 @@ class _BufferPool:
 
     def give(self, buf: torch.Tensor) -> None:
         self._free.put(buf)
-
-
-def _prefetched(pool: ThreadPoolExecutor, units: list[Unit], read, depth: int
-                ) -> Iterator[tuple[Unit, tuple]]:
-    pending: list[tuple[Unit, Future]] = []
-    it = iter(units)
-    for u in it:
-        pending.append((u, pool.submit(read, u)))
-        if len(pending) >= depth:
-            break
-    while pending:
-        u, fut = pending.pop(0)
-        nxt = next(it, None)
-        if nxt is not None:
-            pending.append((nxt, pool.submit(read, nxt)))
-        try:
-            data = fut.result()
-        except BaseException:
-            for _, f in pending:
-                f.cancel()
-            raise
-        yield u, data
 
 
 # ============================================================================ API and CLI

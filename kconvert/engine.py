@@ -36,7 +36,13 @@ from kconvert import nvfp4
 from kconvert.codecs import DenseCodec, Int4Codec
 from kconvert.errors import KconvertError
 from kconvert.layout import Role, parse_name, split_param
-from kconvert.safetensors_io import ShardWriter, TensorInfo, byte_view, tensor_nbytes
+from kconvert.safetensors_io import (
+    ShardWriter,
+    TensorInfo,
+    byte_view,
+    read_ahead,
+    tensor_nbytes,
+)
 from kconvert.source import Checkpoint
 from kconvert.stages import ModulePlan, Quantize, Stage, group_modules
 
@@ -642,7 +648,8 @@ def execute(
         try:
             with ThreadPoolExecutor(readers, thread_name_prefix="kconvert-read",
                                     initializer=_pin_thread, initargs=(io_cores,)) as pool:
-                for index, item, bufs in _prefetched(pool, plan, todo, pin, prefetch):
+                for (index, item), bufs in read_ahead(
+                        pool, todo, lambda t: read_item(plan.ckpt, t[1], pin), prefetch):
                     if failure:
                         break
                     res = compute_item(plan, item, bufs, device, index, chunk_elems)
@@ -720,29 +727,6 @@ def _fix_mmap_threshold(nbytes: int = 1 << 20) -> None:
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
             ctypes.CDLL(None).mallopt(-3, nbytes)  # M_MMAP_THRESHOLD
-
-
-def _prefetched(pool: ThreadPoolExecutor, plan: Plan, todo: list[tuple[int, Item]], pin: bool,
-                depth: int) -> Iterator[tuple[int, Item, list[torch.Tensor]]]:
-    """Items with their host buffers, read `depth` items ahead by the pool."""
-    pending: list[tuple[int, Item, Future]] = []
-    it = iter(todo)
-    for index, item in it:
-        pending.append((index, item, pool.submit(read_item, plan.ckpt, item, pin)))
-        if len(pending) >= depth:
-            break
-    while pending:
-        index, item, fut = pending.pop(0)
-        nxt = next(it, None)
-        if nxt is not None:
-            pending.append((nxt[0], nxt[1], pool.submit(read_item, plan.ckpt, nxt[1], pin)))
-        try:
-            bufs = fut.result()
-        except BaseException:
-            for _, _, f in pending:
-                f.cancel()
-            raise
-        yield index, item, bufs
 
 
 def describe(plan: Plan) -> list[tuple[str, str, str, int, int, int]]:

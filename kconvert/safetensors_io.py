@@ -18,14 +18,20 @@ import json
 import os
 import struct
 import sys
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from kconvert.errors import KconvertError
+
+U = TypeVar("U")
+R = TypeVar("R")
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -112,6 +118,30 @@ class ShardReader:
         raw = torch.empty(info.nbytes, dtype=torch.uint8, pin_memory=pin)
         self.read_into(info, raw)
         return raw.view(info.torch_dtype).reshape(info.shape)
+
+
+def read_ahead(pool: ThreadPoolExecutor, units: Iterable[U], read: Callable[[U], R], depth: int
+               ) -> Iterator[tuple[U, R]]:
+    """(unit, read(unit)) in order, with `depth` more units being read by `pool` while the
+    consumer waits for one and works on it."""
+    pending: deque[tuple[U, Future]] = deque()
+    todo = iter(units)
+
+    def refill() -> None:
+        while len(pending) < depth and (unit := next(todo, None)) is not None:
+            pending.append((unit, pool.submit(read, unit)))
+
+    refill()
+    while pending:
+        unit, fut = pending.popleft()
+        refill()
+        try:
+            data = fut.result()
+        except BaseException:
+            for _, f in pending:
+                f.cancel()
+            raise
+        yield unit, data
 
 
 def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:

@@ -749,6 +749,43 @@ def test_shard_writer_starts_writeback_every_writeback_bytes(tmp_path, monkeypat
         os.close(write_end)
 
 
+def test_read_ahead_reads_depth_units_ahead_in_order():
+    """The engine's and the audit's read-ahead: units come back in order; while the consumer
+    holds unit k, units up to k + depth are submitted and no further; a failed read raises
+    in the consumer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kconvert.safetensors_io import read_ahead
+
+    consumed: list[int] = []
+    submitted: list[tuple[int, int]] = []  # (unit, units consumed when it was submitted)
+
+    class Recording(ThreadPoolExecutor):
+        def submit(self, fn, unit):
+            submitted.append((unit, len(consumed)))
+            return super().submit(fn, unit)
+
+    with Recording(2) as pool:
+        for unit, value in read_ahead(pool, range(20), lambda u: u * 10, 4):
+            assert value == unit * 10
+            consumed.append(unit)
+    assert consumed == list(range(20))
+    assert [u for u, _ in submitted] == consumed
+    assert all(u - done <= 4 for u, done in submitted)
+    assert [u - done for u, done in submitted[4:16]] == [4] * 12  # always 4 ahead
+
+    def failing(u: int) -> int:
+        if u == 3:
+            raise OSError("read failed")
+        return u
+
+    got = []
+    with ThreadPoolExecutor(2) as pool, pytest.raises(OSError, match="read failed"):
+        for u, _ in read_ahead(pool, range(10), failing, 4):
+            got.append(u)
+    assert got == [0, 1, 2]
+
+
 # -------------------------------------------------------- 6. cores set apart on a CPU run
 
 
