@@ -31,6 +31,8 @@ def _run_options(f):
         click.option("--device", default="auto", show_default=True,
                      help="auto | cpu | cuda | cuda:N"),
         click.option("--resume", is_flag=True, help="Continue an interrupted run into DST."),
+        click.option("--trust-complete", is_flag=True,
+                     help="With --resume: keep finished shards without re-hashing them."),
         click.option("--overwrite", is_flag=True, help="Replace a non-empty DST."),
         click.option("--dry-run", is_flag=True,
                      help="Print what each tensor role becomes and the output size; "

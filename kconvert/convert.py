@@ -1,17 +1,17 @@
 """One conversion run, start to finish: checks, plan, execute, then the files that say "done".
 
-Order of writes, so that an interrupted run is never mistaken for a complete one:
-shards (each renamed into place when complete) -> non-weight files -> index -> config.json
-(+ hf_quant_config.json) -> kconvert-manifest.json. `.kconvert/` holds resume state until the
-manifest is written.
+Every input check and the whole plan come before anything in DST is touched (kconvert.output_dir
+says what may be replaced and how). Order of writes, so that an interrupted run is never mistaken
+for a complete one: shards (each renamed into place when complete) -> non-weight files -> index
+-> config.json (+ hf_quant_config.json, stage files) -> kconvert-manifest.json. `.kconvert/`
+holds the lock and the resume state until the manifest is written.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
-import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,17 +19,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kconvert import __version__
-from kconvert.engine import (
-    STATE_DIR,
-    Plan,
-    _atomic_json,
-    atomic_write_text,
-    build_plan,
-    describe,
-    execute,
-)
+from kconvert import __version__, events, nvfp4, output_dir
+from kconvert.engine import Plan, TransformItem, build_plan, describe, execute
 from kconvert.errors import KconvertError
+from kconvert.files import copy_file, hash_file, human_bytes, write_text
 from kconvert.layout import parse_name
 from kconvert.manifest import (
     MANIFEST,
@@ -39,9 +32,9 @@ from kconvert.manifest import (
     Manifest,
     SourceEntry,
     TensorEntry,
-    hash_file,
-    write_manifest,
+    render_manifest,
 )
+from kconvert.output_dir import Planned, Workspace
 from kconvert.pipeline import Recipe, build_stages
 from kconvert.quant_config import (
     compressed_tensors_block,
@@ -49,8 +42,12 @@ from kconvert.quant_config import (
     output_format,
     rewrite_config,
 )
-from kconvert.safetensors_io import tensor_nbytes
+from kconvert.safetensors_io import plan_header, tensor_nbytes
 from kconvert.source import GENERATED_FILES, INDEX, Checkpoint, open_checkpoint
+
+# What the OS says when a write runs out of room, and when it refuses to write at all.
+NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
+NOT_WRITABLE = {errno.EROFS, errno.EACCES, errno.EPERM}
 
 
 @dataclass(frozen=True)
@@ -63,27 +60,27 @@ class RunControl:
     dry_run: bool = False
     quiet: bool = False
     readers: int = 4
+    trust_complete: bool = False  # --resume keeps finished shards without re-hashing them
 
 
 def pick_device(spec: str) -> torch.device:
+    """The torch device for `--device` (auto | cpu | cuda | cuda:N), or a clear error."""
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(spec)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise KconvertError(f"--device {spec}: no CUDA device is available")
+    try:
+        device = torch.device(spec)
+    except RuntimeError as exc:
+        raise KconvertError(f"--device {spec!r} is not a device; use auto, cpu, cuda or "
+                            "cuda:N") from exc
+    if device.type not in ("cpu", "cuda"):
+        raise KconvertError(f"--device {spec!r}: kconvert runs on cpu or cuda")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise KconvertError(f"--device {spec}: no CUDA device is available")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise KconvertError(f"--device {spec}: this machine has "
+                                f"{torch.cuda.device_count()} CUDA device(s)")
     return device
-
-
-def _check_dst(src: Path, dst: Path, run: RunControl) -> None:
-    s, d = src.resolve(), dst.resolve()
-    if s == d or s in d.parents or d in s.parents:
-        raise KconvertError("DST must not be SRC, inside it, or contain it (the source is "
-                            "never modified)", file=str(dst))
-    if dst.exists() and not dst.is_dir():
-        raise KconvertError("DST exists and is not a directory", file=str(dst))
-    if dst.exists() and any(dst.iterdir()) and not (run.resume or run.overwrite):
-        raise KconvertError("DST is not empty; pass --resume to continue an interrupted run "
-                            "or --overwrite to replace it", file=str(dst))
 
 
 def _fingerprint(ckpt: Checkpoint, command: str, options: dict) -> str:
@@ -96,38 +93,6 @@ def _fingerprint(ckpt: Checkpoint, command: str, options: dict) -> str:
 def _stats_hash(stages) -> str | None:
     paths = [s.act_stats for s in stages if getattr(s, "act_stats", None)]
     return hash_file(Path(paths[0])) if paths else None
-
-
-def _load_done(dst: Path, plan: Plan, fingerprint: str) -> dict[str, dict]:
-    """Records of shards a previous run of the same conversion finished (and that still hold)."""
-    from kconvert.safetensors_io import plan_header, read_header
-
-    state = dst / STATE_DIR
-    run_file = state / "run.json"
-    if not run_file.is_file():
-        if (dst / MANIFEST).is_file():
-            raise KconvertError("DST is already a complete output (it has a manifest); use "
-                                "--overwrite to redo it", file=str(dst))
-        if any(p.name != STATE_DIR for p in dst.iterdir()):
-            raise KconvertError("--resume: DST holds files but no kconvert run state",
-                                file=str(dst))
-        return {}
-    if json.loads(run_file.read_text()).get("fingerprint") != fingerprint:
-        raise KconvertError("--resume: DST was started by a different command, options or "
-                            "source; use --overwrite", file=str(dst))
-    done = {}
-    entries = plan.shard_entries
-    for shard, shard_entries in entries.items():
-        rec = state / "done" / f"{shard}.json"
-        final = dst / shard
-        if not (rec.is_file() and final.is_file()):
-            continue
-        head, offsets = plan_header(shard_entries)
-        size = len(head) + max((e for _, e in offsets.values()), default=0)
-        # A shard counts as complete only if its header is the planned one and its size right.
-        if read_header(final) == head and final.stat().st_size == size:
-            done[shard] = json.loads(rec.read_text())
-    return done
 
 
 def convert(src: str, dst: str, recipe: Recipe, options: dict, run: RunControl,
@@ -149,7 +114,8 @@ def convert(src: str, dst: str, recipe: Recipe, options: dict, run: RunControl,
 
 def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, options: dict, run: RunControl,
              echo) -> Manifest | None:
-    _check_dst(ckpt.root, dst, run)
+    output_dir.check_dst(ckpt.root, dst, run.resume, run.overwrite, run.dry_run)
+    dst = output_dir.resolve_dst(dst)
     stages = build_stages(recipe, options)
     device = pick_device(run.device)
     # GPU items of 2^28 decoded elements (~18 Kimi expert matrices): large enough to keep
@@ -168,64 +134,104 @@ def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, options: dict, run: Ru
 
     recorded = {**{s.name: s.recorded() for s in stages}, "recipe": recipe.name}
     fingerprint = _fingerprint(ckpt, recipe.name, {**recorded, "act_stats": _stats_hash(stages)})
-    if run.overwrite and dst.exists():
-        shutil.rmtree(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    done = _load_done(dst, plan, fingerprint) if run.resume else {}
-    (dst / STATE_DIR).mkdir(exist_ok=True)
-    _atomic_json(dst / STATE_DIR / "run.json", {"fingerprint": fingerprint})
-
-    total = sum(item.nbytes for item in plan.items)
+    planned = _planned(ckpt, plan)
+    ws: Workspace | None = None
     try:
-        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=run.quiet,
-                  desc=recipe.name, smoothing=0.1) as bar:
-            records = execute(plan, dst, device, done, bar.update, readers=run.readers)
-    finally:
-        for stage in stages:
-            stage.close()
-    manifest = _finish(ckpt, dst, plan, records, recipe.name, recorded)
-    shutil.rmtree(dst / STATE_DIR)
+        with output_dir.locked(dst, echo):
+            ws, done = output_dir.prepare(dst, planned, fingerprint, run.resume, run.overwrite,
+                                          run.trust_complete, plan.shard_entries, echo)
+            try:
+                records = _execute(plan, ws, device, done, run, recipe.name)
+            finally:
+                for stage in stages:
+                    stage.close()
+            manifest = _finish(ckpt, ws, plan, records, recipe.name, recorded)
+            output_dir.commit(ws, echo)
+            events.emit("run-finished", dst=str(dst))
+    except OSError as exc:
+        if exc.errno in NO_SPACE:
+            left = sum(n for s, n in planned.shard_bytes.items()
+                       if ws is None or not (ws.state / "done" / f"{s}.json").is_file())
+            raise output_dir.disk_full(ws.root if ws else dst, left + planned.other_bytes,
+                                       exc) from exc
+        if exc.errno in NOT_WRITABLE:
+            raise output_dir.unwritable(Path(exc.filename or dst), exc) from exc
+        raise
+    except BaseException:
+        if ws is not None and ws.replaces:
+            echo(f"the previous output in {dst} is unchanged; the unfinished new one is in "
+                 f"{ws.root} (--resume continues it, --overwrite starts again)")
+        raise
     return manifest
+
+
+def _planned(ckpt: Checkpoint, plan: Plan) -> Planned:
+    """Names and sizes of everything the run will write."""
+    shard_bytes = {}
+    for shard, entries in plan.shard_entries.items():
+        head, offsets = plan_header(entries)
+        shard_bytes[shard] = len(head) + max((e for _, e in offsets.values()), default=0)
+    others = ckpt.other_files()
+    files = sorted({*shard_bytes, *others, *GENERATED_FILES,
+                    *(n for s in plan.stages for n in s.output_files())})
+    other_bytes = sum((ckpt.root / rel).stat().st_size for rel in others) + (1 << 20)
+    return Planned(tuple(files), shard_bytes, other_bytes)
+
+
+def _execute(plan: Plan, ws: Workspace, device: torch.device, done: dict[str, dict],
+             run: RunControl, name: str) -> dict[str, dict]:
+    total = sum(item.nbytes for item in plan.items)
+    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=run.quiet,
+              desc=name, smoothing=0.1) as bar:
+        if device.type == "cpu" and any(isinstance(it, TransformItem) for it in plan.items):
+            bar.set_description("loading CPU kernels (the first run after installing compiles "
+                                "them, ~15 s)")
+            nvfp4.warm_cpu_kernels()
+            bar.set_description(name)
+        return execute(plan, ws.root, device, done, bar.update, readers=run.readers)
 
 
 def _print_plan(plan: Plan, echo) -> None:
     rows = describe(plan)
-    echo(f"{'role':<15} {'source':<26} {'output':<26} {'tensors':>8} {'in MB':>10} {'out MB':>10}")
-    for role, fmt, out, count, nin, nout in rows:
-        echo(f"{role:<15} {fmt:<26} {out:<26} {count:>8} {nin / 1e6:>10.1f} {nout / 1e6:>10.1f}")
-    nin = sum(r[4] for r in rows)
-    nout = sum(r[5] for r in rows)
-    echo(f"{'total':<69} {sum(r[3] for r in rows):>8} {nin / 1e6:>10.1f} {nout / 1e6:>10.1f}")
+    echo(f"{'role':<15} {'source':<26} {'output':<26} {'tensors_in':>10} {'tensors_out':>11} "
+         f"{'MB_in':>10} {'MB_out':>10}")
+    for role, fmt, out, n_in, n_out, b_in, b_out in rows:
+        echo(f"{role:<15} {fmt:<26} {out:<26} {n_in:>10} {n_out:>11} {b_in / 1e6:>10.1f} "
+             f"{b_out / 1e6:>10.1f}")
+    n_in, n_out, b_in, b_out = (sum(r[i] for r in rows) for i in (3, 4, 5, 6))
+    echo(f"{'total':<69} {n_in:>10} {n_out:>11} {b_in / 1e6:>10.1f} {b_out / 1e6:>10.1f}")
     echo(f"output format: {output_format(plan.modules)}; {len(plan.shard_entries)} shards, "
          f"{len(plan.outputs)} tensors")
 
 
-def _copy_file(src: Path, dst: Path) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(dst.name + ".kconvert-tmp")
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
-
-
-def _finish(ckpt: Checkpoint, dst: Path, plan: Plan, records: dict[str, dict], command: str,
-            options: dict) -> Manifest:
+def _finish(ckpt: Checkpoint, ws: Workspace, plan: Plan, records: dict[str, dict],
+            command: str, options: dict) -> Manifest:
+    root = ws.root
     non_weight = {}
     for rel in ckpt.other_files():
-        _copy_file(ckpt.root / rel, dst / rel)
-        non_weight[rel] = hash_file(dst / rel)
+        copy_file(ckpt.root / rel, root / rel, ws.tmp(rel))
+        non_weight[rel] = hash_file(root / rel)
+        events.emit("file-copied", file=rel)
 
-    entries = plan.shard_entries
+    generated: list[str] = []
+
+    def write(name: str, text: str, event: str = "file-written") -> None:
+        write_text(root / name, text, ws.tmp(name))
+        generated.append(name)
+        events.emit(event, file=name)
+
     if ckpt.has_index:
         total = sum(tensor_nbytes(t.dtype, t.shape) for t in plan.outputs.values())
         weight_map = {t.name: t.shard for t in sorted(plan.outputs.values(), key=lambda t: t.name)}
-        _atomic_json(dst / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        write(INDEX, _json({"metadata": {"total_size": total}, "weight_map": weight_map}),
+              "index-written")
 
     fmt = output_format(plan.modules)
     names = list(plan.outputs)
     dropped = dict(plan.dropped)
+    hf_quant = None
     if fmt == "modelopt":
         block, hf_quant = modelopt_blocks(plan.modules, names)
-        _atomic_json(dst / "hf_quant_config.json", hf_quant)
     else:
         has_vision = any(n.startswith(("vision_tower.", "mm_projector.")) for n in names)
         block = (compressed_tensors_block(plan.modules, has_vision)
@@ -244,14 +250,28 @@ def _finish(ckpt: Checkpoint, dst: Path, plan: Plan, records: dict[str, dict], c
     config = rewrite_config(ckpt.config, block)
     for stage in plan.stages:
         stage.edit_config(config.get("text_config", config))
-    _atomic_json(dst / "config.json", config)
+    write("config.json", _json(config), "config-written")
+    if hf_quant is not None:
+        write("hf_quant_config.json", _json(hf_quant))
     for stage in plan.stages:
         for name, text in stage.output_files().items():
-            atomic_write_text(dst / name, text)
-    generated = {p.name: hash_file(p) for p in sorted(dst.iterdir())
-                 if p.is_file() and p.suffix != ".safetensors" and p.name not in non_weight
-                 and p.name != MANIFEST}
+            write(name, text)
 
+    manifest = _manifest(ckpt, plan, records, command, options, fmt, dropped, non_weight,
+                         {name: hash_file(root / name) for name in sorted(generated)}, root)
+    write_text(root / MANIFEST, render_manifest(manifest), ws.tmp(MANIFEST), sync=True,
+               staged=lambda: events.emit("manifest-staged", file=MANIFEST))
+    events.emit("manifest-written", file=MANIFEST)
+    return manifest
+
+
+def _json(data: dict) -> str:
+    return json.dumps(data, indent=1, sort_keys=True)
+
+
+def _manifest(ckpt: Checkpoint, plan: Plan, records: dict[str, dict], command: str,
+              options: dict, fmt: str, dropped: dict[str, str], non_weight: dict[str, str],
+              generated: dict[str, str], root: Path) -> Manifest:
     tensors = {}
     for t in plan.outputs.values():
         tensors[t.name] = TensorEntry(file=t.shard, dtype=t.dtype, shape=list(t.shape),
@@ -268,28 +288,70 @@ def _finish(ckpt: Checkpoint, dst: Path, plan: Plan, records: dict[str, dict], c
         out_set = parse_name(f"{m.out_module}.{m.tn.param}").fused_set
         entry = fused_sets.setdefault(
             out_set, FusedSetEntry(members=[], amax=st["amax"],
-                                          global_scale=st["global_scale"]))
+                                   global_scale=st["global_scale"]))
         entry.members.append(m.out_module)
+        if "quantize" not in m.stages:
+            continue  # re-laid out (densify): bytes unchanged, nothing quantized
         rel = st["err_sq"] / st["ref_sq"] if st["ref_sq"] else 0.0
         by_layer.setdefault(str(m.tn.layer), []).append(rel)
     for layer, rels in sorted(by_layer.items()):
         layers[layer] = LayerEntry(quantized_modules=len(rels), rel_mse_mean=sum(rels) / len(rels),
                                    rel_mse_max=max(rels))
-    all_rel = [r for rels in by_layer.values() for r in rels]
-    summary = {"tensors": len(tensors), "quantized_modules": len(all_rel),
-               "rel_mse_mean": sum(all_rel) / len(all_rel) if all_rel else 0.0,
-               "rel_mse_max": max(all_rel, default=0.0)}
     for fused in fused_sets.values():
         fused.members.sort()
-    files = {shard: FileEntry(bytes=(dst / shard).stat().st_size, tensors=len(e))
-             for shard, e in entries.items()}
-    manifest = Manifest(
+    files = {shard: FileEntry(bytes=(root / shard).stat().st_size, tensors=len(e))
+             for shard, e in plan.shard_entries.items()}
+    return Manifest(
         tool={"name": "kconvert", "version": __version__}, command=command, options=options,
         source=SourceEntry(**ckpt.identity), output_format=fmt, files=files,
         non_weight_files=non_weight, generated_files=generated,
         tensors=dict(sorted(tensors.items())),
-        fused_sets=dict(sorted(fused_sets.items())), layers=layers, summary=summary,
-        dropped=dropped,
+        fused_sets=dict(sorted(fused_sets.items())), layers=layers,
+        summary=_summary(plan, by_layer, files), dropped=dropped,
     )
-    write_manifest(dst, manifest)
-    return manifest
+
+
+def _summary(plan: Plan, by_layer: dict[str, list[float]], files: dict[str, FileEntry]) -> dict:
+    """What the run did, in numbers (the CLI's closing line is made from it)."""
+    modules = {"quantized": 0, "dequantized": 0, "relaid": 0, "sparsified": 0}
+    for m in plan.modules:
+        if m.out_codec is None:
+            continue
+        if "quantize" in m.stages:
+            modules["quantized"] += 1
+        elif m.repack:
+            modules["relaid"] += 1
+        else:
+            modules["dequantized"] += 1
+        modules["sparsified"] += "sparsify" in m.stages
+    rels = [r for rs in by_layer.values() for r in rs]
+    return {"tensors": len(plan.outputs), "bytes": sum(f.bytes for f in files.values()),
+            "shards": len(files), "quantized_modules": modules["quantized"],
+            "dequantized_modules": modules["dequantized"], "relaid_modules": modules["relaid"],
+            "sparsified_modules": modules["sparsified"],
+            "pruned_experts": len({parse_name(n).module.rsplit(".", 1)[0]
+                                   for n in plan.dropped}),
+            "rel_mse_mean": sum(rels) / len(rels) if rels else 0.0,
+            "rel_mse_max": max(rels, default=0.0)}
+
+
+def summary_line(manifest: Manifest, dst: str) -> str:
+    """One line that says what a run did: tensors and bytes written, and per stage how many
+    modules it changed (only what happened is mentioned)."""
+    s = manifest.summary
+    parts = [f"wrote {dst}: {s['tensors']} tensors in {s['shards']} shard(s), "
+             f"{human_bytes(s['bytes'])}"]
+    if s.get("pruned_experts"):
+        parts.append(f"{s['pruned_experts']} routed experts pruned")
+    if s.get("sparsified_modules"):
+        parts.append(f"{s['sparsified_modules']} modules made paired-4:8 sparse")
+    if s.get("quantized_modules"):
+        parts.append(f"{s['quantized_modules']} modules quantized to NVFP4 (relative squared "
+                     f"error mean {s['rel_mse_mean']:.2e}, max {s['rel_mse_max']:.2e})")
+    if s.get("dequantized_modules"):
+        parts.append(f"{s['dequantized_modules']} modules dequantized")
+    if s.get("relaid_modules"):
+        parts.append(f"{s['relaid_modules']} modules re-laid out (bytes unchanged)")
+    if len(parts) == 1:
+        parts.append("every tensor copied unchanged")
+    return "; ".join(parts)

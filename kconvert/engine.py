@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import os
 import queue
 import sys
@@ -32,10 +31,12 @@ import numpy as np
 import torch
 import xxhash
 
-from kconvert import nvfp4
+from kconvert import events, nvfp4
 from kconvert.codecs import DenseCodec, Int4Codec
 from kconvert.errors import KconvertError
+from kconvert.files import write_json
 from kconvert.layout import Role, parse_name, split_param
+from kconvert.output_dir import STATE_DIR
 from kconvert.safetensors_io import (
     ShardWriter,
     TensorInfo,
@@ -56,7 +57,6 @@ COPY_CHUNK = 16 << 20
 IO_CORE_EVERY = 8
 # Thread masks are read and set per thread through /proc/self/task: Linux only.
 _CAN_PIN = sys.platform.startswith("linux") and hasattr(os, "sched_setaffinity")
-STATE_DIR = ".kconvert"
 
 
 @dataclass(frozen=True)
@@ -579,8 +579,10 @@ class ShardSink:
     def _finish(self, shard: str) -> None:
         self.writers.pop(shard).finish()
         record = self.records.pop(shard)
-        _atomic_json(self.state / "done" / f"{shard}.json", record)
+        write_json(self.state / "done" / f"{shard}.json", record,
+                   self.state / "tmp" / f"{shard}.json")
         self.done[shard] = record
+        events.emit("shard-done", shard=shard)
 
     def finish_empty(self) -> None:
         """Shards with no data bytes at all (possible only for zero-size tensors)."""
@@ -594,17 +596,6 @@ class ShardSink:
         for writer in self.writers.values():
             writer.abandon()
 
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write to a temporary name, then rename: `path` only ever holds a complete file."""
-    tmp = path.with_name(path.name + ".kconvert-tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _atomic_json(path: Path, data: dict) -> None:
-    atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True))
 
 
 def execute(
@@ -729,16 +720,24 @@ def _fix_mmap_threshold(nbytes: int = 1 << 20) -> None:
             ctypes.CDLL(None).mallopt(-3, nbytes)  # M_MMAP_THRESHOLD
 
 
-def describe(plan: Plan) -> list[tuple[str, str, str, int, int, int]]:
-    """Dry-run rows: (role, source format, output, tensor count, source bytes, output bytes)."""
-    rows: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0, 0])
+def describe(plan: Plan) -> list[tuple[str, str, str, int, int, int, int]]:
+    """Dry-run rows: (role, source format, output, source tensors, output tensors, source
+    bytes, output bytes). A plain floating-point format is named by its dtype (BF16, F32)."""
+    rows: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0])
     for m in plan.modules:
-        out = m.out_codec.name if m.out_codec else "copy"
-        row = rows[(m.tn.role.value, m.codec.name, out)]
-        nin = sum(i.nbytes for i in m.params.values())
+        source = m.primary.dtype if m.codec is DenseCodec else m.codec.name
+        if m.out_codec is None:
+            out, n_out = "copy", len(m.params)
+            out_bytes = sum(i.nbytes for i in m.params.values())
+        else:
+            out = m.dense_dtype if m.out_codec is DenseCodec else m.out_codec.name
+            specs = m.out_specs()
+            n_out, out_bytes = len(specs), sum(tensor_nbytes(d, s) for _, d, s in specs)
+        row = rows[(m.tn.role.value, source, out)]
         row[0] += len(m.params)
-        row[1] += nin
-        row[2] += sum(tensor_nbytes(d, s) for _, d, s in m.out_specs()) if m.out_codec else nin
+        row[1] += n_out
+        row[2] += sum(i.nbytes for i in m.params.values())
+        row[3] += out_bytes
     module_params = {i.name for m in plan.modules for i in m.params.values()}
     sources = {s: t for t in plan.outputs.values() if t.stage in ("copy", "select-rows")
                for s in t.sources}
@@ -750,7 +749,7 @@ def describe(plan: Plan) -> list[tuple[str, str, str, int, int, int]]:
         fmt = "(by module)" if tn.role is Role.ROUTED_EXPERT else info.dtype
         row = rows[(tn.role.value, fmt, out.stage if out else "dropped")]
         row[0] += 1
-        row[1] += info.nbytes
-        row[2] += tensor_nbytes(out.dtype, out.shape) if out else 0
+        row[1] += out is not None
+        row[2] += info.nbytes
+        row[3] += tensor_nbytes(out.dtype, out.shape) if out else 0
     return [(k[0], k[1], k[2], *v) for k, v in sorted(rows.items())]
-

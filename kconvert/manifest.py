@@ -8,12 +8,14 @@ in step. Hashes are xxh3-128 of a tensor's raw bytes: fast enough to hash 600 GB
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Literal
 
-import xxhash
 from pydantic import BaseModel, Field
+
+from kconvert.files import hash_file
+
+__all__ = ["MANIFEST", "Manifest", "hash_file", "read_manifest", "render_manifest"]
 
 MANIFEST = "kconvert-manifest.json"
 SCHEMA_ID = "kconvert-manifest/1"
@@ -73,18 +75,9 @@ class Manifest(BaseModel):
                                     description="source tensor or file -> why it is not in DST")
 
 
-def hash_file(path: Path, chunk: int = 16 << 20) -> str:
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def write_manifest(dst: Path, manifest: Manifest) -> None:
-    tmp = dst / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest.model_dump(mode="json"), indent=1, sort_keys=True))
-    os.replace(tmp, dst / MANIFEST)
+def render_manifest(manifest: Manifest) -> str:
+    """The manifest file's text."""
+    return json.dumps(manifest.model_dump(mode="json"), indent=1, sort_keys=True)
 
 
 def read_manifest(path: Path) -> Manifest:

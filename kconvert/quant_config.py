@@ -11,9 +11,6 @@ from __future__ import annotations
 import copy
 import re
 
-import compressed_tensors
-from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
-
 from kconvert import __version__
 from kconvert.codecs import DenseCodec, ModeloptNvfp4Codec, Nvfp4Codec, Nvfp4PairBitmaskCodec
 from kconvert.errors import KconvertError
@@ -61,6 +58,11 @@ def _roles_by_block(modules: list[ModulePlan]) -> dict[int, list[Role]]:
 def compressed_tensors_block(modules: list[ModulePlan], has_vision: bool) -> dict:
     """NVFP4A16, or NVFP4 (W4A4) when calibrated input scales were written; one config
     group per block size (group 32 is p48's sparse-kernel form, see the README)."""
+    # Imported here: compressed-tensors takes seconds to import (it loads transformers), and
+    # only runs that write its config need it.
+    import compressed_tensors
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+
     w4a4 = any(m.has_input_scale for m in modules)
     groups = {}
     for i, (block, roles) in enumerate(_roles_by_block(modules).items()):

@@ -633,6 +633,10 @@ def test_overwrite_replaces_a_previous_output(tmp_path):
     (dst / ".kconvert" / "run.json").write_text('{"fingerprint": "stale"}')
     with pytest.raises(KconvertError, match="not empty"):
         run_inproc("int4-to-nvfp4", src, dst, block_scale="amax")
+    # A file the old output does not account for is the user's: never deleted, named instead.
+    with pytest.raises(KconvertError, match=r"stray\.bin"):
+        run_inproc("int4-to-nvfp4", src, dst, block_scale="amax", overwrite=True)
+    (dst / "stray.bin").unlink()
     run_inproc("int4-to-nvfp4", src, dst, block_scale="amax", overwrite=True)
     assert snapshot(dst) == snapshot(clean)
     assert snapshot(src) == before
@@ -690,20 +694,27 @@ def test_dry_run_writes_nothing_and_prints_the_role_table(multi, tmp_path):
     assert not dst.exists()
     assert snapshot(src) == before
     lines = proc.stdout.splitlines()
-    assert lines[0].split() == ["role", "source", "output", "tensors", "in", "MB", "out", "MB"]
+    assert lines[0].split() == ["role", "source", "output", "tensors_in", "tensors_out",
+                                "MB_in", "MB_out"]
     rows = {}
     for line in lines[1:]:
         parts = line.split()
-        if len(parts) == 6:
-            rows[tuple(parts[:3])] = (int(parts[3]), float(parts[4]), float(parts[5]))
+        if len(parts) == 7 and not line.startswith(("total", "output format")):
+            rows[tuple(parts[:3])] = (int(parts[3]), int(parts[4]), float(parts[5]),
+                                      float(parts[6]))
     linears = KILL_DIMS["moe_layers"] * KILL_DIMS["experts"] * 3
-    n, _, _ = rows[("routed_expert", "int4-pack-quantized", "nvfp4-compressed-tensors")]
+    n, n_out, _, _ = rows[("routed_expert", "int4-pack-quantized", "nvfp4-compressed-tensors")]
     assert n == 3 * linears  # weight_packed, weight_scale, weight_shape each
-    assert rows[("attention", "bf16", "copy")][0] > 0
+    assert n_out == 3 * linears  # weight_packed, weight_scale, weight_global_scale each
+    assert rows[("attention", "BF16", "copy")][0] > 0
     assert rows[("norm", "BF16", "copy")][0] > 0
+    assert not [k for k in rows if k[1] == "bf16" or k[2] == "bf16"]  # one spelling: BF16
     total = next(line.split() for line in lines if line.startswith("total"))
     source_tensors = len(json.loads((src / INDEX).read_text())["weight_map"])
     assert int(total[1]) == source_tensors == sum(r[0] for r in rows.values())
+    output_tensors = sum(len(safe_open(str(p), "pt").keys()) for p in clean.glob("*.safetensors"))
+    assert int(total[2]) == output_tensors == sum(r[1] for r in rows.values())
+    assert f"{output_tensors} tensors" in proc.stdout
     out_bytes = sum(_data_bytes(p) for p in clean.glob("*.safetensors"))
     in_bytes = sum(_data_bytes(p) for p in src.glob("*.safetensors"))
     assert abs(float(total[-1]) - out_bytes / 1e6) <= 0.051, (total, out_bytes)
