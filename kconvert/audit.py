@@ -43,7 +43,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import click
 import torch
 import xxhash
 
@@ -1815,44 +1814,3 @@ def run_audit(ckpt: str | Path, source: str | None = None, plan: str | None = No
     """Audit CKPT; returns the report (`report.passed`). Raises KconvertError when it cannot."""
     return Auditor(Path(ckpt), source, plan, device, revision, progress, max_rel_mse,
                    chunk).run()
-
-
-@click.command("audit")
-@click.argument("ckpt", type=click.Path(file_okay=False))
-@click.option("--source", default=None,
-              help="The checkpoint CKPT was made from (directory or Hub repo id): compare "
-                   "router rows, experts, tensors and files against it.")
-@click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Pruning plan JSON (manifests/plan.schema.json); default: the manifest's, "
-                   "else inferred from router rows.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@click.option("--device", default="auto", show_default=True,
-              help="Where decodes are compared: auto | cpu | cuda | cuda:N")
-@click.option("--revision", default=None, help="Hub revision when --source is a repo id.")
-@click.option("--max-rel-mse", type=float, default=None,
-              help="Bound on a re-encoded module's relative MSE against the source decode "
-                   "[default: the manifest's per-layer maximum, else 0.05].")
-@click.option("--chunk-mb", type=click.IntRange(1, 1024), default=CHUNK >> 20,
-              show_default=True, help="Bytes read per piece of a large tensor; pieces in "
-                                      "flight hold about 8x this.")
-@click.option("--quiet", is_flag=True, help="No progress bar.")
-def audit(ckpt, source, plan_path, as_json, device, revision, max_rel_mse, chunk_mb, quiet):
-    """Check that CKPT is what its config, manifest and plan say; exit 0 only if all pass.
-
-    Exit status: 0 every check passed, 1 some check failed, 2 the audit could not run.
-    """
-    try:
-        report = run_audit(ckpt, source, plan_path, device, revision, progress=not quiet,
-                           max_rel_mse=max_rel_mse, chunk=chunk_mb << 20)
-    except KconvertError as exc:
-        click.echo(f"kconvert: error: {exc}", err=True)
-        sys.exit(2)
-    if as_json:
-        click.echo(json.dumps(report.to_json(), indent=1, default=str))
-    else:
-        click.echo(report.render())
-    sys.exit(0 if report.passed else 1)
-
-
-if __name__ == "__main__":
-    audit()

@@ -43,13 +43,12 @@ import json
 import math
 import os
 import random
-import sys
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import click
 import torch
 from torch import nn
 
@@ -139,13 +138,29 @@ def stats_key(module: str) -> str:
 
 def save_stats(stats: CalibrationStats, out: str | Path) -> None:
     """Write `stats.safetensors`, `act_stats.json`, then `stats.json` (written last: complete)."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().cpu().contiguous() for k, v in sorted(stats.tensors.items())}
     tmp = out / (STATS_FILE + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt", "producer": f"kconvert {__version__}"})
+    # save_file writes through a private (0600) file of its own; give the result the mode a
+    # new file gets under the process umask, as the JSON files have.
+    tmp.write_bytes(b"")
+    mode = tmp.stat().st_mode & 0o777
+    try:
+        save_file(tensors, str(tmp), metadata={"format": "pt",
+                                               "producer": f"kconvert {__version__}"})
+    except SafetensorError as exc:
+        tmp.unlink(missing_ok=True)
+        # An I/O failure (a full disk) arrives as text: "... (os error 28)". Raised as the
+        # OSError it is, the command line names the file and what to do.
+        code = re.search(r"\(os error (\d+)\)", str(exc))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(tmp)) from exc
+    os.chmod(tmp, mode)
     os.replace(tmp, out / STATS_FILE)
     _write_json(out / ACT_FILE, stats.act_stats())
     _write_json(out / META_FILE, {**stats.meta, "modules": dict(sorted(stats.modules.items()))})
@@ -768,57 +783,40 @@ def _attention_mask(valid: torch.Tensor, all_valid: bool) -> torch.Tensor | None
     return mask | torch.eye(s, dtype=torch.bool, device=valid.device)
 
 
-# ----------------------------------------------------------------------------- CLI
+# ----------------------------------------------------------------------------- command
 
-@click.command("calibrate")
-@click.argument("src")
-@click.option("--data", required=True, type=click.Path(exists=True, dir_okay=False),
-              help="JSONL calibration data: one {\"input_ids\"|\"text\"|\"messages\": ...} a line.")
-@click.option("-o", "--output", "out", required=True, type=click.Path(file_okay=False),
-              help="Directory for stats.safetensors, stats.json and act_stats.json.")
-@click.option("--samples", default=1024, show_default=True, help="Sequences to calibrate on.")
-@click.option("--seq-len", default=2048, show_default=True, help="Tokens per sequence.")
-@click.option("--batch-size", default=8, show_default=True,
-              help="Sequences per forward step through a layer.")
-@click.option("--seed", default=0, show_default=True, help="Order in which data lines are used.")
-@click.option("--device", default="auto", show_default=True, help="auto | cpu | cuda | cuda:N")
-@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
-              show_default=True, help="Compute dtype of weights and hidden states.")
-@click.option("--tokenizer", default=None,
-              help="Tokenizer directory for text/messages lines [default: SRC].")
-@click.option("--revision", default=None, help="Hub revision when SRC is a repo id.")
-@click.option("--overwrite", is_flag=True, help="Replace statistics already in the directory.")
-@click.option("--quiet", is_flag=True, help="No per-layer progress.")
-def calibrate_cmd(src, data, out, samples, seq_len, batch_size, seed, device, dtype, tokenizer,
-                  revision, overwrite, quiet):
-    """Layer-streamed calibration of SRC: REAP saliency, expert counts, activation stats."""
+def run_calibration(src: str, data: str, out: str, samples: int, seq_len: int, batch_size: int,
+                    seed: int, device: str, dtype: str, tokenizer: str | None,
+                    revision: str | None, overwrite: bool,
+                    progress: Callable[[str], None]) -> CalibrationStats:
+    """`kconvert calibrate`: calibrate SRC on the JSONL `data` and write the statistics to
+    `out`; `progress` gets the notes, per-layer lines and the closing summary."""
     from kconvert.convert import pick_device
     from kconvert.source import open_checkpoint
 
-    echo = (lambda _m: None) if quiet else click.echo
+    out_dir = Path(out)
+    if (out_dir / META_FILE).exists() and not overwrite:
+        raise KconvertError("the directory already holds statistics; pass --overwrite",
+                            file=str(out_dir))
+    ckpt = open_checkpoint(src, revision)
     try:
-        out_dir = Path(out)
-        if (out_dir / META_FILE).exists() and not overwrite:
-            raise KconvertError("the directory already holds statistics; pass --overwrite",
-                                file=str(out_dir))
-        ckpt = open_checkpoint(src, revision)
-        try:
-            ids = load_calibration_data(data, tokenizer or ckpt.root, samples, seq_len, seed)
-            if ids.shape[0] < samples:
-                echo(f"note: the data gives {ids.shape[0]} sequences of {seq_len}, fewer than "
-                     f"--samples {samples}")
-            stats = calibrate(
-                ckpt, ids, pick_device(device), batch_size, dtype=getattr(torch, dtype),
-                meta={"seed": seed, "data": str(Path(data).resolve())}, progress=echo)
-        finally:
-            ckpt.close()
-        save_stats(stats, out_dir)
-    except KconvertError as exc:
-        click.echo(f"kconvert: error: {exc}", err=True)
-        sys.exit(2)
-    if not quiet:
-        click.echo(f"wrote {out_dir}: {stats.meta['tokens']} tokens, "
-                   f"{len(stats.moe_layers)} MoE layers, {stats.meta['seconds']:.1f} s")
+        ids = load_calibration_data(data, tokenizer or ckpt.root, samples, seq_len, seed)
+        if ids.shape[0] < samples:
+            progress(f"note: the data gives {_plural(ids.shape[0], 'sequence')} of {seq_len} "
+                     f"tokens, fewer than --samples {samples}")
+        stats = calibrate(
+            ckpt, ids, pick_device(device), batch_size, dtype=getattr(torch, dtype),
+            meta={"seed": seed, "data": str(Path(data).resolve())}, progress=progress)
+    finally:
+        ckpt.close()
+    save_stats(stats, out_dir)
+    progress(f"wrote {out_dir}: {_plural(stats.meta['tokens'], 'token')}, "
+             f"{_plural(len(stats.moe_layers), 'MoE layer')}, {stats.meta['seconds']:.1f} s")
+    return stats
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
 __all__ = [
@@ -826,9 +824,9 @@ __all__ = [
     "ROUTING_CONVENTION",
     "CalibrationStats",
     "calibrate",
-    "calibrate_cmd",
     "load_calibration_data",
     "load_stats",
+    "run_calibration",
     "save_stats",
     "stats_key",
 ]

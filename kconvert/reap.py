@@ -116,11 +116,30 @@ def prune_stage(plan: PrunePlan, ckpt: Checkpoint) -> Prune:
                  plan_json=plan_json)
 
 
-def keep_count(n_routed: int, keep: int | None, prune_ratio: float | None) -> int:
+def keep_count(ckpt: Checkpoint, keep: int | None, prune_ratio: float | None) -> int:
+    """Routed experts to keep per layer from --keep N or --prune-ratio R, checked against the
+    config: at least num_experts_per_tok (the router's top-k), at most n_routed_experts."""
     if (keep is None) == (prune_ratio is None):
         raise KconvertError("give exactly one of --keep N and --prune-ratio R")
+    config = str(ckpt.root / "config.json")
+    text = ckpt.text_config
+    limits = {key: text.get(key, default) for key, default in
+              (("n_routed_experts", None), ("num_experts_per_tok", 1))}
+    for key, value in limits.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            found = "is missing" if value is None else f"is {value!r}, not a positive integer"
+            raise KconvertError(f"{key} {found}; pruning needs it", file=config)
+    n_routed, top_k = limits.values()
     if keep is None:
         if not 0 <= prune_ratio < 1:
             raise KconvertError(f"--prune-ratio {prune_ratio} is not in [0, 1)")
         keep = round(n_routed * (1 - prune_ratio))
+        asked = f"--prune-ratio {prune_ratio} of {n_routed} experts keeps {keep}"
+    else:
+        asked = f"--keep {keep}"
+    if keep > n_routed:
+        raise KconvertError(f"{asked}: more than the n_routed_experts={n_routed}", file=config)
+    if keep < top_k:
+        raise KconvertError(f"{asked}: fewer than num_experts_per_tok={top_k}, the experts the "
+                            "router picks per token; keep at least that many", file=config)
     return keep

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,6 +69,29 @@ class Checkpoint:
                 out.append(rel)
         return out
 
+    def check_other_files(self) -> None:
+        """Every non-weight file must be copied at the end of a run: find the unreadable ones
+        (a broken symlink, a FIFO, no permission) now, before any output is written."""
+        for dirpath, dirnames, _ in os.walk(self.root):
+            for d in dirnames:
+                if d not in SKIPPED_DIRS and os.path.islink(os.path.join(dirpath, d)):
+                    raise KconvertError("a symlink to a directory in the source is not "
+                                        "followed, so its files would be lost; replace it with "
+                                        "the directory", file=os.path.join(dirpath, d))
+        for rel in self.other_files():
+            path = self.root / rel
+            try:
+                if not stat.S_ISREG(path.stat().st_mode):
+                    raise KconvertError("non-weight file is not a regular file; kconvert copies "
+                                        "every non-weight file of the source", file=str(path))
+                with path.open("rb"):
+                    pass
+            except OSError as exc:
+                what = "a broken symlink" if path.is_symlink() else exc.strerror
+                raise KconvertError(f"non-weight file cannot be read ({what}); kconvert copies "
+                                    "every non-weight file of the source: fix or remove it",
+                                    file=str(path)) from exc
+
     def close(self) -> None:
         for reader in self.readers.values():
             reader.close()
@@ -79,6 +103,9 @@ def resolve(src: str, revision: str | None) -> tuple[Path, dict]:
     if path.exists():
         if not path.is_dir():
             raise KconvertError("source is not a directory", file=src)
+        if revision is not None:
+            raise KconvertError(f"--revision {revision} applies to a Hub repo id, and the source "
+                                "is a local directory: drop --revision", file=src)
         return path.resolve(), {"path": str(path.resolve())}
     if src.count("/") != 1 or src.startswith((".", "/")):
         raise KconvertError("source directory does not exist", file=src)
@@ -100,7 +127,12 @@ def load_config(root: Path) -> dict:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise KconvertError(f"config.json is not valid JSON: {exc}", file=str(path)) from exc
+    if not isinstance(config, dict):
+        raise KconvertError(f"config.json holds a JSON {type(config).__name__}, not an object",
+                            file=str(path))
     text = config.get("text_config", config)
+    if not isinstance(text, dict):
+        raise KconvertError("config.json's text_config is not an object", file=str(path))
     archs = set(config.get("architectures") or [])
     if text.get("model_type") not in SUPPORTED_MODEL_TYPES and not archs & SUPPORTED_ARCHITECTURES:
         raise KconvertError(
@@ -126,6 +158,9 @@ def open_checkpoint(src: str, revision: str | None = None) -> Checkpoint:
     else:
         raise KconvertError(f"no {INDEX} and no {SINGLE}", file=str(root))
 
+    if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
+        raise KconvertError("malformed index: weight_map is not an object of tensor -> shard "
+                            "file name", file=str(index_path))
     ckpt = Checkpoint(root, identity, config, weight_map, has_index)
     files = sorted(set(weight_map.values())) if has_index else [SINGLE]
     for fn in files:
@@ -146,4 +181,9 @@ def open_checkpoint(src: str, revision: str | None = None) -> Checkpoint:
             if ckpt.weight_map.get(name) != fn:
                 raise KconvertError("shard holds a tensor the index does not list", file=fn,
                                     tensor=name)
+    try:
+        ckpt.check_other_files()
+    except KconvertError:
+        ckpt.close()
+        raise
     return ckpt

@@ -85,8 +85,9 @@ class FixtureDims:
             raise ValueError("moe_layers must be >= 1")
         if self.qk_rope_head_dim % 2:
             raise ValueError("qk_rope_head_dim must be even (rotary pairs)")
-        if self.vocab < 8:
-            raise ValueError("vocab must be >= 8")
+        if self.vocab < 512:
+            raise ValueError("vocab must be >= 512: the byte-level tokenizer holds the 256 "
+                             "bytes below Kimi's special tokens, which start at vocab - 256")
 
 
 # ----------------------------------------------------------------------------- INT4 packing
@@ -459,16 +460,58 @@ recognisable.
 """
 '''
 
+# transformers 5 loads config.json through its auto_map (this remote code) before any
+# tokenizer, so the config stub must define the class it names.
+_CONFIG_PY = '''"""Stand-in written by kconvert's make_fixture.py.
+
+The real checkpoint ships trust_remote_code here:
+    {what}
+Converters must copy this file through byte for byte. AutoTokenizer loads the config
+through it, so it defines that class (on transformers' own {base}).
+"""
+
+from transformers import {base} as _Base
+
+
+class {what}(_Base):
+    model_type = "{model_type}"
+'''
+
 _CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
     "<|im_{{ message['role'] }}|>{{ message['content'] }}<|im_end|>"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|im_assistant|>{%- endif -%}\n"
 )
+# Kimi's special tokens in Kimi's order from bos (vocab - 256); eos is <|im_end|> (bos + 2).
+_SPECIAL_TOKENS = ("[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>",
+                   "<|im_system|>")
+
+
+def _tokenizer_json(vocab: int) -> bytes:
+    """A byte-level tokenizer that loads offline with AutoTokenizer: ids 0..255 are the bytes
+    (any text encodes, nothing is unknown), reserved fillers up to bos, then the special tokens
+    the chat template uses, at the ids config.json and generation_config.json give."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_char = bytes_to_unicode()  # GPT-2's byte -> printable character map (ByteLevel's)
+    tok = Tokenizer(models.BPE(vocab={byte_char[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    bos, _ = _special_ids(vocab)
+    reserved = [f"<|reserved_token_{i}|>" for i in range(bos - 256)]
+    tok.add_special_tokens([AddedToken(t, special=True) for t in (*reserved, *_SPECIAL_TOKENS)])
+    return (tok.to_str(pretty=True) + "\n").encode()
 
 
 def _side_files(d: FixtureDims, rng: _Rng, multimodal: bool) -> dict[str, bytes]:
-    """Tokenizer, templates and remote-code stubs that a converter must pass through untouched."""
+    """Tokenizer, templates and remote-code files that a converter must pass through untouched.
+
+    `tiktoken.model` and `tokenization_kimi.py` stand in for Kimi's own tokenizer (remote code
+    no test runs); the tokenizer AutoTokenizer loads is `tokenizer.json`, so the `text` and
+    `messages` calibration inputs work on the fixtures, offline.
+    """
     bos, eos = _special_ids(d.vocab)
     files: dict[str, bytes] = {
         "tiktoken.model": rng.bytes(1024),
@@ -477,18 +520,19 @@ def _side_files(d: FixtureDims, rng: _Rng, multimodal: bool) -> dict[str, bytes]
         "generation_config.json": _json(
             {"bos_token_id": bos, "do_sample": True, "eos_token_id": eos, "temperature": 1.0}
         ),
+        "tokenizer.json": _tokenizer_json(d.vocab),
         "tokenizer_config.json": _json(
             {
-                "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
-                "bos_token": "[BOS]",
-                "eos_token": "[EOS]",
+                "bos_token": _SPECIAL_TOKENS[0],
+                "eos_token": _SPECIAL_TOKENS[eos - bos],
                 "model_max_length": 262144,
-                "tokenizer_class": "TikTokenTokenizer",
+                "tokenizer_class": "PreTrainedTokenizerFast",
             }
         ),
     }
     if multimodal:
-        files["configuration_kimi_k25.py"] = _STUB_PY.format(what="KimiK25Config").encode()
+        files["configuration_kimi_k25.py"] = _CONFIG_PY.format(
+            what="KimiK25Config", base="Kimi_K25Config", model_type="kimi_k25").encode()
         files["modeling_kimi_k25.py"] = _STUB_PY.format(
             what="KimiK25ForConditionalGeneration"
         ).encode()
@@ -502,7 +546,8 @@ def _side_files(d: FixtureDims, rng: _Rng, multimodal: bool) -> dict[str, bytes]
             }
         )
     else:
-        files["configuration_deepseek.py"] = _STUB_PY.format(what="DeepseekV3Config").encode()
+        files["configuration_deepseek.py"] = _CONFIG_PY.format(
+            what="DeepseekV3Config", base="DeepseekV3Config", model_type="kimi_k2").encode()
         files["modeling_deepseek.py"] = _STUB_PY.format(what="DeepseekV3ForCausalLM").encode()
     return files
 

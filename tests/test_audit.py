@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from third_party_prune import prune
 
 from conftest import ROOT
-from kconvert.audit import audit
+from kconvert.cli import audit
 from kconvert.convert import RunControl, convert
 from kconvert.p48 import check_packed as p48_check
 from kconvert.pipeline import load_recipe
@@ -824,7 +824,7 @@ def test_memory_stays_bounded_with_large_shards(fixture_dir, tmp_path):
     rc, base = _peak_rss_mb([sys.executable, "-c", "import kconvert.audit, tqdm, xxhash"])
     assert rc == 0
     rc, peak = _peak_rss_mb([sys.executable, "-c",
-                             "import sys; from kconvert.audit import audit; audit(sys.argv[1:])",
+                             "import sys; from kconvert.cli import audit; audit(sys.argv[1:])",
                              str(ckpt), "--source", str(ckpt), "--quiet", "--device", "cpu"])
     assert rc == 0, "audit of the big checkpoint did not pass"
     assert peak - base < bound_mb, f"audit peak {peak:.0f} MB vs import-only {base:.0f} MB"

@@ -26,11 +26,11 @@ from kconvert.calibrate import (
     PAD_ID,
     CalibrationStats,
     calibrate,
-    calibrate_cmd,
     load_calibration_data,
     load_stats,
     save_stats,
 )
+from kconvert.cli import calibrate_cmd
 from kconvert.convert import RunControl, convert
 from kconvert.errors import KconvertError
 from kconvert.pipeline import load_recipe

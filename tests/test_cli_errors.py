@@ -1,0 +1,319 @@
+"""Bad options and bad input reach the user as one clear line and exit 2, never a traceback,
+and no option is silently dropped; an internal error keeps its traceback and says it is a bug.
+
+Every command goes through the real click entry point (`kconvert.cli.main`) in-process.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from conftest import BUNDLED
+from kconvert.cli import main
+from kconvert.errors import KconvertError
+from kconvert.pipeline import load_recipe
+
+MANIFEST = "kconvert-manifest.json"
+
+
+def cli(*args) -> object:
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def assert_user_error(res, *said: str) -> None:
+    """Exit 2 through the CLI's own exit (no escaped exception), no traceback, and the
+    message names what it should."""
+    assert res.exit_code == 2, (res.exit_code, res.output, res.exception)
+    assert isinstance(res.exception, SystemExit), res.exception
+    assert "Traceback" not in res.output, res.output
+    for words in said:
+        assert words in res.output, (words, res.output)
+
+
+@pytest.fixture(scope="module")
+def stats_dir(tmp_path_factory) -> Path:
+    """Real `kconvert calibrate` statistics of the bundled fixture (for --stats)."""
+    root = tmp_path_factory.mktemp("stats")
+    data = root / "ids.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": [(5 * i + j) % 500 for j in range(16)]})
+                            + "\n" for i in range(4)))
+    res = cli("calibrate", BUNDLED, "--data", data, "-o", root / "stats", "--samples", 4,
+                   "--seq-len", 16, "--device", "cpu", "--quiet")
+    assert res.exit_code == 0, res.output
+    return root / "stats"
+
+
+def source_copy(tmp_path: Path) -> Path:
+    src = tmp_path / "src"
+    shutil.copytree(BUNDLED, src)
+    return src
+
+
+# ------------------------------------------------------------------ reap: --keep / --prune-ratio
+
+@pytest.mark.parametrize("command", ["reap", "run reap"])
+def test_keep_and_prune_ratio_are_range_checked(command, stats_dir, tmp_path):
+    """`--keep -3` used to exit 0 keeping 13 experts; `--keep 0` and `--prune-ratio 0.99`
+    ended in a pydantic traceback. Each is now refused, naming the option, and nothing is
+    written."""
+    cases = [
+        (["--keep", "-3"], "--keep"),
+        (["--keep", "0"], "--keep"),
+        (["--keep", "2"], "num_experts_per_tok=4"),  # the fixture's router picks 4
+        (["--keep", "17"], "n_routed_experts=16"),
+        (["--prune-ratio", "0.99"], "num_experts_per_tok=4"),  # keeps round(0.16) = 0
+        (["--prune-ratio", "1"], "--prune-ratio"),
+        (["--prune-ratio", "-0.5"], "--prune-ratio"),
+    ]
+    for i, (opts, said) in enumerate(cases):
+        dst = tmp_path / f"out{i}"
+        res = cli(*command.split(), BUNDLED, dst, "--stats", stats_dir, *opts, "--quiet")
+        assert_user_error(res, said)
+        assert not (dst / MANIFEST).exists()
+
+
+def test_prune_ratio_without_n_routed_experts_names_config_and_key(stats_dir, tmp_path):
+    src = source_copy(tmp_path)
+    config = json.loads((src / "config.json").read_text())
+    del config["n_routed_experts"]
+    (src / "config.json").write_text(json.dumps(config))
+    for command in (["reap"], ["run", "reap"]):
+        res = cli(*command, src, tmp_path / "out", "--stats", stats_dir,
+                       "--prune-ratio", "0.5", "--quiet")
+        assert_user_error(res, "n_routed_experts", str(src / "config.json"))
+        assert not (tmp_path / "out" / MANIFEST).exists()
+
+
+# ------------------------------------------------------------------ bad input, bad options
+
+def test_config_json_that_is_an_array(tmp_path):
+    src = source_copy(tmp_path)
+    (src / "config.json").write_text("[1, 2]")
+    res = cli("int4-to-nvfp4", src, tmp_path / "out", "--quiet")
+    assert_user_error(res, "config.json", "not an object")
+
+
+def test_broken_symlink_in_source_is_found_before_anything_is_written(tmp_path):
+    """It used to be found only when the non-weight files were copied, after every shard."""
+    src = source_copy(tmp_path)
+    os.symlink(src / "no-such-file", src / "special_tokens_map.json")
+    dst = tmp_path / "out"
+    res = cli("int4-to-nvfp4", src, dst, "--quiet")
+    assert_user_error(res, str(src / "special_tokens_map.json"), "broken symlink")
+    assert not dst.exists() or not any(dst.iterdir())
+    # A symlinked directory is not walked into: its files would be lost without a word.
+    (src / "special_tokens_map.json").unlink()
+    (tmp_path / "extra").mkdir()
+    (tmp_path / "extra" / "notes.txt").write_text("x")
+    os.symlink(tmp_path / "extra", src / "extra")
+    assert_user_error(cli("int4-to-nvfp4", src, dst, "--quiet"), str(src / "extra"),
+                      "symlink to a directory")
+    assert not dst.exists() or not any(dst.iterdir())
+
+
+@pytest.mark.parametrize("readers", ["0", "-1"])
+def test_readers_must_be_positive(readers, tmp_path):
+    res = cli("int4-to-nvfp4", BUNDLED, tmp_path / "out", "--readers", readers, "--quiet")
+    assert_user_error(res, "--readers")
+    assert not (tmp_path / "out").exists()
+
+
+def test_device_spec_is_checked_by_every_command(tmp_path):
+    """`--device foo` used to reach torch.device() and end in a RuntimeError traceback."""
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"input_ids": list(range(16))}) + "\n")
+    commands = [
+        ["int4-to-nvfp4", BUNDLED, tmp_path / "a"],
+        ["run", "int4-to-nvfp4", BUNDLED, tmp_path / "b"],
+        ["calibrate", BUNDLED, "--data", data, "-o", tmp_path / "c"],
+        ["audit", BUNDLED],
+    ]
+    for args in commands:
+        for spec in ("foo", "cuda:x", "gpu"):
+            assert_user_error(cli(*args, "--device", spec, "--quiet"), "--device", spec)
+    assert not any((tmp_path / d).exists() for d in "abc")
+
+
+# ------------------------------------------------------------------ errors the environment causes
+
+@pytest.mark.parametrize(("code", "advice"), [
+    (errno.ENOSPC, "free space"),
+    (errno.EDQUOT, "quota"),
+    (errno.EROFS, "writable"),
+    (errno.EACCES, "writable"),
+    (errno.ENOENT, "check the path"),
+])
+def test_os_errors_are_one_line_naming_the_file(code, advice, tmp_path, monkeypatch):
+    """A full disk, a read-only or unwritable DST, a vanished file: exit 2, one line that
+    names the file and what to do. The OSError is injected where the conversion runs, since
+    these tests run as root (chmod cannot make a directory unwritable for root) and cannot
+    mount a small file system."""
+    import kconvert.convert
+
+    dst = tmp_path / "out"
+    shard = dst / "model-00002-of-000004.safetensors"
+
+    def fail(*_args, **_kwargs):
+        raise OSError(code, os.strerror(code), str(shard))
+
+    monkeypatch.setattr(kconvert.convert, "convert", fail)
+    res = cli("int4-to-nvfp4", BUNDLED, dst, "--quiet")
+    assert_user_error(res, str(shard), os.strerror(code), errno.errorcode[code], advice)
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    if code == errno.ENOSPC:
+        assert "--resume" in res.output
+
+
+@contextmanager
+def small_fs(where: Path, options: str) -> Iterator[Path]:
+    """A real tiny (or read-only) tmpfs at `where`; skips the test where mounting is not
+    allowed (it needs root with CAP_SYS_ADMIN, e.g. not in an unprivileged container)."""
+    where.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
+                           capture_output=True, text=True)
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+def test_full_and_read_only_file_systems_are_messages(tmp_path):
+    """Real ENOSPC and EROFS: calibrate's statistics on a 16 KiB tmpfs (safetensors reports the
+    full disk as a SafetensorError, not an OSError) and on a read-only one, and a conversion
+    into a read-only DST."""
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"input_ids": list(range(16))}) + "\n")
+    calibrate = ["calibrate", BUNDLED, "--data", data, "--seq-len", 16, "--samples", 1,
+                 "--device", "cpu", "--quiet", "-o"]
+    with small_fs(tmp_path / "full", "size=16k") as full:
+        res = cli(*calibrate, full / "stats")
+        assert_user_error(res, str(full / "stats"), "ENOSPC", "free space")
+    with small_fs(tmp_path / "ro", "ro,size=16k") as ro:
+        assert_user_error(cli(*calibrate, ro / "stats"), str(ro / "stats"), "read-only")
+        res = cli("int4-to-nvfp4", BUNDLED, ro / "out", "--quiet")
+        assert_user_error(res, str(ro / "out"))
+
+
+def test_os_error_without_a_file_name_names_the_output(tmp_path, monkeypatch):
+    """write() on a full disk raises ENOSPC with no file name: the message names DST."""
+    import kconvert.convert
+
+    def fail(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(kconvert.convert, "convert", fail)
+    res = cli("int4-to-nvfp4", BUNDLED, tmp_path / "out", "--quiet")
+    assert_user_error(res, str(tmp_path / "out"), "free space")
+
+
+def test_dst_below_a_regular_file_is_a_message(tmp_path):
+    """A real OSError (ENOTDIR) from the file system, not an injected one."""
+    (tmp_path / "file").write_text("x")
+    res = cli("int4-to-nvfp4", BUNDLED, tmp_path / "file" / "out", "--quiet")
+    assert_user_error(res, str(tmp_path / "file"))
+
+
+def test_internal_error_keeps_traceback_and_says_it_is_a_bug(tmp_path, monkeypatch):
+    import kconvert.convert
+
+    def fail(*_args, **_kwargs):
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr(kconvert.convert, "convert", fail)
+    res = cli("int4-to-nvfp4", BUNDLED, tmp_path / "out", "--quiet")
+    assert res.exit_code == 1 and isinstance(res.exception, SystemExit), res.output
+    assert "Traceback" in res.stderr and "ZeroDivisionError" in res.stderr
+    assert "bug in kconvert" in res.stderr and "report" in res.stderr
+
+
+def test_kconvert_error_is_one_line_on_stderr(tmp_path, monkeypatch):
+    import kconvert.audit
+
+    def fail(*_args, **_kwargs):
+        raise KconvertError("something the user can fix", file="x.json")
+
+    monkeypatch.setattr(kconvert.audit, "run_audit", fail)
+    res = cli("audit", tmp_path)
+    assert_user_error(res)
+    assert res.stderr == "kconvert: error: something the user can fix (file x.json)\n"
+
+
+# ------------------------------------------------------------------ no option is silently dropped
+
+def test_recipe_key_typo_is_an_error(tmp_path):
+    """`block_scal = "amax"` used to be ignored (the default, mse, was used)."""
+    recipe = tmp_path / "mine.toml"
+    recipe.write_text('[[stages]]\nstage = "dequant"\n'
+                      '[[stages]]\nstage = "quantize"\nblock_scal = "amax"\n')
+    res = cli("run", recipe, BUNDLED, tmp_path / "out", "--quiet")
+    assert_user_error(res, "'block_scal'", "quantize", "did you mean 'block_scale'")
+    assert not (tmp_path / "out").exists()
+    # A key of another stage kind names the stage that takes it.
+    recipe.write_text('[[stages]]\nstage = "quantize"\ndtype = "F32"\n')
+    with pytest.raises(KconvertError, match=r"'dtype'.*option of stage dequant"):
+        load_recipe(str(recipe))
+    recipe.write_text('name = "x"\nrequires_sourc = "int4-pack-quantized"\n'
+                      '[[stages]]\nstage = "quantize"\n')
+    with pytest.raises(KconvertError, match=r"'requires_sourc'.*did you mean 'requires_source'"):
+        load_recipe(str(recipe))
+    recipe.write_text('[[stages]]\nstage = "prune"\nkeep = 4\n')
+    with pytest.raises(KconvertError, match=r"'keep' is not a recipe setting.*--keep"):
+        load_recipe(str(recipe))
+
+
+@pytest.mark.parametrize(("opts", "stage"), [
+    (["--keep", "4"], "prune"),
+    (["--prune-ratio", "0.5"], "prune"),
+    (["--storage", "pair-bitmask"], "sparsify"),
+    (["--method", "wanda"], "sparsify"),
+    (["--group-size", "32"], "sparsify"),
+])
+def test_run_refuses_options_no_stage_of_the_recipe_takes(opts, stage, tmp_path):
+    """`run int4-to-nvfp4 ... --keep 4` used to keep every expert and exit 0."""
+    res = cli("run", "int4-to-nvfp4", BUNDLED, tmp_path / "out", *opts, "--quiet")
+    assert_user_error(res, opts[0], "int4-to-nvfp4", f"option of stage {stage}")
+    assert not (tmp_path / "out").exists()
+
+
+def test_options_that_only_act_with_another_are_refused_alone(stats_dir, tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"criterion": "manual", "layers": {
+        str(layer): {"keep": list(range(0, 16, 2))} for layer in (1, 2)}}))
+    cases = [
+        (["reap", BUNDLED, tmp_path / "a", "--plan", plan, "--samples", "8"], "--samples",
+         "--data"),
+        (["reap", BUNDLED, tmp_path / "b", "--plan", plan, "--keep", "8"], "--keep", "--stats"),
+        (["reap", BUNDLED, tmp_path / "c", "--stats", stats_dir, "--keep", "8", "--seq-len",
+          "64"], "--seq-len", "--data"),
+        (["sparsify", BUNDLED, tmp_path / "d", "--seed", "3"], "--seed", "--data"),
+        (["sparsify", BUNDLED, tmp_path / "e", "--stats", stats_dir], "--stats", "wanda"),
+        (["run", "sparsify", BUNDLED, tmp_path / "f", "--data", plan], "--data", "sparsegpt"),
+    ]
+    for args, *said in cases:
+        res = cli(*args, "--quiet")
+        assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+        assert all(s in res.output for s in said), (said, res.output)
+        assert not (args[2] / MANIFEST).exists()
+
+
+def test_revision_with_a_local_source_is_an_error(tmp_path):
+    """--revision used to be ignored for a local SRC."""
+    for args in (["int4-to-nvfp4", BUNDLED, tmp_path / "out"],
+                 ["audit", BUNDLED, "--source", BUNDLED]):
+        res = cli(*args, "--revision", "v2", "--quiet")
+        assert_user_error(res, "--revision v2", "local directory")
+    assert not (tmp_path / "out" / MANIFEST).exists()
+    res = cli("audit", BUNDLED, "--revision", "v2", "--quiet")
+    assert res.exit_code == 2 and "--revision applies only with --source" in res.output

@@ -1,0 +1,144 @@
+"""What a new user meets first: a fast `--help`, calibration that runs on the bundled fixture
+from text and chat data offline, and consistent defaults, messages and file modes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from conftest import BUNDLED
+from kconvert import __version__
+from kconvert.cli import main
+
+HELP_BOUND_S = 3.0  # generous: ~0.1 s measured on the 2-core test machine
+
+
+def test_help_is_fast_and_imports_no_torch():
+    """`kconvert --help` took ~10 s importing torch and compressed-tensors."""
+    cmd = [sys.executable, "-X", "importtime", "-m", "kconvert.cli", "--help"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stderr
+    assert "Commands:" in proc.stdout
+    imported = {line.split("|")[-1].strip().split(".")[0]
+                for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "click" in imported  # the import log is there and lists what was imported
+    assert not imported & {"torch", "compressed_tensors", "transformers", "numba"}, imported
+    assert wall < HELP_BOUND_S, f"--help took {wall:.2f} s"
+
+
+def test_short_help_and_version():
+    runner = CliRunner()
+    assert runner.invoke(main, ["-h"]).output == runner.invoke(main, ["--help"]).output
+    res = runner.invoke(main, ["run", "-h"])
+    assert res.exit_code == 0 and "RECIPE SRC DST" in res.output
+    res = runner.invoke(main, ["--version"])
+    assert res.exit_code == 0 and __version__ in res.output
+
+
+def test_cli_choice_lists_are_the_implementation_lists():
+    """cli.py cannot import the torch modules that own these lists; it must agree with them."""
+    from kconvert import audit, cli, reap, sparsify
+
+    assert tuple(sorted(reap.CRITERIA)) == cli.CRITERIA
+    assert cli.METHODS == sparsify.METHODS and cli.STORAGES == sparsify.STORAGES
+    assert cli.AUDIT_CHUNK_MB << 20 == audit.CHUNK
+
+
+# ------------------------------------------------------------------ calibration on the fixture
+
+def _jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_calibrate_text_and_messages_on_the_bundled_fixture_offline(tmp_path):
+    """The bundled fixture's tokenizer used to fail ("no attribute 'DeepseekV3Config'"), so
+    `text`/`messages` lines could not be tried. Offline, with an empty Hugging Face cache."""
+    text = _jsonl(tmp_path / "text.jsonl", [
+        {"text": "Kimi converts a trillion parameters, shard by shard."},
+        {"text": "Ünïcödé and digits 0123456789 encode as bytes."}])
+    chat = _jsonl(tmp_path / "chat.jsonl", [{"messages": [
+        {"role": "user", "content": "What is NVFP4?"},
+        {"role": "assistant", "content": "A 4-bit float with FP8 block scales."}]}])
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "HF_HOME": str(tmp_path / "hf-home")}
+    runs = [["calibrate", str(BUNDLED), "--data", str(data), "-o", str(tmp_path / data.stem),
+             "--samples", "2", "--seq-len", "16", "--device", "cpu", "--quiet"]
+            for data in (text, chat)]
+    # One fresh process for both runs (the imports cost seconds), through the real entry point.
+    driver = ("import json, sys\nfrom kconvert.cli import main\n"
+              "sys.exit(max(main(a, standalone_mode=False) or 0 for a in json.loads(sys.argv[1])))")
+    proc = subprocess.run([sys.executable, "-c", driver, json.dumps(runs)], capture_output=True,
+                          text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    for data in (text, chat):
+        meta = json.loads((tmp_path / data.stem / "stats.json").read_text())
+        assert meta["tokens"] == 2 * 16  # the lines hold more than 2 x 16 tokens together
+
+
+@pytest.mark.parametrize("variant", ["k2-int4-kimi", "k25-int4", "bf16"])
+def test_every_fixture_variant_has_a_tokenizer_that_matches_its_config(variant, fixture_dir):
+    from transformers import AutoTokenizer
+
+    src = fixture_dir(variant)
+    tok = AutoTokenizer.from_pretrained(str(src), trust_remote_code=True)
+    config = json.loads((src / "config.json").read_text())
+    assert (tok.bos_token_id, tok.eos_token_id) == (config["bos_token_id"],
+                                                      config["eos_token_id"])
+    text = "héllo, wörld"
+    assert tok(text)["input_ids"] == list(text.encode())  # byte-level: id == byte
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True)
+    ids = chat if isinstance(chat, list) else chat["input_ids"]
+    user = tok.convert_tokens_to_ids("<|im_user|>")
+    assert ids == [user, *b"hi", config["eos_token_id"]]  # <|im_user|>hi<|im_end|>
+    assert max(tok.get_vocab().values()) < config.get("text_config", config)["vocab_size"]
+
+
+def test_calibrate_messages_modes_and_summary(tmp_path):
+    """"1 sequences" was printed; stats.safetensors was written 0600 beside 0644 JSON files."""
+    data = _jsonl(tmp_path / "d.jsonl", [{"input_ids": list(range(16))}])
+    out = tmp_path / "stats"
+    res = CliRunner().invoke(main, ["calibrate", str(BUNDLED), "--data", str(data), "-o",
+                                    str(out), "--samples", "2", "--seq-len", "16",
+                                    "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    assert "the data gives 1 sequence of 16 tokens, fewer than --samples 2" in res.output
+    assert "wrote " in res.output and "16 tokens, 2 MoE layers" in res.output
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert modes == dict.fromkeys(["stats.safetensors", "stats.json", "act_stats.json"],
+                                  0o666 & ~umask)
+
+
+# ------------------------------------------------------------------ --samples defaults
+
+def test_samples_default_is_per_use_and_documented(tmp_path):
+    """SparseGPT through `run` used 1024 sequences by default, through `sparsify` 128."""
+    runner = CliRunner()
+    data = _jsonl(tmp_path / "d.jsonl", [{"input_ids": list(range(i, i + 16))}
+                                         for i in range(2)])
+    dst = tmp_path / "out"
+    res = runner.invoke(main, ["run", "sparsify", str(BUNDLED), str(dst), "--method",
+                               "sparsegpt", "--data", str(data), "--seq-len", "16",
+                               "--device", "cpu", "--quiet"])
+    assert res.exit_code == 0, res.output
+    manifest = json.loads((dst / "kconvert-manifest.json").read_text())
+    assert manifest["options"]["sparsify"]["data"]["samples"] == 128  # as `sparsify` records
+
+    def help_of(command: str) -> str:
+        return " ".join(runner.invoke(main, [command, "--help"]).output.split())
+
+    assert "With --data: sequences. [default: 128;" in help_of("sparsify")
+    assert "With --data: sequences. [default: 1024;" in help_of("reap")
+    assert "[default: 1024 for a prune stage's REAP calibration, 128 for SparseGPT]" in help_of(
+        "run")
