@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from third_party_prune import prune
 
 from conftest import ROOT
-from kconvert.audit import audit
+from kconvert.cli import main
 from kconvert.convert import RunControl, convert
 from kconvert.p48 import check_packed as p48_check
 from kconvert.pipeline import load_recipe
@@ -93,7 +93,7 @@ def copy(src: Path, dst: Path) -> Path:
 
 def audit_json(ckpt: Path, *args: str) -> tuple[int, dict]:
     """Run the click command (as `kconvert audit` will) and parse its --json report."""
-    res = CliRunner().invoke(audit, [str(ckpt), "--json", "--quiet", *args])
+    res = CliRunner().invoke(main, ["audit", str(ckpt), "--json", "--quiet", *map(str, args)])
     assert res.exit_code in (0, 1), res.output
     return res.exit_code, json.loads(res.stdout)
 
@@ -268,16 +268,16 @@ def test_reported_error_matches_an_independent_decode(outputs):
 
 def test_table_output_and_exit_codes(outputs, tmp_path):
     out, src = outputs["int4-to-nvfp4-ct"]
-    res = CliRunner().invoke(audit, [str(out), "--source", str(src), "--quiet"])
+    res = CliRunner().invoke(main, ["audit", str(out), "--source", str(src), "--quiet"])
     assert res.exit_code == 0, res.output
     lines = res.stdout.splitlines()
     assert any(line.split()[:3] == ["1", "16", "0..15"] for line in lines), res.stdout
     assert "PASS" in lines[-1]
-    res = CliRunner().invoke(audit, [str(tmp_path / "nope"), "--quiet"])
+    res = CliRunner().invoke(main, ["audit", str(tmp_path / "nope"), "--quiet"])
     assert res.exit_code == 2
     bad = copy(out, tmp_path / "bad")
     (bad / "config.json").write_text("{")
-    res = CliRunner().invoke(audit, [str(bad), "--quiet"])
+    res = CliRunner().invoke(main, ["audit", str(bad), "--quiet"])
     assert res.exit_code == 1 and "config.json is not valid JSON" in res.stdout
 
 
@@ -821,10 +821,12 @@ def test_memory_stays_bounded_with_large_shards(fixture_dir, tmp_path):
                    summary={"tensors": len(tensors)})
     (ckpt / "kconvert-manifest.json").write_text(man.model_dump_json())
 
-    rc, base = _peak_rss_mb([sys.executable, "-c", "import kconvert.audit, tqdm, xxhash"])
+    rc, base = _peak_rss_mb([sys.executable, "-c",
+                             "import kconvert.cli, kconvert.audit, tqdm, xxhash"])
     assert rc == 0
     rc, peak = _peak_rss_mb([sys.executable, "-c",
-                             "import sys; from kconvert.audit import audit; audit(sys.argv[1:])",
+                             "import sys; from kconvert.cli import main; "
+                             "main(['audit', *sys.argv[1:]])",
                              str(ckpt), "--source", str(ckpt), "--quiet", "--device", "cpu"])
     assert rc == 0, "audit of the big checkpoint did not pass"
     assert peak - base < bound_mb, f"audit peak {peak:.0f} MB vs import-only {base:.0f} MB"
