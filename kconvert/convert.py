@@ -274,7 +274,8 @@ def _finish(ckpt: Checkpoint, dst: Path, plan: Plan, records: dict[str, dict], c
                                           global_scale=st["global_scale"]))
         entry.members.append(m.out_module)
         rel = st["err_sq"] / st["ref_sq"] if st["ref_sq"] else 0.0
-        by_layer.setdefault(str(m.tn.layer), []).append(rel)
+        if "quantize" in m.stages:  # re-laid-out modules (densify) were not re-encoded
+            by_layer.setdefault(str(m.tn.layer), []).append(rel)
     for layer, rels in sorted(by_layer.items()):
         layers[layer] = LayerEntry(quantized_modules=len(rels), rel_mse_mean=sum(rels) / len(rels),
                                    rel_mse_max=max(rels))
