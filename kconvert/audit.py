@@ -2,13 +2,15 @@
 
 Checks come in groups; every failure names the layer, the tensor (or file) and what differs.
 
-* structure (CKPT alone): index == shards; every shard header valid; config consistent with the
-  tensors (kconvert.structure, the checks every conversion runs on its source).
+* structure (CKPT alone): index == shards; every shard header valid; no file left by an
+  unfinished kconvert write; config consistent with the tensors (kconvert.structure, the checks
+  every conversion runs on its source).
 * quant-config: every `quantization_config` agrees with the tensors (kconvert.structure).
 * scales: fused sets (gate/up, q_a/kv_a) share one NVFP4 global (and input) scale; no NaN/Inf
   anywhere in floating tensors; no negative or NaN scales, FP8 scales in range; router bias F32.
 * manifest (DST/kconvert-manifest.json, if present): every tensor's xxh3-128 hash, the tensor
-  and file lists, non-weight file hashes, recorded fused-set scales and per-layer counts, and the
+  and file lists (an unlisted *.safetensors fails, any other unlisted file warns), non-weight
+  file hashes, recorded fused-set scales and per-layer counts, and the
   recorded parameters (p48, keep count) hold in the data.
 * source (--source): router rows and e_score_correction_bias entries equal the source rows the
   plan chose (or, without a plan, the mapping is inferred by matching router rows, and the report
@@ -86,6 +88,8 @@ SCALE_POSITIVE = {"weight_global_scale", "input_global_scale", "weight_scale_2",
 QUANT_PARAMS = {"weight_packed", "weight_scale", "weight_shape", "weight_global_scale",
                 "weight_scale_2", "weight_scale_inv", "weight_zero_point", "input_scale",
                 "input_global_scale", "weight_sparse_packed", "weight_sparse_mask"}
+# Names kconvert writes under before a rename: one left behind is a write that never finished.
+TEMP_SUFFIXES = (".kconvert-tmp", ".tmp", ".partial")
 P48_NAMES = ("p48", "paired-4:8", "paired48")
 GROUPS = ("structure", "quant-config", "scales", "manifest", "source", "p48")
 
@@ -519,6 +523,7 @@ class Auditor:
             for layer, columns in layers.rows.items():
                 vars(r.row(layer)).update(columns)
             check_quant_config(r, self.tree.config, modules, self.tree.root)
+            self._check_stray_files()
             if self.manifest is not None:
                 self._check_manifest_static()
             if self.src is not None:
@@ -597,6 +602,31 @@ class Auditor:
             return {}
         return getattr(self.manifest, "generated_files", None) or {}
 
+    def _check_stray_files(self) -> None:
+        """Files nothing accounts for: a kconvert temporary (a write that never finished)
+        fails; with a manifest, an unlisted *.safetensors fails (a loader may read its
+        tensors) and any other unlisted file warns."""
+        r, man, tree = self.report, self.manifest, self.tree
+        carried = man.non_weight_files if man is not None else {}
+        listed = {*carried, *self._generated(), *(man.files if man is not None else ())}
+        indexed = {*tree.shards, *((tree.index or {}).get("weight_map") or {}).values()}
+        unindexed = [p.name for p in sorted(tree.root.glob("*.safetensors"))
+                     if p.name not in indexed]
+        for rel in unindexed + tree.other_files():
+            if rel in carried:
+                continue
+            if rel.endswith(TEMP_SUFFIXES):
+                r.add("structure", "incomplete", "a kconvert temporary file: a write into this "
+                      "directory did not finish", file=rel)
+            elif man is None or rel in listed:
+                continue
+            elif rel.endswith(".safetensors"):
+                r.add("manifest", "files", "a .safetensors file no manifest entry accounts for "
+                      "(a loader may read its tensors)", file=rel)
+            else:
+                r.warn("manifest", "non-weight", "file not in the manifest (added after "
+                       "conversion?)", file=rel)
+
     def _check_manifest_static(self) -> None:
         r, M, man = self.report, "manifest", self.manifest
         have, listed = set(self.tree.tensors), set(man.tensors)
@@ -637,10 +667,6 @@ class Auditor:
                 got = hash_file(p)
                 r.check(M, got == digest, "non-weight", f"content changed: xxh3 {got}, manifest "
                         f"says {digest}", file=rel)
-        for rel in self.tree.other_files():
-            if rel not in man.non_weight_files and rel not in self._generated():
-                r.warn(M, "non-weight", "file not in the manifest (added after conversion?)",
-                       file=rel)
         for rel, digest in sorted(self._generated().items()):
             p = self.tree.root / rel
             got = hash_file(p) if p.is_file() else "missing"

@@ -470,6 +470,33 @@ def test_stale_index_entry(outputs, tmp_path):
                  text="does not hold it")
 
 
+def test_files_nothing_accounts_for(outputs, tmp_path):
+    """With a manifest: an unknown file warns, an unknown *.safetensors fails (indexed or not,
+    at the top or below); kconvert's temporary names fail with or without a manifest."""
+    out = copy(outputs["int4-to-nvfp4-ct"][0], tmp_path / "ct")
+    (out / "notes.txt").write_text("mine")
+    code, rep = audit_json(out)
+    assert code == 0, rep["failures"]
+    assert any(w["check"] == "non-weight" and w["file"] == "notes.txt" for w in rep["warnings"])
+    extra = {"extra.safetensors", "sub/more.safetensors"}
+    for rel in extra:
+        (out / rel).parent.mkdir(exist_ok=True)
+        save_file({"w": torch.zeros(2)}, str(out / rel))
+    temps = {"tokenizer_config.json.kconvert-tmp", "kconvert-manifest.json.tmp"}
+    for rel in temps:
+        (out / rel).write_text("{}")
+    code, rep = audit_json(out)
+    assert code == 1
+    assert {f["file"] for f in failures(rep, "manifest", "files")} == extra
+    assert {f["file"] for f in failures(rep, "structure", "incomplete")} == temps
+    assert len(rep["failures"]) == len(extra) + len(temps), rep["failures"]
+    # Without a manifest nothing says what belongs; the temporaries still fail.
+    (out / "kconvert-manifest.json").unlink()
+    code, rep = audit_json(out)
+    assert code == 1
+    assert {f["file"] for f in rep["failures"]} == temps, rep["failures"]
+
+
 def test_tensor_missing_from_a_shard(outputs, tmp_path):
     out = copy(outputs["int4-to-nvfp4-ct"][0], tmp_path / "ct")
     name = "model.layers.2.mlp.experts.4.up_proj.weight_scale"
