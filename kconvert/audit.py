@@ -2,17 +2,15 @@
 
 Checks come in groups; every failure names the layer, the tensor (or file) and what differs.
 
-* structure (CKPT alone): index == shards; every shard header valid; config consistent with the
-  tensors (per MoE layer router rows == bias length == expert count == n_routed_experts, ids
-  exactly 0..N-1, every expert complete and alike, logical shapes as configured; top level and
-  text_config agree).
-* quant-config: every `quantization_config` (top level, text_config) and hf_quant_config.json
-  agrees with the tensors: each quantized linear is in the format the config gives it, with scale
-  tensors of the right dtypes and shapes; excluded / ignored linears carry no scales.
+* structure (CKPT alone): index == shards; every shard header valid; no file left by an
+  unfinished kconvert write; config consistent with the tensors (kconvert.structure, the checks
+  every conversion runs on its source).
+* quant-config: every `quantization_config` agrees with the tensors (kconvert.structure).
 * scales: fused sets (gate/up, q_a/kv_a) share one NVFP4 global (and input) scale; no NaN/Inf
   anywhere in floating tensors; no negative or NaN scales, FP8 scales in range; router bias F32.
 * manifest (DST/kconvert-manifest.json, if present): every tensor's xxh3-128 hash, the tensor
-  and file lists, non-weight file hashes, recorded fused-set scales and per-layer counts, and the
+  and file lists (an unlisted *.safetensors fails, any other unlisted file warns), non-weight
+  file hashes, recorded fused-set scales and per-layer counts, and the
   recorded parameters (p48, keep count) hold in the data.
 * source (--source): router rows and e_score_correction_bias entries equal the source rows the
   plan chose (or, without a plan, the mapping is inferred by matching router rows, and the report
@@ -46,13 +44,12 @@ from pathlib import Path
 import torch
 import xxhash
 
+from kconvert.checks import FLOAT_DTYPES, NVFP4, Checks, Finding, is_linear, short, text_config
 from kconvert.codecs import (
     Codec,
     DenseCodec,
     Fp8BlockCodec,
-    Int4Codec,
     ModeloptNvfp4Codec,
-    Nvfp4Codec,
     Nvfp4PairBitmaskCodec,
     detect_codec,
 )
@@ -62,10 +59,11 @@ from kconvert.layout import Role, TensorName, parse_name
 from kconvert.manifest import MANIFEST, Manifest, hash_file, read_manifest
 from kconvert.p48 import check_packed
 from kconvert.plan import Plan, load_plan, parse_plan
+from kconvert.quant_checks import check_quant_config, quant_blocks
 from kconvert.safetensors_io import ShardReader, TensorInfo, read_ahead
 from kconvert.source import GENERATED_FILES, INDEX, SINGLE, SKIPPED_DIRS, open_checkpoint
-from kconvert.sparsify import SPARSE_FLAG
 from kconvert.stages import PLAN_FILE
+from kconvert.structure import check_config, check_layers
 
 CHUNK = 8 << 20  # default bytes per streamed piece of a plain tensor
 PREFETCH = 3  # pieces read ahead
@@ -84,48 +82,18 @@ DENSE_REL_TOL = 2.0**-8
 # Config keys that pruning / quantization legitimately change.
 CHANGEABLE_CONFIG_KEYS = {"quantization_config", "n_routed_experts", "n_group", "topk_group",
                           "torch_dtype", "dtype", "transformers_version"}
-# Keys that must agree between a K2.5/K2.6 config's top level and its text_config.
-SEMANTIC_KEYS = {"quantization_config", "hidden_size", "num_hidden_layers", "n_routed_experts",
-                 "num_experts_per_tok", "vocab_size", "tie_word_embeddings",
-                 "moe_intermediate_size", "intermediate_size", "first_k_dense_replace",
-                 "n_group", "topk_group", "n_shared_experts", "num_attention_heads"}
 SCALE_POSITIVE = {"weight_global_scale", "input_global_scale", "weight_scale_2", "input_scale",
                   "weight_scale_inv"}
 QUANT_PARAMS = {"weight_packed", "weight_scale", "weight_shape", "weight_global_scale",
                 "weight_scale_2", "weight_scale_inv", "weight_zero_point", "input_scale",
                 "input_global_scale", "weight_sparse_packed", "weight_sparse_mask"}
-NVFP4 = (Nvfp4Codec, Nvfp4PairBitmaskCodec, ModeloptNvfp4Codec)
-FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+# Names kconvert writes under before a rename: one left behind is a write that never finished.
+TEMP_SUFFIXES = (".kconvert-tmp", ".tmp", ".partial")
 P48_NAMES = ("p48", "paired-4:8", "paired48")
 GROUPS = ("structure", "quant-config", "scales", "manifest", "source", "p48")
 
 
 # ============================================================================ report
-
-
-@dataclass
-class Finding:
-    group: str
-    check: str
-    message: str
-    layer: int | None = None
-    tensor: str | None = None
-    file: str | None = None
-    severity: str = "fail"
-
-    def where(self) -> str:
-        parts = []
-        if self.layer is not None:
-            parts.append(f"layer {self.layer}")
-        if self.tensor:
-            parts.append(self.tensor)
-        if self.file and not self.tensor:
-            parts.append(self.file)
-        return ", ".join(parts) or "checkpoint"
-
-    def line(self) -> str:
-        tag = "FAIL" if self.severity == "fail" else "warn"
-        return f"{tag} [{self.group}/{self.check}] {self.where()}: {self.message}"
 
 
 @dataclass
@@ -139,12 +107,10 @@ class LayerRow:
     compared: int = 0
 
 
-class Report:
+class Report(Checks):
     def __init__(self, ckpt: str, source: str | None, plan: str | None):
+        super().__init__()
         self.ckpt, self.source, self.plan = ckpt, source, plan
-        self.findings: list[Finding] = []
-        self.counts: Counter = Counter()  # group -> checks run
-        self.failed: Counter = Counter()  # group -> checks failed
         self.per_check: Counter = Counter()  # (group, check, severity) -> findings
         self.notes: list[str] = []
         self.layers: dict[int, LayerRow] = {}
@@ -158,28 +124,11 @@ class Report:
     def row(self, layer: int) -> LayerRow:
         return self.layers.setdefault(layer, LayerRow())
 
-    def ran(self, group: str, n: int = 1) -> None:
-        self.counts[group] += n
-
-    def add(self, group: str, check: str, message: str, *, layer: int | None = None,
-            tensor: str | None = None, file: str | None = None, severity: str = "fail") -> None:
-        if layer is None and tensor is not None:
-            layer = parse_name(tensor).layer
-        if severity == "fail":
-            self.failed[group] += 1
-        key = (group, check, severity)
+    def keep(self, finding: Finding) -> None:
+        key = (finding.group, finding.check, finding.severity)
         self.per_check[key] += 1
         if self.per_check[key] <= MAX_STORED_PER_CHECK:
-            self.findings.append(Finding(group, check, message, layer, tensor, file, severity))
-
-    def check(self, group: str, ok: bool, check: str, message: str, **where) -> bool:
-        self.ran(group)
-        if not ok:
-            self.add(group, check, message, **where)
-        return ok
-
-    def warn(self, group: str, check: str, message: str, **where) -> None:
-        self.add(group, check, message, severity="warn", **where)
+            self.findings.append(finding)
 
     # -------------------------------------------------------------- output
 
@@ -265,8 +214,7 @@ class Tree:
 
     @property
     def text_config(self) -> dict:
-        tc = self.config.get("text_config")
-        return tc if isinstance(tc, dict) else self.config
+        return text_config(self.config)
 
     def read(self, info: TensorInfo) -> torch.Tensor:
         return self.readers[info.file].read(info)
@@ -406,10 +354,7 @@ class Module:
 
     @property
     def linear(self) -> bool:
-        """Would the model hold an nn.Linear here (what a config's 'Linear' target means)?"""
-        if self.tn.role in (Role.EMBEDDING, Role.ROUTER_WEIGHT, Role.ROUTER_BIAS, Role.NORM):
-            return False
-        return self.codec.quantized or len(self.shape) == 2
+        return is_linear(self)
 
     @property
     def first_start(self) -> tuple[str, int]:
@@ -450,34 +395,6 @@ def build_modules(tree: Tree, report: Report | None) -> dict[str, Module]:
     return modules
 
 
-def _param_specs(m: Module, group: int) -> dict[str, tuple[set[str], tuple | None]]:
-    """Allowed dtypes and exact shape of each parameter of m's format (None: not checked)."""
-    out, inp = m.shape if len(m.shape) == 2 else (None, None)
-    if m.codec is Int4Codec:
-        return {"weight_packed": ({"I32"}, (out, inp // 8)),
-                "weight_scale": ({"BF16", "F16", "F32"}, (out, inp // group)),
-                "weight_shape": ({"I32", "I64"}, (2,))}
-    if m.codec is Nvfp4Codec:
-        return {"weight_packed": ({"U8"}, (out, inp // 2)),
-                "weight_scale": ({"F8_E4M3"}, (out, inp // group)),
-                "weight_global_scale": ({"F32"}, (1,)),
-                "input_global_scale": ({"F32"}, (1,))}
-    if m.codec is Nvfp4PairBitmaskCodec:
-        return {"weight_sparse_packed": ({"U8"}, (out, inp // 4)),
-                "weight_sparse_mask": ({"U8"}, (out, inp // 16)),
-                "weight_scale": ({"F8_E4M3"}, (out, inp // group)),
-                "weight_global_scale": ({"F32"}, (1,)),
-                "input_global_scale": ({"F32"}, (1,))}
-    if m.codec is ModeloptNvfp4Codec:
-        return {"weight": ({"U8"}, (out, inp // 2)),
-                "weight_scale": ({"F8_E4M3"}, (out, inp // group)),
-                "weight_scale_2": ({"F32"}, None), "input_scale": ({"F32"}, None)}
-    if m.codec is Fp8BlockCodec:
-        return {"weight": ({"F8_E4M3"}, (out, inp)),
-                "weight_scale_inv": ({"F32"}, (-(-out // 128), -(-inp // 128)))}
-    return {"weight": (FLOAT_DTYPES, None)}
-
-
 # ============================================================================ p48
 
 
@@ -507,57 +424,6 @@ def _p48_spec(options: object) -> dict | None:
 # ============================================================================ config helpers
 
 
-def _wildcard(pattern: str) -> re.Pattern:
-    return re.compile(".*".join(re.escape(p) for p in pattern.split("*")))
-
-
-def _ct_match(name: str, target: str, linear: bool) -> bool:
-    """compressed-tensors' matching: 're:' regex (re.match), exact name, or class 'Linear'."""
-    if target.startswith("re:"):
-        return re.match(target[3:], name) is not None
-    return target == name or (target == "Linear" and linear)
-
-
-CT_FORMATS = {"pack-quantized": Int4Codec, "nvfp4-pack-quantized": Nvfp4Codec}
-# ModelOpt quant_algo values whose weights are NVFP4: plain NVFP4 is W4A4 (static input_scale
-# expected); the weight-only export is spelled W4A16_NVFP4 (vLLM #41769; older ModelOpt code
-# NVFP4_W4A16).
-MODELOPT_NVFP4 = {"NVFP4": "w4a4", "W4A16_NVFP4": "w4a16", "NVFP4_W4A16": "w4a16"}
-
-
-def expected_format(block: dict, m: Module) -> tuple[str, type[Codec] | None, dict]:
-    """(kind, codec the block gives m or None for unquantized/unknown, the scheme dict)."""
-    method = block.get("quant_method")
-    if method == "compressed-tensors":
-        ignore = block.get("ignore") or []
-        for group in (block.get("config_groups") or {}).values():
-            targets = group.get("targets") or []
-            if any(_ct_match(m.name, t, m.linear) for t in targets):
-                if any(_ct_match(m.name, t, m.linear) for t in ignore):
-                    return "ct", DenseCodec, {}
-                fmt = group.get("format") or block.get("format")
-                codec = CT_FORMATS.get(fmt)
-                sparse = (block.get(SPARSE_FLAG) or {}).get("layout")
-                if codec is Nvfp4Codec and sparse == "pair-bitmask":
-                    codec = Nvfp4PairBitmaskCodec
-                return ("ct", codec, group) if codec else (f"ct:{fmt}", None, group)
-        return "ct", DenseCodec, {}
-    if method == "modelopt":
-        algo = block.get("quant_algo")
-        excluded = any(_wildcard(p).fullmatch(m.name) or m.name.startswith(p + ".")
-                       for p in block.get("exclude_modules") or [])
-        if excluded or not m.linear:
-            return "modelopt", DenseCodec, {}
-        if algo in MODELOPT_NVFP4:
-            return "modelopt", ModeloptNvfp4Codec, block
-        return f"modelopt:{algo}", None, block
-    if method == "fp8":
-        if m.codec in (Fp8BlockCodec, DenseCodec):
-            return "fp8", m.codec, block
-        return "fp8", Fp8BlockCodec, block
-    return f"unknown:{method}", None, block
-
-
 def _flatten(d: object, prefix: str = "") -> dict[str, object]:
     if not isinstance(d, dict):
         return {prefix: d}
@@ -569,18 +435,6 @@ def _flatten(d: object, prefix: str = "") -> dict[str, object]:
         else:
             out[key] = v
     return out
-
-
-def _ranges(ids: list[int]) -> str:
-    """[0,1,2,5,7,8] -> '0..2,5,7..8'."""
-    out, start = [], None
-    for i, v in enumerate(ids):
-        if start is None:
-            start = v
-        if i + 1 == len(ids) or ids[i + 1] != v + 1:
-            out.append(str(start) if start == v else f"{start}..{v}")
-            start = None
-    return ",".join(out) or "none"
 
 
 def _hexfloat(t: torch.Tensor) -> str:
@@ -639,7 +493,6 @@ class Auditor:
         self.p48: dict | None = None
         self.p48_roles: set[str] = {Role.ROUTED_EXPERT.value}
         self.scale_bad: Counter = Counter()  # layer -> scale failures
-        self.modelopt_no_input: dict[str, list[str]] = defaultdict(list)
 
     # -------------------------------------------------------------- driver
 
@@ -662,9 +515,14 @@ class Auditor:
             for m in self.modules.values():
                 for info in m.params.values():
                     self.module_of[info.name] = m
-            self._check_config()
-            self._check_layers()
-            self._check_quant_configs()
+            modules = list(self.modules.values())
+            check_config(r, self.tree.config)
+            layers = check_layers(r, self.tree.config, self.tree.tensors, modules)
+            self.moe_layers = layers.moe
+            for layer, columns in layers.rows.items():
+                vars(r.row(layer)).update(columns)
+            check_quant_config(r, self.tree.config, modules, self.tree.root)
+            self._check_stray_files()
             if self.manifest is not None:
                 self._check_manifest_static()
             if self.src is not None:
@@ -689,298 +547,6 @@ class Auditor:
             if self.src is not None:
                 self.src.close()
         return r
-
-    # -------------------------------------------------------------- config & layers
-
-    def _check_config(self) -> None:
-        r, S = self.report, "structure"
-        cfg = self.tree.config
-        tc = self.tree.text_config
-        if "text_config" in cfg and not isinstance(cfg["text_config"], dict):
-            r.add(S, "config", "text_config is not an object", file="config.json")
-        if tc is not cfg:
-            for key in sorted(set(cfg) & set(tc)):
-                if key in ("model_type", "architectures", "auto_map", "quantization_config"):
-                    continue  # quantization_config: compared under quant-config
-                same = cfg[key] == tc[key]
-                if key in SEMANTIC_KEYS:
-                    r.check(S, same, "config", f"top level {key} = {_short(cfg[key])} but "
-                            f"text_config.{key} = {_short(tc[key])}", file="config.json")
-                elif not same:
-                    r.warn(S, "config", f"top level {key} = {_short(cfg[key])} differs from "
-                           f"text_config.{key} = {_short(tc[key])}", file="config.json")
-        n = tc.get("n_routed_experts")
-        k = tc.get("num_experts_per_tok")
-        if isinstance(n, int) and isinstance(k, int):
-            r.check(S, 1 <= k <= n, "config", f"num_experts_per_tok {k} is not in 1..n_routed_"
-                    f"experts {n}", file="config.json")
-        ng, tg = tc.get("n_group"), tc.get("topk_group")
-        if isinstance(n, int) and isinstance(ng, int) and ng > 0:
-            r.check(S, n % ng == 0, "config", f"n_routed_experts {n} is not divisible by "
-                    f"n_group {ng} (group-limited routing needs equal groups)", file="config.json")
-            if isinstance(tg, int):
-                r.check(S, 1 <= tg <= ng, "config", f"topk_group {tg} is not in 1..n_group {ng}",
-                        file="config.json")
-
-    def _check_layers(self) -> None:
-        r, S = self.report, "structure"
-        tc = self.tree.text_config
-        n_cfg = tc.get("n_routed_experts")
-        n_layers = tc.get("num_hidden_layers")
-        first_k = tc.get("first_k_dense_replace", 0) or 0
-        freq = tc.get("moe_layer_freq", 1) or 1
-        nextn = tc.get("num_nextn_predict_layers", 0) or 0
-        hidden = tc.get("hidden_size")
-        moe_inter = tc.get("moe_intermediate_size")
-        n_shared = tc.get("n_shared_experts", 1) or 1
-
-        by_layer: dict[int, list[TensorName]] = defaultdict(list)
-        for name in self.tree.tensors:
-            tn = parse_name(name)
-            if tn.layer is not None:
-                by_layer[tn.layer].append(tn)
-        if not isinstance(n_layers, int):
-            r.add(S, "config", "config has no integer num_hidden_layers", file="config.json")
-            n_layers = max(by_layer, default=-1) + 1
-        total = n_layers + nextn
-        for layer in sorted(by_layer):
-            r.check(S, layer < total, "layers", f"tensors of layer {layer} but num_hidden_layers "
-                    f"is {n_layers} (+{nextn} MTP)", layer=layer, tensor=by_layer[layer][0].name)
-        for layer in range(n_layers):
-            r.check(S, layer in by_layer, "layers", "layer has no tensors at all", layer=layer)
-        for layer in range(n_layers, total):
-            if layer not in by_layer:
-                r.warn(S, "layers", "MTP (nextn) layer declared in config but absent",
-                       layer=layer)
-
-        moe = [L for L in sorted(by_layer)
-               if isinstance(n_cfg, int) and first_k <= L < total and L % freq == 0]
-        self.moe_layers = moe
-        for layer, tns in sorted(by_layer.items()):
-            roles = {tn.role for tn in tns}
-            if layer not in moe:
-                r.check(S, Role.ROUTED_EXPERT not in roles and Role.ROUTER_WEIGHT not in roles,
-                        "layers", "dense layer (first_k_dense_replace / moe_layer_freq) holds "
-                        "routed experts or a router", layer=layer)
-                if layer < n_layers:
-                    have = {tn.proj for tn in tns if tn.role is Role.DENSE_MLP}
-                    r.check(S, have == {"gate_proj", "up_proj", "down_proj"}, "layers",
-                            f"dense MLP has projections {sorted(p for p in have if p)}, needs "
-                            "gate_proj, up_proj, down_proj", layer=layer)
-                    self.report.row(layer).experts = "dense"
-                continue
-            self._check_moe_layer(layer, tns, n_cfg, hidden, moe_inter)
-        # Shapes of every linear we know the configured size of.
-        inter = tc.get("intermediate_size")
-        for m in self.modules.values():
-            want = None
-            if m.tn.role is Role.ROUTED_EXPERT:
-                want = (moe_inter, hidden)
-            elif m.tn.role is Role.SHARED_EXPERT and isinstance(moe_inter, int):
-                want = (moe_inter * n_shared, hidden)
-            elif m.tn.role is Role.DENSE_MLP:
-                want = (inter, hidden)
-            if want is None or None in want:
-                continue
-            if m.tn.proj == "down_proj":
-                want = (want[1], want[0])
-            r.check(S, m.shape == want, "shape", f"logical shape {list(m.shape)}, config says "
-                    f"{list(want)}", tensor=m.primary.name)
-
-    def _check_moe_layer(self, layer: int, tns: list[TensorName], n_cfg: int, hidden,
-                         moe_inter) -> None:
-        r, S = self.report, "structure"
-        row = r.row(layer)
-        router = next((tn for tn in tns if tn.role is Role.ROUTER_WEIGHT), None)
-        bias = next((tn for tn in tns if tn.role is Role.ROUTER_BIAS), None)
-        experts: dict[int, dict[str, dict[str, TensorInfo]]] = defaultdict(lambda: defaultdict(
-            dict))
-        for tn in tns:
-            if tn.role is Role.ROUTED_EXPERT:
-                experts[tn.expert][tn.proj][tn.param] = self.tree.tensors[tn.name]
-        ids = sorted(experts)
-        row.experts = str(len(ids))
-        counts = {"n_routed_experts": n_cfg, "expert ids": len(ids)}
-        if r.check(S, router is not None, "router", "MoE layer has no mlp.gate.weight",
-                   layer=layer):
-            info = self.tree.tensors[router.name]
-            counts["router rows"] = info.shape[0] if info.shape else None
-            r.check(S, len(info.shape) == 2 and (hidden is None or info.shape[1] == hidden),
-                    "router", f"router shape {list(info.shape)}, expected [N, {hidden}]",
-                    tensor=router.name)
-            r.check(S, info.dtype in FLOAT_DTYPES, "router", f"router dtype {info.dtype} is not "
-                    "floating point", tensor=router.name)
-        needs_bias = self.tree.text_config.get("topk_method") == "noaux_tc"
-        if bias is not None:
-            info = self.tree.tensors[bias.name]
-            counts["e_score_correction_bias entries"] = info.shape[0] if info.shape else None
-            r.check(S, info.dtype == "F32", "bias", f"e_score_correction_bias is {info.dtype}; "
-                    "it must stay F32", tensor=bias.name)
-            r.check(S, len(info.shape) == 1, "bias", f"bias shape {list(info.shape)} is not "
-                    "[N]", tensor=bias.name)
-        elif needs_bias:
-            r.add(S, "bias", "topk_method noaux_tc but no mlp.gate.e_score_correction_bias",
-                  layer=layer)
-        values = {k: v for k, v in counts.items() if v is not None}
-        if not r.check(S, len(set(values.values())) == 1, "counts",
-                       "disagree: " + ", ".join(f"{k} = {v}" for k, v in values.items()),
-                       layer=layer, tensor=router.name if router else None):
-            row.experts = " vs ".join(str(v) for v in dict.fromkeys(values.values()))
-        n = n_cfg if isinstance(n_cfg, int) else len(ids)
-        missing = sorted(set(range(n)) - set(ids))
-        extra = sorted(set(ids) - set(range(n)))
-        if r.check(S, not missing and not extra, "expert-ids",
-                   f"expert ids must be exactly 0..{n - 1}: "
-                   + "; ".join(s for s in (f"missing {_ranges(missing)}" if missing else "",
-                                           f"unexpected {_ranges(extra)}" if extra else "") if s),
-                   layer=layer):
-            row.ids = f"0..{n - 1}" if n else "none"
-        else:
-            row.ids = f"gap: {_ranges(missing)}" if missing else f"extra: {_ranges(extra)}"
-        if not ids:
-            return
-        # Every expert complete and alike: the layer's most common parameter set and layout.
-        ref_params = {proj: Counter(frozenset(p) for p in (experts[e].get(proj, {})
-                                                           for e in ids)).most_common(1)[0][0]
-                      for proj in ("gate_proj", "up_proj", "down_proj")}
-        layouts: dict[tuple[str, str], Counter] = defaultdict(Counter)
-        for e in ids:
-            for proj, params in experts[e].items():
-                for p, info in params.items():
-                    layouts[(proj, p)][(info.dtype, info.shape)] += 1
-        for e in ids:
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                have = set(experts[e].get(proj, {}))
-                want = set(ref_params[proj])
-                base = next(iter(experts[e].values()))
-                anyinfo = next(iter(base.values()))
-                tname = anyinfo.name.split(".mlp.experts.")[0] + f".mlp.experts.{e}.{proj}"
-                if not have:
-                    r.add(S, "experts", f"expert {e} has no {proj}", layer=layer, tensor=tname)
-                    continue
-                r.check(S, have == want, "experts", f"expert {e} {proj} has parameters "
-                        f"{sorted(have)}, the layer's experts have {sorted(want)}"
-                        + (f" (missing {sorted(want - have)})" if want - have else ""),
-                        layer=layer, tensor=tname)
-                for p, info in experts[e][proj].items():
-                    common = layouts[(proj, p)].most_common(1)[0][0]
-                    r.check(S, (info.dtype, info.shape) == common, "experts",
-                            f"{info.dtype}{list(info.shape)} but the layer's other experts have "
-                            f"{common[0]}{list(common[1])}", layer=layer, tensor=info.name)
-
-    # -------------------------------------------------------------- quantization_config
-
-    def _blocks(self) -> list[tuple[str, dict]]:
-        cfg = self.tree.config
-        out = []
-        if isinstance(cfg.get("quantization_config"), dict):
-            out.append(("quantization_config", cfg["quantization_config"]))
-        tc = cfg.get("text_config")
-        if isinstance(tc, dict) and isinstance(tc.get("quantization_config"), dict):
-            out.append(("text_config.quantization_config", tc["quantization_config"]))
-        return out
-
-    def _check_quant_configs(self) -> None:
-        r, Q = self.report, "quant-config"
-        blocks = self._blocks()
-        linears = [m for m in self.modules.values() if m.linear]
-        if not blocks:
-            for m in linears:
-                r.check(Q, not m.codec.quantized, "format", f"tensors are {m.codec.name} but "
-                        "config.json has no quantization_config", tensor=m.primary.name)
-        for where, block in blocks:
-            unknown = set()
-            for m in linears:
-                kind, codec, scheme = expected_format(block, m)
-                if codec is None:
-                    unknown.add(kind)
-                    continue
-                if not r.check(Q, m.codec is codec, "format",
-                               f"{where} gives this module {_fmt_name(codec)} but its tensors "
-                               f"are {_fmt_name(m.codec)}", tensor=m.primary.name):
-                    continue
-                if m.codec.quantized:
-                    self._check_scheme(where, kind, m, scheme)
-            for kind in sorted(unknown):
-                r.warn(Q, "format", f"{where}: format {kind} is not one audit knows; modules "
-                       "it covers were not checked against it", file="config.json")
-        for m in self.modules.values():
-            if not m.linear or not m.codec.quantized:
-                continue
-            group = 16 if m.codec in NVFP4 else 32
-            if blocks:
-                group = self._group_size(blocks[0][1], m) or group
-            for p, (dtypes, shape) in _param_specs(m, group).items():
-                info = m.params.get(p)
-                if info is None:
-                    continue
-                ok = info.dtype in dtypes and (shape is None or tuple(info.shape) == shape)
-                if shape is None and p in ("weight_scale_2", "input_scale"):
-                    ok = ok and tuple(info.shape) in ((), (1,))
-                r.check(Q, ok, "scale-layout", f"{p} is {info.dtype}{list(info.shape)}, "
-                        f"{m.codec.name} needs {'/'.join(sorted(dtypes))}"
-                        f"{list(shape) if shape else '[] or [1]'}", tensor=info.name)
-        for where, names in self.modelopt_no_input.items():
-            r.warn(Q, "scheme", f"{where} says quant_algo NVFP4, which is W4A4 (a static "
-                   f"input_scale per module), but {len(names)} NVFP4 module(s) have no "
-                   f"input_scale, first {names[0]}: a loader may use an uninitialised "
-                   "activation scale (vLLM #49715); weight-only ModelOpt checkpoints say "
-                   "quant_algo W4A16_NVFP4 (vLLM #41769)", file="config.json")
-        if len(blocks) == 2:
-            r.check(Q, blocks[0][1] == blocks[1][1], "format", "top-level quantization_config "
-                    "and text_config.quantization_config differ (a stale block?)",
-                    file="config.json")
-        hf = self.tree.root / "hf_quant_config.json"
-        if hf.is_file():
-            try:
-                quant = json.loads(hf.read_text()).get("quantization", {})
-            except (json.JSONDecodeError, AttributeError) as exc:
-                r.add(Q, "hf_quant_config", f"unreadable: {exc}", file=hf.name)
-                return
-            mo = [b for _, b in blocks if b.get("quant_method") == "modelopt"]
-            if not r.check(Q, bool(mo), "hf_quant_config", "hf_quant_config.json present but "
-                           "config.json's quantization_config is not ModelOpt (stale file)",
-                           file=hf.name):
-                return
-            for key in ("quant_algo", "group_size", "exclude_modules", "kv_cache_quant_algo"):
-                r.check(Q, quant.get(key) == mo[0].get(key), "hf_quant_config",
-                        f"{key} = {_short(quant.get(key))} but config.json has "
-                        f"{_short(mo[0].get(key))}", file=hf.name)
-
-    def _group_size(self, block: dict, m: Module) -> int | None:
-        if block.get("quant_method") == "modelopt":
-            return block.get("group_size")
-        _, _, scheme = expected_format(block, m)
-        weights = scheme.get("weights") if isinstance(scheme, dict) else None
-        return (weights or {}).get("group_size")
-
-    def _check_scheme(self, where: str, kind: str, m: Module, scheme: dict) -> None:
-        r, Q = self.report, "quant-config"
-        if kind == "fp8":
-            blocks = scheme.get("weight_block_size", [128, 128])
-            r.check(Q, list(blocks) == [128, 128], "scheme", f"{where} weight_block_size "
-                    f"{blocks}; the FP8-block decode audit knows is 128x128",
-                    tensor=m.primary.name)
-            return
-        if m.codec is ModeloptNvfp4Codec:
-            r.check(Q, scheme.get("group_size", 16) == 16, "scheme", f"{where} group_size "
-                    f"{scheme.get('group_size')}, ModelOpt NVFP4 uses 16", tensor=m.primary.name)
-            kind = MODELOPT_NVFP4.get(scheme.get("quant_algo"))
-            if kind == "w4a4" and "input_scale" not in m.params:
-                self.modelopt_no_input[where].append(m.name)
-            return
-        weights = scheme.get("weights") or {}
-        want = {"num_bits": 4, "type": "int" if m.codec is Int4Codec else "float"}
-        for k, v in want.items():
-            r.check(Q, weights.get(k) == v, "scheme", f"{where} says weights.{k} = "
-                    f"{weights.get(k)!r}, the tensors are {v!r}", tensor=m.primary.name)
-        if m.codec is Nvfp4Codec:
-            acts = scheme.get("input_activations")
-            has = "input_global_scale" in m.params
-            r.check(Q, bool(acts) == has, "scheme",
-                    f"{where} {'quantizes' if acts else 'does not quantize'} input activations "
-                    f"but the module {'has' if has else 'has no'} input_global_scale",
-                    tensor=m.primary.name)
 
     # -------------------------------------------------------------- manifest
 
@@ -1035,6 +601,31 @@ class Auditor:
             return {}
         return getattr(self.manifest, "generated_files", None) or {}
 
+    def _check_stray_files(self) -> None:
+        """Files nothing accounts for: a kconvert temporary (a write that never finished)
+        fails; with a manifest, an unlisted *.safetensors fails (a loader may read its
+        tensors) and any other unlisted file warns."""
+        r, man, tree = self.report, self.manifest, self.tree
+        carried = man.non_weight_files if man is not None else {}
+        listed = {*carried, *self._generated(), *(man.files if man is not None else ())}
+        indexed = {*tree.shards, *((tree.index or {}).get("weight_map") or {}).values()}
+        unindexed = [p.name for p in sorted(tree.root.glob("*.safetensors"))
+                     if p.name not in indexed]
+        for rel in unindexed + tree.other_files():
+            if rel in carried:
+                continue
+            if rel.endswith(TEMP_SUFFIXES):
+                r.add("structure", "incomplete", "a kconvert temporary file: a write into this "
+                      "directory did not finish", file=rel)
+            elif man is None or rel in listed:
+                continue
+            elif rel.endswith(".safetensors"):
+                r.add("manifest", "files", "a .safetensors file no manifest entry accounts for "
+                      "(a loader may read its tensors)", file=rel)
+            else:
+                r.warn("manifest", "non-weight", "file not in the manifest (added after "
+                       "conversion?)", file=rel)
+
     def _check_manifest_static(self) -> None:
         r, M, man = self.report, "manifest", self.manifest
         have, listed = set(self.tree.tensors), set(man.tensors)
@@ -1075,17 +666,13 @@ class Auditor:
                 got = hash_file(p)
                 r.check(M, got == digest, "non-weight", f"content changed: xxh3 {got}, manifest "
                         f"says {digest}", file=rel)
-        for rel in self.tree.other_files():
-            if rel not in man.non_weight_files and rel not in self._generated():
-                r.warn(M, "non-weight", "file not in the manifest (added after conversion?)",
-                       file=rel)
         for rel, digest in sorted(self._generated().items()):
             p = self.tree.root / rel
             got = hash_file(p) if p.is_file() else "missing"
             r.check(M, got == digest, "generated", f"xxh3 {got}, manifest says {digest} "
                     "(edited after conversion?)", file=rel)
         fmt = man.output_format
-        methods = {b.get("quant_method") for _, b in self._blocks()}
+        methods = {b.get("quant_method") for _, b in quant_blocks(self.tree.config)}
         ok = {"bf16": not methods, "compressed-tensors": methods == {"compressed-tensors"},
               "modelopt": methods == {"modelopt"}}.get(fmt, True)
         r.check(M, ok, "output-format", f"manifest output_format {fmt!r} but config.json's "
@@ -1312,14 +899,14 @@ class Auditor:
             if leaf in CHANGEABLE_CONFIG_KEYS:
                 continue
             if key not in b:
-                r.add(SRC, "config", f"config key {key} (source: {_short(a[key])}) was removed",
+                r.add(SRC, "config", f"config key {key} (source: {short(a[key])}) was removed",
                       file="config.json")
             elif key not in a:
-                r.warn(SRC, "config", f"config key {key} = {_short(b[key])} is not in the "
+                r.warn(SRC, "config", f"config key {key} = {short(b[key])} is not in the "
                        "source", file="config.json")
             else:
-                r.check(SRC, a[key] == b[key], "config", f"config {key} = {_short(b[key])}, "
-                        f"the source has {_short(a[key])}", file="config.json")
+                r.check(SRC, a[key] == b[key], "config", f"config {key} = {short(b[key])}, "
+                        f"the source has {short(a[key])}", file="config.json")
 
     # -------------------------------------------------------------- streaming pass
 
@@ -1665,18 +1252,6 @@ class Auditor:
 
 
 # ============================================================================ helpers
-
-
-def _short(v: object, n: int = 80) -> str:
-    s = json.dumps(v, sort_keys=True) if not isinstance(v, str) else repr(v)
-    return s if len(s) <= n else s[: n - 3] + "..."
-
-
-def _fmt_name(codec: type[Codec]) -> str:
-    return {DenseCodec: "unquantized (no scale tensors)", Int4Codec: "INT4 pack-quantized",
-            Nvfp4Codec: "NVFP4 (compressed-tensors)", ModeloptNvfp4Codec: "NVFP4 (ModelOpt)",
-            Nvfp4PairBitmaskCodec: "NVFP4 p48 pair-bitmask (compressed-tensors)",
-            Fp8BlockCodec: "FP8 block"}.get(codec, codec.name)
 
 
 def _first(mask: torch.Tensor) -> int:

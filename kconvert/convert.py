@@ -44,6 +44,7 @@ from kconvert.quant_config import (
 )
 from kconvert.safetensors_io import plan_header, tensor_nbytes
 from kconvert.source import GENERATED_FILES, INDEX, Checkpoint, open_checkpoint
+from kconvert.structure import validate_source
 
 # What the OS says when a write runs out of room, and when it refuses to write at all.
 NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
@@ -124,6 +125,8 @@ def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, options: dict, run: Ru
     # keep the decode temporaries to ~200 MB (measured in tests/test_robustness.py).
     work_elems = 1 << 28 if device.type == "cuda" else 1 << 24
     plan = build_plan(ckpt, stages, work_elems)
+    for warning in validate_source(ckpt.config, ckpt.tensors, plan.modules, ckpt.root):
+        echo(f"kconvert: warning: {warning}")
     if recipe.requires_source and not any(m.codec.name == recipe.requires_source
                                           for m in plan.modules):
         raise KconvertError(f"{recipe.name} needs a source with {recipe.requires_source} modules "

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from third_party_prune import prune
 
 from conftest import ROOT
-from kconvert.cli import audit
+from kconvert.cli import main
 from kconvert.convert import RunControl, convert
 from kconvert.p48 import check_packed as p48_check
 from kconvert.pipeline import load_recipe
@@ -93,7 +93,7 @@ def copy(src: Path, dst: Path) -> Path:
 
 def audit_json(ckpt: Path, *args: str) -> tuple[int, dict]:
     """Run the click command (as `kconvert audit` will) and parse its --json report."""
-    res = CliRunner().invoke(audit, [str(ckpt), "--json", "--quiet", *args])
+    res = CliRunner().invoke(main, ["audit", str(ckpt), "--json", "--quiet", *map(str, args)])
     assert res.exit_code in (0, 1), res.output
     return res.exit_code, json.loads(res.stdout)
 
@@ -143,14 +143,26 @@ REAP_KEEP = {"1": [0, 2, 3, 5, 8, 9, 12, 15], "2": [1, 2, 4, 6, 7, 10, 11, 14]}
 # ------------------------------------------------------------------ fixtures
 
 
+RECIPES = sorted(p.stem for p in (ROOT / "pipelines").glob("*.toml"))
+# Every command (with the options that change what it writes) and every built-in recipe.
+OUTPUTS = [
+    "int4-to-nvfp4-ct", "int4-to-nvfp4-amax", "int4-to-nvfp4-modelopt", "k25-int4-to-nvfp4-ct",
+    "quantize-ct", "quantize-modelopt-all", "dequant-int4", "dequant-int4-f32", "dequant-nvfp4",
+    "reap", "reap-int4-to-nvfp4", "sparsify-dense-16", "sparsify-dense-32",
+    "sparsify-pair-bitmask-16", "sparsify-pair-bitmask-32", "densify",
+    *(f"run-{r}" for r in RECIPES)]
+
+
 @pytest.fixture(scope="module")
 def outputs(fixture_dir, tmp_path_factory):
-    """Every command that exists, on the fixtures: name -> (output, source)."""
+    """Every command and recipe, on the fixtures: name -> (output, source)."""
     root = tmp_path_factory.mktemp("audit-outputs")
     kimi, ct, k25, bf16 = (fixture_dir(v) for v in ("k2-int4-kimi", "k2-int4-ct", "k25-int4",
                                                     "bf16"))
     made = {
         "int4-to-nvfp4-ct": (run(kimi, root / "a", "int4-to-nvfp4"), kimi),
+        "int4-to-nvfp4-amax": (run(kimi, root / "a2", "int4-to-nvfp4", block_scale="amax"),
+                               kimi),
         "int4-to-nvfp4-modelopt": (run(ct, root / "b", "int4-to-nvfp4", format="modelopt"), ct),
         "k25-int4-to-nvfp4-ct": (run(k25, root / "c", "int4-to-nvfp4"), k25),
         "quantize-ct": (run(bf16, root / "e", "quantize"), bf16),
@@ -158,6 +170,7 @@ def outputs(fixture_dir, tmp_path_factory):
                                       targets="experts,shared_experts,dense_mlp,attention"),
                                   bf16),
         "dequant-int4": (run(ct, root / "g", "dequant"), ct),
+        "dequant-int4-f32": (run(kimi, root / "g2", "dequant", dtype="F32"), kimi),
     }
     made["dequant-nvfp4"] = (run(made["int4-to-nvfp4-ct"][0], root / "h", "dequant"),
                              made["int4-to-nvfp4-ct"][0])
@@ -166,6 +179,23 @@ def outputs(fixture_dir, tmp_path_factory):
         k: {"keep": v} for k, v in REAP_KEEP.items()}}))
     made["reap"] = (run(kimi, root / "i", "reap", plan=plan), kimi)
     made["reap-int4-to-nvfp4"] = (run(k25, root / "j", "reap-int4-to-nvfp4", plan=plan), k25)
+    for storage in ("dense", "pair-bitmask"):
+        for group in (16, 32):
+            name = f"sparsify-{storage}-{group}"
+            made[name] = (run(kimi, root / name, "sparsify", storage=storage, group_size=group),
+                          kimi)
+    bitmask = made["sparsify-pair-bitmask-16"][0]
+    made["densify"] = (run(bitmask, root / "densify", "densify"), bitmask)
+    for recipe in RECIPES:  # as `kconvert run NAME` runs them
+        spec = load_recipe(recipe)
+        src = bitmask if spec.requires_source == "nvfp4-pair-bitmask" else kimi
+        prunes = any(s.get("stage") == "prune" for s in spec.stages)
+        dst = root / f"run-{recipe}"
+        res = CliRunner().invoke(main, ["run", recipe, str(src), str(dst), "--quiet",
+                                        *(["--plan", str(plan)] if prunes else [])])
+        assert res.exit_code == 0, res.output
+        made[f"run-{recipe}"] = (dst, src)
+    assert sorted(made) == sorted(OUTPUTS)
     return made
 
 
@@ -224,9 +254,7 @@ def _nvfp4_decode(packed: torch.Tensor, block: torch.Tensor, gs: torch.Tensor) -
     return vals * (block.float() / gs.float()).repeat_interleave(16, 1)
 
 
-@pytest.mark.parametrize("name", [
-    "int4-to-nvfp4-ct", "int4-to-nvfp4-modelopt", "k25-int4-to-nvfp4-ct", "quantize-ct",
-    "quantize-modelopt-all", "dequant-int4", "dequant-nvfp4", "reap", "reap-int4-to-nvfp4"])
+@pytest.mark.parametrize("name", OUTPUTS)
 def test_every_command_output_passes(outputs, name):
     out, src = outputs[name]
     code, rep = audit_json(out)
@@ -235,18 +263,20 @@ def test_every_command_output_passes(outputs, name):
     code, rep = audit_json(out, "--source", str(src))
     assert code == 0 and rep["passed"], rep["failures"]
     assert rep["checks"]["source"]["run"] > 0
+    manifest = json.loads((out / "kconvert-manifest.json").read_text())
     for layer in ("1", "2"):
-        if name.startswith("reap"):  # the plan written to DST by the run is the one used
+        if "prune" in manifest["options"]:  # the plan written to DST by the run is the one used
             want = {"mode": "plan", "source_ids": REAP_KEEP[layer]}
         else:  # unpruned: router rows matched one to one
             want = {"mode": "identity", "source_ids": list(range(16))}
         assert rep["mapping"][layer] == want
-    manifest = json.loads((out / "kconvert-manifest.json").read_text())
     changed = {t.rsplit(".", 1)[0] for t, e in manifest["tensors"].items()
                if e["stage"] not in ("copy", "select-rows")}  # select-rows: the router
     for layer in ("1", "2"):
         expected = sum(1 for m in changed if f"layers.{layer}." in m)
         assert rep["layers"][layer]["compared"] == expected  # every re-encoded module decoded
+    if name in ("densify", "run-densify"):  # re-laid out byte for byte, nothing quantized
+        assert manifest["summary"]["quantized_modules"] == 0 and not manifest["layers"]
 
 
 def test_reported_error_matches_an_independent_decode(outputs):
@@ -268,16 +298,16 @@ def test_reported_error_matches_an_independent_decode(outputs):
 
 def test_table_output_and_exit_codes(outputs, tmp_path):
     out, src = outputs["int4-to-nvfp4-ct"]
-    res = CliRunner().invoke(audit, [str(out), "--source", str(src), "--quiet"])
+    res = CliRunner().invoke(main, ["audit", str(out), "--source", str(src), "--quiet"])
     assert res.exit_code == 0, res.output
     lines = res.stdout.splitlines()
     assert any(line.split()[:3] == ["1", "16", "0..15"] for line in lines), res.stdout
     assert "PASS" in lines[-1]
-    res = CliRunner().invoke(audit, [str(tmp_path / "nope"), "--quiet"])
+    res = CliRunner().invoke(main, ["audit", str(tmp_path / "nope"), "--quiet"])
     assert res.exit_code == 2
     bad = copy(out, tmp_path / "bad")
     (bad / "config.json").write_text("{")
-    res = CliRunner().invoke(audit, [str(bad), "--quiet"])
+    res = CliRunner().invoke(main, ["audit", str(bad), "--quiet"])
     assert res.exit_code == 1 and "config.json is not valid JSON" in res.stdout
 
 
@@ -438,6 +468,33 @@ def test_stale_index_entry(outputs, tmp_path):
     assert_named(rep, "structure", "index", layer=1,
                  tensor="model.layers.1.mlp.experts.16.up_proj.weight_packed", file=right,
                  text="does not hold it")
+
+
+def test_files_nothing_accounts_for(outputs, tmp_path):
+    """With a manifest: an unknown file warns, an unknown *.safetensors fails (indexed or not,
+    at the top or below); kconvert's temporary names fail with or without a manifest."""
+    out = copy(outputs["int4-to-nvfp4-ct"][0], tmp_path / "ct")
+    (out / "notes.txt").write_text("mine")
+    code, rep = audit_json(out)
+    assert code == 0, rep["failures"]
+    assert any(w["check"] == "non-weight" and w["file"] == "notes.txt" for w in rep["warnings"])
+    extra = {"extra.safetensors", "sub/more.safetensors"}
+    for rel in extra:
+        (out / rel).parent.mkdir(exist_ok=True)
+        save_file({"w": torch.zeros(2)}, str(out / rel))
+    temps = {"tokenizer_config.json.kconvert-tmp", "kconvert-manifest.json.tmp"}
+    for rel in temps:
+        (out / rel).write_text("{}")
+    code, rep = audit_json(out)
+    assert code == 1
+    assert {f["file"] for f in failures(rep, "manifest", "files")} == extra
+    assert {f["file"] for f in failures(rep, "structure", "incomplete")} == temps
+    assert len(rep["failures"]) == len(extra) + len(temps), rep["failures"]
+    # Without a manifest nothing says what belongs; the temporaries still fail.
+    (out / "kconvert-manifest.json").unlink()
+    code, rep = audit_json(out)
+    assert code == 1
+    assert {f["file"] for f in rep["failures"]} == temps, rep["failures"]
 
 
 def test_tensor_missing_from_a_shard(outputs, tmp_path):
@@ -821,10 +878,12 @@ def test_memory_stays_bounded_with_large_shards(fixture_dir, tmp_path):
                    summary={"tensors": len(tensors)})
     (ckpt / "kconvert-manifest.json").write_text(man.model_dump_json())
 
-    rc, base = _peak_rss_mb([sys.executable, "-c", "import kconvert.audit, tqdm, xxhash"])
+    rc, base = _peak_rss_mb([sys.executable, "-c",
+                             "import kconvert.cli, kconvert.audit, tqdm, xxhash"])
     assert rc == 0
     rc, peak = _peak_rss_mb([sys.executable, "-c",
-                             "import sys; from kconvert.cli import audit; audit(sys.argv[1:])",
+                             "import sys; from kconvert.cli import main; "
+                             "main(['audit', *sys.argv[1:]])",
                              str(ckpt), "--source", str(ckpt), "--quiet", "--device", "cpu"])
     assert rc == 0, "audit of the big checkpoint did not pass"
     assert peak - base < bound_mb, f"audit peak {peak:.0f} MB vs import-only {base:.0f} MB"

@@ -171,7 +171,8 @@ def big_moe_fixture(root: Path, layers: int, experts: int, inter: int,
     The MoE shard (make_fixture's shard 2) is rewritten to hold `layers` layers of `experts`
     INT4 experts, gate/up [inter, hidden] and down [hidden, inter]; the engine makes one work
     item per layer (or several, past its work_elems). With `sparse_bytes`, the shard's three
-    shared-expert weights are enlarged to `sparse_bytes` in all, zero-filled: pass-through
+    shared-expert weights are enlarged to about `sparse_bytes` in all (whole shared experts of
+    `inter` rows, n_shared_experts in the config), zero-filled: pass-through
     tensors that the engine streams in COPY_CHUNK pieces, finite-checks, hashes and writes.
     They are F32 (a dtype the format allows for dense weights) rather than BF16 only because
     torch's CPU isfinite is ~3x faster on F32, which keeps this file's runtime in budget.
@@ -181,15 +182,22 @@ def big_moe_fixture(root: Path, layers: int, experts: int, inter: int,
     shard = root / "model-00002-of-000003.safetensors"
     hidden = dims.hidden
     gen = torch.Generator().manual_seed(seed)
-    tensors = {k: v for k, v in load_tensors(shard).items() if ".mlp.experts." not in k}
+    # A source the structure checks accept: every MoE layer has a router (layer 1's), and the
+    # shared experts are as wide as the config says (inter rows each, or none).
+    tensors = {k: v for k, v in load_tensors(shard).items() if ".mlp.experts." not in k
+               and (sparse_bytes or ".mlp.shared_experts." not in k)}
+    router = {k: v for k, v in tensors.items() if k.startswith("model.layers.1.mlp.gate.")}
     holes: dict[str, tuple[str, tuple[int, ...]]] = {}
+    n_shared = 1
     if sparse_bytes:
-        rows = sparse_bytes // 3 // (4 * hidden)
+        n_shared = max(1, sparse_bytes // 3 // (4 * hidden * inter))
+        rows = n_shared * inter
         for proj in ("gate_proj", "up_proj", "down_proj"):
             name = f"model.layers.1.mlp.shared_experts.{proj}.weight"
             del tensors[name]
             holes[name] = ("F32", (rows, hidden) if proj != "down_proj" else (hidden, rows))
     for layer in range(1, layers + 1):
+        tensors.update({k.replace(".1.", f".{layer}.", 1): v for k, v in router.items()})
         for e in range(experts):
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 shape = (inter, hidden) if proj != "down_proj" else (hidden, inter)
@@ -204,7 +212,8 @@ def big_moe_fixture(root: Path, layers: int, experts: int, inter: int,
 
     edit_json(root / INDEX, fix_index)
     edit_json(root / "config.json", lambda c: c.update(num_hidden_layers=layers + 1,
-                                                       moe_intermediate_size=inter))
+                                                       moe_intermediate_size=inter,
+                                                       n_shared_experts=n_shared))
     return root, shard
 
 
