@@ -20,7 +20,8 @@ import torch
 from tqdm import tqdm
 
 from kconvert import __version__, events, nvfp4, output_dir
-from kconvert.engine import Plan, TransformItem, build_plan, describe, execute
+from kconvert.codecs import DenseCodec
+from kconvert.engine import Plan, build_plan, describe, execute
 from kconvert.errors import KconvertError
 from kconvert.files import copy_file, hash_file, human_bytes, write_text
 from kconvert.layout import parse_name
@@ -186,7 +187,9 @@ def _execute(plan: Plan, ws: Workspace, device: torch.device, done: dict[str, di
     total = sum(item.nbytes for item in plan.items)
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=run.quiet,
               desc=name, smoothing=0.1) as bar:
-        if device.type == "cpu" and any(isinstance(it, TransformItem) for it in plan.items):
+        encodes = any(m.out_codec not in (None, DenseCodec) and not m.repack
+                      for m in plan.modules)
+        if device.type == "cpu" and encodes:
             bar.set_description("loading CPU kernels (the first run after installing compiles "
                                 "them, ~15 s)")
             nvfp4.warm_cpu_kernels()
