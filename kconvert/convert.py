@@ -19,12 +19,24 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kconvert import __version__, events, nvfp4, output_dir
-from kconvert.codecs import DenseCodec
-from kconvert.engine import Plan, build_plan, describe, execute
+from kconvert import __version__, events
+from kconvert.checks.structure import validate_source
+from kconvert.engine.execute import execute
+from kconvert.engine.work import Plan, build_plan, describe
 from kconvert.errors import KconvertError
-from kconvert.files import copy_file, hash_file, human_bytes, write_text
-from kconvert.layout import parse_name
+from kconvert.formats import nvfp4
+from kconvert.formats.dense import DenseCodec
+from kconvert.formats.quant_config import (
+    compressed_tensors_block,
+    modelopt_blocks,
+    output_format,
+    rewrite_config,
+)
+from kconvert.io import lock, output_dir
+from kconvert.io.checkpoint import GENERATED_FILES, INDEX, Checkpoint, open_checkpoint
+from kconvert.io.files import copy_file, hash_file, human_bytes, write_text
+from kconvert.io.output_dir import Planned, Workspace
+from kconvert.io.shards import plan_header, tensor_nbytes
 from kconvert.manifest import (
     MANIFEST,
     FileEntry,
@@ -35,17 +47,8 @@ from kconvert.manifest import (
     TensorEntry,
     render_manifest,
 )
-from kconvert.output_dir import Planned, Workspace
-from kconvert.pipeline import Recipe, build_stages
-from kconvert.quant_config import (
-    compressed_tensors_block,
-    modelopt_blocks,
-    output_format,
-    rewrite_config,
-)
-from kconvert.safetensors_io import plan_header, tensor_nbytes
-from kconvert.source import GENERATED_FILES, INDEX, Checkpoint, open_checkpoint
-from kconvert.structure import validate_source
+from kconvert.model.names import parse_name
+from kconvert.recipes import Recipe, build_stages
 
 # What the OS says when a write runs out of room, and when it refuses to write at all.
 NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
@@ -141,7 +144,7 @@ def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, options: dict, run: Ru
     planned = _planned(ckpt, plan)
     ws: Workspace | None = None
     try:
-        with output_dir.locked(dst, echo):
+        with lock.locked(dst, echo):
             ws, done = output_dir.prepare(dst, planned, fingerprint, run.resume, run.overwrite,
                                           run.trust_complete, plan.shard_entries, echo)
             try:
@@ -159,7 +162,7 @@ def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, options: dict, run: Ru
             raise output_dir.disk_full(ws.root if ws else dst, left + planned.other_bytes,
                                        exc) from exc
         if exc.errno in NOT_WRITABLE:
-            raise output_dir.unwritable(Path(exc.filename or dst), exc) from exc
+            raise lock.unwritable(Path(exc.filename or dst), exc) from exc
         raise
     except BaseException:
         if ws is not None and ws.replaces:

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from kconvert.files import hash_file
+from kconvert.io.files import hash_file
 
 __all__ = ["MANIFEST", "Manifest", "hash_file", "read_manifest", "render_manifest"]
 

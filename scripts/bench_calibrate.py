@@ -113,8 +113,8 @@ def make_checkpoint(src: Path) -> None:
 
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from kconvert.calibrate import calibrate
-    from kconvert.source import open_checkpoint
+    from kconvert.calibrate.run import calibrate
+    from kconvert.io.checkpoint import open_checkpoint
 
     OUT.mkdir(parents=True, exist_ok=True)
     src = ROOT / "calib-src"

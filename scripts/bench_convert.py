@@ -388,7 +388,7 @@ def _load_cpu_kernels() -> None:
     wall_process_s."""
     import torch
 
-    from kconvert import nvfp4
+    from kconvert.formats import nvfp4
 
     packed = torch.zeros(1, 1, 4, dtype=torch.int32)
     scale = torch.ones(1, 1, 1, dtype=torch.bfloat16)
@@ -459,8 +459,8 @@ def child_kc_compute(argv: list[str]) -> None:
     dev_name, batch, reps = argv[0], int(argv[1]), int(argv[2])
     import torch
 
-    from kconvert import nvfp4
-    from kconvert.codecs import Int4Codec
+    from kconvert.formats import nvfp4
+    from kconvert.formats.int4 import Int4Codec
 
     dev = torch.device(dev_name)
     chunk = 1 << 27 if dev.type == "cuda" else 1 << 22  # as engine.execute picks

@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from kconvert import nvfp4
-from kconvert.codecs import Int4Codec
+from kconvert.formats import nvfp4
+from kconvert.formats.int4 import Int4Codec
 
 
 def kimi_int4(batch: int, m: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

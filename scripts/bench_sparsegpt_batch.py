@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from kconvert import nvfp4, sparsegpt
+from kconvert.formats import nvfp4
+from kconvert.sparsity import sparsegpt
 
 B, T = int(os.environ.get("B", 6)), int(os.environ.get("TOKENS", 2800))
 dev = "cuda"

@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench_calibrate
 
 from kconvert.convert import RunControl, convert
-from kconvert.pipeline import load_recipe
-from kconvert.sparsegpt import CalibrationHessians
+from kconvert.recipes import load_recipe
+from kconvert.sparsity.sparsegpt import CalibrationHessians
 from make_fixture import FixtureDims, make_fixture
 
 ROOT = Path(os.environ.get("ROOT", "/tmp/kbench"))

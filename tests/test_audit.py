@@ -26,10 +26,10 @@ from third_party_prune import prune
 from conftest import ROOT
 from kconvert.cli import main
 from kconvert.convert import RunControl, convert
-from kconvert.p48 import check_packed as p48_check
-from kconvert.pipeline import load_recipe
-from kconvert.plan import Plan, load_plan, plan_json_schema
-from kconvert.reap import prune_stage
+from kconvert.pruning.plan import Plan, load_plan, plan_json_schema
+from kconvert.pruning.reap import prune_stage
+from kconvert.recipes import load_recipe
+from kconvert.sparsity.p48 import check_packed as p48_check
 
 INDEX = "model.safetensors.index.json"
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -879,7 +879,7 @@ def test_memory_stays_bounded_with_large_shards(fixture_dir, tmp_path):
     (ckpt / "kconvert-manifest.json").write_text(man.model_dump_json())
 
     rc, base = _peak_rss_mb([sys.executable, "-c",
-                             "import kconvert.cli, kconvert.audit, tqdm, xxhash"])
+                             "import kconvert.cli, kconvert.audit.auditor, tqdm, xxhash"])
     assert rc == 0
     rc, peak = _peak_rss_mb([sys.executable, "-c",
                              "import sys; from kconvert.cli import main; "

@@ -22,20 +22,15 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.utils import logging as hf_logging
 
 from conftest import BUNDLED
-from kconvert.calibrate import (
-    PAD_ID,
-    CalibrationStats,
-    calibrate,
-    load_calibration_data,
-    load_stats,
-    save_stats,
-)
+from kconvert.calibrate.data import PAD_ID, load_calibration_data
+from kconvert.calibrate.run import calibrate
+from kconvert.calibrate.stats import CalibrationStats, load_stats, save_stats
 from kconvert.cli import calibrate_cmd
 from kconvert.convert import RunControl, convert
 from kconvert.errors import KconvertError
-from kconvert.pipeline import load_recipe
-from kconvert.reap import scores_from_stats
-from kconvert.source import open_checkpoint
+from kconvert.io.checkpoint import open_checkpoint
+from kconvert.pruning.reap import scores_from_stats
+from kconvert.recipes import load_recipe
 from make_fixture import ct_int4_scheme
 
 hf_logging.set_verbosity_error()

@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from conftest import BUNDLED
 from kconvert.cli import main
 from kconvert.errors import KconvertError
-from kconvert.pipeline import load_recipe
+from kconvert.recipes import load_recipe
 
 MANIFEST = "kconvert-manifest.json"
 
@@ -244,7 +244,7 @@ def test_kconvert_error_is_one_line_on_stderr(tmp_path, monkeypatch):
     def fail(*_args, **_kwargs):
         raise KconvertError("something the user can fix", file="x.json")
 
-    monkeypatch.setattr(kconvert.audit, "run_audit", fail)
+    monkeypatch.setattr(kconvert.audit.auditor, "run_audit", fail)
     res = cli("audit", tmp_path)
     assert_user_error(res)
     assert res.stderr == "kconvert: error: something the user can fix (file x.json)\n"

@@ -45,10 +45,11 @@ from compressed_tensors.quantization.utils import calculate_qparams, generate_gp
 from compressed_tensors.utils.match import match_name
 from safetensors.torch import load_file
 
-from kconvert import nvfp4
-from kconvert.codecs import Int4Codec, Nvfp4Codec
 from kconvert.convert import RunControl, convert
-from kconvert.pipeline import load_recipe
+from kconvert.formats import nvfp4
+from kconvert.formats.int4 import Int4Codec
+from kconvert.formats.nvfp4_ct import Nvfp4Codec
+from kconvert.recipes import load_recipe
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 EXPERT_RE = re.compile(r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.mlp\.experts\.(?P<expert>\d+)\."
@@ -290,9 +291,9 @@ def test_int4_decode_all_codes_before_bf16_rounding(shape_dtype):
                                                  ("k2-int4-ct", torch.int64)])
 def test_int4_decode_of_fixture_checkpoint(fixture_dir, variant, shape_dtype):
     """kconvert's planner reads int32 and int64 weight_shape; its decode equals CT's in fp32."""
-    from kconvert.engine import read_shape_values
-    from kconvert.source import open_checkpoint
-    from kconvert.stages import group_modules
+    from kconvert.engine.work import read_shape_values
+    from kconvert.io.checkpoint import open_checkpoint
+    from kconvert.stages.base import group_modules
 
     src = fixture_dir(variant)
     scheme = int4_scheme(src)

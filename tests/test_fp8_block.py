@@ -7,7 +7,7 @@ from compressed_tensors.entrypoints.convert.converters.fp8block_dequantizer impo
     FP8BlockDequantizer,
 )
 
-from kconvert.codecs import Fp8BlockCodec
+from kconvert.formats.fp8_block import Fp8BlockCodec
 
 
 def test_fp8_block_decode_matches_compressed_tensors():

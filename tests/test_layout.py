@@ -7,8 +7,8 @@ import json
 import pytest
 
 from conftest import ROOT
-from kconvert.layout import Role, parse_name
 from kconvert.manifest import Manifest
+from kconvert.model.names import Role, parse_name
 
 
 @pytest.mark.parametrize(

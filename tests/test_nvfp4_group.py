@@ -9,7 +9,7 @@ from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor
 from compressed_tensors.quantization import preset_name_to_scheme
 from compressed_tensors.quantization.utils import calculate_qparams
 
-from kconvert import nvfp4
+from kconvert.formats import nvfp4
 
 
 def _weights(seed: int) -> torch.Tensor:

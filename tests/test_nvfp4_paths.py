@@ -8,11 +8,11 @@ import pytest
 import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
-from kconvert import nvfp4
-from kconvert.codecs import Int4Codec
+from kconvert.formats import nvfp4
+from kconvert.formats.int4 import Int4Codec
 
 numba = pytest.importorskip("numba")
-nvfp4_cpu = pytest.importorskip("kconvert.nvfp4_cpu")
+nvfp4_cpu = pytest.importorskip("kconvert.formats.nvfp4_cpu")
 
 
 def _kimi_style(out: int, inp: int, seed: int) -> torch.Tensor:
@@ -138,7 +138,7 @@ def test_e2m1_rounding_equals_torch_bucketize():
 
 CONCURRENT_LAUNCHES = """
 import threading, torch
-from kconvert import nvfp4
+from kconvert.formats import nvfp4
 g = torch.Generator().manual_seed(0)
 packed = torch.randint(-2**31, 2**31 - 1, (2, 64, 64), dtype=torch.int32, generator=g)
 scale = (torch.rand(2, 64, 16, generator=g) * 0.004 + 0.001).to(torch.bfloat16)

@@ -19,9 +19,9 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import BUNDLED
-from kconvert import output_dir
-from kconvert.audit import run_audit
+from kconvert.audit.auditor import run_audit
 from kconvert.errors import KconvertError
+from kconvert.io import lock, output_dir
 from test_robustness import CLI, S2, edit_tensor, run_inproc, set_at, snapshot
 
 MANIFEST = "kconvert-manifest.json"
@@ -128,7 +128,7 @@ def test_overwrite_swaps_when_there_is_room_and_deletes_first_when_not(tmp_path,
 
     monkeypatch.setattr(output_dir.shutil, "disk_usage", free_for_one)
     from kconvert.convert import RunControl, convert
-    from kconvert.pipeline import load_recipe
+    from kconvert.recipes import load_recipe
 
     convert(str(src), str(dst), load_recipe("int4-to-nvfp4"),
             {"format": None, "block_scale": "amax", "targets": None, "act_stats": None},
@@ -165,7 +165,7 @@ def test_overwrite_through_a_symlink_and_a_dangling_one(tmp_path):
 def test_a_second_run_into_a_dst_in_use_is_refused_naming_the_holder(tmp_path):
     src = src_copy(tmp_path)
     dst = tmp_path / "out"
-    with output_dir.locked(dst, print):
+    with lock.locked(dst, print):
         proc = kc("dequant", src, dst, "--quiet")
     assert proc.returncode == 2, proc.stderr
     assert f"pid {os.getpid()}" in proc.stderr and "another kconvert run" in proc.stderr
@@ -320,7 +320,7 @@ def test_a_disk_too_small_is_refused_before_writing(tmp_path):
 def test_disk_full_mid_run_says_what_is_needed_then_resume_completes(tmp_path, monkeypatch,
                                                                     clean_outputs):
     src, dst = BUNDLED, tmp_path / "out"
-    from kconvert import safetensors_io
+    from kconvert.io import shards as safetensors_io
 
     real, written = os.pwrite, []
 

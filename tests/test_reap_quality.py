@@ -14,12 +14,12 @@ import statistics
 import torch
 
 from conftest import ROOT
-from kconvert.calibrate import calibrate
+from kconvert.calibrate.run import calibrate
 from kconvert.convert import RunControl, convert
-from kconvert.pipeline import load_recipe
-from kconvert.plan import parse_plan
-from kconvert.reap import plan_from_scores, prune_stage, scores_of
-from kconvert.source import open_checkpoint
+from kconvert.io.checkpoint import open_checkpoint
+from kconvert.pruning.plan import parse_plan
+from kconvert.pruning.reap import plan_from_scores, prune_stage, scores_of
+from kconvert.recipes import load_recipe
 from train_tiny_moe import _windows, corpus_ids, heldout_ids, heldout_loss
 
 SRC = ROOT / "tests" / "fixtures" / "tiny-moe-trained"

@@ -7,7 +7,7 @@ import pytest
 from conftest import BUNDLED
 from kconvert.convert import RunControl, convert
 from kconvert.errors import KconvertError
-from kconvert.pipeline import load_recipe
+from kconvert.recipes import load_recipe
 
 
 def _shard_bytes(d):

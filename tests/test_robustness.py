@@ -44,7 +44,7 @@ from safetensors.torch import save_file
 from conftest import BUNDLED, ROOT
 from kconvert.convert import RunControl, convert
 from kconvert.errors import KconvertError
-from kconvert.pipeline import load_recipe
+from kconvert.recipes import load_recipe
 from make_fixture import FixtureDims, make_fixture
 
 CLI = [sys.executable, "-m", "kconvert.cli"]
@@ -432,8 +432,8 @@ def _patterns(dtype: torch.dtype) -> torch.Tensor:
 def test_pass_through_nan_inf_check_equals_torch_isfinite(name):
     """Pass-through bytes are checked on their bits (numpy, in the reader threads): the verdict
     on each value is torch.isfinite's."""
-    from kconvert.engine import _check_finite
-    from kconvert.safetensors_io import DTYPES, TensorInfo
+    from kconvert.io.finite import check_finite as _check_finite
+    from kconvert.io.shards import DTYPES, TensorInfo
 
     values = _patterns(DTYPES[name])
     info = TensorInfo("model.layers.0.w", Path("a.safetensors"), name, (1,), 0, 1)
@@ -670,9 +670,9 @@ def test_manifest_hashes_are_the_bytes_written_when_tensors_span_many_items(
     another. With 4 KiB copy items every larger pass-through tensor spans several results:
     each manifest hash must still be xxh3-128 of the tensor's bytes as safetensors reads them
     back from the output."""
-    from kconvert import engine
+    from kconvert.engine import work
 
-    monkeypatch.setattr(engine, "COPY_CHUNK", 4096)
+    monkeypatch.setattr(work, "COPY_CHUNK", 4096)
     dst = tmp_path / "out"
     run_inproc("int4-to-nvfp4", BUNDLED, dst)
     tensors = json.loads((dst / MANIFEST).read_text())["tensors"]
@@ -737,7 +737,7 @@ def test_shard_writer_starts_writeback_every_writeback_bytes(tmp_path, monkeypat
     """Dirty output pages are queued for the disk as they are written (sync_file_range through
     libc: Python's os module has no such call), so a shard's final fsync has little left to
     flush and does not stall the reads for seconds. The file is still exactly what was written."""
-    from kconvert import safetensors_io
+    from kconvert.io import shards as safetensors_io
 
     calls = []
     real = safetensors_io.start_writeback
@@ -775,7 +775,7 @@ def test_read_ahead_reads_depth_units_ahead_in_order():
     in the consumer."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from kconvert.safetensors_io import read_ahead
+    from kconvert.io.readahead import read_ahead
 
     consumed: list[int] = []
     submitted: list[tuple[int, int]] = []  # (unit, units consumed when it was submitted)
@@ -810,7 +810,7 @@ def test_read_ahead_reads_depth_units_ahead_in_order():
 
 
 def test_split_cores_sets_one_core_in_eight_apart():
-    from kconvert.engine import split_cores
+    from kconvert.engine.execute import split_cores
 
     assert split_cores(range(16)) == (set(range(14)), {14, 15})
     assert split_cores(range(7)) is None  # too few: every thread shares every core
@@ -826,7 +826,8 @@ def test_cpu_run_gives_io_threads_cores_of_their_own_and_restores_every_thread(
 
     import numba
 
-    from kconvert import engine
+    from kconvert.engine import execute as engine
+    from kconvert.engine.sink import ShardSink
 
     allowed = os.sched_getaffinity(0)
     shared = tmp_path / "shared"
@@ -854,8 +855,8 @@ def test_cpu_run_gives_io_threads_cores_of_their_own_and_restores_every_thread(
     compute = engine.compute_item
     monkeypatch.setattr(engine, "read_item", recording("read", engine.read_item))
     monkeypatch.setattr(engine, "compute_item", recording("compute", compute))
-    monkeypatch.setattr(engine.ShardSink, "write", recording("write", engine.ShardSink.write))
-    monkeypatch.setattr(engine.ShardSink, "hash", recording("hash", engine.ShardSink.hash))
+    monkeypatch.setattr(ShardSink, "write", recording("write", ShardSink.write))
+    monkeypatch.setattr(ShardSink, "hash", recording("hash", ShardSink.hash))
     torch_threads, numba_threads = torch.get_num_threads(), numba.get_num_threads()
     apart = tmp_path / "apart"
     try:

@@ -29,9 +29,14 @@ from test_formats import (
 )
 
 from kconvert.cli import main
-from kconvert.codecs import Nvfp4Codec, Nvfp4PairBitmaskCodec
+from kconvert.formats.nvfp4_ct import Nvfp4Codec
+from kconvert.formats.nvfp4_pair_bitmask import (
+    Nvfp4PairBitmaskCodec,
+    from_pair_bitmask,
+    to_pair_bitmask,
+)
 from kconvert.manifest import read_manifest
-from kconvert.p48 import check_packed, from_pair_bitmask, to_pair_bitmask
+from kconvert.sparsity.p48 import check_packed
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 

@@ -16,11 +16,12 @@ import torch
 from safetensors import safe_open
 
 from conftest import ROOT
-from kconvert.calibrate import calibrate, save_stats
+from kconvert.calibrate.run import calibrate
+from kconvert.calibrate.stats import save_stats
 from kconvert.convert import RunControl, convert
-from kconvert.pipeline import load_recipe
-from kconvert.source import open_checkpoint
-from kconvert.sparsegpt import CalibrationHessians
+from kconvert.io.checkpoint import open_checkpoint
+from kconvert.recipes import load_recipe
+from kconvert.sparsity.sparsegpt import CalibrationHessians
 from train_tiny_moe import _windows, corpus_ids, heldout_ids, heldout_loss, load_kimi_checkpoint
 
 SRC = ROOT / "tests" / "fixtures" / "tiny-moe-trained"

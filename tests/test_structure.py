@@ -130,7 +130,7 @@ def test_refusal_names_the_file_and_tensor(broken):
     """The KconvertError of a per-tensor failure names the shard that holds the tensor."""
     from kconvert.convert import RunControl, convert
     from kconvert.errors import KconvertError
-    from kconvert.pipeline import load_recipe
+    from kconvert.recipes import load_recipe
 
     src = broken["n_routed_experts-12"]
     shard = json.loads((src / INDEX).read_text())["weight_map"]["model.layers.1.mlp.gate.weight"]

@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from conftest import BUNDLED
 from kconvert.convert import RunControl, convert
-from kconvert.pipeline import load_recipe
+from kconvert.recipes import load_recipe
 
 
 def _tensors(d):

@@ -1,0 +1,8 @@
+"""`python -m kconvert`: the command line."""
+
+from kconvert.cli import main
+
+main()
+
+
+

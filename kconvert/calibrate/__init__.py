@@ -1,0 +1,40 @@
+"""Layer-streamed calibration: REAP saliency, expert frequencies and activation statistics.
+
+The calibration tokens are embedded once (only the embedding rows they use are read), then the
+decoder layers are streamed: for L = 0..num_hidden_layers-1 only layer L's tensors are read and
+decoded (INT4, NVFP4, FP8-block or BF16, through `kconvert.codecs`) to the compute dtype, the
+layer runs over the hidden states of every calibration token, statistics are accumulated, and
+the outputs become layer L+1's inputs. The weights are freed before the next layer is read.
+
+Exact forward. The layer is transformers' own `DeepseekV3DecoderLayer` (MLA attention with its
+YaRN rope, RMSNorms, residuals, dense MLP below `first_k_dense_replace`), built from the
+checkpoint's text config read as "deepseek_v3" and loaded with layer L's tensors. Only the MoE
+block is ours, and only its routed-expert loop: the router is transformers'
+`DeepseekV3TopkRouter` (selection on sigmoid(logits) + e_score_correction_bias with the group
+limits, weights = sigmoid at the chosen experts, renormalised when norm_topk_prob, times
+routed_scaling_factor) and the shared expert is `DeepseekV3MLP`. Each routed expert sees only
+the tokens routed to it (tokens are gathered per expert, never every expert on every token).
+
+Statistics, per MoE layer L and routed expert j, over real (non-padding) routed tokens X_j:
+  count      |X_j|                                           (`layers.L.count`, int64)
+  gate_sum   sum g_j(x)                                      (`layers.L.gate_sum`)
+  reap_sum   sum g_j(x) * ||f_j(x)||_2                       (`layers.L.reap_sum`)
+  ean_sum    sum ||f_j(x)||_2                                (`layers.L.ean_sum`)
+  saliency   reap_sum / count, 0 for a never-routed expert   (`layers.L.saliency`, REAP)
+where f_j(x) = down(act(gate x) * up x) is the expert's raw output before gating and g_j(x) is
+the weight the model really multiplies it by: the sigmoid score renormalised over the top-k
+and times routed_scaling_factor (GATE_WEIGHT). Per linear of every decoder layer (attention,
+dense MLP, shared and routed experts), over the inputs that linear actually sees (for a routed
+expert: its routed tokens; for down_proj: act(gate x) * up x):
+  input_amax     max |x|                                     (`<key>.input_amax`, 0-dim)
+  input_sq_sum   per input column sum x^2 (Wanda's ||X_j||^2) (`<key>.input_sq_sum`)
+with <key> = `layers.L.experts.E.{proj}`, `layers.L.shared_experts.{proj}`, `layers.L.mlp.{proj}`
+(dense) or `layers.L.self_attn.{proj}`; `stats.json` maps every key to its checkpoint module.
+
+Padding: an input id of PAD_ID (-1), or a 0 in `attention_mask`, marks a padding position.
+Padding is never counted in any statistic, is never routed to an expert, and real tokens never
+attend to it.
+"""
+
+
+

@@ -1,0 +1,202 @@
+"""One calibration pass over the layers, and the `kconvert calibrate` command behind the CLI."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from kconvert import __version__
+from kconvert.calibrate.data import PAD_ID, load_calibration_data
+from kconvert.calibrate.forward import (
+    _attention_mask,
+    _Context,
+    _embed,
+    _layer_tensors,
+    _load_layer,
+    _MoE,
+    model_config,
+)
+from kconvert.calibrate.stats import (
+    GATE_WEIGHT,
+    META_FILE,
+    ROUTING_CONVENTION,
+    CalibrationStats,
+    save_stats,
+    stats_key,
+)
+from kconvert.errors import KconvertError
+from kconvert.io.checkpoint import Checkpoint
+from kconvert.model.names import Role, parse_name
+
+
+def calibrate(
+    ckpt: Checkpoint,
+    input_ids: torch.Tensor,
+    device: str | torch.device = "cpu",
+    batch_size: int = 8,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    hidden_on_device: bool | None = None,
+    meta: dict | None = None,
+    on_layer: Callable[[int, torch.Tensor], None] | None = None,
+    on_moe: Callable[[int, _MoE], None] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> CalibrationStats:
+    """One layer-streamed pass over `input_ids` [num_seqs, seq_len]; see the module docstring.
+
+    `attention_mask` (1 real, 0 padding) is optional: PAD_ID entries of `input_ids` are
+    padding too. Positions are 0..seq_len-1 in every sequence. `batch_size` sequences run
+    through a layer at a time; the hidden states of all tokens are kept in `dtype` on the
+    device (`hidden_on_device` None: when they take at most a third of its free memory) or
+    else in CPU memory. `on_layer(L, hidden)` sees layer L's output hidden states [num_seqs,
+    seq_len, hidden] (for tests and debugging); `on_moe(L, moe)` sees MoE layer L after its
+    forward, weights still loaded and inputs captured (`moe.expert_inputs(e)`: SparseGPT's
+    Hessians); `meta` is merged into the recorded meta.
+    """
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+
+    device = torch.device(device)
+    if input_ids.dim() != 2 or input_ids.dtype != torch.long or not input_ids.numel():
+        raise KconvertError("input_ids must be a non-empty LongTensor [num_seqs, seq_len]")
+    if batch_size < 1:
+        raise KconvertError(f"batch size {batch_size} must be positive")
+    valid = input_ids != PAD_ID
+    if attention_mask is not None:
+        if attention_mask.shape != input_ids.shape:
+            raise KconvertError("attention_mask must have the shape of input_ids")
+        valid &= attention_mask.bool()
+    n_seq, seq_len = input_ids.shape
+    all_valid = bool(valid.all())
+    cfg = model_config(ckpt)
+    n_layers = cfg.num_hidden_layers
+    layer_tensors = _layer_tensors(ckpt, n_layers)
+    say = progress or (lambda _msg: None)
+
+    t0 = time.perf_counter()
+    hidden = _embed(ckpt, torch.where(valid, input_ids, PAD_ID), dtype)
+    if device.type == "cuda":
+        if hidden_on_device is None:
+            free = torch.cuda.mem_get_info(device)[0]
+            hidden_on_device = hidden.numel() * hidden.element_size() * 3 <= free
+        hidden = hidden.to(device) if hidden_on_device else hidden.pin_memory()
+    rotary = DeepseekV3RotaryEmbedding(cfg).to(device)
+    positions = torch.arange(seq_len, device=device).unsqueeze(0)
+    pos_emb = rotary(torch.empty(0, device=device, dtype=dtype), positions)
+    valid_dev = valid.to(device)
+    ctx = _Context()
+
+    tensors: dict[str, torch.Tensor] = {}
+    modules: dict[str, str] = {}
+    timing = []
+    for layer in range(n_layers):
+        t_layer = time.perf_counter()
+        loaded = _load_layer(ckpt, cfg, layer, layer_tensors[layer], ctx, device, dtype)
+        if loaded.moe is not None:
+            loaded.moe.capture = on_moe is not None
+        t_loaded = time.perf_counter()
+        with torch.no_grad():
+            for start in range(0, n_seq, batch_size):
+                rows = slice(start, min(start + batch_size, n_seq))
+                x = hidden[rows].to(device, non_blocking=True)
+                v = valid_dev[rows]
+                batch_all = all_valid or bool(v.all())
+                ctx.valid = None if batch_all else v
+                out = loaded.module(x, attention_mask=_attention_mask(v, batch_all),
+                                    position_ids=positions, position_embeddings=pos_emb)
+                if not bool(torch.isfinite(out[v]).all()):
+                    raise KconvertError(f"non-finite hidden states after decoder layer {layer}")
+                hidden[rows].copy_(out)
+        for module, acc in loaded.linear_stats.items():
+            key = stats_key(module)
+            modules[key] = module
+            tensors[f"{key}.input_amax"] = acc.amax.cpu()
+            tensors[f"{key}.input_sq_sum"] = acc.sq.float().cpu()
+        if loaded.moe is not None:
+            if on_moe is not None:
+                on_moe(layer, loaded.moe)
+            tensors.update(loaded.moe.results(layer))
+            for e, names in enumerate(loaded.moe.experts.names):
+                for proj, module in names.items():
+                    modules[f"layers.{layer}.experts.{e}.{proj}"] = module
+        tensors[f"layers.{layer}.tokens"] = torch.tensor(int(valid.sum()))
+        for h in loaded.hooks:
+            h.remove()
+        del loaded, x, out  # free layer L's weights before layer L+1 is read
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+        if on_layer is not None:
+            on_layer(layer, hidden)
+        done = time.perf_counter()
+        timing.append({"layer": layer, "load_s": round(t_loaded - t_layer, 3),
+                       "compute_s": round(done - t_loaded, 3)})
+        say(f"layer {layer + 1}/{n_layers}: {done - t_layer:.1f} s "
+            f"({int(valid.sum()) / max(done - t_loaded, 1e-9):,.0f} tokens/s)")
+
+    meta_out = {
+        "producer": f"kconvert {__version__}",
+        "source": ckpt.identity,
+        "samples": n_seq,
+        "seq_len": seq_len,
+        "tokens": int(valid.sum()),
+        "padding_tokens": int((~valid).sum()),
+        "seed": None,
+        "num_hidden_layers": n_layers,
+        "moe_layers": list(range(cfg.first_k_dense_replace, n_layers)),
+        "n_routed_experts": cfg.n_routed_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "routing": ROUTING_CONVENTION,
+        "gate_weight": GATE_WEIGHT,
+        "saliency": "REAP: mean over routed real tokens of g_j(x) * ||f_j(x)||_2, f_j = expert "
+                    "output before gating; 0 for a never-routed expert",
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": str(device),
+        "seconds": round(time.perf_counter() - t0, 3),
+        "timing": timing,
+        **(meta or {}),
+    }
+    if n_layers < len(layer_tensors):
+        meta_out["skipped_layers"] = sorted(set(layer_tensors) - set(range(n_layers)))
+    stats = CalibrationStats(meta_out, tensors, modules)
+    unrouted = [m for m, a in stats.input_amax().items()
+                if a == 0.0 and parse_name(m + ".weight").role is Role.ROUTED_EXPERT]
+    stats.meta["unrouted"] = sorted({m.rsplit(".", 1)[0] for m in unrouted})
+    return stats
+
+
+def run_calibration(src: str, data: str, out: str, samples: int, seq_len: int, batch_size: int,
+                    seed: int, device: str, dtype: str, tokenizer: str | None,
+                    revision: str | None, overwrite: bool,
+                    progress: Callable[[str], None]) -> CalibrationStats:
+    """`kconvert calibrate`: calibrate SRC on the JSONL `data` and write the statistics to
+    `out`; `progress` gets the notes, per-layer lines and the closing summary."""
+    from kconvert.convert import pick_device
+    from kconvert.io.checkpoint import open_checkpoint
+
+    out_dir = Path(out)
+    if (out_dir / META_FILE).exists() and not overwrite:
+        raise KconvertError("the directory already holds statistics; pass --overwrite",
+                            file=str(out_dir))
+    ckpt = open_checkpoint(src, revision)
+    try:
+        ids = load_calibration_data(data, tokenizer or ckpt.root, samples, seq_len, seed)
+        if ids.shape[0] < samples:
+            progress(f"note: the data gives {_plural(ids.shape[0], 'sequence')} of {seq_len} "
+                     f"tokens, fewer than --samples {samples}")
+        stats = calibrate(
+            ckpt, ids, pick_device(device), batch_size, dtype=getattr(torch, dtype),
+            meta={"seed": seed, "data": str(Path(data).resolve())}, progress=progress)
+    finally:
+        ckpt.close()
+    save_stats(stats, out_dir)
+    progress(f"wrote {out_dir}: {_plural(stats.meta['tokens'], 'token')}, "
+             f"{_plural(len(stats.moe_layers), 'MoE layer')}, {stats.meta['seconds']:.1f} s")
+    return stats
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"

@@ -1,0 +1,109 @@
+"""What a check reports, and the shapes of things checks look at: shared by `kconvert audit`
+(kconvert.audit) and the checks a conversion runs on its source (kconvert.structure,
+kconvert.quant_checks)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+from typing import Protocol
+
+from kconvert.formats.base import Codec
+from kconvert.formats.nvfp4_ct import Nvfp4Codec
+from kconvert.formats.nvfp4_modelopt import ModeloptNvfp4Codec
+from kconvert.formats.nvfp4_pair_bitmask import Nvfp4PairBitmaskCodec
+from kconvert.io.shards import TensorInfo
+from kconvert.model.names import Role, TensorName, parse_name
+
+CONFIG = "config.json"
+NVFP4 = (Nvfp4Codec, Nvfp4PairBitmaskCodec, ModeloptNvfp4Codec)
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+
+
+@dataclass
+class Finding:
+    group: str
+    check: str
+    message: str
+    layer: int | None = None
+    tensor: str | None = None
+    file: str | None = None
+    severity: str = "fail"
+
+    def where(self) -> str:
+        parts = []
+        if self.layer is not None:
+            parts.append(f"layer {self.layer}")
+        if self.tensor:
+            parts.append(self.tensor)
+        if self.file and not self.tensor:
+            parts.append(self.file)
+        return ", ".join(parts) or "checkpoint"
+
+    def line(self) -> str:
+        tag = "FAIL" if self.severity == "fail" else "warn"
+        return f"{tag} [{self.group}/{self.check}] {self.where()}: {self.message}"
+
+
+class Checks:
+    """Where checks report: how many ran per group, and what failed or warns."""
+
+    def __init__(self) -> None:
+        self.findings: list[Finding] = []
+        self.counts: Counter = Counter()  # group -> checks run
+        self.failed: Counter = Counter()  # group -> checks failed
+
+    def ran(self, group: str, n: int = 1) -> None:
+        self.counts[group] += n
+
+    def add(self, group: str, check: str, message: str, *, layer: int | None = None,
+            tensor: str | None = None, file: str | None = None, severity: str = "fail") -> None:
+        if layer is None and tensor is not None:
+            layer = parse_name(tensor).layer
+        if severity == "fail":
+            self.failed[group] += 1
+        self.keep(Finding(group, check, message, layer, tensor, file, severity))
+
+    def keep(self, finding: Finding) -> None:
+        self.findings.append(finding)
+
+    def check(self, group: str, ok: bool, check: str, message: str, **where) -> bool:
+        self.ran(group)
+        if not ok:
+            self.add(group, check, message, **where)
+        return ok
+
+    def warn(self, group: str, check: str, message: str, **where) -> None:
+        self.add(group, check, message, severity="warn", **where)
+
+
+class Linear(Protocol):
+    """A module's parameter set as the audit (`audit.Module`) and the planner
+    (`stages.ModulePlan`) both hold it."""
+
+    tn: TensorName
+    codec: type[Codec]
+    shape: tuple[int, ...]
+    params: dict[str, TensorInfo]
+
+    @property
+    def primary(self) -> TensorInfo: ...
+
+
+def is_linear(m: Linear) -> bool:
+    """Would the model hold an nn.Linear here (what a config's 'Linear' target means)?"""
+    if m.tn.role in (Role.EMBEDDING, Role.ROUTER_WEIGHT, Role.ROUTER_BIAS, Role.NORM):
+        return False
+    return m.codec.quantized or len(m.shape) == 2
+
+
+def text_config(config: dict) -> dict:
+    """The language model's config: `text_config` of a K2.5/K2.6 wrapper, else the top level."""
+    tc = config.get("text_config")
+    return tc if isinstance(tc, dict) else config
+
+
+def short(v: object, n: int = 80) -> str:
+    s = json.dumps(v, sort_keys=True) if not isinstance(v, str) else repr(v)
+    return s if len(s) <= n else s[: n - 3] + "..."

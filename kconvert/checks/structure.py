@@ -1,0 +1,308 @@
+"""Is a checkpoint what its config says? Checks shared by `kconvert audit` and every conversion.
+
+The audit reports every finding; a conversion runs the same checks (and kconvert.quant_checks)
+on its SOURCE after planning and before it writes anything: `validate_source` refuses a source
+that fails them, with the audit's message, and returns the quantization_config disagreements
+the conversion resolves by following the tensors, as warnings.
+
+Structure: top level and text_config agree; routing parameters in range; every layer index
+within num_hidden_layers (+ MTP); dense layers hold a full MLP and no experts; per MoE layer
+router rows == bias entries == expert count == n_routed_experts, expert ids exactly 0..N-1,
+every expert complete and alike; logical shapes as configured.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kconvert.checks.findings import (
+    CONFIG,
+    FLOAT_DTYPES,
+    Checks,
+    Finding,
+    Linear,
+    short,
+    text_config,
+)
+from kconvert.checks.quant_config import FOLLOWS_TENSORS, check_quant_config
+from kconvert.errors import KconvertError
+from kconvert.io.shards import TensorInfo
+from kconvert.model.names import Role, TensorName, parse_name
+
+PROJS = ("gate_proj", "up_proj", "down_proj")
+SHOWN = 3  # failures a refused conversion quotes (`kconvert audit` lists every one)
+# Keys that must agree between a K2.5/K2.6 config's top level and its text_config.
+SEMANTIC_KEYS = {"quantization_config", "hidden_size", "num_hidden_layers", "n_routed_experts",
+                 "num_experts_per_tok", "vocab_size", "tie_word_embeddings",
+                 "moe_intermediate_size", "intermediate_size", "first_k_dense_replace",
+                 "n_group", "topk_group", "n_shared_experts", "num_attention_heads"}
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def validate_source(config: dict, tensors: dict[str, TensorInfo], modules: Iterable[Linear],
+                    root: Path) -> list[str]:
+    """The structure and quant-config checks on a conversion's source.
+
+    Raises KconvertError when one fails: the audit's messages of the first few failures, how
+    many there are, and the file and tensor of the first. Returns one warning line per
+    disagreement the conversion resolves by following the tensors (and per audit warning),
+    saying how often it was found.
+    """
+    modules = list(modules)
+    checks = Checks()
+    check_config(checks, config)
+    check_layers(checks, config, tensors, modules)
+    check_quant_config(checks, config, modules, root)
+    refused = [f for f in checks.findings if f.severity == "fail"
+               and not (f.group == "quant-config" and f.check in FOLLOWS_TENSORS)]
+    if refused:
+        f = refused[0]
+        file = root / f.file if f.file else (tensors[f.tensor].file if f.tensor in tensors
+                                             else root)
+        shown = "; ".join(f"[{x.group}/{x.check}] {x.where()}: {x.message}"
+                          for x in refused[:SHOWN])
+        more = f"; and {len(refused) - SHOWN} more" if len(refused) > SHOWN else ""
+        raise KconvertError(f"the source is not what its config says: {len(refused)} check(s) "
+                            f"of `kconvert audit` fail: {shown}{more}", file=str(file),
+                            tensor=f.tensor)
+    followed: dict[str, list[Finding]] = defaultdict(list)
+    for f in checks.findings:
+        followed[f.message].append(f)
+    lines = []
+    for message, found in followed.items():
+        what = found[0].where() if len(found) == 1 else (f"{len(found)} times, first "
+                                                        f"{found[0].where()}")
+        fix = "; following the tensors" if found[0].severity == "fail" else ""
+        lines.append(f"{message} ({what}){fix}")
+    return lines
+
+
+def check_config(checks: Checks, config: dict) -> None:
+    """Top level and text_config agree; routing parameters in range."""
+    S = "structure"
+    tc = text_config(config)
+    if "text_config" in config and not isinstance(config["text_config"], dict):
+        checks.add(S, "config", "text_config is not an object", file=CONFIG)
+    if tc is not config:
+        for key in sorted(set(config) & set(tc)):
+            if key in ("model_type", "architectures", "auto_map", "quantization_config"):
+                continue  # quantization_config: compared under quant-config
+            same = config[key] == tc[key]
+            if key in SEMANTIC_KEYS:
+                checks.check(S, same, "config", f"top level {key} = {short(config[key])} but "
+                             f"text_config.{key} = {short(tc[key])}", file=CONFIG)
+            elif not same:
+                checks.warn(S, "config", f"top level {key} = {short(config[key])} differs from "
+                            f"text_config.{key} = {short(tc[key])}", file=CONFIG)
+    n = tc.get("n_routed_experts")
+    k = tc.get("num_experts_per_tok")
+    if _is_int(n) and _is_int(k):
+        checks.check(S, 1 <= k <= n, "config", f"num_experts_per_tok {k} is not in "
+                     f"1..n_routed_experts {n}", file=CONFIG)
+    ng, tg = tc.get("n_group"), tc.get("topk_group")
+    if _is_int(n) and _is_int(ng) and ng > 0:
+        checks.check(S, n % ng == 0, "config", f"n_routed_experts {n} is not divisible by "
+                     f"n_group {ng} (group-limited routing needs equal groups)", file=CONFIG)
+        if _is_int(tg):
+            checks.check(S, 1 <= tg <= ng, "config", f"topk_group {tg} is not in 1..n_group "
+                         f"{ng}", file=CONFIG)
+
+
+@dataclass
+class Layers:
+    """What the layer checks saw: the MoE layers, and per layer the audit table's
+    `experts` and `ids` columns."""
+
+    moe: list[int] = field(default_factory=list)
+    rows: dict[int, dict[str, str]] = field(default_factory=lambda: defaultdict(dict))
+
+
+def _int_key(checks: Checks, tc: dict, key: str, default: int | None,
+             required: bool = False) -> int | None:
+    """tc[key] when it is an integer; else a finding (if present, or required) and default."""
+    v = tc.get(key)
+    if _is_int(v):
+        return v
+    if v is not None or required:
+        checks.add("structure", "config", f"config has no integer {key}"
+                   + (f" ({key} = {short(v)})" if v is not None else ""), file=CONFIG)
+    return default
+
+
+def check_layers(checks: Checks, config: dict, tensors: dict[str, TensorInfo],
+                 modules: Iterable[Linear]) -> Layers:
+    """Layer indices, dense and MoE layers, and the logical shapes the config gives."""
+    S = "structure"
+    tc = text_config(config)
+    by_layer: dict[int, list[TensorName]] = defaultdict(list)
+    for name in tensors:
+        tn = parse_name(name)
+        if tn.layer is not None:
+            by_layer[tn.layer].append(tn)
+    has_experts = any(tn.role is Role.ROUTED_EXPERT for tns in by_layer.values() for tn in tns)
+    n_cfg = _int_key(checks, tc, "n_routed_experts", None, required=has_experts)
+    n_layers = _int_key(checks, tc, "num_hidden_layers", None, required=True)
+    if n_layers is None:
+        n_layers = max(by_layer, default=-1) + 1
+    first_k = _int_key(checks, tc, "first_k_dense_replace", 0)
+    freq = _int_key(checks, tc, "moe_layer_freq", 1) or 1
+    nextn = _int_key(checks, tc, "num_nextn_predict_layers", 0)
+    hidden = _int_key(checks, tc, "hidden_size", None)
+    moe_inter = _int_key(checks, tc, "moe_intermediate_size", None)
+    inter = _int_key(checks, tc, "intermediate_size", None)
+    n_shared = _int_key(checks, tc, "n_shared_experts", 1) or 1
+
+    total = n_layers + nextn
+    for layer in sorted(by_layer):
+        checks.check(S, layer < total, "layers", f"tensors of layer {layer} but "
+                     f"num_hidden_layers is {n_layers} (+{nextn} MTP)", layer=layer,
+                     tensor=by_layer[layer][0].name)
+    for layer in range(n_layers):
+        checks.check(S, layer in by_layer, "layers", "layer has no tensors at all", layer=layer)
+    for layer in range(n_layers, total):
+        if layer not in by_layer:
+            checks.warn(S, "layers", "MTP (nextn) layer declared in config but absent",
+                        layer=layer)
+
+    out = Layers()
+    # A config without a usable n_routed_experts was reported above; its MoE layers are still
+    # checked (against their own expert count) rather than called dense.
+    moe_model = n_cfg is not None or has_experts
+    out.moe = [L for L in sorted(by_layer)
+               if moe_model and first_k <= L < total and L % freq == 0]
+    needs_bias = tc.get("topk_method") == "noaux_tc"
+    for layer, tns in sorted(by_layer.items()):
+        if layer in out.moe:
+            _check_moe_layer(checks, out.rows[layer], layer, tns, tensors, n_cfg, hidden,
+                             needs_bias)
+            continue
+        roles = {tn.role for tn in tns}
+        checks.check(S, Role.ROUTED_EXPERT not in roles and Role.ROUTER_WEIGHT not in roles,
+                     "layers", "dense layer (first_k_dense_replace / moe_layer_freq) holds "
+                     "routed experts or a router", layer=layer)
+        if layer < n_layers:
+            have = {tn.proj for tn in tns if tn.role is Role.DENSE_MLP}
+            checks.check(S, have == set(PROJS), "layers", f"dense MLP has projections "
+                         f"{sorted(p for p in have if p)}, needs gate_proj, up_proj, down_proj",
+                         layer=layer)
+            out.rows[layer]["experts"] = "dense"
+    for m in modules:
+        want = None
+        if m.tn.role is Role.ROUTED_EXPERT:
+            want = (moe_inter, hidden)
+        elif m.tn.role is Role.SHARED_EXPERT and moe_inter is not None:
+            want = (moe_inter * n_shared, hidden)
+        elif m.tn.role is Role.DENSE_MLP:
+            want = (inter, hidden)
+        if want is None or None in want:
+            continue
+        if m.tn.proj == "down_proj":
+            want = (want[1], want[0])
+        checks.check(S, tuple(m.shape) == want, "shape", f"logical shape {list(m.shape)}, "
+                     f"config says {list(want)}", tensor=m.primary.name)
+    return out
+
+
+def _check_moe_layer(checks: Checks, row: dict[str, str], layer: int, tns: list[TensorName],
+                     tensors: dict[str, TensorInfo], n_cfg: int | None, hidden: int | None,
+                     needs_bias: bool) -> None:
+    S = "structure"
+    router = next((tn for tn in tns if tn.role is Role.ROUTER_WEIGHT), None)
+    bias = next((tn for tn in tns if tn.role is Role.ROUTER_BIAS), None)
+    experts: dict[int, dict[str, dict[str, TensorInfo]]] = defaultdict(lambda: defaultdict(
+        dict))
+    for tn in tns:
+        if tn.role is Role.ROUTED_EXPERT:
+            experts[tn.expert][tn.proj][tn.param] = tensors[tn.name]
+    ids = sorted(experts)
+    row["experts"] = str(len(ids))
+    counts = {"n_routed_experts": n_cfg, "expert ids": len(ids)}
+    if checks.check(S, router is not None, "router", "MoE layer has no mlp.gate.weight",
+                    layer=layer):
+        info = tensors[router.name]
+        counts["router rows"] = info.shape[0] if info.shape else None
+        checks.check(S, len(info.shape) == 2 and (hidden is None or info.shape[1] == hidden),
+                     "router", f"router shape {list(info.shape)}, expected [N, {hidden}]",
+                     tensor=router.name)
+        checks.check(S, info.dtype in FLOAT_DTYPES, "router", f"router dtype {info.dtype} is "
+                     "not floating point", tensor=router.name)
+    if bias is not None:
+        info = tensors[bias.name]
+        counts["e_score_correction_bias entries"] = info.shape[0] if info.shape else None
+        checks.check(S, info.dtype == "F32", "bias", f"e_score_correction_bias is {info.dtype}; "
+                     "it must stay F32", tensor=bias.name)
+        checks.check(S, len(info.shape) == 1, "bias", f"bias shape {list(info.shape)} is not "
+                     "[N]", tensor=bias.name)
+    elif needs_bias:
+        checks.add(S, "bias", "topk_method noaux_tc but no mlp.gate.e_score_correction_bias",
+                   layer=layer)
+    values = {k: v for k, v in counts.items() if v is not None}
+    if not checks.check(S, len(set(values.values())) == 1, "counts",
+                        "disagree: " + ", ".join(f"{k} = {v}" for k, v in values.items()),
+                        layer=layer, tensor=router.name if router else None):
+        row["experts"] = " vs ".join(str(v) for v in dict.fromkeys(values.values()))
+    n = n_cfg if n_cfg is not None else len(ids)
+    missing = sorted(set(range(n)) - set(ids))
+    extra = sorted(set(ids) - set(range(n)))
+    if checks.check(S, not missing and not extra, "expert-ids",
+                    f"expert ids must be exactly 0..{n - 1}: "
+                    + "; ".join(s for s in (f"missing {_ranges(missing)}" if missing else "",
+                                            f"unexpected {_ranges(extra)}" if extra else "") if s),
+                    layer=layer):
+        row["ids"] = f"0..{n - 1}" if n else "none"
+    else:
+        row["ids"] = f"gap: {_ranges(missing)}" if missing else f"extra: {_ranges(extra)}"
+    if ids:
+        _check_experts_alike(checks, layer, experts, ids)
+
+
+def _check_experts_alike(checks: Checks, layer: int,
+                         experts: dict[int, dict[str, dict[str, TensorInfo]]],
+                         ids: list[int]) -> None:
+    """Every expert complete and alike: the layer's most common parameter set and layout."""
+    S = "structure"
+    ref_params = {proj: Counter(frozenset(p) for p in (experts[e].get(proj, {})
+                                                       for e in ids)).most_common(1)[0][0]
+                  for proj in PROJS}
+    layouts: dict[tuple[str, str], Counter] = defaultdict(Counter)
+    for e in ids:
+        for proj, params in experts[e].items():
+            for p, info in params.items():
+                layouts[(proj, p)][(info.dtype, info.shape)] += 1
+    for e in ids:
+        for proj in PROJS:
+            have = set(experts[e].get(proj, {}))
+            want = set(ref_params[proj])
+            anyinfo = next(iter(next(iter(experts[e].values())).values()))
+            tname = anyinfo.name.split(".mlp.experts.")[0] + f".mlp.experts.{e}.{proj}"
+            if not have:
+                checks.add(S, "experts", f"expert {e} has no {proj}", layer=layer, tensor=tname)
+                continue
+            checks.check(S, have == want, "experts", f"expert {e} {proj} has parameters "
+                         f"{sorted(have)}, the layer's experts have {sorted(want)}"
+                         + (f" (missing {sorted(want - have)})" if want - have else ""),
+                         layer=layer, tensor=tname)
+            for p, info in experts[e][proj].items():
+                common = layouts[(proj, p)].most_common(1)[0][0]
+                checks.check(S, (info.dtype, info.shape) == common, "experts",
+                             f"{info.dtype}{list(info.shape)} but the layer's other experts "
+                             f"have {common[0]}{list(common[1])}", layer=layer,
+                             tensor=info.name)
+
+
+def _ranges(ids: list[int]) -> str:
+    """[0,1,2,5,7,8] -> '0..2,5,7..8'."""
+    out, start = [], None
+    for i, v in enumerate(ids):
+        if start is None:
+            start = v
+        if i + 1 == len(ids) or ids[i + 1] != v + 1:
+            out.append(str(start) if start == v else f"{start}..{v}")
+            start = None
+    return ",".join(out) or "none"

@@ -1,0 +1,36 @@
+"""The command line: a thin click layer over `convert.convert`, the recipes, calibration and the
+audit.
+
+Only click is imported at start-up, so `kconvert --help` answers at once; each command imports
+what it runs (torch and compressed-tensors take seconds). Every command reports errors the same
+way (`KconvertCommand`): a problem the user can fix is one line and exit 2, an internal error
+keeps its traceback, says it is a bug, and exits 1.
+"""
+
+from __future__ import annotations
+
+import click
+
+from kconvert import __version__
+from kconvert.cli.base import KconvertGroup
+from kconvert.cli.convert import (
+    densify,
+    dequant,
+    int4_to_nvfp4,
+    quantize,
+    reap,
+    run_recipe,
+    sparsify,
+)
+from kconvert.cli.tools import audit, calibrate_cmd
+
+
+@click.group(cls=KconvertGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__)
+def main() -> None:
+    """Convert and compress Kimi-K2 family MoE checkpoints shard by shard."""
+
+
+for command in (int4_to_nvfp4, quantize, dequant, reap, sparsify, densify, run_recipe,
+                calibrate_cmd, audit):
+    main.add_command(command)

@@ -1,0 +1,234 @@
+"""What every command shares: the one error path, --device, and the option groups.
+
+Only click is imported at start-up, so `kconvert --help` answers at once; each command imports
+what it runs (torch and compressed-tensors take seconds). Every command reports errors the same
+way (`KconvertCommand`): a problem the user can fix is one line and exit 2, an internal error
+keeps its traceback, says it is a bug, and exits 1.
+"""
+
+from __future__ import annotations
+
+import errno
+import re
+import traceback
+from collections.abc import Callable
+
+import click
+from click.core import ParameterSource
+
+from kconvert import __version__
+from kconvert.errors import KconvertError
+
+DEVICE_SPEC = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+# --samples when it is not given: REAP ranks experts on many routed tokens per expert, while
+# SparseGPT's per-expert Hessians are good from a few dozen sequences and cost far more each.
+REAP_SAMPLES = 1024
+
+
+SPARSEGPT_SAMPLES = 128
+
+
+AUDIT_CHUNK_MB = 8  # kconvert.audit.CHUNK, in MiB (a test keeps the two equal)
+
+
+# Choices whose lists live in modules that import torch (tests keep these equal to them).
+CRITERIA = ("ean", "frequency", "reap")  # kconvert.reap.CRITERIA
+
+
+METHODS = ("magnitude", "wanda", "sparsegpt")  # kconvert.sparsify.METHODS
+
+
+STORAGES = ("dense", "pair-bitmask")  # kconvert.sparsify.STORAGES
+
+
+# Options that only act beside another one: given alone they would be silently dropped.
+ONLY_WITH = {
+    "samples": ("data",), "seq_len": ("data",), "batch_size": ("data",), "seed": ("data",),
+    "save_stats": ("data",),
+    "keep": ("data", "stats"), "prune_ratio": ("data", "stats"), "criterion": ("data", "stats"),
+}
+
+
+# What to do about an OSError that reaches the command line, by errno.
+OS_ADVICE = {
+    errno.ENOSPC: "free space on that file system, then run the same command again{resume}",
+    errno.EDQUOT: "the disk quota is used up: free space or raise the quota, then run the same "
+                  "command again{resume}",
+    errno.EROFS: "the file system is read-only: choose an output directory on a writable one",
+    errno.EACCES: "make it readable (an input) or writable (the output directory) for this "
+                  "user, or choose another directory",
+    errno.EPERM: "make it readable (an input) or writable (the output directory) for this user, "
+                 "or choose another directory",
+    errno.ENOENT: "check the path (was it moved or deleted while kconvert ran?)",
+    errno.EMFILE: "raise the open-files limit (ulimit -n)",
+    errno.ENFILE: "the system has too many open files: close some programs, then run again",
+    errno.EIO: "the disk or network file system failed: check it (dmesg), then run again",
+}
+
+
+BUG_REPORT = ("kconvert: internal error: this is a bug in kconvert {version}, not a problem "
+              "with your input. Please report it (an issue in the kconvert repository) with "
+              "the command line and the traceback above.")
+
+
+def _os_error_message(exc: OSError, ctx: click.Context) -> str:
+    where = (exc.filename or ctx.params.get("dst") or ctx.params.get("out")
+             or ctx.params.get("ckpt") or "?")
+    if exc.filename2:
+        where = f"{where} -> {exc.filename2}"
+    name = errno.errorcode.get(exc.errno, "") if exc.errno is not None else ""
+    resume = " with --resume (it keeps what was written)" if "resume" in ctx.params else ""
+    advice = OS_ADVICE.get(exc.errno, "fix the cause, then run the same command again{resume}")
+    return (f"{where}: {exc.strerror or exc}" + (f" [{name}]" if name else "")
+            + f"; {advice.format(resume=resume)}")
+
+
+class KconvertCommand(click.Command):
+    """A command whose errors reach the user as one line: KconvertError and OSError exit 2
+    without a traceback; anything else is a bug, reported as one, exit 1."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except KconvertError as exc:
+            click.echo(f"kconvert: error: {exc}", err=True)
+            ctx.exit(2)
+        except OSError as exc:
+            if exc.errno == errno.EPIPE:  # output piped into `head`: click ends quietly
+                raise
+            click.echo(f"kconvert: error: {_os_error_message(exc, ctx)}", err=True)
+            ctx.exit(2)
+        except Exception:
+            traceback.print_exc()
+            click.echo(BUG_REPORT.format(version=__version__), err=True)
+            ctx.exit(1)
+
+
+class KconvertGroup(click.Group):
+    command_class = KconvertCommand
+
+
+def _device_spec(_ctx, _param, value: str) -> str:
+    if not DEVICE_SPEC.fullmatch(value):
+        raise click.BadParameter(f"{value!r} is not auto, cpu, cuda or cuda:N")
+    return value
+
+
+def _device_option(help_text: str = "auto | cpu | cuda | cuda:N"):
+    return click.option("--device", default="auto", show_default=True, callback=_device_spec,
+                        help=help_text)
+
+
+def _apply(options: list) -> Callable:
+    def decorate(f):
+        for option in reversed(options):
+            f = option(f)
+        return f
+
+    return decorate
+
+
+_run_options = _apply([
+    click.option("--revision", default=None, help="Hub revision when SRC is a repo id."),
+    _device_option(),
+    click.option("--resume", is_flag=True,
+                 help="Continue an interrupted run into DST (finished shards are re-hashed "
+                      "and kept if unchanged)."),
+    click.option("--trust-complete", is_flag=True,
+                 help="With --resume: keep finished shards without re-hashing them."),
+    click.option("--overwrite", is_flag=True,
+                 help="Replace DST if it is a kconvert output (or empty); the old output stays "
+                      "until the new one is complete when the disk has room for both."),
+    click.option("--dry-run", is_flag=True,
+                 help="Print what each tensor role becomes and the output size; write nothing."),
+    click.option("--quiet", is_flag=True, help="No progress bar."),
+    click.option("--readers", type=click.IntRange(min=1), default=4, show_default=True,
+                 help="Reader threads."),
+])
+
+
+_quant_options = _apply([
+    click.option("--format", "fmt", type=click.Choice(["compressed-tensors", "modelopt"]),
+                 default=None, help="NVFP4 on-disk flavour [default: compressed-tensors]."),
+    click.option("--block-scale", type=click.Choice(["amax", "mse"]), default=None,
+                 help="FP8 block-scale rule: amax (compressed-tensors/ModelOpt bytes) or mse "
+                      "(min block error) [default: mse]."),
+    click.option("--act-stats", type=click.Path(exists=True, dir_okay=False), default=None,
+                 help="Calibration statistics JSON {\"input_amax\": {module: amax}}: "
+                      "listed modules become W4A4 with input scales."),
+    click.option("--targets", default=None,
+                 help="Comma list of experts,shared_experts,dense_mlp,attention "
+                      "[default: experts]."),
+])
+
+
+def _calibration_options(samples_default: int | None, samples_help: str) -> list:
+    """--samples/--seq-len/--batch-size/--seed: how `--data` is read and run."""
+    return [
+        click.option("--samples", type=click.IntRange(min=1), default=samples_default,
+                     show_default=samples_default is not None, help=samples_help),
+        click.option("--seq-len", type=click.IntRange(min=1), default=2048, show_default=True,
+                     help="With --data: tokens per sequence."),
+        click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True,
+                     help="With --data: sequences per step."),
+        click.option("--seed", default=0, show_default=True, help="With --data: data order."),
+    ]
+
+
+def _prune_options(samples_default: int | None, samples_help: str) -> Callable:
+    return _apply([
+        click.option("--keep", type=click.IntRange(min=1), default=None,
+                     help="Routed experts to keep per layer (at least num_experts_per_tok)."),
+        click.option("--prune-ratio", type=click.FloatRange(0, 1, max_open=True), default=None,
+                     help="Fraction of routed experts to drop, in [0, 1) (instead of --keep)."),
+        click.option("--criterion", type=click.Choice(CRITERIA), default="reap",
+                     show_default=True, help="How experts are ranked."),
+        click.option("--plan", "plan_file", type=click.Path(exists=True, dir_okay=False),
+                     default=None, help="Apply this plan file instead of computing one."),
+        click.option("--stats", type=click.Path(exists=True, file_okay=False), default=None,
+                     help="Calibration statistics from `kconvert calibrate`."),
+        click.option("--data", type=click.Path(exists=True, dir_okay=False), default=None,
+                     help="Calibrate on this JSONL first (as `kconvert calibrate --data`)."),
+        *_calibration_options(samples_default, samples_help),
+        click.option("--save-stats", "save_stats_dir", type=click.Path(file_okay=False),
+                     default=None,
+                     help="With --data: also keep the statistics here, for reuse."),
+    ])
+
+
+PRUNE_OPTIONS = ("keep", "prune_ratio", "criterion", "plan_file", "stats", "data", "samples",
+                 "seq_len", "batch_size", "seed", "save_stats_dir")
+
+
+SPARSIFY_OPTIONS = ("pattern", "method", "group_size", "storage")
+
+
+_sparsify_options = _apply([
+    click.option("--pattern", type=click.Choice(["p48"]), default=None,
+                 help="Sparsity pattern: paired-4:8 [default: p48]."),
+    click.option("--method", type=click.Choice(METHODS), default=None,
+                 help="Mask selection: magnitude (data-free), wanda (--stats), sparsegpt "
+                      "(--data) [default: magnitude]."),
+    click.option("--group-size", type=click.Choice(["16", "32"]), default=None,
+                 help="Elements per FP8 block scale: 16 loads on stock vLLM, 32 is what "
+                      "sparse FP4 kernels read [default: 16]."),
+    click.option("--storage", type=click.Choice(STORAGES), default=None,
+                 help="dense (zeros inside weight_packed) or pair-bitmask (kept bytes + "
+                      "4-bit masks, ~0.65x) [default: dense]."),
+])
+
+
+def _given_options(ctx: click.Context) -> list[str]:
+    """Options set on the command line (or from the environment), by long name with `_`:
+    the names kconvert.pipeline.STAGE_KINDS uses."""
+    given = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+    return [max(p.opts, key=len).lstrip("-").replace("-", "_") for p in ctx.command.params
+            if isinstance(p, click.Option) and ctx.get_parameter_source(p.name) in given]
+
+
+def _echo(quiet: bool) -> Callable[[str], None]:
+    return (lambda _message: None) if quiet else click.echo

@@ -1,0 +1,82 @@
+"""The commands that read a checkpoint: calibration and the audit."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from kconvert.cli.base import (
+    AUDIT_CHUNK_MB,
+    REAP_SAMPLES,
+    KconvertCommand,
+    _device_option,
+    _echo,
+)
+
+
+@click.command("calibrate", cls=KconvertCommand)
+@click.argument("src")
+@click.option("--data", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="JSONL calibration data: one {\"input_ids\"|\"text\"|\"messages\": ...} a line.")
+@click.option("-o", "--output", "out", required=True, type=click.Path(file_okay=False),
+              help="Directory for stats.safetensors, stats.json and act_stats.json.")
+@click.option("--samples", type=click.IntRange(min=1), default=REAP_SAMPLES, show_default=True,
+              help="Sequences to calibrate on.")
+@click.option("--seq-len", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="Tokens per sequence.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Sequences per forward step through a layer.")
+@click.option("--seed", default=0, show_default=True, help="Order in which data lines are used.")
+@_device_option()
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
+              show_default=True, help="Compute dtype of weights and hidden states.")
+@click.option("--tokenizer", default=None,
+              help="Tokenizer directory for text/messages lines [default: SRC].")
+@click.option("--revision", default=None, help="Hub revision when SRC is a repo id.")
+@click.option("--overwrite", is_flag=True, help="Replace statistics already in the directory.")
+@click.option("--quiet", is_flag=True, help="No per-layer progress.")
+def calibrate_cmd(src, data, out, samples, seq_len, batch_size, seed, device, dtype, tokenizer,
+                  revision, overwrite, quiet):
+    """Layer-streamed calibration of SRC: REAP saliency, expert counts, activation stats."""
+    from kconvert.calibrate.run import run_calibration
+
+    run_calibration(src, data, out, samples, seq_len, batch_size, seed, device, dtype,
+                    tokenizer, revision, overwrite, progress=_echo(quiet))
+
+
+@click.command("audit", cls=KconvertCommand)
+@click.argument("ckpt", type=click.Path(file_okay=False))
+@click.option("--source", default=None,
+              help="The checkpoint CKPT was made from (directory or Hub repo id): compare "
+                   "router rows, experts, tensors and files against it.")
+@click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Pruning plan JSON (manifests/plan.schema.json); default: the manifest's, "
+                   "else inferred from router rows.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@_device_option("Where decodes are compared: auto | cpu | cuda | cuda:N")
+@click.option("--revision", default=None, help="Hub revision when --source is a repo id.")
+@click.option("--max-rel-mse", type=float, default=None,
+              help="Bound on a re-encoded module's relative MSE against the source decode "
+                   "[default: the manifest's per-layer maximum, else 0.05].")
+@click.option("--chunk-mb", type=click.IntRange(1, 1024), default=AUDIT_CHUNK_MB,
+              show_default=True, help="Bytes read per piece of a large tensor; pieces in "
+                                      "flight hold about 8x this.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def audit(ckpt, source, plan_path, as_json, device, revision, max_rel_mse, chunk_mb, quiet):
+    """Check that CKPT is what its config, manifest and plan say; exit 0 only if all pass.
+
+    Exit status: 0 every check passed, 1 some check failed, 2 the audit could not run.
+    """
+    from kconvert.audit.auditor import run_audit
+
+    if revision is not None and source is None:
+        raise click.UsageError("--revision applies only with --source (a Hub repo id)")
+    report = run_audit(ckpt, source, plan_path, device, revision, progress=not quiet,
+                       max_rel_mse=max_rel_mse, chunk=chunk_mb << 20)
+    if as_json:
+        click.echo(json.dumps(report.to_json(), indent=1, default=str))
+    else:
+        click.echo(report.render())
+    sys.exit(0 if report.passed else 1)

@@ -1,0 +1,102 @@
+"""The writer side of the engine: planned partial files, content hashes, rename-on-complete."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from concurrent.futures import Future
+from pathlib import Path
+
+import xxhash
+
+from kconvert import events
+from kconvert.engine.compute import Result
+from kconvert.engine.work import Plan
+from kconvert.io.files import write_json
+from kconvert.io.lock import STATE_DIR
+from kconvert.io.shards import ShardWriter, byte_view, tensor_nbytes
+
+
+class ShardSink:
+    """The writer side: planned .partial files, hashing, and rename-on-complete."""
+
+    def __init__(self, plan: Plan, dst: Path, done: dict[str, dict]):
+        self.plan, self.dst = plan, dst
+        self.state = dst / STATE_DIR
+        (self.state / "partial").mkdir(parents=True, exist_ok=True)
+        (self.state / "done").mkdir(parents=True, exist_ok=True)
+        self.entries = plan.shard_entries
+        self.done = done  # shard -> record, for shards already complete
+        self.skipped = set(done)  # complete before this run: nothing is written or hashed
+        # A module's outputs all land in the shard of its primary source tensor.
+        self.module_shard = {m.out_module: m.primary.file.name for m in plan.modules}
+        # Data bytes still to write per shard; the shard is finished when this reaches 0.
+        self.remaining = {shard: sum(tensor_nbytes(d, s) for _, d, s in e)
+                          for shard, e in self.entries.items()}
+        self.writers: dict = {}
+        self.hashers: dict[str, xxhash.xxh3_128] = {}
+        self.records: dict[str, dict] = defaultdict(lambda: {"tensors": {}, "modules": {}})
+
+    def _complete(self, name: str, offset: int, nbytes: int) -> bool:
+        out = self.plan.outputs[name]
+        return offset + nbytes == tensor_nbytes(out.dtype, out.shape)
+
+    def hash(self, result: Result) -> dict[str, str]:
+        """Content hashes of the output tensors that `result` completes. Runs in a thread of
+        its own, beside the writer, one result after another in order (a tensor may span
+        results). In the writer thread, hashing kept the writer, the pipeline's busiest
+        stage, busy 2.7 s longer per 15.5 GB (scripts/results/README.md, session 5)."""
+        digests = {}
+        for name, data, offset in result.writes:
+            if self.plan.outputs[name].shard in self.skipped:
+                continue
+            view = byte_view(data)
+            hasher = self.hashers.setdefault(name, xxhash.xxh3_128())
+            hasher.update(view)
+            if self._complete(name, offset, len(view)):
+                digests[name] = self.hashers.pop(name).hexdigest()
+        return digests
+
+    def write(self, result: Result, hashed: Future) -> None:
+        """Write `result`'s bytes; `hashed` is its `hash`, computed meanwhile."""
+        # Stats first: the writes below may complete (and close the record of) their shard.
+        for module, st in result.stats.items():
+            shard = self.module_shard[module]
+            if shard not in self.skipped:
+                self.records[shard]["modules"][module] = st.__dict__
+        finished = []
+        for name, data, offset in result.writes:
+            shard = self.plan.outputs[name].shard
+            if shard in self.skipped:
+                continue
+            writer = self.writers.get(shard)
+            if writer is None:
+                writer = self.writers[shard] = ShardWriter(
+                    self.dst / shard, self.state / "partial" / shard, self.entries[shard])
+            writer.write(name, data, offset)
+            self.remaining[shard] -= data.numel() * data.element_size()
+            if self.remaining[shard] == 0:
+                finished.append(shard)
+        for name, digest in hashed.result().items():
+            self.records[self.plan.outputs[name].shard]["tensors"][name] = digest
+        for shard in finished:
+            self._finish(shard)
+
+    def _finish(self, shard: str) -> None:
+        self.writers.pop(shard).finish()
+        record = self.records.pop(shard)
+        write_json(self.state / "done" / f"{shard}.json", record,
+                   self.state / "tmp" / f"{shard}.json")
+        self.done[shard] = record
+        events.emit("shard-done", shard=shard)
+
+    def finish_empty(self) -> None:
+        """Shards with no data bytes at all (possible only for zero-size tensors)."""
+        for shard, left in self.remaining.items():
+            if left == 0 and shard not in self.done:
+                self.writers[shard] = ShardWriter(
+                    self.dst / shard, self.state / "partial" / shard, self.entries[shard])
+                self._finish(shard)
+
+    def abandon(self) -> None:
+        for writer in self.writers.values():
+            writer.abandon()

@@ -1,0 +1,288 @@
+"""The work plan: every output tensor and shard header, and the work items that make them."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from kconvert.errors import KconvertError
+from kconvert.formats import DenseCodec
+from kconvert.io.checkpoint import Checkpoint
+from kconvert.io.shards import TensorInfo, tensor_nbytes
+from kconvert.model.names import Role, parse_name, split_param
+from kconvert.stages.base import ModulePlan, Stage, group_modules
+from kconvert.stages.quantize import Quantize
+
+# Pass-through bytes move in pieces of this size (memory: ~8 pieces in flight).
+COPY_CHUNK = 16 << 20
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    shard: str
+    sources: tuple[str, ...]
+    stage: str  # "copy" or the stages that produced it, e.g. "dequant+quantize"
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A byte range of a pass-through tensor; with `rows`, the whole tensor, rows selected."""
+
+    info: TensorInfo
+    out_name: str
+    offset: int
+    length: int
+    rows: tuple[int, ...] | None = None
+
+
+@dataclass
+class CopyItem:
+    chunks: list[Chunk]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+
+@dataclass
+class DecodeGroup:
+    """Same-codec, same-shape, same-treatment modules decoded as one batch [B, out, in]."""
+
+    modules: list[ModulePlan]
+
+    @property
+    def codec(self):
+        return self.modules[0].codec
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        """Source parameters read: the codec's, plus those a re-layout carries over."""
+        return self.codec.params + self.modules[0].carried
+
+
+@dataclass
+class TransformItem:
+    sets: list[list[ModulePlan]]
+    groups: list[DecodeGroup] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        by_key: dict[tuple, list[ModulePlan]] = defaultdict(list)
+        for fused in self.sets:
+            for m in fused:
+                key = (m.codec.name, m.shape, m.out_codec.__name__, m.block, m.repack,
+                       m.carried, id(m.transform))
+                by_key[key].append(m)
+        self.groups = [DecodeGroup(ms) for ms in by_key.values()]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(i.nbytes for s in self.sets for m in s for i in m.params.values())
+
+
+Item = CopyItem | TransformItem
+
+
+@dataclass
+class Plan:
+    ckpt: Checkpoint
+    stages: list[Stage]
+    modules: list[ModulePlan]
+    outputs: dict[str, OutTensor]
+    items: list[Item]
+    dropped: dict[str, str]  # source tensor -> why it has no output
+
+    @property
+    def shard_entries(self) -> dict[str, list[tuple[str, str, tuple[int, ...]]]]:
+        entries: dict[str, list] = defaultdict(list)
+        for t in self.outputs.values():
+            entries[t.shard].append((t.name, t.dtype, t.shape))
+        return dict(sorted(entries.items()))
+
+    @property
+    def block_scale(self) -> str:
+        return next((s.block_scale for s in self.stages if isinstance(s, Quantize)), "mse")
+
+    def item_shards(self, item: Item) -> set[str]:
+        if isinstance(item, CopyItem):
+            return {self.outputs[c.out_name].shard for c in item.chunks}
+        return {m.primary.file.name for s in item.sets for m in s}
+
+
+def read_shape_values(ckpt: Checkpoint) -> dict[str, tuple[int, ...]]:
+    """Contents of every INT4 `weight_shape` tensor (8-16 bytes each), needed to plan shapes."""
+    values = {}
+    for name, info in ckpt.tensors.items():
+        if name.endswith(".weight_shape"):
+            values[name] = tuple(int(v) for v in ckpt.reader_for(info).read(info).tolist())
+    return values
+
+
+def _renames(names, stages: list[Stage]) -> dict[str, tuple[str | None, tuple[int, ...] | None]]:
+    """Source name -> (output name or None if dropped, router rows kept or None)."""
+    out = {}
+    for name in names:
+        new, rows = name, None
+        for stage in stages:
+            if new is None:
+                break
+            new, stage_rows = stage.rename(parse_name(new))
+            rows = stage_rows if stage_rows is not None else rows
+        out[name] = (new, rows)
+    return out
+
+
+def build_plan(ckpt: Checkpoint, stages: list[Stage], work_elems: int) -> Plan:
+    tensors = ckpt.tensors
+    renames = _renames(tensors, stages)
+    dropped = {n: "routed expert not kept by the plan" for n, (new, _) in renames.items()
+               if new is None}
+    all_modules, others = group_modules(tensors, read_shape_values(ckpt))
+    modules = []
+    for m in all_modules:
+        new = renames[m.primary.name][0]
+        if new is None:
+            continue
+        m.out_module = split_param(new)[0]
+        for stage in stages:
+            stage.plan(m)
+        modules.append(m)
+    _share_input_amax(modules)
+
+    outputs: dict[str, OutTensor] = {}
+    copies: list[tuple[TensorInfo, str, tuple[int, ...] | None]] = [
+        (info, *renames[info.name]) for info in others if renames[info.name][0] is not None
+    ]
+    transformed: list[ModulePlan] = []
+    for m in modules:
+        if m.out_codec is None:
+            copies += [(info, m.out_module + "." + p, None) for p, info in m.params.items()]
+            continue
+        transformed.append(m)
+        stage = "+".join(m.stages)
+        sources = tuple(i.name for i in m.params.values())
+        for param, dtype, shape in m.out_specs():
+            name = f"{m.out_module}.{param}"
+            outputs[name] = OutTensor(name, dtype, tuple(shape), m.primary.file.name, sources,
+                                      stage)
+    for info, out_name, rows in copies:
+        shape = info.shape if rows is None else (len(rows), *info.shape[1:])
+        stage = "copy" if rows is None else "select-rows"
+        outputs[out_name] = OutTensor(out_name, info.dtype, shape, info.file.name, (info.name,),
+                                      stage)
+
+    items: list[Item] = []
+    for shard in ckpt.shards:
+        items += _copy_items([c for c in copies if c[0].file.name == shard])
+        items += _transform_items([m for m in transformed if m.primary.file.name == shard],
+                                  work_elems)
+    if any(s.ordered_layers for s in stages):
+        # A stage that streams calibration layers forward (SparseGPT) needs layer order
+        # across shards too; sorted() is stable, so within a layer shard order stays.
+        items.sort(key=lambda it: -1 if isinstance(it, CopyItem) else _item_layer(it))
+    return Plan(ckpt, stages, modules, outputs, items, dropped)
+
+
+def _item_layer(item: TransformItem) -> int:
+    layer = item.sets[0][0].tn.layer
+    return -1 if layer is None else layer
+
+
+def _share_input_amax(modules: list[ModulePlan]) -> None:
+    """A fused set runs as one GEMM on one quantized input: its members share the input scale."""
+    sets: dict[str, list[ModulePlan]] = defaultdict(list)
+    for m in modules:
+        sets[m.tn.fused_set].append(m)
+    for members in sets.values():
+        given = [m.input_amax for m in members if m.input_amax is not None]
+        if given:
+            if len(given) != len(members):
+                raise KconvertError("activation statistics cover only part of a fused set",
+                                    tensor=members[0].tn.fused_set)
+            for m in members:
+                m.input_amax = max(given)
+
+
+def _copy_items(copies: list[tuple[TensorInfo, str, tuple[int, ...] | None]]) -> list[CopyItem]:
+    """Pass-through bytes in items of at most COPY_CHUNK: big tensors split, small ones merged.
+
+    A tensor with selected rows (a pruned router) is read whole: it is small.
+    """
+    items, current, size = [], [], 0
+    for info, out_name, rows in sorted(copies, key=lambda c: c[0].start):
+        item_size = info.torch_dtype.itemsize
+        step = info.nbytes if rows is not None else COPY_CHUNK // item_size * item_size
+        for offset in range(0, max(info.nbytes, 1), max(step, item_size)):
+            length = min(step, info.nbytes - offset)
+            if size + length > COPY_CHUNK and current:
+                items.append(CopyItem(current))
+                current, size = [], 0
+            current.append(Chunk(info, out_name, offset, length, rows))
+            size += length
+    if current:
+        items.append(CopyItem(current))
+    return items
+
+
+def _transform_items(modules: list[ModulePlan], work_elems: int) -> list[TransformItem]:
+    """Fused sets of one layer and role, batched up to `work_elems` decoded elements."""
+    sets: dict[str, list[ModulePlan]] = {}
+    for m in modules:
+        sets.setdefault(m.tn.fused_set, []).append(m)
+
+    def order(s: list[ModulePlan]) -> tuple:
+        tn = s[0].tn
+        return (tn.layer if tn.layer is not None else -1, tn.role.value,
+                tn.expert if tn.expert is not None else -1, tn.fused_set)
+
+    items, current, elems, key = [], [], 0, None
+    for fused in sorted(sets.values(), key=order):
+        fused.sort(key=lambda m: m.module)
+        n = sum(m.shape[0] * m.shape[1] for m in fused)
+        this_key = (fused[0].tn.layer, fused[0].tn.role)
+        if current and (this_key != key or elems + n > work_elems):
+            items.append(TransformItem(current))
+            current, elems = [], 0
+        current.append(fused)
+        elems += n
+        key = this_key
+    if current:
+        items.append(TransformItem(current))
+    return items
+
+
+def describe(plan: Plan) -> list[tuple[str, str, str, int, int, int, int]]:
+    """Dry-run rows: (role, source format, output, source tensors, output tensors, source
+    bytes, output bytes). A plain floating-point format is named by its dtype (BF16, F32)."""
+    rows: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+    for m in plan.modules:
+        source = m.primary.dtype if m.codec is DenseCodec else m.codec.name
+        if m.out_codec is None:
+            out, n_out = "copy", len(m.params)
+            out_bytes = sum(i.nbytes for i in m.params.values())
+        else:
+            out = m.dense_dtype if m.out_codec is DenseCodec else m.out_codec.name
+            specs = m.out_specs()
+            n_out, out_bytes = len(specs), sum(tensor_nbytes(d, s) for _, d, s in specs)
+        row = rows[(m.tn.role.value, source, out)]
+        row[0] += len(m.params)
+        row[1] += n_out
+        row[2] += sum(i.nbytes for i in m.params.values())
+        row[3] += out_bytes
+    module_params = {i.name for m in plan.modules for i in m.params.values()}
+    sources = {s: t for t in plan.outputs.values() if t.stage in ("copy", "select-rows")
+               for s in t.sources}
+    for name, info in plan.ckpt.tensors.items():
+        if name in module_params:
+            continue
+        out = sources.get(name)
+        tn = parse_name(name)
+        fmt = "(by module)" if tn.role is Role.ROUTED_EXPERT else info.dtype
+        row = rows[(tn.role.value, fmt, out.stage if out else "dropped")]
+        row[0] += 1
+        row[1] += out is not None
+        row[2] += info.nbytes
+        row[3] += tensor_nbytes(out.dtype, out.shape) if out else 0
+    return [(k[0], k[1], k[2], *v) for k, v in sorted(rows.items())]

@@ -1,0 +1,438 @@
+"""NVFP4 math (formats.md §2), vectorised over a batch of matrices.
+
+Blocks of 16 elements (dense NVFP4) or 32 (one FP8 scale per 32 input elements, what sparse
+NVFP4 kernels read, p48.md); the formulas are the same for both.
+
+Operation order follows compressed-tensors' compressor exactly, so that with the same global
+scale the `amax` block-scale rule gives its bytes bit for bit:
+  global scale  gs = 2688 / amax                        (fp32; 1.0 when amax is 0)
+  block scale   d  = fp8(clamp(gs * (block_amax / 6), 448)), and 0.125 where that is 0
+  elements      y  = x / (fp32(d) / gs) -> E2M1, ties as compressed-tensors' cast_to_fp4
+  decode        x' = E2M1[code] * (fp32(d) / gs)
+The `mse` rule keeps the format and only picks, per block, the FP8 scale code (among a window
+of codes around the amax rule's) that minimises the block's squared error against the fp32
+source. Every reduction that decides a byte is done in a fixed order, so CPU and GPU agree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import ModuleType
+
+import numpy as np
+import torch
+
+BLOCK = 16  # dense NVFP4 (compressed-tensors, ModelOpt)
+BLOCK_SIZES = (16, 32)
+FP4_MAX = 6.0
+FP8_MAX = 448.0
+GLOBAL_NUMERATOR = FP8_MAX * FP4_MAX  # 2688
+ZERO_BLOCK_SCALE = 0.125  # what compressed-tensors writes for a block whose scale is 0
+_FP8_VALUES = torch.arange(128, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+_ZERO_CODE = int(torch.tensor(ZERO_BLOCK_SCALE).to(torch.float8_e4m3fn).view(torch.uint8))
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Offsets (in FP8 code steps; 8 steps = one octave) tried around the amax rule's code by `mse`.
+# On Kimi-style INT4 sources (codes -7..7 on a group-32 grid) the best scale is usually 4-6
+# steps LARGER than the amax rule's (it puts the grid's 7s on E2M1's 4 and 6 instead of
+# clipping), sometimes 1-2 smaller. Measured on random Kimi-style codes, this window reaches
+# the exhaustive search over all 126 codes exactly (0.603x the amax rule's error), and Gaussian
+# BF16 weights likewise (0.731x).
+MSE_CODE_OFFSETS = (0, -2, -1, 1, 2, 3, 4, 5, 6, 7)
+# Cut points of E2M1 rounding on |y|: a value is counted past a cut point when strictly
+# greater; the cut points that round up on a tie (0.75, 1.75, 3.5) are moved one ulp down so
+# that bucketize reproduces compressed-tensors' ties-to-even.
+_CUTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_TIE_UP = (0.75, 1.75, 3.5)
+
+
+@dataclass
+class Quantized:
+    """NVFP4 encoding of a batch of B matrices [B, M, K], blocks of K / block_scale.shape[-1]."""
+
+    packed: torch.Tensor  # uint8 [B, M, K/2], even element in the low nibble
+    block_scale: torch.Tensor  # float8_e4m3fn [B, M, K/block]
+    global_scale: torch.Tensor  # float32 [B], = 2688 / amax
+    err_sq: torch.Tensor  # float64 [B], sum of squared error against the source
+    ref_sq: torch.Tensor  # float64 [B], sum of squared source values
+
+
+def global_scale(amax: torch.Tensor) -> torch.Tensor:
+    """2688 / amax in fp32, with compressed-tensors' fallback of 1.0 for an all-zero set."""
+    amax = amax.float().clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.nan_to_num(GLOBAL_NUMERATOR / amax, nan=1.0, posinf=1.0, neginf=1.0)
+
+
+def _num_blocks(k: int, block: int) -> int:
+    if block not in BLOCK_SIZES:
+        raise ValueError(f"block must be one of {BLOCK_SIZES}, not {block}")
+    if k % block:
+        raise ValueError(f"input dimension {k} is not a multiple of {block}")
+    return k // block
+
+
+def _check_rule(rule: str) -> None:
+    if rule not in ("amax", "mse"):
+        raise ValueError(f"block_scale must be 'amax' or 'mse', not {rule!r}")
+
+
+def _cut_points(device: torch.device) -> torch.Tensor:
+    cuts = torch.tensor(_CUTS, dtype=torch.float32, device=device)
+    down = torch.nextafter(cuts, torch.zeros_like(cuts))
+    return torch.where(torch.isin(cuts, torch.tensor(_TIE_UP, device=device)), down, cuts)
+
+
+def _block_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim (16 or 32) as a fixed pairwise tree: the same bits on every device."""
+    while x.shape[-1] > 1:
+        x = x[..., 0::2] + x[..., 1::2]
+    return x[..., 0]
+
+
+def _step(d: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
+    """Element step fp32(d) / gs [..., nb, 1] of FP8 block scales d [..., nb] (uint8 codes or
+    float8_e4m3fn), with global scales gs broadcast against d."""
+    return (d.view(torch.float8_e4m3fn).float() / gs).unsqueeze(-1)
+
+
+def _amax_block_scale(blocks: torch.Tensor, gs: torch.Tensor,
+                      local_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """FP8 block scale codes (uint8 bits of float8_e4m3fn) by the amax rule.
+
+    blocks [N, nb, block], gs [N, 1]. Scale selection works on the uint8 bits: positive FP8
+    codes are ordered like their values, and uint8 ops exist on every device.
+    """
+    # compressed-tensors divides the block amax by 6 in the weight's own dtype (bf16 for a
+    # BF16 checkpoint) before multiplying by the fp32 global scale (formats.md §2).
+    # Divide by a tensor, not a Python float: CUDA turns `t / 6.0` into `t * fp32(1/6)`, which
+    # rounds differently from the CPU's true division and would change bytes between devices.
+    six = torch.tensor(FP4_MAX, dtype=local_dtype, device=blocks.device)
+    local = (blocks.abs().amax(dim=-1).to(local_dtype) / six).float()
+    d = (gs * local).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.where(d == 0, _ZERO_CODE, d)
+
+
+def _block_error(
+    mag: torch.Tensor, d: torch.Tensor, gs: torch.Tensor, cuts: torch.Tensor, lut: torch.Tensor
+) -> torch.Tensor:
+    """Squared error per block of |x| blocks [N, nb, block] under FP8 block scale codes d [N, nb].
+
+    Working on magnitudes is exact: the sign of a code never changes its error.
+    """
+    step = _step(d, gs)
+    idx = torch.bucketize(mag / step, cuts, out_int32=True)
+    err = lut[idx] * step - mag
+    return _block_sum(err * err)
+
+
+def _nibbles(blocks: torch.Tensor, d: torch.Tensor, gs: torch.Tensor, cuts: torch.Tensor
+             ) -> torch.Tensor:
+    """E2M1 nibbles (sign << 3 | code) of blocks [N, nb, block] under block scale codes d."""
+    y = blocks / _step(d, gs)
+    idx = torch.bucketize(y.abs(), cuts, out_int32=True).to(torch.uint8)
+    # compressed-tensors takes the sign from sign(y): a negative value that rounds to 0 is
+    # written 0x8, while -0.0 itself (and +0.0, a pruned p48 pair) stays 0x0.
+    return idx | ((y < 0).to(torch.uint8) << 3)
+
+
+def _values(nibbles: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """fp32 values of E2M1 nibbles [..., nb, block] on their blocks' steps [..., nb, 1]."""
+    lut = torch.tensor(E2M1, dtype=torch.float32, device=nibbles.device)
+    values = lut[(nibbles & 7).long()]
+    return torch.where((nibbles & 8).bool(), -values, values) * step
+
+
+def _choose(blocks: torch.Tensor, gs: torch.Tensor, rule: str, local_dtype: torch.dtype,
+            cuts: torch.Tensor, lut: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block scale codes [N, nb], each block's squared error under its code) by `rule`."""
+    mag = blocks.abs()
+    d = _amax_block_scale(blocks, gs, local_dtype)
+    err = _block_error(mag, d, gs, cuts, lut)
+    if rule == "mse":
+        base = d.to(torch.int16)
+        for off in MSE_CODE_OFFSETS[1:]:
+            code = (base + off).clamp(1, 0x7E).to(torch.uint8)
+            cand = _block_error(mag, code, gs, cuts, lut)
+            better = cand < err  # strict: ties keep the earlier (amax-nearer) code
+            err = torch.where(better, cand, err)
+            d = torch.where(better, code, d)
+    return d, err
+
+
+def choose_block_codes(blocks: torch.Tensor, gs: torch.Tensor, rule: str,
+                       local_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The FP8 block scale codes `quantize` picks for blocks [N, nb, block] (fp32).
+
+    gs [N, 1]: each row's global scale (`global_scale` of its amax); rule: "amax" or "mse",
+    as quantize's `block_scale`; local_dtype: as quantize's. Returns uint8 codes [N, nb]
+    (bits of float8_e4m3fn, always 1..0x7E for finite input), on the blocks' device.
+    """
+    _check_rule(rule)
+    device = blocks.device
+    lut = torch.tensor(E2M1, dtype=torch.float32, device=device)
+    return _choose(blocks.float(), gs.float(), rule, local_dtype, _cut_points(device), lut)[0]
+
+
+def fake_quantize(blocks: torch.Tensor, codes: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
+    """The fp32 values dequantize(quantize(...)) gives blocks [N, nb, block] (fp32) encoded
+    with FP8 block scale codes [N, nb] (uint8) and row global scales gs [N, 1].
+
+    Each value is rounded to E2M1 on its block's step fp32(code) / gs exactly as `quantize`
+    rounds it (the last dim may be any part of a block: rounding is per element).
+    """
+    blocks = blocks.float()
+    return _values(_nibbles(blocks, codes, gs, _cut_points(blocks.device)), _step(codes, gs))
+
+
+def _checked_codes(codes: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    if codes.dtype != torch.uint8 or tuple(codes.shape) != shape:
+        raise ValueError(f"block_codes must be uint8 {list(shape)}, not {codes.dtype} "
+                         f"{list(codes.shape)}")
+    if ((codes == 0) | (codes > 0x7E)).any():  # 0: a zero step; above: NaN or negative
+        raise ValueError("block_codes must be positive finite FP8 e4m3 codes (1..0x7E)")
+    return codes
+
+
+def _offsets(search: bool) -> np.ndarray:
+    """Code offsets the CPU kernels try around their base codes (0 first: the base itself)."""
+    return np.array(MSE_CODE_OFFSETS if search else MSE_CODE_OFFSETS[:1], dtype=np.int32)
+
+
+@dataclass
+class _Rows:
+    """Per-row outputs for B*M rows, filled chunk by chunk by torch or the CPU kernels."""
+
+    packed: torch.Tensor  # uint8 [R, K/2]
+    codes: torch.Tensor  # uint8 [R, K/block], the FP8 block scales' bits
+    err: torch.Tensor  # float64 [R]
+    ref: torch.Tensor  # float64 [R]
+
+    @classmethod
+    def empty(cls, rows: int, k: int, block: int, device: torch.device) -> _Rows:
+        return cls(torch.empty(rows, k // 2, dtype=torch.uint8, device=device),
+                   torch.empty(rows, k // block, dtype=torch.uint8, device=device),
+                   torch.empty(rows, dtype=torch.float64, device=device),
+                   torch.empty(rows, dtype=torch.float64, device=device))
+
+    def result(self, b: int, m: int, gs: torch.Tensor) -> Quantized:
+        return Quantized(self.packed.reshape(b, m, -1),
+                         self.codes.view(torch.float8_e4m3fn).reshape(b, m, -1), gs,
+                         self.err.reshape(b, m).sum(-1), self.ref.reshape(b, m).sum(-1))
+
+
+def quantize(
+    w: torch.Tensor, amax: torch.Tensor, block_scale: str = "mse", chunk_elems: int = 1 << 22,
+    fused_cpu: bool = True, local_dtype: torch.dtype = torch.float32, *, block: int = BLOCK,
+    block_codes: torch.Tensor | None = None,
+) -> Quantized:
+    """Encode fp32 matrices w [B, M, K] with one global scale per matrix from `amax` [B].
+
+    `amax` is passed in (not taken from w) because a fused set's members share the largest
+    amax of the set. `block` (16 or 32) elements share one FP8 block scale, chosen by the
+    `block_scale` rule ("amax" or "mse"), unless `block_codes` (uint8 FP8 e4m3 codes
+    [B, M, K/block], 1..0x7E) gives them: then the elements are encoded with exactly those
+    scales and the rule is not used. All B*M rows are processed together in chunks of about
+    `chunk_elems` elements, which bounds temporary memory and keeps kernel launches few on a
+    GPU. On a CPU the encoder runs in the fused numba kernel (`fused_cpu`), which gives the
+    same bytes.
+    """
+    _check_rule(block_scale)
+    b, m, k = w.shape
+    nb = _num_blocks(k, block)
+    device = w.device
+    lut = torch.tensor(E2M1, dtype=torch.float32, device=device)
+    cuts = _cut_points(device)
+    gs = global_scale(amax.to(device))
+    rows = w.reshape(b * m, nb, block)
+    row_gs = gs.repeat_interleave(m).unsqueeze(-1)  # [B*M, 1]
+    out = _Rows.empty(b * m, k, block, device)
+    if block_codes is not None:
+        out.codes.copy_(_checked_codes(block_codes.to(device), (b, m, nb)).reshape(b * m, nb))
+    kernel = _cpu_kernels() if fused_cpu and device.type == "cpu" else None
+    step_rows = max(1, chunk_elems // k)
+    for r0 in range(0, b * m, step_rows):
+        sl = slice(r0, r0 + step_rows)
+        blocks, gsi, codes = rows[sl].float(), row_gs[sl], out.codes[sl]
+        if kernel is not None:
+            # The kernel computes the amax rule's codes itself in fp32; another local dtype's
+            # come from torch, and given codes are used as they are (no search).
+            codes_in = block_codes is not None or local_dtype != torch.float32
+            if block_codes is None and codes_in:
+                codes.copy_(_amax_block_scale(blocks, gsi, local_dtype))
+            with _KERNEL_LAUNCH:
+                kernel.quantize_rows(blocks.reshape(-1, k).contiguous().numpy(),
+                                     gsi[:, 0].contiguous().numpy(), codes.numpy(), codes_in,
+                                     _offsets(block_codes is None and block_scale == "mse"),
+                                     block, out.packed[sl].numpy(), out.err[sl].numpy(),
+                                     out.ref[sl].numpy())
+            continue
+        if block_codes is None:
+            d, err = _choose(blocks, gsi, block_scale, local_dtype, cuts, lut)
+            codes.copy_(d)
+        else:
+            err = _block_error(blocks.abs(), codes, gsi, cuts, lut)
+        out.packed[sl] = pack_codes(_nibbles(blocks, codes, gsi, cuts).flatten(-2))
+        out.err[sl] = err.sum(-1, dtype=torch.float64)
+        out.ref[sl] = blocks.double().square().sum((-1, -2))
+    return out.result(b, m, gs)
+
+
+def _int4_rows(kernels: ModuleType, packed: torch.Tensor, scale: torch.Tensor,
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """INT4 words [B*M, K/8] and fp32 scales [B*M, G] as numpy arrays for the CPU kernels
+    (bf16 scales widened by the kernels' own `widen_bf16`)."""
+    b, m, words = packed.shape
+    if scale.shape[:2] != (b, m):
+        raise ValueError(f"INT4 scale {list(scale.shape)} does not fit packed {list(packed.shape)}")
+    rows = scale.reshape(b * m, -1).contiguous()
+    if rows.dtype == torch.bfloat16:
+        wide = np.empty(rows.shape, dtype=np.float32)
+        with _KERNEL_LAUNCH:
+            kernels.widen_bf16(rows.view(torch.int16).numpy().view(np.uint16), wide)
+    else:
+        wide = rows.float().numpy()
+    return packed.reshape(b * m, words).contiguous().numpy(), wide
+
+
+def _int4_decode(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    from kconvert.formats.int4 import Int4Codec
+
+    shape = (packed.shape[1], packed.shape[2] * 8)
+    return Int4Codec.decode({"weight_packed": packed, "weight_scale": scale}, shape)
+
+
+def int4_amax(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """max |value| [B] f32 of each INT4 pack-quantized matrix (packed int32 [B, M, K/8], scale
+    [B, M, G]; see `quantize_int4`), NaN or Inf where a scale is.
+
+    With the CPU kernels no fp32 copy of the matrices is made: the max is taken over each
+    group's largest |code| times |scale|, which is exact (fp32 rounding is monotone).
+    """
+    kernel = _int4_kernels(packed, scale)
+    if kernel is None:
+        return _int4_decode(packed, scale).abs().amax(dim=(1, 2))
+    words, scales = _int4_rows(kernel, packed, scale)
+    row_amax = np.empty(words.shape[0], dtype=np.float32)
+    with _KERNEL_LAUNCH:
+        kernel.int4_row_amax(words, scales, row_amax)
+    return torch.from_numpy(row_amax).reshape(packed.shape[:2]).amax(-1)
+
+
+def quantize_int4(packed: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
+                  block_scale: str = "mse", block: int = BLOCK, chunk_elems: int = 1 << 22,
+                  fused_cpu: bool = True) -> Quantized:
+    """`quantize` of compressed-tensors pack-quantized INT4 matrices (formats.md §1), same bytes
+    as quantize(Int4Codec.decode(...), amax, block_scale, local_dtype=torch.float32).
+
+    packed: int32 [B, M, K/8], 8 codes per word, low nibble first, value = (nibble - 8) *
+    scale in fp32; scale: [B, M, G] bf16 or fp32, one per K/G elements; amax [B] (a fused
+    set's shared amax, or `int4_amax`). On a CPU with numba (`fused_cpu`), for groups of whole
+    words (group % 8 == 0), each row is decoded inside the fused encoder, so no fp32 copy of
+    the matrices is made; otherwise the matrices are decoded and passed to `quantize`.
+    """
+    _check_rule(block_scale)
+    b, m, words = packed.shape
+    k = words * 8
+    kernel = _int4_kernels(packed, scale, fused_cpu)
+    if kernel is None:
+        return quantize(_int4_decode(packed, scale), amax, block_scale, chunk_elems, fused_cpu,
+                        block=block)
+    _num_blocks(k, block)
+    gs = global_scale(amax)
+    out = _Rows.empty(b * m, k, block, packed.device)
+    words, scales = _int4_rows(kernel, packed, scale)
+    with _KERNEL_LAUNCH:
+        kernel.quantize_int4_rows(words, scales, gs.repeat_interleave(m).numpy(),
+                                  _offsets(block_scale == "mse"), block, out.packed.numpy(),
+                                  out.codes.numpy(), out.err.numpy(), out.ref.numpy())
+    return out.result(b, m, gs)
+
+
+def _int4_kernels(packed: torch.Tensor, scale: torch.Tensor, fused_cpu: bool = True):
+    """The CPU kernels for these INT4 tensors, or None (then they are decoded with torch). The
+    kernels take whole words per scale group (group % 8 == 0: Kimi's 32, compressed-tensors'
+    usual 32/64/128)."""
+    if not fused_cpu or packed.device.type != "cpu" or packed.shape[-1] % scale.shape[-1]:
+        return None
+    return _cpu_kernels()
+
+
+# The CPU kernels release the GIL while they run. numba's workqueue threading layer (its
+# fallback where neither OpenMP nor TBB is present) aborts the process when two threads launch
+# parallel kernels at once, so launches from different threads take turns, as under the GIL.
+_KERNEL_LAUNCH = threading.Lock()
+
+
+def _cpu_kernels():
+    """The fused CPU kernels (module kconvert.nvfp4_cpu), or None where numba is missing."""
+    try:
+        from kconvert.formats import nvfp4_cpu
+    except ImportError:
+        return None
+    return nvfp4_cpu
+
+
+def warm_cpu_kernels() -> None:
+    """Load the fused CPU kernels now (numba compiles them on the first run after installing,
+    ~15 s, and caches them), through the same calls and argument types a conversion makes, so
+    the time is spent where a caller can say what is happening rather than at 0% mid-run."""
+    if _cpu_kernels() is None:
+        return
+    quantize(torch.zeros(1, 1, BLOCK), torch.ones(1))
+    packed = torch.zeros(1, 1, 4, dtype=torch.int32)
+    for scale_dtype in (torch.bfloat16, torch.float32):
+        scale = torch.ones(1, 1, 1, dtype=scale_dtype)
+        quantize_int4(packed, scale, int4_amax(packed, scale))
+
+
+@contextlib.contextmanager
+def cpu_threads(n: int) -> Iterator[None]:
+    """CPU work launched from this thread (the fused kernels, torch's ops) uses at most `n`
+    threads (never more than each was set to). numba's count is per launching thread, torch's
+    the process's; both are restored after."""
+    torch_before = torch.get_num_threads()
+    torch.set_num_threads(min(n, torch_before))
+    try:
+        if _cpu_kernels() is None:
+            yield
+            return
+        import numba
+
+        numba_before = numba.get_num_threads()
+        numba.set_num_threads(min(n, numba_before))
+        try:
+            yield
+        finally:
+            numba.set_num_threads(numba_before)
+    finally:
+        torch.set_num_threads(torch_before)
+
+
+def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/2] -> nibble codes uint8 [..., K] (low nibble = even element)."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Nibble codes uint8 [..., K] -> uint8 [..., K/2]; inverse of unpack_codes."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def dequantize(packed: torch.Tensor, block_scale: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
+    """fp32 [B, M, K] from packed [B, M, K/2], block scales [B, M, K/block] (float8_e4m3fn;
+    the block size is read off the shapes), global scales [B]."""
+    return decode_steps(packed, _step(block_scale, gs.float().reshape(-1, 1, 1))[..., 0])
+
+
+def decode_steps(packed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """fp32 [B, M, K] from packed [B, M, K/2] and each block's step [B, M, K/block] (the value
+    of E2M1 1.0 in that block): the one place packed NVFP4 becomes numbers, whichever way a
+    format stores its scales (compressed-tensors divides by gs, ModelOpt multiplies)."""
+    b, m, half = packed.shape
+    k, nb = 2 * half, step.shape[-1]
+    if k % nb:
+        raise ValueError(f"{nb} block scales do not divide a row of {k} elements")
+    nibbles = unpack_codes(packed).reshape(b, m, nb, k // nb)
+    return _values(nibbles, step.unsqueeze(-1)).reshape(b, m, k)

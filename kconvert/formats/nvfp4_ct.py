@@ -1,0 +1,57 @@
+"""compressed-tensors' "nvfp4-pack-quantized" NVFP4 (docs/formats.md §3a)."""
+
+from __future__ import annotations
+
+import torch
+
+from kconvert.formats import nvfp4
+from kconvert.formats.base import Codec, ParamSpec
+
+
+class Nvfp4Codec(Codec):
+    """compressed-tensors "nvfp4-pack-quantized" (formats.md §3a)."""
+
+    name = "nvfp4-compressed-tensors"
+    params = ("weight_packed", "weight_scale", "weight_global_scale")
+    packed_param = "weight_packed"
+    elements_per_byte = 2  # of packed_param: two E2M1 nibbles
+
+    @classmethod
+    def logical_shape(cls, infos, shape_value):
+        out, packed = infos[cls.packed_param].shape
+        return out, packed * cls.elements_per_byte
+
+    @classmethod
+    def decode(cls, t, shape):
+        return nvfp4.dequantize(*cls.unpack(t))
+
+    @classmethod
+    def unpack(cls, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """(packed [B, M, K/2], block scales [B, M, K/block], global scales [B]): the NVFP4
+        bytes themselves, for lossless re-layouts (densify) and for decode."""
+        return t["weight_packed"], t["weight_scale"], t["weight_global_scale"].reshape(-1)
+
+    @classmethod
+    def specs(cls, shape: tuple[int, int], input_scale: bool = False, block: int = nvfp4.BLOCK
+              ) -> list[ParamSpec]:
+        out, inp = shape
+        specs = [
+            ("weight_packed", "U8", (out, inp // 2)),
+            ("weight_scale", "F8_E4M3", (out, inp // block)),
+            ("weight_global_scale", "F32", (1,)),
+        ]
+        if input_scale:
+            specs.append(("input_global_scale", "F32", (1,)))
+        return specs
+
+    @classmethod
+    def encode(cls, q: nvfp4.Quantized, i: int, input_amax: float | None = None
+               ) -> dict[str, torch.Tensor]:
+        out = {
+            "weight_packed": q.packed[i],
+            "weight_scale": q.block_scale[i],
+            "weight_global_scale": q.global_scale[i].reshape(1),
+        }
+        if input_amax is not None:
+            out["input_global_scale"] = nvfp4.global_scale(torch.tensor([input_amax]))
+        return out

@@ -1,0 +1,189 @@
+"""Opening a source checkpoint: a local directory or a Hugging Face repo id.
+
+`Checkpoint` knows the config (top level or `text_config` of the K2.5/K2.6 wrapper), the
+weight map (from `model.safetensors.index.json` or a single `model.safetensors`), a validated
+reader per shard, and the non-weight files that must be carried over byte for byte.
+Everything that can be checked before converting is checked here, so a bad input fails
+before a single output byte is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kconvert.errors import KconvertError
+from kconvert.io.shards import ShardReader, TensorInfo
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+SUPPORTED_MODEL_TYPES = {"kimi_k2", "deepseek_v3"}
+SUPPORTED_ARCHITECTURES = {"DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration"}
+# Files that describe weights and are regenerated for the output, never copied.
+GENERATED_FILES = {INDEX, "config.json", "hf_quant_config.json", "kconvert-manifest.json",
+                   "reap-plan.json"}
+SKIPPED_DIRS = {".git", ".cache", ".kconvert"}
+
+
+@dataclass
+class Checkpoint:
+    root: Path
+    identity: dict
+    config: dict
+    weight_map: dict[str, str]
+    has_index: bool
+    readers: dict[str, ShardReader] = field(default_factory=dict)
+
+    @property
+    def text_config(self) -> dict:
+        """The language model's config: `text_config` for K2.5/K2.6, else the top level."""
+        return self.config.get("text_config", self.config)
+
+    @property
+    def shards(self) -> list[str]:
+        """Shard file names in a stable order (sorted: Kimi's names sort in layer order)."""
+        return sorted(set(self.weight_map.values()))
+
+    @property
+    def tensors(self) -> dict[str, TensorInfo]:
+        return {
+            name: self.readers[file].tensors[name] for name, file in self.weight_map.items()
+        }
+
+    def reader_for(self, info: TensorInfo) -> ShardReader:
+        return self.readers[info.file.name]
+
+    def other_files(self) -> list[str]:
+        """Every file that is not a weight shard or a regenerated file, relative to root."""
+        shards = set(self.shards)
+        out = []
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_DIRS)
+            for fn in sorted(filenames):
+                rel = os.path.relpath(os.path.join(dirpath, fn), self.root)
+                if rel in shards or rel in GENERATED_FILES:
+                    continue
+                out.append(rel)
+        return out
+
+    def check_other_files(self) -> None:
+        """Every non-weight file must be copied at the end of a run: find the unreadable ones
+        (a broken symlink, a FIFO, no permission) now, before any output is written."""
+        for dirpath, dirnames, _ in os.walk(self.root):
+            for d in dirnames:
+                if d not in SKIPPED_DIRS and os.path.islink(os.path.join(dirpath, d)):
+                    raise KconvertError("a symlink to a directory in the source is not "
+                                        "followed, so its files would be lost; replace it with "
+                                        "the directory", file=os.path.join(dirpath, d))
+        for rel in self.other_files():
+            path = self.root / rel
+            try:
+                if not stat.S_ISREG(path.stat().st_mode):
+                    raise KconvertError("non-weight file is not a regular file; kconvert copies "
+                                        "every non-weight file of the source", file=str(path))
+                with path.open("rb"):
+                    pass
+            except OSError as exc:
+                what = "a broken symlink" if path.is_symlink() else exc.strerror
+                raise KconvertError(f"non-weight file cannot be read ({what}); kconvert copies "
+                                    "every non-weight file of the source: fix or remove it",
+                                    file=str(path)) from exc
+
+    def close(self) -> None:
+        for reader in self.readers.values():
+            reader.close()
+
+
+def resolve(src: str, revision: str | None) -> tuple[Path, dict]:
+    """A local path stays local; anything else is treated as a Hub repo id and downloaded."""
+    path = Path(src)
+    if path.exists():
+        if not path.is_dir():
+            raise KconvertError("source is not a directory", file=src)
+        if revision is not None:
+            raise KconvertError(f"--revision {revision} applies to a Hub repo id, and the source "
+                                "is a local directory: drop --revision", file=src)
+        return path.resolve(), {"path": str(path.resolve())}
+    if src.count("/") != 1 or src.startswith((".", "/")):
+        raise KconvertError("source directory does not exist", file=src)
+    from huggingface_hub import snapshot_download
+
+    try:
+        local = snapshot_download(repo_id=src, revision=revision)
+    except Exception as exc:  # network, auth, missing repo: all the user's to fix
+        raise KconvertError(f"could not download {src}@{revision or 'main'}: {exc}") from exc
+    commit = Path(local).name  # snapshot folders are named by commit hash
+    return Path(local), {"repo": src, "revision": revision or "main", "commit": commit}
+
+
+def load_config(root: Path) -> dict:
+    path = root / "config.json"
+    if not path.is_file():
+        raise KconvertError("no config.json", file=str(path))
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise KconvertError(f"config.json is not valid JSON: {exc}", file=str(path)) from exc
+    if not isinstance(config, dict):
+        raise KconvertError(f"config.json holds a JSON {type(config).__name__}, not an object",
+                            file=str(path))
+    text = config.get("text_config", config)
+    if not isinstance(text, dict):
+        raise KconvertError("config.json's text_config is not an object", file=str(path))
+    archs = set(config.get("architectures") or [])
+    if text.get("model_type") not in SUPPORTED_MODEL_TYPES and not archs & SUPPORTED_ARCHITECTURES:
+        raise KconvertError(
+            f"unsupported architecture {sorted(archs)} / model_type "
+            f"{text.get('model_type')!r}: kconvert handles the Kimi-K2 / DeepSeek-V3 family",
+            file=str(path),
+        )
+    return config
+
+
+def open_checkpoint(src: str, revision: str | None = None) -> Checkpoint:
+    root, identity = resolve(src, revision)
+    config = load_config(root)
+    index_path = root / INDEX
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise KconvertError(f"malformed index: {exc}", file=str(index_path)) from exc
+        has_index = True
+    elif (root / SINGLE).is_file():
+        weight_map, has_index = {}, False
+    else:
+        raise KconvertError(f"no {INDEX} and no {SINGLE}", file=str(root))
+
+    if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
+        raise KconvertError("malformed index: weight_map is not an object of tensor -> shard "
+                            "file name", file=str(index_path))
+    ckpt = Checkpoint(root, identity, config, weight_map, has_index)
+    files = sorted(set(weight_map.values())) if has_index else [SINGLE]
+    for fn in files:
+        path = root / fn
+        if not path.is_file():
+            raise KconvertError("index names a shard that does not exist", file=str(path))
+        ckpt.readers[fn] = ShardReader(path)
+    if not has_index:
+        ckpt.weight_map = {name: SINGLE for name in ckpt.readers[SINGLE].tensors}
+
+    # The index and the shards must agree exactly (loaders such as llama.cpp refuse otherwise).
+    for name, fn in ckpt.weight_map.items():
+        if name not in ckpt.readers[fn].tensors:
+            raise KconvertError("index names a tensor the shard does not hold", file=fn,
+                                tensor=name)
+    for fn, reader in ckpt.readers.items():
+        for name in reader.tensors:
+            if ckpt.weight_map.get(name) != fn:
+                raise KconvertError("shard holds a tensor the index does not list", file=fn,
+                                    tensor=name)
+    try:
+        ckpt.check_other_files()
+    except KconvertError:
+        ckpt.close()
+        raise
+    return ckpt

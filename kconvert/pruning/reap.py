@@ -1,0 +1,145 @@
+"""REAP expert pruning: calibration scores -> a plan -> the `Prune` stage on the engine.
+
+The plan keeps the N highest-scoring routed experts of every MoE layer (ties: lower id),
+listed in ascending source order (reap.md). Criteria: `reap` (saliency: mean over routed
+tokens of gate weight x ||expert output||), `frequency` (routed-token count) and `ean` (sum
+over routed tokens of ||expert output||). A given plan file (`--plan`) is applied as is, after
+checking it against the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kconvert.errors import KconvertError
+from kconvert.io.checkpoint import Checkpoint
+from kconvert.model.names import Role, parse_name
+from kconvert.pruning.plan import LayerPlan
+from kconvert.pruning.plan import Plan as PrunePlan
+from kconvert.stages.prune import Prune
+
+CRITERIA = {"reap": "saliency", "frequency": "count", "ean": "ean_sum"}
+
+
+def scores_from_stats(stats_dir: str | Path) -> dict[int, dict[str, torch.Tensor]]:
+    """Per MoE layer: saliency, count and ean_sum per source expert, from `calibrate` output."""
+    path = Path(stats_dir) / "stats.safetensors"
+    if not path.is_file():
+        raise KconvertError("no stats.safetensors in the statistics directory", file=str(path))
+    layers: dict[int, dict[str, torch.Tensor]] = {}
+    # Only the per-layer score vectors: the file also holds ~1.5 GB of Wanda column norms.
+    with safe_open(str(path), "pt") as fh:
+        for name in fh.keys():
+            parts = name.split(".")
+            if len(parts) == 3 and parts[0] == "layers" and parts[2] in CRITERIA.values():
+                layers.setdefault(int(parts[1]), {})[parts[2]] = fh.get_tensor(name).double()
+    if not layers:
+        raise KconvertError("statistics hold no per-layer expert scores", file=str(path))
+    return dict(sorted(layers.items()))
+
+
+def scores_of(stats) -> dict[int, dict[str, torch.Tensor]]:
+    """The same per-layer scores from an in-memory `calibrate.CalibrationStats`."""
+    return {layer: {k: stats.layer(layer, k).double() for k in CRITERIA.values()}
+            for layer in stats.moe_layers}
+
+
+def plan_from_scores(scores: dict[int, dict[str, torch.Tensor]], keep: int, criterion: str,
+                     source: dict | None = None) -> PrunePlan:
+    if criterion not in CRITERIA:
+        raise KconvertError(f"unknown criterion {criterion!r}; choose from {sorted(CRITERIA)}")
+    layers = {}
+    for layer, s in scores.items():
+        score = s[CRITERIA[criterion]]
+        if keep > score.numel():
+            raise KconvertError(f"--keep {keep} exceeds the {score.numel()} experts of layer "
+                                f"{layer}")
+        # Highest score first, lower id first among equals: stable and reproducible.
+        order = sorted(range(score.numel()), key=lambda e: (-float(score[e]), e))
+        layers[str(layer)] = LayerPlan(
+            keep=sorted(order[:keep]),
+            saliency=s["saliency"].tolist() if "saliency" in s else None,
+            frequency=s["count"].tolist() if "count" in s else None,
+            ean=s["ean_sum"].tolist() if "ean_sum" in s else None,
+        )
+    n_routed = next(iter(scores.values()))[CRITERIA[criterion]].numel()
+    return PrunePlan(criterion=criterion, routing="model", source=source,
+                     n_routed_experts=n_routed, layers=layers)
+
+
+def moe_layers(ckpt: Checkpoint) -> dict[int, int]:
+    """Layer -> number of routed experts found in the checkpoint's tensors."""
+    experts: dict[int, set[int]] = {}
+    for name in ckpt.weight_map:
+        tn = parse_name(name)
+        if tn.role is Role.ROUTED_EXPERT:
+            experts.setdefault(tn.layer, set()).add(tn.expert)
+    return {layer: len(ids) for layer, ids in sorted(experts.items())}
+
+
+def prune_stage(plan: PrunePlan, ckpt: Checkpoint) -> Prune:
+    """Check a plan against the checkpoint and make the stage that applies it."""
+    text = ckpt.text_config
+    n_routed = text.get("n_routed_experts")
+    top_k = text.get("num_experts_per_tok", 1)
+    layers = moe_layers(ckpt)
+    planned = {int(k): v.keep for k, v in plan.layers.items()}
+    extra = sorted(set(planned) - set(layers))
+    if extra:
+        raise KconvertError(f"plan names layers {extra} that have no routed experts")
+    for layer, count in layers.items():
+        if layer not in planned:
+            kind = ("MTP/nextn layer" if layer >= text.get("num_hidden_layers", layer + 1)
+                    else "MoE layer")
+            raise KconvertError(f"{kind} {layer} is not in the plan; every MoE layer (MTP "
+                                "included) must be pruned the same way", tensor=f"layers.{layer}")
+        if count != n_routed:
+            raise KconvertError(f"layer {layer} has {count} routed experts, config says "
+                                f"{n_routed}", tensor=f"layers.{layer}")
+        if planned[layer][-1] >= count:
+            raise KconvertError(f"plan keeps expert {planned[layer][-1]} of layer {layer}, which "
+                                f"has {count}", tensor=f"layers.{layer}")
+    sizes = {len(k) for k in planned.values()}
+    if len(sizes) != 1:
+        raise KconvertError(f"plan keeps different numbers of experts per layer {sorted(sizes)}; "
+                            "config.json has one n_routed_experts")
+    kept = sizes.pop()
+    if kept < top_k:
+        raise KconvertError(f"cannot keep {kept} experts: fewer than num_experts_per_tok={top_k}")
+    plan_json = json.dumps(plan.model_dump(mode="json", exclude_none=True), indent=1,
+                           sort_keys=True)
+    return Prune(keep=tuple((layer, tuple(planned[layer])) for layer in layers),
+                 plan_json=plan_json)
+
+
+def keep_count(ckpt: Checkpoint, keep: int | None, prune_ratio: float | None) -> int:
+    """Routed experts to keep per layer from --keep N or --prune-ratio R, checked against the
+    config: at least num_experts_per_tok (the router's top-k), at most n_routed_experts."""
+    if (keep is None) == (prune_ratio is None):
+        raise KconvertError("give exactly one of --keep N and --prune-ratio R")
+    config = str(ckpt.root / "config.json")
+    text = ckpt.text_config
+    limits = {key: text.get(key, default) for key, default in
+              (("n_routed_experts", None), ("num_experts_per_tok", 1))}
+    for key, value in limits.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            found = "is missing" if value is None else f"is {value!r}, not a positive integer"
+            raise KconvertError(f"{key} {found}; pruning needs it", file=config)
+    n_routed, top_k = limits.values()
+    if keep is None:
+        if not 0 <= prune_ratio < 1:
+            raise KconvertError(f"--prune-ratio {prune_ratio} is not in [0, 1)")
+        keep = round(n_routed * (1 - prune_ratio))
+        asked = f"--prune-ratio {prune_ratio} of {n_routed} experts keeps {keep}"
+    else:
+        asked = f"--keep {keep}"
+    if keep > n_routed:
+        raise KconvertError(f"{asked}: more than the n_routed_experts={n_routed}", file=config)
+    if keep < top_k:
+        raise KconvertError(f"{asked}: fewer than num_experts_per_tok={top_k}, the experts the "
+                            "router picks per token; keep at least that many", file=config)
+    return keep

@@ -1,0 +1,91 @@
+"""Paired-4:8 ("p48") sparsity (docs/p48.md): masks and checks.
+
+Along each row, every 8 consecutive input elements form a chunk of 4 pairs (0,1)(2,3)(4,5)(6,7);
+exactly 2 pairs per chunk are kept. One pair is one byte of packed NVFP4, so a chunk is 4
+bytes. Everything here works on batches [B, M, K] (weights) or [..., M, K/2] (packed bytes).
+The on-disk pair-bitmask layout is a format: kconvert/formats/nvfp4_pair_bitmask.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+CHUNK = 8  # elements per chunk
+
+
+PAIRS = 4  # pairs per chunk
+
+
+KEEP = 2  # pairs kept per chunk
+
+
+def pair_scores(w: torch.Tensor, col_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Score of every pair [B, M, K/2]: |w| (magnitude) or |w| * col_weight (Wanda's
+    |W_ij| * ||X_j||, col_weight [B, K]), summed over the pair's two elements."""
+    s = w.abs()
+    if col_weight is not None:
+        s = s * col_weight.unsqueeze(-2)
+    return s[..., 0::2] + s[..., 1::2]
+
+
+def top2_pairs(scores: torch.Tensor) -> torch.Tensor:
+    """Keep mask [..., K/2] (bool) of the 2 highest-scoring pairs of every chunk.
+
+    Ties go to the lower pair index, decided by comparisons alone (no sort, no topk), so the
+    mask is the same on every device.
+    """
+    s = scores.reshape(*scores.shape[:-1], -1, PAIRS)
+    a, b = s.unsqueeze(-1), s.unsqueeze(-2)  # a: pair i, b: pair j
+    idx = torch.arange(PAIRS, device=s.device)
+    before = (idx.unsqueeze(0) < idx.unsqueeze(1))  # [i, j]: j < i
+    # rank_i = pairs that beat pair i: a higher score, or an equal score at a lower index.
+    rank = ((b > a) | ((b == a) & before)).sum(-1)
+    return (rank < KEEP).reshape(scores.shape)
+
+
+def apply_pair_mask(w: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """w with pruned pairs set to +0.0 (never -0.0: NVFP4 then writes the byte 0x00)."""
+    return torch.where(keep.repeat_interleave(2, dim=-1), w, 0.0)
+
+
+@dataclass
+class P48Result:
+    """What a check of packed bytes found; `first` locates the first bad chunk."""
+
+    chunks: int = 0
+    over_two: int = 0  # chunks with 3 or 4 nonzero pairs
+    neg_zero: int = 0  # chunks whose pruned pairs are not all stored as 0x00
+    first: tuple[int, int, list[int]] | None = None  # (row, chunk, its 4 bytes)
+    first_kind: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.over_two and not self.neg_zero
+
+
+def check_packed(packed: torch.Tensor) -> P48Result:
+    """Paired-4:8 over packed NVFP4 bytes [M, K/2].
+
+    A byte is a nonzero pair iff (byte & 0x77) != 0 (0x8 is -0). At most 2 pairs per chunk may
+    be nonzero, and a pruned pair must be stored as 0x00: so at most 2 bytes per chunk may
+    differ from 0x00 (a kept pair may still quantize to zero or -0).
+    """
+    packed = packed.reshape(packed.shape[0] if packed.dim() > 1 else 1, -1)
+    rows, half = packed.shape
+    if half % PAIRS:
+        raise ValueError(f"packed rows of {half} bytes are not whole 8-element chunks")
+    chunks = packed.reshape(rows, half // PAIRS, PAIRS)
+    nonzero = ((chunks & 0x77) != 0).sum(-1)
+    stored = (chunks != 0).sum(-1)
+    over = nonzero > KEEP
+    negz = (stored > KEEP) & ~over
+    res = P48Result(chunks=rows * (half // PAIRS), over_two=int(over.sum()),
+                    neg_zero=int(negz.sum()))
+    for mask, kind in ((over, "nonzero"), (negz, "neg_zero")):
+        if res.first is None and bool(mask.any()):
+            r, c = (int(v) for v in mask.nonzero()[0])
+            res.first = (r, c, [int(b) for b in chunks[r, c]])
+            res.first_kind = kind
+    return res

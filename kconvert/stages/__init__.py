@@ -1,0 +1,4 @@
+"""The stages a recipe is made of (one module each) and the options each takes."""
+
+
+

@@ -1,0 +1,150 @@
+"""Stages: plain functions over one module's plan (and, later, one layer's fp32 weights).
+
+A conversion is a list of stages. At plan time each stage may claim a source module and say
+how it leaves: decoded and re-encoded by an output codec, or (when no stage claims it)
+copied byte for byte. The engine then decodes only what some stage claimed, runs the
+stages' weight transforms on the fp32 values, and encodes with the module's output codec.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from kconvert.errors import KconvertError
+from kconvert.formats import OPTIONAL_PARAMS, Codec, DenseCodec, detect_codec
+from kconvert.io.shards import TensorInfo
+from kconvert.model.names import TARGET_ROLES, TensorName, parse_name
+
+QUANT_ONLY_PARAMS = {
+    "weight_packed", "weight_scale", "weight_shape", "weight_global_scale", "weight_scale_2",
+    "weight_scale_inv", "weight_zero_point",
+}
+
+
+@dataclass
+class ModulePlan:
+    """One source linear and what becomes of it."""
+
+    module: str
+    tn: TensorName  # parsed name of the module's first parameter (role, layer, expert, ...)
+    codec: type[Codec]
+    params: dict[str, TensorInfo]
+    shape: tuple[int, int]
+    out_module: str = ""
+    out_codec: type[Codec] | None = None  # None: every parameter copied unchanged
+    stages: list[str] = field(default_factory=list)
+    # Calibrated activation amax (W4A4 input scale); shared by the module's fused set.
+    input_amax: float | None = None
+    dense_dtype: str = "BF16"  # what a decoded module is written as (F32: exact INT4 values)
+    block: int = 16  # NVFP4 elements per FP8 block scale (32 for sparse kernels)
+    storage: str = "dense"  # NVFP4 byte layout: "dense" or "pair-bitmask" (p48 only)
+    # The stage that changes the decoded fp32 weights before encoding (sparsify), if any.
+    transform: WeightTransform | None = None
+    # Re-laid out byte for byte (NVFP4 -> NVFP4, e.g. densify), never decoded or re-encoded.
+    repack: bool = False
+
+    def __post_init__(self) -> None:
+        self.out_module = self.out_module or self.module
+
+    @property
+    def primary(self) -> TensorInfo:
+        """The parameter whose shard the module's output lands in."""
+        return self.params[self.codec.params[0]]
+
+    @property
+    def carried(self) -> tuple[str, ...]:
+        """Optional parameters (W4A4 input scales) a re-layout carries over unchanged."""
+        return tuple(p for p in sorted(OPTIONAL_PARAMS) if self.repack and p in self.params)
+
+    @property
+    def has_input_scale(self) -> bool:
+        """W4A4: the output carries an input scale (calibrated, or carried by a re-layout)."""
+        return self.input_amax is not None or any(p in self.carried for p in OPTIONAL_PARAMS)
+
+    def out_specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(param, dtype, shape) of every output tensor of a re-encoded module."""
+        if self.out_codec is DenseCodec:
+            return DenseCodec.specs(self.shape, self.dense_dtype)
+        specs = self.out_codec.specs(self.shape, self.input_amax is not None, self.block)
+        return specs + [(p, self.params[p].dtype, self.params[p].shape) for p in self.carried]
+
+
+class WeightTransform(Protocol):
+    """Changes B same-shaped modules' decoded fp32 weights before they are encoded."""
+
+    def transform(self, modules: list[ModulePlan], w: torch.Tensor, gs: torch.Tensor,
+                  block_scale: str, local_dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(new weights [B, M, K], FP8 block-scale codes to encode them with, or None to let
+        the encoder choose). `gs` [B] are the NVFP4 global scales they will be encoded with."""
+        ...
+
+
+class Stage:
+    """A stage's hooks; each defaults to "leave it alone"."""
+
+    name: str
+    # True when the stage streams calibration layers forward (SparseGPT): the engine then
+    # runs transform items in layer order across shards.
+    ordered_layers: bool = False
+
+    def rename(self, tn: TensorName) -> tuple[str | None, tuple[int, ...] | None]:
+        """Output name of a source tensor (None: dropped) and, for router tensors, the rows
+        (experts) to keep."""
+        return tn.name, None
+
+    def plan(self, m: ModulePlan) -> None:
+        """Claim a module for decoding: set `m.out_codec` and append to `m.stages`."""
+
+    def edit_config(self, text_config: dict) -> None:
+        """Change the language model's config (in place) to describe the output."""
+
+    def recorded(self) -> dict:
+        """The options that decide the output bytes, for the manifest and resume checks."""
+        return {}
+
+    def edit_quant_config(self, block: dict) -> None:
+        """Change the output's compressed-tensors quantization_config block (in place)."""
+
+    def output_files(self) -> dict[str, str]:
+        """Files (name -> text) this stage adds to the output, e.g. the pruning plan."""
+        return {}
+
+    def close(self) -> None:
+        """Release what the stage holds for the run (threads, open files)."""
+
+
+def group_modules(
+    tensors: dict[str, TensorInfo], shape_values: dict[str, tuple[int, ...]]
+) -> tuple[list[ModulePlan], list[TensorInfo]]:
+    """Split the source tensors into linears (with their codec) and everything else.
+
+    `shape_values` holds the contents of the tiny `weight_shape` tensors (INT4 modules).
+    """
+    by_module: dict[str, dict[str, TensorInfo]] = {}
+    for name, info in tensors.items():
+        tn = parse_name(name)
+        if tn.param and tn.role in TARGET_ROLES.values():
+            by_module.setdefault(tn.module, {})[tn.param] = info
+    modules, grouped = [], set()
+    for module, params in by_module.items():
+        codec = detect_codec(params)
+        if codec is None:
+            if QUANT_ONLY_PARAMS & set(params):
+                first = next(iter(params.values()))
+                raise KconvertError(
+                    f"quantized module with parameters {sorted(params)} matches no known format",
+                    file=first.file.name, tensor=first.name,
+                )
+            continue
+        shape_info = params.get("weight_shape")
+        shape_value = shape_values.get(shape_info.name) if shape_info else None
+        shape = codec.logical_shape(params, shape_value)
+        tn = parse_name(params[codec.params[0]].name)
+        modules.append(ModulePlan(module, tn, codec, params, shape))
+        grouped.update(info.name for info in params.values())
+    others = [info for name, info in tensors.items() if name not in grouped]
+    return modules, others

@@ -1,0 +1,26 @@
+"""The `densify` stage: pair-bitmask p48 NVFP4 back to the dense compressed-tensors layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kconvert.formats import Nvfp4Codec, Nvfp4PairBitmaskCodec
+from kconvert.formats.nvfp4_pair_bitmask import SPARSE_FLAG
+from kconvert.stages.base import ModulePlan, Stage
+
+
+@dataclass(frozen=True)
+class Densify(Stage):
+    """pair-bitmask p48 NVFP4 -> the dense compressed-tensors layout, byte for byte."""
+
+    name: str = "densify"
+
+    def plan(self, m: ModulePlan) -> None:
+        if m.codec is Nvfp4PairBitmaskCodec:
+            m.out_codec = Nvfp4Codec
+            m.block = m.shape[1] // m.params["weight_scale"].shape[1]
+            m.repack = True
+            m.stages.append(self.name)
+
+    def edit_quant_config(self, block: dict) -> None:
+        block.pop(SPARSE_FLAG, None)

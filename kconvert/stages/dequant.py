@@ -1,0 +1,26 @@
+"""The `dequant` stage: every quantized module decoded, written BF16 (or F32)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kconvert.formats import DenseCodec
+from kconvert.stages.base import ModulePlan, Stage
+
+
+@dataclass(frozen=True)
+class Dequant(Stage):
+    """Every quantized module (INT4, NVFP4, FP8) is decoded; alone, it writes BF16, or F32
+    (`dtype`), which holds INT4's q * scale exactly: a lossless intermediate."""
+
+    dtype: str = "BF16"
+    name: str = "dequant"
+
+    def plan(self, m: ModulePlan) -> None:
+        if m.codec.quantized:
+            m.out_codec = DenseCodec
+            m.dense_dtype = self.dtype
+            m.stages.append(self.name)
+
+    def recorded(self) -> dict:
+        return {"dtype": self.dtype}

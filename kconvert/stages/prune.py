@@ -1,0 +1,64 @@
+"""The `prune` stage: drop the routed experts a plan does not keep, renumber the rest."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from functools import cached_property
+
+from kconvert.model.names import Role, TensorName
+from kconvert.stages.base import Stage
+
+# Parameter suffixes that only exist in quantized formats: a module that has one of these but
+# matches no codec is a layout we do not understand, and must not be copied into an output
+# whose quantization_config no longer describes it.
+PLAN_FILE = "reap-plan.json"
+
+
+@dataclass(frozen=True)
+class Prune(Stage):
+    """Drop the routed experts a plan does not keep and renumber the rest 0..N-1.
+
+    Kept experts keep their bytes (whatever their format) under new ids; the router's gate
+    rows and e_score_correction_bias entries are sliced to the kept ids, in the same order.
+    """
+
+    keep: tuple[tuple[int, tuple[int, ...]], ...]  # (layer, kept source ids ascending)
+    plan_json: str = ""  # the plan file's text, written to DST as reap-plan.json
+    name: str = "prune"
+
+    @cached_property
+    def _new_id(self) -> dict[int, dict[int, int]]:
+        return {layer: {old: new for new, old in enumerate(ids)} for layer, ids in self.keep}
+
+    @cached_property
+    def _rows(self) -> dict[int, tuple[int, ...]]:
+        return dict(self.keep)
+
+    @property
+    def kept(self) -> int:
+        return len(self.keep[0][1])
+
+    def rename(self, tn: TensorName) -> tuple[str | None, tuple[int, ...] | None]:
+        if tn.layer not in self._new_id:
+            return tn.name, None
+        if tn.role is Role.ROUTED_EXPERT:
+            new = self._new_id[tn.layer].get(tn.expert)
+            return (None, None) if new is None else (tn.with_expert(new).name, None)
+        if tn.role in (Role.ROUTER_WEIGHT, Role.ROUTER_BIAS):
+            return tn.name, self._rows[tn.layer]
+        return tn.name, None
+
+    def edit_config(self, text_config: dict) -> None:
+        # Group-limited routing needs equal experts per group; kept ids rarely are, so routing
+        # falls back to one group (Kimi already has n_group = topk_group = 1).
+        text_config["n_routed_experts"] = self.kept
+        text_config["n_group"] = 1
+        text_config["topk_group"] = 1
+
+    def recorded(self) -> dict:
+        return {"kept_per_layer": self.kept, "layers": len(self.keep),
+                "plan": hashlib.sha256(self.plan_json.encode()).hexdigest()}
+
+    def output_files(self) -> dict[str, str]:
+        return {PLAN_FILE: self.plan_json}

@@ -1,0 +1,81 @@
+"""The `quantize` stage: targeted modules become NVFP4 in the chosen on-disk flavour."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from kconvert.errors import KconvertError
+from kconvert.formats import OUTPUT_CODECS, DenseCodec, Nvfp4PairBitmaskCodec
+from kconvert.model.names import TARGET_ROLES, Role
+from kconvert.stages.base import ModulePlan, Stage
+
+
+@dataclass(frozen=True)
+class Quantize(Stage):
+    """Targeted modules become NVFP4 in the chosen on-disk flavour.
+
+    A quantized module that is not a target but is in another format is decoded to BF16:
+    the output's quantization_config describes NVFP4 only, never a stale format.
+    """
+
+    targets: frozenset[Role]
+    fmt: str = "compressed-tensors"
+    block_scale: str = "mse"
+    # Activation statistics from calibration: JSON {"input_amax": {module: amax}}. A module
+    # found there is W4A4 and gets an input scale (2688/amax in compressed-tensors, amax/2688
+    # in ModelOpt); without statistics the output is W4A16.
+    act_stats: str | None = None
+    name: str = "quantize"
+
+    @cached_property
+    def input_amax(self) -> dict[str, float]:
+        if self.act_stats is None:
+            return {}
+        try:
+            return {k: float(v) for k, v in
+                    json.loads(Path(self.act_stats).read_text())["input_amax"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise KconvertError(f"bad activation statistics: {exc}", file=self.act_stats) from exc
+
+    def recorded(self) -> dict:
+        return {"targets": sorted(r.value for r in self.targets), "format": self.fmt,
+                "block_scale": self.block_scale, "act_stats": self.act_stats}
+
+    def plan(self, m: ModulePlan) -> None:
+        if m.tn.role in self.targets:
+            m.input_amax = self.input_amax.get(m.module)
+            if self.act_stats is not None and m.input_amax is None:
+                # One config group describes every target: all W4A4 or none.
+                raise KconvertError("activation statistics have no input amax for this "
+                                    "targeted module", file=self.act_stats, tensor=m.module)
+            if m.shape[1] % 16:
+                raise KconvertError(
+                    f"input dimension {m.shape[1]} is not a multiple of 16; NVFP4 needs it",
+                    file=m.primary.file.name, tensor=m.primary.name,
+                )
+            m.out_codec = OUTPUT_CODECS[self.fmt]
+            if m.storage == "pair-bitmask" or m.block != 16:
+                if self.fmt != "compressed-tensors":
+                    raise KconvertError(f"--format {self.fmt} has no form for block size "
+                                        f"{m.block} / {m.storage} storage; use "
+                                        "compressed-tensors", tensor=m.module)
+                if m.storage == "pair-bitmask":
+                    m.out_codec = Nvfp4PairBitmaskCodec
+            m.stages.append(self.name)
+        elif m.transform is not None:
+            raise KconvertError("a sparsified module must also be quantized: add its role to "
+                                "the quantize stage's targets", tensor=m.module)
+        elif m.codec.quantized and m.codec is not OUTPUT_CODECS[self.fmt]:
+            m.out_codec = DenseCodec
+            m.stages.append("dequant")
+
+
+def parse_targets(spec: str | list[str] | tuple[str, ...]) -> frozenset[Role]:
+    names = spec.split(",") if isinstance(spec, str) else list(spec)
+    unknown = [n for n in names if n.strip() not in TARGET_ROLES]
+    if unknown:
+        raise KconvertError(f"unknown --targets {unknown}; choose from {sorted(TARGET_ROLES)}")
+    return frozenset(TARGET_ROLES[n.strip()] for n in names if n.strip())

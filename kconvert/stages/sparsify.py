@@ -1,0 +1,171 @@
+"""The `sparsify` stage (paired-4:8 on routed experts, docs/p48.md).
+
+Sparsify claims the routed experts' gate/up/down (shared experts are never sparsified) and
+transforms their decoded fp32 weights before the quantize stage encodes them:
+  magnitude  keep the 2 pairs of every 8-chunk with the largest |w_2p| + |w_2p+1|
+  wanda      the same on |W_ij| * ||X_j||_2, X_j from `kconvert calibrate` (input_sq_sum)
+  sparsegpt  joint OBS prune + NVFP4 quantize (kconvert.sparsity.sparsegpt) on calibration inputs
+Every mask is chosen per chunk before any block scale, so NVFP4's block scales are computed
+after the mask (a pruned outlier never inflates a scale); pruned pairs are +0.0, encoded 0x00.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kconvert.errors import KconvertError
+from kconvert.formats.nvfp4_pair_bitmask import SPARSE_FLAG
+from kconvert.io.files import hash_file
+from kconvert.model.names import Role
+from kconvert.sparsity import p48, sparsegpt
+from kconvert.stages.base import ModulePlan, Stage
+
+METHODS = ("magnitude", "wanda", "sparsegpt")
+
+
+STORAGES = ("dense", "pair-bitmask")
+
+
+GROUP_SIZES = (16, 32)
+
+
+class WandaNorms:
+    """||X_j||_2 per input column of each routed linear, read lazily from calibrate's
+    `stats.safetensors` (`<key>.input_sq_sum`), so a 61-layer model's statistics never sit
+    in memory at once."""
+
+    def __init__(self, stats_dir: str):
+        from safetensors import safe_open
+
+        from kconvert.calibrate.stats import META_FILE, STATS_FILE
+
+        path = Path(stats_dir)
+        if not (path / META_FILE).is_file():
+            raise KconvertError("not a `kconvert calibrate` output (no stats.json)",
+                                file=str(path))
+        self._file = safe_open(str(path / STATS_FILE), framework="pt")
+        self._names = set(self._file.keys())
+        self.where = str(path / STATS_FILE)
+
+    def column_norms(self, m: ModulePlan) -> torch.Tensor:
+        from kconvert.calibrate.stats import stats_key
+
+        name = f"{stats_key(m.module)}.input_sq_sum"
+        if name not in self._names:
+            raise KconvertError("the statistics have no input column norms for this module",
+                                file=self.where, tensor=m.module)
+        return self._file.get_tensor(name).float().sqrt()
+
+
+@dataclass(frozen=True)
+class Sparsify(Stage):
+    method: str = "magnitude"
+    group_size: int = 16
+    storage: str = "dense"
+    stats: str | None = None  # `kconvert calibrate` output directory (wanda)
+    data: dict | None = None  # calibration data options (sparsegpt), recorded in the manifest
+    hessians: sparsegpt.CalibrationHessians | None = field(default=None, compare=False)
+    name: str = "sparsify"
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise KconvertError(f"unknown --method {self.method!r}; choose from {METHODS}")
+        if self.group_size not in GROUP_SIZES:
+            raise KconvertError(f"--group-size must be one of {GROUP_SIZES}")
+        if self.storage not in STORAGES:
+            raise KconvertError(f"unknown --storage {self.storage!r}; choose from {STORAGES}")
+        if self.method == "wanda" and self.stats is None:
+            raise KconvertError("--method wanda needs --stats DIR (from `kconvert calibrate`)")
+        if self.method == "sparsegpt" and self.hessians is None:
+            raise KconvertError("--method sparsegpt needs calibration data: --data FILE")
+
+    @property
+    def ordered_layers(self) -> bool:
+        """SparseGPT's calibration pass streams layers forward: items must follow."""
+        return self.method == "sparsegpt"
+
+    def plan(self, m: ModulePlan) -> None:
+        if m.tn.role is not Role.ROUTED_EXPERT:
+            return
+        if m.shape[1] % self.group_size:
+            raise KconvertError(f"input dimension {m.shape[1]} is not a whole number of "
+                                f"{self.group_size}-element scale blocks", tensor=m.module)
+        m.block = self.group_size
+        m.storage = self.storage
+        m.transform = self
+        m.stages.append(self.name)
+
+    def recorded(self) -> dict:
+        # `pattern` and `targets` are what `kconvert audit` keys its p48 check on.
+        out = {"pattern": "p48", "method": self.method, "group_size": self.group_size,
+               "storage": self.storage, "targets": [Role.ROUTED_EXPERT.value]}
+        if self.stats is not None:
+            out["stats"] = hash_file(Path(self.stats) / "stats.safetensors")
+        if self.method == "sparsegpt":
+            out.update(percdamp=sparsegpt.PERCDAMP, blocksize=sparsegpt.BLOCKSIZE,
+                       data=self.data)
+        return out
+
+    def close(self) -> None:
+        if self.hessians is not None:
+            self.hessians.close()
+
+    def edit_quant_config(self, block: dict) -> None:
+        if self.storage == "pair-bitmask":
+            block[SPARSE_FLAG] = {"layout": "pair-bitmask", "version": 1}
+
+    @property
+    def norms(self) -> WandaNorms:
+        return _norms(self.stats)
+
+    def transform(self, modules, w, gs, block_scale, local_dtype):
+        if self.method == "sparsegpt":
+            return self._sparsegpt(modules, w, gs, block_scale, local_dtype)
+        col = None
+        if self.method == "wanda":
+            col = torch.stack([self.norms.column_norms(m) for m in modules]).to(w.device)
+        keep = p48.top2_pairs(p48.pair_scores(w, col))
+        return p48.apply_pair_mask(w, keep), None
+
+    def _sparsegpt(self, modules, w, gs, block_scale, local_dtype):
+        # Members that see the same inputs (an expert's gate and up) share one Hessian and
+        # run as one [rows, in] matrix: one Cholesky, one loop.
+        keys = [(m.tn.layer, m.tn.expert, "down" if m.tn.proj == "down_proj" else "in")
+                for m in modules]
+        order = list(dict.fromkeys(keys))
+        members = [[i for i, k in enumerate(keys) if k == key] for key in order]
+        if len({len(g) for g in members}) != 1:
+            raise KconvertError("SparseGPT batch mixes experts with different projection sets",
+                                tensor=modules[0].module)
+        u = sparsegpt.prepare_inverse(torch.stack([
+            self.hessians.hessian(layer, expert, modules[g[0]].tn.proj).to(w.device)
+            for (layer, expert, _), g in zip(order, members, strict=True)]))
+        idx = torch.tensor([i for g in members for i in g], device=w.device)
+        b, m, k = w.shape
+        per = len(members[0])
+        wj = w[idx].reshape(len(order), per * m, k)
+        row_gs = gs.to(w.device)[idx].repeat_interleave(m).reshape(len(order), per * m)
+        w_hat, codes = sparsegpt.prune_quantize(wj, u, row_gs, self.group_size, block_scale,
+                                                local_dtype)
+        out = torch.empty_like(w)
+        out_codes = torch.empty(b, m, k // self.group_size, dtype=torch.uint8, device=w.device)
+        out[idx] = w_hat.reshape(b, m, k)
+        out_codes[idx] = codes.reshape(b, m, -1)
+        return out, out_codes
+
+
+@functools.cache
+def _norms(stats: str) -> WandaNorms:
+    """One open statistics file per directory (the stage itself is a frozen value)."""
+    return WandaNorms(stats)
+
+
+def data_record(path: str, samples: int, seq_len: int, seed: int) -> dict:
+    """What identifies a calibration data set in the manifest and the resume fingerprint."""
+    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return {"sha256": digest, "samples": samples, "seq_len": seq_len, "seed": seed}
