@@ -22,7 +22,7 @@ from tqdm import tqdm
 from kconvert import __version__, events
 from kconvert.checks.structure import validate_source
 from kconvert.engine.execute import execute
-from kconvert.engine.work import Plan, build_plan, describe
+from kconvert.engine.work import WorkPlan, build_work_plan, describe
 from kconvert.errors import KconvertError
 from kconvert.formats import nvfp4
 from kconvert.formats.dense import DenseCodec
@@ -128,7 +128,7 @@ def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, options: dict, run: Ru
     # On a CPU, items of 2^24 elements (~one expert matrix; the fused kernel is per row anyway)
     # keep the decode temporaries to ~200 MB (measured in tests/test_robustness.py).
     work_elems = 1 << 28 if device.type == "cuda" else 1 << 24
-    plan = build_plan(ckpt, stages, work_elems)
+    plan = build_work_plan(ckpt, stages, work_elems)
     for warning in validate_source(ckpt.config, ckpt.tensors, plan.modules, ckpt.root):
         echo(f"kconvert: warning: {warning}")
     if recipe.requires_source and not any(m.codec.name == recipe.requires_source
@@ -172,7 +172,7 @@ def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, options: dict, run: Ru
     return manifest
 
 
-def _planned(ckpt: Checkpoint, plan: Plan) -> Planned:
+def _planned(ckpt: Checkpoint, plan: WorkPlan) -> Planned:
     """Names and sizes of everything the run will write."""
     shard_bytes = {}
     for shard, entries in plan.shard_entries.items():
@@ -185,7 +185,7 @@ def _planned(ckpt: Checkpoint, plan: Plan) -> Planned:
     return Planned(tuple(files), shard_bytes, other_bytes)
 
 
-def _execute(plan: Plan, ws: Workspace, device: torch.device, done: dict[str, dict],
+def _execute(plan: WorkPlan, ws: Workspace, device: torch.device, done: dict[str, dict],
              run: RunControl, name: str) -> dict[str, dict]:
     total = sum(item.nbytes for item in plan.items)
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=run.quiet,
@@ -200,7 +200,7 @@ def _execute(plan: Plan, ws: Workspace, device: torch.device, done: dict[str, di
         return execute(plan, ws.root, device, done, bar.update, readers=run.readers)
 
 
-def _print_plan(plan: Plan, echo) -> None:
+def _print_plan(plan: WorkPlan, echo) -> None:
     rows = describe(plan)
     echo(f"{'role':<15} {'source':<26} {'output':<26} {'tensors_in':>10} {'tensors_out':>11} "
          f"{'MB_in':>10} {'MB_out':>10}")
@@ -213,7 +213,7 @@ def _print_plan(plan: Plan, echo) -> None:
          f"{len(plan.outputs)} tensors")
 
 
-def _finish(ckpt: Checkpoint, ws: Workspace, plan: Plan, records: dict[str, dict],
+def _finish(ckpt: Checkpoint, ws: Workspace, plan: WorkPlan, records: dict[str, dict],
             command: str, options: dict) -> Manifest:
     root = ws.root
     non_weight = {}
@@ -240,23 +240,23 @@ def _finish(ckpt: Checkpoint, ws: Workspace, plan: Plan, records: dict[str, dict
     dropped = dict(plan.dropped)
     hf_quant = None
     if fmt == "modelopt":
-        block, hf_quant = modelopt_blocks(plan.modules, names)
+        qconfig, hf_quant = modelopt_blocks(plan.modules, names)
     else:
         has_vision = any(n.startswith(("vision_tower.", "mm_projector.")) for n in names)
-        block = (compressed_tensors_block(plan.modules, has_vision)
+        qconfig = (compressed_tensors_block(plan.modules, has_vision)
                  if fmt == "compressed-tensors" else None)
         if fmt == "source":
-            block = ckpt.config.get("quantization_config") or ckpt.text_config.get(
+            qconfig = ckpt.config.get("quantization_config") or ckpt.text_config.get(
                 "quantization_config")
-        elif block is not None:
+        elif qconfig is not None:
             for stage in plan.stages:
-                stage.edit_quant_config(block)
+                stage.edit_quant_config(qconfig)
         if (ckpt.root / "hf_quant_config.json").is_file():
             dropped["hf_quant_config.json"] = "ModelOpt quantization file; output is not ModelOpt"
     for name in sorted(GENERATED_FILES - {"config.json", "hf_quant_config.json", INDEX}):
         if (ckpt.root / name).is_file():
             dropped[name] = "written by an earlier kconvert run about ITS source; not carried"
-    config = rewrite_config(ckpt.config, block)
+    config = rewrite_config(ckpt.config, qconfig)
     for stage in plan.stages:
         stage.edit_config(config.get("text_config", config))
     write("config.json", _json(config), "config-written")
@@ -278,7 +278,7 @@ def _json(data: dict) -> str:
     return json.dumps(data, indent=1, sort_keys=True)
 
 
-def _manifest(ckpt: Checkpoint, plan: Plan, records: dict[str, dict], command: str,
+def _manifest(ckpt: Checkpoint, plan: WorkPlan, records: dict[str, dict], command: str,
               options: dict, fmt: str, dropped: dict[str, str], non_weight: dict[str, str],
               generated: dict[str, str], root: Path) -> Manifest:
     tensors = {}
@@ -320,7 +320,7 @@ def _manifest(ckpt: Checkpoint, plan: Plan, records: dict[str, dict], command: s
     )
 
 
-def _summary(plan: Plan, by_layer: dict[str, list[float]], files: dict[str, FileEntry]) -> dict:
+def _summary(plan: WorkPlan, by_layer: dict[str, list[float]], files: dict[str, FileEntry]) -> dict:
     """What the run did, in numbers (the CLI's closing line is made from it)."""
     modules = {"quantized": 0, "dequantized": 0, "relaid": 0, "sparsified": 0}
     for m in plan.modules:

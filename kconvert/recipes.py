@@ -185,7 +185,7 @@ def build_stages(recipe: Recipe, overrides: dict) -> list[Stage]:
             stages.append(Quantize(
                 targets=parse_targets(opts.get("targets", ["experts"])),
                 fmt=opts.get("format", "compressed-tensors"),
-                block_scale=opts.get("block_scale", "mse"),
+                scale_rule=opts.get("block_scale", "mse"),
                 act_stats=opts.get("act_stats"),
             ))
     kinds = [type(s) for s in stages]

@@ -333,7 +333,7 @@ def child_kc(argv: list[str]) -> None:
     engine.ShardSink.hash = wrap(engine.ShardSink.hash, "hash_item")
     safetensors_io.ShardWriter.write = wrap(safetensors_io.ShardWriter.write, "pwrite")
     safetensors_io.ShardWriter.finish = wrap(safetensors_io.ShardWriter.finish, "fsync")
-    for name in ("open_checkpoint", "build_plan", "execute", "_finish",
+    for name in ("open_checkpoint", "build_work_plan", "execute", "_finish",
                  "compressed_tensors_block", "write_manifest"):
         setattr(conv, name, wrap(getattr(conv, name), "phase_" + name))
     engine.read_shape_values = wrap(engine.read_shape_values, "phase_read_shape_values")

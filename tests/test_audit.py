@@ -26,7 +26,7 @@ from third_party_prune import prune
 from conftest import ROOT
 from kconvert.cli import main
 from kconvert.convert import RunControl, convert
-from kconvert.pruning.plan import Plan, load_plan, plan_json_schema
+from kconvert.pruning.plan import PrunePlan, load_plan, plan_json_schema
 from kconvert.pruning.reap import prune_stage
 from kconvert.recipes import load_recipe
 from kconvert.sparsity.p48 import check_packed as p48_check
@@ -216,13 +216,13 @@ def test_committed_plan_schema_is_current():
     committed = json.loads((ROOT / "manifests" / "plan.schema.json").read_text())
     assert committed == plan_json_schema(), (
         "regenerate: python -m kconvert.plan > manifests/plan.schema.json")
-    layer = committed["$defs"]["LayerPlan"]["properties"]
+    layer = committed["$defs"]["PruneLayer"]["properties"]
     assert {"keep", "saliency", "frequency"} <= set(layer)
     assert {"criterion", "layers"} <= set(committed["properties"])
 
 
 def test_plan_validation(tmp_path):
-    ok = Plan.model_validate({"criterion": "reap", "layers": {
+    ok = PrunePlan.model_validate({"criterion": "reap", "layers": {
         "1": {"keep": [0, 2, 5], "saliency": [1, 0, 2, 0, 0, 3], "frequency": [4, 0, 1, 0, 0, 2]}}})
     assert ok.keep(1) == [0, 2, 5] and ok.keep(2) is None
     for bad in ({"layers": {"1": {"keep": [2, 1]}}},  # not ascending

@@ -359,14 +359,14 @@ def test_nvfp4_tie_points_match_compressed_tensors(amax, path):
     step = amax / 6.0
     w = _tie_rows(step)
     assert w.abs().max().item() == amax
-    q = nvfp4.quantize(w[None], torch.tensor([amax]), block_scale="amax", **path)
+    q = nvfp4.quantize(w[None], torch.tensor([amax]), scale_rule="amax", **path)
     gs = generate_gparam(w.min(), w.max())
     assert torch.equal(q.global_scale.reshape(1), gs)
     ref = ct_reference_compress(w, gs)
-    assert torch.equal(u8(q.block_scale[0]), u8(ref["weight_scale"]))
+    assert torch.equal(u8(q.block_scales[0]), u8(ref["weight_scale"]))
     assert torch.equal(q.packed[0], ref["weight_packed"])
     # And the decoded tie points are where formats.md says they go.
-    decoded = nvfp4.dequantize(q.packed, q.block_scale, q.global_scale)[0]
+    decoded = nvfp4.dequantize(q.packed, q.block_scales, q.global_scale)[0]
     first = decoded[0, 1:8] / step
     assert first.tolist() == list(TIE_POINTS.values())
     assert (decoded[0, 8:15] / step).tolist() == [-v for v in TIE_POINTS.values()]

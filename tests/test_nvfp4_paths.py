@@ -38,7 +38,7 @@ def _batch() -> torch.Tensor:
 
 def _assert_same(a: nvfp4.Quantized, b: nvfp4.Quantized) -> None:
     assert torch.equal(a.packed, b.packed)
-    assert torch.equal(a.block_scale.view(torch.uint8), b.block_scale.view(torch.uint8))
+    assert torch.equal(a.block_scales.view(torch.uint8), b.block_scales.view(torch.uint8))
     assert torch.equal(a.global_scale, b.global_scale)
     torch.testing.assert_close(a.err_sq, b.err_sq, rtol=1e-9, atol=0)
     torch.testing.assert_close(a.ref_sq, b.ref_sq, rtol=1e-9, atol=0)
@@ -49,15 +49,15 @@ def _assert_same(a: nvfp4.Quantized, b: nvfp4.Quantized) -> None:
 def test_fused_cpu_kernel_equals_torch_path(mode, block):
     w = _batch()
     amax = w.abs().amax(dim=(1, 2))
-    fused = nvfp4.quantize(w, amax, mode, fused_cpu=True, block=block)
-    eager = nvfp4.quantize(w, amax, mode, fused_cpu=False, block=block)
+    fused = nvfp4.quantize(w, amax, mode, fused_cpu=True, group_size=block)
+    eager = nvfp4.quantize(w, amax, mode, fused_cpu=False, group_size=block)
     _assert_same(fused, eager)
-    assert fused.block_scale.shape == (3, 40, 544 // block)
+    assert fused.block_scales.shape == (3, 40, 544 // block)
     # The comparison can fail: another block-scale rule gives other bytes.
     other = nvfp4.quantize(w, amax, "amax" if mode == "mse" else "mse", fused_cpu=False,
-                           block=block)
-    assert not torch.equal(other.block_scale.view(torch.uint8),
-                           eager.block_scale.view(torch.uint8))
+                           group_size=block)
+    assert not torch.equal(other.block_scales.view(torch.uint8),
+                           eager.block_scales.view(torch.uint8))
 
 
 @pytest.mark.parametrize("mode", ["amax", "mse"])
@@ -77,27 +77,27 @@ def test_given_block_codes_are_used_as_they_are(block):
     nb = 544 // block
     g = torch.Generator().manual_seed(5)
     # Codes around the amax rule's, some far off (heavy clipping or a coarse grid).
-    amax_codes = nvfp4.quantize(w, amax, "amax", block=block).block_scale.view(torch.uint8)
+    amax_codes = nvfp4.quantize(w, amax, "amax", group_size=block).block_scales.view(torch.uint8)
     codes = (amax_codes.short() + torch.randint(-6, 9, amax_codes.shape, generator=g)
              ).clamp(1, 0x7E).to(torch.uint8)
-    fused = nvfp4.quantize(w, amax, "mse", fused_cpu=True, block=block, block_codes=codes)
-    eager = nvfp4.quantize(w, amax, "mse", fused_cpu=False, block=block, block_codes=codes)
+    fused = nvfp4.quantize(w, amax, "mse", fused_cpu=True, group_size=block, block_codes=codes)
+    eager = nvfp4.quantize(w, amax, "mse", fused_cpu=False, group_size=block, block_codes=codes)
     _assert_same(fused, eager)
-    assert torch.equal(fused.block_scale.view(torch.uint8), codes)
+    assert torch.equal(fused.block_scales.view(torch.uint8), codes)
     # err_sq is the error of exactly that encoding.
-    decoded = nvfp4.dequantize(fused.packed, fused.block_scale, fused.global_scale)
+    decoded = nvfp4.dequantize(fused.packed, fused.block_scales, fused.global_scale)
     torch.testing.assert_close(fused.err_sq, (decoded.double() - w.double()).square().sum((1, 2)),
                                rtol=1e-5, atol=0)
     with pytest.raises(ValueError, match="uint8"):
-        nvfp4.quantize(w, amax, block=block, block_codes=codes[:, :, : nb - 1])
+        nvfp4.quantize(w, amax, group_size=block, block_codes=codes[:, :, : nb - 1])
     with pytest.raises(ValueError, match=r"1\.\.0x7E"):
-        nvfp4.quantize(w, amax, block=block, block_codes=torch.zeros_like(codes))
+        nvfp4.quantize(w, amax, group_size=block, block_codes=torch.zeros_like(codes))
 
 
 def test_fp8_codes_equal_torch_cast():
     """The kernels' FP8 rounding is torch's float32 -> float8_e4m3fn cast after the clamp to
     448: every code, the midpoints between neighbours (ties) and one ulp either side."""
-    values = nvfp4._FP8_VALUES[:127]
+    values = nvfp4.FP8_VALUES[:127]
     mids = (values[:-1] + values[1:]) / 2  # exact in fp32
     pts = torch.cat([values, mids])
     pts = torch.cat([pts, torch.nextafter(pts, torch.tensor(0.0)),
@@ -113,7 +113,7 @@ def test_fp8_codes_equal_torch_cast():
 def test_e2m1_rounding_equals_torch_bucketize():
     """The kernels' E2M1 value (a rint on the grid) and nibble equal the torch path's bucketize
     over the cut points: on each cut point, a few ulps either side, and random values."""
-    cuts = nvfp4._cut_points(torch.device("cpu"))
+    cuts = nvfp4.cut_points(torch.device("cpu"))
     down = up = torch.cat([torch.tensor(nvfp4._CUTS), torch.tensor([0.0, 2.0, 4.0, 6.0, 1e30])])
     near = [down]
     for _ in range(3):
@@ -200,7 +200,7 @@ def test_quantize_int4_equals_decode_then_quantize(mode, block, group, codes_lo,
     w = Int4Codec.decode({"weight_packed": packed, "weight_scale": scale}, (24, 576))
     amax = nvfp4.int4_amax(packed, scale)
     assert torch.equal(amax, w.abs().amax(dim=(1, 2)))
-    reference = nvfp4.quantize(w, amax, mode, fused_cpu=False, block=block)
+    reference = nvfp4.quantize(w, amax, mode, fused_cpu=False, group_size=block)
     _assert_same(nvfp4.quantize_int4(packed, scale, amax, mode, block), reference)
     _assert_same(nvfp4.quantize_int4(packed, scale, amax, mode, block, fused_cpu=False),
                  reference)

@@ -198,7 +198,7 @@ def test_pair_bitmask_layout_on_crafted_bytes():
     codec_shape = Nvfp4PairBitmaskCodec.specs((4, 64))
     assert [s[:2] for s in codec_shape][:2] == [("weight_sparse_packed", "U8"),
                                                 ("weight_sparse_mask", "U8")]
-    assert Nvfp4Codec.specs((4, 64), block=32)[1][2] == (4, 2)
+    assert Nvfp4Codec.specs((4, 64), group_size=32)[1][2] == (4, 2)
 
 
 def test_one_pass_equals_stages_one_after_another(sparsified, tmp_path):

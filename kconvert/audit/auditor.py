@@ -69,7 +69,7 @@ from kconvert.io.readahead import read_ahead
 from kconvert.io.shards import ShardReader, TensorInfo
 from kconvert.manifest import MANIFEST, Manifest, read_manifest
 from kconvert.model.names import Role, TensorName, parse_name
-from kconvert.pruning.plan import Plan, load_plan, parse_plan
+from kconvert.pruning.plan import PrunePlan, load_plan, parse_plan
 from kconvert.sparsity.p48 import check_packed
 from kconvert.stages.prune import PLAN_FILE
 
@@ -487,7 +487,7 @@ class Auditor:
         self.tree: Tree | None = None
         self.src: Tree | None = None
         self.manifest: Manifest | None = None
-        self.plan: Plan | None = None
+        self.plan: PrunePlan | None = None
         self.modules: dict[str, Module] = {}
         self.src_modules: dict[str, Module] = {}
         self.module_of: dict[str, Module] = {}

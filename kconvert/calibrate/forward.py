@@ -20,7 +20,7 @@ from kconvert.errors import KconvertError
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.shards import TensorInfo
 from kconvert.model.names import Role, parse_name
-from kconvert.stages.base import ModulePlan, group_modules
+from kconvert.stages.base import ModuleWork, group_modules
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 
@@ -71,7 +71,7 @@ def _accumulate(x: torch.Tensor, amax: torch.Tensor, sq: torch.Tensor) -> None:
     sq += torch.linalg.vector_norm(x, ord=2, dim=0, dtype=torch.float32).double().square()
 
 
-class _Context:
+class ForwardContext:
     """Per-batch state shared by the hooks and the MoE block: which positions are real."""
 
     valid: torch.Tensor | None = None  # [b, s] bool, None when every position is real
@@ -93,12 +93,12 @@ class _Experts:
     names: list[dict[str, str]]  # expert -> proj -> checkpoint module
 
 
-class _MoE(nn.Module):
+class MoEBlock(nn.Module):
     """DeepseekV3MoE with our routed-expert loop, which gathers each expert's tokens and
     accumulates the REAP and activation statistics. `gate` and `shared_experts` are
     transformers' own modules (same names, so the checkpoint's tensors load into them)."""
 
-    def __init__(self, cfg, ctx: _Context, experts: _Experts, device: torch.device):
+    def __init__(self, cfg, ctx: ForwardContext, experts: _Experts, device: torch.device):
         from transformers.activations import ACT2FN
         from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
             DeepseekV3MLP,
@@ -212,7 +212,7 @@ class _MoE(nn.Module):
 @dataclass
 class _Layer:
     module: nn.Module  # transformers' DeepseekV3DecoderLayer, weights loaded
-    moe: _MoE | None
+    moe: MoEBlock | None
     linear_stats: dict[str, _LinearStats]  # checkpoint module -> accumulator (non-expert)
     hooks: list = field(default_factory=list)
 
@@ -221,16 +221,16 @@ def _read(ckpt: Checkpoint, info: TensorInfo) -> torch.Tensor:
     return ckpt.reader_for(info).read(info)
 
 
-def _decode_one(ckpt: Checkpoint, m: ModulePlan, device: torch.device, dtype: torch.dtype
+def _decode_one(ckpt: Checkpoint, m: ModuleWork, device: torch.device, dtype: torch.dtype
                 ) -> torch.Tensor:
     t = {p: _read(ckpt, m.params[p]).to(device).unsqueeze(0) for p in m.codec.params}
     return m.codec.decode(t, m.shape)[0].to(dtype)
 
 
-def _load_experts(ckpt: Checkpoint, cfg, modules: list[ModulePlan], layer: int,
+def _load_experts(ckpt: Checkpoint, cfg, modules: list[ModuleWork], layer: int,
                   device: torch.device, dtype: torch.dtype) -> _Experts:
     n, hidden, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    by_id: dict[int, dict[str, ModulePlan]] = {}
+    by_id: dict[int, dict[str, ModuleWork]] = {}
     for m in modules:
         by_id.setdefault(m.tn.expert, {})[m.tn.proj] = m
     missing = [e for e in range(n) if set(by_id.get(e, {})) != set(PROJS)]
@@ -248,7 +248,7 @@ def _load_experts(ckpt: Checkpoint, cfg, modules: list[ModulePlan], layer: int,
                                     tensor=m.module)
     gate_up = torch.empty(n, 2 * inter, hidden, dtype=dtype, device=device)
     down = torch.empty(n, hidden, inter, dtype=dtype, device=device)
-    groups: dict[tuple, list[tuple[int, str, ModulePlan]]] = {}
+    groups: dict[tuple, list[tuple[int, str, ModuleWork]]] = {}
     for e in range(n):
         for proj, m in by_id[e].items():
             groups.setdefault((m.codec, tuple(m.shape)), []).append((e, proj, m))
@@ -283,8 +283,8 @@ def _load_experts(ckpt: Checkpoint, cfg, modules: list[ModulePlan], layer: int,
     return _Experts(gate_up, down, names)
 
 
-def _load_layer(ckpt: Checkpoint, cfg, layer: int, tensors: dict[str, TensorInfo],
-                ctx: _Context, device: torch.device, dtype: torch.dtype) -> _Layer:
+def load_layer(ckpt: Checkpoint, cfg, layer: int, tensors: dict[str, TensorInfo],
+                ctx: ForwardContext, device: torch.device, dtype: torch.dtype) -> _Layer:
     """transformers' decoder layer L holding exactly the checkpoint's layer-L tensors."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
 
@@ -316,7 +316,7 @@ def _load_layer(ckpt: Checkpoint, cfg, layer: int, tensors: dict[str, TensorInfo
         raise KconvertError(f"layer {layer}: first_k_dense_replace={cfg.first_k_dense_replace} "
                             f"but the layer has {len(experts)} routed expert linears")
     if is_moe:
-        moe = _MoE(cfg, ctx, _load_experts(ckpt, cfg, experts, layer, device, dtype), device)
+        moe = MoEBlock(cfg, ctx, _load_experts(ckpt, cfg, experts, layer, device, dtype), device)
         module.mlp = moe
     try:
         module.load_state_dict(state, strict=True, assign=True)
@@ -335,7 +335,7 @@ def _load_layer(ckpt: Checkpoint, cfg, layer: int, tensors: dict[str, TensorInfo
     return _Layer(module, moe, linear_stats, hooks)
 
 
-def _layer_tensors(ckpt: Checkpoint, n_layers: int) -> dict[int, dict[str, TensorInfo]]:
+def tensors_by_layer(ckpt: Checkpoint, n_layers: int) -> dict[int, dict[str, TensorInfo]]:
     layers: dict[int, dict[str, TensorInfo]] = {}
     for name, info in ckpt.tensors.items():
         tn = parse_name(name)
@@ -348,7 +348,7 @@ def _layer_tensors(ckpt: Checkpoint, n_layers: int) -> dict[int, dict[str, Tenso
     return layers
 
 
-def _embed(ckpt: Checkpoint, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def embed(ckpt: Checkpoint, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Embedding rows of `ids` (PAD_ID -> zeros), reading only the rows that are used."""
     names = [n for n in ckpt.weight_map if parse_name(n).role is Role.EMBEDDING]
     if len(names) != 1:
@@ -377,7 +377,7 @@ def _embed(ckpt: Checkpoint, ids: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     return out
 
 
-def _attention_mask(valid: torch.Tensor, all_valid: bool) -> torch.Tensor | None:
+def padding_aware_mask(valid: torch.Tensor, all_valid: bool) -> torch.Tensor | None:
     """None (SDPA's causal kernel) when nothing is padding; else causal AND real keys, as a
     boolean [b, 1, s, s] mask. A padding query with no real key left attends to itself
     (its output is never used: real tokens never attend to it)."""

@@ -11,13 +11,13 @@ import torch
 from kconvert import __version__
 from kconvert.calibrate.data import PAD_ID, load_calibration_data
 from kconvert.calibrate.forward import (
-    _attention_mask,
-    _Context,
-    _embed,
-    _layer_tensors,
-    _load_layer,
-    _MoE,
+    ForwardContext,
+    MoEBlock,
+    embed,
+    load_layer,
     model_config,
+    padding_aware_mask,
+    tensors_by_layer,
 )
 from kconvert.calibrate.stats import (
     GATE_WEIGHT,
@@ -43,7 +43,7 @@ def calibrate(
     hidden_on_device: bool | None = None,
     meta: dict | None = None,
     on_layer: Callable[[int, torch.Tensor], None] | None = None,
-    on_moe: Callable[[int, _MoE], None] | None = None,
+    on_moe: Callable[[int, MoEBlock], None] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> CalibrationStats:
     """One layer-streamed pass over `input_ids` [num_seqs, seq_len]; see the module docstring.
@@ -73,11 +73,11 @@ def calibrate(
     all_valid = bool(valid.all())
     cfg = model_config(ckpt)
     n_layers = cfg.num_hidden_layers
-    layer_tensors = _layer_tensors(ckpt, n_layers)
+    layer_tensors = tensors_by_layer(ckpt, n_layers)
     say = progress or (lambda _msg: None)
 
     t0 = time.perf_counter()
-    hidden = _embed(ckpt, torch.where(valid, input_ids, PAD_ID), dtype)
+    hidden = embed(ckpt, torch.where(valid, input_ids, PAD_ID), dtype)
     if device.type == "cuda":
         if hidden_on_device is None:
             free = torch.cuda.mem_get_info(device)[0]
@@ -87,14 +87,14 @@ def calibrate(
     positions = torch.arange(seq_len, device=device).unsqueeze(0)
     pos_emb = rotary(torch.empty(0, device=device, dtype=dtype), positions)
     valid_dev = valid.to(device)
-    ctx = _Context()
+    ctx = ForwardContext()
 
     tensors: dict[str, torch.Tensor] = {}
     modules: dict[str, str] = {}
     timing = []
     for layer in range(n_layers):
         t_layer = time.perf_counter()
-        loaded = _load_layer(ckpt, cfg, layer, layer_tensors[layer], ctx, device, dtype)
+        loaded = load_layer(ckpt, cfg, layer, layer_tensors[layer], ctx, device, dtype)
         if loaded.moe is not None:
             loaded.moe.capture = on_moe is not None
         t_loaded = time.perf_counter()
@@ -105,7 +105,7 @@ def calibrate(
                 v = valid_dev[rows]
                 batch_all = all_valid or bool(v.all())
                 ctx.valid = None if batch_all else v
-                out = loaded.module(x, attention_mask=_attention_mask(v, batch_all),
+                out = loaded.module(x, attention_mask=padding_aware_mask(v, batch_all),
                                     position_ids=positions, position_embeddings=pos_emb)
                 if not bool(torch.isfinite(out[v]).all()):
                     raise KconvertError(f"non-finite hidden states after decoder layer {layer}")

@@ -80,7 +80,7 @@ class Checks:
 
 class Linear(Protocol):
     """A module's parameter set as the audit (`audit.Module`) and the planner
-    (`stages.ModulePlan`) both hold it."""
+    (`stages.ModuleWork`) both hold it."""
 
     tn: TensorName
     codec: type[Codec]

@@ -37,7 +37,7 @@ FOLLOWS_TENSORS = {"format", "scheme", "scale-layout", "hf_quant_config"}
 
 
 def quant_blocks(config: dict) -> list[tuple[str, dict]]:
-    """(where, block) for each quantization_config: top level, then text_config."""
+    """(where, qconfig) for each quantization_config: top level, then text_config."""
     out = []
     if isinstance(config.get("quantization_config"), dict):
         out.append(("quantization_config", config["quantization_config"]))
@@ -58,40 +58,40 @@ def _ct_match(name: str, target: str, linear: bool) -> bool:
     return target == name or (target == "Linear" and linear)
 
 
-def expected_format(block: dict, m: Linear) -> tuple[str, type[Codec] | None, dict]:
-    """(kind, codec the block gives m, the scheme dict). The codec is DenseCodec for an
-    unquantized module, None where the block names a format kconvert does not know (kind then
+def expected_format(qconfig: dict, m: Linear) -> tuple[str, type[Codec] | None, dict]:
+    """(kind, codec the qconfig gives m, the scheme dict). The codec is DenseCodec for an
+    unquantized module, None where the qconfig names a format kconvert does not know (kind then
     names the key and value, e.g. "quant_method 'gptq'")."""
     name, linear = m.tn.module, is_linear(m)
-    method = block.get("quant_method")
+    method = qconfig.get("quant_method")
     if method == "compressed-tensors":
-        ignore = block.get("ignore") or []
-        for group in (block.get("config_groups") or {}).values():
+        ignore = qconfig.get("ignore") or []
+        for group in (qconfig.get("config_groups") or {}).values():
             targets = group.get("targets") or []
             if any(_ct_match(name, t, linear) for t in targets):
                 if any(_ct_match(name, t, linear) for t in ignore):
                     return "ct", DenseCodec, {}
-                fmt = group.get("format") or block.get("format")
+                fmt = group.get("format") or qconfig.get("format")
                 codec = CT_FORMATS.get(fmt)
-                sparse = (block.get(SPARSE_FLAG) or {}).get("layout")
+                sparse = (qconfig.get(SPARSE_FLAG) or {}).get("layout")
                 if codec is Nvfp4Codec and sparse == "pair-bitmask":
                     codec = Nvfp4PairBitmaskCodec
                 return ("ct", codec, group) if codec else (f"format {fmt!r}", None, group)
         return "ct", DenseCodec, {}
     if method == "modelopt":
-        algo = block.get("quant_algo")
+        algo = qconfig.get("quant_algo")
         excluded = any(_wildcard(p).fullmatch(name) or name.startswith(p + ".")
-                       for p in block.get("exclude_modules") or [])
+                       for p in qconfig.get("exclude_modules") or [])
         if excluded or not linear:
             return "modelopt", DenseCodec, {}
         if algo in MODELOPT_NVFP4:
-            return "modelopt", ModeloptNvfp4Codec, block
-        return f"quant_algo {algo!r}", None, block
+            return "modelopt", ModeloptNvfp4Codec, qconfig
+        return f"quant_algo {algo!r}", None, qconfig
     if method == "fp8":
         if m.codec in (Fp8BlockCodec, DenseCodec):
-            return "fp8", m.codec, block
-        return "fp8", Fp8BlockCodec, block
-    return f"quant_method {method!r}", None, block
+            return "fp8", m.codec, qconfig
+        return "fp8", Fp8BlockCodec, qconfig
+    return f"quant_method {method!r}", None, qconfig
 
 
 def fmt_name(codec: type[Codec]) -> str:
@@ -105,18 +105,18 @@ def check_quant_config(checks: Checks, config: dict, modules: Iterable[Linear],
                        root: Path) -> None:
     """Every quantization_config and hf_quant_config.json against the tensors."""
     Q = "quant-config"
-    blocks = quant_blocks(config)
+    qconfigs = quant_blocks(config)
     linears = [m for m in modules if is_linear(m)]
     quantized = [m for m in linears if m.codec.quantized]
-    if not blocks:
+    if not qconfigs:
         for m in linears:
             checks.check(Q, not m.codec.quantized, "format", f"tensors are {m.codec.name} but "
                          "config.json has no quantization_config", tensor=m.primary.name)
     no_input: dict[str, list[str]] = defaultdict(list)  # ModelOpt W4A4 without input scales
-    for where, block in blocks:
+    for where, qconfig in qconfigs:
         unknown: dict[str, list[Linear]] = defaultdict(list)
         for m in linears:
-            kind, codec, scheme = expected_format(block, m)
+            kind, codec, scheme = expected_format(qconfig, m)
             if codec is None:
                 unknown[kind].append(m)
                 continue
@@ -138,8 +138,8 @@ def check_quant_config(checks: Checks, config: dict, modules: Iterable[Linear],
                             file=CONFIG)
     for m in quantized:
         group = 16 if m.codec in NVFP4 else 32
-        if blocks:
-            group = _group_size(blocks[0][1], m) or group
+        if qconfigs:
+            group = _group_size(qconfigs[0][1], m) or group
         for p, (dtypes, shape) in _param_specs(m, group).items():
             info = m.params.get(p)
             if info is None:
@@ -156,13 +156,13 @@ def check_quant_config(checks: Checks, config: dict, modules: Iterable[Linear],
                     f"input_scale, first {names[0]}: a loader may use an uninitialised "
                     "activation scale (vLLM #49715); weight-only ModelOpt checkpoints say "
                     "quant_algo W4A16_NVFP4 (vLLM #41769)", file=CONFIG)
-    if len(blocks) == 2:
-        checks.check(Q, blocks[0][1] == blocks[1][1], "format", "top-level quantization_config "
+    if len(qconfigs) == 2:
+        checks.check(Q, qconfigs[0][1] == qconfigs[1][1], "format", "top-level quantization_config "
                      "and text_config.quantization_config differ (a stale block?)", file=CONFIG)
-    _check_hf_quant_config(checks, root / "hf_quant_config.json", blocks)
+    _check_hf_quant_config(checks, root / "hf_quant_config.json", qconfigs)
 
 
-def _check_hf_quant_config(checks: Checks, hf: Path, blocks: list[tuple[str, dict]]) -> None:
+def _check_hf_quant_config(checks: Checks, hf: Path, qconfigs: list[tuple[str, dict]]) -> None:
     Q = "quant-config"
     if not hf.is_file():
         return
@@ -171,7 +171,7 @@ def _check_hf_quant_config(checks: Checks, hf: Path, blocks: list[tuple[str, dic
     except (json.JSONDecodeError, AttributeError) as exc:
         checks.add(Q, "hf_quant_config", f"unreadable: {exc}", file=hf.name)
         return
-    mo = [b for _, b in blocks if b.get("quant_method") == "modelopt"]
+    mo = [b for _, b in qconfigs if b.get("quant_method") == "modelopt"]
     if not checks.check(Q, bool(mo), "hf_quant_config", "hf_quant_config.json present but "
                         "config.json's quantization_config is not ModelOpt (stale file)",
                         file=hf.name):
@@ -182,10 +182,10 @@ def _check_hf_quant_config(checks: Checks, hf: Path, blocks: list[tuple[str, dic
                      f"{short(mo[0].get(key))}", file=hf.name)
 
 
-def _group_size(block: dict, m: Linear) -> int | None:
-    if block.get("quant_method") == "modelopt":
-        return block.get("group_size")
-    _, _, scheme = expected_format(block, m)
+def _group_size(qconfig: dict, m: Linear) -> int | None:
+    if qconfig.get("quant_method") == "modelopt":
+        return qconfig.get("group_size")
+    _, _, scheme = expected_format(qconfig, m)
     weights = scheme.get("weights") if isinstance(scheme, dict) else None
     return (weights or {}).get("group_size")
 

@@ -118,12 +118,12 @@ def _device_spec(_ctx, _param, value: str) -> str:
     return value
 
 
-def _device_option(help_text: str = "auto | cpu | cuda | cuda:N"):
+def device_option(help_text: str = "auto | cpu | cuda | cuda:N"):
     return click.option("--device", default="auto", show_default=True, callback=_device_spec,
                         help=help_text)
 
 
-def _apply(options: list) -> Callable:
+def apply_options(options: list) -> Callable:
     def decorate(f):
         for option in reversed(options):
             f = option(f)
@@ -132,9 +132,9 @@ def _apply(options: list) -> Callable:
     return decorate
 
 
-_run_options = _apply([
+run_options = apply_options([
     click.option("--revision", default=None, help="Hub revision when SRC is a repo id."),
-    _device_option(),
+    device_option(),
     click.option("--resume", is_flag=True,
                  help="Continue an interrupted run into DST (finished shards are re-hashed "
                       "and kept if unchanged)."),
@@ -151,7 +151,7 @@ _run_options = _apply([
 ])
 
 
-_quant_options = _apply([
+quant_options = apply_options([
     click.option("--format", "fmt", type=click.Choice(["compressed-tensors", "modelopt"]),
                  default=None, help="NVFP4 on-disk flavour [default: compressed-tensors]."),
     click.option("--block-scale", type=click.Choice(["amax", "mse"]), default=None,
@@ -166,7 +166,7 @@ _quant_options = _apply([
 ])
 
 
-def _calibration_options(samples_default: int | None, samples_help: str) -> list:
+def calibration_options(samples_default: int | None, samples_help: str) -> list:
     """--samples/--seq-len/--batch-size/--seed: how `--data` is read and run."""
     return [
         click.option("--samples", type=click.IntRange(min=1), default=samples_default,
@@ -179,8 +179,8 @@ def _calibration_options(samples_default: int | None, samples_help: str) -> list
     ]
 
 
-def _prune_options(samples_default: int | None, samples_help: str) -> Callable:
-    return _apply([
+def prune_options(samples_default: int | None, samples_help: str) -> Callable:
+    return apply_options([
         click.option("--keep", type=click.IntRange(min=1), default=None,
                      help="Routed experts to keep per layer (at least num_experts_per_tok)."),
         click.option("--prune-ratio", type=click.FloatRange(0, 1, max_open=True), default=None,
@@ -193,7 +193,7 @@ def _prune_options(samples_default: int | None, samples_help: str) -> Callable:
                      help="Calibration statistics from `kconvert calibrate`."),
         click.option("--data", type=click.Path(exists=True, dir_okay=False), default=None,
                      help="Calibrate on this JSONL first (as `kconvert calibrate --data`)."),
-        *_calibration_options(samples_default, samples_help),
+        *calibration_options(samples_default, samples_help),
         click.option("--save-stats", "save_stats_dir", type=click.Path(file_okay=False),
                      default=None,
                      help="With --data: also keep the statistics here, for reuse."),
@@ -207,7 +207,7 @@ PRUNE_OPTIONS = ("keep", "prune_ratio", "criterion", "plan_file", "stats", "data
 SPARSIFY_OPTIONS = ("pattern", "method", "group_size", "storage")
 
 
-_sparsify_options = _apply([
+sparsify_options = apply_options([
     click.option("--pattern", type=click.Choice(["p48"]), default=None,
                  help="Sparsity pattern: paired-4:8 [default: p48]."),
     click.option("--method", type=click.Choice(METHODS), default=None,
@@ -222,7 +222,7 @@ _sparsify_options = _apply([
 ])
 
 
-def _given_options(ctx: click.Context) -> list[str]:
+def given_options(ctx: click.Context) -> list[str]:
     """Options set on the command line (or from the environment), by long name with `_`:
     the names kconvert.pipeline.STAGE_KINDS uses."""
     given = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
@@ -230,5 +230,5 @@ def _given_options(ctx: click.Context) -> list[str]:
             if isinstance(p, click.Option) and ctx.get_parameter_source(p.name) in given]
 
 
-def _echo(quiet: bool) -> Callable[[str], None]:
+def echo_unless_quiet(quiet: bool) -> Callable[[str], None]:
     return (lambda _message: None) if quiet else click.echo

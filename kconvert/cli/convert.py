@@ -12,13 +12,13 @@ from kconvert.cli.base import (
     SPARSEGPT_SAMPLES,
     SPARSIFY_OPTIONS,
     KconvertCommand,
-    _apply,
-    _calibration_options,
-    _given_options,
-    _prune_options,
-    _quant_options,
-    _run_options,
-    _sparsify_options,
+    apply_options,
+    calibration_options,
+    given_options,
+    prune_options,
+    quant_options,
+    run_options,
+    sparsify_options,
 )
 
 
@@ -28,7 +28,7 @@ def _go(recipe_name: str, src: str, dst: str, overrides: dict, revision, prepare
     from kconvert.convert import RunControl, convert, summary_line
     from kconvert.recipes import check_options, load_recipe
 
-    given = _given_options(click.get_current_context())
+    given = given_options(click.get_current_context())
     recipe = load_recipe(recipe_name)
     check_options(recipe, given)
     for option, needs in ONLY_WITH.items():
@@ -44,8 +44,8 @@ def _go(recipe_name: str, src: str, dst: str, overrides: dict, revision, prepare
 @click.command("int4-to-nvfp4", cls=KconvertCommand)
 @click.argument("src")
 @click.argument("dst")
-@_quant_options
-@_run_options
+@quant_options
+@run_options
 def int4_to_nvfp4(src, dst, fmt, block_scale, act_stats, targets, revision, **run):
     """INT4 pack-quantized SRC -> NVFP4 DST in one pass (dequant + quantize)."""
     _go("int4-to-nvfp4", src, dst,
@@ -56,8 +56,8 @@ def int4_to_nvfp4(src, dst, fmt, block_scale, act_stats, targets, revision, **ru
 @click.command(cls=KconvertCommand)
 @click.argument("src")
 @click.argument("dst")
-@_quant_options
-@_run_options
+@quant_options
+@run_options
 def quantize(src, dst, fmt, block_scale, act_stats, targets, revision, **run):
     """Any SRC -> NVFP4 on the targeted modules."""
     _go("quantize", src, dst,
@@ -70,7 +70,7 @@ def quantize(src, dst, fmt, block_scale, act_stats, targets, revision, **run):
 @click.argument("dst")
 @click.option("--dtype", type=click.Choice(["BF16", "F32"]), default="BF16", show_default=True,
               help="F32 keeps INT4's q * scale exactly (a lossless intermediate).")
-@_run_options
+@run_options
 def dequant(src, dst, dtype, revision, **run):
     """Quantized SRC -> BF16 (or F32) DST, quantization_config removed."""
     _go("dequant", src, dst, {"dtype": dtype}, revision, **run)
@@ -118,8 +118,8 @@ def _pruning(keep, prune_ratio, criterion, plan_file, stats, data, samples, seq_
 @click.command(cls=KconvertCommand)
 @click.argument("src")
 @click.argument("dst")
-@_prune_options(REAP_SAMPLES, "With --data: sequences.")
-@_run_options
+@prune_options(REAP_SAMPLES, "With --data: sequences.")
+@run_options
 def reap(src, dst, revision, **opts):
     """Prune routed experts of SRC: REAP saliency from --data or --stats, or a given --plan."""
     prune = {k: opts.pop(k) for k in PRUNE_OPTIONS}
@@ -170,14 +170,14 @@ def _sparsifying(recipe_name: str, sparse: dict, stats, data, samples, seq_len, 
 @click.command(cls=KconvertCommand)
 @click.argument("src")
 @click.argument("dst")
-@_sparsify_options
+@sparsify_options
 @click.option("--stats", type=click.Path(exists=True, file_okay=False), default=None,
               help="`kconvert calibrate` output: Wanda's input column norms.")
 @click.option("--data", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Calibration JSONL for SparseGPT (run layer by layer beside the conversion).")
-@_apply(_calibration_options(SPARSEGPT_SAMPLES, "With --data: sequences."))
-@_quant_options
-@_run_options
+@apply_options(calibration_options(SPARSEGPT_SAMPLES, "With --data: sequences."))
+@quant_options
+@run_options
 def sparsify(src, dst, pattern, method, group_size, storage, stats, data, samples, seq_len,
              batch_size, seed, fmt, block_scale, act_stats, targets, revision, **run):
     """Paired-4:8 routed experts of SRC (BF16, INT4 or NVFP4) -> p48 NVFP4 DST, one pass."""
@@ -193,7 +193,7 @@ def sparsify(src, dst, pattern, method, group_size, storage, stats, data, sample
 @click.command(cls=KconvertCommand)
 @click.argument("src")
 @click.argument("dst")
-@_run_options
+@run_options
 def densify(src, dst, revision, **run):
     """pair-bitmask p48 SRC -> dense NVFP4 DST (stock compressed-tensors layout), lossless."""
     _go("densify", src, dst, {}, revision, **run)
@@ -203,11 +203,11 @@ def densify(src, dst, revision, **run):
 @click.argument("recipe")
 @click.argument("src")
 @click.argument("dst")
-@_quant_options
-@_prune_options(None, f"With --data: sequences [default: {REAP_SAMPLES} for a prune stage's "
+@quant_options
+@prune_options(None, f"With --data: sequences [default: {REAP_SAMPLES} for a prune stage's "
                       f"REAP calibration, {SPARSEGPT_SAMPLES} for SparseGPT].")
-@_sparsify_options
-@_run_options
+@sparsify_options
+@run_options
 def run_recipe(recipe, src, dst, fmt, block_scale, act_stats, targets, revision, **opts):
     """Run RECIPE (a pipelines/ name or a .toml path) on SRC into DST.
 

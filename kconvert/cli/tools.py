@@ -11,8 +11,8 @@ from kconvert.cli.base import (
     AUDIT_CHUNK_MB,
     REAP_SAMPLES,
     KconvertCommand,
-    _device_option,
-    _echo,
+    device_option,
+    echo_unless_quiet,
 )
 
 
@@ -29,7 +29,7 @@ from kconvert.cli.base import (
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True,
               help="Sequences per forward step through a layer.")
 @click.option("--seed", default=0, show_default=True, help="Order in which data lines are used.")
-@_device_option()
+@device_option()
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
               show_default=True, help="Compute dtype of weights and hidden states.")
 @click.option("--tokenizer", default=None,
@@ -43,7 +43,7 @@ def calibrate_cmd(src, data, out, samples, seq_len, batch_size, seed, device, dt
     from kconvert.calibrate.run import run_calibration
 
     run_calibration(src, data, out, samples, seq_len, batch_size, seed, device, dtype,
-                    tokenizer, revision, overwrite, progress=_echo(quiet))
+                    tokenizer, revision, overwrite, progress=echo_unless_quiet(quiet))
 
 
 @click.command("audit", cls=KconvertCommand)
@@ -55,7 +55,7 @@ def calibrate_cmd(src, data, out, samples, seq_len, batch_size, seed, device, dt
               help="Pruning plan JSON (manifests/plan.schema.json); default: the manifest's, "
                    "else inferred from router rows.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@_device_option("Where decodes are compared: auto | cpu | cuda | cuda:N")
+@device_option("Where decodes are compared: auto | cpu | cuda | cuda:N")
 @click.option("--revision", default=None, help="Hub revision when --source is a repo id.")
 @click.option("--max-rel-mse", type=float, default=None,
               help="Bound on a re-encoded module's relative MSE against the source decode "

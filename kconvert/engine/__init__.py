@@ -1,6 +1,6 @@
 """The streaming engine: plan every output byte, then read -> compute -> write in a pipeline.
 
-1. `build_plan` turns the source's tensors and the stages into output tensors, output shard
+1. `build_work_plan` turns the source's tensors and the stages into output tensors, output shard
    headers and a list of work items: copy items (byte ranges of tensors that pass through,
    at most COPY_CHUNK each) and transform items (a few fused sets of one layer and role,
    sized so their fp32 decode fits `work_elems`).

@@ -6,13 +6,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kconvert.engine.work import CopyItem, DecodeGroup, Item, Plan
+from kconvert.engine.work import CopyItem, DecodeGroup, Item, WorkPlan
 from kconvert.errors import KconvertError
 from kconvert.formats import DenseCodec, Int4Codec, nvfp4
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.finite import check_finite, has_nonfinite
 from kconvert.io.shards import TensorInfo
-from kconvert.stages.base import ModulePlan
+from kconvert.stages.base import ModuleWork
 
 
 @dataclass
@@ -64,7 +64,7 @@ def read_item(ckpt: Checkpoint, item: Item, pin: bool) -> list[torch.Tensor]:
     return bufs
 
 
-def _nonfinite_param(ckpt: Checkpoint, m: ModulePlan) -> TensorInfo:
+def _nonfinite_param(ckpt: Checkpoint, m: ModuleWork) -> TensorInfo:
     """The parameter of `m` that holds the NaN/Inf (error path only: it re-reads them).
 
     An INT4 module's bad value is in its weight_scale, never in the int32 weight_packed.
@@ -76,7 +76,7 @@ def _nonfinite_param(ckpt: Checkpoint, m: ModulePlan) -> TensorInfo:
     return m.primary
 
 
-def compute_item(plan: Plan, item: Item, bufs: list[torch.Tensor], device: torch.device,
+def compute_item(plan: WorkPlan, item: Item, bufs: list[torch.Tensor], device: torch.device,
                  index: int, chunk_elems: int) -> Result:
     if isinstance(item, CopyItem):
         writes = [(c.out_name, buf, c.offset) for c, buf in zip(item.chunks, bufs, strict=True)]
@@ -134,20 +134,20 @@ def compute_item(plan: Plan, item: Item, bufs: list[torch.Tensor], device: torch
         a = torch.stack([set_amax[m.module] for m in ms])
         if w is None:
             q = nvfp4.quantize_int4(params["weight_packed"], params["weight_scale"], a,
-                                    plan.block_scale, ms[0].block, chunk_elems)
+                                    plan.scale_rule, ms[0].group_size, chunk_elems)
             encoded.append((ms, q, a, {}))
             continue
         src_dtype = ms[0].primary.torch_dtype
         local = src_dtype if ms[0].codec is DenseCodec else torch.float32
         source, codes = w, None
         if ms[0].transform is not None:
-            w, codes = ms[0].transform.transform(ms, w, nvfp4.global_scale(a), plan.block_scale,
+            w, codes = ms[0].transform.transform(ms, w, nvfp4.global_scale(a), plan.scale_rule,
                                                  local)
-        q = nvfp4.quantize(w, a, plan.block_scale, chunk_elems, local_dtype=local,
-                           block=ms[0].block, block_codes=codes)
+        q = nvfp4.quantize(w, a, plan.scale_rule, chunk_elems, local_dtype=local,
+                           group_size=ms[0].group_size, block_codes=codes)
         if w is not source:  # the error that matters is against the source, not the transform
             q.err_sq, q.ref_sq = _error_vs(source, q)
-        q = nvfp4.Quantized(*(_to_host(t) for t in (q.packed, q.block_scale, q.global_scale,
+        q = nvfp4.Quantized(*(_to_host(t) for t in (q.packed, q.block_scales, q.global_scale,
                                                     q.err_sq, q.ref_sq)))
         encoded.append((ms, q, _to_host(a), {}))
     if device.type == "cuda":
@@ -187,7 +187,7 @@ def _unpacked(codec, params: dict[str, torch.Tensor]) -> nvfp4.Quantized:
 
 def _error_vs(source: torch.Tensor, q: nvfp4.Quantized) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of squared error of q's decode against `source`, sum of source squares) [B]."""
-    err = (nvfp4.dequantize(q.packed, q.block_scale, q.global_scale) - source).square()
+    err = (nvfp4.dequantize(q.packed, q.block_scales, q.global_scale) - source).square()
     return (err.sum((1, 2), dtype=torch.float64),
             source.square().sum((1, 2), dtype=torch.float64))
 

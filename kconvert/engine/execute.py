@@ -16,7 +16,7 @@ import torch
 
 from kconvert.engine.compute import compute_item, read_item
 from kconvert.engine.sink import ShardSink
-from kconvert.engine.work import Plan
+from kconvert.engine.work import WorkPlan
 from kconvert.formats import nvfp4
 from kconvert.io.readahead import read_ahead
 
@@ -33,7 +33,7 @@ _CAN_PIN = sys.platform.startswith("linux") and hasattr(os, "sched_setaffinity")
 
 
 def execute(
-    plan: Plan,
+    plan: WorkPlan,
     dst: Path,
     device: torch.device,
     done: dict[str, dict],

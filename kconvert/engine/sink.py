@@ -10,7 +10,7 @@ import xxhash
 
 from kconvert import events
 from kconvert.engine.compute import Result
-from kconvert.engine.work import Plan
+from kconvert.engine.work import WorkPlan
 from kconvert.io.files import write_json
 from kconvert.io.lock import STATE_DIR
 from kconvert.io.shards import ShardWriter, byte_view, tensor_nbytes
@@ -19,7 +19,7 @@ from kconvert.io.shards import ShardWriter, byte_view, tensor_nbytes
 class ShardSink:
     """The writer side: planned .partial files, hashing, and rename-on-complete."""
 
-    def __init__(self, plan: Plan, dst: Path, done: dict[str, dict]):
+    def __init__(self, plan: WorkPlan, dst: Path, done: dict[str, dict]):
         self.plan, self.dst = plan, dst
         self.state = dst / STATE_DIR
         (self.state / "partial").mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ from kconvert.formats import DenseCodec
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.shards import TensorInfo, tensor_nbytes
 from kconvert.model.names import Role, parse_name, split_param
-from kconvert.stages.base import ModulePlan, Stage, group_modules
+from kconvert.stages.base import ModuleWork, Stage, group_modules
 from kconvert.stages.quantize import Quantize
 
 # Pass-through bytes move in pieces of this size (memory: ~8 pieces in flight).
@@ -51,7 +51,7 @@ class CopyItem:
 class DecodeGroup:
     """Same-codec, same-shape, same-treatment modules decoded as one batch [B, out, in]."""
 
-    modules: list[ModulePlan]
+    modules: list[ModuleWork]
 
     @property
     def codec(self):
@@ -65,14 +65,14 @@ class DecodeGroup:
 
 @dataclass
 class TransformItem:
-    sets: list[list[ModulePlan]]
+    sets: list[list[ModuleWork]]
     groups: list[DecodeGroup] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        by_key: dict[tuple, list[ModulePlan]] = defaultdict(list)
+        by_key: dict[tuple, list[ModuleWork]] = defaultdict(list)
         for fused in self.sets:
             for m in fused:
-                key = (m.codec.name, m.shape, m.out_codec.__name__, m.block, m.repack,
+                key = (m.codec.name, m.shape, m.out_codec.__name__, m.group_size, m.repack,
                        m.carried, id(m.transform))
                 by_key[key].append(m)
         self.groups = [DecodeGroup(ms) for ms in by_key.values()]
@@ -86,10 +86,10 @@ Item = CopyItem | TransformItem
 
 
 @dataclass
-class Plan:
+class WorkPlan:
     ckpt: Checkpoint
     stages: list[Stage]
-    modules: list[ModulePlan]
+    modules: list[ModuleWork]
     outputs: dict[str, OutTensor]
     items: list[Item]
     dropped: dict[str, str]  # source tensor -> why it has no output
@@ -102,8 +102,8 @@ class Plan:
         return dict(sorted(entries.items()))
 
     @property
-    def block_scale(self) -> str:
-        return next((s.block_scale for s in self.stages if isinstance(s, Quantize)), "mse")
+    def scale_rule(self) -> str:
+        return next((s.scale_rule for s in self.stages if isinstance(s, Quantize)), "mse")
 
     def item_shards(self, item: Item) -> set[str]:
         if isinstance(item, CopyItem):
@@ -134,7 +134,7 @@ def _renames(names, stages: list[Stage]) -> dict[str, tuple[str | None, tuple[in
     return out
 
 
-def build_plan(ckpt: Checkpoint, stages: list[Stage], work_elems: int) -> Plan:
+def build_work_plan(ckpt: Checkpoint, stages: list[Stage], work_elems: int) -> WorkPlan:
     tensors = ckpt.tensors
     renames = _renames(tensors, stages)
     dropped = {n: "routed expert not kept by the plan" for n, (new, _) in renames.items()
@@ -147,7 +147,7 @@ def build_plan(ckpt: Checkpoint, stages: list[Stage], work_elems: int) -> Plan:
             continue
         m.out_module = split_param(new)[0]
         for stage in stages:
-            stage.plan(m)
+            stage.claim(m)
         modules.append(m)
     _share_input_amax(modules)
 
@@ -155,7 +155,7 @@ def build_plan(ckpt: Checkpoint, stages: list[Stage], work_elems: int) -> Plan:
     copies: list[tuple[TensorInfo, str, tuple[int, ...] | None]] = [
         (info, *renames[info.name]) for info in others if renames[info.name][0] is not None
     ]
-    transformed: list[ModulePlan] = []
+    transformed: list[ModuleWork] = []
     for m in modules:
         if m.out_codec is None:
             copies += [(info, m.out_module + "." + p, None) for p, info in m.params.items()]
@@ -182,7 +182,7 @@ def build_plan(ckpt: Checkpoint, stages: list[Stage], work_elems: int) -> Plan:
         # A stage that streams calibration layers forward (SparseGPT) needs layer order
         # across shards too; sorted() is stable, so within a layer shard order stays.
         items.sort(key=lambda it: -1 if isinstance(it, CopyItem) else _item_layer(it))
-    return Plan(ckpt, stages, modules, outputs, items, dropped)
+    return WorkPlan(ckpt, stages, modules, outputs, items, dropped)
 
 
 def _item_layer(item: TransformItem) -> int:
@@ -190,9 +190,9 @@ def _item_layer(item: TransformItem) -> int:
     return -1 if layer is None else layer
 
 
-def _share_input_amax(modules: list[ModulePlan]) -> None:
+def _share_input_amax(modules: list[ModuleWork]) -> None:
     """A fused set runs as one GEMM on one quantized input: its members share the input scale."""
-    sets: dict[str, list[ModulePlan]] = defaultdict(list)
+    sets: dict[str, list[ModuleWork]] = defaultdict(list)
     for m in modules:
         sets[m.tn.fused_set].append(m)
     for members in sets.values():
@@ -226,13 +226,13 @@ def _copy_items(copies: list[tuple[TensorInfo, str, tuple[int, ...] | None]]) ->
     return items
 
 
-def _transform_items(modules: list[ModulePlan], work_elems: int) -> list[TransformItem]:
+def _transform_items(modules: list[ModuleWork], work_elems: int) -> list[TransformItem]:
     """Fused sets of one layer and role, batched up to `work_elems` decoded elements."""
-    sets: dict[str, list[ModulePlan]] = {}
+    sets: dict[str, list[ModuleWork]] = {}
     for m in modules:
         sets.setdefault(m.tn.fused_set, []).append(m)
 
-    def order(s: list[ModulePlan]) -> tuple:
+    def order(s: list[ModuleWork]) -> tuple:
         tn = s[0].tn
         return (tn.layer if tn.layer is not None else -1, tn.role.value,
                 tn.expert if tn.expert is not None else -1, tn.fused_set)
@@ -253,7 +253,7 @@ def _transform_items(modules: list[ModulePlan], work_elems: int) -> list[Transfo
     return items
 
 
-def describe(plan: Plan) -> list[tuple[str, str, str, int, int, int, int]]:
+def describe(plan: WorkPlan) -> list[tuple[str, str, str, int, int, int, int]]:
     """Dry-run rows: (role, source format, output, source tensors, output tensors, source
     bytes, output bytes). A plain floating-point format is named by its dtype (BF16, F32)."""
     rows: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0])

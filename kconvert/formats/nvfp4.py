@@ -31,8 +31,8 @@ FP4_MAX = 6.0
 FP8_MAX = 448.0
 GLOBAL_NUMERATOR = FP8_MAX * FP4_MAX  # 2688
 ZERO_BLOCK_SCALE = 0.125  # what compressed-tensors writes for a block whose scale is 0
-_FP8_VALUES = torch.arange(128, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-_ZERO_CODE = int(torch.tensor(ZERO_BLOCK_SCALE).to(torch.float8_e4m3fn).view(torch.uint8))
+FP8_VALUES = torch.arange(128, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+ZERO_CODE = int(torch.tensor(ZERO_BLOCK_SCALE).to(torch.float8_e4m3fn).view(torch.uint8))
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Offsets (in FP8 code steps; 8 steps = one octave) tried around the amax rule's code by `mse`.
 # On Kimi-style INT4 sources (codes -7..7 on a group-32 grid) the best scale is usually 4-6
@@ -50,10 +50,10 @@ _TIE_UP = (0.75, 1.75, 3.5)
 
 @dataclass
 class Quantized:
-    """NVFP4 encoding of a batch of B matrices [B, M, K], blocks of K / block_scale.shape[-1]."""
+    """NVFP4 encoding of a batch of B matrices [B, M, K], blocks of K / block_scales.shape[-1]."""
 
     packed: torch.Tensor  # uint8 [B, M, K/2], even element in the low nibble
-    block_scale: torch.Tensor  # float8_e4m3fn [B, M, K/block]
+    block_scales: torch.Tensor  # float8_e4m3fn [B, M, K/group_size]
     global_scale: torch.Tensor  # float32 [B], = 2688 / amax
     err_sq: torch.Tensor  # float64 [B], sum of squared error against the source
     ref_sq: torch.Tensor  # float64 [B], sum of squared source values
@@ -65,20 +65,21 @@ def global_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(GLOBAL_NUMERATOR / amax, nan=1.0, posinf=1.0, neginf=1.0)
 
 
-def _num_blocks(k: int, block: int) -> int:
-    if block not in BLOCK_SIZES:
-        raise ValueError(f"block must be one of {BLOCK_SIZES}, not {block}")
-    if k % block:
-        raise ValueError(f"input dimension {k} is not a multiple of {block}")
-    return k // block
+def _num_blocks(k: int, group_size: int) -> int:
+    if group_size not in BLOCK_SIZES:
+        raise ValueError(f"group_size (elements per scale block) must be one of {BLOCK_SIZES}, "
+                         f"not {group_size}")
+    if k % group_size:
+        raise ValueError(f"input dimension {k} is not a multiple of {group_size}")
+    return k // group_size
 
 
 def _check_rule(rule: str) -> None:
     if rule not in ("amax", "mse"):
-        raise ValueError(f"block_scale must be 'amax' or 'mse', not {rule!r}")
+        raise ValueError(f"the block-scale rule must be 'amax' or 'mse', not {rule!r}")
 
 
-def _cut_points(device: torch.device) -> torch.Tensor:
+def cut_points(device: torch.device) -> torch.Tensor:
     cuts = torch.tensor(_CUTS, dtype=torch.float32, device=device)
     down = torch.nextafter(cuts, torch.zeros_like(cuts))
     return torch.where(torch.isin(cuts, torch.tensor(_TIE_UP, device=device)), down, cuts)
@@ -111,7 +112,7 @@ def _amax_block_scale(blocks: torch.Tensor, gs: torch.Tensor,
     six = torch.tensor(FP4_MAX, dtype=local_dtype, device=blocks.device)
     local = (blocks.abs().amax(dim=-1).to(local_dtype) / six).float()
     d = (gs * local).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-    return torch.where(d == 0, _ZERO_CODE, d)
+    return torch.where(d == 0, ZERO_CODE, d)
 
 
 def _block_error(
@@ -166,13 +167,13 @@ def choose_block_codes(blocks: torch.Tensor, gs: torch.Tensor, rule: str,
     """The FP8 block scale codes `quantize` picks for blocks [N, nb, block] (fp32).
 
     gs [N, 1]: each row's global scale (`global_scale` of its amax); rule: "amax" or "mse",
-    as quantize's `block_scale`; local_dtype: as quantize's. Returns uint8 codes [N, nb]
+    as quantize's `scale_rule`; local_dtype: as quantize's. Returns uint8 codes [N, nb]
     (bits of float8_e4m3fn, always 1..0x7E for finite input), on the blocks' device.
     """
     _check_rule(rule)
     device = blocks.device
     lut = torch.tensor(E2M1, dtype=torch.float32, device=device)
-    return _choose(blocks.float(), gs.float(), rule, local_dtype, _cut_points(device), lut)[0]
+    return _choose(blocks.float(), gs.float(), rule, local_dtype, cut_points(device), lut)[0]
 
 
 def fake_quantize(blocks: torch.Tensor, codes: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
@@ -183,7 +184,7 @@ def fake_quantize(blocks: torch.Tensor, codes: torch.Tensor, gs: torch.Tensor) -
     rounds it (the last dim may be any part of a block: rounding is per element).
     """
     blocks = blocks.float()
-    return _values(_nibbles(blocks, codes, gs, _cut_points(blocks.device)), _step(codes, gs))
+    return _values(_nibbles(blocks, codes, gs, cut_points(blocks.device)), _step(codes, gs))
 
 
 def _checked_codes(codes: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -210,9 +211,9 @@ class _Rows:
     ref: torch.Tensor  # float64 [R]
 
     @classmethod
-    def empty(cls, rows: int, k: int, block: int, device: torch.device) -> _Rows:
+    def empty(cls, rows: int, k: int, group_size: int, device: torch.device) -> _Rows:
         return cls(torch.empty(rows, k // 2, dtype=torch.uint8, device=device),
-                   torch.empty(rows, k // block, dtype=torch.uint8, device=device),
+                   torch.empty(rows, k // group_size, dtype=torch.uint8, device=device),
                    torch.empty(rows, dtype=torch.float64, device=device),
                    torch.empty(rows, dtype=torch.float64, device=device))
 
@@ -223,31 +224,31 @@ class _Rows:
 
 
 def quantize(
-    w: torch.Tensor, amax: torch.Tensor, block_scale: str = "mse", chunk_elems: int = 1 << 22,
-    fused_cpu: bool = True, local_dtype: torch.dtype = torch.float32, *, block: int = BLOCK,
+    w: torch.Tensor, amax: torch.Tensor, scale_rule: str = "mse", chunk_elems: int = 1 << 22,
+    fused_cpu: bool = True, local_dtype: torch.dtype = torch.float32, *, group_size: int = BLOCK,
     block_codes: torch.Tensor | None = None,
 ) -> Quantized:
     """Encode fp32 matrices w [B, M, K] with one global scale per matrix from `amax` [B].
 
     `amax` is passed in (not taken from w) because a fused set's members share the largest
-    amax of the set. `block` (16 or 32) elements share one FP8 block scale, chosen by the
-    `block_scale` rule ("amax" or "mse"), unless `block_codes` (uint8 FP8 e4m3 codes
+    amax of the set. `group_size` (16 or 32) elements share one FP8 block scale, chosen by the
+    `scale_rule` ("amax" or "mse"), unless `block_codes` (uint8 FP8 e4m3 codes
     [B, M, K/block], 1..0x7E) gives them: then the elements are encoded with exactly those
     scales and the rule is not used. All B*M rows are processed together in chunks of about
     `chunk_elems` elements, which bounds temporary memory and keeps kernel launches few on a
     GPU. On a CPU the encoder runs in the fused numba kernel (`fused_cpu`), which gives the
     same bytes.
     """
-    _check_rule(block_scale)
+    _check_rule(scale_rule)
     b, m, k = w.shape
-    nb = _num_blocks(k, block)
+    nb = _num_blocks(k, group_size)
     device = w.device
     lut = torch.tensor(E2M1, dtype=torch.float32, device=device)
-    cuts = _cut_points(device)
+    cuts = cut_points(device)
     gs = global_scale(amax.to(device))
-    rows = w.reshape(b * m, nb, block)
+    rows = w.reshape(b * m, nb, group_size)
     row_gs = gs.repeat_interleave(m).unsqueeze(-1)  # [B*M, 1]
-    out = _Rows.empty(b * m, k, block, device)
+    out = _Rows.empty(b * m, k, group_size, device)
     if block_codes is not None:
         out.codes.copy_(_checked_codes(block_codes.to(device), (b, m, nb)).reshape(b * m, nb))
     kernel = _cpu_kernels() if fused_cpu and device.type == "cpu" else None
@@ -264,12 +265,12 @@ def quantize(
             with _KERNEL_LAUNCH:
                 kernel.quantize_rows(blocks.reshape(-1, k).contiguous().numpy(),
                                      gsi[:, 0].contiguous().numpy(), codes.numpy(), codes_in,
-                                     _offsets(block_codes is None and block_scale == "mse"),
-                                     block, out.packed[sl].numpy(), out.err[sl].numpy(),
+                                     _offsets(block_codes is None and scale_rule == "mse"),
+                                     group_size, out.packed[sl].numpy(), out.err[sl].numpy(),
                                      out.ref[sl].numpy())
             continue
         if block_codes is None:
-            d, err = _choose(blocks, gsi, block_scale, local_dtype, cuts, lut)
+            d, err = _choose(blocks, gsi, scale_rule, local_dtype, cuts, lut)
             codes.copy_(d)
         else:
             err = _block_error(blocks.abs(), codes, gsi, cuts, lut)
@@ -321,10 +322,10 @@ def int4_amax(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_int4(packed: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
-                  block_scale: str = "mse", block: int = BLOCK, chunk_elems: int = 1 << 22,
+                  scale_rule: str = "mse", group_size: int = BLOCK, chunk_elems: int = 1 << 22,
                   fused_cpu: bool = True) -> Quantized:
     """`quantize` of compressed-tensors pack-quantized INT4 matrices (formats.md §1), same bytes
-    as quantize(Int4Codec.decode(...), amax, block_scale, local_dtype=torch.float32).
+    as quantize(Int4Codec.decode(...), amax, scale_rule, local_dtype=torch.float32).
 
     packed: int32 [B, M, K/8], 8 codes per word, low nibble first, value = (nibble - 8) *
     scale in fp32; scale: [B, M, G] bf16 or fp32, one per K/G elements; amax [B] (a fused
@@ -332,20 +333,20 @@ def quantize_int4(packed: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
     words (group % 8 == 0), each row is decoded inside the fused encoder, so no fp32 copy of
     the matrices is made; otherwise the matrices are decoded and passed to `quantize`.
     """
-    _check_rule(block_scale)
+    _check_rule(scale_rule)
     b, m, words = packed.shape
     k = words * 8
     kernel = _int4_kernels(packed, scale, fused_cpu)
     if kernel is None:
-        return quantize(_int4_decode(packed, scale), amax, block_scale, chunk_elems, fused_cpu,
-                        block=block)
-    _num_blocks(k, block)
+        return quantize(_int4_decode(packed, scale), amax, scale_rule, chunk_elems, fused_cpu,
+                        group_size=group_size)
+    _num_blocks(k, group_size)
     gs = global_scale(amax)
-    out = _Rows.empty(b * m, k, block, packed.device)
+    out = _Rows.empty(b * m, k, group_size, packed.device)
     words, scales = _int4_rows(kernel, packed, scale)
     with _KERNEL_LAUNCH:
         kernel.quantize_int4_rows(words, scales, gs.repeat_interleave(m).numpy(),
-                                  _offsets(block_scale == "mse"), block, out.packed.numpy(),
+                                  _offsets(scale_rule == "mse"), group_size, out.packed.numpy(),
                                   out.codes.numpy(), out.err.numpy(), out.ref.numpy())
     return out.result(b, m, gs)
 
@@ -420,10 +421,10 @@ def pack_codes(codes: torch.Tensor) -> torch.Tensor:
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
-def dequantize(packed: torch.Tensor, block_scale: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
+def dequantize(packed: torch.Tensor, block_scales: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
     """fp32 [B, M, K] from packed [B, M, K/2], block scales [B, M, K/block] (float8_e4m3fn;
     the block size is read off the shapes), global scales [B]."""
-    return decode_steps(packed, _step(block_scale, gs.float().reshape(-1, 1, 1))[..., 0])
+    return decode_steps(packed, _step(block_scales, gs.float().reshape(-1, 1, 1))[..., 0])
 
 
 def decode_steps(packed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:

@@ -27,17 +27,17 @@ class Nvfp4Codec(Codec):
 
     @classmethod
     def unpack(cls, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """(packed [B, M, K/2], block scales [B, M, K/block], global scales [B]): the NVFP4
+        """(packed [B, M, K/2], block scales [B, M, K/group_size], global scales [B]): the NVFP4
         bytes themselves, for lossless re-layouts (densify) and for decode."""
         return t["weight_packed"], t["weight_scale"], t["weight_global_scale"].reshape(-1)
 
     @classmethod
-    def specs(cls, shape: tuple[int, int], input_scale: bool = False, block: int = nvfp4.BLOCK
+    def specs(cls, shape: tuple[int, int], input_scale: bool = False, group_size: int = nvfp4.BLOCK
               ) -> list[ParamSpec]:
         out, inp = shape
         specs = [
             ("weight_packed", "U8", (out, inp // 2)),
-            ("weight_scale", "F8_E4M3", (out, inp // block)),
+            ("weight_scale", "F8_E4M3", (out, inp // group_size)),
             ("weight_global_scale", "F32", (1,)),
         ]
         if input_scale:
@@ -49,7 +49,7 @@ class Nvfp4Codec(Codec):
                ) -> dict[str, torch.Tensor]:
         out = {
             "weight_packed": q.packed[i],
-            "weight_scale": q.block_scale[i],
+            "weight_scale": q.block_scales[i],
             "weight_global_scale": q.global_scale[i].reshape(1),
         }
         if input_amax is not None:

@@ -27,9 +27,9 @@ class ModeloptNvfp4Codec(Nvfp4Codec):
         raise NotImplementedError("ModelOpt's reciprocal scale does not re-layout losslessly")
 
     @classmethod
-    def specs(cls, shape, input_scale=False, block=nvfp4.BLOCK):
-        if block != nvfp4.BLOCK:
-            raise KconvertError(f"ModelOpt NVFP4 has block size {nvfp4.BLOCK}, not {block}")
+    def specs(cls, shape, input_scale=False, group_size=nvfp4.BLOCK):
+        if group_size != nvfp4.BLOCK:
+            raise KconvertError(f"ModelOpt NVFP4 has block size {nvfp4.BLOCK}, not {group_size}")
         out, inp = shape
         specs = [
             ("weight", "U8", (out, inp // 2)),
@@ -44,7 +44,7 @@ class ModeloptNvfp4Codec(Nvfp4Codec):
     def encode(cls, q, i, input_amax=None):
         out = {
             "weight": q.packed[i],
-            "weight_scale": q.block_scale[i],
+            "weight_scale": q.block_scales[i],
             "weight_scale_2": (1.0 / q.global_scale[i].double()).float().reshape(()),
         }
         if input_amax is not None:

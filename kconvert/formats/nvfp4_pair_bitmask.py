@@ -34,9 +34,9 @@ class Nvfp4PairBitmaskCodec(Nvfp4Codec):
         return packed, t["weight_scale"], t["weight_global_scale"].reshape(-1)
 
     @classmethod
-    def specs(cls, shape, input_scale=False, block=nvfp4.BLOCK):
+    def specs(cls, shape, input_scale=False, group_size=nvfp4.BLOCK):
         out, inp = shape
-        dense = super().specs(shape, input_scale, block)
+        dense = super().specs(shape, input_scale, group_size)
         return [("weight_sparse_packed", "U8", (out, inp // 4)),
                 ("weight_sparse_mask", "U8", (out, inp // 16)), *dense[1:]]
 

@@ -18,7 +18,7 @@ from kconvert.formats.nvfp4_ct import Nvfp4Codec
 from kconvert.formats.nvfp4_modelopt import ModeloptNvfp4Codec
 from kconvert.formats.nvfp4_pair_bitmask import Nvfp4PairBitmaskCodec
 from kconvert.model.names import Role
-from kconvert.stages.base import ModulePlan
+from kconvert.stages.base import ModuleWork
 
 CT_NVFP4 = (Nvfp4Codec, Nvfp4PairBitmaskCodec)
 # compressed-tensors target regexes per role (vLLM matches them against module names).
@@ -30,7 +30,7 @@ CT_TARGETS = {
 }
 
 
-def output_format(modules: list[ModulePlan]) -> str:
+def output_format(modules: list[ModuleWork]) -> str:
     """'compressed-tensors', 'modelopt' or 'bf16' (no quantized module left)."""
     codecs = {m.out_codec or m.codec for m in modules}
     if ModeloptNvfp4Codec in codecs:
@@ -42,12 +42,12 @@ def output_format(modules: list[ModulePlan]) -> str:
     return "source"  # nothing re-encoded and the source was quantized: its block stays
 
 
-def _roles_by_block(modules: list[ModulePlan]) -> dict[int, list[Role]]:
+def _roles_by_block(modules: list[ModuleWork]) -> dict[int, list[Role]]:
     """NVFP4 roles of the output per scale block size (16; 32 for sparse kernels)."""
     blocks: dict[Role, set[int]] = {}
     for m in modules:
         if (m.out_codec or m.codec) in CT_NVFP4:
-            blocks.setdefault(m.tn.role, set()).add(m.block)
+            blocks.setdefault(m.tn.role, set()).add(m.group_size)
     mixed = [r.value for r, b in blocks.items() if len(b) > 1]
     if mixed:
         raise KconvertError(f"{mixed}: one role must use one NVFP4 block size")
@@ -58,7 +58,7 @@ def _roles_by_block(modules: list[ModulePlan]) -> dict[int, list[Role]]:
     return dict(sorted(by_block.items()))
 
 
-def compressed_tensors_block(modules: list[ModulePlan], has_vision: bool) -> dict:
+def compressed_tensors_block(modules: list[ModuleWork], has_vision: bool) -> dict:
     """NVFP4A16, or NVFP4 (W4A4) when calibrated input scales were written; one config
     group per block size (group 32 is p48's sparse-kernel form, see the README)."""
     # Imported here: compressed-tensors takes seconds to import (it loads transformers), and
@@ -68,10 +68,10 @@ def compressed_tensors_block(modules: list[ModulePlan], has_vision: bool) -> dic
 
     w4a4 = any(m.has_input_scale for m in modules)
     groups = {}
-    for i, (block, roles) in enumerate(_roles_by_block(modules).items()):
+    for i, (group_size, roles) in enumerate(_roles_by_block(modules).items()):
         scheme = preset_name_to_scheme("NVFP4" if w4a4 else "NVFP4A16",
                                        [CT_TARGETS[r] for r in roles])
-        scheme.weights.group_size = block
+        scheme.weights.group_size = group_size
         scheme.format = "nvfp4-pack-quantized"
         groups[f"group_{i}"] = scheme
     ignore = ["lm_head"] + (["re:vision_tower.*", "re:mm_projector.*"] if has_vision else [])
@@ -90,7 +90,7 @@ def compressed_tensors_block(modules: list[ModulePlan], has_vision: bool) -> dic
     }
 
 
-def modelopt_exclude(modules: list[ModulePlan], names: list[str]) -> list[str]:
+def modelopt_exclude(modules: list[ModuleWork], names: list[str]) -> list[str]:
     """Wildcard patterns for every linear left unquantized (vLLM #45102: they carry no scales)."""
     excluded = {m.out_module for m in modules if (m.out_codec or m.codec) is not ModeloptNvfp4Codec}
     patterns = {re.sub(r"\.layers\.\d+\.", ".layers.*.", e) for e in excluded}
@@ -104,7 +104,7 @@ def modelopt_exclude(modules: list[ModulePlan], names: list[str]) -> list[str]:
     return sorted(patterns)
 
 
-def modelopt_blocks(modules: list[ModulePlan], names: list[str]) -> tuple[dict, dict]:
+def modelopt_blocks(modules: list[ModuleWork], names: list[str]) -> tuple[dict, dict]:
     """(config.json quantization_config, hf_quant_config.json) for ModelOpt NVFP4."""
     exclude = modelopt_exclude(modules, names)
     producer = {"name": "kconvert", "version": __version__}
@@ -119,15 +119,15 @@ def modelopt_blocks(modules: list[ModulePlan], names: list[str]) -> tuple[dict, 
     )
 
 
-def rewrite_config(config: dict, block: dict | None) -> dict:
-    """config.json with every quantization_config replaced by `block` (or removed if None)."""
+def rewrite_config(config: dict, qconfig: dict | None) -> dict:
+    """config.json with every quantization_config replaced by `qconfig` (or removed if None)."""
     new = copy.deepcopy(config)
     text = new.get("text_config")
     had = [d for d in (new, text) if isinstance(d, dict) and "quantization_config" in d]
     for d in (new, text):
         if isinstance(d, dict):
             d.pop("quantization_config", None)
-    if block is not None:
+    if qconfig is not None:
         for d in had or [d for d in (new, text) if isinstance(d, dict)]:
-            d["quantization_config"] = copy.deepcopy(block)
+            d["quantization_config"] = copy.deepcopy(qconfig)
     return new

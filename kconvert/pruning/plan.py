@@ -26,7 +26,7 @@ from kconvert.errors import KconvertError
 PLAN_SCHEMA_ID = "kconvert-plan/1"
 
 
-class LayerPlan(BaseModel):
+class PruneLayer(BaseModel):
     """The plan for one MoE layer."""
 
     model_config = ConfigDict(extra="allow")
@@ -53,7 +53,7 @@ class LayerPlan(BaseModel):
         return keep
 
     @model_validator(mode="after")
-    def _per_source_lengths(self) -> LayerPlan:
+    def _per_source_lengths(self) -> PruneLayer:
         lengths = {name: len(v) for name, v in (("saliency", self.saliency),
                                                 ("frequency", self.frequency)) if v is not None}
         if len(set(lengths.values())) > 1:
@@ -65,7 +65,7 @@ class LayerPlan(BaseModel):
         return self
 
 
-class Plan(BaseModel):
+class PrunePlan(BaseModel):
     """An expert-pruning plan for a Kimi-K2 / DeepSeek-V3 MoE checkpoint."""
 
     model_config = ConfigDict(extra="allow")
@@ -80,19 +80,19 @@ class Plan(BaseModel):
     source: dict | None = Field(default=None, description="identity of the source checkpoint")
     n_routed_experts: int | None = Field(
         default=None, description="routed experts per layer in the SOURCE")
-    layers: dict[str, LayerPlan] = Field(
+    layers: dict[str, PruneLayer] = Field(
         description="decimal decoder-layer index -> that layer's plan; every MoE layer is listed")
 
     @field_validator("layers")
     @classmethod
-    def _layer_keys(cls, layers: dict[str, LayerPlan]) -> dict[str, LayerPlan]:
+    def _layer_keys(cls, layers: dict[str, PruneLayer]) -> dict[str, PruneLayer]:
         for key in layers:
             if not key.isdigit():
                 raise ValueError(f"layer key {key!r} is not a decimal layer index")
         return layers
 
     @model_validator(mode="after")
-    def _within_source(self) -> Plan:
+    def _within_source(self) -> PrunePlan:
         if self.n_routed_experts is not None:
             for key, layer in self.layers.items():
                 if layer.keep[-1] >= self.n_routed_experts:
@@ -105,16 +105,16 @@ class Plan(BaseModel):
         return None if entry is None else entry.keep
 
 
-def parse_plan(data: dict | str | bytes, where: str = "plan") -> Plan:
+def parse_plan(data: dict | str | bytes, where: str = "plan") -> PrunePlan:
     try:
         if isinstance(data, dict):
-            return Plan.model_validate(data)
-        return Plan.model_validate_json(data)
+            return PrunePlan.model_validate(data)
+        return PrunePlan.model_validate_json(data)
     except ValidationError as exc:
         raise KconvertError(f"invalid plan: {exc}", file=where) from exc
 
 
-def load_plan(path: str | Path) -> Plan:
+def load_plan(path: str | Path) -> PrunePlan:
     path = Path(path)
     try:
         text = path.read_text()
@@ -124,7 +124,7 @@ def load_plan(path: str | Path) -> Plan:
 
 
 def plan_json_schema() -> dict:
-    return Plan.model_json_schema()
+    return PrunePlan.model_json_schema()
 
 
 if __name__ == "__main__":

@@ -18,8 +18,7 @@ from safetensors import safe_open
 from kconvert.errors import KconvertError
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.model.names import Role, parse_name
-from kconvert.pruning.plan import LayerPlan
-from kconvert.pruning.plan import Plan as PrunePlan
+from kconvert.pruning.plan import PruneLayer, PrunePlan
 from kconvert.stages.prune import Prune
 
 CRITERIA = {"reap": "saliency", "frequency": "count", "ean": "ean_sum"}
@@ -60,7 +59,7 @@ def plan_from_scores(scores: dict[int, dict[str, torch.Tensor]], keep: int, crit
                                 f"{layer}")
         # Highest score first, lower id first among equals: stable and reproducible.
         order = sorted(range(score.numel()), key=lambda e: (-float(score[e]), e))
-        layers[str(layer)] = LayerPlan(
+        layers[str(layer)] = PruneLayer(
             keep=sorted(order[:keep]),
             saliency=s["saliency"].tolist() if "saliency" in s else None,
             frequency=s["count"].tolist() if "count" in s else None,

@@ -51,19 +51,19 @@ def prepare_inverse(h: torch.Tensor, percdamp: float = PERCDAMP) -> torch.Tensor
     return torch.linalg.cholesky(inverse, upper=True)
 
 
-def prune_quantize(w: torch.Tensor, u: torch.Tensor, gs: torch.Tensor, block: int, rule: str,
+def prune_quantize(w: torch.Tensor, u: torch.Tensor, gs: torch.Tensor, group_size: int, rule: str,
                    local_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Joint p48 prune + NVFP4 quantize of w [B, M, K] with U [B, K, K] (`prepare_inverse`).
 
     gs [B, M] is each row's NVFP4 global scale. Returns (W-hat [B, M, K] on the NVFP4 grid
-    with pruned pairs +0, FP8 block-scale codes uint8 [B, M, K/block]).
+    with pruned pairs +0, FP8 block-scale codes uint8 [B, M, K/group_size]).
     """
     b, m, k = w.shape
-    if k % block:
-        raise ValueError(f"input dimension {k} is not a multiple of the block size {block}")
-    step = BLOCKSIZE if k % BLOCKSIZE == 0 else block  # lazy-update width
+    if k % group_size:
+        raise ValueError(f"input dimension {k} is not a multiple of the block size {group_size}")
+    step = BLOCKSIZE if k % BLOCKSIZE == 0 else group_size  # lazy-update width
     w = w.float().clone()
-    codes = torch.empty(b, m, k // block, dtype=torch.uint8, device=w.device)
+    codes = torch.empty(b, m, k // group_size, dtype=torch.uint8, device=w.device)
     row_gs = gs.reshape(b * m, 1)
     for i1 in range(0, k, step):
         i2 = i1 + step
@@ -71,15 +71,15 @@ def prune_quantize(w: torch.Tensor, u: torch.Tensor, gs: torch.Tensor, block: in
         err1 = torch.empty_like(w1)
         u1 = u[:, i1:i2, i1:i2]
         d = u1.diagonal(dim1=-2, dim2=-1)  # [B, step]
-        for j0 in range(0, step, block):
-            cols = slice(j0, j0 + block)
+        for j0 in range(0, step, group_size):
+            cols = slice(j0, j0 + group_size)
             obs = w1[:, :, cols].square() / d[:, None, cols].square()
             keep = p48.top2_pairs(obs[..., 0::2] + obs[..., 1::2]).repeat_interleave(2, -1)
             masked = torch.where(keep, w1[:, :, cols], 0.0)
-            c = nvfp4.choose_block_codes(masked.reshape(b * m, 1, block), row_gs, rule,
+            c = nvfp4.choose_block_codes(masked.reshape(b * m, 1, group_size), row_gs, rule,
                                          local_dtype)  # [B*M, 1]
-            codes[:, :, (i1 + j0) // block] = c.reshape(b, m)
-            for j in range(j0, j0 + block):
+            codes[:, :, (i1 + j0) // group_size] = c.reshape(b, m)
+            for j in range(j0, j0 + group_size):
                 col = w1[:, :, j]
                 q = nvfp4.fake_quantize(col.reshape(b * m, 1, 1), c, row_gs).reshape(b, m)
                 q = torch.where(keep[:, :, j - j0], q, 0.0)
@@ -99,7 +99,7 @@ class _Closed(Exception):
 @dataclass
 class _Handoff:
     layer: int
-    moe: object  # calibrate._MoE, weights loaded and inputs captured
+    moe: object  # calibrate.MoEBlock, weights loaded and inputs captured
 
 
 class CalibrationHessians:

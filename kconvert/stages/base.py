@@ -25,7 +25,7 @@ QUANT_ONLY_PARAMS = {
 
 
 @dataclass
-class ModulePlan:
+class ModuleWork:
     """One source linear and what becomes of it."""
 
     module: str
@@ -39,7 +39,7 @@ class ModulePlan:
     # Calibrated activation amax (W4A4 input scale); shared by the module's fused set.
     input_amax: float | None = None
     dense_dtype: str = "BF16"  # what a decoded module is written as (F32: exact INT4 values)
-    block: int = 16  # NVFP4 elements per FP8 block scale (32 for sparse kernels)
+    group_size: int = 16  # NVFP4 elements per FP8 block scale (32 for sparse kernels)
     storage: str = "dense"  # NVFP4 byte layout: "dense" or "pair-bitmask" (p48 only)
     # The stage that changes the decoded fp32 weights before encoding (sparsify), if any.
     transform: WeightTransform | None = None
@@ -68,15 +68,15 @@ class ModulePlan:
         """(param, dtype, shape) of every output tensor of a re-encoded module."""
         if self.out_codec is DenseCodec:
             return DenseCodec.specs(self.shape, self.dense_dtype)
-        specs = self.out_codec.specs(self.shape, self.input_amax is not None, self.block)
+        specs = self.out_codec.specs(self.shape, self.input_amax is not None, self.group_size)
         return specs + [(p, self.params[p].dtype, self.params[p].shape) for p in self.carried]
 
 
 class WeightTransform(Protocol):
     """Changes B same-shaped modules' decoded fp32 weights before they are encoded."""
 
-    def transform(self, modules: list[ModulePlan], w: torch.Tensor, gs: torch.Tensor,
-                  block_scale: str, local_dtype: torch.dtype
+    def transform(self, modules: list[ModuleWork], w: torch.Tensor, gs: torch.Tensor,
+                  scale_rule: str, local_dtype: torch.dtype
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(new weights [B, M, K], FP8 block-scale codes to encode them with, or None to let
         the encoder choose). `gs` [B] are the NVFP4 global scales they will be encoded with."""
@@ -96,7 +96,7 @@ class Stage:
         (experts) to keep."""
         return tn.name, None
 
-    def plan(self, m: ModulePlan) -> None:
+    def claim(self, m: ModuleWork) -> None:
         """Claim a module for decoding: set `m.out_codec` and append to `m.stages`."""
 
     def edit_config(self, text_config: dict) -> None:
@@ -106,7 +106,7 @@ class Stage:
         """The options that decide the output bytes, for the manifest and resume checks."""
         return {}
 
-    def edit_quant_config(self, block: dict) -> None:
+    def edit_quant_config(self, qconfig: dict) -> None:
         """Change the output's compressed-tensors quantization_config block (in place)."""
 
     def output_files(self) -> dict[str, str]:
@@ -119,7 +119,7 @@ class Stage:
 
 def group_modules(
     tensors: dict[str, TensorInfo], shape_values: dict[str, tuple[int, ...]]
-) -> tuple[list[ModulePlan], list[TensorInfo]]:
+) -> tuple[list[ModuleWork], list[TensorInfo]]:
     """Split the source tensors into linears (with their codec) and everything else.
 
     `shape_values` holds the contents of the tiny `weight_shape` tensors (INT4 modules).
@@ -144,7 +144,7 @@ def group_modules(
         shape_value = shape_values.get(shape_info.name) if shape_info else None
         shape = codec.logical_shape(params, shape_value)
         tn = parse_name(params[codec.params[0]].name)
-        modules.append(ModulePlan(module, tn, codec, params, shape))
+        modules.append(ModuleWork(module, tn, codec, params, shape))
         grouped.update(info.name for info in params.values())
     others = [info for name, info in tensors.items() if name not in grouped]
     return modules, others

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from kconvert.formats import Nvfp4Codec, Nvfp4PairBitmaskCodec
 from kconvert.formats.nvfp4_pair_bitmask import SPARSE_FLAG
-from kconvert.stages.base import ModulePlan, Stage
+from kconvert.stages.base import ModuleWork, Stage
 
 
 @dataclass(frozen=True)
@@ -15,12 +15,12 @@ class Densify(Stage):
 
     name: str = "densify"
 
-    def plan(self, m: ModulePlan) -> None:
+    def claim(self, m: ModuleWork) -> None:
         if m.codec is Nvfp4PairBitmaskCodec:
             m.out_codec = Nvfp4Codec
-            m.block = m.shape[1] // m.params["weight_scale"].shape[1]
+            m.group_size = m.shape[1] // m.params["weight_scale"].shape[1]
             m.repack = True
             m.stages.append(self.name)
 
-    def edit_quant_config(self, block: dict) -> None:
-        block.pop(SPARSE_FLAG, None)
+    def edit_quant_config(self, qconfig: dict) -> None:
+        qconfig.pop(SPARSE_FLAG, None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kconvert.formats import DenseCodec
-from kconvert.stages.base import ModulePlan, Stage
+from kconvert.stages.base import ModuleWork, Stage
 
 
 @dataclass(frozen=True)
@@ -16,7 +16,7 @@ class Dequant(Stage):
     dtype: str = "BF16"
     name: str = "dequant"
 
-    def plan(self, m: ModulePlan) -> None:
+    def claim(self, m: ModuleWork) -> None:
         if m.codec.quantized:
             m.out_codec = DenseCodec
             m.dense_dtype = self.dtype

@@ -10,7 +10,7 @@ from pathlib import Path
 from kconvert.errors import KconvertError
 from kconvert.formats import OUTPUT_CODECS, DenseCodec, Nvfp4PairBitmaskCodec
 from kconvert.model.names import TARGET_ROLES, Role
-from kconvert.stages.base import ModulePlan, Stage
+from kconvert.stages.base import ModuleWork, Stage
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class Quantize(Stage):
 
     targets: frozenset[Role]
     fmt: str = "compressed-tensors"
-    block_scale: str = "mse"
+    scale_rule: str = "mse"
     # Activation statistics from calibration: JSON {"input_amax": {module: amax}}. A module
     # found there is W4A4 and gets an input scale (2688/amax in compressed-tensors, amax/2688
     # in ModelOpt); without statistics the output is W4A16.
@@ -42,9 +42,9 @@ class Quantize(Stage):
 
     def recorded(self) -> dict:
         return {"targets": sorted(r.value for r in self.targets), "format": self.fmt,
-                "block_scale": self.block_scale, "act_stats": self.act_stats}
+                "block_scale": self.scale_rule, "act_stats": self.act_stats}
 
-    def plan(self, m: ModulePlan) -> None:
+    def claim(self, m: ModuleWork) -> None:
         if m.tn.role in self.targets:
             m.input_amax = self.input_amax.get(m.module)
             if self.act_stats is not None and m.input_amax is None:
@@ -57,10 +57,10 @@ class Quantize(Stage):
                     file=m.primary.file.name, tensor=m.primary.name,
                 )
             m.out_codec = OUTPUT_CODECS[self.fmt]
-            if m.storage == "pair-bitmask" or m.block != 16:
+            if m.storage == "pair-bitmask" or m.group_size != 16:
                 if self.fmt != "compressed-tensors":
                     raise KconvertError(f"--format {self.fmt} has no form for block size "
-                                        f"{m.block} / {m.storage} storage; use "
+                                        f"{m.group_size} / {m.storage} storage; use "
                                         "compressed-tensors", tensor=m.module)
                 if m.storage == "pair-bitmask":
                     m.out_codec = Nvfp4PairBitmaskCodec

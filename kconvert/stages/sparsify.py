@@ -23,7 +23,7 @@ from kconvert.formats.nvfp4_pair_bitmask import SPARSE_FLAG
 from kconvert.io.files import hash_file
 from kconvert.model.names import Role
 from kconvert.sparsity import p48, sparsegpt
-from kconvert.stages.base import ModulePlan, Stage
+from kconvert.stages.base import ModuleWork, Stage
 
 METHODS = ("magnitude", "wanda", "sparsegpt")
 
@@ -52,7 +52,7 @@ class WandaNorms:
         self._names = set(self._file.keys())
         self.where = str(path / STATS_FILE)
 
-    def column_norms(self, m: ModulePlan) -> torch.Tensor:
+    def column_norms(self, m: ModuleWork) -> torch.Tensor:
         from kconvert.calibrate.stats import stats_key
 
         name = f"{stats_key(m.module)}.input_sq_sum"
@@ -89,13 +89,13 @@ class Sparsify(Stage):
         """SparseGPT's calibration pass streams layers forward: items must follow."""
         return self.method == "sparsegpt"
 
-    def plan(self, m: ModulePlan) -> None:
+    def claim(self, m: ModuleWork) -> None:
         if m.tn.role is not Role.ROUTED_EXPERT:
             return
         if m.shape[1] % self.group_size:
             raise KconvertError(f"input dimension {m.shape[1]} is not a whole number of "
                                 f"{self.group_size}-element scale blocks", tensor=m.module)
-        m.block = self.group_size
+        m.group_size = self.group_size
         m.storage = self.storage
         m.transform = self
         m.stages.append(self.name)
@@ -115,24 +115,24 @@ class Sparsify(Stage):
         if self.hessians is not None:
             self.hessians.close()
 
-    def edit_quant_config(self, block: dict) -> None:
+    def edit_quant_config(self, qconfig: dict) -> None:
         if self.storage == "pair-bitmask":
-            block[SPARSE_FLAG] = {"layout": "pair-bitmask", "version": 1}
+            qconfig[SPARSE_FLAG] = {"layout": "pair-bitmask", "version": 1}
 
     @property
     def norms(self) -> WandaNorms:
         return _norms(self.stats)
 
-    def transform(self, modules, w, gs, block_scale, local_dtype):
+    def transform(self, modules, w, gs, scale_rule, local_dtype):
         if self.method == "sparsegpt":
-            return self._sparsegpt(modules, w, gs, block_scale, local_dtype)
+            return self._sparsegpt(modules, w, gs, scale_rule, local_dtype)
         col = None
         if self.method == "wanda":
             col = torch.stack([self.norms.column_norms(m) for m in modules]).to(w.device)
         keep = p48.top2_pairs(p48.pair_scores(w, col))
         return p48.apply_pair_mask(w, keep), None
 
-    def _sparsegpt(self, modules, w, gs, block_scale, local_dtype):
+    def _sparsegpt(self, modules, w, gs, scale_rule, local_dtype):
         # Members that see the same inputs (an expert's gate and up) share one Hessian and
         # run as one [rows, in] matrix: one Cholesky, one loop.
         keys = [(m.tn.layer, m.tn.expert, "down" if m.tn.proj == "down_proj" else "in")
@@ -150,7 +150,7 @@ class Sparsify(Stage):
         per = len(members[0])
         wj = w[idx].reshape(len(order), per * m, k)
         row_gs = gs.to(w.device)[idx].repeat_interleave(m).reshape(len(order), per * m)
-        w_hat, codes = sparsegpt.prune_quantize(wj, u, row_gs, self.group_size, block_scale,
+        w_hat, codes = sparsegpt.prune_quantize(wj, u, row_gs, self.group_size, scale_rule,
                                                 local_dtype)
         out = torch.empty_like(w)
         out_codes = torch.empty(b, m, k // self.group_size, dtype=torch.uint8, device=w.device)
