@@ -26,12 +26,8 @@ from kconvert.engine.work import WorkPlan, build_work_plan, describe
 from kconvert.errors import KconvertError
 from kconvert.formats import nvfp4
 from kconvert.formats.dense import DenseCodec
-from kconvert.formats.quant_config import (
-    compressed_tensors_block,
-    modelopt_blocks,
-    output_format,
-    rewrite_config,
-)
+from kconvert.formats.nvfp4_modelopt import HF_QUANT_CONFIG
+from kconvert.formats.quant_config import output_config, output_format, rewrite_config
 from kconvert.io import lock, output_dir
 from kconvert.io.checkpoint import GENERATED_FILES, INDEX, Checkpoint, open_checkpoint
 from kconvert.io.files import copy_file, hash_file, human_bytes, write_text
@@ -235,33 +231,20 @@ def _finish(ckpt: Checkpoint, ws: Workspace, plan: WorkPlan, records: dict[str, 
         write(INDEX, _json({"metadata": {"total_size": total}, "weight_map": weight_map}),
               "index-written")
 
-    fmt = output_format(plan.modules)
     names = list(plan.outputs)
+    fmt, qconfig, format_files = output_config(plan.modules, names, ckpt.config)
     dropped = dict(plan.dropped)
-    hf_quant = None
-    if fmt == "modelopt":
-        qconfig, hf_quant = modelopt_blocks(plan.modules, names)
-    else:
-        has_vision = any(n.startswith(("vision_tower.", "mm_projector.")) for n in names)
-        qconfig = (compressed_tensors_block(plan.modules, has_vision)
-                 if fmt == "compressed-tensors" else None)
-        if fmt == "source":
-            qconfig = ckpt.config.get("quantization_config") or ckpt.text_config.get(
-                "quantization_config")
-        elif qconfig is not None:
-            for stage in plan.stages:
-                stage.edit_quant_config(qconfig)
-        if (ckpt.root / "hf_quant_config.json").is_file():
-            dropped["hf_quant_config.json"] = "ModelOpt quantization file; output is not ModelOpt"
-    for name in sorted(GENERATED_FILES - {"config.json", "hf_quant_config.json", INDEX}):
+    if (ckpt.root / HF_QUANT_CONFIG).is_file() and HF_QUANT_CONFIG not in format_files:
+        dropped[HF_QUANT_CONFIG] = "ModelOpt quantization file; output is not ModelOpt"
+    for name in sorted(GENERATED_FILES - {"config.json", HF_QUANT_CONFIG, INDEX}):
         if (ckpt.root / name).is_file():
             dropped[name] = "written by an earlier kconvert run about ITS source; not carried"
     config = rewrite_config(ckpt.config, qconfig)
     for stage in plan.stages:
         stage.edit_config(config.get("text_config", config))
     write("config.json", _json(config), "config-written")
-    if hf_quant is not None:
-        write("hf_quant_config.json", _json(hf_quant))
+    for name, data in format_files.items():
+        write(name, _json(data))
     for stage in plan.stages:
         for name, text in stage.output_files().items():
             write(name, text)

@@ -48,9 +48,11 @@ def test_cli_choice_lists_are_the_implementation_lists():
     """cli.py cannot import the torch modules that own these lists; it must agree with them."""
     from kconvert.audit import auditor
     from kconvert.cli import base as cli
+    from kconvert.formats import OUTPUT_CODECS
     from kconvert.pruning import reap
     from kconvert.stages import sparsify
 
+    assert tuple(OUTPUT_CODECS) == cli.FORMATS
     assert tuple(sorted(reap.CRITERIA)) == cli.CRITERIA
     assert cli.METHODS == sparsify.METHODS and cli.STORAGES == sparsify.STORAGES
     assert cli.AUDIT_CHUNK_MB << 20 == auditor.CHUNK

@@ -44,22 +44,14 @@ from pathlib import Path
 import torch
 import xxhash
 
-from kconvert.checks.findings import (
-    FLOAT_DTYPES,
-    NVFP4,
-    Checks,
-    Finding,
-    is_linear,
-    short,
-    text_config,
-)
+from kconvert.checks.findings import Checks, Finding, short, text_config
 from kconvert.checks.quant_config import check_quant_config, quant_blocks
 from kconvert.checks.structure import check_config, check_layers
 from kconvert.convert import pick_device
 from kconvert.errors import KconvertError
 from kconvert.formats import detect_codec
-from kconvert.formats.base import Codec
-from kconvert.formats.dense import DenseCodec
+from kconvert.formats.base import Codec, is_linear
+from kconvert.formats.dense import FLOAT_DTYPES, DenseCodec
 from kconvert.formats.fp8_block import Fp8BlockCodec
 from kconvert.formats.nvfp4_modelopt import ModeloptNvfp4Codec
 from kconvert.formats.nvfp4_pair_bitmask import Nvfp4PairBitmaskCodec
@@ -1059,11 +1051,10 @@ class Auditor:
             self._hash(info, out[p])
             self._finite(info, out[p])
             self._scale_values(info, p, out[p], m)
-        if m.codec in NVFP4:
-            modelopt = m.codec is ModeloptNvfp4Codec
-            gs_name = "weight_scale_2" if modelopt else "weight_global_scale"
-            in_name = "input_scale" if modelopt else "input_global_scale"
-            self.fused[m.tn.fused_set][m.name] = (m.codec.name, out[gs_name], out.get(in_name))
+        if m.codec.global_scale_param is not None:
+            self.fused[m.tn.fused_set][m.name] = (m.codec.name,
+                                                  out[m.codec.global_scale_param],
+                                                  out.get(m.codec.input_scale_param))
             if self.p48 is not None and m.tn.role.value in self.p48_roles:
                 try:
                     packed = m.codec.unpack(out)[0] if m.codec is Nvfp4PairBitmaskCodec \
@@ -1175,7 +1166,7 @@ class Auditor:
                            + ", ".join(f"{m.name.rsplit('.', 1)[-1]} {m.codec.name}" for m in ms),
                            tensor=fused_name):
                 continue
-            if not codecs <= set(NVFP4):
+            if any(c.global_scale_param is None for c in codecs):
                 continue
             stored = self.fused.get(fused_name, {})
             if any(m.name not in stored for m in ms):

@@ -7,18 +7,10 @@ from __future__ import annotations
 import json
 from collections import Counter
 from dataclasses import dataclass
-from typing import Protocol
 
-from kconvert.formats.base import Codec
-from kconvert.formats.nvfp4_ct import Nvfp4Codec
-from kconvert.formats.nvfp4_modelopt import ModeloptNvfp4Codec
-from kconvert.formats.nvfp4_pair_bitmask import Nvfp4PairBitmaskCodec
-from kconvert.io.shards import TensorInfo
-from kconvert.model.names import Role, TensorName, parse_name
+from kconvert.model.names import parse_name
 
 CONFIG = "config.json"
-NVFP4 = (Nvfp4Codec, Nvfp4PairBitmaskCodec, ModeloptNvfp4Codec)
-FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 
 
 @dataclass
@@ -76,26 +68,6 @@ class Checks:
 
     def warn(self, group: str, check: str, message: str, **where) -> None:
         self.add(group, check, message, severity="warn", **where)
-
-
-class Linear(Protocol):
-    """A module's parameter set as the audit (`audit.Module`) and the planner
-    (`stages.ModuleWork`) both hold it."""
-
-    tn: TensorName
-    codec: type[Codec]
-    shape: tuple[int, ...]
-    params: dict[str, TensorInfo]
-
-    @property
-    def primary(self) -> TensorInfo: ...
-
-
-def is_linear(m: Linear) -> bool:
-    """Would the model hold an nn.Linear here (what a config's 'Linear' target means)?"""
-    if m.tn.role in (Role.EMBEDDING, Role.ROUTER_WEIGHT, Role.ROUTER_BIAS, Role.NORM):
-        return False
-    return m.codec.quantized or len(m.shape) == 2
 
 
 def text_config(config: dict) -> dict:

@@ -20,15 +20,15 @@ from pathlib import Path
 
 from kconvert.checks.findings import (
     CONFIG,
-    FLOAT_DTYPES,
     Checks,
     Finding,
-    Linear,
     short,
     text_config,
 )
 from kconvert.checks.quant_config import FOLLOWS_TENSORS, check_quant_config
 from kconvert.errors import KconvertError
+from kconvert.formats.base import Linear
+from kconvert.formats.dense import FLOAT_DTYPES
 from kconvert.io.shards import TensorInfo
 from kconvert.model.names import Role, TensorName, parse_name
 

@@ -34,13 +34,14 @@ AUDIT_CHUNK_MB = 8  # kconvert.audit.CHUNK, in MiB (a test keeps the two equal)
 
 
 # Choices whose lists live in modules that import torch (tests keep these equal to them).
-CRITERIA = ("ean", "frequency", "reap")  # kconvert.reap.CRITERIA
+CRITERIA = ("ean", "frequency", "reap")  # kconvert.pruning.reap.CRITERIA
 
 
-METHODS = ("magnitude", "wanda", "sparsegpt")  # kconvert.sparsify.METHODS
+METHODS = ("magnitude", "wanda", "sparsegpt")  # kconvert.stages.sparsify.METHODS
 
 
-STORAGES = ("dense", "pair-bitmask")  # kconvert.sparsify.STORAGES
+STORAGES = ("dense", "pair-bitmask")  # kconvert.stages.sparsify.STORAGES
+FORMATS = ("compressed-tensors", "modelopt")  # kconvert.formats.OUTPUT_CODECS
 
 
 # Options that only act beside another one: given alone they would be silently dropped.
@@ -152,7 +153,7 @@ run_options = apply_options([
 
 
 quant_options = apply_options([
-    click.option("--format", "fmt", type=click.Choice(["compressed-tensors", "modelopt"]),
+    click.option("--format", "fmt", type=click.Choice(FORMATS),
                  default=None, help="NVFP4 on-disk flavour [default: compressed-tensors]."),
     click.option("--block-scale", type=click.Choice(["amax", "mse"]), default=None,
                  help="FP8 block-scale rule: amax (compressed-tensors/ModelOpt bytes) or mse "

@@ -6,7 +6,9 @@ from typing import ClassVar
 
 import torch
 
-from kconvert.formats.base import Codec, ParamSpec
+from kconvert.formats.base import Codec, ParamRules, ParamSpec
+
+FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 
 
 class DenseCodec(Codec):
@@ -15,6 +17,15 @@ class DenseCodec(Codec):
     name = "bf16"
     params = ("weight",)
     quantized = False
+    description = "unquantized (no scale tensors)"
+
+    @classmethod
+    def matches(cls, infos):
+        return super().matches(infos) and infos["weight"].dtype in ("BF16", "F16", "F32")
+
+    @classmethod
+    def param_rules(cls, shape, group_size) -> ParamRules:
+        return {"weight": (FLOAT_DTYPES, None)}
 
     @classmethod
     def logical_shape(cls, infos, shape_value):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kconvert.formats.base import Codec
+from kconvert.formats.base import Codec, ParamRules
 
 
 class Fp8BlockCodec(Codec):
@@ -10,6 +10,26 @@ class Fp8BlockCodec(Codec):
 
     name = "fp8-block"
     params = ("weight", "weight_scale_inv")
+    description = "FP8 block"
+    quant_method = "fp8"
+
+    @classmethod
+    def matches(cls, infos):
+        return super().matches(infos) and infos["weight"].dtype == "F8_E4M3"
+
+    @classmethod
+    def param_rules(cls, shape, group_size) -> ParamRules:
+        out, inp = shape
+        return {"weight": (frozenset({"F8_E4M3"}), (out, inp)),
+                "weight_scale_inv": (frozenset({"F32"}), (-(-out // 128), -(-inp // 128)))}
+
+    @classmethod
+    def scheme_problems(cls, where, scheme, m):
+        blocks = scheme.get("weight_block_size", [128, 128])
+        if list(blocks) == [128, 128]:
+            return []
+        return [f"{where} weight_block_size {blocks}; the FP8-block decode kconvert knows is "
+                "128x128"]
 
     @classmethod
     def logical_shape(cls, infos, shape_value):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from kconvert.errors import KconvertError
-from kconvert.formats.base import Codec
+from kconvert.formats.base import Codec, ParamRules
+from kconvert.formats.compressed_tensors import weight_problems
 
 
 class Int4Codec(Codec):
@@ -13,6 +14,20 @@ class Int4Codec(Codec):
 
     name = "int4-pack-quantized"
     params = ("weight_packed", "weight_scale", "weight_shape")
+    description = "INT4 pack-quantized"
+    default_group_size = 32
+    ct_format = "pack-quantized"
+
+    @classmethod
+    def param_rules(cls, shape, group_size) -> ParamRules:
+        out, inp = shape
+        return {"weight_packed": (frozenset({"I32"}), (out, inp // 8)),
+                "weight_scale": (frozenset({"BF16", "F16", "F32"}), (out, inp // group_size)),
+                "weight_shape": (frozenset({"I32", "I64"}), (2,))}
+
+    @classmethod
+    def scheme_problems(cls, where, scheme, m):
+        return weight_problems(where, scheme, m, "int")
 
     @classmethod
     def logical_shape(cls, infos, shape_value):

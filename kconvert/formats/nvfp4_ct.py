@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from kconvert.formats import nvfp4
-from kconvert.formats.base import Codec, ParamSpec
+from kconvert.formats.base import Codec, ParamRules, ParamSpec
+from kconvert.formats.compressed_tensors import weight_problems
 
 
 class Nvfp4Codec(Codec):
@@ -15,6 +16,36 @@ class Nvfp4Codec(Codec):
     params = ("weight_packed", "weight_scale", "weight_global_scale")
     packed_param = "weight_packed"
     elements_per_byte = 2  # of packed_param: two E2M1 nibbles
+    description = "NVFP4 (compressed-tensors)"
+    default_group_size = nvfp4.BLOCK
+    global_scale_param = "weight_global_scale"
+    input_scale_param = "input_global_scale"
+    ct_format = "nvfp4-pack-quantized"
+    config_family = "compressed-tensors"
+    cli_name = "compressed-tensors"
+
+    @classmethod
+    def param_rules(cls, shape, group_size) -> ParamRules:
+        out, inp = shape
+        return {"weight_packed": (frozenset({"U8"}), (out, inp // 2)),
+                **cls._scale_rules(shape, group_size)}
+
+    @classmethod
+    def _scale_rules(cls, shape, group_size) -> ParamRules:
+        out, inp = shape
+        return {"weight_scale": (frozenset({"F8_E4M3"}), (out, inp // group_size)),
+                "weight_global_scale": (frozenset({"F32"}), (1,)),
+                "input_global_scale": (frozenset({"F32"}), (1,))}
+
+    @classmethod
+    def scheme_problems(cls, where, scheme, m):
+        problems = weight_problems(where, scheme, m, "float")
+        acts, has = scheme.get("input_activations"), cls.input_scale_param in m.params
+        if bool(acts) != has:
+            problems.append(f"{where} {'quantizes' if acts else 'does not quantize'} input "
+                            f"activations but the module {'has' if has else 'has no'} "
+                            f"{cls.input_scale_param}")
+        return problems
 
     @classmethod
     def logical_shape(cls, infos, shape_value):

@@ -1,13 +1,20 @@
 """ModelOpt's HF export of NVFP4 (docs/formats.md §3b): the compressed-tensors bytes with a
-reciprocal scalar global scale, and its hf_quant_config.json."""
+reciprocal scalar global scale, its config block and hf_quant_config.json."""
 
 from __future__ import annotations
 
+import re
+from typing import ClassVar
+
 import torch
 
+from kconvert import __version__
 from kconvert.errors import KconvertError
 from kconvert.formats import nvfp4
+from kconvert.formats.base import OutputModule, ParamRules
 from kconvert.formats.nvfp4_ct import Nvfp4Codec
+
+HF_QUANT_CONFIG = "hf_quant_config.json"
 
 
 class ModeloptNvfp4Codec(Nvfp4Codec):
@@ -16,6 +23,35 @@ class ModeloptNvfp4Codec(Nvfp4Codec):
     name = "nvfp4-modelopt"
     params = ("weight", "weight_scale", "weight_scale_2")
     packed_param = "weight"
+    description = "NVFP4 (ModelOpt)"
+    global_scale_param = "weight_scale_2"
+    input_scale_param = "input_scale"
+    ct_format = None
+    # Plain NVFP4 is W4A4 (a static input_scale per module expected); the weight-only export
+    # is spelled W4A16_NVFP4 (vLLM #41769; older ModelOpt code NVFP4_W4A16).
+    modelopt_algos: ClassVar[dict[str, str]] = {
+        "NVFP4": "w4a4", "W4A16_NVFP4": "w4a16", "NVFP4_W4A16": "w4a16"}
+    config_family = "modelopt"
+    cli_name = "modelopt"
+
+    @classmethod
+    def matches(cls, infos):
+        return super().matches(infos) and infos["weight"].dtype == "U8"
+
+    @classmethod
+    def param_rules(cls, shape, group_size) -> ParamRules:
+        out, inp = shape
+        return {"weight": (frozenset({"U8"}), (out, inp // 2)),
+                "weight_scale": (frozenset({"F8_E4M3"}), (out, inp // group_size)),
+                "weight_scale_2": (frozenset({"F32"}), None),
+                "input_scale": (frozenset({"F32"}), None)}
+
+    @classmethod
+    def scheme_problems(cls, where, scheme, m):
+        if scheme.get("group_size", nvfp4.BLOCK) == nvfp4.BLOCK:
+            return []
+        return [f"{where} group_size {scheme.get('group_size')}, ModelOpt NVFP4 uses "
+                f"{nvfp4.BLOCK}"]
 
     @classmethod
     def decode(cls, t, shape):
@@ -51,3 +87,43 @@ class ModeloptNvfp4Codec(Nvfp4Codec):
             amax = torch.tensor(input_amax, dtype=torch.float32)
             out["input_scale"] = amax / nvfp4.GLOBAL_NUMERATOR  # fp32, as ModelOpt computes it
         return out
+
+
+def excluded(qconfig: dict, name: str) -> bool:
+    """Whether ModelOpt's exclude_modules (wildcards) leave module `name` unquantized."""
+    return any(_wildcard(p).fullmatch(name) or name.startswith(p + ".")
+               for p in qconfig.get("exclude_modules") or [])
+
+
+def _wildcard(pattern: str) -> re.Pattern:
+    return re.compile(".*".join(re.escape(p) for p in pattern.split("*")))
+
+
+def modelopt_exclude(modules: list[OutputModule], names: list[str]) -> list[str]:
+    """Wildcard patterns for every linear left unquantized (vLLM #45102: they carry no scales)."""
+    excluded_modules = {m.out_module for m in modules
+                        if (m.out_codec or m.codec) is not ModeloptNvfp4Codec}
+    patterns = {re.sub(r"\.layers\.\d+\.", ".layers.*.", e) for e in excluded_modules}
+    for name in names:
+        if name.endswith("mlp.gate.weight"):
+            patterns.add(re.sub(r"\.layers\.\d+\.", ".layers.*.", name[: -len(".weight")]))
+        elif name.startswith(("lm_head.", "language_model.lm_head.")):
+            patterns.add(name.rsplit(".", 1)[0])
+        elif name.startswith(("vision_tower.", "mm_projector.")):
+            patterns.add(name.split(".", 1)[0] + "*")
+    return sorted(patterns)
+
+
+def modelopt_config(modules: list[OutputModule], names: list[str]) -> tuple[dict, dict]:
+    """(config.json quantization_config, hf_quant_config.json) for ModelOpt NVFP4."""
+    exclude = modelopt_exclude(modules, names)
+    producer = {"name": "kconvert", "version": __version__}
+    # ModelOpt's "NVFP4" is W4A4 (engines read input_scale); weight-only NVFP4 is
+    # "W4A16_NVFP4" (ModelOpt PR #1313, vLLM PR #41769), which needs no input scales.
+    w4a4 = any(m.has_input_scale for m in modules)
+    quant = {"quant_algo": "NVFP4" if w4a4 else "W4A16_NVFP4", "kv_cache_quant_algo": None,
+             "group_size": nvfp4.BLOCK, "exclude_modules": exclude}
+    return (
+        {"quant_method": "modelopt", **quant, "producer": producer},
+        {"producer": producer, "quantization": quant},
+    )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from kconvert.formats import nvfp4
+from kconvert.formats.base import ParamRules
 from kconvert.formats.nvfp4_ct import Nvfp4Codec
 
 P48_PAIRS = 4  # bytes (pairs of elements) per 8-element chunk
@@ -27,6 +28,21 @@ class Nvfp4PairBitmaskCodec(Nvfp4Codec):
               "weight_global_scale")
     packed_param = "weight_sparse_packed"
     elements_per_byte = 4  # 2 kept bytes of every 4: half the nibbles are stored
+    description = "NVFP4 p48 pair-bitmask (compressed-tensors)"
+    ct_layout_key = SPARSE_FLAG
+    ct_layout = "pair-bitmask"
+    cli_name = None  # chosen by `--storage pair-bitmask`, written in the compressed-tensors form
+
+    @classmethod
+    def param_rules(cls, shape, group_size) -> ParamRules:
+        out, inp = shape
+        return {"weight_sparse_packed": (frozenset({"U8"}), (out, inp // 4)),
+                "weight_sparse_mask": (frozenset({"U8"}), (out, inp // 16)),
+                **cls._scale_rules(shape, group_size)}
+
+    @classmethod
+    def edit_config(cls, qconfig):
+        qconfig[SPARSE_FLAG] = {"layout": cls.ct_layout, "version": 1}
 
     @classmethod
     def unpack(cls, t):

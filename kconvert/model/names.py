@@ -149,8 +149,3 @@ def parse_name(name: str) -> TensorName:
     if (a := _ATTN.match(rest)) is not None:
         return replace(base, role=Role.ATTENTION, proj=a["proj"])
     return base
-
-
-def is_linear(tn: TensorName) -> bool:
-    """Roles whose modules are quantizable linears (the router is never quantized)."""
-    return tn.role in TARGET_ROLES.values() and bool(tn.param)

@@ -106,8 +106,6 @@ class Stage:
         """The options that decide the output bytes, for the manifest and resume checks."""
         return {}
 
-    def edit_quant_config(self, qconfig: dict) -> None:
-        """Change the output's compressed-tensors quantization_config block (in place)."""
 
     def output_files(self) -> dict[str, str]:
         """Files (name -> text) this stage adds to the output, e.g. the pruning plan."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kconvert.formats import Nvfp4Codec, Nvfp4PairBitmaskCodec
-from kconvert.formats.nvfp4_pair_bitmask import SPARSE_FLAG
 from kconvert.stages.base import ModuleWork, Stage
 
 
@@ -22,5 +21,3 @@ class Densify(Stage):
             m.repack = True
             m.stages.append(self.name)
 
-    def edit_quant_config(self, qconfig: dict) -> None:
-        qconfig.pop(SPARSE_FLAG, None)

@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 from kconvert.errors import KconvertError
-from kconvert.formats.nvfp4_pair_bitmask import SPARSE_FLAG
 from kconvert.io.files import hash_file
 from kconvert.model.names import Role
 from kconvert.sparsity import p48, sparsegpt
@@ -115,9 +114,6 @@ class Sparsify(Stage):
         if self.hessians is not None:
             self.hessians.close()
 
-    def edit_quant_config(self, qconfig: dict) -> None:
-        if self.storage == "pair-bitmask":
-            qconfig[SPARSE_FLAG] = {"layout": "pair-bitmask", "version": 1}
 
     @property
     def norms(self) -> WandaNorms:

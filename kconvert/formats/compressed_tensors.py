@@ -1,0 +1,113 @@
+"""compressed-tensors' quantization_config (docs/formats.md §1, §3a): how it names the
+formats and modules it covers, the scheme checks its formats share, and the block kconvert
+writes for an NVFP4 output.
+
+The block is built with compressed-tensors' own pydantic models, laid out as its
+ModelCompressor writes it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from kconvert.errors import KconvertError
+from kconvert.formats.base import Linear, OutputModule
+from kconvert.model.names import Role
+
+# compressed-tensors target regexes per role (vLLM matches them against module names).
+CT_TARGETS = {
+    Role.ROUTED_EXPERT: r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$",
+    Role.SHARED_EXPERT: r"re:.*mlp\.shared_experts\.(gate|up|down)_proj$",
+    Role.DENSE_MLP: r"re:.*mlp\.(gate|up|down)_proj$",
+    Role.ATTENTION: r"re:.*self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)$",
+}
+OUTPUT_FORMAT = "nvfp4-pack-quantized"
+
+
+def target_matches(name: str, target: str, linear: bool) -> bool:
+    """compressed-tensors' matching: 're:' regex (re.match), exact name, or class 'Linear'."""
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return target == name or (target == "Linear" and linear)
+
+
+def scheme_for(qconfig: dict, name: str, linear: bool) -> tuple[dict | None, str | None]:
+    """(the config group covering module `name`, its format), or (None, None) when no group
+    covers it or the ignore list excludes it (then it is unquantized)."""
+    ignore = qconfig.get("ignore") or []
+    for group in (qconfig.get("config_groups") or {}).values():
+        if any(target_matches(name, t, linear) for t in group.get("targets") or []):
+            if any(target_matches(name, t, linear) for t in ignore):
+                return None, None
+            return group, group.get("format") or qconfig.get("format")
+    return None, None
+
+
+def tensor_group(m: Linear) -> int | None:
+    """Elements per scale of an INT4 / NVFP4 module, read off its weight_scale's shape."""
+    scale = m.params.get("weight_scale")
+    if scale is None or len(scale.shape) != 2 or len(m.shape) != 2 or not scale.shape[1]:
+        return None
+    group, rest = divmod(m.shape[1], scale.shape[1])
+    return group if not rest else None
+
+
+def weight_problems(where: str, scheme: dict, m: Linear, weight_type: str) -> list[str]:
+    """The scheme's weights (bits, type, group size) against a 4-bit module's tensors."""
+    weights = scheme.get("weights") or {}
+    want = {"num_bits": 4, "type": weight_type, "group_size": tensor_group(m)}
+    return [f"{where} says weights.{k} = {weights.get(k)!r}, the tensors are {v!r}"
+            for k, v in want.items() if v is not None and weights.get(k) != v]
+
+
+def _roles_by_group(modules: Iterable[OutputModule]) -> dict[int, list[Role]]:
+    """NVFP4 roles of the output per scale group size (16; 32 for sparse kernels)."""
+    sizes: dict[Role, set[int]] = {}
+    for m in modules:
+        if (m.out_codec or m.codec).config_family == "compressed-tensors":
+            sizes.setdefault(m.tn.role, set()).add(m.group_size)
+    mixed = [r.value for r, b in sizes.items() if len(b) > 1]
+    if mixed:
+        raise KconvertError(f"{mixed}: one role must use one NVFP4 block size")
+    by_size: dict[int, list[Role]] = {}
+    for role in CT_TARGETS:
+        if role in sizes:
+            by_size.setdefault(next(iter(sizes[role])), []).append(role)
+    return dict(sorted(by_size.items()))
+
+
+def compressed_tensors_config(modules: list[OutputModule], has_vision: bool) -> dict:
+    """NVFP4A16, or NVFP4 (W4A4) when calibrated input scales were written; one config
+    group per group size (32 is p48's sparse-kernel form, see the README); each format in
+    the output adds what it needs (`edit_config`)."""
+    # Imported here: compressed-tensors takes seconds to import (it loads transformers), and
+    # only runs that write its config need it.
+    import compressed_tensors
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+
+    w4a4 = any(m.has_input_scale for m in modules)
+    groups = {}
+    for i, (group_size, roles) in enumerate(_roles_by_group(modules).items()):
+        scheme = preset_name_to_scheme("NVFP4" if w4a4 else "NVFP4A16",
+                                       [CT_TARGETS[r] for r in roles])
+        scheme.weights.group_size = group_size
+        scheme.format = OUTPUT_FORMAT
+        groups[f"group_{i}"] = scheme
+    ignore = ["lm_head"] + (["re:vision_tower.*", "re:mm_projector.*"] if has_vision else [])
+    qc = QuantizationConfig(
+        config_groups=groups,
+        format=OUTPUT_FORMAT,
+        quantization_status="compressed",
+        ignore=ignore,
+    )
+    # The same layout as compressed-tensors' ModelCompressor.update_config, minus the empty
+    # sparsity/transform blocks (vLLM refuses some sparsity_config forms: docs/p48.md).
+    qconfig = {
+        "version": compressed_tensors.__version__,
+        "quant_method": "compressed-tensors",
+        **qc.model_dump(mode="json", exclude={"quant_method"}),
+    }
+    for codec in {m.out_codec or m.codec for m in modules}:
+        codec.edit_config(qconfig)
+    return qconfig
