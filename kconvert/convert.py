@@ -45,6 +45,7 @@ from kconvert.manifest import (
 )
 from kconvert.model.names import parse_name
 from kconvert.recipes import Recipe, build_stages
+from kconvert.stages.records import RunRecord
 
 # What the OS says when a write runs out of room, and when it refuses to write at all.
 NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
@@ -135,7 +136,9 @@ def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, options: dict, run: Ru
         _print_plan(plan, echo)
         return None
 
-    recorded = {**{s.name: s.recorded() for s in stages}, "recipe": recipe.name}
+    # The manifest's options: a RunRecord, typed, so the audit can read it.
+    recorded = RunRecord(recipe=recipe.name, **{s.name: s.record() for s in stages}).model_dump(
+        mode="json", exclude_unset=True)
     fingerprint = _fingerprint(ckpt, recipe.name, {**recorded, "act_stats": _stats_hash(stages)})
     planned = _planned(ckpt, plan)
     ws: Workspace | None = None

@@ -58,7 +58,9 @@ class Manifest(BaseModel):
     schema_id: Literal["kconvert-manifest/1"] = SCHEMA_ID
     tool: dict[str, str]
     command: str
-    options: dict
+    options: dict = Field(description="what the run did: a kconvert.stages.records.RunRecord "
+                                      "(the recipe, and per stage the options that decide "
+                                      "the bytes)")
     source: SourceEntry
     output_format: str = Field(description="compressed-tensors | modelopt | bf16 | source")
     files: dict[str, FileEntry]

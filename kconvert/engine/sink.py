@@ -6,12 +6,11 @@ from collections import defaultdict
 from concurrent.futures import Future
 from pathlib import Path
 
-import xxhash
-
 from kconvert import events
 from kconvert.engine.compute import Result
 from kconvert.engine.work import WorkPlan
 from kconvert.io.files import write_json
+from kconvert.io.hashing import TensorHashes
 from kconvert.io.lock import STATE_DIR
 from kconvert.io.shards import ShardWriter, byte_view, tensor_nbytes
 
@@ -33,12 +32,8 @@ class ShardSink:
         self.remaining = {shard: sum(tensor_nbytes(d, s) for _, d, s in e)
                           for shard, e in self.entries.items()}
         self.writers: dict = {}
-        self.hashers: dict[str, xxhash.xxh3_128] = {}
+        self.hashes = TensorHashes()
         self.records: dict[str, dict] = defaultdict(lambda: {"tensors": {}, "modules": {}})
-
-    def _complete(self, name: str, offset: int, nbytes: int) -> bool:
-        out = self.plan.outputs[name]
-        return offset + nbytes == tensor_nbytes(out.dtype, out.shape)
 
     def hash(self, result: Result) -> dict[str, str]:
         """Content hashes of the output tensors that `result` completes. Runs in a thread of
@@ -46,14 +41,13 @@ class ShardSink:
         results). In the writer thread, hashing kept the writer, the pipeline's busiest
         stage, busy 2.7 s longer per 15.5 GB (scripts/results/README.md, session 5)."""
         digests = {}
-        for name, data, offset in result.writes:
+        for name, data, _ in result.writes:
             if self.plan.outputs[name].shard in self.skipped:
                 continue
-            view = byte_view(data)
-            hasher = self.hashers.setdefault(name, xxhash.xxh3_128())
-            hasher.update(view)
-            if self._complete(name, offset, len(view)):
-                digests[name] = self.hashers.pop(name).hexdigest()
+            out = self.plan.outputs[name]
+            digest = self.hashes.update(name, byte_view(data), tensor_nbytes(out.dtype, out.shape))
+            if digest is not None:
+                digests[name] = digest
         return digests
 
     def write(self, result: Result, hashed: Future) -> None:

@@ -30,11 +30,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import xxhash
-
 from kconvert import events
 from kconvert.errors import KconvertError
 from kconvert.io.files import human_bytes, write_json
+from kconvert.io.hashing import TensorHashes
 from kconvert.io.lock import LOCK_FILE, STATE_DIR, acquire, holder_of, in_use, unwritable
 from kconvert.io.shards import plan_header, read_header
 
@@ -331,21 +330,19 @@ def _complete_shards(ws: Workspace, shard_entries: ShardEntries, trust: bool, ec
 def _first_changed(path: Path, entries, record: dict) -> str | None:
     """The first tensor of a finished shard whose bytes do not hash to its record, or None."""
     head, offsets = plan_header(entries)
-    hashes = record.get("tensors", {})
-    buf = bytearray(VERIFY_CHUNK)
-    view = memoryview(buf)
+    hashes, recorded = TensorHashes(), record.get("tensors", {})
+    view = memoryview(bytearray(VERIFY_CHUNK))
     fd = os.open(path, os.O_RDONLY)
     try:
         for name, (start, end) in sorted(offsets.items(), key=lambda kv: kv[1]):
-            hasher = xxhash.xxh3_128()
-            pos = len(head) + start
-            while pos < len(head) + end:
+            pos, digest = len(head) + start, None
+            while digest is None:
                 n = os.preadv(fd, [view[:min(VERIFY_CHUNK, len(head) + end - pos)]], pos)
-                if n == 0:
+                if n == 0 and pos < len(head) + end:
                     return name
-                hasher.update(view[:n])
+                digest = hashes.update(name, view[:n], end - start)
                 pos += n
-            if hasher.hexdigest() != hashes.get(name):
+            if digest != recorded.get(name):
                 return name
     finally:
         os.close(fd)

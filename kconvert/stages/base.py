@@ -17,6 +17,7 @@ from kconvert.errors import KconvertError
 from kconvert.formats import OPTIONAL_PARAMS, Codec, DenseCodec, detect_codec
 from kconvert.io.shards import TensorInfo
 from kconvert.model.names import TARGET_ROLES, TensorName, parse_name
+from kconvert.stages.records import StageRecord
 
 QUANT_ONLY_PARAMS = {
     "weight_packed", "weight_scale", "weight_shape", "weight_global_scale", "weight_scale_2",
@@ -102,10 +103,9 @@ class Stage:
     def edit_config(self, text_config: dict) -> None:
         """Change the language model's config (in place) to describe the output."""
 
-    def recorded(self) -> dict:
+    def record(self) -> StageRecord:
         """The options that decide the output bytes, for the manifest and resume checks."""
-        return {}
-
+        raise NotImplementedError
 
     def output_files(self) -> dict[str, str]:
         """Files (name -> text) this stage adds to the output, e.g. the pruning plan."""

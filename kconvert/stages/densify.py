@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kconvert.formats import Nvfp4Codec, Nvfp4PairBitmaskCodec
 from kconvert.stages.base import ModuleWork, Stage
+from kconvert.stages.records import DensifyRecord
 
 
 @dataclass(frozen=True)
@@ -21,3 +22,5 @@ class Densify(Stage):
             m.repack = True
             m.stages.append(self.name)
 
+    def record(self) -> DensifyRecord:
+        return DensifyRecord()

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kconvert.formats import DenseCodec
 from kconvert.stages.base import ModuleWork, Stage
+from kconvert.stages.records import DequantRecord
 
 
 @dataclass(frozen=True)
@@ -22,5 +23,5 @@ class Dequant(Stage):
             m.dense_dtype = self.dtype
             m.stages.append(self.name)
 
-    def recorded(self) -> dict:
-        return {"dtype": self.dtype}
+    def record(self) -> DequantRecord:
+        return DequantRecord(dtype=self.dtype)

@@ -8,6 +8,7 @@ from functools import cached_property
 
 from kconvert.model.names import Role, TensorName
 from kconvert.stages.base import Stage
+from kconvert.stages.records import PruneRecord
 
 # Parameter suffixes that only exist in quantized formats: a module that has one of these but
 # matches no codec is a layout we do not understand, and must not be copied into an output
@@ -56,9 +57,9 @@ class Prune(Stage):
         text_config["n_group"] = 1
         text_config["topk_group"] = 1
 
-    def recorded(self) -> dict:
-        return {"kept_per_layer": self.kept, "layers": len(self.keep),
-                "plan": hashlib.sha256(self.plan_json.encode()).hexdigest()}
+    def record(self) -> PruneRecord:
+        return PruneRecord(kept_per_layer=self.kept, layers=len(self.keep),
+                           plan=hashlib.sha256(self.plan_json.encode()).hexdigest())
 
     def output_files(self) -> dict[str, str]:
         return {PLAN_FILE: self.plan_json}

@@ -11,6 +11,7 @@ from kconvert.errors import KconvertError
 from kconvert.formats import OUTPUT_CODECS, DenseCodec, Nvfp4PairBitmaskCodec
 from kconvert.model.names import TARGET_ROLES, Role
 from kconvert.stages.base import ModuleWork, Stage
+from kconvert.stages.records import QuantizeRecord
 
 
 @dataclass(frozen=True)
@@ -40,9 +41,9 @@ class Quantize(Stage):
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise KconvertError(f"bad activation statistics: {exc}", file=self.act_stats) from exc
 
-    def recorded(self) -> dict:
-        return {"targets": sorted(r.value for r in self.targets), "format": self.fmt,
-                "block_scale": self.scale_rule, "act_stats": self.act_stats}
+    def record(self) -> QuantizeRecord:
+        return QuantizeRecord(targets=sorted(r.value for r in self.targets), format=self.fmt,
+                              block_scale=self.scale_rule, act_stats=self.act_stats)
 
     def claim(self, m: ModuleWork) -> None:
         if m.tn.role in self.targets:

@@ -23,6 +23,7 @@ from kconvert.io.files import hash_file
 from kconvert.model.names import Role
 from kconvert.sparsity import p48, sparsegpt
 from kconvert.stages.base import ModuleWork, Stage
+from kconvert.stages.records import SparsifyRecord
 
 METHODS = ("magnitude", "wanda", "sparsegpt")
 
@@ -99,7 +100,7 @@ class Sparsify(Stage):
         m.transform = self
         m.stages.append(self.name)
 
-    def recorded(self) -> dict:
+    def record(self) -> SparsifyRecord:
         # `pattern` and `targets` are what `kconvert audit` keys its p48 check on.
         out = {"pattern": "p48", "method": self.method, "group_size": self.group_size,
                "storage": self.storage, "targets": [Role.ROUTED_EXPERT.value]}
@@ -108,7 +109,7 @@ class Sparsify(Stage):
         if self.method == "sparsegpt":
             out.update(percdamp=sparsegpt.PERCDAMP, blocksize=sparsegpt.BLOCKSIZE,
                        data=self.data)
-        return out
+        return SparsifyRecord(**out)
 
     def close(self) -> None:
         if self.hessians is not None:
