@@ -33,7 +33,8 @@ import bench_calibrate
 from kconvert.convert import RunControl, convert
 from kconvert.recipes import load_recipe
 from kconvert.sparsity.sparsegpt import CalibrationHessians
-from make_fixture import FixtureDims, make_fixture
+from kconvert.testing.fixture_weights import FixtureDims
+from kconvert.testing.fixtures import make_fixture
 
 ROOT = Path(os.environ.get("ROOT", "/tmp/kbench"))
 OUT = Path(os.environ.get("OUT", "/tmp/kbench-out"))

@@ -1,17 +1,15 @@
-"""Shared fixtures: tiny Kimi-shaped checkpoints made by scripts/make_fixture.py."""
+"""Shared fixtures: tiny Kimi-shaped checkpoints made by kconvert.testing.fixtures."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
+from kconvert.testing.fixture_weights import FixtureDims
+from kconvert.testing.fixtures import make_fixture
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from make_fixture import FixtureDims, make_fixture  # noqa: E402
-
 BUNDLED = ROOT / "tests" / "fixtures" / "tiny-k2-thinking-int4"
 
 
@@ -37,3 +35,12 @@ def fixture_dir(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def converted(fixture_dir, tmp_path_factory):
+    """converted(variant, recipe="int4-to-nvfp4", **options) -> (source, output) directories,
+    cached per module (see oracles.make_converter)."""
+    from oracles import make_converter
+
+    return make_converter(fixture_dir, tmp_path_factory)

@@ -19,10 +19,10 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import BUNDLED
+from helpers import CLI, S2, edit_tensor, run_inproc, set_at, snapshot
 from kconvert.audit.auditor import run_audit
 from kconvert.errors import KconvertError
 from kconvert.io import lock, output_dir
-from test_robustness import CLI, S2, edit_tensor, run_inproc, set_at, snapshot
 
 MANIFEST = "kconvert-manifest.json"
 # Runs the CLI and SIGKILLs itself at the Nth occurrence of a run event (kconvert.events).

@@ -31,7 +31,7 @@ from kconvert.errors import KconvertError
 from kconvert.io.checkpoint import open_checkpoint
 from kconvert.pruning.reap import scores_from_stats
 from kconvert.recipes import load_recipe
-from make_fixture import ct_int4_scheme
+from kconvert.testing.fixture_weights import ct_int4_scheme
 
 hf_logging.set_verbosity_error()
 

@@ -39,80 +39,35 @@ import pytest
 import torch
 import xxhash
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from conftest import BUNDLED, ROOT
-from kconvert.convert import RunControl, convert
+from helpers import (
+    CLI,
+    INDEX,
+    MANIFEST,
+    S2,
+    S3,
+    S4,
+    cli,
+    edit_json,
+    edit_tensor,
+    load_tensors,
+    run_inproc,
+    set_at,
+    snapshot,
+)
 from kconvert.errors import KconvertError
-from kconvert.recipes import load_recipe
-from make_fixture import FixtureDims, make_fixture
+from kconvert.testing.fixture_weights import FixtureDims
+from kconvert.testing.fixtures import make_fixture
 
-CLI = [sys.executable, "-m", "kconvert.cli"]
 PROBE = ROOT / "scripts" / "rss_probe.py"
-INDEX = "model.safetensors.index.json"
-MANIFEST = "kconvert-manifest.json"
 MiB = 1 << 20
 GiB = 1 << 30
 
 # Shards of the bundled tiny fixture (layer 0 dense, layers 1-2 MoE with 16 INT4 experts).
-S1, S2, S3, S4 = (f"model-0000{i}-of-000004.safetensors" for i in (1, 2, 3, 4))
 
 
 # ------------------------------------------------------------------------------- helpers
-
-
-def cli(*args, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout)
-
-
-def run_inproc(recipe: str, src: Path, dst: Path, block_scale: str | None = None,
-               targets: str | None = None, **run) -> object:
-    """convert() exactly as the CLI calls it (same override dict, so the same fingerprint)."""
-    overrides = {} if recipe == "dequant" else {
-        "format": None, "block_scale": block_scale, "targets": targets, "act_stats": None}
-    run = {"quiet": True, "device": "cpu", **run}
-    return convert(str(src), str(dst), load_recipe(recipe), overrides, RunControl(**run),
-                   echo=lambda *a, **k: None)
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    """Every entry under root (hidden ones too): files -> sha256, directories -> 'dir'."""
-    out = {}
-    if not root.exists():
-        return out
-    for dirpath, dirnames, filenames in os.walk(root):
-        for d in dirnames:
-            out[os.path.relpath(os.path.join(dirpath, d), root)] = "dir"
-        for f in filenames:
-            p = os.path.join(dirpath, f)
-            out[os.path.relpath(p, root)] = hashlib.sha256(Path(p).read_bytes()).hexdigest()
-    return out
-
-
-def load_tensors(path: Path) -> dict[str, torch.Tensor]:
-    with safe_open(str(path), "pt") as fh:  # clone: get_tensor may alias the mapped file
-        return {k: fh.get_tensor(k).clone() for k in fh.keys()}
-
-
-def edit_tensor(path: Path, name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    tensors = load_tensors(path)
-    tensors[name] = fn(tensors[name]).contiguous()
-    save_file(tensors, str(path), metadata={"format": "pt"})
-
-
-def set_at(index: tuple, value: float) -> Callable[[torch.Tensor], torch.Tensor]:
-    def fn(t: torch.Tensor) -> torch.Tensor:
-        t = t.clone()
-        t[index] = value
-        return t
-    return fn
-
-
-def edit_json(path: Path, fn: Callable[[dict], None]) -> None:
-    data = json.loads(path.read_text())
-    fn(data)
-    path.write_text(json.dumps(data, indent=2))
 
 
 def assert_names(msg: str, *names: str) -> None:

@@ -20,7 +20,7 @@ from kconvert.io.checkpoint import open_checkpoint
 from kconvert.pruning.plan import parse_plan
 from kconvert.pruning.reap import plan_from_scores, prune_stage, scores_of
 from kconvert.recipes import load_recipe
-from train_tiny_moe import _windows, corpus_ids, heldout_ids, heldout_loss
+from kconvert.testing.tiny_moe import corpus_ids, heldout_ids, heldout_loss, windows
 
 SRC = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
 KEEP = 12  # of 24: 50%
@@ -34,7 +34,7 @@ def _pruned_loss(plan, tmp_path, name, held) -> float:
 
 
 def test_reap_keeps_more_quality_than_random_and_frequency(tmp_path):
-    calib = _windows(corpus_ids("train"), 64, 256, torch.Generator().manual_seed(1))
+    calib = windows(corpus_ids("train"), 64, 256, torch.Generator().manual_seed(1))
     ckpt = open_checkpoint(str(SRC))
     try:
         scores = scores_of(calibrate(ckpt, calib, "cpu", 16, dtype=torch.float32))

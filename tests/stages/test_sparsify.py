@@ -16,17 +16,6 @@ import pytest
 import torch
 from click.testing import CliRunner
 from compressed_tensors.quantization import QuantizationConfig
-from test_formats import (
-    by_module,
-    ct_int4_fp32,
-    ct_nvfp4_fp32,
-    ct_scheme_for,
-    expert_modules,
-    int4_scheme,
-    kconvert_nvfp4,
-    load_tensors,
-    raw_tensors,
-)
 
 from kconvert.cli import main
 from kconvert.formats.nvfp4_ct import Nvfp4Codec
@@ -37,6 +26,17 @@ from kconvert.formats.nvfp4_pair_bitmask import (
 )
 from kconvert.manifest import read_manifest
 from kconvert.sparsity.p48 import check_packed
+from oracles import (
+    by_module,
+    ct_int4_fp32,
+    ct_nvfp4_fp32,
+    ct_scheme_for,
+    expert_modules,
+    int4_scheme,
+    kconvert_nvfp4,
+    load_tensors,
+    raw_tensors,
+)
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 

@@ -7,7 +7,7 @@ renumber them 0..K-1 in ascending source order, slice the router's rows and
 drop the rest, set `n_routed_experts` (top level and `text_config`), rewrite the index, and
 copy every other file. The plan it followed can be written as JSON for `kconvert audit --plan`.
 
-    python scripts/third_party_prune.py SRC DST --keep 8 [--rule router-l2|random|lowest]
+    python tests/audit/third_party_prune.py SRC DST --keep 8 [--rule router-l2|random|lowest]
         [--seed 0] [--plan-out plan.json]
 
 It loads one whole shard at a time (fine for the tests' tiny checkpoints; that is how many such

@@ -21,7 +21,6 @@ import xxhash
 from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import save_file
-from third_party_prune import prune
 
 from conftest import ROOT
 from kconvert.cli import main
@@ -30,6 +29,7 @@ from kconvert.pruning.plan import PrunePlan, load_plan, plan_json_schema
 from kconvert.pruning.reap import prune_stage
 from kconvert.recipes import load_recipe
 from kconvert.sparsity.p48 import check_packed as p48_check
+from third_party_prune import prune
 
 INDEX = "model.safetensors.index.json"
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])

@@ -30,7 +30,10 @@ from compressed_tensors.compressors import BaseCompressor
 from compressed_tensors.quantization import QuantizationConfig
 from compressed_tensors.quantization.utils import generate_gparam
 from safetensors.torch import save_file
-from test_formats import (
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+from transformers.utils import logging as hf_logging
+
+from oracles import (
     PROJS,
     by_module,
     ct_int4_fp32,
@@ -45,8 +48,6 @@ from test_formats import (
     raw_tensors,
     u8,
 )
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-from transformers.utils import logging as hf_logging
 
 hf_logging.set_verbosity_error()
 

@@ -22,7 +22,13 @@ from kconvert.convert import RunControl, convert
 from kconvert.io.checkpoint import open_checkpoint
 from kconvert.recipes import load_recipe
 from kconvert.sparsity.sparsegpt import CalibrationHessians
-from train_tiny_moe import _windows, corpus_ids, heldout_ids, heldout_loss, load_kimi_checkpoint
+from kconvert.testing.tiny_moe import (
+    corpus_ids,
+    heldout_ids,
+    heldout_loss,
+    load_kimi_checkpoint,
+    windows,
+)
 
 SRC = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
 PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -71,7 +77,7 @@ def _reconstruction(src_w, out_w, x, idx, act) -> float:
 
 
 def test_sparsegpt_beats_wanda_beats_magnitude(tmp_path):
-    calib = _windows(corpus_ids("train"), 64, 256, torch.Generator().manual_seed(1))
+    calib = windows(corpus_ids("train"), 64, 256, torch.Generator().manual_seed(1))
     ckpt = open_checkpoint(str(SRC))
     try:
         save_stats(calibrate(ckpt, calib, "cpu", 16), tmp_path / "stats")

@@ -1,0 +1,86 @@
+"""Helpers shared by the tests that run conversions end to end: the command line in a
+subprocess, a conversion in-process exactly as the command line calls it, snapshots of a
+directory, and edits of a source checkpoint."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from kconvert.convert import RunControl, convert
+from kconvert.recipes import load_recipe
+
+CLI = [sys.executable, "-m", "kconvert.cli"]
+
+
+INDEX = "model.safetensors.index.json"
+
+
+MANIFEST = "kconvert-manifest.json"
+
+
+# Shards of the bundled tiny fixture (layer 0 dense, layers 1-2 MoE with 16 INT4 experts).
+S1, S2, S3, S4 = (f"model-0000{i}-of-000004.safetensors" for i in (1, 2, 3, 4))
+
+
+def cli(*args, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def run_inproc(recipe: str, src: Path, dst: Path, block_scale: str | None = None,
+               targets: str | None = None, **run) -> object:
+    """convert() exactly as the CLI calls it (same override dict, so the same fingerprint)."""
+    overrides = {} if recipe == "dequant" else {
+        "format": None, "block_scale": block_scale, "targets": targets, "act_stats": None}
+    run = {"quiet": True, "device": "cpu", **run}
+    return convert(str(src), str(dst), load_recipe(recipe), overrides, RunControl(**run),
+                   echo=lambda *a, **k: None)
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every entry under root (hidden ones too): files -> sha256, directories -> 'dir'."""
+    out = {}
+    if not root.exists():
+        return out
+    for dirpath, dirnames, filenames in os.walk(root):
+        for d in dirnames:
+            out[os.path.relpath(os.path.join(dirpath, d), root)] = "dir"
+        for f in filenames:
+            p = os.path.join(dirpath, f)
+            out[os.path.relpath(p, root)] = hashlib.sha256(Path(p).read_bytes()).hexdigest()
+    return out
+
+
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), "pt") as fh:  # clone: get_tensor may alias the mapped file
+        return {k: fh.get_tensor(k).clone() for k in fh.keys()}
+
+
+def edit_tensor(path: Path, name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    tensors = load_tensors(path)
+    tensors[name] = fn(tensors[name]).contiguous()
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def set_at(index: tuple, value: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        t[index] = value
+        return t
+    return fn
+
+
+def edit_json(path: Path, fn: Callable[[dict], None]) -> None:
+    data = json.loads(path.read_text())
+    fn(data)
+    path.write_text(json.dumps(data, indent=2))

@@ -1,0 +1,215 @@
+"""The ecosystem's own code as oracles: compressed-tensors' compressors and decompressors and
+kconvert's outputs read back independently (shared by the format, equivalence and sparsity
+tests)."""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor
+from compressed_tensors.compressors.nvfp4.helpers import (
+    unpack_fp4_from_uint8,
+)
+from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor
+from compressed_tensors.quantization import (
+    QuantizationConfig,
+    QuantizationScheme,
+    preset_name_to_scheme,
+)
+from compressed_tensors.quantization.lifecycle.forward import dequantize
+from compressed_tensors.quantization.utils import calculate_qparams
+from compressed_tensors.utils.match import match_name
+from safetensors.torch import load_file
+
+from kconvert.convert import RunControl, convert
+from kconvert.formats import nvfp4
+from kconvert.formats.nvfp4_ct import Nvfp4Codec
+from kconvert.recipes import load_recipe
+
+PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+EXPERT_RE = re.compile(r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.mlp\.experts\.(?P<expert>\d+)\."
+                       r"(?P<proj>gate_proj|up_proj|down_proj)$")
+
+
+# formats.md §1 check vector.
+INT4_CHECK_CODES = [-8, -7, -1, 0, 1, 2, 3, 7, 5, -3]
+
+
+INT4_CHECK_WORDS = [0xFBA98710, 0x0000005D]
+
+
+# formats.md §2 check vector.
+NVFP4_CHECK_VALUES = [0.5, -1.0, 6.0, 0.0, -0.0, 3.0, -6.0, 1.5]
+
+
+NVFP4_CHECK_BYTES = bytes([0xA1, 0x07, 0x58, 0x3F])
+
+
+# formats.md §2 step 3: E2M1 cut points and where a value exactly on one goes (ties to even).
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+TIE_POINTS = {0.25: 0.0, 0.75: 1.0, 1.25: 1.0, 1.75: 2.0, 2.5: 2.0, 3.5: 4.0, 5.0: 4.0}
+
+
+# Tensor names a routed expert may carry in each output flavour (formats.md §3a / §3b).
+CT_PARAMS = {"weight_packed", "weight_scale", "weight_global_scale"}
+
+
+MODELOPT_PARAMS = {"weight", "weight_scale", "weight_scale_2"}
+
+
+def make_converter(fixture_dir, tmp_path_factory):
+    """run(variant, command, **options) -> (src, dst); each distinct run is done once."""
+    cache: dict = {}
+
+    def run(variant: str, command: str = "int4-to-nvfp4", **options) -> tuple[Path, Path]:
+        key = (variant, command, tuple(sorted(options.items())))
+        if key not in cache:
+            src = fixture_dir(variant)
+            dst = tmp_path_factory.mktemp(f"{variant}-{command}") / "out"
+            overrides = {} if command == "dequant" else {
+                "format": options.get("format"), "block_scale": options.get("block_scale"),
+                "targets": options.get("targets")}
+            try:
+                convert(str(src), str(dst), load_recipe(command), overrides,
+                        RunControl(device="cpu", quiet=True))
+                cache[key] = (src, dst)
+            except Exception as exc:  # re-raised for every test that needs this output
+                cache[key] = exc
+        if isinstance(cache[key], Exception):
+            raise cache[key]
+        return cache[key]
+
+    return run
+
+
+def shard_files(d: Path) -> list[Path]:
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        return [d / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return [d / "model.safetensors"]
+
+
+def raw_tensors(d: Path) -> dict[str, tuple[str, list[int], bytes]]:
+    """name -> (dtype, shape, raw bytes), parsed straight from the safetensors files."""
+    out = {}
+    for path in shard_files(d):
+        data = path.read_bytes()
+        (n,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8:8 + n])
+        header.pop("__metadata__", None)
+        for name, h in header.items():
+            start, end = h["data_offsets"]
+            out[name] = (h["dtype"], h["shape"], data[8 + n + start:8 + n + end])
+    return out
+
+
+def load_tensors(d: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for path in shard_files(d):
+        out.update(load_file(str(path)))
+    return out
+
+
+def by_module(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    mods: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+    for name, t in tensors.items():
+        module, _, param = name.rpartition(".")
+        mods[module][param] = t
+    return dict(mods)
+
+
+def expert_modules(mods: dict) -> dict[tuple[str, int, int, str], str]:
+    """(prefix, layer, expert, proj) -> module name, for every routed expert linear."""
+    out = {}
+    for module in mods:
+        m = EXPERT_RE.match(module)
+        if m:
+            out[(m["prefix"], int(m["layer"]), int(m["expert"]), m["proj"])] = module
+    return out
+
+
+def int4_scheme(src: Path) -> QuantizationScheme:
+    """The INT4 scheme as compressed-tensors parses it from the source's own config.json."""
+    cfg = json.loads((src / "config.json").read_text())
+    block = cfg.get("quantization_config") or cfg["text_config"]["quantization_config"]
+    return QuantizationConfig.model_validate(block).config_groups["group_0"]
+
+
+def ct_int4_fp32(sd: dict[str, torch.Tensor], scheme: QuantizationScheme) -> torch.Tensor:
+    """compressed-tensors' INT4 decompression with the scale in fp32: exact q * scale."""
+    state = {"weight_packed": sd["weight_packed"], "weight_scale": sd["weight_scale"].float(),
+             "weight_shape": sd["weight_shape"]}
+    w = PackedQuantizationCompressor.decompress(state, scheme)["weight"]
+    assert w.dtype == torch.float32
+    return w
+
+
+def ct_nvfp4_fp32(sd: dict[str, torch.Tensor], scheme: QuantizationScheme) -> torch.Tensor:
+    """compressed-tensors' NVFP4 unpack + dequantize, kept in fp32 (its decompress ends in bf16)."""
+    packed = sd["weight_packed"]
+    m, n = packed.shape
+    q = unpack_fp4_from_uint8(packed, m, 2 * n, dtype=torch.float32)
+    return dequantize(q, scale=sd["weight_scale"].float(), args=scheme.weights,
+                      global_scale=sd["weight_global_scale"], dtype=torch.float32)
+
+
+def nvfp4a16_scheme() -> QuantizationScheme:
+    return preset_name_to_scheme("NVFP4A16", ["Linear"])
+
+
+def ct_scheme_for(module: str, qc: QuantizationConfig) -> QuantizationScheme | None:
+    """The config group whose targets match `module` (None if ignored / untargeted)."""
+    if any(match_name(module, ign) for ign in qc.ignore or []):
+        return None
+    # "Linear" is a class target; model-free, compressed-tensors takes it as every linear
+    # (utils.match.match_quantizable_tensors), which is how Kimi's INT4 block targets experts.
+    hits = [s for s in qc.config_groups.values()
+            if any(t == "Linear" or match_name(module, t) for t in s.targets)]
+    assert len(hits) <= 1, f"{module} matches {len(hits)} config groups"
+    return hits[0] if hits else None
+
+
+def kconvert_nvfp4(sd: dict[str, torch.Tensor]) -> torch.Tensor:
+    """kconvert's decode of one compressed-tensors NVFP4 module (fp32)."""
+    batch = {p: sd[p].unsqueeze(0) for p in Nvfp4Codec.params}
+    return Nvfp4Codec.decode(batch, None)[0]
+
+
+def dicts(obj):
+    """Every dict nested anywhere in a JSON value."""
+    if isinstance(obj, dict):
+        yield obj
+        for v in obj.values():
+            yield from dicts(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from dicts(v)
+
+
+def ct_reference_compress(w: torch.Tensor, gs: torch.Tensor, scale: torch.Tensor | None = None
+                          ) -> dict[str, torch.Tensor]:
+    """compressed-tensors' NVFP4 bytes for fp32 w with global scale gs.
+
+    Block scales come from calculate_qparams on the per-16 min/max (what llm-compressor's
+    observer hands it) unless `scale` is given.
+    """
+    scheme = nvfp4a16_scheme()
+    if scale is None:
+        blocks = w.reshape(w.shape[0], -1, nvfp4.BLOCK)
+        scale, _ = calculate_qparams(blocks.amin(-1), blocks.amax(-1), scheme.weights,
+                                     global_scale=gs)
+    return NVFP4PackedCompressor.compress(
+        {"weight": w, "weight_scale": scale, "weight_global_scale": gs}, scheme)
+
+
+def u8(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
