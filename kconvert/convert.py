@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from kconvert import __version__, events
 from kconvert.checks.structure import validate_source
+from kconvert.devices import pick_device
 from kconvert.engine.execute import execute
 from kconvert.engine.work import WorkPlan, build_work_plan, describe
 from kconvert.errors import KconvertError
@@ -63,26 +64,6 @@ class RunControl:
     quiet: bool = False
     readers: int = 4
     trust_complete: bool = False  # --resume keeps finished shards without re-hashing them
-
-
-def pick_device(spec: str) -> torch.device:
-    """The torch device for `--device` (auto | cpu | cuda | cuda:N), or a clear error."""
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(spec)
-    except RuntimeError as exc:
-        raise KconvertError(f"--device {spec!r} is not a device; use auto, cpu, cuda or "
-                            "cuda:N") from exc
-    if device.type not in ("cpu", "cuda"):
-        raise KconvertError(f"--device {spec!r}: kconvert runs on cpu or cuda")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise KconvertError(f"--device {spec}: no CUDA device is available")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise KconvertError(f"--device {spec}: this machine has "
-                                f"{torch.cuda.device_count()} CUDA device(s)")
-    return device
 
 
 def _fingerprint(ckpt: Checkpoint, command: str, options: dict) -> str:

@@ -47,7 +47,7 @@ import xxhash
 from kconvert.checks.findings import Checks, Finding, short, text_config
 from kconvert.checks.quant_config import check_quant_config, quant_blocks
 from kconvert.checks.structure import check_config, check_layers
-from kconvert.convert import pick_device
+from kconvert.devices import pick_device
 from kconvert.errors import KconvertError
 from kconvert.formats import detect_codec
 from kconvert.formats.base import Codec, is_linear

@@ -174,7 +174,7 @@ def run_calibration(src: str, data: str, out: str, samples: int, seq_len: int, b
                     progress: Callable[[str], None]) -> CalibrationStats:
     """`kconvert calibrate`: calibrate SRC on the JSONL `data` and write the statistics to
     `out`; `progress` gets the notes, per-layer lines and the closing summary."""
-    from kconvert.convert import pick_device
+    from kconvert.devices import pick_device
     from kconvert.io.checkpoint import open_checkpoint
 
     out_dir = Path(out)

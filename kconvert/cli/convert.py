@@ -88,7 +88,7 @@ def _pruning(keep, prune_ratio, criterion, plan_file, stats, data, samples, seq_
         from kconvert.calibrate.data import load_calibration_data
         from kconvert.calibrate.run import calibrate
         from kconvert.calibrate.stats import save_stats
-        from kconvert.convert import pick_device
+        from kconvert.devices import pick_device
         from kconvert.pruning.plan import load_plan
         from kconvert.pruning.reap import (
             keep_count,
@@ -152,7 +152,7 @@ def _sparsifying(recipe_name: str, sparse: dict, stats, data, samples, seq_len, 
 
     def prepare(ckpt):
         from kconvert.calibrate.data import load_calibration_data
-        from kconvert.convert import pick_device
+        from kconvert.devices import pick_device
         from kconvert.sparsity.sparsegpt import CalibrationHessians
         from kconvert.stages.sparsify import data_record
 
