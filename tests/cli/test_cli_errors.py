@@ -239,7 +239,7 @@ def test_internal_error_keeps_traceback_and_says_it_is_a_bug(tmp_path, monkeypat
 
 
 def test_kconvert_error_is_one_line_on_stderr(tmp_path, monkeypatch):
-    import kconvert.audit
+    import kconvert.audit.auditor
 
     def fail(*_args, **_kwargs):
         raise KconvertError("something the user can fix", file="x.json")
