@@ -1,6 +1,6 @@
 """Train a tiny, real Kimi-K2-shaped MoE on the Python standard library and save it in Kimi layout.
 
-REAP (issue 4) needs a *trained* mixture of experts to measure pruning quality: random weights
+REAP needs a *trained* mixture of experts to measure pruning quality: random weights
 route uniformly and every expert is equally (un)important. This script trains a tiny
 DeepSeek-V3-architecture model with transformers' ``DeepseekV3ForCausalLM`` on CPU for a few
 minutes and writes it exactly like ``make_fixture.py``'s ``bf16`` variant (one shard per layer,

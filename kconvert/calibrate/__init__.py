@@ -2,7 +2,7 @@
 
 The calibration tokens are embedded once (only the embedding rows they use are read), then the
 decoder layers are streamed: for L = 0..num_hidden_layers-1 only layer L's tensors are read and
-decoded (INT4, NVFP4, FP8-block or BF16, through `kconvert.codecs`) to the compute dtype, the
+decoded (INT4, NVFP4, FP8-block or BF16, through `kconvert.formats`) to the compute dtype, the
 layer runs over the hidden states of every calibration token, statistics are accumulated, and
 the outputs become layer L+1's inputs. The weights are freed before the next layer is read.
 

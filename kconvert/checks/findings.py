@@ -1,6 +1,6 @@
-"""What a check reports, and the shapes of things checks look at: shared by `kconvert audit`
-(kconvert.audit) and the checks a conversion runs on its source (kconvert.structure,
-kconvert.quant_checks)."""
+"""What a check reports (`Finding`) and where checks collect their findings (`Checks`): shared
+by `kconvert audit` (kconvert.audit) and the checks a conversion runs on its source
+(kconvert.checks.structure, kconvert.checks.quant_config)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Does every quantization_config agree with the tensors? Checks shared by `kconvert audit` and
-every conversion (kconvert.structure.validate_source).
+every conversion (kconvert.checks.structure.validate_source).
 
 Every `quantization_config` (top level, text_config) and hf_quant_config.json is compared with
 the tensors: each quantized linear is in the format the config gives it, with the scheme's bits,

@@ -1,9 +1,10 @@
 """Is a checkpoint what its config says? Checks shared by `kconvert audit` and every conversion.
 
-The audit reports every finding; a conversion runs the same checks (and kconvert.quant_checks)
-on its SOURCE after planning and before it writes anything: `validate_source` refuses a source
-that fails them, with the audit's message, and returns the quantization_config disagreements
-the conversion resolves by following the tensors, as warnings.
+The audit reports every finding; a conversion runs the same checks (and those of
+kconvert.checks.quant_config) on its SOURCE after planning and before it writes anything:
+`validate_source` refuses a source that fails them, with the audit's message, and returns the
+quantization_config disagreements the conversion resolves by following the tensors, as
+warnings.
 
 Structure: top level and text_config agree; routing parameters in range; every layer index
 within num_hidden_layers (+ MTP); dense layers hold a full MLP and no experts; per MoE layer

@@ -25,27 +25,19 @@ from types import ModuleType
 import numpy as np
 import torch
 
-BLOCK = 16  # dense NVFP4 (compressed-tensors, ModelOpt)
-BLOCK_SIZES = (16, 32)
-FP4_MAX = 6.0
-FP8_MAX = 448.0
-GLOBAL_NUMERATOR = FP8_MAX * FP4_MAX  # 2688
-ZERO_BLOCK_SCALE = 0.125  # what compressed-tensors writes for a block whose scale is 0
-FP8_VALUES = torch.arange(128, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-ZERO_CODE = int(torch.tensor(ZERO_BLOCK_SCALE).to(torch.float8_e4m3fn).view(torch.uint8))
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-# Offsets (in FP8 code steps; 8 steps = one octave) tried around the amax rule's code by `mse`.
-# On Kimi-style INT4 sources (codes -7..7 on a group-32 grid) the best scale is usually 4-6
-# steps LARGER than the amax rule's (it puts the grid's 7s on E2M1's 4 and 6 instead of
-# clipping), sometimes 1-2 smaller. Measured on random Kimi-style codes, this window reaches
-# the exhaustive search over all 126 codes exactly (0.603x the amax rule's error), and Gaussian
-# BF16 weights likewise (0.731x).
-MSE_CODE_OFFSETS = (0, -2, -1, 1, 2, 3, 4, 5, 6, 7)
-# Cut points of E2M1 rounding on |y|: a value is counted past a cut point when strictly
-# greater; the cut points that round up on a tie (0.75, 1.75, 3.5) are moved one ulp down so
-# that bucketize reproduces compressed-tensors' ties-to-even.
-_CUTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-_TIE_UP = (0.75, 1.75, 3.5)
+from kconvert.formats.nvfp4_grid import (
+    BLOCK,
+    BLOCK_SIZES,
+    E2M1,
+    FP4_MAX,
+    FP8_MAX,
+    FP8_VALUES,
+    GLOBAL_NUMERATOR,
+    MSE_CODE_OFFSETS,
+    ZERO_BLOCK_SCALE,
+    ZERO_CODE,
+    cut_points,
+)
 
 
 @dataclass
@@ -77,12 +69,6 @@ def _num_blocks(k: int, group_size: int) -> int:
 def _check_rule(rule: str) -> None:
     if rule not in ("amax", "mse"):
         raise ValueError(f"the block-scale rule must be 'amax' or 'mse', not {rule!r}")
-
-
-def cut_points(device: torch.device) -> torch.Tensor:
-    cuts = torch.tensor(_CUTS, dtype=torch.float32, device=device)
-    down = torch.nextafter(cuts, torch.zeros_like(cuts))
-    return torch.where(torch.isin(cuts, torch.tensor(_TIE_UP, device=device)), down, cuts)
 
 
 def _block_sum(x: torch.Tensor) -> torch.Tensor:
@@ -437,3 +423,10 @@ def decode_steps(packed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"{nb} block scales do not divide a row of {k} elements")
     nibbles = unpack_codes(packed).reshape(b, m, nb, k // nb)
     return _values(nibbles, step.unsqueeze(-1)).reshape(b, m, k)
+
+
+__all__ = ["BLOCK", "BLOCK_SIZES", "E2M1", "FP4_MAX", "FP8_MAX", "FP8_VALUES", "GLOBAL_NUMERATOR",
+           "MSE_CODE_OFFSETS", "ZERO_BLOCK_SCALE", "ZERO_CODE", "Quantized", "choose_block_codes",
+           "cpu_threads", "cut_points", "decode_steps", "dequantize", "fake_quantize",
+           "global_scale", "int4_amax", "pack_codes", "quantize", "quantize_int4",
+           "unpack_codes", "warm_cpu_kernels"]

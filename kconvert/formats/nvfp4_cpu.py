@@ -19,17 +19,17 @@ import numba
 import numpy as np
 import torch
 
-from kconvert.formats import nvfp4
+from kconvert.formats import nvfp4_grid as grid
 
 # Blocks searched side by side: two AVX-512 vectors of fp32 per row of a block, which keeps
 # the loop overhead per element low; Kimi's rows (448, 224, 128 or 64 blocks) fill every lane.
 LANES = 32
 CHUNK_ROWS = 4  # rows a thread takes at a time, with one allocation of scratch
-_FP8 = nvfp4.FP8_VALUES.numpy()  # fp32 value of each FP8 e4m3 code 0..127
-_CUTS = tuple(np.float32(c) for c in nvfp4.cut_points(torch.device("cpu")).tolist())
-_ZERO = np.int32(nvfp4.ZERO_CODE)
-_SIX = np.float32(nvfp4.FP4_MAX)
-_FP8_MAX = np.float32(nvfp4.FP8_MAX)
+_FP8 = grid.FP8_VALUES.numpy()  # fp32 value of each FP8 e4m3 code 0..127
+_CUTS = tuple(np.float32(c) for c in grid.cut_points(torch.device("cpu")).tolist())
+_ZERO = np.int32(grid.ZERO_CODE)
+_SIX = np.float32(grid.FP4_MAX)
+_FP8_MAX = np.float32(grid.FP8_MAX)
 _MIN_NORMAL = np.float32(2.0**-6)  # smallest normal FP8 e4m3; below it codes step by 2^-9
 # error_model="numpy": a float division has no zero-division branch, which would stop LLVM
 # from vectorising the loops (the torch path divides the same way: x / 0 -> inf).

@@ -1,7 +1,7 @@
 """Expert-pruning plans: which routed experts of each MoE layer a pruned checkpoint keeps.
 
 A plan is JSON (`manifests/plan.schema.json` is generated from the models below:
-`python -m kconvert.plan > manifests/plan.schema.json`; a test keeps the two in step):
+`python -m kconvert.pruning.plan > manifests/plan.schema.json`; a test keeps the two in step):
 
     {"criterion": "reap",
      "layers": {"1": {"keep": [0, 3, 7, ...], "saliency": [...], "frequency": [...]}, ...}}

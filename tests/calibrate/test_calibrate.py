@@ -1,4 +1,4 @@
-"""Layer-streamed calibration (issue 4): exact forward, REAP statistics, activation stats, data.
+"""Layer-streamed calibration: exact forward, REAP statistics, activation stats, data.
 
 References are independent of kconvert/calibrate.py: hidden states come from a whole-model
 transformers DeepseekV3ForCausalLM forward; router decisions from that model's own

@@ -8,7 +8,7 @@ import pytest
 import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
-from kconvert.formats import nvfp4
+from kconvert.formats import nvfp4, nvfp4_grid
 from kconvert.formats.int4 import Int4Codec
 
 numba = pytest.importorskip("numba")
@@ -114,7 +114,8 @@ def test_e2m1_rounding_equals_torch_bucketize():
     """The kernels' E2M1 value (a rint on the grid) and nibble equal the torch path's bucketize
     over the cut points: on each cut point, a few ulps either side, and random values."""
     cuts = nvfp4.cut_points(torch.device("cpu"))
-    down = up = torch.cat([torch.tensor(nvfp4._CUTS), torch.tensor([0.0, 2.0, 4.0, 6.0, 1e30])])
+    down = up = torch.cat([torch.tensor(nvfp4_grid.CUTS),
+                           torch.tensor([0.0, 2.0, 4.0, 6.0, 1e30])])
     near = [down]
     for _ in range(3):
         down, up = torch.nextafter(down, torch.tensor(0.0)), torch.nextafter(up, torch.tensor(1e38))
