@@ -21,6 +21,7 @@ from kconvert.formats import DenseCodec, ct_codec, method_codec, modelopt_codec
 from kconvert.formats.base import Codec, Linear, is_linear
 from kconvert.formats.compressed_tensors import scheme_for
 from kconvert.formats.nvfp4_modelopt import HF_QUANT_CONFIG, excluded
+from kconvert.model.names import language_model_name
 
 # Disagreements a conversion resolves by following the tensors: it reads every module's format
 # off its parameters (and a run that re-encodes writes a new quantization_config).
@@ -28,7 +29,8 @@ FOLLOWS_TENSORS = {"format", "scheme", "scale-layout", "hf_quant_config"}
 
 
 def quant_blocks(config: dict) -> list[tuple[str, dict]]:
-    """(where, qconfig) for each quantization_config: top level, then text_config."""
+    """(where, qconfig) for each quantization_config: top level, then text_config (which
+    governs only the language model of a K2.5/K2.6 wrapper: `governed_name`)."""
     out = []
     if isinstance(config.get("quantization_config"), dict):
         out.append(("quantization_config", config["quantization_config"]))
@@ -38,11 +40,22 @@ def quant_blocks(config: dict) -> list[tuple[str, dict]]:
     return out
 
 
-def expected_format(qconfig: dict, m: Linear) -> tuple[str, type[Codec] | None, dict]:
+def governed_name(where: str, module: str) -> str | None:
+    """The name the quantization_config at `where` knows `module` by, or None when that config
+    does not govern it: `text_config`'s applies to the language model only, under its own
+    module names (kconvert.model.names.language_model_name); the top level's to everything."""
+    if where.startswith("text_config."):
+        return language_model_name(module)
+    return module
+
+
+def expected_format(qconfig: dict, m: Linear, name: str | None = None
+                    ) -> tuple[str, type[Codec] | None, dict]:
     """(kind, codec the qconfig gives m, the scheme dict). The codec is DenseCodec for an
     unquantized module, None where the qconfig names a format kconvert does not know (kind then
-    names the key and value, e.g. "quant_method 'gptq'")."""
-    name, linear = m.tn.module, is_linear(m)
+    names the key and value, e.g. "quant_method 'gptq'"). `name`: what the config calls m
+    (`governed_name`), by default its checkpoint name."""
+    name, linear = name or m.tn.module, is_linear(m)
     method = qconfig.get("quant_method")
     if method == "compressed-tensors":
         group, fmt = scheme_for(qconfig, name, linear)
@@ -77,7 +90,10 @@ def check_quant_config(checks: Checks, config: dict, modules: Iterable[Linear],
     for where, qconfig in qconfigs:
         unknown: dict[str, list[Linear]] = defaultdict(list)
         for m in linears:
-            kind, codec, scheme = expected_format(qconfig, m)
+            name = governed_name(where, m.tn.module)
+            if name is None:
+                continue
+            kind, codec, scheme = expected_format(qconfig, m, name)
             if codec is None:
                 unknown[kind].append(m)
                 continue
@@ -105,8 +121,11 @@ def check_quant_config(checks: Checks, config: dict, modules: Iterable[Linear],
                             file=CONFIG)
     for m in quantized:
         group = m.codec.default_group_size
-        if qconfigs:
-            group = _group_size(qconfigs[0][1], m) or group
+        for where, qconfig in qconfigs:
+            name = governed_name(where, m.tn.module)
+            if name is not None:
+                group = _group_size(qconfig, m, name) or group
+                break
         for p, (dtypes, shape) in m.codec.param_rules(m.shape, group).items():
             info = m.params.get(p)
             if info is None:
@@ -149,9 +168,9 @@ def _check_hf_quant_config(checks: Checks, hf: Path, qconfigs: list[tuple[str, d
                      f"{short(mo[0].get(key))}", file=hf.name)
 
 
-def _group_size(qconfig: dict, m: Linear) -> int | None:
+def _group_size(qconfig: dict, m: Linear, name: str) -> int | None:
     if qconfig.get("quant_method") == "modelopt":
         return qconfig.get("group_size")
-    _, _, scheme = expected_format(qconfig, m)
+    _, _, scheme = expected_format(qconfig, m, name)
     weights = scheme.get("weights") if isinstance(scheme, dict) else None
     return (weights or {}).get("group_size")

@@ -149,3 +149,19 @@ def parse_name(name: str) -> TensorName:
     if (a := _ATTN.match(rest)) is not None:
         return replace(base, role=Role.ATTENTION, proj=a["proj"])
     return base
+
+
+LANGUAGE_MODEL_PREFIX = "language_model."
+
+
+def language_model_name(name: str) -> str | None:
+    """A K2.5/K2.6 wrapper's module name as its language model names it, or None for a module
+    outside the language model (vision tower, projector).
+
+    Loaders build the language model from `text_config` and apply `text_config`'s
+    quantization_config to it with module names that lack the wrapper's `language_model.`
+    prefix (`lm_head` covers `language_model.lm_head`); the vision tower and the projector are
+    built outside it (docs/kimi.md, K2.5 / K2.6 wrapper)."""
+    if name.startswith(LANGUAGE_MODEL_PREFIX):
+        return name[len(LANGUAGE_MODEL_PREFIX):]
+    return None

@@ -2,15 +2,17 @@
 
 The real checkpoints are 0.6-2 TB, so tests need stand-ins that have the *exact* on-disk
 layout of Kimi-K2-Thinking / K2.5 (tensor names, dtypes, shard naming, index, config blocks)
-at toy dimensions. Four variants:
+at toy dimensions. The variants:
 
 * ``k2-int4-kimi``: routed experts INT4 the way Moonshot ships them (QAT codes -7..7,
   scale = amax/7, ``weight_shape`` int32), packed by :func:`pack_int4` (our own code).
 * ``k2-int4-ct``: routed experts INT4 produced by compressed-tensors' own compressor
   (codes -8..7, scale = amax/7.5, ``weight_shape`` int64), so a decoder is tested against
   the reference implementation, not only against our own packer.
-* ``k25-int4``: the K2.5/K2.6 multimodal wrapper (``language_model.`` prefixes, vision tower and
-  projector shards, tokenizer / remote-code files that must pass through untouched).
+* ``k25-int4``: the K2.5 multimodal wrapper (``language_model.`` prefixes, vision tower and
+  projector shards, tokenizer / remote-code files that must pass through untouched), with
+  Moonshot's quantization_config in ``text_config`` only; ``k26-int4``: the same with K2.6's
+  ignore list.
 * ``bf16``: the same model unquantized (plain BF16 experts, no ``quantization_config``); it loads
   with ``transformers.DeepseekV3ForCausalLM`` and is the reference for accuracy checks.
 
@@ -53,7 +55,8 @@ from kconvert.testing.fixture_weights import (
     vision_tensors,
 )
 
-VARIANTS = ("k2-int4-ct", "k2-int4-kimi", "k25-int4", "bf16")
+VARIANTS = ("k2-int4-ct", "k2-int4-kimi", "k25-int4", "k26-int4", "bf16")
+MULTIMODAL = ("k25-int4", "k26-int4")
 
 
 _KIMI_IGNORE = [
@@ -67,10 +70,10 @@ _KIMI_IGNORE = [
 _K26_IGNORE_EXTRA = ["re:.*lm_head.*", "re:vision_tower.*", "re:mm_projector.*"]
 
 
-def kimi_quantization_config(multimodal: bool = False) -> dict[str, Any]:
-    """The literal Kimi ``quantization_config`` (formats.md section 1), a fresh copy per call.
-
-    ``multimodal`` adds K2.6's ignore entries for lm_head / vision tower / projector.
+def kimi_quantization_config(k26: bool = False) -> dict[str, Any]:
+    """The literal Kimi ``quantization_config`` (formats.md section 1), a fresh copy per call:
+    K2-Thinking's, which K2.5 ships verbatim in its ``text_config``; ``k26`` adds K2.6's ignore
+    entries for lm_head / vision tower / projector.
     """
     return {
         "config_groups": {
@@ -93,7 +96,7 @@ def kimi_quantization_config(multimodal: bool = False) -> dict[str, Any]:
             }
         },
         "format": "pack-quantized",
-        "ignore": _KIMI_IGNORE + (_K26_IGNORE_EXTRA if multimodal else []),
+        "ignore": _KIMI_IGNORE + (_K26_IGNORE_EXTRA if k26 else []),
         "kv_cache_scheme": None,
         "quant_method": "compressed-tensors",
         "quantization_status": "compressed",
@@ -106,7 +109,8 @@ def _special_ids(vocab: int) -> tuple[int, int]:
     return bos, min(bos + 2, vocab - 1)
 
 
-def k2_config(d: FixtureDims, quantized: bool, multimodal: bool = False) -> dict[str, Any]:
+def k2_config(d: FixtureDims, quantized: bool, multimodal: bool = False,
+              k26: bool = False) -> dict[str, Any]:
     """Kimi-K2-Thinking's config.json with toy dims (rope/yarn/router fields kept verbatim)."""
     bos, eos = _special_ids(d.vocab)
     cfg: dict[str, Any] = {
@@ -170,18 +174,15 @@ def k2_config(d: FixtureDims, quantized: bool, multimodal: bool = False) -> dict
         "vocab_size": d.vocab,
     }
     if quantized:
-        cfg["quantization_config"] = kimi_quantization_config(multimodal)
+        cfg["quantization_config"] = kimi_quantization_config(k26)
     if multimodal:
         del cfg["auto_map"]  # K2.5's remote code lives at the top level
     return cfg
 
 
-def _k25_config(d: FixtureDims) -> dict[str, Any]:
-    """K2.5/K2.6 wrapper: text_config = the kimi_k2 config (with its quantization block).
-
-    The quantization block is also repeated at the top level: loaders look there first and
-    kimi.md requires a converter to rewrite both copies, so the fixture exercises both.
-    """
+def _k25_config(d: FixtureDims, k26: bool) -> dict[str, Any]:
+    """K2.5/K2.6 wrapper: text_config = the kimi_k2 config with its quantization block, which
+    Moonshot ships only there (K2.6's with its extra ignore entries)."""
     bos, eos = _special_ids(d.vocab)
     return {
         "architectures": ["KimiK25ForConditionalGeneration"],
@@ -198,8 +199,7 @@ def _k25_config(d: FixtureDims) -> dict[str, Any]:
         "pad_token_id": eos,
         "projection_hidden_size": VISION["hidden_size"],
         "projection_layer_norm_eps": 1e-05,
-        "quantization_config": kimi_quantization_config(multimodal=True),
-        "text_config": k2_config(d, quantized=True, multimodal=True),
+        "text_config": k2_config(d, quantized=True, multimodal=True, k26=k26),
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
         "transformers_version": "4.56.2",
@@ -353,7 +353,7 @@ def make_fixture(
         quant = lambda w: quant_ct(w, scheme)  # noqa: E731
     else:
         quant = quant_kimi
-    multimodal = variant == "k25-int4"
+    multimodal = variant in MULTIMODAL
     lm = "language_model." if multimodal else ""
     mp = f"{lm}model.layers"
 
@@ -387,7 +387,8 @@ def make_fixture(
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_bytes(json_bytes(index))
 
-    config = _k25_config(dims) if multimodal else k2_config(dims, quantized=quant is not None)
+    config = (_k25_config(dims, k26=variant == "k26-int4") if multimodal
+              else k2_config(dims, quantized=quant is not None))
     (out / "config.json").write_bytes(json_bytes(config))
     for fname, data in _side_files(dims, rng, multimodal).items():
         (out / fname).write_bytes(data)

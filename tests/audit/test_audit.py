@@ -580,6 +580,7 @@ def test_stale_int4_block_in_text_config(outputs, tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     stale = json.loads((src / "config.json").read_text())["text_config"]["quantization_config"]
     assert stale["format"] == "pack-quantized"
+    cfg["quantization_config"] = cfg["text_config"]["quantization_config"]  # the NVFP4 block
     cfg["text_config"]["quantization_config"] = stale
     (out / "config.json").write_text(json.dumps(cfg))
     code, rep = audit_json(out)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import fnmatch
 import inspect
 import json
+import shutil
 from collections import defaultdict
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from compressed_tensors.quantization import (
 )
 from compressed_tensors.quantization.utils import generate_gparam
 
+from helpers import run_inproc
 from kconvert.formats import nvfp4
 from kconvert.formats.int4 import Int4Codec
 from oracles import (
@@ -480,8 +482,9 @@ def test_k25_experts_quantized_under_language_model_prefix(converted):
     experts = expert_modules(mods)
     assert len(experts) == 2 * 16 * 3
     assert {k[0] for k in experts} == {"language_model.model."}
-    qc = QuantizationConfig.model_validate(
-        json.loads((dst / "config.json").read_text())["quantization_config"])
+    config = json.loads((dst / "config.json").read_text())
+    assert "quantization_config" not in config  # where the source had it: text_config only
+    qc = QuantizationConfig.model_validate(config["text_config"]["quantization_config"])
     for module in experts.values():
         sd = mods[module]
         assert set(sd) == CT_PARAMS, module
@@ -522,8 +525,16 @@ def test_k25_passthrough_tensors_and_files_are_byte_identical(converted):
         assert (dst / rel).read_bytes() == p.read_bytes(), rel
 
 
-def test_k25_config_blocks_replaced_everywhere(converted):
-    src, dst = converted("k25-int4")
+def test_k25_config_blocks_replaced_everywhere(fixture_dir, tmp_path):
+    """A wrapper whose INT4 block sits at the top level as well as in text_config (Moonshot
+    ships it in text_config only): both copies become the NVFP4 block, nothing else changes."""
+    src = tmp_path / "src"
+    shutil.copytree(fixture_dir("k25-int4"), src)
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = config["text_config"]["quantization_config"]
+    (src / "config.json").write_text(json.dumps(config))
+    dst = tmp_path / "out"
+    run_inproc("int4-to-nvfp4", src, dst)
     before = json.loads((src / "config.json").read_text())
     after = json.loads((dst / "config.json").read_text())
     for cfg in (after, after["text_config"]):
