@@ -39,6 +39,13 @@ from kconvert.formats.nvfp4_grid import (
     cut_points,
 )
 
+# How the two NVFP4 flavours compute their scales (docs/formats.md §2). The bytes mean the same
+# thing in both, but the fp32 arithmetic differs, and with it the rounding on rare boundaries:
+#   compressed-tensors  g = 2688 / amax   d = fp8(g * (block_amax / 6))   step = fp32(d) / g
+#   modelopt            g = amax / 2688   d = fp8(block_amax / (6 * g))   step = fp32(d) * g
+# Each flavour's `amax` rule gives its own tool's bytes exactly for the same g.
+ARITHMETIC = ("compressed-tensors", "modelopt")
+
 
 @dataclass
 class Quantized:
@@ -46,7 +53,9 @@ class Quantized:
 
     packed: torch.Tensor  # uint8 [B, M, K/2], even element in the low nibble
     block_scales: torch.Tensor  # float8_e4m3fn [B, M, K/group_size]
-    global_scale: torch.Tensor  # float32 [B], = 2688 / amax
+    # float32 [B]: the per-tensor scale as the flavour stores it (compressed-tensors'
+    # weight_global_scale = 2688 / amax, or ModelOpt's weight_scale_2 = amax / 2688)
+    global_scale: torch.Tensor
     err_sq: torch.Tensor  # float64 [B], sum of squared error against the source
     ref_sq: torch.Tensor  # float64 [B], sum of squared source values
 
@@ -55,6 +64,22 @@ def global_scale(amax: torch.Tensor) -> torch.Tensor:
     """2688 / amax in fp32, with compressed-tensors' fallback of 1.0 for an all-zero set."""
     amax = amax.float().clamp(min=torch.finfo(torch.float32).tiny)
     return torch.nan_to_num(GLOBAL_NUMERATOR / amax, nan=1.0, posinf=1.0, neginf=1.0)
+
+
+def tensor_scale(amax: torch.Tensor, arithmetic: str = "compressed-tensors") -> torch.Tensor:
+    """The per-tensor scale g of `arithmetic` for `amax` [B]: compressed-tensors' 2688 / amax
+    (`global_scale`) or ModelOpt's amax / 2688 (its weights_scaling_factor_2, computed as its
+    NVFP4QTensor computes it). An all-zero set gets 1.0 in both (its blocks encode as zeros)."""
+    if arithmetic == "compressed-tensors":
+        return global_scale(amax)
+    _check_arithmetic(arithmetic)
+    amax = amax.float()
+    return torch.where(amax > 0, amax / GLOBAL_NUMERATOR, torch.ones_like(amax))
+
+
+def _check_arithmetic(arithmetic: str) -> None:
+    if arithmetic not in ARITHMETIC:
+        raise ValueError(f"NVFP4 arithmetic must be one of {ARITHMETIC}, not {arithmetic!r}")
 
 
 def _num_blocks(k: int, group_size: int) -> int:
@@ -78,19 +103,30 @@ def _block_sum(x: torch.Tensor) -> torch.Tensor:
     return x[..., 0]
 
 
-def _step(d: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
-    """Element step fp32(d) / gs [..., nb, 1] of FP8 block scales d [..., nb] (uint8 codes or
-    float8_e4m3fn), with global scales gs broadcast against d."""
-    return (d.view(torch.float8_e4m3fn).float() / gs).unsqueeze(-1)
+def _step(d: torch.Tensor, gs: torch.Tensor, arithmetic: str = "compressed-tensors"
+          ) -> torch.Tensor:
+    """Element step [..., nb, 1] of FP8 block scales d [..., nb] (uint8 codes or
+    float8_e4m3fn) with per-tensor scales gs broadcast against d: fp32(d) / gs, or for
+    ModelOpt's arithmetic fp32(d) * gs."""
+    d = d.view(torch.float8_e4m3fn).float()
+    return (d * gs if arithmetic == "modelopt" else d / gs).unsqueeze(-1)
 
 
 def _amax_block_scale(blocks: torch.Tensor, gs: torch.Tensor,
-                      local_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                      local_dtype: torch.dtype = torch.float32,
+                      arithmetic: str = "compressed-tensors") -> torch.Tensor:
     """FP8 block scale codes (uint8 bits of float8_e4m3fn) by the amax rule.
 
     blocks [N, nb, block], gs [N, 1]. Scale selection works on the uint8 bits: positive FP8
     codes are ordered like their values, and uint8 ops exist on every device.
     """
+    if arithmetic == "modelopt":
+        # ModelOpt: block_amax / (6 * g) in fp32, an all-zero block 1.0, then clamped to
+        # [2^-9, 448] before the FP8 cast (NVFP4QTensor.get_weights_scaling_factor).
+        six_g = torch.tensor(FP4_MAX, dtype=torch.float32, device=blocks.device) * gs
+        d = blocks.abs().amax(dim=-1).float() / six_g
+        d = torch.where(d == 0, torch.ones_like(d), d)
+        return d.clamp(2.0**-9, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     # compressed-tensors divides the block amax by 6 in the weight's own dtype (bf16 for a
     # BF16 checkpoint) before multiplying by the fp32 global scale (formats.md §2).
     # Divide by a tensor, not a Python float: CUDA turns `t / 6.0` into `t * fp32(1/6)`, which
@@ -102,22 +138,23 @@ def _amax_block_scale(blocks: torch.Tensor, gs: torch.Tensor,
 
 
 def _block_error(
-    mag: torch.Tensor, d: torch.Tensor, gs: torch.Tensor, cuts: torch.Tensor, lut: torch.Tensor
+    mag: torch.Tensor, d: torch.Tensor, gs: torch.Tensor, cuts: torch.Tensor, lut: torch.Tensor,
+    arithmetic: str = "compressed-tensors",
 ) -> torch.Tensor:
     """Squared error per block of |x| blocks [N, nb, block] under FP8 block scale codes d [N, nb].
 
     Working on magnitudes is exact: the sign of a code never changes its error.
     """
-    step = _step(d, gs)
+    step = _step(d, gs, arithmetic)
     idx = torch.bucketize(mag / step, cuts, out_int32=True)
     err = lut[idx] * step - mag
     return _block_sum(err * err)
 
 
-def _nibbles(blocks: torch.Tensor, d: torch.Tensor, gs: torch.Tensor, cuts: torch.Tensor
-             ) -> torch.Tensor:
+def _nibbles(blocks: torch.Tensor, d: torch.Tensor, gs: torch.Tensor, cuts: torch.Tensor,
+             arithmetic: str = "compressed-tensors") -> torch.Tensor:
     """E2M1 nibbles (sign << 3 | code) of blocks [N, nb, block] under block scale codes d."""
-    y = blocks / _step(d, gs)
+    y = blocks / _step(d, gs, arithmetic)
     idx = torch.bucketize(y.abs(), cuts, out_int32=True).to(torch.uint8)
     # compressed-tensors takes the sign from sign(y): a negative value that rounds to 0 is
     # written 0x8, while -0.0 itself (and +0.0, a pruned p48 pair) stays 0x0.
@@ -132,16 +169,17 @@ def _values(nibbles: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
 
 
 def _choose(blocks: torch.Tensor, gs: torch.Tensor, rule: str, local_dtype: torch.dtype,
-            cuts: torch.Tensor, lut: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            cuts: torch.Tensor, lut: torch.Tensor, arithmetic: str = "compressed-tensors"
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """(block scale codes [N, nb], each block's squared error under its code) by `rule`."""
     mag = blocks.abs()
-    d = _amax_block_scale(blocks, gs, local_dtype)
-    err = _block_error(mag, d, gs, cuts, lut)
+    d = _amax_block_scale(blocks, gs, local_dtype, arithmetic)
+    err = _block_error(mag, d, gs, cuts, lut, arithmetic)
     if rule == "mse":
         base = d.to(torch.int16)
         for off in MSE_CODE_OFFSETS[1:]:
             code = (base + off).clamp(1, 0x7E).to(torch.uint8)
-            cand = _block_error(mag, code, gs, cuts, lut)
+            cand = _block_error(mag, code, gs, cuts, lut, arithmetic)
             better = cand < err  # strict: ties keep the earlier (amax-nearer) code
             err = torch.where(better, cand, err)
             d = torch.where(better, code, d)
@@ -212,7 +250,7 @@ class _Rows:
 def quantize(
     w: torch.Tensor, amax: torch.Tensor, scale_rule: str = "mse", chunk_elems: int = 1 << 22,
     fused_cpu: bool = True, local_dtype: torch.dtype = torch.float32, *, group_size: int = BLOCK,
-    block_codes: torch.Tensor | None = None,
+    block_codes: torch.Tensor | None = None, arithmetic: str = "compressed-tensors",
 ) -> Quantized:
     """Encode fp32 matrices w [B, M, K] with one global scale per matrix from `amax` [B].
 
@@ -223,15 +261,16 @@ def quantize(
     scales and the rule is not used. All B*M rows are processed together in chunks of about
     `chunk_elems` elements, which bounds temporary memory and keeps kernel launches few on a
     GPU. On a CPU the encoder runs in the fused numba kernel (`fused_cpu`), which gives the
-    same bytes.
+    same bytes. `arithmetic` is the flavour whose scale arithmetic is followed (see ARITHMETIC).
     """
     _check_rule(scale_rule)
+    _check_arithmetic(arithmetic)
     b, m, k = w.shape
     nb = _num_blocks(k, group_size)
     device = w.device
     lut = torch.tensor(E2M1, dtype=torch.float32, device=device)
     cuts = cut_points(device)
-    gs = global_scale(amax.to(device))
+    gs = tensor_scale(amax.to(device), arithmetic)
     rows = w.reshape(b * m, nb, group_size)
     row_gs = gs.repeat_interleave(m).unsqueeze(-1)  # [B*M, 1]
     out = _Rows.empty(b * m, k, group_size, device)
@@ -247,20 +286,21 @@ def quantize(
             # come from torch, and given codes are used as they are (no search).
             codes_in = block_codes is not None or local_dtype != torch.float32
             if block_codes is None and codes_in:
-                codes.copy_(_amax_block_scale(blocks, gsi, local_dtype))
+                codes.copy_(_amax_block_scale(blocks, gsi, local_dtype, arithmetic))
             with _KERNEL_LAUNCH:
                 kernel.quantize_rows(blocks.reshape(-1, k).contiguous().numpy(),
                                      gsi[:, 0].contiguous().numpy(), codes.numpy(), codes_in,
                                      _offsets(block_codes is None and scale_rule == "mse"),
-                                     group_size, out.packed[sl].numpy(), out.err[sl].numpy(),
+                                     group_size, arithmetic == "modelopt",
+                                     out.packed[sl].numpy(), out.err[sl].numpy(),
                                      out.ref[sl].numpy())
             continue
         if block_codes is None:
-            d, err = _choose(blocks, gsi, scale_rule, local_dtype, cuts, lut)
+            d, err = _choose(blocks, gsi, scale_rule, local_dtype, cuts, lut, arithmetic)
             codes.copy_(d)
         else:
-            err = _block_error(blocks.abs(), codes, gsi, cuts, lut)
-        out.packed[sl] = pack_codes(_nibbles(blocks, codes, gsi, cuts).flatten(-2))
+            err = _block_error(blocks.abs(), codes, gsi, cuts, lut, arithmetic)
+        out.packed[sl] = pack_codes(_nibbles(blocks, codes, gsi, cuts, arithmetic).flatten(-2))
         out.err[sl] = err.sum(-1, dtype=torch.float64)
         out.ref[sl] = blocks.double().square().sum((-1, -2))
     return out.result(b, m, gs)
@@ -309,7 +349,7 @@ def int4_amax(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def quantize_int4(packed: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
                   scale_rule: str = "mse", group_size: int = BLOCK, chunk_elems: int = 1 << 22,
-                  fused_cpu: bool = True) -> Quantized:
+                  fused_cpu: bool = True, arithmetic: str = "compressed-tensors") -> Quantized:
     """`quantize` of compressed-tensors pack-quantized INT4 matrices (formats.md §1), same bytes
     as quantize(Int4Codec.decode(...), amax, scale_rule, local_dtype=torch.float32).
 
@@ -320,19 +360,21 @@ def quantize_int4(packed: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
     the matrices is made; otherwise the matrices are decoded and passed to `quantize`.
     """
     _check_rule(scale_rule)
+    _check_arithmetic(arithmetic)
     b, m, words = packed.shape
     k = words * 8
     kernel = _int4_kernels(packed, scale, fused_cpu)
     if kernel is None:
         return quantize(_int4_decode(packed, scale), amax, scale_rule, chunk_elems, fused_cpu,
-                        group_size=group_size)
+                        group_size=group_size, arithmetic=arithmetic)
     _num_blocks(k, group_size)
-    gs = global_scale(amax)
+    gs = tensor_scale(amax, arithmetic)
     out = _Rows.empty(b * m, k, group_size, packed.device)
     words, scales = _int4_rows(kernel, packed, scale)
     with _KERNEL_LAUNCH:
         kernel.quantize_int4_rows(words, scales, gs.repeat_interleave(m).numpy(),
-                                  _offsets(scale_rule == "mse"), group_size, out.packed.numpy(),
+                                  _offsets(scale_rule == "mse"), group_size,
+                                  arithmetic == "modelopt", out.packed.numpy(),
                                   out.codes.numpy(), out.err.numpy(), out.ref.numpy())
     return out.result(b, m, gs)
 
@@ -407,10 +449,12 @@ def pack_codes(codes: torch.Tensor) -> torch.Tensor:
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
-def dequantize(packed: torch.Tensor, block_scales: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
+def dequantize(packed: torch.Tensor, block_scales: torch.Tensor, gs: torch.Tensor,
+               arithmetic: str = "compressed-tensors") -> torch.Tensor:
     """fp32 [B, M, K] from packed [B, M, K/2], block scales [B, M, K/block] (float8_e4m3fn;
-    the block size is read off the shapes), global scales [B]."""
-    return decode_steps(packed, _step(block_scales, gs.float().reshape(-1, 1, 1))[..., 0])
+    the block size is read off the shapes), per-tensor scales [B] of `arithmetic`."""
+    step = _step(block_scales, gs.float().reshape(-1, 1, 1), arithmetic)
+    return decode_steps(packed, step[..., 0])
 
 
 def decode_steps(packed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:

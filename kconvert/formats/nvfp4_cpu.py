@@ -31,6 +31,7 @@ _ZERO = np.int32(grid.ZERO_CODE)
 _SIX = np.float32(grid.FP4_MAX)
 _FP8_MAX = np.float32(grid.FP8_MAX)
 _MIN_NORMAL = np.float32(2.0**-6)  # smallest normal FP8 e4m3; below it codes step by 2^-9
+_MIN_SCALE = np.float32(2.0**-9)  # smallest FP8 e4m3 above 0, ModelOpt's floor for a scale
 # error_model="numpy": a float division has no zero-division branch, which would stop LLVM
 # from vectorising the loops (the torch path divides the same way: x / 0 -> inf).
 # The parallel kernels below release the GIL while they run (nogil=True), so that the engine's
@@ -130,9 +131,10 @@ def _workspace(block):
 
 
 @numba.njit(**_JIT)
-def _encode_row(x, gs, codes, codes_in, offsets, block, packed, ws):
-    """Encode one row x [K] fp32 with global scale gs: packed [K/2], block scale codes
-    codes [K/block]; returns (sum of squared errors, sum of squares), float64.
+def _encode_row(x, gs, codes, codes_in, offsets, block, modelopt, packed, ws):
+    """Encode one row x [K] fp32 with per-tensor scale gs: packed [K/2], block scale codes
+    codes [K/block]; returns (sum of squared errors, sum of squares), float64. `modelopt`
+    follows ModelOpt's scale arithmetic (nvfp4.ARITHMETIC), else compressed-tensors'.
 
     Each block's scale is the first of base + offsets[o] (offsets[0] = 0, the others clamped to
     1..0x7E) with the smallest block error, as nvfp4._choose; the base codes are the amax
@@ -150,7 +152,7 @@ def _encode_row(x, gs, codes, codes_in, offsets, block, packed, ws):
     sq_flat = sq.reshape(half * LANES)  # the tree's levels as flat loops, which LLVM vectorises
     pair_flat = pair.reshape(half * LANES)
     for c in range(steps.shape[0]):
-        steps[c] = _FP8[c] / gs
+        steps[c] = _FP8[c] * gs if modelopt else _FP8[c] / gs
     err[:] = 0
     ref[:] = 0
     for b0 in range(0, nb, LANES):
@@ -171,6 +173,13 @@ def _encode_row(x, gs, codes, codes_in, offsets, block, packed, ws):
         if codes_in:
             for lane in range(LANES):
                 base[lane] = codes[b0 + lane] if lane < n else _ZERO
+        elif modelopt:  # nvfp4._amax_block_scale, ModelOpt's arithmetic
+            six_g = _SIX * gs
+            for lane in range(LANES):
+                v = vec[lane] / six_g
+                v = np.float32(1.0) if v == 0 else v
+                vec[lane] = v if v > _MIN_SCALE or v != v else _MIN_SCALE
+            _fp8_codes(vec, base)
         else:  # nvfp4._amax_block_scale with local dtype fp32
             for lane in range(LANES):
                 vec[lane] = gs * (vec[lane] / _SIX)
@@ -216,7 +225,8 @@ def _encode_row(x, gs, codes, codes_in, offsets, block, packed, ws):
 
 
 @numba.njit(parallel=True, nogil=True, **_JIT)
-def quantize_rows(x, row_gs, codes, codes_in, offsets, block, packed, row_err, row_ref):
+def quantize_rows(x, row_gs, codes, codes_in, offsets, block, modelopt, packed, row_err,
+                  row_ref):
     """Rows x [R, K] fp32, global scales row_gs [R] -> packed [R, K/2], codes [R, K/block]
     (input too when `codes_in`), row_err / row_ref [R]; see _encode_row."""
     rows = x.shape[0]
@@ -224,7 +234,7 @@ def quantize_rows(x, row_gs, codes, codes_in, offsets, block, packed, row_err, r
         ws = _workspace(block)
         for r in range(c * CHUNK_ROWS, min((c + 1) * CHUNK_ROWS, rows)):
             err, ref = _encode_row(x[r], row_gs[r], codes[r], codes_in, offsets, block,
-                                   packed[r], ws)
+                                   modelopt, packed[r], ws)
             row_err[r] = err
             row_ref[r] = ref
 
@@ -236,7 +246,8 @@ def _int4_code(word, t):
 
 
 @numba.njit(parallel=True, nogil=True, **_JIT)
-def quantize_int4_rows(words, scale, row_gs, offsets, block, packed, codes, row_err, row_ref):
+def quantize_int4_rows(words, scale, row_gs, offsets, block, modelopt, packed, codes, row_err,
+                       row_ref):
     """quantize_rows of INT4 rows (words int32 [R, K/8], fp32 scales [R, G], whole words per
     group), each decoded to fp32 (code * scale, exactly as Int4Codec.decode) first."""
     rows, k = words.shape[0], words.shape[1] * 8
@@ -251,7 +262,8 @@ def quantize_int4_rows(words, scale, row_gs, offsets, block, packed, codes, row_
                     word = words[r, w]
                     for t in range(8):
                         x[8 * w + t] = np.float32(_int4_code(word, t)) * s
-            err, ref = _encode_row(x, row_gs[r], codes[r], False, offsets, block, packed[r], ws)
+            err, ref = _encode_row(x, row_gs[r], codes[r], False, offsets, block, modelopt,
+                                   packed[r], ws)
             row_err[r] = err
             row_ref[r] = ref
 
