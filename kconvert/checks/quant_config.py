@@ -20,7 +20,7 @@ from kconvert.checks.findings import CONFIG, Checks, short
 from kconvert.formats import DenseCodec, ct_codec, method_codec, modelopt_codec
 from kconvert.formats.base import Codec, Linear, is_linear
 from kconvert.formats.compressed_tensors import scheme_for
-from kconvert.formats.nvfp4_modelopt import HF_QUANT_CONFIG, excluded
+from kconvert.formats.nvfp4_modelopt import HF_QUANT_CONFIG, excluded, modelopt_view
 from kconvert.model.names import language_model_name
 
 # Disagreements a conversion resolves by following the tensors: it reads every module's format
@@ -162,15 +162,16 @@ def _check_hf_quant_config(checks: Checks, hf: Path, qconfigs: list[tuple[str, d
                         "config.json's quantization_config is not ModelOpt (stale file)",
                         file=hf.name):
         return
-    for key in ("quant_algo", "group_size", "exclude_modules", "kv_cache_quant_algo"):
-        checks.check(Q, quant.get(key) == mo[0].get(key), "hf_quant_config",
-                     f"{key} = {short(quant.get(key))} but config.json has "
-                     f"{short(mo[0].get(key))}", file=hf.name)
+    said, configured = modelopt_view(quant), modelopt_view(mo[0])
+    for key, value in said.items():
+        checks.check(Q, value == configured[key], "hf_quant_config",
+                     f"{key} = {short(value)} but config.json has {short(configured[key])}",
+                     file=hf.name)
 
 
 def _group_size(qconfig: dict, m: Linear, name: str) -> int | None:
     if qconfig.get("quant_method") == "modelopt":
-        return qconfig.get("group_size")
+        return modelopt_view(qconfig)["group_size"]
     _, _, scheme = expected_format(qconfig, m, name)
     weights = scheme.get("weights") if isinstance(scheme, dict) else None
     return (weights or {}).get("group_size")

@@ -48,10 +48,10 @@ class ModeloptNvfp4Codec(Nvfp4Codec):
 
     @classmethod
     def scheme_problems(cls, where, scheme, m):
-        if scheme.get("group_size", nvfp4.BLOCK) == nvfp4.BLOCK:
+        group_size = modelopt_view(scheme)["group_size"] or nvfp4.BLOCK
+        if group_size == nvfp4.BLOCK:
             return []
-        return [f"{where} group_size {scheme.get('group_size')}, ModelOpt NVFP4 uses "
-                f"{nvfp4.BLOCK}"]
+        return [f"{where} group_size {group_size}, ModelOpt NVFP4 uses {nvfp4.BLOCK}"]
 
     @classmethod
     def decode(cls, t, shape):
@@ -90,9 +90,44 @@ class ModeloptNvfp4Codec(Nvfp4Codec):
 
 
 def excluded(qconfig: dict, name: str) -> bool:
-    """Whether ModelOpt's exclude_modules (wildcards) leave module `name` unquantized."""
+    """Whether a ModelOpt config's excluded modules (wildcards) leave module `name`
+    unquantized; config.json's block lists them as `ignore` (ModelOpt's own export), older
+    writers as `exclude_modules`."""
     return any(_wildcard(p).fullmatch(name) or name.startswith(p + ".")
-               for p in qconfig.get("exclude_modules") or [])
+               for p in modelopt_view(qconfig)["exclude_modules"])
+
+
+def modelopt_view(qconfig: dict) -> dict:
+    """What a ModelOpt quantization config says, in hf_quant_config.json's terms, whether it is
+    that file's `quantization` block, config.json's block as ModelOpt exports it
+    (`config_block`), or config.json's block in the older flat spelling."""
+    groups = qconfig.get("config_groups") or {}
+    weights = next(iter(groups.values()), {}).get("weights") or {}
+    return {"quant_algo": qconfig.get("quant_algo"),
+            "group_size": qconfig.get("group_size", weights.get("group_size")),
+            "exclude_modules": qconfig.get("exclude_modules", qconfig.get("ignore")) or [],
+            "kv_cache_quant_algo": qconfig.get("kv_cache_quant_algo",
+                                               qconfig.get("kv_cache_scheme"))}
+
+
+def config_block(hf_quant: dict) -> dict:
+    """config.json's quantization_config for an hf_quant_config.json, in the shape ModelOpt's
+    own export writes it (modelopt.torch.export.convert_hf_config.convert_hf_quant_config_format,
+    for the NVFP4 algorithms kconvert writes; a test holds the two equal). Written by kconvert
+    itself rather than by ModelOpt, so the output's bytes do not depend on whether ModelOpt is
+    installed."""
+    quant = hf_quant["quantization"]
+    weights = {"dynamic": False, "num_bits": 4, "type": "float",
+               "group_size": quant.get("group_size", nvfp4.BLOCK)}
+    group: dict = {"weights": weights, "targets": ["Linear"]}
+    if quant["quant_algo"] == "NVFP4":  # W4A4: static input scales
+        group = {"input_activations": dict(weights), **group}
+    block: dict = {"config_groups": {"group_0": group},
+                   "ignore": quant.get("exclude_modules") or [],
+                   "quant_algo": quant["quant_algo"]}
+    if quant.get("kv_cache_quant_algo"):
+        block["kv_cache_scheme"] = quant["kv_cache_quant_algo"]
+    return {**block, "producer": hf_quant["producer"], "quant_method": "modelopt"}
 
 
 def _wildcard(pattern: str) -> re.Pattern:
@@ -123,7 +158,5 @@ def modelopt_config(modules: list[OutputModule], names: list[str]) -> tuple[dict
     w4a4 = any(m.has_input_scale for m in modules)
     quant = {"quant_algo": "NVFP4" if w4a4 else "W4A16_NVFP4", "kv_cache_quant_algo": None,
              "group_size": nvfp4.BLOCK, "exclude_modules": exclude}
-    return (
-        {"quant_method": "modelopt", **quant, "producer": producer},
-        {"producer": producer, "quantization": quant},
-    )
+    hf_quant = {"producer": producer, "quantization": quant}
+    return config_block(hf_quant), hf_quant

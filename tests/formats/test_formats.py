@@ -420,8 +420,9 @@ def test_modelopt_tensor_layout(converted):
 def test_modelopt_configs(converted):
     """hf_quant_config.json says weight-only NVFP4 (W4A16_NVFP4: no input scales were written;
     ModelOpt's plain "NVFP4" means W4A4) / group 16; excluded modules carry no scales and every
-    unquantized linear is excluded (vLLM matches with fnmatch); config.json holds a modelopt
-    block and no compressed-tensors block anywhere."""
+    unquantized linear is excluded (vLLM matches with fnmatch); config.json holds the block
+    ModelOpt's own export makes of that hf_quant_config.json, and no compressed-tensors block
+    anywhere."""
     _, dst = converted("k2-int4-kimi", format="modelopt")
     hf = json.loads((dst / "hf_quant_config.json").read_text())
     q = hf["quantization"]
@@ -442,10 +443,14 @@ def test_modelopt_configs(converted):
     cfg = json.loads((dst / "config.json").read_text())
     block = cfg["quantization_config"]
     assert block["quant_method"] == "modelopt" and block["quant_algo"] == "W4A16_NVFP4"
+    assert block["ignore"] == exclude
     for d in dicts(cfg):
         assert d.get("quant_method") != "compressed-tensors"
-        assert "config_groups" not in d
     assert "compressed-tensors" not in (dst / "config.json").read_text()
+    pytest.importorskip("modelopt", reason="nvidia-modelopt is a test dependency")
+    from modelopt.torch.export.convert_hf_config import convert_hf_quant_config_format
+
+    assert block == convert_hf_quant_config_format(hf)
 
 
 def test_modelopt_decodes_like_compressed_tensors_flavour(converted):
