@@ -12,7 +12,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,28 +78,28 @@ def _stats_hash(stages) -> str | None:
     return hash_file(Path(paths[0])) if paths else None
 
 
-def convert(src: str, dst: str, recipe: Recipe, options: dict, run: RunControl,
-            revision: str | None = None, echo=print,
-            prepare: Callable[[Checkpoint], dict] | None = None) -> Manifest | None:
-    """Run `recipe` on SRC into DST; `options` override its stages' options.
+def convert(src: str, dst: str, recipe: Recipe, settings: Mapping[str, object],
+            run: RunControl, revision: str | None = None, echo=print,
+            prepare: Callable[[Checkpoint], Mapping[str, object]] | None = None
+            ) -> Manifest | None:
+    """Run `recipe` on SRC into DST; non-None `settings` (by name) override its stages'.
 
-    `prepare(ckpt)` may add options that need the opened source, e.g. the pruning stage,
-    whose plan is checked against (or computed from) the checkpoint.
+    `prepare(ckpt)` returns, by stage kind, the inputs that need the opened source (see
+    StageKind.input_type), e.g. {"prune": the Prune stage of a plan checked against it}.
     """
     ckpt = open_checkpoint(src, revision)
     try:
-        if prepare is not None:
-            options = {**options, **prepare(ckpt)}
-        return _convert(ckpt, Path(dst), recipe, options, run, echo)
+        inputs = prepare(ckpt) if prepare is not None else {}
+        return _convert(ckpt, Path(dst), recipe, settings, inputs, run, echo)
     finally:
         ckpt.close()
 
 
-def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, options: dict, run: RunControl,
-             echo) -> Manifest | None:
+def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, settings: Mapping[str, object],
+             inputs: Mapping[str, object], run: RunControl, echo) -> Manifest | None:
     output_dir.check_dst(ckpt.root, dst, run.resume, run.overwrite, run.dry_run)
     dst = output_dir.resolve_dst(dst)
-    stages = build_stages(recipe, options)
+    stages = build_stages(recipe, settings, inputs)
     device = pick_device(run.device)
     # GPU items of 2^28 decoded elements (~18 Kimi expert matrices): large enough to keep
     # the GPU busy, small enough that prefetch + queued results stay within ~4 GB of host RAM.

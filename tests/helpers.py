@@ -39,11 +39,10 @@ def cli(*args, timeout: float = 300) -> subprocess.CompletedProcess:
 
 def run_inproc(recipe: str, src: Path, dst: Path, block_scale: str | None = None,
                targets: str | None = None, **run) -> object:
-    """convert() exactly as the CLI calls it (same override dict, so the same fingerprint)."""
-    overrides = {} if recipe == "dequant" else {
-        "format": None, "block_scale": block_scale, "targets": targets, "act_stats": None}
+    """convert() as the CLI calls it: the stage settings it gives (None: the recipe's)."""
+    settings = {"block_scale": block_scale, "targets": targets}
     run = {"quiet": True, "device": "cpu", **run}
-    return convert(str(src), str(dst), load_recipe(recipe), overrides, RunControl(**run),
+    return convert(str(src), str(dst), load_recipe(recipe), settings, RunControl(**run),
                    echo=lambda *a, **k: None)
 
 

@@ -133,7 +133,11 @@ def apply_options(options: list) -> Callable:
     return decorate
 
 
-run_options = apply_options([
+# The options of the commands that write a converted checkpoint. An option's destination is
+# its long name with `_` for `-`: the run controls are kconvert.convert.RunControl's fields
+# (plus --revision), every other option is a stage option of kconvert.stages' kinds by name
+# (StageKind.settings or .input_options; a test holds the two equal).
+RUN_OPTIONS = [
     click.option("--revision", default=None, help="Hub revision when SRC is a repo id."),
     device_option(),
     click.option("--resume", is_flag=True,
@@ -149,12 +153,12 @@ run_options = apply_options([
     click.option("--quiet", is_flag=True, help="No progress bar."),
     click.option("--readers", type=click.IntRange(min=1), default=4, show_default=True,
                  help="Reader threads."),
-])
+]
 
 
-quant_options = apply_options([
-    click.option("--format", "fmt", type=click.Choice(FORMATS),
-                 default=None, help="NVFP4 on-disk flavour [default: compressed-tensors]."),
+QUANTIZE_OPTIONS = [
+    click.option("--format", type=click.Choice(FORMATS), default=None,
+                 help="NVFP4 on-disk flavour [default: compressed-tensors]."),
     click.option("--block-scale", type=click.Choice(["amax", "mse"]), default=None,
                  help="FP8 block-scale rule: amax (compressed-tensors/ModelOpt bytes) or mse "
                       "(min block error) [default: mse]."),
@@ -164,7 +168,14 @@ quant_options = apply_options([
     click.option("--targets", default=None,
                  help="Comma list of experts,shared_experts,dense_mlp,attention "
                       "[default: experts]."),
-])
+]
+
+
+DEQUANT_OPTIONS = [
+    click.option("--dtype", type=click.Choice(["BF16", "F32"]), default="BF16",
+                 show_default=True,
+                 help="F32 keeps INT4's q * scale exactly (a lossless intermediate)."),
+]
 
 
 def calibration_options(samples_default: int | None, samples_help: str) -> list:
@@ -180,54 +191,61 @@ def calibration_options(samples_default: int | None, samples_help: str) -> list:
     ]
 
 
-def prune_options(samples_default: int | None, samples_help: str) -> Callable:
-    return apply_options([
+def prune_options(samples_default: int | None, samples_help: str) -> list:
+    return [
         click.option("--keep", type=click.IntRange(min=1), default=None,
                      help="Routed experts to keep per layer (at least num_experts_per_tok)."),
         click.option("--prune-ratio", type=click.FloatRange(0, 1, max_open=True), default=None,
                      help="Fraction of routed experts to drop, in [0, 1) (instead of --keep)."),
         click.option("--criterion", type=click.Choice(CRITERIA), default="reap",
                      show_default=True, help="How experts are ranked."),
-        click.option("--plan", "plan_file", type=click.Path(exists=True, dir_okay=False),
-                     default=None, help="Apply this plan file instead of computing one."),
+        click.option("--plan", type=click.Path(exists=True, dir_okay=False), default=None,
+                     help="Apply this plan file instead of computing one."),
         click.option("--stats", type=click.Path(exists=True, file_okay=False), default=None,
                      help="Calibration statistics from `kconvert calibrate`."),
         click.option("--data", type=click.Path(exists=True, dir_okay=False), default=None,
                      help="Calibrate on this JSONL first (as `kconvert calibrate --data`)."),
         *calibration_options(samples_default, samples_help),
-        click.option("--save-stats", "save_stats_dir", type=click.Path(file_okay=False),
-                     default=None,
+        click.option("--save-stats", type=click.Path(file_okay=False), default=None,
                      help="With --data: also keep the statistics here, for reuse."),
-    ])
+    ]
 
 
-PRUNE_OPTIONS = ("keep", "prune_ratio", "criterion", "plan_file", "stats", "data", "samples",
-                 "seq_len", "batch_size", "seed", "save_stats_dir")
+def _to_int(_ctx, _param, value: str | None) -> int | None:
+    return None if value is None else int(value)
 
 
-SPARSIFY_OPTIONS = ("pattern", "method", "group_size", "storage")
-
-
-sparsify_options = apply_options([
+SPARSIFY_OPTIONS = [
     click.option("--pattern", type=click.Choice(["p48"]), default=None,
                  help="Sparsity pattern: paired-4:8 [default: p48]."),
     click.option("--method", type=click.Choice(METHODS), default=None,
                  help="Mask selection: magnitude (data-free), wanda (--stats), sparsegpt "
                       "(--data) [default: magnitude]."),
     click.option("--group-size", type=click.Choice(["16", "32"]), default=None,
+                 callback=_to_int,
                  help="Elements per FP8 block scale: 16 loads on stock vLLM, 32 is what "
                       "sparse FP4 kernels read [default: 16]."),
     click.option("--storage", type=click.Choice(STORAGES), default=None,
                  help="dense (zeros inside weight_packed) or pair-bitmask (kept bytes + "
                       "4-bit masks, ~0.65x) [default: dense]."),
-])
+]
+
+
+# The `sparsify` command's calibration: Wanda's statistics or SparseGPT's data.
+SPARSIFY_CALIBRATION_OPTIONS = [
+    click.option("--stats", type=click.Path(exists=True, file_okay=False), default=None,
+                 help="`kconvert calibrate` output: Wanda's input column norms."),
+    click.option("--data", type=click.Path(exists=True, dir_okay=False), default=None,
+                 help="Calibration JSONL for SparseGPT (run layer by layer beside the "
+                      "conversion)."),
+    *calibration_options(SPARSEGPT_SAMPLES, "With --data: sequences."),
+]
 
 
 def given_options(ctx: click.Context) -> list[str]:
-    """Options set on the command line (or from the environment), by long name with `_`:
-    the names kconvert.pipeline.STAGE_KINDS uses."""
+    """The options set on the command line (or from the environment), by destination name."""
     given = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
-    return [max(p.opts, key=len).lstrip("-").replace("-", "_") for p in ctx.command.params
+    return [p.name for p in ctx.command.params
             if isinstance(p, click.Option) and ctx.get_parameter_source(p.name) in given]
 
 

@@ -4,20 +4,25 @@ A conversion is a list of stages. At plan time each stage may claim a source mod
 how it leaves: decoded and re-encoded by an output codec, or (when no stage claims it)
 copied byte for byte. The engine then decodes only what some stage claimed, runs the
 stages' weight transforms on the fp32 values, and encodes with the module's output codec.
+
+Each stage module declares its `StageKind` (KIND): how recipes and commands name the stage,
+what they may set, what a command prepares for it, and how it is built; kconvert.stages.KINDS
+lists them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+from pydantic import BaseModel, ConfigDict
 
 from kconvert.errors import KconvertError
 from kconvert.formats import OPTIONAL_PARAMS, Codec, DenseCodec, detect_codec
 from kconvert.io.shards import TensorInfo
 from kconvert.model.names import TARGET_ROLES, TensorName, parse_name
-from kconvert.stages.records import StageRecord
 
 QUANT_ONLY_PARAMS = {
     "weight_packed", "weight_scale", "weight_shape", "weight_global_scale", "weight_scale_2",
@@ -84,6 +89,14 @@ class WeightTransform(Protocol):
         ...
 
 
+class StageRecord(BaseModel):
+    """What a stage records in the manifest (kconvert.stages.records.RunRecord): the options
+    that decide the output bytes. A field that was not set is left out of the file (a record is
+    dumped with exclude_unset), so adding an optional field changes no existing manifest."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
 class Stage:
     """A stage's hooks; each defaults to "leave it alone"."""
 
@@ -113,6 +126,38 @@ class Stage:
 
     def close(self) -> None:
         """Release what the stage holds for the run (threads, open files)."""
+
+
+# The command-line options that say which calibration data a command reads and how it runs
+# (REAP's saliency for a prune stage, SparseGPT's inputs for a sparsify stage).
+CALIBRATION_OPTIONS = ("data", "samples", "seq_len", "batch_size", "seed")
+
+
+@dataclass(frozen=True)
+class StageKind:
+    """A kind of stage, as a recipe's `stage = "..."` and the command line name it."""
+
+    name: str
+    # (settings, input) -> the stage; `settings` holds only the settings given (recipe, then
+    # command line), so the defaults live here, and so do the checks of their values.
+    build: Callable[[dict[str, Any], Any], Stage]
+    # What the stage's record() returns: its entry in the manifest's options (RunRecord).
+    record_type: type[StageRecord]
+    # Recipe keys, which are also long command-line options with `_` for `-` (`block_scale` is
+    # --block-scale); the command line wins over the recipe.
+    settings: tuple[str, ...] = ()
+    # Command-line options only, from which a command prepares the stage's input out of the
+    # opened source (a pruning plan checked against it, calibration inputs).
+    input_options: tuple[str, ...] = ()
+    # What a command prepares (an instance is handed to `build`); None: the stage takes none.
+    input_type: type | None = None
+    # (kind, why): a stage kind that must come later in the same recipe.
+    followed_by: tuple[str, str] | None = None
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        """Every option name the kind takes, recipe settings and command-line inputs."""
+        return self.settings + self.input_options
 
 
 def group_modules(

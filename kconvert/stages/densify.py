@@ -5,8 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kconvert.formats import Nvfp4Codec, Nvfp4PairBitmaskCodec
-from kconvert.stages.base import ModuleWork, Stage
-from kconvert.stages.records import DensifyRecord
+from kconvert.stages.base import ModuleWork, Stage, StageKind, StageRecord
+
+
+class DensifyRecord(StageRecord):
+    pass
 
 
 @dataclass(frozen=True)
@@ -24,3 +27,6 @@ class Densify(Stage):
 
     def record(self) -> DensifyRecord:
         return DensifyRecord()
+
+
+KIND = StageKind(Densify.name, lambda _settings, _input: Densify(), DensifyRecord)

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pydantic import Field
+
+from kconvert.errors import KconvertError
 from kconvert.formats import DenseCodec
-from kconvert.stages.base import ModuleWork, Stage
-from kconvert.stages.records import DequantRecord
+from kconvert.stages.base import ModuleWork, Stage, StageKind, StageRecord
+
+
+class DequantRecord(StageRecord):
+    dtype: str = Field(description="BF16, or F32 (INT4's q * scale exactly)")
 
 
 @dataclass(frozen=True)
@@ -25,3 +31,13 @@ class Dequant(Stage):
 
     def record(self) -> DequantRecord:
         return DequantRecord(dtype=self.dtype)
+
+
+def build(settings: dict, _input: None) -> Dequant:
+    dtype = settings.get("dtype", "BF16")
+    if dtype not in DenseCodec.DTYPES:
+        raise KconvertError(f"dequant dtype must be one of {sorted(DenseCodec.DTYPES)}")
+    return Dequant(dtype)
+
+
+KIND = StageKind(Dequant.name, build, DequantRecord, settings=("dtype",))

@@ -6,14 +6,19 @@ import hashlib
 from dataclasses import dataclass
 from functools import cached_property
 
-from kconvert.model.names import Role, TensorName
-from kconvert.stages.base import Stage
-from kconvert.stages.records import PruneRecord
+from pydantic import Field
 
-# Parameter suffixes that only exist in quantized formats: a module that has one of these but
-# matches no codec is a layout we do not understand, and must not be copied into an output
-# whose quantization_config no longer describes it.
+from kconvert.errors import KconvertError
+from kconvert.model.names import Role, TensorName
+from kconvert.stages.base import CALIBRATION_OPTIONS, Stage, StageKind, StageRecord
+
 PLAN_FILE = "reap-plan.json"
+
+
+class PruneRecord(StageRecord):
+    kept_per_layer: int
+    layers: int = Field(description="MoE layers the plan covers")
+    plan: str = Field(description="sha256 of the plan file written as reap-plan.json")
 
 
 @dataclass(frozen=True)
@@ -63,3 +68,17 @@ class Prune(Stage):
 
     def output_files(self) -> dict[str, str]:
         return {PLAN_FILE: self.plan_json}
+
+
+def build(_settings: dict, prune: Prune | None) -> Prune:
+    # The plan is data, not a recipe setting: the command makes the stage from a plan checked
+    # against the opened source (kconvert.pruning.reap.prune_stage).
+    if prune is None:
+        raise KconvertError("a prune stage needs a plan (kconvert reap ... --plan FILE | "
+                            "--stats DIR | --data FILE)")
+    return prune
+
+
+KIND = StageKind(Prune.name, build, PruneRecord, input_type=Prune,
+                 input_options=("keep", "prune_ratio", "criterion", "plan", "stats",
+                                *CALIBRATION_OPTIONS, "save_stats"))

@@ -7,11 +7,19 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from pydantic import Field
+
 from kconvert.errors import KconvertError
 from kconvert.formats import OUTPUT_CODECS, DenseCodec, Nvfp4PairBitmaskCodec
 from kconvert.model.names import TARGET_ROLES, Role
-from kconvert.stages.base import ModuleWork, Stage
-from kconvert.stages.records import QuantizeRecord
+from kconvert.stages.base import ModuleWork, Stage, StageKind, StageRecord
+
+
+class QuantizeRecord(StageRecord):
+    targets: list[str] = Field(description="roles made NVFP4")
+    format: str = Field(description="compressed-tensors | modelopt")
+    block_scale: str = Field(description="FP8 block-scale rule: amax | mse")
+    act_stats: str | None = Field(description="activation statistics file (W4A4), or None")
 
 
 @dataclass(frozen=True)
@@ -80,3 +88,16 @@ def parse_targets(spec: str | list[str] | tuple[str, ...]) -> frozenset[Role]:
     if unknown:
         raise KconvertError(f"unknown --targets {unknown}; choose from {sorted(TARGET_ROLES)}")
     return frozenset(TARGET_ROLES[n.strip()] for n in names if n.strip())
+
+
+def build(settings: dict, _input: None) -> Quantize:
+    fmt = settings.get("format", "compressed-tensors")
+    if fmt not in OUTPUT_CODECS:
+        raise KconvertError(f"unknown format {fmt!r}")
+    return Quantize(targets=parse_targets(settings.get("targets", ["experts"])), fmt=fmt,
+                    scale_rule=settings.get("block_scale", "mse"),
+                    act_stats=settings.get("act_stats"))
+
+
+KIND = StageKind(Quantize.name, build, QuantizeRecord,
+                 settings=("targets", "format", "block_scale", "act_stats"))

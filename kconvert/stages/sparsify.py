@@ -15,15 +15,18 @@ import functools
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
+from pydantic import Field
 
+from kconvert.calibrate.data import load_calibration_data
 from kconvert.errors import KconvertError
+from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.files import hash_file
 from kconvert.model.names import Role
 from kconvert.sparsity import p48, sparsegpt
-from kconvert.stages.base import ModuleWork, Stage
-from kconvert.stages.records import SparsifyRecord
+from kconvert.stages.base import CALIBRATION_OPTIONS, ModuleWork, Stage, StageKind, StageRecord
 
 METHODS = ("magnitude", "wanda", "sparsegpt")
 
@@ -32,6 +35,37 @@ STORAGES = ("dense", "pair-bitmask")
 
 
 GROUP_SIZES = (16, 32)
+
+
+class SparsifyRecord(StageRecord):
+    pattern: Literal["p48"]
+    method: str = Field(description="magnitude | wanda | sparsegpt")
+    group_size: int
+    storage: str = Field(description="dense | pair-bitmask")
+    targets: list[str] = Field(description="roles made paired-4:8 sparse")
+    stats: str | None = Field(default=None, description="xxh3 of Wanda's stats.safetensors")
+    percdamp: float | None = None
+    blocksize: int | None = None
+    data: dict | None = Field(default=None, description="SparseGPT's calibration data")
+
+
+@dataclass(frozen=True)
+class SparsegptCalibration:
+    """What a command prepares for SparseGPT from the opened source: the calibration pass that
+    yields each expert's Hessian, and what identifies its data in the manifest and the resume
+    fingerprint (None when the inputs came from memory, not from a file)."""
+
+    hessians: sparsegpt.CalibrationHessians
+    data: dict | None = None
+
+    @classmethod
+    def from_file(cls, ckpt: Checkpoint, path: str, samples: int, seq_len: int,
+                  batch_size: int, seed: int, device: torch.device) -> SparsegptCalibration:
+        """Calibration on `samples` sequences of `seq_len` tokens from the JSONL `path`."""
+        ids = load_calibration_data(path, ckpt.root, samples, seq_len, seed)
+        digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        return cls(sparsegpt.CalibrationHessians(ckpt, ids, device, batch_size),
+                   {"sha256": digest, "samples": samples, "seq_len": seq_len, "seed": seed})
 
 
 class WandaNorms:
@@ -68,8 +102,7 @@ class Sparsify(Stage):
     group_size: int = 16
     storage: str = "dense"
     stats: str | None = None  # `kconvert calibrate` output directory (wanda)
-    data: dict | None = None  # calibration data options (sparsegpt), recorded in the manifest
-    hessians: sparsegpt.CalibrationHessians | None = field(default=None, compare=False)
+    calibration: SparsegptCalibration | None = field(default=None, compare=False)
     name: str = "sparsify"
 
     def __post_init__(self) -> None:
@@ -81,7 +114,7 @@ class Sparsify(Stage):
             raise KconvertError(f"unknown --storage {self.storage!r}; choose from {STORAGES}")
         if self.method == "wanda" and self.stats is None:
             raise KconvertError("--method wanda needs --stats DIR (from `kconvert calibrate`)")
-        if self.method == "sparsegpt" and self.hessians is None:
+        if self.method == "sparsegpt" and self.calibration is None:
             raise KconvertError("--method sparsegpt needs calibration data: --data FILE")
 
     @property
@@ -108,13 +141,12 @@ class Sparsify(Stage):
             out["stats"] = hash_file(Path(self.stats) / "stats.safetensors")
         if self.method == "sparsegpt":
             out.update(percdamp=sparsegpt.PERCDAMP, blocksize=sparsegpt.BLOCKSIZE,
-                       data=self.data)
+                       data=self.calibration.data)
         return SparsifyRecord(**out)
 
     def close(self) -> None:
-        if self.hessians is not None:
-            self.hessians.close()
-
+        if self.calibration is not None:
+            self.calibration.hessians.close()
 
     @property
     def norms(self) -> WandaNorms:
@@ -140,7 +172,7 @@ class Sparsify(Stage):
             raise KconvertError("SparseGPT batch mixes experts with different projection sets",
                                 tensor=modules[0].module)
         u = sparsegpt.prepare_inverse(torch.stack([
-            self.hessians.hessian(layer, expert, modules[g[0]].tn.proj).to(w.device)
+            self.calibration.hessians.hessian(layer, expert, modules[g[0]].tn.proj).to(w.device)
             for (layer, expert, _), g in zip(order, members, strict=True)]))
         idx = torch.tensor([i for g in members for i in g], device=w.device)
         b, m, k = w.shape
@@ -162,7 +194,16 @@ def _norms(stats: str) -> WandaNorms:
     return WandaNorms(stats)
 
 
-def data_record(path: str, samples: int, seq_len: int, seed: int) -> dict:
-    """What identifies a calibration data set in the manifest and the resume fingerprint."""
-    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    return {"sha256": digest, "samples": samples, "seq_len": seq_len, "seed": seed}
+def build(settings: dict, calibration: SparsegptCalibration | None) -> Sparsify:
+    if settings.get("pattern", "p48") != "p48":
+        raise KconvertError(f"unknown sparsity pattern {settings['pattern']!r}; only p48")
+    return Sparsify(method=settings.get("method", "magnitude"),
+                    group_size=settings.get("group_size", 16),
+                    storage=settings.get("storage", "dense"), stats=settings.get("stats"),
+                    calibration=calibration)
+
+
+KIND = StageKind(Sparsify.name, build, SparsifyRecord,
+                 settings=("pattern", "method", "group_size", "storage", "stats"),
+                 input_options=CALIBRATION_OPTIONS, input_type=SparsegptCalibration,
+                 followed_by=("quantize", "p48 output is NVFP4"))

@@ -8,8 +8,10 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -48,7 +50,7 @@ def test_cli_choice_lists_are_the_implementation_lists():
     """cli.py cannot import the torch modules that own these lists; it must agree with them."""
     from kconvert.audit import auditor
     from kconvert.cli import base as cli
-    from kconvert.formats import OUTPUT_CODECS
+    from kconvert.formats import OUTPUT_CODECS, DenseCodec
     from kconvert.pruning import reap
     from kconvert.stages import sparsify
 
@@ -56,6 +58,34 @@ def test_cli_choice_lists_are_the_implementation_lists():
     assert tuple(sorted(reap.CRITERIA)) == cli.CRITERIA
     assert cli.METHODS == sparsify.METHODS and cli.STORAGES == sparsify.STORAGES
     assert cli.AUDIT_CHUNK_MB << 20 == auditor.CHUNK
+    choices = {p.name: p.type.choices for p in main.commands["run"].params
+               + main.commands["dequant"].params if isinstance(p.type, click.Choice)}
+    assert tuple(map(int, choices["group_size"])) == sparsify.GROUP_SIZES
+    assert set(choices["dtype"]) == set(DenseCodec.DTYPES)
+
+
+CONVERSION_COMMANDS = ("int4-to-nvfp4", "quantize", "dequant", "reap", "sparsify", "densify")
+
+
+def test_cli_options_are_the_stage_kinds_options():
+    """The command line declares its options without importing the stages (torch): by name,
+    each conversion command's options are run controls or options of its recipe's stages (none
+    is dropped), and every stage kind's command-line-only input option is offered."""
+    from kconvert.convert import RunControl
+    from kconvert.recipes import load_recipe
+    from kconvert.stages import KINDS
+
+    run_controls = {f.name for f in fields(RunControl)} | {"revision"}
+    offered = set()
+    for name in (*CONVERSION_COMMANDS, "run"):
+        command = main.commands[name]
+        options = {p.name for p in command.params if isinstance(p, click.Option)} - {"help"}
+        assert run_controls <= options, name
+        kinds = KINDS.values() if name == "run" else [KINDS[k] for k in load_recipe(name).kinds]
+        takes = {o for kind in kinds for o in kind.options}
+        assert options - run_controls <= takes, (name, options - run_controls - takes)
+        offered |= options - run_controls
+    assert {o for kind in KINDS.values() for o in kind.input_options} <= offered
 
 
 # ------------------------------------------------------------------ calibration on the fixture

@@ -22,6 +22,7 @@ from kconvert.convert import RunControl, convert
 from kconvert.io.checkpoint import open_checkpoint
 from kconvert.recipes import load_recipe
 from kconvert.sparsity.sparsegpt import CalibrationHessians
+from kconvert.stages.sparsify import SparsegptCalibration
 from kconvert.testing.tiny_moe import (
     corpus_ids,
     heldout_ids,
@@ -100,7 +101,8 @@ def test_sparsegpt_beats_wanda_beats_magnitude(tmp_path):
             def prepare(ck, method=method):
                 if method != "sparsegpt":
                     return {}
-                return {"hessians": CalibrationHessians(ck, calib, torch.device("cpu"), 16)}
+                hessians = CalibrationHessians(ck, calib, torch.device("cpu"), 16)
+                return {"sparsify": SparsegptCalibration(hessians)}
 
             convert(str(SRC), str(dst), load_recipe("sparsify"),
                     {"method": method, "stats": str(tmp_path / "stats")},
