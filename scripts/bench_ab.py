@@ -4,13 +4,18 @@
     ROOT=/tmp/kbench OUT=... VARIANTS="old=/tmp/old,cuda new=.,cuda old=/tmp/old,cuda new=.,cuda" \
         python scripts/bench_ab.py
 
-Builds ROOT/src as bench_convert.py does (anchor_convert.make_src: 15.5 GB, DIMS=full,
-MOE_LAYERS=1) if it is not there. Each variant NAME=TREE,DEVICE runs `int4-to-nvfp4` (mse) from
-the kconvert package in TREE, page cache dropped first, timed in-process after imports (on the
-CPU also after numba's cached kernels are loaded), to os.sync(). Interleave the variants: this
-disk's speed drifts within a run. Per run: wall, the writer's busy time (ShardSink.write),
-peak RSS (VmHWM), the main thread's waits at each copy -> transform item boundary, and whether
-the manifest's tensor hashes equal those of every earlier run on that device (they must).
+Builds ROOT/src as bench_convert.py does (anchor_convert.make_src: 15.5 GB with DIMS=full,
+MOE_LAYERS=1; DIMS=tiny makes a tiny set, to check the script in seconds) if it is not there.
+Each variant NAME=TREE,DEVICE runs `int4-to-nvfp4` (mse) from the kconvert package in TREE, page
+cache dropped first, timed in-process after imports (on the CPU also after numba's cached
+kernels are loaded), to os.sync(). Interleave the variants: this disk's speed drifts within a
+run. Per run: wall, peak RSS (VmHWM), whether the manifest's tensor hashes equal those of every
+earlier run on that device (they must), and, from the engine's timing events (kconvert.events,
+`timings=True`), the writer's busy time (`write` events) and the compute thread's waits at each
+copy -> transform item boundary (from one `compute` event to the next). A tree whose engine
+has no timing events (before kconvert.events.TIMING_EVENTS, e.g. the tree before the
+packages) is timed by wall and peak RSS only: writer_busy and copy_to_xform_waits_s are null
+and `events` false.
 Writes OUT/ab.json.
 """
 
@@ -30,28 +35,25 @@ import contextlib, json, os, sys, time
 src, dst, tree, device, scripts = sys.argv[1:6]
 sys.path.insert(0, tree)
 sys.path.insert(1, scripts)
-from kconvert import engine
+import kconvert
 import kconvert.cli as cli
-assert engine.__file__.startswith(tree), engine.__file__
-writer_busy = [0.0]
-items = []
-write, compute = engine.ShardSink.write, engine.compute_item
-def timed_write(self, *a, **k):
-    t = time.perf_counter()
-    try:
-        return write(self, *a, **k)
-    finally:
-        writer_busy[0] += time.perf_counter() - t
-def timed_compute(plan, item, *a, **k):
-    t = time.perf_counter()
-    try:
-        return compute(plan, item, *a, **k)
-    finally:
-        items.append((isinstance(item, engine.CopyItem), t, time.perf_counter()))
-engine.ShardSink.write, engine.compute_item = timed_write, timed_compute
+assert kconvert.__file__.startswith(tree), kconvert.__file__
+try:
+    from kconvert import events
+    timed = hasattr(events, "TIMING_EVENTS")
+except ImportError:
+    timed = False
+writes, computes = [], []
+def listen(event, info):
+    if event == "write":
+        writes.append(info["end"] - info["start"])
+    elif event == "compute":
+        computes.append((info["kind"] == "copy", info["start"], info["end"]))
+if timed:
+    events.subscribe(listen, timings=True)
 if device == "cpu":
     import bench_convert
-    bench_convert._load_cpu_kernels()
+    bench_convert.load_cpu_kernels()
 t = time.perf_counter()
 with contextlib.suppress(SystemExit):
     cli.main(["int4-to-nvfp4", src, dst, "--device", device, "--quiet", "--overwrite"],
@@ -59,10 +61,11 @@ with contextlib.suppress(SystemExit):
 os.sync()
 wall = time.perf_counter() - t
 hwm = next(ln for ln in open("/proc/self/status") if ln.startswith("VmHWM")).split()[1]
-gaps = [b[1] - a[2] for a, b in zip(items, items[1:]) if a[0] and not b[0]]
-print("RESULT", json.dumps({"wall": round(wall, 2), "writer_busy": round(writer_busy[0], 2),
-                            "vmhwm_gb": round(int(hwm) / 1e6, 2),
-                            "copy_to_xform_waits_s": [round(g, 3) for g in gaps]}))
+gaps = [b[1] - a[2] for a, b in zip(computes, computes[1:]) if a[0] and not b[0]]
+print("RESULT", json.dumps({
+    "wall": round(wall, 2), "writer_busy": round(sum(writes), 2) if timed else None,
+    "vmhwm_gb": round(int(hwm) / 1e6, 2), "events": timed,
+    "copy_to_xform_waits_s": [round(g, 3) for g in gaps] if timed else None}))
 '''
 
 

@@ -14,11 +14,19 @@ Kimi-K2-Thinking shard set, and times the anchor, the cold read floor and the wr
 then, in the same run and on the same disk, a concurrent read+write floor and kconvert
 (`--device cuda` with `--block-scale mse` and `amax`, then `--device cpu` mse on the same set),
 each in its own process with the page cache dropped first, and last the CPU per-matrix
-comparison of `smoke` step 3. Every kconvert run is timed in-process (after imports, like
-the anchor; on the CPU also after numba's cached kernels are loaded) and as a whole
-process, with its peak RSS, a timeline (RSS, disk bytes, CPU, GPU utilisation) and the busy
-time of each engine stage (reader threads, compute, hasher, writer, fsync),
-measured by wrapping the engine's functions in the child process (kconvert is not modified).
+comparison of `smoke` step 3 (the CUDA runs are left out on a machine without a GPU). Every
+kconvert run is timed in-process (after imports, like the anchor; on the CPU also after
+numba's cached kernels are loaded) and as a whole process, with its peak RSS, a timeline
+(RSS, disk bytes, CPU, GPU utilisation) and, under `stages`, each engine stage's count, busy
+and union seconds, first start and duration, last end, from the engine's timing events
+(kconvert.events, subscribed in the child; kconvert is not modified): read_copy / read_xform
+(reader threads), compute_copy / compute_xform, main_wait_read (compute waiting for a read),
+main_wait_put (compute waiting on the full result queue), hash_item (hasher thread),
+writer_item (writer busy), writer_wait_get (writer idle), writer_wait_hash, pwrite, fsync,
+and the phases phase_read_shape_values, phase_build_work_plan, phase_execute, plus, from when
+the run events came, phase_until_plan, phase__finish and phase_write_manifest (`run_phases`).
+DIMS=tiny makes `full` build and convert a tiny set (MOE_LAYERS=1: seconds), a check of the
+script and of the event plumbing rather than a benchmark.
 
 `smoke` converts the bundled fixture on CPU and CUDA and compares every output byte, does the
 same on a shard of full-size experts, times kconvert's compute per expert matrix on the GPU
@@ -148,12 +156,13 @@ def machine() -> dict:
 
 
 def sources_sha() -> str:
-    """Which kconvert was measured: sha256 over kconvert/*.py (names and bytes, sorted)."""
+    """Which kconvert was measured: sha256 over kconvert/**/*.py (paths and bytes, sorted)."""
     import hashlib
 
     h = hashlib.sha256()
-    for f in sorted((REPO / "kconvert").glob("*.py")):
-        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    pkg = REPO / "kconvert"
+    for f in sorted(pkg.rglob("*.py")):
+        h.update(str(f.relative_to(pkg)).encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -304,61 +313,45 @@ def _intervals_union(iv: list[tuple[float, float]]) -> float:
     return total
 
 
-def child_kc(argv: list[str]) -> None:
-    """In-process kconvert CLI with the engine's stages timed (wrappers only)."""
-    import queue as queue_mod
+# Stage keys of a kconvert child's result, from the engine's timing events (kconvert.events).
+STAGE_KEYS = {"read": "read_{kind}", "compute": "compute_{kind}", "hash": "hash_item",
+              "write": "writer_item", "pwrite": "pwrite", "fsync": "fsync",
+              "wait-read": "main_wait_read", "wait-put": "main_wait_put",
+              "wait-get": "writer_wait_get", "wait-hash": "writer_wait_hash",
+              "phase": "phase_{name}"}
 
+
+def stage_key(event: str, info: dict) -> str | None:
+    """The result key of a timing event: read_copy, read_xform, writer_item, phase_execute..."""
+    key = STAGE_KEYS.get(event)
+    if key is None:
+        return None
+    kind = {"transform": "xform"}.get(info.get("kind"), info.get("kind"))
+    return key.format(kind=kind, name=info.get("name"))
+
+
+def child_kc(argv: list[str]) -> None:
+    """In-process kconvert CLI with every engine stage timed by its timing events."""
     import kconvert.cli as cli
-    from kconvert import convert as conv
-    from kconvert import engine, safetensors_io
+    from kconvert import events
 
     ev: list[tuple[str, float, float]] = []
+    marks: dict[str, float] = {}  # run event -> when it came (last one of each name)
 
-    def wrap(fn, label):
-        def inner(*a, **k):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                lab = label(a) if callable(label) else label
-                ev.append((lab, t, time.perf_counter()))
-        return inner
+    def listen(event: str, info: dict) -> None:
+        if event in events.TIMING_EVENTS:
+            key = stage_key(event, info)
+            if key is not None:
+                ev.append((key, info["start"], info["end"]))
+        else:
+            marks[event] = time.perf_counter()
 
-    def kind(a):
-        return "copy" if isinstance(a[1], engine.CopyItem) else "xform"
-
-    engine.read_item = wrap(engine.read_item, lambda a: "read_" + kind(a))
-    engine.compute_item = wrap(engine.compute_item, lambda a: "compute_" + kind(a))
-    engine.ShardSink.write = wrap(engine.ShardSink.write, "writer_item")
-    engine.ShardSink.hash = wrap(engine.ShardSink.hash, "hash_item")
-    safetensors_io.ShardWriter.write = wrap(safetensors_io.ShardWriter.write, "pwrite")
-    safetensors_io.ShardWriter.finish = wrap(safetensors_io.ShardWriter.finish, "fsync")
-    for name in ("open_checkpoint", "build_work_plan", "execute", "_finish",
-                 "compressed_tensors_block", "write_manifest"):
-        setattr(conv, name, wrap(getattr(conv, name), "phase_" + name))
-    engine.read_shape_values = wrap(engine.read_shape_values, "phase_read_shape_values")
-
-    class TimedQueue(queue_mod.Queue):
-        def put(self, item, *a, **k):
-            t = time.perf_counter()
-            super().put(item, *a, **k)
-            ev.append(("main_wait_put", t, time.perf_counter()))
-
-        def get(self, *a, **k):
-            t = time.perf_counter()
-            item = super().get(*a, **k)
-            ev.append(("writer_wait_get", t, time.perf_counter()))
-            return item
-
-    class QueueShim:
-        Queue = TimedQueue
-
-    engine.queue = QueueShim
     if argv[argv.index("--device") + 1] == "cpu":
-        _load_cpu_kernels()
+        load_cpu_kernels()
     # Imported before the timer, as the anchor's imports are (kconvert imports it only when
     # it writes the output's config, at the end of a run).
     import compressed_tensors.quantization  # noqa: F401
+    unsubscribe = events.subscribe(listen, timings=True)
     t0 = time.perf_counter()
     rc = 0
     try:
@@ -367,6 +360,8 @@ def child_kc(argv: list[str]) -> None:
         rc = exc.code or 0
     os.sync()
     wall = time.perf_counter() - t0
+    unsubscribe()
+    ev.extend(run_phases(ev, marks, t0))
     stages: dict[str, dict] = {}
     for lab in sorted({e[0] for e in ev}):
         iv = [(a - t0, b - t0) for x, a, b in ev if x == lab]
@@ -381,19 +376,42 @@ def child_kc(argv: list[str]) -> None:
     print("RESULT " + json.dumps(out), flush=True)
 
 
-def _load_cpu_kernels() -> None:
-    """Import numba and load the CPU kernels from its cache (0.6-1.2 s, varying run to run)
-    before a timed CPU run, as the anchor's imports come before its timer: that start-up
-    cost, left in, made the per-matrix slope between two runs swing by +-4 ms. It is in
-    wall_process_s."""
+def run_phases(ev: list[tuple[str, float, float]], marks: dict[str, float], t0: float
+               ) -> list[tuple[str, float, float]]:
+    """The run's phases outside the engine, from when its run events came: phase_until_plan
+    (t0 to the work plan: CLI, opening the source, output checks, device),
+    phase__finish (end of execute to manifest-written: non-weight files, index, config,
+    manifest) and phase_write_manifest (the step before manifest-staged to manifest-written:
+    the manifest built, written, fsynced, renamed)."""
+    spans = {key: (a, b) for key, a, b in ev if key.startswith("phase_")}
+    out = []
+    if "phase_build_work_plan" in spans:
+        out.append(("phase_until_plan", t0, spans["phase_build_work_plan"][0]))
+    done = marks.get("manifest-written")
+    if done is not None and "phase_execute" in spans:
+        out.append(("phase__finish", spans["phase_execute"][1], done))
+    if done is not None and "manifest-staged" in marks:
+        before = max((t for e, t in marks.items() if t < marks["manifest-staged"]),
+                     default=spans.get("phase_execute", (0.0, t0))[1])
+        out.append(("phase_write_manifest", before, done))
+    return out
+
+
+def load_cpu_kernels() -> None:
+    """Load the CPU kernels from numba's cache (0.6-1.2 s, varying run to run) before a timed
+    CPU run, as the anchor's imports come before its timer: that start-up cost, left in, made
+    the per-matrix slope between two runs swing by +-4 ms. It is in wall_process_s. Works with
+    trees before kconvert's packages (kconvert.nvfp4) too, for bench_ab.py."""
     import torch
 
-    from kconvert.formats import nvfp4
-
+    try:
+        from kconvert.formats import nvfp4
+    except ImportError:
+        from kconvert import nvfp4
+    nvfp4.warm_cpu_kernels()  # as a run loads them (the mse rule), then the amax rule
     packed = torch.zeros(1, 1, 4, dtype=torch.int32)
     scale = torch.ones(1, 1, 1, dtype=torch.bfloat16)
-    for rule in ("amax", "mse"):
-        nvfp4.quantize_int4(packed, scale, nvfp4.int4_amax(packed, scale), rule)
+    nvfp4.quantize_int4(packed, scale, nvfp4.int4_amax(packed, scale), "amax")
 
 
 def child_anchor(argv: list[str]) -> None:
@@ -463,7 +481,7 @@ def child_kc_compute(argv: list[str]) -> None:
     from kconvert.formats.int4 import Int4Codec
 
     dev = torch.device(dev_name)
-    chunk = 1 << 27 if dev.type == "cuda" else 1 << 22  # as engine.execute picks
+    chunk = 1 << 27 if dev.type == "cuda" else 1 << 22  # as kconvert.engine.execute picks
     gen = torch.Generator(device=dev).manual_seed(0)
     out: dict = {"device": dev_name, "threads": torch.get_num_threads(), "batch": batch}
     for shape in ((I_MOE, H), (H, I_MOE)):
@@ -478,7 +496,7 @@ def child_kc_compute(argv: list[str]) -> None:
                 if dev.type == "cuda":
                     torch.cuda.synchronize()
                 t = time.perf_counter()
-                if dev.type == "cpu":  # the fused kernel, as engine.compute_item on a CPU
+                if dev.type == "cpu":  # the fused kernel, as the engine computes on a CPU
                     amax = nvfp4.int4_amax(packed, scale)
                     q = nvfp4.quantize_int4(packed, scale, amax, bs, chunk_elems=chunk)
                 else:
@@ -624,8 +642,10 @@ def load_anchor_ns() -> dict:
 
 
 def make_expert_set(dst: Path, n_experts: int, seed: int = 0) -> int:
-    """One shard with layer 1's experts 0..n-1 at full size (INT4 as anchor_convert makes them)
-    + the anchor's config (DIMS=full, n_routed_experts=n): a small set for CPU timing."""
+    """One shard with a MoE layer of n full-size experts (INT4 as anchor_convert makes them)
+    and its router + the anchor's config (DIMS=full, n_routed_experts=n): a small set for CPU
+    timing. The layer is layer 0 of a one-layer model, so that the source passes kconvert's
+    structure checks (no missing dense layer 0, a router, top-k within n)."""
     import torch
     from safetensors.torch import save_file
 
@@ -634,12 +654,13 @@ def make_expert_set(dst: Path, n_experts: int, seed: int = 0) -> int:
     torch.manual_seed(seed)
     rm(dst)
     dst.mkdir(parents=True)
-    t = {}
+    t = {"model.layers.0.mlp.gate.weight": ns["bf16"](n_experts, H),
+         "model.layers.0.mlp.gate.e_score_correction_bias": torch.randn(n_experts)}
     for e in range(n_experts):
         for pj, shp in (("gate_proj", (I_MOE, H)), ("up_proj", (I_MOE, H)),
                         ("down_proj", (H, I_MOE))):
             pk, sc, sh = ns["int4_expert"](*shp)
-            b = f"model.layers.1.mlp.experts.{e}.{pj}"
+            b = f"model.layers.0.mlp.experts.{e}.{pj}"
             t[f"{b}.weight_packed"], t[f"{b}.weight_scale"], t[f"{b}.weight_shape"] = pk, sc, sh
     name = "model-00001-of-000001.safetensors"
     save_file(t, dst / name, metadata={"format": "pt"})
@@ -648,7 +669,8 @@ def make_expert_set(dst: Path, n_experts: int, seed: int = 0) -> int:
          "weight_map": dict.fromkeys(t, name)}, indent=2))
     # The anchor's config, from a throwaway DIMS=full make_src config block.
     cfg = anchor_config(ns)
-    cfg["n_routed_experts"] = n_experts
+    cfg.update(n_routed_experts=n_experts, num_experts_per_tok=min(8, n_experts),
+               num_hidden_layers=1, first_k_dense_replace=0)
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     return 3 * n_experts
 
@@ -931,6 +953,8 @@ def full() -> None:
         rm(ROOT / "dst")
     RES["kc"] = {}
     variants = [("mse", None, "cuda"), ("amax", "amax", "cuda"), ("mse_cpu", None, "cpu")]
+    if not RES["machine"]["gpu"]:
+        variants = [v for v in variants if v[2] != "cuda"]
     for label, bs, device in variants:
         if device == "cpu" and late():
             continue

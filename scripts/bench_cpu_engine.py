@@ -6,19 +6,24 @@ Builds two shards of full-size INT4 experts (CPU_SIZES, default 8 and 32, as
 bench_convert.make_expert_set makes them), then runs one child process per variant. Each child
 converts the bundled fixture first (numba loads or compiles its kernels), then both shards REPS
 times (default 2) in-process, page cache warm, with `--device cpu`. Per matrix, as the slope
-between the two shards (start-up costs cancel): wall, compute thread busy (compute_item), the
-INT4 -> NVFP4 kernel and the amax kernel, process CPU time, minor page faults, involuntary
-context switches; and the same kernels alone in that process on a gate+up item (2 x 2048x7168),
-for comparison. Variants (kconvert's code is patched in the child only):
+between the two shards (start-up costs cancel): wall, compute thread busy (the engine's
+`compute` timing events, kconvert.events), the INT4 -> NVFP4 kernel and the amax kernel (the
+public kernels of kconvert.formats.nvfp4_cpu, wrapped in the child), process CPU time, minor
+page faults, involuntary context switches; and the same kernels alone in that process on a
+gate+up item (2 x 2048x7168), for comparison. Variants (set in the child only):
   base          the engine as it is
-  every<N>      engine.IO_CORE_EVERY = N (every1000000: no core set apart for the I/O threads)
+  every<N>      kconvert.engine.execute.IO_CORE_EVERY = N (every1000000: no core set apart for
+                the I/O threads)
+  nommap        kconvert.engine.execute.MMAP_THRESHOLD = None: glibc's own sliding mmap
+                threshold instead of the engine's 1 MiB
+  q<N>          kconvert.engine.execute.RESULT_QUEUE = N results between compute and writer
   gil           the parallel kernels hold the GIL while they run (own numba cache dir)
-  nohash        no content hashes (diagnostic: output not valid)
-  nowrite       no pwrite (diagnostic)
+  nohash        no content hashes: kconvert.io.hashing.TensorHashes.update replaced
+                (diagnostic: output not valid)
+  nowrite       no pwrite: kconvert.io.shards.ShardWriter.write replaced (diagnostic)
   r<N>          --readers N
   nt<N>         NUMBA_NUM_THREADS=N
   dyn           numba.set_parallel_chunksize(8): dynamic scheduling
-  nommap        glibc's own mmap threshold instead of the engine's 1 MiB
 Prints one JSON line per variant; writes OUT/cpu_engine.json.
 """
 
@@ -50,19 +55,21 @@ if variant == "dyn":
     numba.set_parallel_chunksize(8)
 import torch
 sys.path.insert(0, os.getcwd())
-from kconvert import engine, nvfp4, nvfp4_cpu, safetensors_io
+from kconvert import events
+from kconvert.engine import execute
+from kconvert.formats import nvfp4, nvfp4_cpu
+from kconvert.io import hashing, shards
 import kconvert.cli as cli
 if variant.startswith("every"):
-    engine.IO_CORE_EVERY = int(variant[5:])
+    execute.IO_CORE_EVERY = int(variant[5:])
 if variant == "nommap":
-    engine._fix_mmap_threshold = lambda *a, **k: None
+    execute.MMAP_THRESHOLD = None
+if re.fullmatch(r"q\d+", variant):
+    execute.RESULT_QUEUE = int(variant[1:])
 if variant == "nohash":
-    class NoHash:
-        def update(self, data): pass
-        def hexdigest(self): return "0"
-    engine.xxhash.xxh3_128 = NoHash
+    hashing.TensorHashes.update = lambda self, name, piece, size: "0"
 if variant == "nowrite":
-    safetensors_io.ShardWriter.write = lambda self, *a, **k: None
+    shards.ShardWriter.write = lambda self, *a, **k: None
 readers = variant[1:] if re.fullmatch(r"r\d+", variant) else "4"
 busy = {"kernel": 0.0, "amax": 0.0, "compute": 0.0}
 def timed(mod, name, key):
@@ -76,7 +83,10 @@ def timed(mod, name, key):
     setattr(mod, name, inner)
 timed(nvfp4_cpu, "quantize_int4_rows", "kernel")
 timed(nvfp4_cpu, "int4_row_amax", "amax")
-timed(engine, "compute_item", "compute")
+def on_event(event, info):
+    if event == "compute":
+        busy["compute"] += info["end"] - info["start"]
+events.subscribe(on_event, timings=True)
 def convert(src, dst):
     for k in busy:
         busy[k] = 0.0

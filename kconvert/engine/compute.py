@@ -28,6 +28,7 @@ class Result:
     """What the compute step hands the writer: out tensors (name, bytes, offset) + stats."""
 
     index: int
+    kind: str  # the item's: "copy" or "transform"
     writes: list[tuple[str, torch.Tensor, int]]
     stats: dict[str, ModuleStats]
     nbytes: int
@@ -80,7 +81,7 @@ def compute_item(plan: WorkPlan, item: Item, bufs: list[torch.Tensor], device: t
                  index: int, chunk_elems: int) -> Result:
     if isinstance(item, CopyItem):
         writes = [(c.out_name, buf, c.offset) for c, buf in zip(item.chunks, bufs, strict=True)]
-        return Result(index, writes, {}, item.nbytes)
+        return Result(index, item.kind, writes, {}, item.nbytes)
 
     # Decode every group to fp32 on the device: one batched op per (codec, shape) group.
     # A re-laid-out group (densify) is not decoded: its NVFP4 bytes go through unchanged.
@@ -167,7 +168,7 @@ def compute_item(plan: WorkPlan, item: Item, bufs: list[torch.Tensor], device: t
             for param, t in tensors.items():
                 writes.append((f"{m.out_module}.{param}", t, 0))
             stats[m.out_module] = ModuleStats(amaxes[i], gs[i], err[i], ref[i])
-    return Result(index, writes, stats, item.nbytes)
+    return Result(index, item.kind, writes, stats, item.nbytes)
 
 
 def _fused_int4(group: DecodeGroup, device: torch.device) -> bool:

@@ -14,19 +14,29 @@ from pathlib import Path
 
 import torch
 
+from kconvert import events
 from kconvert.engine.compute import compute_item, read_item
 from kconvert.engine.sink import ShardSink
-from kconvert.engine.work import WorkPlan
+from kconvert.engine.work import Item, WorkPlan
 from kconvert.formats import nvfp4
 from kconvert.io.readahead import read_ahead
 
+# The engine's knobs, read at the start of each run (scripts/bench_cpu_engine.py sets them to
+# measure what each is worth):
+#
 # On a CPU run the reader and writer threads get cores of their own, one in IO_CORE_EVERY of
-# the cores this process may use (none below that many), and the kernels the rest. Sharing
-# cores, an I/O thread preempts a kernel thread, and a parallel kernel waits for its slowest
-# thread: on 16 cores an expert matrix took 28-32 ms end to end that way, 19 ms with two
-# cores set apart (scripts/results/README.md, session 4).
+# the cores this process may use (none below that many; 10**6: none set apart), and the
+# kernels the rest. Sharing cores, an I/O thread preempts a kernel thread, and a parallel
+# kernel waits for its slowest thread: on the 16 cores of the H200 machine an expert matrix
+# took 27-33 ms end to end that way, 18-22 ms with two cores set apart
+# (scripts/results/README.md, bench_cpu_engine runs 2 and 3).
 IO_CORE_EVERY = 8
-
+# Host buffers of at least MMAP_THRESHOLD bytes each get a mapping of their own, unmapped when
+# freed (see _fix_mmap_threshold); None leaves glibc's own sliding threshold on.
+MMAP_THRESHOLD: int | None = 1 << 20
+# Results computed but not yet written: the compute thread waits (event wait-put) while the
+# writer is RESULT_QUEUE results behind. Each holds an item's output bytes in host memory.
+RESULT_QUEUE = 2
 
 # Thread masks are read and set per thread through /proc/self/task: Linux only.
 _CAN_PIN = sys.platform.startswith("linux") and hasattr(os, "sched_setaffinity")
@@ -41,8 +51,16 @@ def execute(
     readers: int = 4,
     prefetch: int = 4,
 ) -> dict[str, dict]:
-    """Run every item whose output is not already complete; returns shard -> record."""
-    _fix_mmap_threshold()
+    """Run every item whose output is not already complete; returns shard -> record.
+
+    `readers` threads read up to `prefetch` items ahead of the one being computed."""
+    with events.span("phase", name="execute"):
+        return _execute(plan, dst, device, done, progress, readers, prefetch)
+
+
+def _execute(plan: WorkPlan, dst: Path, device: torch.device, done: dict[str, dict],
+             progress: Callable[[int], None], readers: int, prefetch: int) -> dict[str, dict]:
+    _fix_mmap_threshold(MMAP_THRESHOLD)
     sink = ShardSink(plan, dst, done)
     todo = [(i, it) for i, it in enumerate(plan.items) if plan.item_shards(it) - set(done)]
     skipped = sum(it.nbytes for it in plan.items) - sum(it.nbytes for _, it in todo)
@@ -50,12 +68,23 @@ def execute(
         progress(skipped)
     pin = device.type == "cuda"
     chunk_elems = 1 << 27 if device.type == "cuda" else 1 << 22
-    results: queue.Queue = queue.Queue(maxsize=2)
+    results: queue.Queue = queue.Queue(maxsize=RESULT_QUEUE)
     failure: list[BaseException] = []
+
+    def read(entry: tuple[int, Item]) -> list[torch.Tensor]:
+        index, item = entry
+        with events.span("read", item=index, kind=item.kind, nbytes=item.nbytes):
+            return read_item(plan.ckpt, item, pin)
 
     def writer(io_cores: set[int] | None) -> None:
         _pin_thread(io_cores)
-        while (got := results.get()) is not None:
+        while True:
+            with events.span("wait-get", item=None, kind=None, nbytes=0) as waited:
+                got = results.get()
+                if got is not None:
+                    waited.add(item=got[0].index, kind=got[0].kind, nbytes=got[0].nbytes)
+            if got is None:
+                return
             if failure:
                 continue
             try:
@@ -73,12 +102,19 @@ def execute(
         try:
             with ThreadPoolExecutor(readers, thread_name_prefix="kconvert-read",
                                     initializer=_pin_thread, initargs=(io_cores,)) as pool:
-                for (index, item), bufs in read_ahead(
-                        pool, todo, lambda t: read_item(plan.ckpt, t[1], pin), prefetch):
+                ready = read_ahead(pool, todo, read, prefetch)
+                if events.timing:
+                    ready = _timed_waits(ready)
+                for (index, item), bufs in ready:
                     if failure:
                         break
-                    res = compute_item(plan, item, bufs, device, index, chunk_elems)
-                    results.put((res, hasher.submit(sink.hash, res)))
+                    with events.span("compute", item=index, kind=item.kind,
+                                     nbytes=item.nbytes):
+                        res = compute_item(plan, item, bufs, device, index, chunk_elems)
+                    queued = (res, hasher.submit(sink.hash, res))
+                    with events.span("wait-put", item=index, kind=item.kind,
+                                     nbytes=item.nbytes):
+                        results.put(queued)
         except BaseException:
             results.put(None)
             wthread.join()
@@ -91,6 +127,20 @@ def execute(
         raise failure[0]
     sink.finish_empty()
     return sink.done
+
+
+def _timed_waits(ready: Iterator[tuple[tuple[int, Item], list[torch.Tensor]]]
+                 ) -> Iterator[tuple[tuple[int, Item], list[torch.Tensor]]]:
+    """The read-ahead's items as they come, each wait for one a `wait-read` event."""
+    while True:
+        with events.span("wait-read", item=None, kind=None, nbytes=0) as waited:
+            got = next(ready, None)
+            if got is not None:
+                (index, item), _ = got
+                waited.add(item=index, kind=item.kind, nbytes=item.nbytes)
+        if got is None:
+            return
+        yield got
 
 
 def split_cores(cores: Iterable[int]) -> tuple[set[int], set[int]] | None:
@@ -141,14 +191,15 @@ def _pin_thread(cores: set[int] | None) -> None:
             os.sched_setaffinity(0, cores)
 
 
-def _fix_mmap_threshold(nbytes: int = 1 << 20) -> None:
-    """Keep every host buffer of >= 1 MiB in its own mapping, unmapped when freed.
+def _fix_mmap_threshold(nbytes: int | None) -> None:
+    """Keep every host buffer of >= `nbytes` in its own mapping, unmapped when freed (None:
+    leave glibc's default).
 
     glibc raises its mmap threshold to the size of each mapped block freed (up to 32 MiB),
     after which item-sized buffers come from per-thread arenas that fragment: peak RSS then
     creeps up item after item (+100-260 MiB on a shard of 16+ CPU work items) and varies
     run to run. Setting the threshold explicitly turns that adjustment off.
     """
-    if sys.platform.startswith("linux"):
+    if nbytes is not None and sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
             ctypes.CDLL(None).mallopt(-3, nbytes)  # M_MMAP_THRESHOLD

@@ -38,20 +38,26 @@ class ShardSink:
     def hash(self, result: Result) -> dict[str, str]:
         """Content hashes of the output tensors that `result` completes. Runs in a thread of
         its own, beside the writer, one result after another in order (a tensor may span
-        results). In the writer thread, hashing kept the writer, the pipeline's busiest
-        stage, busy 2.7 s longer per 15.5 GB (scripts/results/README.md, session 5)."""
+        results): in the writer thread, hashing kept the writer, the pipeline's busiest
+        stage, busy 2.7 s longer per 15.5 GB (H200 machine; scripts/results/README.md)."""
         digests = {}
-        for name, data, _ in result.writes:
-            if self.plan.outputs[name].shard in self.skipped:
-                continue
-            out = self.plan.outputs[name]
-            digest = self.hashes.update(name, byte_view(data), tensor_nbytes(out.dtype, out.shape))
-            if digest is not None:
-                digests[name] = digest
+        with events.span("hash", item=result.index, kind=result.kind, nbytes=result.nbytes):
+            for name, data, _ in result.writes:
+                out = self.plan.outputs[name]
+                if out.shard in self.skipped:
+                    continue
+                digest = self.hashes.update(name, byte_view(data),
+                                            tensor_nbytes(out.dtype, out.shape))
+                if digest is not None:
+                    digests[name] = digest
         return digests
 
     def write(self, result: Result, hashed: Future) -> None:
         """Write `result`'s bytes; `hashed` is its `hash`, computed meanwhile."""
+        with events.span("write", item=result.index, kind=result.kind, nbytes=result.nbytes):
+            self._write(result, hashed)
+
+    def _write(self, result: Result, hashed: Future) -> None:
         # Stats first: the writes below may complete (and close the record of) their shard.
         for module, st in result.stats.items():
             shard = self.module_shard[module]
@@ -66,17 +72,25 @@ class ShardSink:
             if writer is None:
                 writer = self.writers[shard] = ShardWriter(
                     self.dst / shard, self.state / "partial" / shard, self.entries[shard])
-            writer.write(name, data, offset)
-            self.remaining[shard] -= data.numel() * data.element_size()
+            nbytes = data.numel() * data.element_size()
+            with events.span("pwrite", item=result.index, shard=shard, tensor=name,
+                             nbytes=nbytes):
+                writer.write(name, data, offset)
+            self.remaining[shard] -= nbytes
             if self.remaining[shard] == 0:
                 finished.append(shard)
-        for name, digest in hashed.result().items():
+        with events.span("wait-hash", item=result.index, kind=result.kind,
+                         nbytes=result.nbytes):
+            digests = hashed.result()
+        for name, digest in digests.items():
             self.records[self.plan.outputs[name].shard]["tensors"][name] = digest
         for shard in finished:
             self._finish(shard)
 
     def _finish(self, shard: str) -> None:
-        self.writers.pop(shard).finish()
+        writer = self.writers.pop(shard)
+        with events.span("fsync", shard=shard, nbytes=writer.size):
+            writer.finish()
         record = self.records.pop(shard)
         write_json(self.state / "done" / f"{shard}.json", record,
                    self.state / "tmp" / f"{shard}.json")

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import ClassVar
 
+from kconvert import events
 from kconvert.errors import KconvertError
 from kconvert.formats import DenseCodec
 from kconvert.io.checkpoint import Checkpoint
@@ -40,9 +43,11 @@ class Chunk:
 
 @dataclass
 class CopyItem:
+    kind: ClassVar[str] = "copy"
+
     chunks: list[Chunk]
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return sum(c.length for c in self.chunks)
 
@@ -65,6 +70,8 @@ class DecodeGroup:
 
 @dataclass
 class TransformItem:
+    kind: ClassVar[str] = "transform"
+
     sets: list[list[ModuleWork]]
     groups: list[DecodeGroup] = field(default_factory=list)
 
@@ -77,7 +84,7 @@ class TransformItem:
                 by_key[key].append(m)
         self.groups = [DecodeGroup(ms) for ms in by_key.values()]
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return sum(i.nbytes for s in self.sets for m in s for i in m.params.values())
 
@@ -114,9 +121,10 @@ class WorkPlan:
 def read_shape_values(ckpt: Checkpoint) -> dict[str, tuple[int, ...]]:
     """Contents of every INT4 `weight_shape` tensor (8-16 bytes each), needed to plan shapes."""
     values = {}
-    for name, info in ckpt.tensors.items():
-        if name.endswith(".weight_shape"):
-            values[name] = tuple(int(v) for v in ckpt.reader_for(info).read(info).tolist())
+    with events.span("phase", name="read_shape_values"):
+        for name, info in ckpt.tensors.items():
+            if name.endswith(".weight_shape"):
+                values[name] = tuple(int(v) for v in ckpt.reader_for(info).read(info).tolist())
     return values
 
 
@@ -135,6 +143,11 @@ def _renames(names, stages: list[Stage]) -> dict[str, tuple[str | None, tuple[in
 
 
 def build_work_plan(ckpt: Checkpoint, stages: list[Stage], work_elems: int) -> WorkPlan:
+    with events.span("phase", name="build_work_plan"):
+        return _build_work_plan(ckpt, stages, work_elems)
+
+
+def _build_work_plan(ckpt: Checkpoint, stages: list[Stage], work_elems: int) -> WorkPlan:
     tensors = ckpt.tensors
     renames = _renames(tensors, stages)
     dropped = {n: "routed expert not kept by the plan" for n, (new, _) in renames.items()

@@ -692,17 +692,15 @@ def test_shard_writer_starts_writeback_every_writeback_bytes(tmp_path, monkeypat
     """Dirty output pages are queued for the disk as they are written (sync_file_range through
     libc: Python's os module has no such call), so a shard's final fsync has little left to
     flush and does not stall the reads for seconds. The file is still exactly what was written."""
-    from kconvert.io import shards as safetensors_io
+    from kconvert.io import shards
 
     calls = []
-    real = safetensors_io.start_writeback
-    monkeypatch.setattr(safetensors_io, "WRITEBACK_BYTES", 1 << 20)
-    monkeypatch.setattr(safetensors_io, "start_writeback",
-                        lambda fd: calls.append(fd) or real(fd))
+    real = shards.start_writeback
+    monkeypatch.setattr(shards, "WRITEBACK_BYTES", 1 << 20)
+    monkeypatch.setattr(shards, "start_writeback", lambda fd: calls.append(fd) or real(fd))
     data = torch.arange(5 << 18, dtype=torch.int32)  # 5 MiB, written in 640 KiB pieces
     path = tmp_path / "a.safetensors"
-    writer = safetensors_io.ShardWriter(path, tmp_path / "a.partial",
-                                        [("x", "I32", tuple(data.shape))])
+    writer = shards.ShardWriter(path, tmp_path / "a.partial", [("x", "I32", tuple(data.shape))])
     for piece, offset in zip(data.split(5 << 15), range(0, 5 << 20, 5 << 17), strict=True):
         writer.write("x", piece, offset)
     writer.finish()
@@ -781,16 +779,16 @@ def test_cpu_run_gives_io_threads_cores_of_their_own_and_restores_every_thread(
 
     import numba
 
-    from kconvert.engine import execute as engine
-    from kconvert.engine.sink import ShardSink
+    from kconvert import events
+    from kconvert.engine import execute
 
     allowed = os.sched_getaffinity(0)
     shared = tmp_path / "shared"
-    monkeypatch.setattr(engine, "IO_CORE_EVERY", 10**6)  # no core set apart
+    monkeypatch.setattr(execute, "IO_CORE_EVERY", 10**6)  # no core set apart
     run_inproc("int4-to-nvfp4", BUNDLED, shared)
 
-    monkeypatch.setattr(engine, "IO_CORE_EVERY", len(allowed))  # one core set apart
-    kernel, io = engine.split_cores(allowed)
+    monkeypatch.setattr(execute, "IO_CORE_EVERY", len(allowed))  # one core set apart
+    kernel, io = execute.split_cores(allowed)
     idle = threading.Event()
     bystander = threading.Thread(target=idle.wait)  # a thread of the host program
     bystander.start()
@@ -798,26 +796,22 @@ def test_cpu_run_gives_io_threads_cores_of_their_own_and_restores_every_thread(
                             "bystander": set()}
     threads = set()
 
-    def recording(kind, fn):
-        def inner(*a, **k):
-            seen[kind].add(frozenset(os.sched_getaffinity(0)))
-            if kind == "compute":
-                seen["bystander"].add(frozenset(os.sched_getaffinity(bystander.native_id)))
-                threads.add((numba.get_num_threads(), torch.get_num_threads()))
-            return fn(*a, **k)
-        return inner
+    def recording(event, info):
+        """A timing event's listener runs in the thread that did the step."""
+        if event in ("read", "write", "hash", "compute"):
+            seen[event].add(frozenset(os.sched_getaffinity(0)))
+        if event == "compute":
+            seen["bystander"].add(frozenset(os.sched_getaffinity(bystander.native_id)))
+            threads.add((numba.get_num_threads(), torch.get_num_threads()))
 
-    compute = engine.compute_item
-    monkeypatch.setattr(engine, "read_item", recording("read", engine.read_item))
-    monkeypatch.setattr(engine, "compute_item", recording("compute", compute))
-    monkeypatch.setattr(ShardSink, "write", recording("write", ShardSink.write))
-    monkeypatch.setattr(ShardSink, "hash", recording("hash", ShardSink.hash))
     torch_threads, numba_threads = torch.get_num_threads(), numba.get_num_threads()
     apart = tmp_path / "apart"
+    unsubscribe = events.subscribe(recording, timings=True)
     try:
         run_inproc("int4-to-nvfp4", BUNDLED, apart)
         after = os.sched_getaffinity(bystander.native_id)
     finally:
+        unsubscribe()
         idle.set()
         bystander.join()
 
@@ -831,14 +825,17 @@ def test_cpu_run_gives_io_threads_cores_of_their_own_and_restores_every_thread(
     # A run that fails midway puts every thread and thread count back too.
     calls = []
 
-    def failing(*a, **k):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("compute failed")
-        return compute(*a, **k)
+    def failing(event, info):
+        if event == "compute":
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("compute failed")
 
-    monkeypatch.setattr(engine, "compute_item", failing)
-    with pytest.raises(RuntimeError, match="compute failed"):
-        run_inproc("int4-to-nvfp4", BUNDLED, tmp_path / "failed")
+    unsubscribe = events.subscribe(failing, timings=True)
+    try:
+        with pytest.raises(RuntimeError, match="compute failed"):
+            run_inproc("int4-to-nvfp4", BUNDLED, tmp_path / "failed")
+    finally:
+        unsubscribe()
     assert os.sched_getaffinity(0) == allowed
     assert (torch.get_num_threads(), numba.get_num_threads()) == (torch_threads, numba_threads)
