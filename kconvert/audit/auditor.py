@@ -49,7 +49,7 @@ from kconvert.checks.quant_config import check_quant_config, quant_blocks
 from kconvert.checks.structure import check_config, check_layers
 from kconvert.devices import pick_device
 from kconvert.errors import KconvertError
-from kconvert.formats import detect_codec
+from kconvert.formats import detect_codec, nvfp4
 from kconvert.formats.base import Codec, is_linear
 from kconvert.formats.dense import FLOAT_DTYPES, DenseCodec
 from kconvert.formats.fp8_block import Fp8BlockCodec
@@ -713,12 +713,12 @@ class Auditor:
                     continue
                 codec, gs, _ = got[member]
                 want = torch.tensor([entry.global_scale], dtype=torch.float32)
-                if codec == ModeloptNvfp4Codec.name:
-                    want = (1.0 / torch.tensor(entry.global_scale, dtype=torch.float64)).float()
+                if codec == ModeloptNvfp4Codec.name:  # its own arithmetic: amax / 2688
+                    want = nvfp4.tensor_scale(torch.tensor([entry.amax]), "modelopt")
                 r.check(M, bool(torch.equal(gs.reshape(-1).float(), want.reshape(-1))),
                         "fused-sets", f"stored global scale {_hexfloat(gs)} but the manifest "
-                        f"records {entry.global_scale} (2688/amax) for {fused_name}",
-                        tensor=member)
+                        f"records {entry.global_scale} (2688/amax, amax {entry.amax}) for "
+                        f"{fused_name}", tensor=member)
         quantized: Counter = Counter()
         for m in self.modules.values():
             entry = man.tensors.get(m.primary.name)

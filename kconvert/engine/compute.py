@@ -133,21 +133,23 @@ def compute_item(plan: WorkPlan, item: Item, bufs: list[torch.Tensor], device: t
                 writes.append((m.out_module + ".weight", enc[i], 0))
             continue
         a = torch.stack([set_amax[m.module] for m in ms])
+        arithmetic = out_codec.arithmetic
         if w is None:
             q = nvfp4.quantize_int4(params["weight_packed"], params["weight_scale"], a,
-                                    plan.scale_rule, ms[0].group_size, chunk_elems)
+                                    plan.scale_rule, ms[0].group_size, chunk_elems,
+                                    arithmetic=arithmetic)
             encoded.append((ms, q, a, {}))
             continue
         src_dtype = ms[0].primary.torch_dtype
         local = src_dtype if ms[0].codec is DenseCodec else torch.float32
         source, codes = w, None
         if ms[0].transform is not None:
-            w, codes = ms[0].transform.transform(ms, w, nvfp4.global_scale(a), plan.scale_rule,
-                                                 local)
+            w, codes = ms[0].transform.transform(ms, w, nvfp4.tensor_scale(a, arithmetic),
+                                                 plan.scale_rule, local, arithmetic)
         q = nvfp4.quantize(w, a, plan.scale_rule, chunk_elems, local_dtype=local,
-                           group_size=ms[0].group_size, block_codes=codes)
+                           group_size=ms[0].group_size, block_codes=codes, arithmetic=arithmetic)
         if w is not source:  # the error that matters is against the source, not the transform
-            q.err_sq, q.ref_sq = _error_vs(source, q)
+            q.err_sq, q.ref_sq = _error_vs(source, q, arithmetic)
         q = nvfp4.Quantized(*(_to_host(t) for t in (q.packed, q.block_scales, q.global_scale,
                                                     q.err_sq, q.ref_sq)))
         encoded.append((ms, q, _to_host(a), {}))
@@ -160,8 +162,10 @@ def compute_item(plan: WorkPlan, item: Item, bufs: list[torch.Tensor], device: t
                                 tensor=bad.name)
     for ms, q, a, carried in encoded:
         out_codec = ms[0].out_codec
-        gs, err, ref, amaxes = (q.global_scale.tolist(), q.err_sq.tolist(), q.ref_sq.tolist(),
-                                a.tolist())
+        # The manifest records compressed-tensors' form, 2688 / amax, whatever the flavour.
+        gs = (q.global_scale if out_codec.arithmetic != "modelopt"
+              else nvfp4.global_scale(a)).tolist()
+        err, ref, amaxes = q.err_sq.tolist(), q.ref_sq.tolist(), a.tolist()
         for i, m in enumerate(ms):
             tensors = {**out_codec.encode(q, i, m.input_amax),
                        **{p: t[i] for p, t in carried.items()}}
@@ -186,9 +190,11 @@ def _unpacked(codec, params: dict[str, torch.Tensor]) -> nvfp4.Quantized:
     return nvfp4.Quantized(packed, scales, gs, zero, zero)
 
 
-def _error_vs(source: torch.Tensor, q: nvfp4.Quantized) -> tuple[torch.Tensor, torch.Tensor]:
+def _error_vs(source: torch.Tensor, q: nvfp4.Quantized, arithmetic: str
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of squared error of q's decode against `source`, sum of source squares) [B]."""
-    err = (nvfp4.dequantize(q.packed, q.block_scales, q.global_scale) - source).square()
+    decoded = nvfp4.dequantize(q.packed, q.block_scales, q.global_scale, arithmetic)
+    err = (decoded - source).square()
     return (err.sum((1, 2), dtype=torch.float64),
             source.square().sum((1, 2), dtype=torch.float64))
 

@@ -76,6 +76,8 @@ class Codec:
     # "modelopt"), and the --format name that selects it; None for source-only formats.
     config_family: ClassVar[str | None] = None
     cli_name: ClassVar[str | None] = None
+    # NVFP4 formats: whose scale arithmetic the encoder follows (kconvert.formats.nvfp4).
+    arithmetic: ClassVar[str | None] = None
 
     @classmethod
     def matches(cls, infos: dict[str, TensorInfo]) -> bool:

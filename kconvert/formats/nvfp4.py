@@ -187,20 +187,24 @@ def _choose(blocks: torch.Tensor, gs: torch.Tensor, rule: str, local_dtype: torc
 
 
 def choose_block_codes(blocks: torch.Tensor, gs: torch.Tensor, rule: str,
-                       local_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                       local_dtype: torch.dtype = torch.float32,
+                       arithmetic: str = "compressed-tensors") -> torch.Tensor:
     """The FP8 block scale codes `quantize` picks for blocks [N, nb, block] (fp32).
 
-    gs [N, 1]: each row's global scale (`global_scale` of its amax); rule: "amax" or "mse",
-    as quantize's `scale_rule`; local_dtype: as quantize's. Returns uint8 codes [N, nb]
-    (bits of float8_e4m3fn, always 1..0x7E for finite input), on the blocks' device.
+    gs [N, 1]: each row's per-tensor scale (`tensor_scale` of its amax); rule: "amax" or
+    "mse", as quantize's `scale_rule`; local_dtype and arithmetic: as quantize's. Returns uint8
+    codes [N, nb] (bits of float8_e4m3fn, always 1..0x7E for finite input), on the blocks'
+    device.
     """
     _check_rule(rule)
     device = blocks.device
     lut = torch.tensor(E2M1, dtype=torch.float32, device=device)
-    return _choose(blocks.float(), gs.float(), rule, local_dtype, cut_points(device), lut)[0]
+    return _choose(blocks.float(), gs.float(), rule, local_dtype, cut_points(device), lut,
+                   arithmetic)[0]
 
 
-def fake_quantize(blocks: torch.Tensor, codes: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
+def fake_quantize(blocks: torch.Tensor, codes: torch.Tensor, gs: torch.Tensor,
+                  arithmetic: str = "compressed-tensors") -> torch.Tensor:
     """The fp32 values dequantize(quantize(...)) gives blocks [N, nb, block] (fp32) encoded
     with FP8 block scale codes [N, nb] (uint8) and row global scales gs [N, 1].
 
@@ -208,7 +212,8 @@ def fake_quantize(blocks: torch.Tensor, codes: torch.Tensor, gs: torch.Tensor) -
     rounds it (the last dim may be any part of a block: rounding is per element).
     """
     blocks = blocks.float()
-    return _values(_nibbles(blocks, codes, gs, cut_points(blocks.device)), _step(codes, gs))
+    nibbles = _nibbles(blocks, codes, gs, cut_points(blocks.device), arithmetic)
+    return _values(nibbles, _step(codes, gs, arithmetic))
 
 
 def _checked_codes(codes: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

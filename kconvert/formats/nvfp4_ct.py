@@ -23,6 +23,7 @@ class Nvfp4Codec(Codec):
     ct_format = "nvfp4-pack-quantized"
     config_family = "compressed-tensors"
     cli_name = "compressed-tensors"
+    arithmetic = "compressed-tensors"
 
     @classmethod
     def param_rules(cls, shape, group_size) -> ParamRules:

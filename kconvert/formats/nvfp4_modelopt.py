@@ -33,6 +33,7 @@ class ModeloptNvfp4Codec(Nvfp4Codec):
         "NVFP4": "w4a4", "W4A16_NVFP4": "w4a16", "NVFP4_W4A16": "w4a16"}
     config_family = "modelopt"
     cli_name = "modelopt"
+    arithmetic = "modelopt"
 
     @classmethod
     def matches(cls, infos):
@@ -81,7 +82,7 @@ class ModeloptNvfp4Codec(Nvfp4Codec):
         out = {
             "weight": q.packed[i],
             "weight_scale": q.block_scales[i],
-            "weight_scale_2": (1.0 / q.global_scale[i].double()).float().reshape(()),
+            "weight_scale_2": q.global_scale[i].reshape(()),  # amax / 2688, ModelOpt's
         }
         if input_amax is not None:
             amax = torch.tensor(input_amax, dtype=torch.float32)

@@ -52,7 +52,8 @@ def prepare_inverse(h: torch.Tensor, percdamp: float = PERCDAMP) -> torch.Tensor
 
 
 def prune_quantize(w: torch.Tensor, u: torch.Tensor, gs: torch.Tensor, group_size: int, rule: str,
-                   local_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+                   local_dtype: torch.dtype = torch.float32,
+                   arithmetic: str = "compressed-tensors") -> tuple[torch.Tensor, torch.Tensor]:
     """Joint p48 prune + NVFP4 quantize of w [B, M, K] with U [B, K, K] (`prepare_inverse`).
 
     gs [B, M] is each row's NVFP4 global scale. Returns (W-hat [B, M, K] on the NVFP4 grid
@@ -77,11 +78,12 @@ def prune_quantize(w: torch.Tensor, u: torch.Tensor, gs: torch.Tensor, group_siz
             keep = p48.top2_pairs(obs[..., 0::2] + obs[..., 1::2]).repeat_interleave(2, -1)
             masked = torch.where(keep, w1[:, :, cols], 0.0)
             c = nvfp4.choose_block_codes(masked.reshape(b * m, 1, group_size), row_gs, rule,
-                                         local_dtype)  # [B*M, 1]
+                                         local_dtype, arithmetic)  # [B*M, 1]
             codes[:, :, (i1 + j0) // group_size] = c.reshape(b, m)
             for j in range(j0, j0 + group_size):
                 col = w1[:, :, j]
-                q = nvfp4.fake_quantize(col.reshape(b * m, 1, 1), c, row_gs).reshape(b, m)
+                q = nvfp4.fake_quantize(col.reshape(b * m, 1, 1), c, row_gs,
+                                        arithmetic).reshape(b, m)
                 q = torch.where(keep[:, :, j - j0], q, 0.0)
                 err = (col - q) / d[:, None, j]
                 w1[:, :, j:] -= err.unsqueeze(-1) * u1[:, None, j, j:]

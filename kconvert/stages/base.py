@@ -82,10 +82,11 @@ class WeightTransform(Protocol):
     """Changes B same-shaped modules' decoded fp32 weights before they are encoded."""
 
     def transform(self, modules: list[ModuleWork], w: torch.Tensor, gs: torch.Tensor,
-                  scale_rule: str, local_dtype: torch.dtype
+                  scale_rule: str, local_dtype: torch.dtype, arithmetic: str
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(new weights [B, M, K], FP8 block-scale codes to encode them with, or None to let
-        the encoder choose). `gs` [B] are the NVFP4 global scales they will be encoded with."""
+        the encoder choose). `gs` [B] are the NVFP4 per-tensor scales they will be encoded
+        with, in the output flavour's `arithmetic` (kconvert.formats.nvfp4.ARITHMETIC)."""
         ...
 
 

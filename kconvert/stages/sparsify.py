@@ -152,16 +152,16 @@ class Sparsify(Stage):
     def norms(self) -> WandaNorms:
         return _norms(self.stats)
 
-    def transform(self, modules, w, gs, scale_rule, local_dtype):
+    def transform(self, modules, w, gs, scale_rule, local_dtype, arithmetic):
         if self.method == "sparsegpt":
-            return self._sparsegpt(modules, w, gs, scale_rule, local_dtype)
+            return self._sparsegpt(modules, w, gs, scale_rule, local_dtype, arithmetic)
         col = None
         if self.method == "wanda":
             col = torch.stack([self.norms.column_norms(m) for m in modules]).to(w.device)
         keep = p48.top2_pairs(p48.pair_scores(w, col))
         return p48.apply_pair_mask(w, keep), None
 
-    def _sparsegpt(self, modules, w, gs, scale_rule, local_dtype):
+    def _sparsegpt(self, modules, w, gs, scale_rule, local_dtype, arithmetic):
         # Members that see the same inputs (an expert's gate and up) share one Hessian and
         # run as one [rows, in] matrix: one Cholesky, one loop.
         keys = [(m.tn.layer, m.tn.expert, "down" if m.tn.proj == "down_proj" else "in")
@@ -180,7 +180,7 @@ class Sparsify(Stage):
         wj = w[idx].reshape(len(order), per * m, k)
         row_gs = gs.to(w.device)[idx].repeat_interleave(m).reshape(len(order), per * m)
         w_hat, codes = sparsegpt.prune_quantize(wj, u, row_gs, self.group_size, scale_rule,
-                                                local_dtype)
+                                                local_dtype, arithmetic)
         out = torch.empty_like(w)
         out_codes = torch.empty(b, m, k // self.group_size, dtype=torch.uint8, device=w.device)
         out[idx] = w_hat.reshape(b, m, k)

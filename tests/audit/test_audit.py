@@ -602,8 +602,10 @@ def test_excluded_modules_carry_no_scales(outputs, tmp_path):
     out = copy(outputs["int4-to-nvfp4-modelopt"][0], tmp_path / "o")
     hf = json.loads((out / "hf_quant_config.json").read_text())
     cfg = json.loads((out / "config.json").read_text())
-    for block in (hf["quantization"], cfg["quantization_config"]):
-        block["exclude_modules"].append("model.layers.2.mlp.experts.1.*")
+    # hf_quant_config.json spells it exclude_modules; config.json's block (ModelOpt's export
+    # shape) spells it ignore.
+    hf["quantization"]["exclude_modules"].append("model.layers.2.mlp.experts.1.*")
+    cfg["quantization_config"]["ignore"].append("model.layers.2.mlp.experts.1.*")
     (out / "hf_quant_config.json").write_text(json.dumps(hf))
     (out / "config.json").write_text(json.dumps(cfg))
     rehash_generated(out)

@@ -455,10 +455,12 @@ def test_modelopt_configs(converted):
 
 def test_modelopt_decodes_like_compressed_tensors_flavour(converted):
     """CT's own ModelOpt->CT converter maps the ModelOpt output onto CT names; decoded (fp32,
-    CT's dequantize) it equals the compressed-tensors flavour within 1e-6 relative, and the
-    packed weights and block scales are the same bytes."""
-    _, dst_mo = converted("k2-int4-kimi", format="modelopt")
-    _, dst_ct = converted("k2-int4-kimi", format="compressed-tensors")
+    CT's dequantize) it equals the compressed-tensors flavour but where the two tools' scale
+    arithmetic rounds a value on a boundary the other way: at most 1 in 1,000 bytes and block
+    scales differ, and each module decodes within 2% (norm) of the other flavour (a block
+    whose scale rounds to the neighbouring FP8 code moves its 16 values by up to 1/8)."""
+    _, dst_mo = converted("k2-int4-kimi", format="modelopt", block_scale="amax")
+    _, dst_ct = converted("k2-int4-kimi", format="compressed-tensors", block_scale="amax")
     ct_mods = by_module(load_tensors(dst_ct))
     targets = [r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"]
     converter = ModelOptNvfp4Converter(targets=targets)
@@ -466,16 +468,20 @@ def test_modelopt_decodes_like_compressed_tensors_flavour(converted):
     weights = nvfp4a16_scheme()
     experts = expert_modules(ct_mods)
     assert set(expert_modules(mapped).values()) == set(experts.values())
+    bytes_differ = scales_differ = n_bytes = n_scales = 0
     for module in experts.values():
         a, b = mapped[module], ct_mods[module]
-        assert torch.equal(a["weight_packed"], b["weight_packed"]), module
-        assert torch.equal(u8(a["weight_scale"]), u8(b["weight_scale"])), module
+        bytes_differ += int((a["weight_packed"] != b["weight_packed"]).sum())
+        scales_differ += int((u8(a["weight_scale"]) != u8(b["weight_scale"])).sum())
+        n_bytes += b["weight_packed"].numel()
+        n_scales += b["weight_scale"].numel()
         assert torch.allclose(a["weight_global_scale"].reshape(1), b["weight_global_scale"],
                               rtol=1e-6, atol=0)
         wa = ct_nvfp4_fp32({**a, "weight_global_scale": a["weight_global_scale"].reshape(1)},
                            weights)
         wb = ct_nvfp4_fp32(b, weights)
-        assert torch.allclose(wa, wb, rtol=1e-6, atol=0), module
+        assert float((wa - wb).norm() / wb.norm()) <= 0.02, module
+    assert bytes_differ <= n_bytes * 1e-3 and scales_differ <= n_scales * 1e-3
 
 
 # ------------------------------------------------------------------------------ G: K2.5 wrapper
@@ -561,24 +567,29 @@ def test_k25_config_blocks_replaced_everywhere(fixture_dir, tmp_path):
 
 
 def test_nvfp4_matches_modelopt_reference_math(converted):
-    """ModelOpt's NVFP4QTensor with our weight_scale_2 gives our bytes (amax rule)."""
-    pytest.importorskip("modelopt", reason="nvidia-modelopt is not installed (optional extra)")
+    """`--format modelopt --block-scale amax` writes ModelOpt's own NVFP4QTensor bytes, block
+    scales and weight_scale_2 (amax / 2688 of the fused set, as ModelOpt computes it), exactly,
+    for every routed expert."""
+    pytest.importorskip("modelopt", reason="nvidia-modelopt is a test dependency")
     from modelopt.torch.quantization.qtensor import NVFP4QTensor
 
-    src, dst = converted("k2-int4-kimi", block_scale="amax")
+    src, dst = converted("k2-int4-kimi", format="modelopt", block_scale="amax")
     scheme = int4_scheme(src)
     src_mods, out_mods = by_module(load_tensors(src)), by_module(load_tensors(dst))
-    scale_mismatch = total = 0
-    for module in expert_modules(out_mods).values():
-        out = out_mods[module]
-        w = ct_int4_fp32(src_mods[module], scheme)
-        wsf2 = (1.0 / out["weight_global_scale"].double()).float().reshape(())
-        _, wsf, _ = NVFP4QTensor.quantize(w, 16, weights_scaling_factor_2=wsf2)
-        # ModelOpt divides by 6*wsf2 where CT multiplies by gs; FP8 rounding may differ on a
-        # rare exact boundary, so scales are compared by rate and elements under our scales.
-        scale_mismatch += int((u8(wsf) != u8(out["weight_scale"])).sum())
-        total += wsf.numel()
-        qt2, _, _ = NVFP4QTensor.quantize(w, 16, weights_scaling_factor=out["weight_scale"],
-                                          weights_scaling_factor_2=wsf2)
-        assert torch.equal(qt2._quantized_data, out["weight_packed"]), module
-    assert scale_mismatch <= total * 1e-3
+    experts = expert_modules(out_mods)
+    by_set: dict[tuple, list[str]] = defaultdict(list)
+    for (prefix, layer, expert, proj), module in experts.items():
+        by_set[(prefix, layer, expert, proj == "down_proj")].append(module)
+    compared = 0
+    for modules in by_set.values():
+        weights = {m: ct_int4_fp32(src_mods[m], scheme) for m in modules}
+        amax = max(w.abs().max() for w in weights.values()).float()  # the fused set's
+        for module, w in weights.items():
+            out = out_mods[module]
+            qt, wsf, wsf2 = NVFP4QTensor.quantize(w, 16, weights_scaling_factor_2=amax / 2688.0)
+            assert torch.equal(wsf2.reshape(()), out["weight_scale_2"].reshape(())), module
+            assert torch.equal(u8(wsf), u8(out["weight_scale"])), module
+            assert torch.equal(qt._quantized_data, out["weight"]), module
+            compared += 1
+    assert compared == 2 * 16 * 3
+
