@@ -7,13 +7,9 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from kconvert.model.names import Role, TensorName
+from kconvert.pruning.plan import PLAN_FILE
 from kconvert.stages.base import Stage
 from kconvert.stages.records import PruneRecord
-
-# Parameter suffixes that only exist in quantized formats: a module that has one of these but
-# matches no codec is a layout we do not understand, and must not be copied into an output
-# whose quantization_config no longer describes it.
-PLAN_FILE = "reap-plan.json"
 
 
 @dataclass(frozen=True)
