@@ -33,7 +33,8 @@ class TensorEntry(BaseModel):
 class FusedSetEntry(BaseModel):
     members: list[str] = Field(description="modules that share this NVFP4 global scale")
     amax: float
-    global_scale: float = Field(description="2688 / amax, as stored (reciprocal in ModelOpt)")
+    global_scale: float = Field(
+        description="2688 / amax as compressed-tensors stores it (ModelOpt stores amax / 2688)")
 
 
 class LayerEntry(BaseModel):

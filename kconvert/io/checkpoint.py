@@ -1,10 +1,13 @@
-"""Opening a source checkpoint: a local directory or a Hugging Face repo id.
+"""Opening a checkpoint: a local directory or a Hugging Face repo id.
 
 `Checkpoint` knows the config (top level or `text_config` of the K2.5/K2.6 wrapper), the
 weight map (from `model.safetensors.index.json` or a single `model.safetensors`), a validated
 reader per shard, and the non-weight files that must be carried over byte for byte.
-Everything that can be checked before converting is checked here, so a bad input fails
-before a single output byte is written.
+
+Two ways to open one. `open_checkpoint` (a conversion's source) is strict: everything that can
+be checked before converting is checked here, so a bad input fails before a single output
+byte is written. `survey_checkpoint` (what `kconvert audit` opens) reads the same files the
+same way but reports every inconsistency as a finding and goes on with what is readable.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kconvert.checks.findings import CONFIG, Checks
 from kconvert.errors import KconvertError
 from kconvert.io.shards import ShardReader, TensorInfo
 
@@ -36,6 +40,7 @@ class Checkpoint:
     weight_map: dict[str, str]
     has_index: bool
     readers: dict[str, ShardReader] = field(default_factory=dict)
+    index: dict | None = None  # the index file's contents, where there is one
 
     @property
     def text_config(self) -> dict:
@@ -55,6 +60,16 @@ class Checkpoint:
 
     def reader_for(self, info: TensorInfo) -> ShardReader:
         return self.readers[info.file.name]
+
+    def shape_values(self) -> dict[str, tuple[int, ...]]:
+        """Contents of every INT4 `weight_shape` tensor (8-16 bytes each): a module's logical
+        shape, needed to group and plan modules."""
+        values = {}
+        for name, file in self.weight_map.items():
+            if name.endswith(".weight_shape"):
+                info = self.readers[file].tensors[name]
+                values[name] = tuple(int(v) for v in self.readers[file].read(info).tolist())
+        return values
 
     def other_files(self) -> list[str]:
         """Every file that is not a weight shard or a regenerated file, relative to root."""
@@ -119,17 +134,24 @@ def resolve(src: str, revision: str | None) -> tuple[Path, dict]:
     return Path(local), {"repo": src, "revision": revision or "main", "commit": commit}
 
 
-def load_config(root: Path) -> dict:
-    path = root / "config.json"
-    if not path.is_file():
-        raise KconvertError("no config.json", file=str(path))
+def parse_config(path: Path) -> tuple[dict, str | None]:
+    """(config.json's object, or {} and what is wrong with the file)."""
     try:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise KconvertError(f"config.json is not valid JSON: {exc}", file=str(path)) from exc
+        return {}, f"config.json is not valid JSON: {exc}"
     if not isinstance(config, dict):
-        raise KconvertError(f"config.json holds a JSON {type(config).__name__}, not an object",
-                            file=str(path))
+        return {}, f"config.json holds a JSON {type(config).__name__}, not an object"
+    return config, None
+
+
+def load_config(root: Path) -> dict:
+    path = root / CONFIG
+    if not path.is_file():
+        raise KconvertError("no config.json", file=str(path))
+    config, problem = parse_config(path)
+    if problem is not None:
+        raise KconvertError(problem, file=str(path))
     text = config.get("text_config", config)
     if not isinstance(text, dict):
         raise KconvertError("config.json's text_config is not an object", file=str(path))
@@ -143,25 +165,36 @@ def load_config(root: Path) -> dict:
     return config
 
 
+def parse_index(path: Path) -> tuple[dict | None, str | None]:
+    """(the index, whose weight_map maps tensor -> shard file name; or None and what is wrong
+    with the file)."""
+    try:
+        index = json.loads(path.read_text())
+        weight_map = index["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        return None, f"malformed index: {exc}"
+    if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
+        return None, ("malformed index: weight_map is not an object of tensor -> shard file "
+                      "name")
+    return index, None
+
+
 def open_checkpoint(src: str, revision: str | None = None) -> Checkpoint:
     root, identity = resolve(src, revision)
     config = load_config(root)
     index_path = root / INDEX
+    index = None
     if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise KconvertError(f"malformed index: {exc}", file=str(index_path)) from exc
-        has_index = True
+        index, problem = parse_index(index_path)
+        if problem is not None:
+            raise KconvertError(problem, file=str(index_path))
+        weight_map, has_index = index["weight_map"], True
     elif (root / SINGLE).is_file():
         weight_map, has_index = {}, False
     else:
         raise KconvertError(f"no {INDEX} and no {SINGLE}", file=str(root))
 
-    if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
-        raise KconvertError("malformed index: weight_map is not an object of tensor -> shard "
-                            "file name", file=str(index_path))
-    ckpt = Checkpoint(root, identity, config, weight_map, has_index)
+    ckpt = Checkpoint(root, identity, config, weight_map, has_index, index=index)
     files = sorted(set(weight_map.values())) if has_index else [SINGLE]
     for fn in files:
         path = root / fn
@@ -187,3 +220,84 @@ def open_checkpoint(src: str, revision: str | None = None) -> Checkpoint:
         ckpt.close()
         raise
     return ckpt
+
+
+def survey_checkpoint(root: Path, checks: Checks) -> Checkpoint | None:
+    """Open the checkpoint in directory `root` as `kconvert audit` does: every inconsistency
+    (config, index, shard headers, index vs shards) is a "structure" finding, and the
+    checkpoint holds the tensors where the shards really have them (the index's word is not
+    taken). None when no tensor can be located (no index and no single file, or an index
+    that cannot be read)."""
+    S = "structure"
+    config = {}
+    if checks.check(S, (root / CONFIG).is_file(), "config", "no config.json", file=CONFIG):
+        config, problem = parse_config(root / CONFIG)
+        if problem is not None:
+            checks.add(S, "config", problem, file=CONFIG)
+    index = None
+    if (root / INDEX).is_file():
+        index, problem = parse_index(root / INDEX)
+        if problem is not None:
+            checks.add(S, "index", problem, file=INDEX)
+            return None
+        checks.ran(S)
+        files = sorted(set(index["weight_map"].values()))
+    elif (root / SINGLE).is_file():
+        files = [SINGLE]
+    else:
+        checks.add(S, "index", f"no {INDEX} and no {SINGLE}", file=str(root))
+        return None
+
+    ckpt = Checkpoint(root, {"path": str(root)}, config, {}, index is not None, index=index)
+    holders: dict[str, list[str]] = {}
+    for fn in files:
+        if not checks.check(S, (root / fn).is_file(), "index", "the index names a shard that "
+                            "does not exist", file=fn):
+            continue
+        try:
+            ckpt.readers[fn] = ShardReader(root / fn)
+        except KconvertError as exc:
+            checks.add(S, "shard-header", str(exc), file=fn)
+            continue
+        checks.ran(S)
+        for name in ckpt.readers[fn].tensors:
+            holders.setdefault(name, []).append(fn)
+    for name, fns in holders.items():
+        checks.check(S, len(fns) == 1, "duplicate", f"tensor is stored in {len(fns)} shards: "
+                     f"{fns}", tensor=name)
+    ckpt.weight_map = {name: fns[0] for name, fns in holders.items()}
+    if index is not None:
+        _survey_index(ckpt, index["weight_map"], holders, checks)
+    return ckpt
+
+
+def _survey_index(ckpt: Checkpoint, weight_map: dict[str, str], holders: dict[str, list[str]],
+                  checks: Checks) -> None:
+    """The index against what the readable shards hold."""
+    S = "structure"
+    for name, fn in sorted(weight_map.items()):
+        if fn not in ckpt.readers:
+            continue  # already reported: shard missing or unreadable
+        held = holders.get(name, [])
+        if fn in held:
+            checks.ran(S)
+        elif held:
+            checks.add(S, "index", f"stale index entry: the index maps it to {fn} but it is in "
+                       f"{held[0]}", tensor=name, file=fn)
+        else:
+            checks.add(S, "index", f"stale index entry: the index maps it to {fn}, which does "
+                       "not hold it (tensor missing from its shard)", tensor=name, file=fn)
+    for name, fns in sorted(holders.items()):
+        if name not in weight_map:
+            checks.add(S, "index", f"shard {fns[0]} holds a tensor the index does not list",
+                       tensor=name, file=fns[0])
+    total = (ckpt.index.get("metadata") or {}).get("total_size")
+    actual = sum(i.nbytes for i in ckpt.tensors.values())
+    if total is not None and total != actual:
+        checks.warn(S, "index", f"metadata.total_size is {total} but the tensors hold {actual} "
+                    "bytes", file=INDEX)
+    indexed = set(weight_map.values())
+    for path in sorted(ckpt.root.glob("*.safetensors")):
+        if path.name not in ckpt.readers and path.name not in indexed:
+            checks.warn(S, "index", "shard file not referenced by the index (loaders ignore "
+                        "it)", file=path.name)

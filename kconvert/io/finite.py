@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 
@@ -20,12 +22,36 @@ NONFINITE_BITS = {torch.float16: np.uint16(0x7C00), torch.bfloat16: np.uint16(0x
                    torch.float8_e4m3fn: np.uint8(0x7F), torch.float8_e5m2: np.uint8(0x7C)}
 
 
-def has_nonfinite(raw: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether the uint8 bytes `raw` of values of `dtype` hold a NaN or Inf (never for
-    integers; safetensors is little-endian, as every machine torch runs on)."""
+# Values tested at a time: the masked copy of a block stays in the CPU's cache, which makes
+# the test several times faster than one pass over a whole piece.
+BLOCK = 1 << 18
+_scratch = threading.local()
+
+
+def find_nonfinite(raw: torch.Tensor, dtype: torch.dtype) -> tuple[int, int] | None:
+    """(how many NaN/Inf values, index of the first) in the uint8 bytes `raw` of values of
+    `dtype`, or None when there is none (always for integers; safetensors is little-endian,
+    as every machine torch runs on)."""
     ones = NONFINITE_BITS.get(dtype)
-    return ones is not None and bool(
-        np.any(np.bitwise_and(raw.numpy().view(ones.dtype), ones) == ones))
+    if ones is None:
+        return None
+    bits = raw.numpy().view(ones.dtype)
+    scratch = getattr(_scratch, ones.dtype.name, None)
+    if scratch is None:
+        scratch = np.empty(BLOCK, ones.dtype)
+        setattr(_scratch, ones.dtype.name, scratch)
+    for start in range(0, len(bits), BLOCK):
+        block = bits[start:start + BLOCK]
+        masked = np.bitwise_and(block, ones, out=scratch[:len(block)])
+        if masked.max() == ones:  # no masked value exceeds the mask: max == mask iff a hit
+            hits = np.flatnonzero(np.bitwise_and(bits[start:], ones) == ones)
+            return len(hits), start + int(hits[0])
+    return None
+
+
+def has_nonfinite(raw: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the uint8 bytes `raw` of values of `dtype` hold a NaN or Inf."""
+    return find_nonfinite(raw, dtype) is not None
 
 
 def check_finite(raw: torch.Tensor, info: TensorInfo) -> None:

@@ -113,6 +113,13 @@ class ShardReader:
                 raise KconvertError("file ended early", file=str(info.file), tensor=info.name)
             done += n
 
+    def will_need(self, info: TensorInfo, offset: int = 0, length: int | None = None) -> None:
+        """Tell the kernel these bytes of the tensor will be read soon, so that it starts
+        reading them into the page cache now (a hint, where the OS takes one)."""
+        if hasattr(os, "posix_fadvise"):
+            length = info.nbytes - offset if length is None else length
+            os.posix_fadvise(self._fd, info.start + offset, length, os.POSIX_FADV_WILLNEED)
+
     def read(self, info: TensorInfo, pin: bool = False) -> torch.Tensor:
         """The tensor, typed and shaped, in a fresh (optionally pinned) CPU buffer."""
         raw = torch.empty(info.nbytes, dtype=torch.uint8, pin_memory=pin)

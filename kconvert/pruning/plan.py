@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from kconvert.errors import KconvertError
 
 PLAN_SCHEMA_ID = "kconvert-plan/1"
+PLAN_FILE = "reap-plan.json"  # the plan a pruning run writes into its output
 
 
 class PruneLayer(BaseModel):

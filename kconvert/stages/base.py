@@ -161,6 +161,32 @@ class StageKind:
         return self.settings + self.input_options
 
 
+def module_params(tensors: dict[str, TensorInfo], belongs: Callable[[TensorName], bool]
+                  ) -> dict[str, dict[str, TensorInfo]]:
+    """module name -> {parameter suffix: tensor} of the tensors `belongs` selects that end in a
+    parameter suffix (weight, weight_packed, weight_scale, ...)."""
+    by_module: dict[str, dict[str, TensorInfo]] = {}
+    for name, info in tensors.items():
+        tn = parse_name(name)
+        if tn.param and belongs(tn):
+            by_module.setdefault(tn.module, {})[tn.param] = info
+    return by_module
+
+
+def as_linear(module: str, params: dict[str, TensorInfo],
+              shape_values: dict[str, tuple[int, ...]]) -> ModuleWork | None:
+    """The module in the format its parameters match, None when they match none. Raises
+    KconvertError when its logical shape cannot be read (INT4's weight_shape disagrees with
+    its tensors)."""
+    codec = detect_codec(params)
+    if codec is None:
+        return None
+    shape_info = params.get("weight_shape")
+    shape_value = shape_values.get(shape_info.name) if shape_info else None
+    shape = codec.logical_shape(params, shape_value)
+    return ModuleWork(module, parse_name(params[codec.params[0]].name), codec, params, shape)
+
+
 def group_modules(
     tensors: dict[str, TensorInfo], shape_values: dict[str, tuple[int, ...]]
 ) -> tuple[list[ModuleWork], list[TensorInfo]]:
@@ -168,15 +194,11 @@ def group_modules(
 
     `shape_values` holds the contents of the tiny `weight_shape` tensors (INT4 modules).
     """
-    by_module: dict[str, dict[str, TensorInfo]] = {}
-    for name, info in tensors.items():
-        tn = parse_name(name)
-        if tn.param and tn.role in TARGET_ROLES.values():
-            by_module.setdefault(tn.module, {})[tn.param] = info
+    targets = set(TARGET_ROLES.values())
     modules, grouped = [], set()
-    for module, params in by_module.items():
-        codec = detect_codec(params)
-        if codec is None:
+    for module, params in module_params(tensors, lambda tn: tn.role in targets).items():
+        m = as_linear(module, params, shape_values)
+        if m is None:
             if QUANT_ONLY_PARAMS & set(params):
                 first = next(iter(params.values()))
                 raise KconvertError(
@@ -184,11 +206,7 @@ def group_modules(
                     file=first.file.name, tensor=first.name,
                 )
             continue
-        shape_info = params.get("weight_shape")
-        shape_value = shape_values.get(shape_info.name) if shape_info else None
-        shape = codec.logical_shape(params, shape_value)
-        tn = parse_name(params[codec.params[0]].name)
-        modules.append(ModuleWork(module, tn, codec, params, shape))
+        modules.append(m)
         grouped.update(info.name for info in params.values())
     others = [info for name, info in tensors.items() if name not in grouped]
     return modules, others

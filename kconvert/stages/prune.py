@@ -10,9 +10,8 @@ from pydantic import Field
 
 from kconvert.errors import KconvertError
 from kconvert.model.names import Role, TensorName
+from kconvert.pruning.plan import PLAN_FILE
 from kconvert.stages.base import CALIBRATION_OPTIONS, Stage, StageKind, StageRecord
-
-PLAN_FILE = "reap-plan.json"
 
 
 class PruneRecord(StageRecord):

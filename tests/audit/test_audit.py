@@ -710,7 +710,9 @@ def test_p48_declared_in_manifest_is_checked(outputs, tmp_path):
         data = _p48_prune_bytes(read_raw(out, n))
         write_raw(out, n, data)
         man["tensors"][n]["hash"] = xxhash.xxh3_128(data).hexdigest()
-    man["options"]["sparsify"] = {"pattern": "p48", "targets": ["routed_expert"]}
+    # What the sparsify stage records (a typed SparsifyRecord: the audit reads its fields).
+    man["options"]["sparsify"] = {"pattern": "p48", "method": "magnitude", "group_size": 16,
+                                  "storage": "dense", "targets": ["routed_expert"]}
     man_path.write_text(json.dumps(man))
     code, rep = audit_json(out)
     assert code == 0, rep["failures"]

@@ -1,0 +1,126 @@
+"""`kconvert audit` against a bare read of the bytes it must read.
+
+    python scripts/bench_audit.py DIR [--source SRC] [--device DEV] [--readers N]
+
+DIR is a kconvert output (e.g. the full-size set `scripts/bench_convert.py full` writes); SRC
+defaults to the source its manifest records. Timed, each in its own process:
+  read_s          every *.safetensors file of DIR read once with N threads of 16 MiB preads
+  audit_s         `kconvert audit DIR` (run_audit after imports; the process wall beside it)
+  read_source_s   the same bare read over DIR and SRC
+  audit_source_s  `kconvert audit DIR --source SRC`
+Run as root where /proc/sys/vm/drop_caches is writable, the page cache is dropped before
+each timed run (`cache: cold`); elsewhere, or with --hot, every file is read once first and
+all runs are hot.
+Prints one JSON line with the times and the ratios audit_s / read_s and
+audit_source_s / read_source_s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+PIECE = 16 << 20
+READ = r"""
+import os, sys, time
+from concurrent.futures import ThreadPoolExecutor
+piece, threads, files = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+jobs = [(f, off) for f in files for off in range(0, os.path.getsize(f), piece)]
+def read(job):
+    fd = os.open(job[0], os.O_RDONLY)
+    try:
+        return len(os.pread(fd, piece, job[1]))
+    finally:
+        os.close(fd)
+t = time.perf_counter()
+with ThreadPoolExecutor(threads) as pool:
+    n = sum(pool.map(read, jobs))
+print(time.perf_counter() - t, n)
+"""
+AUDIT = r"""
+import sys, time
+from kconvert.audit.auditor import run_audit
+ckpt, source, device = sys.argv[1], sys.argv[2] or None, sys.argv[3]
+t = time.perf_counter()
+report = run_audit(ckpt, source, device=device)
+print(time.perf_counter() - t, int(report.passed))
+"""
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as fh:
+            fh.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def shards(root: Path) -> list[str]:
+    return sorted(str(p) for p in root.rglob("*.safetensors"))
+
+
+def warm(files: list[str]) -> None:
+    def read(path: str) -> None:
+        with open(path, "rb") as fh:
+            while fh.read(PIECE):
+                pass
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(read, files))
+
+
+def timed(args: list[str], cold: bool) -> tuple[float, float, str]:
+    """(seconds the child reports, process wall seconds, its report)."""
+    if cold:
+        drop_caches()
+    t = time.perf_counter()
+    res = subprocess.run([sys.executable, "-c", *args], capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    if res.returncode:
+        raise SystemExit(f"{args[1:]} failed:\n{res.stderr[-3000:]}")
+    inner, extra = res.stdout.split()[-2:]
+    return float(inner), wall, extra
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("dir", type=Path)
+    ap.add_argument("--source", type=Path)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--readers", type=int, default=8, help="threads of the bare read")
+    ap.add_argument("--hot", action="store_true", help="never drop the page cache")
+    a = ap.parse_args()
+    source = a.source
+    if source is None:
+        manifest = json.loads((a.dir / "kconvert-manifest.json").read_text())
+        source = Path(manifest["source"]["path"])
+    out_files, src_files = shards(a.dir), shards(source)
+    cold = not a.hot and drop_caches()
+    if not cold:
+        warm(out_files + src_files)
+    res: dict = {"dir": str(a.dir), "source": str(source), "cache": "cold" if cold else "hot",
+                 "bytes": sum(os.path.getsize(f) for f in out_files),
+                 "source_bytes": sum(os.path.getsize(f) for f in src_files)}
+    read = [READ, str(PIECE), str(a.readers)]
+    res["read_s"] = timed([*read, *out_files], cold)[0]
+    res["audit_s"], res["audit_wall_s"], passed = timed([AUDIT, str(a.dir), "", a.device], cold)
+    res["audit_passed"] = passed == "1"
+    res["read_source_s"] = timed([*read, *out_files, *src_files], cold)[0]
+    res["audit_source_s"], res["audit_source_wall_s"], passed = timed(
+        [AUDIT, str(a.dir), str(source), a.device], cold)
+    res["audit_source_passed"] = passed == "1"
+    res["ratio"] = round(res["audit_s"] / res["read_s"], 3)
+    res["ratio_source"] = round(res["audit_source_s"] / res["read_source_s"], 3)
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
