@@ -1,6 +1,6 @@
 """`kconvert audit` against a bare read of the bytes it must read.
 
-    python scripts/bench_audit.py DIR [--source SRC] [--device DEV] [--readers N]
+    python scripts/bench_audit.py DIR [--source SRC] [--device DEV] [--readers N] [--tree T]
 
 DIR is a kconvert output (e.g. the full-size set `scripts/bench_convert.py full` writes); SRC
 defaults to the source its manifest records. Timed, each in its own process:
@@ -11,6 +11,8 @@ defaults to the source its manifest records. Timed, each in its own process:
 Run as root where /proc/sys/vm/drop_caches is writable, the page cache is dropped before
 each timed run (`cache: cold`); elsewhere, or with --hot, every file is read once first and
 all runs are hot.
+--tree times the audit of another kconvert tree (its root, e.g. the tree before a change,
+`git archive REV kconvert pipelines | tar -x -C T`), side by side with this one's in one run.
 Prints one JSON line with the times and the ratios audit_s / read_s and
 audit_source_s / read_source_s.
 """
@@ -45,7 +47,7 @@ print(time.perf_counter() - t, n)
 """
 AUDIT = r"""
 import sys, time
-from kconvert.audit.auditor import run_audit
+from kconvert.audit import run_audit
 ckpt, source, device = sys.argv[1], sys.argv[2] or None, sys.argv[3]
 t = time.perf_counter()
 report = run_audit(ckpt, source, device=device)
@@ -77,12 +79,15 @@ def warm(files: list[str]) -> None:
         list(pool.map(read, files))
 
 
-def timed(args: list[str], cold: bool) -> tuple[float, float, str]:
-    """(seconds the child reports, process wall seconds, its report)."""
+def timed(args: list[str], cold: bool, tree: Path | None = None
+          ) -> tuple[float, float, str]:
+    """(seconds the child reports, process wall seconds, its report); the child imports
+    kconvert from `tree` (default: this repository)."""
     if cold:
         drop_caches()
     t = time.perf_counter()
-    res = subprocess.run([sys.executable, "-c", *args], capture_output=True, text=True)
+    res = subprocess.run([sys.executable, "-c", *args], capture_output=True, text=True,
+                         cwd=tree or Path(__file__).resolve().parent.parent)
     wall = time.perf_counter() - t
     if res.returncode:
         raise SystemExit(f"{args[1:]} failed:\n{res.stderr[-3000:]}")
@@ -97,11 +102,14 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--readers", type=int, default=8, help="threads of the bare read")
     ap.add_argument("--hot", action="store_true", help="never drop the page cache")
+    ap.add_argument("--tree", type=Path, help="also time the audit of this kconvert tree")
     a = ap.parse_args()
+    a.dir = a.dir.resolve()
     source = a.source
     if source is None:
         manifest = json.loads((a.dir / "kconvert-manifest.json").read_text())
         source = Path(manifest["source"]["path"])
+    source = source.resolve()
     out_files, src_files = shards(a.dir), shards(source)
     cold = not a.hot and drop_caches()
     if not cold:
@@ -117,6 +125,11 @@ def main() -> None:
     res["audit_source_s"], res["audit_source_wall_s"], passed = timed(
         [AUDIT, str(a.dir), str(source), a.device], cold)
     res["audit_source_passed"] = passed == "1"
+    if a.tree is not None:
+        tree = a.tree.resolve()
+        res["tree_audit_s"] = timed([AUDIT, str(a.dir), "", a.device], cold, tree)[0]
+        res["tree_audit_source_s"] = timed([AUDIT, str(a.dir), str(source), a.device], cold,
+                                           tree)[0]
     res["ratio"] = round(res["audit_s"] / res["read_s"], 3)
     res["ratio_source"] = round(res["audit_source_s"] / res["read_source_s"], 3)
     print(json.dumps(res))

@@ -58,6 +58,16 @@ def _run_families(ctx: AuditContext) -> None:
         vars(r.row(layer)).update(columns)
     check_quant_config(r, config, modules, ctx.ckpt.root)
     manifest.check_files(ctx)
+    _before_stream(ctx)
+    stream.run(ctx)
+    p48.check_declared(ctx)
+    scales.check_fused_sets(ctx)
+    _after_stream(ctx)
+    r.fill_scales_column()
+
+
+def _before_stream(ctx: AuditContext) -> None:
+    """What the manifest records, and the expert mapping the streaming pass compares under."""
     if ctx.manifest is not None:
         manifest.check_recorded(ctx)
     if ctx.source is not None:
@@ -65,14 +75,16 @@ def _run_families(ctx: AuditContext) -> None:
         source.check_config(ctx)
     elif ctx.plan is not None:
         source.check_plan_alone(ctx)
-    stream.run(ctx)
-    p48.check_declared(ctx)
-    scales.check_fused_sets(ctx)
-    if ctx.manifest is not None:
+
+
+def _after_stream(ctx: AuditContext) -> None:
+    """What needs every tensor read: recorded scales and counts, the source's accounting."""
+    recorded = ctx.manifest is not None
+    if recorded:
         manifest.check_after_stream(ctx)
-    if ctx.source is not None:
-        source.check_accounting(ctx)
-        if ctx.manifest is not None:
-            manifest.check_sources(ctx)
-        source.check_other_files(ctx)
-    r.fill_scales_column()
+    if ctx.source is None:
+        return
+    source.check_accounting(ctx)
+    if recorded:
+        manifest.check_sources(ctx)
+    source.check_other_files(ctx)

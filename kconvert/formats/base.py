@@ -78,11 +78,15 @@ class Codec:
     cli_name: ClassVar[str | None] = None
     # NVFP4 formats: whose scale arithmetic the encoder follows (kconvert.formats.nvfp4).
     arithmetic: ClassVar[str | None] = None
+    # The dtypes its first parameter may have, where the parameter names alone do not tell
+    # the format (a `weight` is dense, FP8-block or ModelOpt NVFP4); None: any.
+    weight_dtypes: ClassVar[frozenset[str] | None] = None
 
     @classmethod
     def matches(cls, infos: dict[str, TensorInfo]) -> bool:
         """Whether a module with these parameters is in this format."""
-        return set(infos) - OPTIONAL_PARAMS == set(cls.params)
+        return set(infos) - OPTIONAL_PARAMS == set(cls.params) and (
+            cls.weight_dtypes is None or infos[cls.params[0]].dtype in cls.weight_dtypes)
 
     @classmethod
     def param_rules(cls, shape: tuple[int, int], group_size: int) -> ParamRules:

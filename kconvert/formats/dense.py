@@ -16,12 +16,9 @@ class DenseCodec(Codec):
 
     name = "bf16"
     params = ("weight",)
+    weight_dtypes = frozenset({"BF16", "F16", "F32"})
     quantized = False
     description = "unquantized (no scale tensors)"
-
-    @classmethod
-    def matches(cls, infos):
-        return super().matches(infos) and infos["weight"].dtype in ("BF16", "F16", "F32")
 
     @classmethod
     def param_rules(cls, shape, group_size) -> ParamRules:

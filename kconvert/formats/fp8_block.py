@@ -10,12 +10,9 @@ class Fp8BlockCodec(Codec):
 
     name = "fp8-block"
     params = ("weight", "weight_scale_inv")
+    weight_dtypes = frozenset({"F8_E4M3"})
     description = "FP8 block"
     quant_method = "fp8"
-
-    @classmethod
-    def matches(cls, infos):
-        return super().matches(infos) and infos["weight"].dtype == "F8_E4M3"
 
     @classmethod
     def param_rules(cls, shape, group_size) -> ParamRules:

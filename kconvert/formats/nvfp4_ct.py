@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from kconvert.formats import nvfp4
@@ -25,18 +27,21 @@ class Nvfp4Codec(Codec):
     cli_name = "compressed-tensors"
     arithmetic = "compressed-tensors"
 
+    # The stored shape of the per-tensor scales: [1] here; None where any shape is read.
+    scale_shape: ClassVar[tuple[int, ...] | None] = (1,)
+
     @classmethod
     def param_rules(cls, shape, group_size) -> ParamRules:
         out, inp = shape
-        return {"weight_packed": (frozenset({"U8"}), (out, inp // 2)),
+        return {cls.packed_param: (frozenset({"U8"}), (out, inp // 2)),
                 **cls._scale_rules(shape, group_size)}
 
     @classmethod
     def _scale_rules(cls, shape, group_size) -> ParamRules:
         out, inp = shape
         return {"weight_scale": (frozenset({"F8_E4M3"}), (out, inp // group_size)),
-                "weight_global_scale": (frozenset({"F32"}), (1,)),
-                "input_global_scale": (frozenset({"F32"}), (1,))}
+                cls.global_scale_param: (frozenset({"F32"}), cls.scale_shape),
+                cls.input_scale_param: (frozenset({"F32"}), cls.scale_shape)}
 
     @classmethod
     def scheme_problems(cls, where, scheme, m):

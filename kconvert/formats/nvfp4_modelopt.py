@@ -11,7 +11,7 @@ import torch
 from kconvert import __version__
 from kconvert.errors import KconvertError
 from kconvert.formats import nvfp4
-from kconvert.formats.base import OutputModule, ParamRules
+from kconvert.formats.base import OutputModule
 from kconvert.formats.nvfp4_ct import Nvfp4Codec
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
@@ -22,6 +22,7 @@ class ModeloptNvfp4Codec(Nvfp4Codec):
 
     name = "nvfp4-modelopt"
     params = ("weight", "weight_scale", "weight_scale_2")
+    weight_dtypes = frozenset({"U8"})
     packed_param = "weight"
     description = "NVFP4 (ModelOpt)"
     global_scale_param = "weight_scale_2"
@@ -34,18 +35,7 @@ class ModeloptNvfp4Codec(Nvfp4Codec):
     config_family = "modelopt"
     cli_name = "modelopt"
     arithmetic = "modelopt"
-
-    @classmethod
-    def matches(cls, infos):
-        return super().matches(infos) and infos["weight"].dtype == "U8"
-
-    @classmethod
-    def param_rules(cls, shape, group_size) -> ParamRules:
-        out, inp = shape
-        return {"weight": (frozenset({"U8"}), (out, inp // 2)),
-                "weight_scale": (frozenset({"F8_E4M3"}), (out, inp // group_size)),
-                "weight_scale_2": (frozenset({"F32"}), None),
-                "input_scale": (frozenset({"F32"}), None)}
+    scale_shape = None  # ModelOpt's exports store scalars, other tools [1]
 
     @classmethod
     def scheme_problems(cls, where, scheme, m):
