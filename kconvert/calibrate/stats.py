@@ -10,7 +10,6 @@ from pathlib import Path
 
 import torch
 
-from kconvert import __version__
 from kconvert.errors import KconvertError
 from kconvert.model.names import Role, parse_name
 
@@ -101,8 +100,10 @@ def save_stats(stats: CalibrationStats, out: str | Path) -> None:
     tmp.write_bytes(b"")
     mode = tmp.stat().st_mode & 0o777
     try:
-        save_file(tensors, str(tmp), metadata={"format": "pt",
-                                               "producer": f"kconvert {__version__}"})
+        # One metadata key: safetensors keeps metadata in a hash map, so two keys are written
+        # in a random order and the same statistics would hash differently (the producer is
+        # in stats.json).
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
     except SafetensorError as exc:
         tmp.unlink(missing_ok=True)
         # An I/O failure (a full disk) arrives as text: "... (os error 28)". Raised as the

@@ -438,3 +438,18 @@ def test_cli(fixture_dir, tmp_path):
     res = CliRunner().invoke(calibrate_cmd, [args[0], "--data", str(bad), "-o",
                                              str(tmp_path / "s2"), "--seq-len", "16"])
     assert res.exit_code == 2 and "token ids must lie in" in res.output
+
+
+def test_same_statistics_give_the_same_bytes(tmp_path):
+    """The stats file's hash is recorded by the runs that read it (wanda, W4A4) and compared on
+    resume: the same statistics must give the same bytes every time they are written."""
+    stats = CalibrationStats(
+        meta={"producer": "test", "moe_layers": [1]},
+        tensors={"layers.1.experts.0.gate_proj.input_amax": torch.tensor(3.0),
+                 "layers.1.saliency": torch.ones(4)},
+        modules={"layers.1.experts.0.gate_proj": "model.layers.1.mlp.experts.0.gate_proj"})
+    written = set()
+    for i in range(8):
+        save_stats(stats, tmp_path / str(i))
+        written.add((tmp_path / str(i) / "stats.safetensors").read_bytes())
+    assert len(written) == 1
