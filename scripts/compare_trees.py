@@ -75,6 +75,13 @@ def chained(w: Path) -> list[tuple[str, list[str]]]:
     ]
 
 
+def tree_env(tree: Path) -> dict[str, str]:
+    """The environment that imports kconvert from `tree`, ahead of any PYTHONPATH already set
+    (where carried packages live on the device machine)."""
+    rest = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), *([rest] if rest else [])])}
+
+
 def make_fixtures(old: Path, w: Path) -> dict[str, Path]:
     fx = w / "fixtures"
     paths = {"int4": fx / "int4", "ct": fx / "ct", "k25": fx / "k25", "bf16": fx / "bf16",
@@ -84,7 +91,7 @@ def make_fixtures(old: Path, w: Path) -> dict[str, Path]:
         for key, variant in (("int4", "k2-int4-kimi"), ("ct", "k2-int4-ct"), ("k25", "k25-int4"),
                              ("bf16", "bf16")):
             subprocess.run([sys.executable, str(maker), str(paths[key]), "--variant", variant],
-                           check=True, env={**os.environ, "PYTHONPATH": str(old)})
+                           check=True, env=tree_env(old))
         shutil.copytree(old / "tests" / "fixtures" / "tiny-moe-trained", paths["trained"])
     text = (ROOT / "README.md").read_bytes()
     with open(w / "data.jsonl", "w") as fh:
@@ -106,7 +113,7 @@ def run(tree: Path, name: str, args: list[str], outs: dict[str, Path], device: s
         argv.append("--quiet")
     t = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", CLI, *argv], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(tree)}, cwd=tree)
+                          env=tree_env(tree), cwd=tree)
     return {"rc": proc.returncode, "s": round(time.perf_counter() - t, 2),
             "stderr": proc.stderr[-2000:] if proc.returncode else ""}
 
