@@ -204,11 +204,19 @@ class CalibrationHessians:
     after each MoE layer until the engine has asked for a later layer, so only one layer's
     weights and inputs are held at a time. Layers must be asked for in ascending order (the
     engine orders transform items by layer when this source is used).
+
+    With `sequential` (set before the first layer is asked for), `replace` writes compressed
+    weights into the handed-over layer, and the pass runs that layer again before the next, so
+    later layers see the compressed model's activations. Within a layer the inputs stay those
+    of the layer as it came: a down_proj Hessian after its own expert's gate/up were replaced
+    is refused (the engine hands a layer's down_proj batches over first).
     """
 
     def __init__(self, ckpt, input_ids: torch.Tensor, device: torch.device, batch_size: int,
                  dtype: torch.dtype = torch.bfloat16):
         self._args = (ckpt, input_ids, device, batch_size, dtype)
+        self.sequential = False
+        self._replaced: set[tuple[int, int]] = set()  # (layer, expert): gate/up replaced
         self._handoffs: queue.Queue = queue.Queue(maxsize=1)
         self._release = threading.Event()
         self._thread: threading.Thread | None = None
@@ -230,14 +238,16 @@ class CalibrationHessians:
                 raise _Closed
 
         try:
-            calibrate(ckpt, ids, device, batch_size, dtype=dtype, on_moe=hand_over)
+            calibrate(ckpt, ids, device, batch_size, dtype=dtype, on_moe=hand_over,
+                      rerun_moe=self.sequential)
             self._handoffs.put(None)
         except _Closed:
             pass
         except BaseException as exc:  # surfaced to the engine's thread in `_layer`
             self._handoffs.put(exc)
 
-    def _layer(self, layer: int):
+    def moe_layer(self, layer: int):
+        """The calibration pass's MoE block of `layer` (weights loaded, inputs captured)."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="kconvert-calibrate",
                                             daemon=True)
@@ -264,11 +274,26 @@ class CalibrationHessians:
     def hessian(self, layer: int, expert: int, proj: str) -> torch.Tensor:
         """X^T X [in, in] (fp32, on the device) over the tokens routed to the source expert;
         X is the input of gate/up, or act(gate x) * up x for down."""
-        moe = self._layer(layer)
+        moe = self.moe_layer(layer)
+        if proj == "down_proj" and (layer, expert) in self._replaced:
+            raise KconvertError(f"SparseGPT asked for layer {layer} expert {expert}'s down_proj "
+                                "Hessian after its gate/up were replaced")
         with torch.no_grad():
             x_in, x_down = moe.expert_inputs(expert)
             x = (x_down if proj == "down_proj" else x_in).float().to(self.device)
             return x.T @ x
+
+    def replace(self, layer: int, expert: int, proj: str, w: torch.Tensor) -> None:
+        """Put the compressed weights w [out, in] of one expert linear into the layer the
+        pass runs again (`sequential` only)."""
+        moe = self.moe_layer(layer)
+        if proj == "down_proj":
+            target = moe.experts.down[expert]
+        else:
+            rows = slice(0, moe.inter) if proj == "gate_proj" else slice(moe.inter, None)
+            target = moe.experts.gate_up[expert, rows]
+            self._replaced.add((layer, expert))
+        target.copy_(w)
 
     def close(self) -> None:
         """Stop the calibration pass (the layers after the last one asked for are not needed)
