@@ -162,6 +162,17 @@ class Sparsify(Stage):
         if self.calibration is not None:
             self.calibration.hessians.close()
 
+    def work_elems(self, device: torch.device) -> int | None:
+        """SparseGPT's batches are sized from the device's memory (sparsegpt.experts_per_batch),
+        so its items are large: on a GPU a 32nd of the free bytes in decoded elements (the
+        fp32 weights and their result; the rest is left for the calibration layer and the
+        Hessians), on a CPU 2^26."""
+        if self.method != "sparsegpt":
+            return None
+        if device.type == "cuda":
+            return torch.cuda.mem_get_info(device)[0] // 32
+        return 1 << 26
+
     @property
     def norms(self) -> WandaNorms:
         return _norms(self.stats)
