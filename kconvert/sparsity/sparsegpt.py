@@ -91,7 +91,9 @@ def experts_per_batch(rows: int, k: int, device: torch.device, tokens: int = 0) 
     weights, their copy and the result, the routed inputs), on a CPU `CPU_BATCH`."""
     if device.type != "cuda":
         return CPU_BATCH
-    free = torch.cuda.mem_get_info(device)[0]
+    # torch's cache keeps what earlier batches freed: free for this batch too
+    free = (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+            - torch.cuda.memory_allocated(device))
     per = 4 * (4 * k * k + 4 * rows * k + tokens * k)
     return max(1, free // 2 // per)
 
