@@ -106,6 +106,7 @@ def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, settings: Mapping[str,
     # On a CPU, items of 2^24 elements (~one expert matrix; the fused kernel is per row anyway)
     # keep the decode temporaries to ~200 MB (measured in tests/test_robustness.py).
     work_elems = 1 << 28 if device.type == "cuda" else 1 << 24
+    work_elems = max([work_elems] + [n for s in stages if (n := s.work_elems(device))])
     plan = build_work_plan(ckpt, stages, work_elems)
     for warning in validate_source(ckpt.config, ckpt.tensors, plan.modules, ckpt.root):
         echo(f"kconvert: warning: {warning}")

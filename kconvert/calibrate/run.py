@@ -44,6 +44,7 @@ def calibrate(
     meta: dict | None = None,
     on_layer: Callable[[int, torch.Tensor], None] | None = None,
     on_moe: Callable[[int, MoEBlock], None] | None = None,
+    rerun_moe: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> CalibrationStats:
     """One layer-streamed pass over `input_ids` [num_seqs, seq_len]; see the module docstring.
@@ -55,7 +56,10 @@ def calibrate(
     else in CPU memory. `on_layer(L, hidden)` sees layer L's output hidden states [num_seqs,
     seq_len, hidden] (for tests and debugging); `on_moe(L, moe)` sees MoE layer L after its
     forward, weights still loaded and inputs captured (`moe.expert_inputs(e)`: SparseGPT's
-    Hessians); `meta` is merged into the recorded meta.
+    Hessians); with `rerun_moe`, each MoE layer then runs again on the same inputs with the
+    weights `on_moe` left in it, and that run's outputs go on to the next layer (SparseGPT's
+    sequential Hessians; the statistics are the first run's); `meta` is merged into the
+    recorded meta.
     """
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 
@@ -98,18 +102,25 @@ def calibrate(
         if loaded.moe is not None:
             loaded.moe.capture = on_moe is not None
         t_loaded = time.perf_counter()
-        with torch.no_grad():
-            for start in range(0, n_seq, batch_size):
-                rows = slice(start, min(start + batch_size, n_seq))
-                x = hidden[rows].to(device, non_blocking=True)
-                v = valid_dev[rows]
-                batch_all = all_valid or bool(v.all())
-                ctx.valid = None if batch_all else v
-                out = loaded.module(x, attention_mask=padding_aware_mask(v, batch_all),
-                                    position_ids=positions, position_embeddings=pos_emb)
-                if not bool(torch.isfinite(out[v]).all()):
-                    raise KconvertError(f"non-finite hidden states after decoder layer {layer}")
-                hidden[rows].copy_(out)
+        rerun = rerun_moe and loaded.moe is not None
+        layer_input = hidden.clone() if rerun else None
+
+        def forward(loaded=loaded, layer=layer) -> None:
+            with torch.no_grad():
+                for start in range(0, n_seq, batch_size):
+                    rows = slice(start, min(start + batch_size, n_seq))
+                    x = hidden[rows].to(device, non_blocking=True)
+                    v = valid_dev[rows]
+                    batch_all = all_valid or bool(v.all())
+                    ctx.valid = None if batch_all else v
+                    out = loaded.module(x, attention_mask=padding_aware_mask(v, batch_all),
+                                        position_ids=positions, position_embeddings=pos_emb)
+                    if not bool(torch.isfinite(out[v]).all()):
+                        raise KconvertError("non-finite hidden states after decoder layer "
+                                            f"{layer}")
+                    hidden[rows].copy_(out)
+
+        forward()
         for module, acc in loaded.linear_stats.items():
             key = stats_key(module)
             modules[key] = module
@@ -118,14 +129,21 @@ def calibrate(
         if loaded.moe is not None:
             if on_moe is not None:
                 on_moe(layer, loaded.moe)
-            tensors.update(loaded.moe.results(layer))
+            # (copied when the layer runs again: on a CPU .cpu() returns the same tensors)
+            tensors.update({k: v.clone() if rerun else v
+                            for k, v in loaded.moe.results(layer).items()})
             for e, names in enumerate(loaded.moe.experts.names):
                 for proj, module in names.items():
                     modules[f"layers.{layer}.experts.{e}.{proj}"] = module
         tensors[f"layers.{layer}.tokens"] = torch.tensor(int(valid.sum()))
         for h in loaded.hooks:
             h.remove()
-        del loaded, x, out  # free layer L's weights before layer L+1 is read
+        if rerun:
+            hidden.copy_(layer_input)
+            loaded.moe.capture = False
+            forward()
+            del layer_input
+        del loaded, forward  # free layer L's weights before layer L+1 is read
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.empty_cache()

@@ -41,6 +41,7 @@ METHODS = ("magnitude", "wanda", "sparsegpt")  # kconvert.stages.sparsify.METHOD
 
 
 STORAGES = ("dense", "pair-bitmask")  # kconvert.stages.sparsify.STORAGES
+HESSIANS = ("source", "sequential")  # kconvert.sparsity.sparsegpt.HESSIANS
 FORMATS = ("compressed-tensors", "modelopt")  # kconvert.formats.OUTPUT_CODECS
 
 
@@ -228,6 +229,9 @@ SPARSIFY_OPTIONS = [
     click.option("--storage", type=click.Choice(STORAGES), default=None,
                  help="dense (zeros inside weight_packed) or pair-bitmask (kept bytes + "
                       "4-bit masks, ~0.65x) [default: dense]."),
+    click.option("--hessian", type=click.Choice(HESSIANS), default=None,
+                 help="SparseGPT's layer inputs: from the already-compressed model "
+                      "(sequential) or the unpruned source [default: sequential]."),
 ]
 
 

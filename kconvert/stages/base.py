@@ -128,6 +128,11 @@ class Stage:
     def close(self) -> None:
         """Release what the stage holds for the run (threads, open files)."""
 
+    def work_elems(self, device: torch.device) -> int | None:
+        """Decoded elements per transform item the stage wants on `device`,
+        or None for the engine's own size."""
+        return None
+
 
 # The command-line options that say which calibration data a command reads and how it runs
 # (REAP's saliency for a prune stage, SparseGPT's inputs for a sparsify stage).

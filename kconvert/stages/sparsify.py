@@ -4,7 +4,9 @@ Sparsify claims the routed experts' gate/up/down (shared experts are never spars
 transforms their decoded fp32 weights before the quantize stage encodes them:
   magnitude  keep the 2 pairs of every 8-chunk with the largest |w_2p| + |w_2p+1|
   wanda      the same on |W_ij| * ||X_j||_2, X_j from `kconvert calibrate` (input_sq_sum)
-  sparsegpt  joint OBS prune + NVFP4 quantize (kconvert.sparsity.sparsegpt) on calibration inputs
+  sparsegpt  joint OBS prune + NVFP4 quantize (kconvert.sparsity.sparsegpt) on calibration inputs,
+             each layer's from the already-compressed model (`hessian` "sequential") or from the
+             unpruned source ("source")
 Every mask is chosen per chunk before any block scale, so NVFP4's block scales are computed
 after the mask (a pruned outlier never inflates a scale); pruned pairs are +0.0, encoded 0x00.
 """
@@ -37,6 +39,11 @@ STORAGES = ("dense", "pair-bitmask")
 GROUP_SIZES = (16, 32)
 
 
+# SparseGPT's calibration inputs by default: measured on the trained tiny MoE
+# (scripts/results/sparsegpt_hessian_tiny_moe.md).
+DEFAULT_HESSIAN = "sequential"
+
+
 class SparsifyRecord(StageRecord):
     pattern: Literal["p48"]
     method: str = Field(description="magnitude | wanda | sparsegpt")
@@ -46,6 +53,7 @@ class SparsifyRecord(StageRecord):
     stats: str | None = Field(default=None, description="xxh3 of Wanda's stats.safetensors")
     percdamp: float | None = None
     blocksize: int | None = None
+    hessian: str | None = Field(default=None, description="sparsegpt: source | sequential")
     data: dict | None = Field(default=None, description="SparseGPT's calibration data")
 
 
@@ -102,6 +110,7 @@ class Sparsify(Stage):
     group_size: int = 16
     storage: str = "dense"
     stats: str | None = None  # `kconvert calibrate` output directory (wanda)
+    hessian: str = DEFAULT_HESSIAN  # sparsegpt: where layer inputs come from
     calibration: SparsegptCalibration | None = field(default=None, compare=False)
     name: str = "sparsify"
 
@@ -116,6 +125,11 @@ class Sparsify(Stage):
             raise KconvertError("--method wanda needs --stats DIR (from `kconvert calibrate`)")
         if self.method == "sparsegpt" and self.calibration is None:
             raise KconvertError("--method sparsegpt needs calibration data: --data FILE")
+        if self.hessian not in sparsegpt.HESSIANS:
+            raise KconvertError(f"unknown --hessian {self.hessian!r}; choose from "
+                                f"{sparsegpt.HESSIANS}")
+        if self.calibration is not None:
+            self.calibration.hessians.sequential = self.hessian == "sequential"
 
     @property
     def ordered_layers(self) -> bool:
@@ -141,12 +155,23 @@ class Sparsify(Stage):
             out["stats"] = hash_file(Path(self.stats) / "stats.safetensors")
         if self.method == "sparsegpt":
             out.update(percdamp=sparsegpt.PERCDAMP, blocksize=sparsegpt.BLOCKSIZE,
-                       data=self.calibration.data)
+                       hessian=self.hessian, data=self.calibration.data)
         return SparsifyRecord(**out)
 
     def close(self) -> None:
         if self.calibration is not None:
             self.calibration.hessians.close()
+
+    def work_elems(self, device: torch.device) -> int | None:
+        """SparseGPT's batches are sized from the device's memory (sparsegpt.experts_per_batch),
+        so its items are large: on a GPU a 32nd of the free bytes in decoded elements (the
+        fp32 weights and their result; the rest is left for the calibration layer and the
+        Hessians), on a CPU 2^26."""
+        if self.method != "sparsegpt":
+            return None
+        if device.type == "cuda":
+            return torch.cuda.mem_get_info(device)[0] // 32
+        return 1 << 26
 
     @property
     def norms(self) -> WandaNorms:
@@ -163,7 +188,8 @@ class Sparsify(Stage):
 
     def _sparsegpt(self, modules, w, gs, scale_rule, local_dtype, arithmetic):
         # Members that see the same inputs (an expert's gate and up) share one Hessian and
-        # run as one [rows, in] matrix: one Cholesky, one loop.
+        # run as one [rows, in] matrix: one Cholesky, one loop; as many such matrices per
+        # batch as the device holds.
         keys = [(m.tn.layer, m.tn.expert, "down" if m.tn.proj == "down_proj" else "in")
                 for m in modules]
         order = list(dict.fromkeys(keys))
@@ -171,20 +197,32 @@ class Sparsify(Stage):
         if len({len(g) for g in members}) != 1:
             raise KconvertError("SparseGPT batch mixes experts with different projection sets",
                                 tensor=modules[0].module)
-        u = sparsegpt.prepare_inverse(torch.stack([
-            self.calibration.hessians.hessian(layer, expert, modules[g[0]].tn.proj).to(w.device)
-            for (layer, expert, _), g in zip(order, members, strict=True)]))
-        idx = torch.tensor([i for g in members for i in g], device=w.device)
+        hessians = self.calibration.hessians
         b, m, k = w.shape
         per = len(members[0])
-        wj = w[idx].reshape(len(order), per * m, k)
-        row_gs = gs.to(w.device)[idx].repeat_interleave(m).reshape(len(order), per * m)
-        w_hat, codes = sparsegpt.prune_quantize(wj, u, row_gs, self.group_size, scale_rule,
-                                                local_dtype, arithmetic)
+        gs = gs.to(w.device)
         out = torch.empty_like(w)
         out_codes = torch.empty(b, m, k // self.group_size, dtype=torch.uint8, device=w.device)
-        out[idx] = w_hat.reshape(b, m, k)
-        out_codes[idx] = codes.reshape(b, m, -1)
+        step = sparsegpt.experts_per_batch(per * m, k, w.device)
+        for start in range(0, len(order), step):
+            batch = range(start, min(start + step, len(order)))
+            u = sparsegpt.prepare_inverse(torch.stack([
+                hessians.hessian(order[i][0], order[i][1], modules[members[i][0]].tn.proj)
+                .to(w.device) for i in batch]))
+            rows = [j for i in batch for j in members[i]]
+            idx = torch.tensor(rows, device=w.device)
+            row_gs = gs[idx].repeat_interleave(m).reshape(len(batch), per * m)
+            w_hat, codes = sparsegpt.prune_quantize(
+                w[idx].reshape(len(batch), per * m, k), u, row_gs, self.group_size, scale_rule,
+                local_dtype, arithmetic)
+            del u
+            out[idx] = w_hat.reshape(-1, m, k)
+            out_codes[idx] = codes.reshape(-1, m, k // self.group_size)
+            del w_hat
+            if hessians.sequential:
+                for j in rows:
+                    tn = modules[j].tn
+                    hessians.replace(tn.layer, tn.expert, tn.proj, out[j])
         return out, out_codes
 
 
@@ -197,13 +235,16 @@ def _norms(stats: str) -> WandaNorms:
 def build(settings: dict, calibration: SparsegptCalibration | None) -> Sparsify:
     if settings.get("pattern", "p48") != "p48":
         raise KconvertError(f"unknown sparsity pattern {settings['pattern']!r}; only p48")
+    hessian = settings.get("hessian")
+    if hessian is not None and settings.get("method", "magnitude") != "sparsegpt":
+        raise KconvertError("--hessian serves --method sparsegpt")
     return Sparsify(method=settings.get("method", "magnitude"),
                     group_size=settings.get("group_size", 16),
                     storage=settings.get("storage", "dense"), stats=settings.get("stats"),
-                    calibration=calibration)
+                    hessian=hessian or Sparsify.hessian, calibration=calibration)
 
 
 KIND = StageKind(Sparsify.name, build, SparsifyRecord,
-                 settings=("pattern", "method", "group_size", "storage", "stats"),
+                 settings=("pattern", "method", "group_size", "storage", "stats", "hessian"),
                  input_options=CALIBRATION_OPTIONS, input_type=SparsegptCalibration,
                  followed_by=("quantize", "p48 output is NVFP4"))
