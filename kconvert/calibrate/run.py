@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from kconvert import __version__
+from kconvert import __version__, distributed
 from kconvert.calibrate.data import PAD_ID, load_calibration_data
 from kconvert.calibrate.forward import (
     ForwardContext,
@@ -24,6 +24,7 @@ from kconvert.calibrate.stats import (
     META_FILE,
     ROUTING_CONVENTION,
     CalibrationStats,
+    reduce_over_ranks,
     save_stats,
     stats_key,
 )
@@ -69,15 +70,22 @@ def calibrate(
         if attention_mask.shape != input_ids.shape:
             raise KconvertError("attention_mask must have the shape of input_ids")
         valid &= attention_mask.bool()
-    n_seq, seq_len = input_ids.shape
-    all_valid = bool(valid.all())
+    if on_moe is not None and distributed.world() > 1:
+        raise KconvertError("SparseGPT's calibration inputs are not shared across ranks; run "
+                            "it without torchrun")
+    # Data-parallel: this rank runs whole batches of the one-process run (the same batches,
+    # so the same arithmetic); the statistics are reduced over ranks after each layer.
+    mine = distributed.own_batches(input_ids.shape[0], batch_size)
+    local_ids, local_valid = input_ids[mine], valid[mine]
+    n_seq, seq_len = local_ids.shape
+    all_valid = bool(local_valid.all())
     cfg = model_config(ckpt)
     n_layers = cfg.num_hidden_layers
     layer_tensors = tensors_by_layer(ckpt, n_layers)
-    say = progress or (lambda _msg: None)
+    say = progress if progress is not None and distributed.is_main() else (lambda _msg: None)
 
     t0 = time.perf_counter()
-    hidden = embed(ckpt, torch.where(valid, input_ids, PAD_ID), dtype)
+    hidden = embed(ckpt, torch.where(local_valid, local_ids, PAD_ID), dtype)
     if device.type == "cuda":
         if hidden_on_device is None:
             free = torch.cuda.mem_get_info(device)[0]
@@ -86,7 +94,7 @@ def calibrate(
     rotary = DeepseekV3RotaryEmbedding(cfg).to(device)
     positions = torch.arange(seq_len, device=device).unsqueeze(0)
     pos_emb = rotary(torch.empty(0, device=device, dtype=dtype), positions)
-    valid_dev = valid.to(device)
+    valid_dev = local_valid.to(device)
     ctx = ForwardContext()
 
     tensors: dict[str, torch.Tensor] = {}
@@ -98,6 +106,9 @@ def calibrate(
         if loaded.moe is not None:
             loaded.moe.capture = on_moe is not None
         t_loaded = time.perf_counter()
+        x = out = None
+        # Set on the rank that meets it, maxed over ranks with the statistics: every rank fails.
+        nonfinite = torch.zeros((), device=device)
         with torch.no_grad():
             for start in range(0, n_seq, batch_size):
                 rows = slice(start, min(start + batch_size, n_seq))
@@ -108,8 +119,13 @@ def calibrate(
                 out = loaded.module(x, attention_mask=padding_aware_mask(v, batch_all),
                                     position_ids=positions, position_embeddings=pos_emb)
                 if not bool(torch.isfinite(out[v]).all()):
-                    raise KconvertError(f"non-finite hidden states after decoder layer {layer}")
+                    nonfinite.fill_(1)
+                    break
                 hidden[rows].copy_(out)
+        sums, maxima = loaded.stat_tensors()
+        reduce_over_ranks(sums, [*maxima, nonfinite])
+        if nonfinite:
+            raise KconvertError(f"non-finite hidden states after decoder layer {layer}")
         for module, acc in loaded.linear_stats.items():
             key = stats_key(module)
             modules[key] = module
@@ -140,7 +156,7 @@ def calibrate(
     meta_out = {
         "producer": f"kconvert {__version__}",
         "source": ckpt.identity,
-        "samples": n_seq,
+        "samples": input_ids.shape[0],
         "seq_len": seq_len,
         "tokens": int(valid.sum()),
         "padding_tokens": int((~valid).sum()),
@@ -177,6 +193,8 @@ def run_calibration(src: str, data: str, out: str, samples: int, seq_len: int, b
     from kconvert.devices import pick_device
     from kconvert.io.checkpoint import open_checkpoint
 
+    if not distributed.is_main():
+        progress = _quiet
     out_dir = Path(out)
     if (out_dir / META_FILE).exists() and not overwrite:
         raise KconvertError("the directory already holds statistics; pass --overwrite",
@@ -196,6 +214,10 @@ def run_calibration(src: str, data: str, out: str, samples: int, seq_len: int, b
     progress(f"wrote {out_dir}: {_plural(stats.meta['tokens'], 'token')}, "
              f"{_plural(len(stats.moe_layers), 'MoE layer')}, {stats.meta['seconds']:.1f} s")
     return stats
+
+
+def _quiet(_message: str) -> None:
+    pass
 
 
 def _plural(count: int, noun: str) -> str:
