@@ -9,6 +9,7 @@ holds the lock and the resume state until the manifest is written.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -19,11 +20,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kconvert import __version__, events
+from kconvert import __version__, distributed, events
 from kconvert.checks.structure import validate_source
 from kconvert.devices import pick_device
 from kconvert.engine.execute import execute
-from kconvert.engine.work import WorkPlan, build_work_plan, describe
+from kconvert.engine.work import WorkPlan, build_work_plan, describe, share_shards
 from kconvert.errors import KconvertError
 from kconvert.formats import nvfp4
 from kconvert.formats.dense import DenseCodec
@@ -97,25 +98,16 @@ def convert(src: str, dst: str, recipe: Recipe, settings: Mapping[str, object],
 
 def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, settings: Mapping[str, object],
              inputs: Mapping[str, object], run: RunControl, echo) -> Manifest | None:
-    output_dir.check_dst(ckpt.root, dst, run.resume, run.overwrite, run.dry_run)
+    main = distributed.is_main()
+    say = echo if main else (lambda _message: None)
+    distributed.from_main(lambda: output_dir.check_dst(ckpt.root, dst, run.resume,
+                                                       run.overwrite, run.dry_run))
     dst = output_dir.resolve_dst(dst)
-    stages = build_stages(recipe, settings, inputs)
-    device = pick_device(run.device)
-    # GPU items of 2^28 decoded elements (~18 Kimi expert matrices): large enough to keep
-    # the GPU busy, small enough that prefetch + queued results stay within ~4 GB of host RAM.
-    # On a CPU, items of 2^24 elements (~one expert matrix; the fused kernel is per row anyway)
-    # keep the decode temporaries to ~200 MB (measured in tests/test_robustness.py).
-    work_elems = 1 << 28 if device.type == "cuda" else 1 << 24
-    work_elems = max([work_elems] + [n for s in stages if (n := s.work_elems(device))])
-    plan = build_work_plan(ckpt, stages, work_elems)
-    for warning in validate_source(ckpt.config, ckpt.tensors, plan.modules, ckpt.root):
-        echo(f"kconvert: warning: {warning}")
-    if recipe.requires_source and not any(m.codec.name == recipe.requires_source
-                                          for m in plan.modules):
-        raise KconvertError(f"{recipe.name} needs a source with {recipe.requires_source} modules "
-                            "and this one has none", file=str(ckpt.root / "config.json"))
+    stages, device, plan = distributed.agree(lambda: _plan(ckpt, recipe, settings, inputs,
+                                                           run, say))
     if run.dry_run:
-        _print_plan(plan, echo)
+        if main:
+            _print_plan(plan, echo)
         return None
 
     # The manifest's options: a RunRecord, typed, so the audit can read it.
@@ -125,17 +117,26 @@ def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, settings: Mapping[str,
     planned = _planned(ckpt, plan)
     ws: Workspace | None = None
     try:
-        with lock.locked(dst, echo):
-            ws, done = output_dir.prepare(dst, planned, fingerprint, run.resume, run.overwrite,
-                                          run.trust_complete, plan.shard_entries, echo)
+        # Rank 0 holds DST's lock and prepares DST; every rank then writes its share of shards
+        # (all of them in a one-process run) and rank 0 writes the files that say "done".
+        with lock.locked(dst, echo) if main else contextlib.nullcontext():
+            ws, done = distributed.from_main(lambda: output_dir.prepare(
+                dst, planned, fingerprint, run.resume, run.overwrite, run.trust_complete,
+                plan.shard_entries, echo))
+            share = (share_shards(plan, set(done), distributed.world())[distributed.rank()]
+                     if distributed.world() > 1 else None)
             try:
-                records = _execute(plan, ws, device, done, run, recipe.name)
+                mine = distributed.agree(lambda: _execute(
+                    plan, ws, device, done, run, recipe.name, share))
             finally:
                 for stage in stages:
                     stage.close()
-            manifest = _finish(ckpt, ws, plan, records, recipe.name, recorded)
-            output_dir.commit(ws, echo)
-            events.emit("run-finished", dst=str(dst))
+            records = {s: r for got in distributed.all_gather_object(mine) for s, r in got.items()}
+            manifest = distributed.agree(
+                lambda: _finish(ckpt, ws, plan, records, recipe.name, recorded) if main else None)
+            if main:
+                output_dir.commit(ws, echo)
+                events.emit("run-finished", dst=str(dst))
     except OSError as exc:
         if exc.errno in NO_SPACE:
             left = sum(n for s, n in planned.shard_bytes.items()
@@ -147,10 +148,36 @@ def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, settings: Mapping[str,
         raise
     except BaseException:
         if ws is not None and ws.replaces:
-            echo(f"the previous output in {dst} is unchanged; the unfinished new one is in "
-                 f"{ws.root} (--resume continues it, --overwrite starts again)")
+            say(f"the previous output in {dst} is unchanged; the unfinished new one is in "
+                f"{ws.root} (--resume continues it, --overwrite starts again)")
         raise
     return manifest
+
+
+def _plan(ckpt: Checkpoint, recipe: Recipe, settings: Mapping[str, object],
+          inputs: Mapping[str, object], run: RunControl, say
+          ) -> tuple[list, torch.device, WorkPlan]:
+    """The stages, the device and the work plan, after the checks of the source."""
+    stages = build_stages(recipe, settings, inputs)
+    if distributed.world() > 1 and any(s.ordered_layers for s in stages):
+        raise KconvertError("--method sparsegpt streams its calibration layer by layer beside "
+                            "the conversion and does not run across ranks; run it without "
+                            "torchrun")
+    device = pick_device(run.device)
+    # GPU items of 2^28 decoded elements (~18 Kimi expert matrices): large enough to keep
+    # the GPU busy, small enough that prefetch + queued results stay within ~4 GB of host RAM.
+    # On a CPU, items of 2^24 elements (~one expert matrix; the fused kernel is per row anyway)
+    # keep the decode temporaries to ~200 MB (measured in tests/test_robustness.py).
+    work_elems = 1 << 28 if device.type == "cuda" else 1 << 24
+    work_elems = max([work_elems] + [n for s in stages if (n := s.work_elems(device))])
+    plan = build_work_plan(ckpt, stages, work_elems)
+    for warning in validate_source(ckpt.config, ckpt.tensors, plan.modules, ckpt.root):
+        say(f"kconvert: warning: {warning}")
+    if recipe.requires_source and not any(m.codec.name == recipe.requires_source
+                                          for m in plan.modules):
+        raise KconvertError(f"{recipe.name} needs a source with {recipe.requires_source} modules "
+                            "and this one has none", file=str(ckpt.root / "config.json"))
+    return stages, device, plan
 
 
 def _planned(ckpt: Checkpoint, plan: WorkPlan) -> Planned:
@@ -167,10 +194,15 @@ def _planned(ckpt: Checkpoint, plan: WorkPlan) -> Planned:
 
 
 def _execute(plan: WorkPlan, ws: Workspace, device: torch.device, done: dict[str, dict],
-             run: RunControl, name: str) -> dict[str, dict]:
-    total = sum(item.nbytes for item in plan.items)
-    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=run.quiet,
-              desc=name, smoothing=0.1) as bar:
+             run: RunControl, name: str, shards: set[str] | None) -> dict[str, dict]:
+    """This rank's shards (all of them in a one-process run) -> their records; rank 0 shows
+    the progress of its own share, which byte balancing keeps near each other rank's."""
+    total = sum(item.nbytes for item in plan.items
+                if shards is None or plan.item_shards(item) <= shards)
+    if distributed.world() > 1:
+        name = f"{name} (rank 0 of {distributed.world()})"
+    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
+              disable=run.quiet or not distributed.is_main(), desc=name, smoothing=0.1) as bar:
         encodes = any(m.out_codec not in (None, DenseCodec) and not m.repack
                       for m in plan.modules)
         if device.type == "cpu" and encodes:
@@ -178,7 +210,8 @@ def _execute(plan: WorkPlan, ws: Workspace, device: torch.device, done: dict[str
                                 "them, ~15 s)")
             nvfp4.warm_cpu_kernels()
             bar.set_description(name)
-        return execute(plan, ws.root, device, done, bar.update, readers=run.readers)
+        return execute(plan, ws.root, device, done, bar.update, readers=run.readers,
+                       shards=shards)
 
 
 def _print_plan(plan: WorkPlan, echo) -> None:
@@ -278,13 +311,16 @@ def _manifest(ckpt: Checkpoint, plan: WorkPlan, records: dict[str, dict], comman
         fused.members.sort()
     files = {shard: FileEntry(bytes=(root / shard).stat().st_size, tensors=len(e))
              for shard, e in plan.shard_entries.items()}
+    summary = _summary(plan, by_layer, files)
+    if distributed.launched():  # how the run was spread; the bytes are the same on any count
+        summary["world_size"] = distributed.world()
     return Manifest(
         tool={"name": "kconvert", "version": __version__}, command=command, options=options,
         source=SourceEntry(**ckpt.identity), output_format=fmt, files=files,
         non_weight_files=non_weight, generated_files=generated,
         tensors=dict(sorted(tensors.items())),
         fused_sets=dict(sorted(fused_sets.items())), layers=layers,
-        summary=_summary(plan, by_layer, files), dropped=dropped,
+        summary=summary, dropped=dropped,
     )
 
 

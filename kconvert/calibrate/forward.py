@@ -216,6 +216,16 @@ class _Layer:
     linear_stats: dict[str, _LinearStats]  # checkpoint module -> accumulator (non-expert)
     hooks: list = field(default_factory=list)
 
+    def stat_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(sums, maxima): the accumulators of the layer's statistics (reduced over ranks)."""
+        sums = [acc.sq for acc in self.linear_stats.values()]
+        maxima = [acc.amax for acc in self.linear_stats.values()]
+        if self.moe is not None:
+            m = self.moe
+            sums += [m.count, m.gate_sum, m.reap_sum, m.ean_sum, m.sq_in, m.sq_down]
+            maxima += [m.amax_in, m.amax_down]
+        return sums, maxima
+
 
 def _read(ckpt: Checkpoint, info: TensorInfo) -> torch.Tensor:
     return ckpt.reader_for(info).read(info)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from kconvert import __version__
+from kconvert import __version__, distributed
 from kconvert.calibrate.data import PAD_ID, load_calibration_data
 from kconvert.calibrate.forward import (
     ForwardContext,
@@ -24,6 +24,7 @@ from kconvert.calibrate.stats import (
     META_FILE,
     ROUTING_CONVENTION,
     CalibrationStats,
+    reduce_over_ranks,
     save_stats,
     stats_key,
 )
@@ -73,15 +74,22 @@ def calibrate(
         if attention_mask.shape != input_ids.shape:
             raise KconvertError("attention_mask must have the shape of input_ids")
         valid &= attention_mask.bool()
-    n_seq, seq_len = input_ids.shape
-    all_valid = bool(valid.all())
+    if on_moe is not None and distributed.world() > 1:
+        raise KconvertError("SparseGPT's calibration inputs are not shared across ranks; run "
+                            "it without torchrun")
+    # Data-parallel: this rank runs whole batches of the one-process run (the same batches,
+    # so the same arithmetic); the statistics are reduced over ranks after each layer.
+    mine = distributed.own_batches(input_ids.shape[0], batch_size)
+    local_ids, local_valid = input_ids[mine], valid[mine]
+    n_seq, seq_len = local_ids.shape
+    all_valid = bool(local_valid.all())
     cfg = model_config(ckpt)
     n_layers = cfg.num_hidden_layers
     layer_tensors = tensors_by_layer(ckpt, n_layers)
-    say = progress or (lambda _msg: None)
+    say = progress if progress is not None and distributed.is_main() else (lambda _msg: None)
 
     t0 = time.perf_counter()
-    hidden = embed(ckpt, torch.where(valid, input_ids, PAD_ID), dtype)
+    hidden = embed(ckpt, torch.where(local_valid, local_ids, PAD_ID), dtype)
     if device.type == "cuda":
         if hidden_on_device is None:
             free = torch.cuda.mem_get_info(device)[0]
@@ -90,7 +98,7 @@ def calibrate(
     rotary = DeepseekV3RotaryEmbedding(cfg).to(device)
     positions = torch.arange(seq_len, device=device).unsqueeze(0)
     pos_emb = rotary(torch.empty(0, device=device, dtype=dtype), positions)
-    valid_dev = valid.to(device)
+    valid_dev = local_valid.to(device)
     ctx = ForwardContext()
 
     tensors: dict[str, torch.Tensor] = {}
@@ -105,7 +113,10 @@ def calibrate(
         rerun = rerun_moe and loaded.moe is not None
         layer_input = hidden.clone() if rerun else None
 
-        def forward(loaded=loaded, layer=layer) -> None:
+        def forward(loaded=loaded) -> torch.Tensor:
+            """This rank's batches through the layer, in place; 1 where an output is not
+            finite (a flag rather than an error, so that every rank learns of it)."""
+            nonfinite = torch.zeros((), device=device)
             with torch.no_grad():
                 for start in range(0, n_seq, batch_size):
                     rows = slice(start, min(start + batch_size, n_seq))
@@ -116,11 +127,17 @@ def calibrate(
                     out = loaded.module(x, attention_mask=padding_aware_mask(v, batch_all),
                                         position_ids=positions, position_embeddings=pos_emb)
                     if not bool(torch.isfinite(out[v]).all()):
-                        raise KconvertError("non-finite hidden states after decoder layer "
-                                            f"{layer}")
+                        nonfinite.fill_(1)
+                        break
                     hidden[rows].copy_(out)
+            return nonfinite
 
-        forward()
+        nonfinite = forward()
+        sums, maxima = loaded.stat_tensors()
+        # maxed over ranks with the statistics: every rank fails where one met it
+        reduce_over_ranks(sums, [*maxima, nonfinite])
+        if nonfinite:
+            raise KconvertError(f"non-finite hidden states after decoder layer {layer}")
         for module, acc in loaded.linear_stats.items():
             key = stats_key(module)
             modules[key] = module
@@ -141,7 +158,9 @@ def calibrate(
         if rerun:
             hidden.copy_(layer_input)
             loaded.moe.capture = False
-            forward()
+            if forward():
+                raise KconvertError(f"non-finite hidden states after decoder layer {layer} "
+                                    "with its compressed experts")
             del layer_input
         del loaded, forward  # free layer L's weights before layer L+1 is read
         if device.type == "cuda":
@@ -158,7 +177,7 @@ def calibrate(
     meta_out = {
         "producer": f"kconvert {__version__}",
         "source": ckpt.identity,
-        "samples": n_seq,
+        "samples": input_ids.shape[0],
         "seq_len": seq_len,
         "tokens": int(valid.sum()),
         "padding_tokens": int((~valid).sum()),
@@ -195,6 +214,8 @@ def run_calibration(src: str, data: str, out: str, samples: int, seq_len: int, b
     from kconvert.devices import pick_device
     from kconvert.io.checkpoint import open_checkpoint
 
+    if not distributed.is_main():
+        progress = _quiet
     out_dir = Path(out)
     if (out_dir / META_FILE).exists() and not overwrite:
         raise KconvertError("the directory already holds statistics; pass --overwrite",
@@ -214,6 +235,10 @@ def run_calibration(src: str, data: str, out: str, samples: int, seq_len: int, b
     progress(f"wrote {out_dir}: {_plural(stats.meta['tokens'], 'token')}, "
              f"{_plural(len(stats.moe_layers), 'MoE layer')}, {stats.meta['seconds']:.1f} s")
     return stats
+
+
+def _quiet(_message: str) -> None:
+    pass
 
 
 def _plural(count: int, noun: str) -> str:

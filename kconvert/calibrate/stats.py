@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from kconvert import distributed
 from kconvert.errors import KconvertError
 from kconvert.model.names import Role, parse_name
 
@@ -86,8 +87,20 @@ def stats_key(module: str) -> str:
     raise KconvertError("not a decoder-layer linear", tensor=module)
 
 
+def reduce_over_ranks(sums: list[torch.Tensor], maxima: list[torch.Tensor]) -> None:
+    """Every rank's accumulators -> the whole job's, in place: counts and sums added in float64
+    (exact but for the order of the additions), amaxes maxed (exact). Nothing without torchrun.
+    """
+    distributed.all_reduce_(sums, "sum")
+    distributed.all_reduce_(maxima, "max")
+
+
 def save_stats(stats: CalibrationStats, out: str | Path) -> None:
-    """Write `stats.safetensors`, `act_stats.json`, then `stats.json` (written last: complete)."""
+    """Write `stats.safetensors`, `act_stats.json`, then `stats.json` (written last: complete).
+
+    Under torchrun only rank 0 writes: every rank holds the same reduced statistics."""
+    if not distributed.is_main():
+        return
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 

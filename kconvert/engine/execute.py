@@ -8,7 +8,7 @@ import os
 import queue
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -50,20 +50,25 @@ def execute(
     progress: Callable[[int], None],
     readers: int = 4,
     prefetch: int = 4,
+    shards: Collection[str] | None = None,
 ) -> dict[str, dict]:
     """Run every item whose output is not already complete; returns shard -> record.
 
-    `readers` threads read up to `prefetch` items ahead of the one being computed."""
+    `readers` threads read up to `prefetch` items ahead of the one being computed. With
+    `shards` (a rank's share), only the items of those output shards run."""
     with events.span("phase", name="execute"):
-        return _execute(plan, dst, device, done, progress, readers, prefetch)
+        return _execute(plan, dst, device, done, progress, readers, prefetch, shards)
 
 
 def _execute(plan: WorkPlan, dst: Path, device: torch.device, done: dict[str, dict],
-             progress: Callable[[int], None], readers: int, prefetch: int) -> dict[str, dict]:
+             progress: Callable[[int], None], readers: int, prefetch: int,
+             shards: Collection[str] | None) -> dict[str, dict]:
     _fix_mmap_threshold(MMAP_THRESHOLD)
-    sink = ShardSink(plan, dst, done)
-    todo = [(i, it) for i, it in enumerate(plan.items) if plan.item_shards(it) - set(done)]
-    skipped = sum(it.nbytes for it in plan.items) - sum(it.nbytes for _, it in todo)
+    sink = ShardSink(plan, dst, done, shards)
+    mine = [(i, it) for i, it in enumerate(plan.items)
+            if shards is None or plan.item_shards(it) <= set(shards)]
+    todo = [(i, it) for i, it in mine if plan.item_shards(it) - set(done)]
+    skipped = sum(it.nbytes for _, it in mine) - sum(it.nbytes for _, it in todo)
     if skipped:
         progress(skipped)
     pin = device.type == "cuda"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Collection
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -18,19 +19,24 @@ from kconvert.io.shards import ShardWriter, byte_view, tensor_nbytes
 class ShardSink:
     """The writer side: planned .partial files, hashing, and rename-on-complete."""
 
-    def __init__(self, plan: WorkPlan, dst: Path, done: dict[str, dict]):
+    def __init__(self, plan: WorkPlan, dst: Path, done: dict[str, dict],
+                 shards: Collection[str] | None = None):
         self.plan, self.dst = plan, dst
         self.state = dst / STATE_DIR
         (self.state / "partial").mkdir(parents=True, exist_ok=True)
         (self.state / "done").mkdir(parents=True, exist_ok=True)
         self.entries = plan.shard_entries
         self.done = done  # shard -> record, for shards already complete
-        self.skipped = set(done)  # complete before this run: nothing is written or hashed
+        # Complete before this run, or (`shards`: this rank's share) another rank's: nothing
+        # is written or hashed.
+        self.skipped = set(done) | (set(self.entries) - set(shards) if shards is not None
+                                    else set())
         # A module's outputs all land in the shard of its primary source tensor.
         self.module_shard = {m.out_module: m.primary.file.name for m in plan.modules}
         # Data bytes still to write per shard; the shard is finished when this reaches 0.
         self.remaining = {shard: sum(tensor_nbytes(d, s) for _, d, s in e)
-                          for shard, e in self.entries.items()}
+                          for shard, e in self.entries.items()
+                          if shards is None or shard in shards}
         self.writers: dict = {}
         self.hashes = TensorHashes()
         self.records: dict[str, dict] = defaultdict(lambda: {"tensors": {}, "modules": {}})

@@ -198,6 +198,25 @@ def _build_work_plan(ckpt: Checkpoint, stages: list[Stage], work_elems: int) -> 
     return WorkPlan(ckpt, stages, modules, outputs, items, dropped)
 
 
+def share_shards(plan: WorkPlan, done: set[str], ranks: int) -> list[set[str]]:
+    """The output shards not in `done`, divided among `ranks` balanced by the source bytes
+    their items read (largest first, each to the least loaded rank; ties by name and rank).
+
+    A shard is the unit: items are planned per shard, so a fused set is computed by one rank
+    exactly as by a one-process run (the sets of an item are whole within its shard)."""
+    load = {shard: 0 for shard in plan.shard_entries if shard not in done}
+    for item in plan.items:
+        for shard in plan.item_shards(item) & load.keys():
+            load[shard] += item.nbytes
+    shares: list[set[str]] = [set() for _ in range(ranks)]
+    totals = [0] * ranks
+    for shard, nbytes in sorted(load.items(), key=lambda kv: (-kv[1], kv[0])):
+        least = min(range(ranks), key=lambda r: (totals[r], r))
+        shares[least].add(shard)
+        totals[least] += nbytes
+    return shares
+
+
 def _item_layer(item: TransformItem) -> int:
     layer = item.sets[0][0].tn.layer
     return -1 if layer is None else layer

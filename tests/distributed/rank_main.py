@@ -1,0 +1,35 @@
+"""One process of a distributed test job: runs several kconvert commands in a row in one
+process group (one start-up of torch per rank for all of them).
+
+    python -m torch.distributed.run --standalone --nproc-per-node N rank_main.py COMMANDS.json
+
+COMMANDS.json is a list of argument lists (`["int4-to-nvfp4", SRC, DST, ...]`). The first
+command that fails ends the process with its exit status. With DIE_ON_RANK=R set, rank R kills
+itself (SIGKILL, as the OOM killer would) the moment it has finished its first shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+from kconvert import distributed, events
+from kconvert.cli import main
+
+
+def die_after_first_shard(event: str, _info: dict) -> None:
+    if event == "shard-done":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    if os.environ.get("DIE_ON_RANK") == str(distributed.rank()):
+        events.subscribe(die_after_first_shard)
+    with open(sys.argv[1]) as f:
+        commands = json.load(f)
+    for argv in commands:
+        code = main.main(args=argv, prog_name="kconvert", standalone_mode=False)
+        if code:
+            sys.exit(code)

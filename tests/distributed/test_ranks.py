@@ -1,0 +1,180 @@
+"""Commands under torch.distributed (gloo on the CPU, 2 and 3 ranks) write what one process
+writes: every byte of every shard and file, the manifest but for its recorded world size, the
+calibration statistics within 1e-6 relative and the same REAP plan. A rank killed mid-run
+fails the job with no manifest, and `--resume` with another number of ranks completes it.
+
+Each job runs all its commands in one process group (rank_main.py): one start-up of torch per
+rank for the whole module."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+HERE = Path(__file__).resolve().parent
+BUNDLED = HERE.parent / "fixtures" / "tiny-k2-thinking-int4"
+MANIFEST = "kconvert-manifest.json"
+CONVERSIONS = ("nvfp4", "sparse", "bf16", "reap-plan", "reap-data")
+
+
+def commands(out: Path, data: Path, plan: Path) -> list[list[str]]:
+    """Every command the test compares, writing under `out`. 6 sequences in batches of 2: the
+    calibration's 3 batches fall unevenly on 2 ranks and one each on 3."""
+    src, cpu = str(BUNDLED), ["--device", "cpu", "--quiet"]
+    calib = ["--data", str(data), "--samples", "6", "--seq-len", "16", "--batch-size", "2"]
+    return [  # calibrate first: a fresh process in every job (see the fixture)
+        ["calibrate", src, *calib, "-o", str(out / "stats"), "--device", "cpu", "--dtype",
+         "float32", "--quiet"],
+        ["int4-to-nvfp4", src, str(out / "nvfp4"), *cpu],
+        ["sparsify", "--method", "magnitude", src, str(out / "sparse"), *cpu],
+        ["dequant", src, str(out / "bf16"), *cpu],
+        ["reap", *calib, "--keep", "12", src, str(out / "reap-data"), *cpu],
+        ["reap", "--plan", str(plan), src, str(out / "reap-plan"), *cpu],
+    ]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_commands(path: Path, cmds: list[list[str]]) -> Path:
+    path.write_text(json.dumps(cmds))
+    return path
+
+
+def torchrun(ranks: int, cmds_file: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc-per-node={ranks}", str(HERE / "rank_main.py"), str(cmds_file)],
+        capture_output=True, text=True, timeout=600)
+
+
+def env_launch(ranks: int, cmds_file: Path, **env) -> list[subprocess.CompletedProcess]:
+    """The ranks as torchrun would start them (its environment variables), each process's own
+    exit status and output kept: torchrun stops the survivors itself, which would hide them."""
+    port = free_port()
+    procs = []
+    for rank in range(ranks):
+        e = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank),
+             "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks),
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+             **env}
+        procs.append(subprocess.Popen([sys.executable, str(HERE / "rank_main.py"),
+                                       str(cmds_file)], env=e, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    return [subprocess.CompletedProcess(p.args, p.wait(timeout=600), *p.communicate())
+            for p in procs]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One process, then 2 ranks (torchrun), a 2-rank job whose rank 1 is
+    killed, and 3 ranks (torchrun) that also resume the killed job."""
+    root = tmp_path_factory.mktemp("ranks")
+    data = root / "data.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": [(7 * i + 3 * j) % 500 for j in range(16)]})
+                            + "\n" for i in range(6)))
+    plan = root / "plan.json"  # the plan of the one-process `reap --data`
+    one = root / "one"
+    cmds = commands(one, data, plan)
+    at = cmds.index(next(c for c in cmds if c[:2] == ["reap", "--plan"]))
+    # One thread, as torchrun gives each rank: a CPU's float arithmetic depends on its thread
+    # count (~1e-6 in the sums), whatever the number of ranks; and on what ran before in the
+    # process (seen after conversions), so every job calibrates first.
+    for second, part in enumerate((cmds[:at], cmds[at:])):
+        if second:
+            plan.write_text((one / "reap-data" / "reap-plan.json").read_text())
+        res = subprocess.run([sys.executable, str(HERE / "rank_main.py"),
+                              str(write_commands(root / "one.json", part))],
+                             env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                             text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-4000:]
+    two = torchrun(2, write_commands(root / "two.json", commands(root / "two", data, plan)))
+    assert two.returncode == 0, two.stderr[-4000:]
+    killed_dst = root / "killed"
+    killed = env_launch(2, write_commands(root / "killed.json", [
+        ["int4-to-nvfp4", str(BUNDLED), str(killed_dst), "--device", "cpu", "--quiet"]]),
+        DIE_ON_RANK="1")
+    state_after_kill = sorted(p.name for p in (killed_dst / ".kconvert" / "done").iterdir())
+    manifest_after_kill = (killed_dst / MANIFEST).exists()
+    three = torchrun(3, write_commands(root / "three.json", [
+        *commands(root / "three", data, plan),
+        ["int4-to-nvfp4", str(BUNDLED), str(killed_dst), "--device", "cpu", "--quiet",
+         "--resume"]]))
+    assert three.returncode == 0, three.stderr[-4000:]
+    return {"root": root, "one": one, 2: root / "two", 3: root / "three", "killed": killed,
+            "killed_dst": killed_dst, "done_after_kill": state_after_kill,
+            "manifest_after_kill": manifest_after_kill}
+
+
+def files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+def manifest_without_world(path: Path) -> tuple[dict, int | None]:
+    manifest = json.loads(path.read_text())
+    return manifest, manifest["summary"].pop("world_size", None)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("name", CONVERSIONS)
+def test_every_byte_as_one_process(runs, name, ranks):
+    one, many = files(runs["one"] / name), files(runs[ranks] / name)
+    assert sorted(one) == sorted(many)
+    assert not any(n.startswith(".kconvert") for n in many)
+    for rel in one:
+        if rel != MANIFEST:
+            assert one[rel] == many[rel], rel
+    m_one, w_one = manifest_without_world(runs["one"] / name / MANIFEST)
+    m_many, w_many = manifest_without_world(runs[ranks] / name / MANIFEST)
+    assert (w_one, w_many) == (None, ranks)
+    assert m_one == m_many
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_calibration_statistics_as_one_process(runs, ranks):
+    one = load_file(str(runs["one"] / "stats" / "stats.safetensors"))
+    many = load_file(str(runs[ranks] / "stats" / "stats.safetensors"))
+    assert sorted(one) == sorted(many)
+    summed = 0
+    for name, t in one.items():
+        if t.dtype == torch.int64:
+            assert torch.equal(t, many[name]), name  # counts: exact
+        else:
+            torch.testing.assert_close(many[name], t, rtol=1e-6, atol=0, msg=name)
+            summed += bool((t != 0).any())
+    assert summed > 10  # the comparison saw real sums, not zeros
+    meta_one = json.loads((runs["one"] / "stats" / "stats.json").read_text())
+    meta_many = json.loads((runs[ranks] / "stats" / "stats.json").read_text())
+    for key in ("samples", "tokens", "unrouted", "modules"):
+        assert meta_one[key] == meta_many[key], key
+    act = "act_stats.json"
+    assert (runs["one"] / "stats" / act).read_text() == (runs[ranks] / "stats" / act).read_text()
+
+
+def test_killed_rank_fails_the_job_and_resume_with_other_rank_count_completes(runs):
+    rank0, rank1 = runs["killed"]
+    assert rank1.returncode == -9  # killed after its first shard, as planned
+    assert rank0.returncode == 2, rank0.stderr
+    assert "lost contact with another rank" in rank0.stderr and "--resume" in rank0.stderr
+    assert not runs["manifest_after_kill"]
+    assert 1 <= len(runs["done_after_kill"]) < 4  # some shards were kept for the resume
+    one, resumed = files(runs["one"] / "nvfp4"), files(runs["killed_dst"])
+    assert sorted(one) == sorted(resumed)
+    for rel in one:
+        if rel != MANIFEST:
+            assert one[rel] == resumed[rel], rel
+    m_one, _ = manifest_without_world(runs["one"] / "nvfp4" / MANIFEST)
+    m_resumed, world = manifest_without_world(runs["killed_dst"] / MANIFEST)
+    assert world == 3 and m_one == m_resumed
