@@ -178,7 +178,8 @@ def precision_part(dev: torch.device, dims, tokens: int, e: int) -> dict:
 def cli(*args: str) -> float:
     t0 = time.perf_counter()
     res = subprocess.run([sys.executable, "-m", "kconvert.cli", *args], capture_output=True,
-                         text=True, env={**os.environ, "PYTHONPATH": str(HERE.parent)})
+                         text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                             [str(HERE.parent), *filter(None, [os.environ.get("PYTHONPATH")])])})
     if res.returncode:
         raise SystemExit(f"kconvert {args[0]} failed ({res.returncode}):\n{res.stdout}\n"
                          f"{res.stderr}")
