@@ -17,6 +17,7 @@ Env as bench_calibrate: ROOT, OUT, SEQS (256), SEQ (2048), BATCH (8), DIMS.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -27,12 +28,12 @@ if "--tiny" in sys.argv:  # before bench_calibrate reads its dims from the envir
     os.environ.update(DIMS="128,64,256,16,512,64,32,4", SEQS="4", SEQ="32", BATCH="2")
     os.environ.setdefault("ROOT", "/tmp/kbench-eval-tiny")
 
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_calibrate import BATCH, OUT, ROOT, SEQ, SEQS, V, dev, make_checkpoint  # noqa: E402
+from bench_calibrate import BATCH, OUT, ROOT, SEQ, SEQS, V, dev, make_checkpoint
 
 
 def reset_peaks() -> None:
@@ -75,7 +76,7 @@ def main() -> None:
     reset_peaks()
     calibrate(source, ids, dev, BATCH, on_layer=lambda _layer, _h: marks.append(
         (torch.cuda.synchronize() if dev == "cuda" else None) or time.perf_counter()))
-    calib_layers = [round(b - a, 2) for a, b in zip(marks, marks[1:], strict=False)]
+    calib_layers = [round(b - a, 2) for a, b in itertools.pairwise(marks)]
     res["calibrate"] = {"seconds_per_layer": calib_layers, **peaks()}
 
     candidate = open_checkpoint(str(cand))
