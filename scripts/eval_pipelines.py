@@ -13,8 +13,8 @@ activation amax, SparseGPT Hessians) is on training windows; eval on held-out wi
     python scripts/eval_pipelines.py [--samples 64] [--seq-len 256] [--calib 64] [--draws 3]
         [--out scripts/results/eval_tiny_moe]   # -> .md and .json
 
-Prints the table; writes OUT.md (table and orderings) and OUT.json (the eval report plus what
-each candidate is).
+Prints the table; writes the table and orderings to OUT + ".md", and the eval report plus what
+each candidate is to OUT + ".json".
 """
 
 from __future__ import annotations
