@@ -126,6 +126,8 @@ class MoEBlock(nn.Module):
         # With `capture`, the real rows of every batch's input and their top-k expert ids are
         # kept (SparseGPT builds each expert's Hessian from them); `captured()` joins them.
         self.capture = False
+        # Without `collect`, the block only computes its output (no REAP/activation sums).
+        self.collect = True
         self._inputs: list[torch.Tensor] = []
         self._indices: list[torch.Tensor] = []
 
@@ -163,13 +165,16 @@ class MoEBlock(nn.Module):
             gate, up = nn.functional.linear(xe, self.experts.gate_up[e]).chunk(2, dim=-1)
             a = self.act_fn(gate) * up
             f = nn.functional.linear(a, self.experts.down[e])  # f_j(x): before gating
-            norms[rows] = torch.linalg.vector_norm(f, dim=-1, dtype=torch.float32)
             # A token reaches an expert at most once: no repeated index, a plain += is exact
             # (and far cheaper than index_add_ on a busy multi-threaded CPU).
             out[tok[rows]] += f.float() * w[rows, None]
-            _accumulate(xe, self.amax_in[e], self.sq_in[e])
-            _accumulate(a, self.amax_down[e], self.sq_down[e])
             start += c
+            if self.collect:
+                norms[rows] = torch.linalg.vector_norm(f, dim=-1, dtype=torch.float32)
+                _accumulate(xe, self.amax_in[e], self.sq_in[e])
+                _accumulate(a, self.amax_down[e], self.sq_down[e])
+        if not self.collect:
+            return out
         n = self.n_experts
         self.count += counts
         self.gate_sum += torch.bincount(exp, weights=w.double(), minlength=n)
@@ -294,8 +299,10 @@ def _load_experts(ckpt: Checkpoint, cfg, modules: list[ModuleWork], layer: int,
 
 
 def load_layer(ckpt: Checkpoint, cfg, layer: int, tensors: dict[str, TensorInfo],
-                ctx: ForwardContext, device: torch.device, dtype: torch.dtype) -> _Layer:
-    """transformers' decoder layer L holding exactly the checkpoint's layer-L tensors."""
+                ctx: ForwardContext, device: torch.device, dtype: torch.dtype,
+                stats: bool = True) -> _Layer:
+    """transformers' decoder layer L holding exactly the checkpoint's layer-L tensors; with
+    `stats` False it computes the forward alone (no calibration statistics)."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
 
     prefix = f"{parse_name(next(iter(tensors))).prefix}layers.{layer}."
@@ -337,7 +344,9 @@ def load_layer(ckpt: Checkpoint, cfg, layer: int, tensors: dict[str, TensorInfo]
 
     linear_stats: dict[str, _LinearStats] = {}
     hooks = []
-    for rel, sub in module.named_modules():
+    if moe is not None:
+        moe.collect = stats
+    for rel, sub in module.named_modules() if stats else ():
         if isinstance(sub, nn.Linear):
             acc = linear_stats[prefix + rel] = _LinearStats(sub.in_features, device)
             hooks.append(sub.register_forward_pre_hook(
@@ -397,3 +406,61 @@ def padding_aware_mask(valid: torch.Tensor, all_valid: bool) -> torch.Tensor | N
     causal = torch.ones(s, s, dtype=torch.bool, device=valid.device).tril()
     mask = causal & valid[:, None, None, :]
     return mask | torch.eye(s, dtype=torch.bool, device=valid.device)
+
+
+def position_embeddings(cfg, seq_len: int, device: torch.device, dtype: torch.dtype
+                        ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """(positions [1, seq_len], the rope's (cos, sin)) for positions 0..seq_len-1."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+
+    positions = torch.arange(seq_len, device=device).unsqueeze(0)
+    rotary = DeepseekV3RotaryEmbedding(cfg).to(device)
+    return positions, rotary(torch.empty(0, device=device, dtype=dtype), positions)
+
+
+def layer_forward(layer: _Layer, ctx: ForwardContext, x: torch.Tensor, valid: torch.Tensor,
+                  positions: torch.Tensor, pos_emb) -> torch.Tensor:
+    """One loaded decoder layer on hidden states x [b, s, hidden] whose real positions are
+    `valid` [b, s] (both on the layer's device)."""
+    all_valid = bool(valid.all())
+    ctx.valid = None if all_valid else valid
+    return layer.module(x, attention_mask=padding_aware_mask(valid, all_valid),
+                        position_ids=positions, position_embeddings=pos_emb)
+
+
+@dataclass
+class Head:
+    """The final RMSNorm and lm_head: hidden states [..., hidden] -> logits [..., vocab]."""
+
+    norm: nn.Module  # transformers' DeepseekV3RMSNorm
+    weight: torch.Tensor  # lm_head [vocab, hidden]
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(self.norm(hidden), self.weight)
+
+
+def load_head(ckpt: Checkpoint, cfg, device: torch.device, dtype: torch.dtype) -> Head:
+    """The checkpoint's final norm and lm_head (any prefix, K2.5/K2.6 wrappers included)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
+
+    found: dict[Role, list[str]] = {Role.NORM: [], Role.LM_HEAD: []}
+    for name in ckpt.weight_map:
+        tn = parse_name(name)
+        if tn.layer is None and tn.role in found:
+            found[tn.role].append(name)
+    loaded = {}
+    for role, shape in ((Role.NORM, (cfg.hidden_size,)),
+                        (Role.LM_HEAD, (cfg.vocab_size, cfg.hidden_size))):
+        if len(found[role]) != 1:
+            raise KconvertError(f"expected one {role} tensor of the language model, found "
+                                f"{found[role]}")
+        info = ckpt.tensors[found[role][0]]
+        if info.dtype not in ("BF16", "F16", "F32") or tuple(info.shape) != shape:
+            raise KconvertError(f"{role} is {info.dtype}{list(info.shape)}; a float tensor of "
+                                f"shape {list(shape)} is needed", file=info.file.name,
+                                tensor=info.name)
+        loaded[role] = _read(ckpt, info).to(device, dtype)
+    with torch.device("meta"):
+        norm = DeepseekV3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+    norm.load_state_dict({"weight": loaded[Role.NORM]}, assign=True)
+    return Head(norm, loaded[Role.LM_HEAD])

@@ -1,5 +1,5 @@
-"""The command line: a thin click layer over `convert.convert`, the recipes, calibration and the
-audit.
+"""The command line: a thin click layer over `convert.convert`, the recipes, calibration, eval
+and the audit.
 
 Only click is imported at start-up, so `kconvert --help` answers at once; each command imports
 what it runs (torch and compressed-tensors take seconds). Every command reports errors the same
@@ -22,7 +22,7 @@ from kconvert.cli.convert import (
     run_recipe,
     sparsify,
 )
-from kconvert.cli.tools import audit, calibrate_cmd
+from kconvert.cli.tools import audit, calibrate_cmd, eval_cmd
 
 
 @click.group(cls=KconvertGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -32,5 +32,5 @@ def main() -> None:
 
 
 for command in (int4_to_nvfp4, quantize, dequant, reap, sparsify, densify, run_recipe,
-                calibrate_cmd, audit):
+                calibrate_cmd, eval_cmd, audit):
     main.add_command(command)

@@ -1,4 +1,4 @@
-"""The commands that read a checkpoint: calibration and the audit."""
+"""The commands that read a checkpoint: calibration, eval and the audit."""
 
 from __future__ import annotations
 
@@ -44,6 +44,40 @@ def calibrate_cmd(src, data, out, samples, seq_len, batch_size, seed, device, dt
 
     run_calibration(src, data, out, samples, seq_len, batch_size, seed, device, dtype,
                     tokenizer, revision, overwrite, progress=echo_unless_quiet(quiet))
+
+
+@click.command("eval", cls=KconvertCommand)
+@click.argument("src")
+@click.argument("candidates", nargs=-1, required=True)
+@click.option("--data", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="JSONL token data: one {\"input_ids\"|\"text\"|\"messages\": ...} a line "
+                   "(use held-out text, not the calibration set).")
+@click.option("-o", "--output", "out", default=None, type=click.Path(file_okay=False),
+              help="Directory for eval.json and eval.png [default: print the table only].")
+@click.option("--samples", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Sequences to evaluate on.")
+@click.option("--seq-len", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="Tokens per sequence.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Sequences per forward step through a layer.")
+@click.option("--seed", default=0, show_default=True, help="Order in which data lines are used.")
+@device_option()
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
+              show_default=True, help="Compute dtype of weights and hidden states.")
+@click.option("--tokenizer", default=None,
+              help="Tokenizer directory for text/messages lines [default: SRC].")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def eval_cmd(src, candidates, data, out, samples, seq_len, batch_size, seed, device, dtype,
+             tokenizer, quiet):
+    """Compare each CANDIDATE with SRC on the same tokens, layer by layer.
+
+    Per decoder layer: accumulated and local relative error of the hidden states; at the end:
+    KL(SRC || CANDIDATE), top-1/top-5 agreement and both models' NLL and perplexity.
+    """
+    from kconvert.evaluate.run import run_eval
+
+    run_eval(src, list(candidates), data, out, samples, seq_len, batch_size, seed, device,
+             dtype, tokenizer, quiet, echo=click.echo)
 
 
 @click.command("audit", cls=KconvertCommand)

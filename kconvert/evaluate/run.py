@@ -1,0 +1,233 @@
+"""One eval pass: the source and every candidate streamed layer by layer over the same tokens,
+and the `kconvert eval` command behind the CLI."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kconvert import __version__
+from kconvert.calibrate.data import PAD_ID, load_calibration_data
+from kconvert.calibrate.forward import (
+    ForwardContext,
+    embed,
+    layer_forward,
+    load_head,
+    load_layer,
+    model_config,
+    position_embeddings,
+    tensors_by_layer,
+)
+from kconvert.errors import KconvertError
+from kconvert.evaluate.metrics import LOGIT_ELEMS, LayerErrors, LogitsComparison, NextToken
+from kconvert.evaluate.report import CandidateResult, EvalReport, render_table, save_report
+from kconvert.io.checkpoint import Checkpoint
+
+# Model dimensions a candidate must share with its source to be compared at all.
+SAME_DIMS = ("hidden_size", "vocab_size", "num_hidden_layers")
+
+
+@dataclass
+class Stream:
+    """One model under evaluation and its hidden states after the layers run so far."""
+
+    label: str
+    ckpt: Checkpoint
+    cfg: Any  # transformers' DeepseekV3Config
+    layers: dict  # decoder layer -> its tensors
+    hidden: torch.Tensor  # [num_seqs, seq_len, hidden]
+    rope: tuple  # (positions, (cos, sin))
+
+
+def evaluate(source: Checkpoint, candidates: list[Checkpoint], input_ids: torch.Tensor,
+             device: str | torch.device = "cpu", batch_size: int = 8, *,
+             dtype: torch.dtype = torch.bfloat16, labels: list[str] | None = None,
+             quiet: bool = True, meta: dict | None = None) -> EvalReport:
+    """Compare every candidate with the source on `input_ids` [num_seqs, seq_len] (PAD_ID:
+    padding, never measured). One decoder layer of one checkpoint is loaded at a time: the
+    source's layer L runs on its stream, then each candidate's layer L runs on the candidate's
+    own stream (accumulated error) and on the source's input to L (local error). Hidden
+    states stay on the device when they fit in a third of its free memory, else in pinned
+    host memory, and stream through the device `batch_size` sequences at a time."""
+    from tqdm import tqdm
+
+    device = torch.device(device)
+    if input_ids.dim() != 2 or input_ids.dtype != torch.long or not input_ids.numel():
+        raise KconvertError("input_ids must be a non-empty LongTensor [num_seqs, seq_len]")
+    if not candidates:
+        raise KconvertError("no candidate to evaluate")
+    if batch_size < 1:
+        raise KconvertError(f"batch size {batch_size} must be positive")
+    labels = labels or [str(c.root) for c in candidates]
+    valid = input_ids != PAD_ID
+    targets = torch.cat([input_ids[:, 1:], torch.full_like(input_ids[:, :1], PAD_ID)], dim=1)
+    scored = valid & (targets != PAD_ID)
+    if not bool(scored.any()):
+        raise KconvertError("the data has no position with a next token to score")
+    t0 = time.perf_counter()
+    streams = [_stream(label, ckpt, input_ids, valid, device, dtype)
+               for label, ckpt in zip(["source", *labels], [source, *candidates], strict=True)]
+    src, cands = streams[0], streams[1:]
+    for cand in cands:
+        for key in SAME_DIMS:
+            if getattr(cand.cfg, key) != getattr(src.cfg, key):
+                raise KconvertError(f"candidate {cand.label}: {key} is {getattr(cand.cfg, key)}"
+                                    f" but the source's is {getattr(src.cfg, key)}; only "
+                                    "models of the same architecture can be compared",
+                                    file=str(cand.ckpt.root / "config.json"))
+    _place(streams, device)
+    src_out = torch.empty_like(src.hidden)
+    valid_dev = valid.to(device)
+    errors = [LayerErrors() for _ in cands]
+    ctx = ForwardContext()
+    n_seq, n_layers = input_ids.shape[0], src.cfg.num_hidden_layers
+    batches = [slice(s, min(s + batch_size, n_seq)) for s in range(0, n_seq, batch_size)]
+    layer_seconds = []
+    bar = tqdm(total=n_layers + 1, desc="eval", unit="layer", disable=quiet)
+    with torch.no_grad():
+        for layer in range(n_layers):
+            t_layer = time.perf_counter()
+            loaded = _load(src, layer, ctx, device, dtype)
+            for rows in batches:
+                out = layer_forward(loaded, ctx, src.hidden[rows].to(device), valid_dev[rows],
+                                    *src.rope)
+                _check_finite(out, valid_dev[rows], src.label, layer)
+                src_out[rows].copy_(out)
+            del loaded, out
+            _free(device)
+            for cand, err in zip(cands, errors, strict=True):
+                loaded = _load(cand, layer, ctx, device, dtype)
+                for rows in batches:
+                    v = valid_dev[rows]
+                    local = layer_forward(loaded, ctx, src.hidden[rows].to(device), v,
+                                          *cand.rope)
+                    own = layer_forward(loaded, ctx, cand.hidden[rows].to(device), v,
+                                        *cand.rope)
+                    _check_finite(own, v, cand.label, layer)
+                    err.add(layer, src_out[rows].to(device)[v], own[v], local[v])
+                    cand.hidden[rows].copy_(own)
+                del loaded, local, own
+                _free(device)
+            src.hidden, src_out = src_out, src.hidden
+            layer_seconds.append(round(time.perf_counter() - t_layer, 3))
+            bar.set_postfix_str(", ".join(f"{e.result()[str(layer)].rel_err:.3g}"
+                                          for e in errors))
+            bar.update()
+        results, nll_source = _compare_logits(streams, batches, valid, targets, scored,
+                                              device, dtype)
+        bar.update()
+    bar.close()
+    n_scored = int(scored.sum())
+    report = EvalReport(
+        producer=f"kconvert {__version__}", source=str(source.root),
+        source_identity=source.identity, data=None, samples=n_seq,
+        seq_len=input_ids.shape[1], tokens=int(valid.sum()), scored_tokens=n_scored,
+        dtype=str(dtype).removeprefix("torch."), device=str(device),
+        seconds=round(time.perf_counter() - t0, 3), layer_seconds=layer_seconds,
+        candidates=[CandidateResult(candidate=c.label, identity=c.ckpt.identity,
+                                    n_routed_experts=c.cfg.n_routed_experts,
+                                    logits=r.result(nll_source, n_scored), layers=e.result())
+                    for c, r, e in zip(cands, results, errors, strict=True)])
+    return report.model_copy(update=meta or {})
+
+
+def _stream(label: str, ckpt: Checkpoint, ids: torch.Tensor, valid: torch.Tensor,
+            device: torch.device, dtype: torch.dtype) -> Stream:
+    try:
+        cfg = model_config(ckpt)
+        layers = tensors_by_layer(ckpt, cfg.num_hidden_layers)
+        hidden = embed(ckpt, torch.where(valid, ids, PAD_ID), dtype)
+    except KconvertError as exc:
+        raise KconvertError(f"{label} {ckpt.root}: {exc}") from exc
+    return Stream(label, ckpt, cfg, layers, hidden,
+                  position_embeddings(cfg, ids.shape[1], device, dtype))
+
+
+def _place(streams: list[Stream], device: torch.device) -> None:
+    """Hidden states (one per stream, plus the source's next layer) on the device when they
+    take at most a third of its free memory, else in pinned host memory."""
+    if device.type != "cuda":
+        return
+    need = (len(streams) + 1) * streams[0].hidden.numel() * streams[0].hidden.element_size()
+    on_device = need * 3 <= torch.cuda.mem_get_info(device)[0]
+    for s in streams:
+        s.hidden = s.hidden.to(device) if on_device else s.hidden.pin_memory()
+
+
+def _load(stream: Stream, layer: int, ctx: ForwardContext, device: torch.device,
+          dtype: torch.dtype):
+    try:
+        return load_layer(stream.ckpt, stream.cfg, layer, stream.layers[layer], ctx, device,
+                          dtype, stats=False)
+    except KconvertError as exc:
+        raise KconvertError(f"{stream.label} {stream.ckpt.root}: {exc}") from exc
+
+
+def _free(device: torch.device) -> None:
+    if device.type == "cuda":  # layer L's weights go before the next checkpoint's are read
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def _check_finite(out: torch.Tensor, valid: torch.Tensor, label: str, layer: int) -> None:
+    if not bool(torch.isfinite(out[valid]).all()):
+        raise KconvertError(f"{label}: non-finite hidden states after decoder layer {layer}")
+
+
+def _compare_logits(streams: list[Stream], batches: list[slice], valid: torch.Tensor,
+                    targets: torch.Tensor, scored: torch.Tensor, device: torch.device,
+                    dtype: torch.dtype) -> tuple[list[LogitsComparison], float]:
+    """Final norm + lm_head of every model over the real positions, a chunk of positions at
+    a time: the comparisons of each candidate with the source and the source's mean NLL."""
+    heads = [load_head(s.ckpt, s.cfg, device, dtype) for s in streams]
+    rows_per_chunk = max(1, LOGIT_ELEMS.get(device.type, LOGIT_ELEMS["cpu"])
+                         // streams[0].cfg.vocab_size)
+    results = [LogitsComparison() for _ in streams[1:]]
+    nll_source = 0.0
+    for rows in batches:
+        v = valid[rows]
+        hidden = [s.hidden[rows][v.to(s.hidden.device)] for s in streams]
+        t, sc = targets[rows][v].to(device), scored[rows][v].to(device)
+        for start in range(0, t.shape[0], rows_per_chunk):
+            chunk = slice(start, start + rows_per_chunk)
+            ref = NextToken(heads[0](hidden[0][chunk].to(device)))
+            nll_source += ref.nll_sum(t[chunk], sc[chunk])
+            for head, h, result in zip(heads[1:], hidden[1:], results, strict=True):
+                result.add(ref, NextToken(head(h[chunk].to(device))), t[chunk], sc[chunk])
+    return results, nll_source / int(scored.sum())
+
+
+def run_eval(src: str, candidates: list[str], data: str, out: str | None, samples: int,
+             seq_len: int, batch_size: int, seed: int, device: str, dtype: str,
+             tokenizer: str | None, quiet: bool, echo: Callable[[str], None]) -> EvalReport:
+    """`kconvert eval`: SRC against each candidate on the JSONL `data`; the table goes to
+    `echo`, eval.json and eval.png to `out` when it is given."""
+    from kconvert.devices import pick_device
+    from kconvert.io.checkpoint import open_checkpoint
+
+    if not Path(data).read_text().strip():
+        raise KconvertError("the eval data is empty", file=str(data))
+    opened: list[Checkpoint] = []
+    try:
+        for path in [src, *candidates]:
+            opened.append(open_checkpoint(path))
+        ids = load_calibration_data(data, tokenizer or opened[0].root, samples, seq_len, seed)
+        if ids.shape[0] < samples and not quiet:
+            echo(f"note: the data gives {ids.shape[0]} sequence(s) of {seq_len} tokens, "
+                 f"fewer than --samples {samples}")
+        report = evaluate(opened[0], opened[1:], ids, pick_device(device), batch_size,
+                          dtype=getattr(torch, dtype), labels=list(candidates), quiet=quiet,
+                          meta={"source": src, "data": str(Path(data).resolve())})
+    finally:
+        for ckpt in opened:
+            ckpt.close()
+    echo(render_table(report))
+    if out is not None:
+        save_report(report, Path(out))
+        echo(f"wrote {Path(out) / 'eval.json'} and {Path(out) / 'eval.png'}")
+    return report

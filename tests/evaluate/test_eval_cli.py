@@ -1,0 +1,109 @@
+"""`kconvert eval` through the command line: its files, K2.5/K2.6 prefixes, bad input, the
+committed schema."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from conftest import ROOT
+from kconvert.cli import main
+from kconvert.evaluate.report import EvalReport
+
+TINY_MOE = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
+
+
+def cli(*args) -> object:
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def assert_user_error(res, *said: str) -> None:
+    assert res.exit_code == 2, (res.exit_code, res.output, res.exception)
+    assert "Traceback" not in res.output, res.output
+    for words in said:
+        assert words in res.output, (words, res.output)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("eval-data") / "d.jsonl"
+    rows = [{"input_ids": [(7 * i + 3 * j) % 250 for j in range(16)]} for i in range(3)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_committed_eval_schema_is_current():
+    committed = json.loads((ROOT / "manifests" / "eval.schema.json").read_text())
+    assert committed == EvalReport.model_json_schema(), (
+        "regenerate: python -m kconvert.evaluate.report > manifests/eval.schema.json")
+
+
+def test_cli_self_eval_in_bf16_writes_json_figure_and_table(data, tmp_path):
+    out = tmp_path / "ev"
+    res = cli("eval", TINY_MOE, TINY_MOE, "--data", data, "--seq-len", 16, "--samples", 3,
+              "--batch-size", 2, "--device", "cpu", "-o", out, "--quiet")
+    assert res.exit_code == 0, res.output
+    assert "KL mean" in res.output and "top-1" in res.output
+    report = EvalReport.model_validate_json((out / "eval.json").read_text())
+    raw = json.loads((out / "eval.json").read_text())["candidates"][0]
+    assert raw["logits"]["kl_mean"] == 0 and raw["logits"]["top1_agreement"] == 1.0
+    assert raw["logits"]["nll_source"] == raw["logits"]["nll_candidate"]
+    assert {k: v["rel_err"] for k, v in raw["layers"].items()} == dict.fromkeys("0123", 0.0)
+    assert report.dtype == "bfloat16" and report.tokens == 48 and report.samples == 3
+    assert (out / "eval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(out.glob(".*"))  # no temporary file left behind
+
+
+def test_k25_and_k26_wrappers_are_their_language_model(fixture_dir, data, tmp_path):
+    """k25-int4 and k26-int4 hold k2-int4-kimi's language model under `language_model.`
+    (and a vision tower): as candidates of it they are the same model; against the BF16
+    master weights the INT4 rounding shows."""
+    k2 = fixture_dir("k2-int4-kimi")
+    out = tmp_path / "ev"
+    res = cli("eval", k2, fixture_dir("k25-int4"), fixture_dir("k26-int4"), fixture_dir("bf16"),
+              "--data", data, "--seq-len", 16, "--dtype", "float32", "--device", "cpu",
+              "-o", out, "--quiet")
+    assert res.exit_code == 0, res.output
+    k25, k26, bf16 = json.loads((out / "eval.json").read_text())["candidates"]
+    for same in (k25, k26):
+        assert same["logits"]["kl_mean"] == 0 and same["logits"]["top1_agreement"] == 1
+        assert all(e["rel_err"] == 0 for e in same["layers"].values())
+    assert bf16["logits"]["kl_mean"] > 0
+    assert bf16["layers"]["0"]["rel_err"] == 0  # layer 0 is dense BF16 in both
+    assert all(bf16["layers"][str(L)]["rel_err_local"] > 0 for L in (1, 2))  # INT4 experts
+
+
+@pytest.mark.parametrize(("dims", "said"), [
+    ({"hidden": 64}, "hidden_size is 64 but the source's is 128"),
+    ({"vocab": 1024}, "vocab_size is 1024 but the source's is 512"),
+    ({"moe_layers": 1}, "num_hidden_layers is 2 but the source's is 3"),
+])
+def test_a_candidate_of_another_shape_is_refused(dims, said, fixture_dir, data, tmp_path):
+    cand = fixture_dir("bf16", **dims)
+    res = cli("eval", fixture_dir("bf16"), cand, "--data", data, "--seq-len", 16,
+              "--device", "cpu", "-o", tmp_path / "ev", "--quiet")
+    assert_user_error(res, said, str(cand))
+    assert not (tmp_path / "ev").exists()
+
+
+def test_empty_data_and_bad_ids_are_refused(fixture_dir, tmp_path):
+    src = fixture_dir("bf16")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n  \n")
+    assert_user_error(cli("eval", src, src, "--data", empty), "eval data is empty",
+                      str(empty))
+    big = tmp_path / "big.jsonl"
+    big.write_text(json.dumps({"input_ids": [1, 2, 600]}) + "\n")
+    assert_user_error(cli("eval", src, src, "--data", big, "--device", "cpu", "--quiet"),
+                      "token ids must lie in 0..511")
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps({"input_ids": [5]}) + "\n")
+    assert_user_error(cli("eval", src, src, "--data", one, "--seq-len", 1, "--device", "cpu"),
+                      "no position with a next token")
+
+
+def test_a_candidate_is_required(fixture_dir, data):
+    res = cli("eval", fixture_dir("bf16"), "--data", data)
+    assert res.exit_code == 2 and "CANDIDATES" in res.output
