@@ -44,6 +44,7 @@ def calibrate(
     meta: dict | None = None,
     on_layer: Callable[[int, torch.Tensor], None] | None = None,
     on_moe: Callable[[int, MoEBlock], None] | None = None,
+    on_weights: Callable[[int, torch.nn.Module], None] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> CalibrationStats:
     """One layer-streamed pass over `input_ids` [num_seqs, seq_len]; see the module docstring.
@@ -55,7 +56,9 @@ def calibrate(
     else in CPU memory. `on_layer(L, hidden)` sees layer L's output hidden states [num_seqs,
     seq_len, hidden] (for tests and debugging); `on_moe(L, moe)` sees MoE layer L after its
     forward, weights still loaded and inputs captured (`moe.expert_inputs(e)`: SparseGPT's
-    Hessians); `meta` is merged into the recorded meta.
+    Hessians); `on_weights(L, module)` sees transformers' decoder layer L with its weights
+    loaded after its statistics were taken, hooks removed (a second stream may run it: REAP
+    router repair); `meta` is merged into the recorded meta.
     """
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 
@@ -125,6 +128,8 @@ def calibrate(
         tensors[f"layers.{layer}.tokens"] = torch.tensor(int(valid.sum()))
         for h in loaded.hooks:
             h.remove()
+        if on_weights is not None:
+            on_weights(layer, loaded.module)
         del loaded, x, out  # free layer L's weights before layer L+1 is read
         if device.type == "cuda":
             torch.cuda.synchronize(device)
