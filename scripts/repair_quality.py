@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
+
+# Spin-waiting OpenMP threads slow small CPU steps ~10x on a shared machine (docs/tiny-moe.md).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 
