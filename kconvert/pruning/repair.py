@@ -50,9 +50,9 @@ class RepairSettings:
     # hidden states, MoE inputs, targets and `candidates` expert outputs per token, fp32).
     max_tokens: int = 32768
     heldout: float = 0.25  # fraction of those sequences held out for the guard
-    steps: int = 200
+    steps: int = 600
     lr_bias: float = 2e-3
-    lr_gate: float = 1e-3  # relative to each gate row's RMS
+    lr_gate: float = 3e-3  # relative to each gate row's RMS
     candidates: int = 2  # per token, candidates x top_k kept experts the fit may select
     temperature: float = 0.02  # width of the soft top-k threshold, in score units
     seed: int = 0
