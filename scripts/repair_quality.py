@@ -8,7 +8,8 @@ text the mean per-token KL(source || pruned) and the NLL increase (nats per byte
 
     PYTHONPATH=$PWD python scripts/repair_quality.py --out scripts/results/repair_tiny_moe
 
-writes OUT.json and OUT.md (the table in README's REAP part). CPU, ~20 minutes on 2 cores.
+writes OUT with .json and .md suffixes (the .md: the table in README's REAP part); CPU, about
+5 minutes on 2 cores.
 """
 
 from __future__ import annotations
