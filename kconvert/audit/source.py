@@ -1,7 +1,9 @@
 """The source family (--source): CKPT against the checkpoint it was made from.
 
-Router rows and e_score_correction_bias entries equal the source rows the plan chose (or,
-without a plan, the mapping is inferred by matching router rows, and the report says so);
+Router rows and e_score_correction_bias entries equal the source rows the plan chose, or, in
+a layer whose router the plan records as repaired, the rows it records (xxh3 of each gate
+row, the exact bias entries); without a plan, the mapping is inferred by matching router rows,
+and the report says so;
 the config is unchanged but for what pruning / quantization must change; nothing in the
 source is unaccounted for; non-weight files are identical. The tensors' bytes and decodes are
 compared as they stream by (kconvert.audit.stream). Without a source, a plan's expert counts
@@ -20,6 +22,8 @@ from kconvert.checks.findings import CONFIG, short
 from kconvert.io.files import hash_file
 from kconvert.io.shards import TensorInfo
 from kconvert.model.names import Role, parse_name
+from kconvert.pruning.plan import LayerRepair
+from kconvert.pruning.reap import row_hashes
 
 SRC = "source"
 # Config keys that pruning / quantization legitimately change.
@@ -52,7 +56,16 @@ def map_experts(ctx: AuditContext) -> None:
                        tensor=w_info.name):
             continue
         mapping, mode = _layer_mapping(ctx, layer, w_info, w, sw, b, sb)
-        if b is not None and sb is not None:
+        repair = _repair_record(ctx, layer)
+        if repair is not None and b is not None:
+            bad = 0
+            for i, want in enumerate(repair.bias[:b.shape[0]]):
+                bad += not r.check(SRC, same_bits(b[i], torch.tensor(want, dtype=b.dtype)),
+                                   "bias", f"entry {i} = {float(b[i])!r} but the plan's "
+                                   f"repair wrote {want!r}", layer=layer, tensor=b_info.name)
+            if bad:
+                r.row(layer).router += f", bias {bad} bad"
+        elif b is not None and sb is not None:
             bad = 0
             for i, s in enumerate(mapping):
                 if s is None or i >= b.shape[0] or s >= sb.shape[0]:
@@ -106,6 +119,9 @@ def _layer_mapping(ctx: AuditContext, layer: int, w_info: TensorInfo, w: torch.T
         identity = n == ns and mapping == list(range(n))
         row.router = f"= source ({n})" if identity else f"inferred ({n}/{ns})"
         return mapping, "identity" if identity else "inferred"
+    repair = _repair_record(ctx, layer)
+    if repair is not None:
+        return _check_repaired(ctx, layer, w_info, w, repair, keep), "plan"
     bad_rows = 0
     for i, s in enumerate(keep):
         if rows[i] == src_rows[s]:
@@ -120,6 +136,30 @@ def _layer_mapping(ctx: AuditContext, layer: int, w_info: TensorInfo, w: torch.T
               tensor=w_info.name)
     row.router = f"= plan ({n - bad_rows}/{n})"
     return list(keep), "plan"
+
+
+def _repair_record(ctx: AuditContext, layer: int) -> LayerRepair | None:
+    entry = ctx.plan.layers.get(str(layer)) if ctx.plan is not None else None
+    return entry.repair if entry is not None else None
+
+
+def _check_repaired(ctx: AuditContext, layer: int, w_info: TensorInfo, w: torch.Tensor,
+                    repair: LayerRepair, keep: list[int]) -> list[int]:
+    """A repaired layer's gate rows are the ones the plan's repair record hashed."""
+    r, row = ctx.report, ctx.report.row(layer)
+    got = row_hashes(w)
+    if not r.check(SRC, len(got) == len(repair.gate_rows_xxh3), "router", f"{len(got)} router "
+                   f"rows but the plan's repair recorded {len(repair.gate_rows_xxh3)}",
+                   layer=layer, tensor=w_info.name):
+        return list(keep)
+    bad_rows = 0
+    for i, (have, want) in enumerate(zip(got, repair.gate_rows_xxh3, strict=True)):
+        bad_rows += not r.check(SRC, have == want, "router", f"row {i} (source expert "
+                                f"{keep[i]}) has xxh3 {have}, the plan's {repair.method} repair "
+                                f"wrote {want}", layer=layer, tensor=w_info.name)
+    state = "repaired" if repair.applied else "repair kept source rows"
+    row.router = f"= plan, {state} ({len(got) - bad_rows}/{len(got)})"
+    return list(keep)
 
 
 def _infer(ctx: AuditContext, layer: int, w_info: TensorInfo, w: torch.Tensor,

@@ -46,6 +46,7 @@ def calibrate(
     on_layer: Callable[[int, torch.Tensor], None] | None = None,
     on_moe: Callable[[int, MoEBlock], None] | None = None,
     rerun_moe: bool = False,
+    on_weights: Callable[[int, torch.nn.Module], None] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> CalibrationStats:
     """One layer-streamed pass over `input_ids` [num_seqs, seq_len]; see the module docstring.
@@ -59,7 +60,9 @@ def calibrate(
     forward, weights still loaded and inputs captured (`moe.expert_inputs(e)`: SparseGPT's
     Hessians); with `rerun_moe`, each MoE layer then runs again on the same inputs with the
     weights `on_moe` left in it, and that run's outputs go on to the next layer (SparseGPT's
-    sequential Hessians; the statistics are the first run's); `meta` is merged into the
+    sequential Hessians; the statistics are the first run's); `on_weights(L, module)` sees
+    transformers' decoder layer L with its weights loaded after its statistics were taken,
+    hooks removed (a second stream may run it: REAP router repair); `meta` is merged into the
     recorded meta.
     """
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
@@ -77,6 +80,9 @@ def calibrate(
     if on_moe is not None and distributed.world() > 1:
         raise KconvertError("SparseGPT's calibration inputs are not shared across ranks; run "
                             "it without torchrun")
+    if on_weights is not None and distributed.world() > 1:
+        raise KconvertError("REAP router repair fits on one process's tokens; run --repair "
+                            "without torchrun")
     # Data-parallel: this rank runs whole batches of the one-process run (the same batches,
     # so the same arithmetic); the statistics are reduced over ranks after each layer.
     mine = distributed.own_batches(input_ids.shape[0], batch_size)
@@ -162,6 +168,8 @@ def calibrate(
                 raise KconvertError(f"non-finite hidden states after decoder layer {layer} "
                                     "with its compressed experts")
             del layer_input
+        if on_weights is not None:
+            on_weights(layer, loaded.module)
         del loaded, forward  # free layer L's weights before layer L+1 is read
         if device.type == "cuda":
             torch.cuda.synchronize(device)

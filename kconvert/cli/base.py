@@ -37,6 +37,9 @@ AUDIT_CHUNK_MB = 8  # kconvert.audit.CHUNK, in MiB (a test keeps the two equal)
 CRITERIA = ("ean", "frequency", "reap")  # kconvert.pruning.reap.CRITERIA
 
 
+REPAIRS = ("none", "bias", "router")  # kconvert.stages.prune.REPAIRS
+
+
 METHODS = ("magnitude", "wanda", "sparsegpt")  # kconvert.stages.sparsify.METHODS
 
 
@@ -209,6 +212,10 @@ def prune_options(samples_default: int | None, samples_help: str) -> list:
         *calibration_options(samples_default, samples_help),
         click.option("--save-stats", type=click.Path(file_okay=False), default=None,
                      help="With --data: also keep the statistics here, for reuse."),
+        click.option("--repair", type=click.Choice(REPAIRS), default=None,
+                     help="With --data: re-fit the kept experts' router (bias: "
+                          "e_score_correction_bias; router: gate rows and bias) so each pruned "
+                          "MoE block matches the unpruned one [default: none]."),
     ]
 
 

@@ -61,7 +61,7 @@ def _preparer(recipe: Recipe, options: dict, device: str
     opened source (the Prune stage of a plan, SparseGPT's calibration); None if nothing."""
     makers = {}
     if "prune" in recipe.kinds:
-        makers["prune"] = _prune_maker(options, device)
+        makers["prune"] = _prune_maker(recipe, options, device)
     if "sparsify" in recipe.kinds:
         sparsegpt = _sparsegpt_maker(recipe, options, device, prunes="prune" in recipe.kinds)
         if sparsegpt is not None:
@@ -71,13 +71,19 @@ def _preparer(recipe: Recipe, options: dict, device: str
     return lambda ckpt: {kind: make(ckpt) for kind, make in makers.items()}
 
 
-def _prune_maker(options: dict, device: str) -> Callable[[Checkpoint], object]:
-    """The Prune stage from --plan, or a plan from --stats or --data (REAP calibration)."""
+def _prune_maker(recipe: Recipe, options: dict, device: str) -> Callable[[Checkpoint], object]:
+    """The Prune stage from --plan, or a plan from --stats or --data (REAP calibration, with
+    router repair in the same pass when --repair or the recipe asks for it)."""
     plan, stats, data = options["plan"], options["stats"], options["data"]
     if sum(x is not None for x in (plan, stats, data)) > 1:
         raise click.UsageError("give only one of --plan, --stats and --data")
     if plan is None and stats is None and data is None:
         raise click.UsageError("give --data FILE, --stats DIR or --plan FILE")
+    repair = options["repair"] or next(
+        (s["repair"] for s in recipe.stages if s["stage"] == "prune" and "repair" in s), "none")
+    if repair != "none" and data is None:
+        raise click.UsageError(f"repair {repair} fits the router during calibration: give "
+                               "--data FILE")
 
     def make(ckpt: Checkpoint):
         from kconvert.calibrate.data import load_calibration_data
@@ -92,21 +98,29 @@ def _prune_maker(options: dict, device: str) -> Callable[[Checkpoint], object]:
             scores_from_stats,
             scores_of,
         )
+        from kconvert.pruning.repair import RepairSettings, RouterRepair, with_repair
 
         if plan is not None:
             return prune_stage(load_plan(plan), ckpt)
         keep = keep_count(ckpt, options["keep"], options["prune_ratio"])
+        fixer = None
         if stats is not None:
             scores = scores_from_stats(stats)
         else:
             ids = load_calibration_data(data, ckpt.root, options["samples"] or REAP_SAMPLES,
                                         options["seq_len"], options["seed"])
-            measured = calibrate(ckpt, ids, pick_device(device), options["batch_size"])
+            dev = pick_device(device)
+            fixer = None if repair == "none" else RouterRepair(
+                ckpt, ids, RepairSettings(repair, keep, options["criterion"]), dev,
+                batch_size=options["batch_size"])
+            measured = calibrate(ckpt, ids, dev, options["batch_size"], on_weights=fixer)
             if options["save_stats"]:
                 save_stats(measured, options["save_stats"])
             scores = scores_of(measured)
-        return prune_stage(plan_from_scores(scores, keep, options["criterion"], ckpt.identity),
-                           ckpt)
+        made = plan_from_scores(scores, keep, options["criterion"], ckpt.identity)
+        if fixer is None:
+            return prune_stage(made, ckpt)
+        return prune_stage(with_repair(made, fixer), ckpt, fixer.rows)
 
     return make
 

@@ -47,6 +47,8 @@ def read_item(ckpt: Checkpoint, item: Item, pin: bool) -> list[torch.Tensor]:
             if c.rows is not None:
                 rows = torch.tensor(c.rows, dtype=torch.long)
                 buf = buf.view(c.info.torch_dtype).reshape(c.info.shape).index_select(0, rows)
+                if c.values is not None:  # checked against the selection when planned
+                    buf = c.values
             bufs.append(buf)
         return bufs
     bufs = []

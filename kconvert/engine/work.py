@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import ClassVar
 
+import torch
+
 from kconvert import events
 from kconvert.errors import KconvertError
 from kconvert.formats import DenseCodec
@@ -39,6 +41,9 @@ class Chunk:
     offset: int
     length: int
     rows: tuple[int, ...] | None = None
+    # With `rows`: the output tensor a stage computed (a repaired router), written instead of
+    # the selected source rows.
+    values: torch.Tensor | None = None
 
 
 @dataclass
@@ -180,15 +185,19 @@ def _build_work_plan(ckpt: Checkpoint, stages: list[Stage], work_elems: int) -> 
             name = f"{m.out_module}.{param}"
             outputs[name] = OutTensor(name, dtype, tuple(shape), m.primary.file.name, sources,
                                       stage)
+    values = {n: v for stage in stages for n, v in stage.replaced_rows().items()}
     for info, out_name, rows in copies:
         shape = info.shape if rows is None else (len(rows), *info.shape[1:])
         stage = "copy" if rows is None else "select-rows"
+        if out_name in values:
+            _check_replacement(info, out_name, shape, rows, values[out_name])
+            stage = "repair-rows"
         outputs[out_name] = OutTensor(out_name, info.dtype, shape, info.file.name, (info.name,),
                                       stage)
 
     items: list[Item] = []
     for shard in ckpt.shards:
-        items += _copy_items([c for c in copies if c[0].file.name == shard])
+        items += _copy_items([c for c in copies if c[0].file.name == shard], values)
         items += _transform_items([m for m in transformed if m.primary.file.name == shard],
                                   work_elems)
     if any(s.ordered_layers for s in stages):
@@ -237,10 +246,22 @@ def _share_input_amax(modules: list[ModuleWork]) -> None:
                 m.input_amax = max(given)
 
 
-def _copy_items(copies: list[tuple[TensorInfo, str, tuple[int, ...] | None]]) -> list[CopyItem]:
+def _check_replacement(info: TensorInfo, out_name: str, shape: tuple[int, ...],
+                       rows: tuple[int, ...] | None, value: torch.Tensor) -> None:
+    """A stage's computed rows replace selected source rows of the same shape and dtype."""
+    if rows is None or tuple(value.shape) != tuple(shape) or value.dtype != info.torch_dtype:
+        raise KconvertError(f"computed rows {value.dtype}{list(value.shape)} cannot replace "
+                            f"{info.dtype}{list(shape)}", tensor=out_name)
+    if not bool(torch.isfinite(value).all()):
+        raise KconvertError("computed rows hold NaN/Inf", tensor=out_name)
+
+
+def _copy_items(copies: list[tuple[TensorInfo, str, tuple[int, ...] | None]],
+                values: dict[str, torch.Tensor]) -> list[CopyItem]:
     """Pass-through bytes in items of at most COPY_CHUNK: big tensors split, small ones merged.
 
-    A tensor with selected rows (a pruned router) is read whole: it is small.
+    A tensor with selected rows (a pruned router) is read whole: it is small; `values` holds
+    the output tensors stages computed for some of them (by output name).
     """
     items, current, size = [], [], 0
     for info, out_name, rows in sorted(copies, key=lambda c: c[0].start):
@@ -251,7 +272,7 @@ def _copy_items(copies: list[tuple[TensorInfo, str, tuple[int, ...] | None]]) ->
             if size + length > COPY_CHUNK and current:
                 items.append(CopyItem(current))
                 current, size = [], 0
-            current.append(Chunk(info, out_name, offset, length, rows))
+            current.append(Chunk(info, out_name, offset, length, rows, values.get(out_name)))
             size += length
     if current:
         items.append(CopyItem(current))
@@ -304,8 +325,8 @@ def describe(plan: WorkPlan) -> list[tuple[str, str, str, int, int, int, int]]:
         row[2] += sum(i.nbytes for i in m.params.values())
         row[3] += out_bytes
     module_params = {i.name for m in plan.modules for i in m.params.values()}
-    sources = {s: t for t in plan.outputs.values() if t.stage in ("copy", "select-rows")
-               for s in t.sources}
+    sources = {s: t for t in plan.outputs.values()
+               if t.stage in ("copy", "select-rows", "repair-rows") for s in t.sources}
     for name, info in plan.ckpt.tensors.items():
         if name in module_params:
             continue

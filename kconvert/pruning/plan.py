@@ -9,7 +9,9 @@ A plan is JSON (`manifests/plan.schema.json` is generated from the models below:
 `keep` lists SOURCE expert ids in ascending source order; the expert at position i of `keep`
 becomes expert i of the pruned layer, its router row is source row keep[i] and its
 `e_score_correction_bias` entry source entry keep[i] (reap.md, "Pruning rewrite").
-`saliency` and `frequency`, when given, have one value per SOURCE expert. Layer keys are
+`saliency` and `frequency`, when given, have one value per SOURCE expert. With router repair
+(`repair`), a layer's `repair` records the rows written instead (their hashes and the bias
+values) and the errors that justified them. Layer keys are
 decimal decoder-layer indices. Unknown extra fields are kept (a pruner may record more).
 """
 
@@ -27,6 +29,34 @@ PLAN_SCHEMA_ID = "kconvert-plan/1"
 PLAN_FILE = "reap-plan.json"  # the plan a pruning run writes into its output
 
 
+class LayerRepair(BaseModel):
+    """Router repair of one pruned MoE layer (reap.md, "Router repair"): the rows written, and
+    the block-output mean squared errors against the unpruned block on the calibration tokens
+    (fit and held-out), before (the source rows sliced) and after repair."""
+
+    method: str = Field(description="bias (e_score_correction_bias only) or router (kept gate "
+                                    "rows and bias)")
+    applied: bool = Field(description="false: repair did not lower the held-out error, so the "
+                                      "source rows were written unchanged")
+    fit_tokens: int
+    heldout_tokens: int
+    fit_mse_before: float
+    fit_mse_after: float
+    heldout_mse_before: float
+    heldout_mse_after: float
+    gate_rows_xxh3: list[str] = Field(
+        description="per NEW expert: xxh3-64 (hex) of the written gate row's bytes (source dtype)")
+    bias: list[float] = Field(
+        description="per NEW expert: the written e_score_correction_bias entry (F32, exact)")
+
+    @model_validator(mode="after")
+    def _one_per_row(self) -> LayerRepair:
+        if len(self.gate_rows_xxh3) != len(self.bias):
+            raise ValueError(f"{len(self.gate_rows_xxh3)} gate row hashes but "
+                             f"{len(self.bias)} bias entries")
+        return self
+
+
 class PruneLayer(BaseModel):
     """The plan for one MoE layer."""
 
@@ -40,6 +70,8 @@ class PruneLayer(BaseModel):
     frequency: list[float] | None = Field(
         default=None, description="per SOURCE expert: how often it was routed on the calibration "
                                   "data (count or fraction)")
+    repair: LayerRepair | None = Field(
+        default=None, description="router repair of this layer; absent: the source rows keep[i]")
 
     @field_validator("keep")
     @classmethod
@@ -59,6 +91,9 @@ class PruneLayer(BaseModel):
                                                 ("frequency", self.frequency)) if v is not None}
         if len(set(lengths.values())) > 1:
             raise ValueError(f"saliency and frequency have different lengths {lengths}")
+        if self.repair is not None and len(self.repair.bias) != len(self.keep):
+            raise ValueError(f"repair records {len(self.repair.bias)} rows but keep has "
+                             f"{len(self.keep)}")
         for name, n in lengths.items():
             if self.keep[-1] >= n:
                 raise ValueError(f"keep names expert {self.keep[-1]} but {name} has only {n} "
@@ -79,6 +114,9 @@ class PrunePlan(BaseModel):
                                   "(sigmoid + e_score_correction_bias top-k, as served) or "
                                   "'softmax' (the REAP reference code's approximation)")
     source: dict | None = Field(default=None, description="identity of the source checkpoint")
+    repair: str | None = Field(
+        default=None, description="router repair method (bias or router); absent: none, every "
+                                  "router row and bias entry is the source's")
     n_routed_experts: int | None = Field(
         default=None, description="routed experts per layer in the SOURCE")
     layers: dict[str, PruneLayer] = Field(

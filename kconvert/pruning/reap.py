@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import torch
+import xxhash
 from safetensors import safe_open
 
 from kconvert.errors import KconvertError
@@ -57,10 +58,8 @@ def plan_from_scores(scores: dict[int, dict[str, torch.Tensor]], keep: int, crit
         if keep > score.numel():
             raise KconvertError(f"--keep {keep} exceeds the {score.numel()} experts of layer "
                                 f"{layer}")
-        # Highest score first, lower id first among equals: stable and reproducible.
-        order = sorted(range(score.numel()), key=lambda e: (-float(score[e]), e))
         layers[str(layer)] = PruneLayer(
-            keep=sorted(order[:keep]),
+            keep=keep_ids(score, keep),
             saliency=s["saliency"].tolist() if "saliency" in s else None,
             frequency=s["count"].tolist() if "count" in s else None,
             ean=s["ean_sum"].tolist() if "ean_sum" in s else None,
@@ -68,6 +67,13 @@ def plan_from_scores(scores: dict[int, dict[str, torch.Tensor]], keep: int, crit
     n_routed = next(iter(scores.values()))[CRITERIA[criterion]].numel()
     return PrunePlan(criterion=criterion, routing="model", source=source,
                      n_routed_experts=n_routed, layers=layers)
+
+
+def keep_ids(score: torch.Tensor, keep: int) -> list[int]:
+    """The `keep` highest-scoring expert ids, ascending; lower id first among equal scores
+    (stable and reproducible)."""
+    order = sorted(range(score.numel()), key=lambda e: (-float(score[e]), e))
+    return sorted(order[:keep])
 
 
 def moe_layers(ckpt: Checkpoint) -> dict[int, int]:
@@ -80,8 +86,11 @@ def moe_layers(ckpt: Checkpoint) -> dict[int, int]:
     return {layer: len(ids) for layer, ids in sorted(experts.items())}
 
 
-def prune_stage(plan: PrunePlan, ckpt: Checkpoint) -> Prune:
-    """Check a plan against the checkpoint and make the stage that applies it."""
+def prune_stage(plan: PrunePlan, ckpt: Checkpoint,
+                rows: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> Prune:
+    """Check a plan against the checkpoint and make the stage that applies it. `rows`: per
+    layer the repaired router (gate rows, bias) to write, which the plan's repair records
+    describe; a plan with repair records needs them (they are not in the plan file)."""
     text = ckpt.text_config
     n_routed = text.get("n_routed_experts")
     top_k = text.get("num_experts_per_tok", 1)
@@ -112,7 +121,40 @@ def prune_stage(plan: PrunePlan, ckpt: Checkpoint) -> Prune:
     plan_json = json.dumps(plan.model_dump(mode="json", exclude_none=True), indent=1,
                            sort_keys=True)
     return Prune(keep=tuple((layer, tuple(planned[layer])) for layer in layers),
-                 plan_json=plan_json)
+                 plan_json=plan_json, repair=plan.repair or "none",
+                 replaced=repaired_tensors(plan, ckpt, rows or {}))
+
+
+def repaired_tensors(plan: PrunePlan, ckpt: Checkpoint,
+                     rows: dict[int, tuple[torch.Tensor, torch.Tensor]]
+                     ) -> tuple[tuple[str, torch.Tensor], ...]:
+    """(router tensor name, repaired tensor) of every repaired layer, checked against the
+    plan's records: the row hashes and bias entries it says were written."""
+    repaired = {int(k): v.repair for k, v in plan.layers.items() if v.repair is not None}
+    if set(repaired) != set(rows):
+        raise KconvertError("the plan records repaired router rows, which only a calibration "
+                            "run can compute (they are not in the plan file): run with --data "
+                            "and --repair" if repaired else "repaired rows for a plan that "
+                            "records no repair")
+    out = []
+    for name in ckpt.weight_map:
+        tn = parse_name(name)
+        if tn.layer not in repaired or tn.role not in (Role.ROUTER_WEIGHT, Role.ROUTER_BIAS):
+            continue
+        weight, bias = rows[tn.layer]
+        record = repaired[tn.layer]
+        if (row_hashes(weight) != record.gate_rows_xxh3
+                or bias.tolist() != record.bias or bias.dtype != torch.float32):
+            raise KconvertError(f"layer {tn.layer}: repaired rows differ from the plan's record",
+                                tensor=name)
+        out.append((name, weight if tn.role is Role.ROUTER_WEIGHT else bias))
+    return tuple(out)
+
+
+def row_hashes(rows: torch.Tensor) -> list[str]:
+    """xxh3-64 (hex) of each row's bytes, as written."""
+    raw = rows.contiguous().view(torch.uint8).reshape(rows.shape[0], -1)
+    return [xxhash.xxh3_64_hexdigest(raw[i].numpy().tobytes()) for i in range(rows.shape[0])]
 
 
 def keep_count(ckpt: Checkpoint, keep: int | None, prune_ratio: float | None) -> int:

@@ -111,6 +111,11 @@ class Stage:
         (experts) to keep."""
         return tn.name, None
 
+    def replaced_rows(self) -> dict[str, torch.Tensor]:
+        """Output name -> the tensor the stage computed for a router whose rows it selects
+        (a repaired router), written instead of the selected source rows."""
+        return {}
+
     def claim(self, m: ModuleWork) -> None:
         """Claim a module for decoding: set `m.out_codec` and append to `m.stages`."""
 

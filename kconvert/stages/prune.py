@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
+import torch
 from pydantic import Field
 
 from kconvert.errors import KconvertError
@@ -18,6 +19,8 @@ class PruneRecord(StageRecord):
     kept_per_layer: int
     layers: int = Field(description="MoE layers the plan covers")
     plan: str = Field(description="sha256 of the plan file written as reap-plan.json")
+    repair: str | None = Field(default=None, description="router repair method (bias or "
+                               "router); absent: none")
 
 
 @dataclass(frozen=True)
@@ -25,11 +28,15 @@ class Prune(Stage):
     """Drop the routed experts a plan does not keep and renumber the rest 0..N-1.
 
     Kept experts keep their bytes (whatever their format) under new ids; the router's gate
-    rows and e_score_correction_bias entries are sliced to the kept ids, in the same order.
+    rows and e_score_correction_bias entries are sliced to the kept ids, in the same order,
+    or, with router repair, replaced by the repaired rows the plan records.
     """
 
     keep: tuple[tuple[int, tuple[int, ...]], ...]  # (layer, kept source ids ascending)
     plan_json: str = ""  # the plan file's text, written to DST as reap-plan.json
+    repair: str = "none"
+    # (router tensor name, repaired tensor) of every repaired layer
+    replaced: tuple[tuple[str, torch.Tensor], ...] = field(default=(), compare=False)
     name: str = "prune"
 
     @cached_property
@@ -54,6 +61,9 @@ class Prune(Stage):
             return tn.name, self._rows[tn.layer]
         return tn.name, None
 
+    def replaced_rows(self) -> dict[str, torch.Tensor]:
+        return dict(self.replaced)
+
     def edit_config(self, text_config: dict) -> None:
         # Group-limited routing needs equal experts per group; kept ids rarely are, so routing
         # falls back to one group (Kimi already has n_group = topk_group = 1).
@@ -62,22 +72,35 @@ class Prune(Stage):
         text_config["topk_group"] = 1
 
     def record(self) -> PruneRecord:
-        return PruneRecord(kept_per_layer=self.kept, layers=len(self.keep),
-                           plan=hashlib.sha256(self.plan_json.encode()).hexdigest())
+        record = PruneRecord(kept_per_layer=self.kept, layers=len(self.keep),
+                             plan=hashlib.sha256(self.plan_json.encode()).hexdigest())
+        if self.repair != "none":  # left unset otherwise: manifests without repair unchanged
+            record.repair = self.repair
+        return record
 
     def output_files(self) -> dict[str, str]:
         return {PLAN_FILE: self.plan_json}
 
 
-def build(_settings: dict, prune: Prune | None) -> Prune:
+REPAIRS = ("none", "bias", "router")  # kconvert.pruning.repair.REPAIR_METHODS
+
+
+def build(settings: dict, prune: Prune | None) -> Prune:
     # The plan is data, not a recipe setting: the command makes the stage from a plan checked
-    # against the opened source (kconvert.pruning.reap.prune_stage).
+    # against the opened source (kconvert.pruning.reap.prune_stage), repaired as `repair` says.
     if prune is None:
         raise KconvertError("a prune stage needs a plan (kconvert reap ... --plan FILE | "
                             "--stats DIR | --data FILE)")
+    repair = settings.get("repair", "none")
+    if repair not in REPAIRS:
+        raise KconvertError(f"prune: repair {repair!r} is not one of {list(REPAIRS)}")
+    if repair != prune.repair:
+        raise KconvertError(f"prune: repair {repair!r} asked, but the plan's router rows are "
+                            f"repaired by {prune.repair!r} (router repair needs --data)")
     return prune
 
 
 KIND = StageKind(Prune.name, build, PruneRecord, input_type=Prune,
+                 settings=("repair",),
                  input_options=("keep", "prune_ratio", "criterion", "plan", "stats",
                                 *CALIBRATION_OPTIONS, "save_stats"))

@@ -1,0 +1,101 @@
+"""Benchmark: REAP router repair of one full-size synthetic Kimi MoE layer, beyond calibration.
+
+Builds scripts/bench_calibrate.py's checkpoint (layer 0 dense, layer 1 MoE with 384 INT4
+experts, real Kimi-K2 shapes), runs `kconvert.calibrate.calibrate` on SEQS x SEQ tokens once
+alone and once with `RouterRepair` (keep KEEP, method METHOD) in the same pass, and reports the
+repair hook's seconds per layer (the MoE layer's is the number to read), the calibration
+seconds per layer of both runs, and peak GPU memory and host RSS of each run. One JSON line on
+stdout and in $OUT/bench_repair.json.
+
+    ROOT=/tmp/kbench OUT=$OUT python scripts/bench_repair.py          # H200: ~2-3 minutes
+    python scripts/bench_repair.py --tiny                              # CPU smoke, tiny dims
+
+Env: ROOT, OUT, SEQS (256), SEQ (2048), BATCH (8) as bench_calibrate; KEEP (192), METHOD
+(router).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+TINY = "--tiny" in sys.argv
+if TINY:  # bench_calibrate reads its dims at import
+    os.environ.update({"DIMS": "128,64,256,24,512,64,32,4", "SEQS": "8", "SEQ": "64",
+                       "KEEP": "12", "ROOT": os.environ.get("ROOT", "/tmp/kbench-tiny"),
+                       "OUT": os.environ.get("OUT", "/tmp/kbench-tiny-out")})
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import bench_calibrate as bc  # noqa: E402
+import torch  # noqa: E402
+
+KEEP, METHOD = int(os.environ.get("KEEP", 192)), os.environ.get("METHOD", "router")
+
+
+def _sync() -> float:
+    if bc.dev == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def _calibrate(ckpt, ids: torch.Tensor, hook) -> dict:
+    from kconvert.calibrate.run import calibrate
+
+    if bc.dev == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    marks = [_sync()]
+    calibrate(ckpt, ids, bc.dev, bc.BATCH, on_weights=hook,
+              on_layer=lambda _layer, _h: marks.append(_sync()))
+    return {"seconds_per_layer": [round(b - a, 2) for a, b in itertools.pairwise(marks)],
+            "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            if bc.dev == "cuda" else None,
+            "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
+
+
+def main() -> None:
+    from kconvert.io.checkpoint import open_checkpoint
+    from kconvert.pruning.repair import RepairSettings, RouterRepair
+
+    bc.OUT.mkdir(parents=True, exist_ok=True)
+    src = bc.ROOT / "calib-src"
+    t0 = time.perf_counter()
+    bc.make_checkpoint(src)
+    res: dict = {"device": torch.cuda.get_device_name() if bc.dev == "cuda" else "cpu",
+                 "make_s": round(time.perf_counter() - t0, 1), "seqs": bc.SEQS,
+                 "seq_len": bc.SEQ, "experts": bc.E, "keep": KEEP, "method": METHOD}
+    ids = torch.randint(0, bc.V, (bc.SEQS, bc.SEQ), generator=torch.Generator().manual_seed(0))
+    ckpt = open_checkpoint(str(src))
+    try:
+        res["calibrate"] = _calibrate(ckpt, ids, None)
+        repair = RouterRepair(ckpt, ids, RepairSettings(METHOD, KEEP, "reap"),
+                              torch.device(bc.dev), batch_size=bc.BATCH)
+        hook_s: list[float] = []
+
+        def timed(layer: int, module: torch.nn.Module) -> None:
+            start = _sync()
+            repair(layer, module)
+            hook_s.append(round(_sync() - start, 2))
+
+        res["with_repair"] = _calibrate(ckpt, ids, timed)
+    finally:
+        ckpt.close()
+    rec = repair.records[1]
+    res.update({"repair_s_per_layer": hook_s, "repair_moe_layer_s": hook_s[-1],
+                "repair_tokens": rec.fit_tokens + rec.heldout_tokens,
+                "fit_mse": [rec.fit_mse_before, rec.fit_mse_after],
+                "heldout_mse": [rec.heldout_mse_before, rec.heldout_mse_after],
+                "applied": rec.applied})
+    line = json.dumps(res)
+    print(line)
+    (bc.OUT / "bench_repair.json").write_text(line + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""REAP router repair (`kconvert reap --repair bias|router`) on the trained tiny MoE.
+
+Oracles: transformers' DeepSeek-V3 model loads the repaired output, and its MoE block computes
+what a routing written here from the plan's description (sigmoid scores, bias for selection,
+renormalised top-k weights times routed_scaling_factor) computes with the rows on disk; the
+audit accepts the repaired rows the plan records and names the layer and row of an altered one.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from conftest import ROOT
+from kconvert.cli import main
+from kconvert.cli.base import REPAIRS as CLI_REPAIRS
+from kconvert.errors import KconvertError
+from kconvert.io.checkpoint import open_checkpoint
+from kconvert.pruning.plan import PLAN_FILE, load_plan, parse_plan
+from kconvert.pruning.reap import prune_stage, row_hashes
+from kconvert.stages.prune import REPAIRS
+from kconvert.testing.tiny_moe import corpus_ids, load_kimi_checkpoint, windows
+
+SRC = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
+KEEP = 12
+SEQ = 64
+
+
+def _reap(dst: Path, data: Path, *extra: str) -> None:
+    res = CliRunner().invoke(main, ["reap", str(SRC), str(dst), "--data", str(data), "--keep",
+                                    str(KEEP), "--samples", "12", "--seq-len", str(SEQ),
+                                    "--quiet", *extra])
+    assert res.exit_code == 0, res.output
+
+
+def _tensors(d: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            out.update({k: h.get_tensor(k).clone() for k in h.keys()})
+    return out
+
+
+def _audit(ckpt: Path, *args: str) -> tuple[int, dict]:
+    res = CliRunner().invoke(main, ["audit", str(ckpt), "--json", "--quiet", *args])
+    assert res.exit_code in (0, 1), res.output
+    return res.exit_code, json.loads(res.stdout)
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("repair")
+    data = root / "calib.jsonl"
+    ids = windows(corpus_ids("train"), 12, SEQ, torch.Generator().manual_seed(3))
+    data.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in ids))
+    out = {"data": data}
+    for method in ("none", "router"):
+        out[method] = root / method
+        _reap(out[method], data, "--repair", method)
+    out["default"] = root / "default"
+    _reap(out["default"], data)
+    return out
+
+
+def test_repair_choices_agree():
+    assert CLI_REPAIRS == REPAIRS
+
+
+def test_repair_none_is_todays_output(made):
+    """--repair none writes what a run without --repair writes: source rows, same plan."""
+    a, b = made["none"], made["default"]
+    for f in [*sorted(p.name for p in a.glob("*.safetensors")), PLAN_FILE]:
+        assert (a / f).read_bytes() == (b / f).read_bytes(), f
+    plan = json.loads((a / PLAN_FILE).read_text())
+    assert "repair" not in plan and all("repair" not in v for v in plan["layers"].values())
+    manifest = json.loads((a / "kconvert-manifest.json").read_text())
+    assert "repair" not in json.dumps(manifest["options"])
+
+
+def test_repaired_rows_are_recorded_and_differ_from_source(made):
+    plan = load_plan(made["router"] / PLAN_FILE)
+    assert plan.repair == "router"
+    out, src = _tensors(made["router"]), _tensors(SRC)
+    applied = 0
+    for key, entry in plan.layers.items():
+        rec = entry.repair
+        assert rec is not None and rec.method == "router"
+        w = out[f"model.layers.{key}.mlp.gate.weight"]
+        b = out[f"model.layers.{key}.mlp.gate.e_score_correction_bias"]
+        assert w.dtype == torch.bfloat16 and b.dtype == torch.float32
+        assert row_hashes(w) == rec.gate_rows_xxh3 and b.tolist() == rec.bias
+        sw = src[f"model.layers.{key}.mlp.gate.weight"][entry.keep]
+        if rec.applied:
+            applied += 1
+            assert rec.heldout_mse_after < rec.heldout_mse_before
+            assert not torch.equal(w, sw)
+        else:
+            assert torch.equal(w, sw)
+        for e, s in enumerate(entry.keep):  # experts are never changed
+            for p in ("gate_proj", "up_proj", "down_proj"):
+                name = f"model.layers.{key}.mlp.experts.{{}}.{p}.weight"
+                assert torch.equal(out[name.format(e)], src[name.format(s)])
+    assert applied, "no layer's repair lowered its held-out error"
+
+
+def _routing(x: torch.Tensor, t: dict[str, torch.Tensor], layer: int, cfg: dict
+             ) -> torch.Tensor:
+    """The MoE block, written from the plan's description of Kimi's routing."""
+    p = f"model.layers.{layer}.mlp."
+    w, bias = t[p + "gate.weight"].float(), t[p + "gate.e_score_correction_bias"]
+    scores = torch.sigmoid(x @ w.T)
+    chosen = torch.topk(scores + bias, cfg["num_experts_per_tok"], dim=-1).indices
+    g = scores.gather(1, chosen)
+    g = g / g.sum(-1, keepdim=True) * cfg["routed_scaling_factor"]
+
+    def mlp(prefix: str, h: torch.Tensor) -> torch.Tensor:
+        gate, up, down = (t[f"{prefix}{n}_proj.weight"].float() for n in ("gate", "up", "down"))
+        return (torch.nn.functional.silu(h @ gate.T) * (h @ up.T)) @ down.T
+
+    out = mlp(p + "shared_experts.", x)
+    for i in range(x.shape[0]):
+        for j in range(chosen.shape[1]):
+            e = int(chosen[i, j])
+            out[i] += g[i, j] * mlp(f"{p}experts.{e}.", x[i:i + 1])[0]
+    return out
+
+
+def test_repaired_output_loads_in_transformers_and_routes_as_written(made):
+    dst = made["router"]
+    cfg = json.loads((dst / "config.json").read_text())
+    model = load_kimi_checkpoint(dst)
+    t = _tensors(dst)
+    x = torch.randn(64, cfg["hidden_size"], generator=torch.Generator().manual_seed(0))
+    for layer in range(cfg["first_k_dense_replace"], cfg["num_hidden_layers"]):
+        with torch.no_grad():
+            got = model.model.layers[layer].mlp(x[None])[0]
+        torch.testing.assert_close(got, _routing(x, t, layer, cfg), atol=1e-5, rtol=1e-5)
+
+
+def test_audit_passes_on_repaired_output(made):
+    code, report = _audit(made["router"], "--source", str(SRC))
+    assert code == 0, report["failures"]
+
+
+def test_audit_names_layer_and_row_of_an_altered_repaired_row(made, tmp_path):
+    dst = shutil.copytree(made["router"], tmp_path / "altered")
+    plan = load_plan(dst / PLAN_FILE)
+    layer = next(int(k) for k, v in plan.layers.items() if v.repair.applied)
+    name = f"model.layers.{layer}.mlp.gate.weight"
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    shard = dst / index["weight_map"][name]
+    with safe_open(str(shard), "pt") as h:
+        tensors = {k: h.get_tensor(k).clone() for k in h.keys()}
+        meta = h.metadata()
+    tensors[name][5, 3] += 0.25
+    save_file(tensors, str(shard), metadata=meta)
+    code, report = _audit(dst, "--source", str(SRC))
+    assert code == 1
+    found = [f for f in report["failures"] if f["group"] == "source" and f["check"] == "router"]
+    assert len(found) == 1, report["failures"]
+    assert found[0]["layer"] == layer and found[0]["tensor"] == name
+    assert "row 5 " in found[0]["message"]
+
+
+def test_a_repaired_plan_file_alone_is_refused(made):
+    ckpt = open_checkpoint(str(SRC))
+    try:
+        with pytest.raises(KconvertError, match="only a calibration run can compute"):
+            prune_stage(load_plan(made["router"] / PLAN_FILE), ckpt)
+    finally:
+        ckpt.close()
+
+
+def test_repair_without_data_is_refused(made, tmp_path):
+    plan = made["none"] / PLAN_FILE
+    res = CliRunner().invoke(main, ["reap", str(SRC), str(tmp_path / "o"), "--plan", str(plan),
+                                    "--repair", "bias"])
+    assert res.exit_code != 0 and "--data" in res.output
+
+
+def test_plan_repair_record_must_cover_the_kept_rows():
+    layer = {"keep": [0, 1], "repair": {
+        "method": "bias", "applied": True, "fit_tokens": 1, "heldout_tokens": 1,
+        "fit_mse_before": 1.0, "fit_mse_after": 0.5, "heldout_mse_before": 1.0,
+        "heldout_mse_after": 0.5, "gate_rows_xxh3": ["00"], "bias": [0.0]}}
+    with pytest.raises(KconvertError, match="repair records 1 rows but keep has 2"):
+        parse_plan({"layers": {"1": layer}})
