@@ -16,8 +16,8 @@ from collections.abc import Callable
 import click
 from click.core import ParameterSource
 
-from kconvert import __version__
 from kconvert.errors import KconvertError
+from kconvert.version import __version__
 
 DEVICE_SPEC = re.compile(r"auto|cpu|cuda(:\d+)?")
 
