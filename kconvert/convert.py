@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kconvert import __version__, distributed, events
+from kconvert import distributed, events
 from kconvert.checks.structure import validate_source
 from kconvert.devices import pick_device
 from kconvert.engine.execute import execute
-from kconvert.engine.work import WorkPlan, build_work_plan, describe, share_shards
+from kconvert.engine.work import WorkPlan, build_work_plan, describe, shard_file_bytes, share_shards
 from kconvert.errors import KconvertError
 from kconvert.formats import nvfp4
 from kconvert.formats.dense import DenseCodec
@@ -34,7 +34,7 @@ from kconvert.io import lock, output_dir
 from kconvert.io.checkpoint import GENERATED_FILES, INDEX, Checkpoint, open_checkpoint
 from kconvert.io.files import copy_file, hash_file, human_bytes, write_text
 from kconvert.io.output_dir import Planned, Workspace
-from kconvert.io.shards import plan_header, tensor_nbytes
+from kconvert.io.shards import tensor_nbytes
 from kconvert.manifest import (
     MANIFEST,
     FileEntry,
@@ -48,6 +48,7 @@ from kconvert.manifest import (
 from kconvert.model.names import parse_name
 from kconvert.recipes import Recipe, build_stages
 from kconvert.stages.records import RunRecord
+from kconvert.version import __version__
 
 # What the OS says when a write runs out of room, and when it refuses to write at all.
 NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
@@ -182,10 +183,7 @@ def _plan(ckpt: Checkpoint, recipe: Recipe, settings: Mapping[str, object],
 
 def _planned(ckpt: Checkpoint, plan: WorkPlan) -> Planned:
     """Names and sizes of everything the run will write."""
-    shard_bytes = {}
-    for shard, entries in plan.shard_entries.items():
-        head, offsets = plan_header(entries)
-        shard_bytes[shard] = len(head) + max((e for _, e in offsets.values()), default=0)
+    shard_bytes = shard_file_bytes(plan)
     others = ckpt.other_files()
     files = sorted({*shard_bytes, *others, *GENERATED_FILES,
                     *(n for s in plan.stages for n in s.output_files())})

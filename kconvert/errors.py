@@ -18,3 +18,8 @@ class KconvertError(Exception):
             if part
         )
         super().__init__(f"{message} ({where})" if where else message)
+
+
+class UsageError(KconvertError):
+    """Options that do not go together or are missing: the command line reports it as a usage
+    error (exit code 2), like a misspelt option."""

@@ -22,6 +22,23 @@ them, the manifest and its typed RunRecord, the plan), run in order by auditor.r
 The report (report.py) renders as a table or as JSON.
 """
 
+from kconvert.audit import auditor
 from kconvert.audit.auditor import CHUNK, run_audit
+from kconvert.audit.report import Report
+from kconvert.callable_package import callable_package
 
-__all__ = ["CHUNK", "run_audit"]
+
+def audit(ckpt: str, *, source: str | None = None, plan: str | None = None,
+          device: str = "auto", revision: str | None = None, max_rel_mse: float | None = None,
+          chunk_mb: int = CHUNK >> 20, progress: bool = False) -> Report:
+    """`kconvert audit CKPT` in the Python API (kconvert.audit(...)): the report
+    (`report.passed`, `report.render()`, `report.to_json()`); a failed check is in the report,
+    not an exception."""
+    # Through the module, so that a test can stand in for auditor.run_audit.
+    return auditor.run_audit(ckpt, source, plan, device, revision, progress=progress,
+                             max_rel_mse=max_rel_mse, chunk=chunk_mb << 20)
+
+
+callable_package(__name__, audit)
+
+__all__ = ["CHUNK", "audit", "run_audit"]

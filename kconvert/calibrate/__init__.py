@@ -36,5 +36,31 @@ Padding is never counted in any statistic, is never routed to an expert, and rea
 attend to it.
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from kconvert.callable_package import callable_package
+from kconvert.options import BATCH_SIZE, REAP_SAMPLES, SEED, SEQ_LEN
+
+if TYPE_CHECKING:
+    from kconvert.calibrate.stats import CalibrationStats
 
 
+def calibrate_to(src: str, data: str, output: str, *, samples: int = REAP_SAMPLES,
+                 seq_len: int = SEQ_LEN, batch_size: int = BATCH_SIZE, seed: int = SEED,
+                 device: str = "auto", dtype: str = "bfloat16", tokenizer: str | None = None,
+                 revision: str | None = None, overwrite: bool = False,
+                 progress: Callable[[str], None] | None = None) -> CalibrationStats:
+    """`kconvert calibrate SRC --data FILE -o OUTPUT` in the Python API
+    (kconvert.calibrate(...)): the statistics, also written to OUTPUT (stats.safetensors,
+    stats.json, act_stats.json)."""
+    from kconvert.calibrate.run import run_calibration
+
+    return run_calibration(src, data, output, samples, seq_len, batch_size, seed, device,
+                           dtype, tokenizer, revision, overwrite,
+                           progress=progress or (lambda _message: None))
+
+
+callable_package(__name__, calibrate_to)

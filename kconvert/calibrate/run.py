@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from kconvert import __version__, distributed
+from kconvert import distributed
 from kconvert.calibrate.data import PAD_ID, load_calibration_data
 from kconvert.calibrate.forward import (
     ForwardContext,
@@ -31,6 +31,7 @@ from kconvert.calibrate.stats import (
 from kconvert.errors import KconvertError
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.model.names import Role, parse_name
+from kconvert.version import __version__
 
 
 def calibrate(

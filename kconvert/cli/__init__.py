@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import click
 
-from kconvert import __version__
 from kconvert.cli.base import KconvertGroup
 from kconvert.cli.convert import (
     densify,
@@ -22,7 +21,9 @@ from kconvert.cli.convert import (
     run_recipe,
     sparsify,
 )
+from kconvert.cli.inspect import inspect_cmd
 from kconvert.cli.tools import audit, calibrate_cmd, eval_cmd
+from kconvert.version import __version__
 
 
 @click.group(cls=KconvertGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -32,5 +33,5 @@ def main() -> None:
 
 
 for command in (int4_to_nvfp4, quantize, dequant, reap, sparsify, densify, run_recipe,
-                calibrate_cmd, eval_cmd, audit):
+                calibrate_cmd, eval_cmd, audit, inspect_cmd):
     main.add_command(command)

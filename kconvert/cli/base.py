@@ -16,18 +16,11 @@ from collections.abc import Callable
 import click
 from click.core import ParameterSource
 
-from kconvert import __version__
-from kconvert.errors import KconvertError
+from kconvert.errors import KconvertError, UsageError
+from kconvert.options import BATCH_SIZE, SEED, SEQ_LEN, SPARSEGPT_SAMPLES
+from kconvert.version import __version__
 
 DEVICE_SPEC = re.compile(r"auto|cpu|cuda(:\d+)?")
-
-
-# --samples when it is not given: REAP ranks experts on many routed tokens per expert, while
-# SparseGPT's per-expert Hessians are good from a few dozen sequences and cost far more each.
-REAP_SAMPLES = 1024
-
-
-SPARSEGPT_SAMPLES = 128
 
 
 AUDIT_CHUNK_MB = 8  # kconvert.audit.CHUNK, in MiB (a test keeps the two equal)
@@ -46,14 +39,6 @@ METHODS = ("magnitude", "wanda", "sparsegpt")  # kconvert.stages.sparsify.METHOD
 STORAGES = ("dense", "pair-bitmask")  # kconvert.stages.sparsify.STORAGES
 HESSIANS = ("source", "sequential")  # kconvert.sparsity.sparsegpt.HESSIANS
 FORMATS = ("compressed-tensors", "modelopt")  # kconvert.formats.OUTPUT_CODECS
-
-
-# Options that only act beside another one: given alone they would be silently dropped.
-ONLY_WITH = {
-    "samples": ("data",), "seq_len": ("data",), "batch_size": ("data",), "seed": ("data",),
-    "save_stats": ("data",),
-    "keep": ("data", "stats"), "prune_ratio": ("data", "stats"), "criterion": ("data", "stats"),
-}
 
 
 # What to do about an OSError that reaches the command line, by errno.
@@ -99,6 +84,8 @@ class KconvertCommand(click.Command):
             return super().invoke(ctx)
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
+        except UsageError as exc:
+            raise click.UsageError(str(exc), ctx) from exc
         except KconvertError as exc:
             click.echo(f"kconvert: error: {exc}", err=True)
             ctx.exit(2)
@@ -160,6 +147,11 @@ RUN_OPTIONS = [
 ]
 
 
+# The destinations of RUN_OPTIONS: kconvert.convert.RunControl's fields and --revision.
+RUN_CONTROL_OPTIONS = ("revision", "device", "resume", "trust_complete", "overwrite", "dry_run",
+                       "quiet", "readers")
+
+
 QUANTIZE_OPTIONS = [
     click.option("--format", type=click.Choice(FORMATS), default=None,
                  help="NVFP4 on-disk flavour [default: compressed-tensors]."),
@@ -187,11 +179,13 @@ def calibration_options(samples_default: int | None, samples_help: str) -> list:
     return [
         click.option("--samples", type=click.IntRange(min=1), default=samples_default,
                      show_default=samples_default is not None, help=samples_help),
-        click.option("--seq-len", type=click.IntRange(min=1), default=2048, show_default=True,
+        click.option("--seq-len", type=click.IntRange(min=1), default=SEQ_LEN,
+                     show_default=True,
                      help="With --data: tokens per sequence."),
-        click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True,
+        click.option("--batch-size", type=click.IntRange(min=1), default=BATCH_SIZE,
+                     show_default=True,
                      help="With --data: sequences per step."),
-        click.option("--seed", default=0, show_default=True, help="With --data: data order."),
+        click.option("--seed", default=SEED, show_default=True, help="With --data: data order."),
     ]
 
 

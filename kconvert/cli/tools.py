@@ -9,11 +9,11 @@ import click
 
 from kconvert.cli.base import (
     AUDIT_CHUNK_MB,
-    REAP_SAMPLES,
     KconvertCommand,
     device_option,
     echo_unless_quiet,
 )
+from kconvert.options import REAP_SAMPLES
 
 
 @click.command("calibrate", cls=KconvertCommand)
@@ -40,10 +40,11 @@ from kconvert.cli.base import (
 def calibrate_cmd(src, data, out, samples, seq_len, batch_size, seed, device, dtype, tokenizer,
                   revision, overwrite, quiet):
     """Layer-streamed calibration of SRC: REAP saliency, expert counts, activation stats."""
-    from kconvert.calibrate.run import run_calibration
+    from kconvert.api import calibrate
 
-    run_calibration(src, data, out, samples, seq_len, batch_size, seed, device, dtype,
-                    tokenizer, revision, overwrite, progress=echo_unless_quiet(quiet))
+    calibrate(src, data, out, samples=samples, seq_len=seq_len, batch_size=batch_size,
+              seed=seed, device=device, dtype=dtype, tokenizer=tokenizer, revision=revision,
+              overwrite=overwrite, progress=echo_unless_quiet(quiet))
 
 
 @click.command("eval", cls=KconvertCommand)
@@ -103,12 +104,12 @@ def audit(ckpt, source, plan_path, as_json, device, revision, max_rel_mse, chunk
 
     Exit status: 0 every check passed, 1 some check failed, 2 the audit could not run.
     """
-    from kconvert.audit.auditor import run_audit
+    from kconvert.api import audit as run_audit
 
     if revision is not None and source is None:
         raise click.UsageError("--revision applies only with --source (a Hub repo id)")
-    report = run_audit(ckpt, source, plan_path, device, revision, progress=not quiet,
-                       max_rel_mse=max_rel_mse, chunk=chunk_mb << 20)
+    report = run_audit(ckpt, source=source, plan=plan_path, device=device, revision=revision,
+                       max_rel_mse=max_rel_mse, chunk_mb=chunk_mb, progress=not quiet)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=1, default=str))
     else:

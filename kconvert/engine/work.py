@@ -13,7 +13,7 @@ from kconvert import events
 from kconvert.errors import KconvertError
 from kconvert.formats import DenseCodec
 from kconvert.io.checkpoint import Checkpoint
-from kconvert.io.shards import TensorInfo, tensor_nbytes
+from kconvert.io.shards import TensorInfo, plan_header, tensor_nbytes
 from kconvert.model.names import Role, parse_name, split_param
 from kconvert.stages.base import ModuleWork, Stage, group_modules
 from kconvert.stages.quantize import Quantize
@@ -123,6 +123,15 @@ class WorkPlan:
         return {m.primary.file.name for s in item.sets for m in s}
 
 
+def shard_file_bytes(plan: WorkPlan) -> dict[str, int]:
+    """Size of every output shard file as the run writes it: header, then the tensors."""
+    sizes = {}
+    for shard, entries in plan.shard_entries.items():
+        head, offsets = plan_header(entries)
+        sizes[shard] = len(head) + max((e for _, e in offsets.values()), default=0)
+    return sizes
+
+
 def read_shape_values(ckpt: Checkpoint) -> dict[str, tuple[int, ...]]:
     """Contents of every INT4 `weight_shape` tensor (8-16 bytes each), needed to plan shapes."""
     values = {}
@@ -147,17 +156,23 @@ def _renames(names, stages: list[Stage]) -> dict[str, tuple[str | None, tuple[in
     return out
 
 
-def build_work_plan(ckpt: Checkpoint, stages: list[Stage], work_elems: int) -> WorkPlan:
+def build_work_plan(ckpt: Checkpoint, stages: list[Stage], work_elems: int,
+                    shape_values: dict[str, tuple[int, ...]] | None = None) -> WorkPlan:
+    """The plan of every output tensor. `shape_values` (the INT4 `weight_shape` contents) are
+    read from the shards unless given (`kconvert inspect` derives them from the headers)."""
     with events.span("phase", name="build_work_plan"):
-        return _build_work_plan(ckpt, stages, work_elems)
+        if shape_values is None:
+            shape_values = read_shape_values(ckpt)
+        return _build_work_plan(ckpt, stages, work_elems, shape_values)
 
 
-def _build_work_plan(ckpt: Checkpoint, stages: list[Stage], work_elems: int) -> WorkPlan:
+def _build_work_plan(ckpt: Checkpoint, stages: list[Stage], work_elems: int,
+                     shape_values: dict[str, tuple[int, ...]]) -> WorkPlan:
     tensors = ckpt.tensors
     renames = _renames(tensors, stages)
     dropped = {n: "routed expert not kept by the plan" for n, (new, _) in renames.items()
                if new is None}
-    all_modules, others = group_modules(tensors, read_shape_values(ckpt))
+    all_modules, others = group_modules(tensors, shape_values)
     modules = []
     for m in all_modules:
         new = renames[m.primary.name][0]
@@ -195,11 +210,17 @@ def _build_work_plan(ckpt: Checkpoint, stages: list[Stage], work_elems: int) -> 
         outputs[out_name] = OutTensor(out_name, info.dtype, shape, info.file.name, (info.name,),
                                       stage)
 
+    # Grouped by shard once: a full-size checkpoint has 62 shards and 208,215 tensors.
+    shard_copies: dict[str, list] = defaultdict(list)
+    for c in copies:
+        shard_copies[c[0].file.name].append(c)
+    shard_modules: dict[str, list[ModuleWork]] = defaultdict(list)
+    for m in transformed:
+        shard_modules[m.primary.file.name].append(m)
     items: list[Item] = []
     for shard in ckpt.shards:
-        items += _copy_items([c for c in copies if c[0].file.name == shard], values)
-        items += _transform_items([m for m in transformed if m.primary.file.name == shard],
-                                  work_elems)
+        items += _copy_items(shard_copies[shard], values)
+        items += _transform_items(shard_modules[shard], work_elems)
     if any(s.ordered_layers for s in stages):
         # A stage that streams calibration layers forward (SparseGPT) needs layer order
         # across shards too; sorted() is stable, so within a layer shard order stays.

@@ -8,11 +8,11 @@ from typing import ClassVar
 
 import torch
 
-from kconvert import __version__
 from kconvert.errors import KconvertError
 from kconvert.formats import nvfp4
 from kconvert.formats.base import OutputModule
 from kconvert.formats.nvfp4_ct import Nvfp4Codec
+from kconvert.version import __version__
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 

@@ -112,43 +112,41 @@ def split_param(name: str) -> tuple[str, str]:
 
 
 def parse_name(name: str) -> TensorName:
+    # Built with one constructor call (no dataclasses.replace): a full-size checkpoint's plan
+    # parses its 208,215 names several times over.
     module, param = split_param(name)
-    base = TensorName(name=name, role=Role.OTHER, module=module, param=param)
     if name.startswith("vision_tower."):
-        return replace(base, role=Role.VISION)
+        return TensorName(name, Role.VISION, module=module, param=param)
     if name.startswith("mm_projector."):
-        return replace(base, role=Role.PROJECTOR)
+        return TensorName(name, Role.PROJECTOR, module=module, param=param)
     if name.startswith(("lm_head.", "language_model.lm_head.")):
-        return replace(base, role=Role.LM_HEAD)
+        return TensorName(name, Role.LM_HEAD, module=module, param=param)
 
     m = _LAYER.match(module if param else name)
     if m is None:
         top = _TOP.match(name)
         if top is None:
-            return base
+            return TensorName(name, Role.OTHER, module=module, param=param)
         rest = top["rest"]
-        if rest.startswith("embed_tokens."):
-            return replace(base, role=Role.EMBEDDING, prefix=top["prefix"])
-        if rest.startswith("norm."):
-            return replace(base, role=Role.NORM, prefix=top["prefix"])
-        return replace(base, prefix=top["prefix"])
+        role = (Role.EMBEDDING if rest.startswith("embed_tokens.") else
+                Role.NORM if rest.startswith("norm.") else Role.OTHER)
+        return TensorName(name, role, top["prefix"], module=module, param=param)
 
     prefix, layer, rest = m["prefix"], int(m["layer"]), m["rest"]
-    base = replace(base, prefix=prefix, layer=layer)
+    role, expert, proj = Role.OTHER, None, None
     if (e := _EXPERT.match(rest)) is not None:
-        return replace(base, role=Role.ROUTED_EXPERT, expert=int(e["expert"]), proj=e["proj"])
-    if (s := _SHARED.match(rest)) is not None:
-        return replace(base, role=Role.SHARED_EXPERT, proj=s["proj"])
-    if (d := _DENSE.match(rest)) is not None:
-        return replace(base, role=Role.DENSE_MLP, proj=d["proj"])
-    if rest == "mlp.gate":
+        role, expert, proj = Role.ROUTED_EXPERT, int(e["expert"]), e["proj"]
+    elif (sh := _SHARED.match(rest)) is not None:
+        role, proj = Role.SHARED_EXPERT, sh["proj"]
+    elif (d := _DENSE.match(rest)) is not None:
+        role, proj = Role.DENSE_MLP, d["proj"]
+    elif rest == "mlp.gate":
         role = Role.ROUTER_BIAS if param == "e_score_correction_bias" else Role.ROUTER_WEIGHT
-        return replace(base, role=role)
-    if rest.endswith("layernorm"):
-        return replace(base, role=Role.NORM)
-    if (a := _ATTN.match(rest)) is not None:
-        return replace(base, role=Role.ATTENTION, proj=a["proj"])
-    return base
+    elif rest.endswith("layernorm"):
+        role = Role.NORM
+    elif (a := _ATTN.match(rest)) is not None:
+        role, proj = Role.ATTENTION, a["proj"]
+    return TensorName(name, role, prefix, layer, expert, proj, module, param)
 
 
 LANGUAGE_MODEL_PREFIX = "language_model."

@@ -1,0 +1,154 @@
+"""The Python API: one function per command, the command line's options as keyword arguments
+(`--block-scale amax` is `block_scale="amax"`), the same checks and the same messages.
+
+    import kconvert
+
+    report = kconvert.inspect("moonshotai/Kimi-K2-Thinking", as_format="nvfp4", gpus=8,
+                              gpu_mem=179)
+    result = kconvert.int4_to_nvfp4("Kimi-K2-Thinking", "Kimi-K2-Thinking-NVFP4",
+                                    block_scale="amax", device="cuda")
+    print(result.summary_line(), result.summary["bytes"])
+    assert kconvert.audit(result.output, source="Kimi-K2-Thinking").passed
+
+Every function raises kconvert.KconvertError, with the message the command line prints, on
+bad input or options (kconvert.errors.UsageError, a subclass, for options that do not go
+together). Nothing is printed unless `echo` or `progress` is given (the command line passes
+its own); conversions show no progress bar unless `quiet=False`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kconvert.audit import audit
+from kconvert.calibrate import calibrate_to as calibrate
+from kconvert.convert import RunControl, summary_line
+from kconvert.manifest import Manifest
+from kconvert.sizing.predict import Options
+from kconvert.sizing.report import InspectReport, inspect_checkpoint
+
+
+def _silent(_message: str) -> None:
+    """Where messages go when the caller gives no `echo`."""
+
+
+@dataclass
+class ConversionResult:
+    """What a conversion wrote: `output` (None on a dry run), its manifest (the parsed
+    `kconvert-manifest.json`), and the run's wall time."""
+
+    command: str
+    src: str
+    output: Path | None
+    manifest: Manifest | None
+    seconds: float
+    messages: list[str] = field(default_factory=list)  # warnings and notes, as printed
+
+    @property
+    def summary(self) -> dict:
+        """Tensors, bytes and shards written, modules quantized / dequantized / sparsified,
+        experts pruned, relative quantization error (the manifest's `summary`)."""
+        return dict(self.manifest.summary) if self.manifest is not None else {}
+
+    def summary_line(self) -> str:
+        """The line the command line prints at the end of a run."""
+        if self.manifest is None:
+            return f"dry run of {self.command} on {self.src}: nothing written"
+        return summary_line(self.manifest, str(self.output))
+
+
+def run_recipe(recipe: str, src: str, dst: str, *, revision: str | None = None,
+               device: str = "auto", resume: bool = False, overwrite: bool = False,
+               dry_run: bool = False, quiet: bool = True, readers: int = 4,
+               trust_complete: bool = False, echo: Callable[[str], None] | None = None,
+               **options) -> ConversionResult:
+    """`kconvert run RECIPE SRC DST`: RECIPE (a pipelines/ name or a .toml path) on SRC (a
+    directory or Hub repo id) into DST. `options` are the stage options by name (`format`,
+    `block_scale`, `targets`, `act_stats`, `dtype`, `keep`, `prune_ratio`, `criterion`,
+    `plan`, `stats`, `data`, `samples`, `seq_len`, `batch_size`, `seed`, `save_stats`,
+    `pattern`, `method`, `group_size`, `storage`); one the recipe does not use is an error."""
+    from kconvert.commands import run_conversion
+
+    messages: list[str] = []
+
+    def note(message: str) -> None:
+        messages.append(message)
+        (echo or _silent)(message)
+
+    run = RunControl(device=device, resume=resume, overwrite=overwrite, dry_run=dry_run,
+                     quiet=quiet, readers=readers, trust_complete=trust_complete)
+    start = time.perf_counter()
+    manifest = run_conversion(recipe, src, dst, options, run, revision, note)
+    output = None if manifest is None else Path(dst)
+    return ConversionResult(recipe, src, output, manifest, time.perf_counter() - start,
+                            messages)
+
+
+def int4_to_nvfp4(src: str, dst: str, **kwargs) -> ConversionResult:
+    """`kconvert int4-to-nvfp4`: INT4 pack-quantized -> NVFP4 in one pass. Options: `format`
+    (compressed-tensors | modelopt), `block_scale` (mse | amax), `targets`, `act_stats`, and
+    the run controls of `run_recipe`."""
+    return run_recipe("int4-to-nvfp4", src, dst, **kwargs)
+
+
+def quantize(src: str, dst: str, **kwargs) -> ConversionResult:
+    """`kconvert quantize`: any checkpoint -> NVFP4 on the targets (options as
+    `int4_to_nvfp4`)."""
+    return run_recipe("quantize", src, dst, **kwargs)
+
+
+def dequant(src: str, dst: str, **kwargs) -> ConversionResult:
+    """`kconvert dequant`: quantized -> BF16 (`dtype="F32"`: INT4's values exactly)."""
+    return run_recipe("dequant", src, dst, **kwargs)
+
+
+def reap(src: str, dst: str, **kwargs) -> ConversionResult:
+    """`kconvert reap`: prune routed experts by `plan` (a file), or `keep` / `prune_ratio`
+    ranked by `criterion` on `stats` (a calibrate output) or `data` (calibrated first)."""
+    return run_recipe("reap", src, dst, **kwargs)
+
+
+def sparsify(src: str, dst: str, **kwargs) -> ConversionResult:
+    """`kconvert sparsify`: paired-4:8 NVFP4 routed experts. Options: `method`, `group_size`,
+    `storage`, `stats` (wanda), `data` (sparsegpt), and those of `int4_to_nvfp4`."""
+    return run_recipe("sparsify", src, dst, **kwargs)
+
+
+def densify(src: str, dst: str, **kwargs) -> ConversionResult:
+    """`kconvert densify`: pair-bitmask p48 -> dense NVFP4, byte for byte."""
+    return run_recipe("densify", src, dst, **kwargs)
+
+
+def inspect(src: str, *, as_format: str | None = None, keep: int | None = None,
+            p48: str | None = None, targets: str | None = None, format: str | None = None,
+            gpus: int | None = None, gpu_mem: float | None = None, mem_util: float = 0.9,
+            tp: int | None = None, ep: int | None = None, pp: int | None = None,
+            context: int | None = None, kv_dtype: str = "bf16", revision: str | None = None,
+            token: str | None = None, cache_dir: str | None = None) -> InspectReport:
+    """`kconvert inspect`: bytes of SRC by component, of the output `as_format` / `keep` /
+    `p48` would write (planned by the converter itself), per GPU under TP/EP/PP, the MLA KV
+    cache per token and the longest context beside the weights in `gpu_mem` GiB per GPU.
+    Reads headers and config.json only. `report.to_json()` has the `--json` keys."""
+    return inspect_checkpoint(
+        src, Options(as_format, keep, p48, targets, format), gpus=gpus, gpu_mem=gpu_mem,
+        mem_util=mem_util, tp=tp, ep=ep, pp=pp, context=context, kv_dtype=kv_dtype,
+        revision=revision, token=token, cache_dir=cache_dir)
+
+
+__all__ = [
+    "ConversionResult",
+    "audit",
+    "calibrate",
+    "densify",
+    "dequant",
+    "inspect",
+    "int4_to_nvfp4",
+    "quantize",
+    "reap",
+    "run_recipe",
+    "sparsify",
+]
+# `eval` (the evaluation command) joins here as `def eval(...)`, in __all__ and in kconvert.API.
