@@ -8,9 +8,9 @@ Every function raises `kconvert.KconvertError` with the command line's message.
 from kconvert.errors import KconvertError
 from kconvert.version import __version__
 
-# One function per command (kconvert.api); `eval` joins them when the eval command lands.
+# One function per command (kconvert.api).
 API = ("int4_to_nvfp4", "quantize", "dequant", "reap", "sparsify", "densify", "calibrate",
-       "audit", "inspect", "run_recipe")
+       "eval", "audit", "inspect", "run_recipe")
 
 __all__ = ["API", "KconvertError", "__version__", *API]
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from kconvert.audit import audit
 from kconvert.calibrate import calibrate_to as calibrate
 from kconvert.convert import RunControl, summary_line
+from kconvert.evaluate.report import EvalReport
 from kconvert.manifest import Manifest
 from kconvert.sizing.predict import Options
 from kconvert.sizing.report import InspectReport, inspect_checkpoint
@@ -122,6 +123,19 @@ def densify(src: str, dst: str, **kwargs) -> ConversionResult:
     return run_recipe("densify", src, dst, **kwargs)
 
 
+def eval(src: str, candidates: list[str], data: str, out: str | None = None, *,
+         samples: int = 128, seq_len: int = 2048, batch_size: int = 8, seed: int = 0,
+         device: str = "auto", dtype: str = "bfloat16", tokenizer: str | None = None,
+         quiet: bool = True, echo: Callable[[str], None] = print) -> EvalReport:
+    """`kconvert eval`: SRC against each candidate on the JSONL `data`, layer by layer;
+    returns the report (`eval.json`'s contents) and writes eval.json and eval.png to `out`
+    when it is given. The table goes to `echo` unless `quiet`."""
+    from kconvert.evaluate.run import run_eval
+
+    return run_eval(src, list(candidates), data, out, samples, seq_len, batch_size, seed,
+                    device, dtype, tokenizer, quiet, echo=echo)
+
+
 def inspect(src: str, *, as_format: str | None = None, keep: int | None = None,
             p48: str | None = None, targets: str | None = None, format: str | None = None,
             gpus: int | None = None, gpu_mem: float | None = None, mem_util: float = 0.9,
@@ -144,6 +158,7 @@ __all__ = [
     "calibrate",
     "densify",
     "dequant",
+    "eval",
     "inspect",
     "int4_to_nvfp4",
     "quantize",
@@ -151,4 +166,4 @@ __all__ = [
     "run_recipe",
     "sparsify",
 ]
-# `eval` (the evaluation command) joins here as `def eval(...)`, in __all__ and in kconvert.API.
+

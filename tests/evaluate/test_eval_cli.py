@@ -107,3 +107,21 @@ def test_empty_data_and_bad_ids_are_refused(fixture_dir, tmp_path):
 def test_a_candidate_is_required(fixture_dir, data):
     res = cli("eval", fixture_dir("bf16"), "--data", data)
     assert res.exit_code == 2 and "CANDIDATES" in res.output
+
+
+def test_python_api_eval_gives_the_cli_report(fixture_dir, data, tmp_path):
+    """kconvert.eval returns the numbers `kconvert eval -o` writes, and writes them too."""
+    import kconvert
+
+    src, cand = TINY_MOE, fixture_dir("k2-int4-kimi")
+    res = cli("eval", cand, cand, "--data", data, "--seq-len", 8, "--samples", 2,
+              "--device", "cpu", "--dtype", "float32", "-o", tmp_path / "cli", "--quiet")
+    assert res.exit_code == 0, res.output
+    got = kconvert.eval(str(cand), [str(cand)], str(data), str(tmp_path / "api"), samples=2,
+                        seq_len=8, device="cpu", dtype="float32")
+    for made in (got.model_dump(mode="json"),
+                 json.loads((tmp_path / "api" / "eval.json").read_text())):
+        written = json.loads((tmp_path / "cli" / "eval.json").read_text())
+        assert made["candidates"] == written["candidates"]
+    with pytest.raises(kconvert.KconvertError, match="hidden size|vocab|layers"):
+        kconvert.eval(str(src), [str(cand)], str(data), samples=2, seq_len=8, device="cpu")
