@@ -123,5 +123,5 @@ def test_python_api_eval_gives_the_cli_report(fixture_dir, data, tmp_path):
                  json.loads((tmp_path / "api" / "eval.json").read_text())):
         written = json.loads((tmp_path / "cli" / "eval.json").read_text())
         assert made["candidates"] == written["candidates"]
-    with pytest.raises(kconvert.KconvertError, match="hidden size|vocab|layers"):
+    with pytest.raises(kconvert.KconvertError, match=r"hidden size|vocab|layers"):
         kconvert.eval(str(src), [str(cand)], str(data), samples=2, seq_len=8, device="cpu")
