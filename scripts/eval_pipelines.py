@@ -43,6 +43,7 @@ from kconvert.evaluate.run import evaluate  # noqa: E402
 from kconvert.io.checkpoint import open_checkpoint  # noqa: E402
 from kconvert.pruning.plan import parse_plan  # noqa: E402
 from kconvert.pruning.reap import plan_from_scores, prune_stage, scores_of  # noqa: E402
+from kconvert.pruning.repair import RepairSettings, RouterRepair, with_repair  # noqa: E402
 from kconvert.recipes import load_recipe  # noqa: E402
 from kconvert.sparsity.sparsegpt import CalibrationHessians  # noqa: E402
 from kconvert.stages.sparsify import SparsegptCalibration  # noqa: E402
@@ -98,6 +99,25 @@ def build(tmp: Path, calib: torch.Tensor, draws: int) -> dict[str, tuple[Path, s
         run(f"p48-{method}", "sparsify", f"p48 by {method} + NVFP4 (group 16, dense)",
             {"method": method} | ({"stats": str(tmp / "stats")} if method == "wanda" else {}),
             prepare)
+    run("p48-sparsegpt-source", "sparsify",
+        "p48 by sparsegpt, Hessians of the unpruned source (--hessian source)",
+        {"method": "sparsegpt", "hessian": "source"},
+        lambda ck: {"sparsify": SparsegptCalibration(
+            CalibrationHessians(ck, calib, torch.device("cpu"), 16))})
+    for repair in ("bias", "router"):
+        ckpt = open_checkpoint(str(SRC))
+        try:  # the plan and the repair from one calibration pass, as `reap --repair` does
+            fixer = RouterRepair(ckpt, calib, RepairSettings(repair, KEEPS["50%"], "reap"),
+                                 torch.device("cpu"), batch_size=16)
+            measured = calibrate(ckpt, calib, "cpu", 16, dtype=torch.float32, on_weights=fixer)
+            repaired = with_repair(plan_from_scores(scores_of(measured), KEEPS["50%"], "reap"),
+                                   fixer)
+        finally:
+            ckpt.close()
+        run(f"reap-reap-50%-repair-{repair}", "reap",
+            f"keep 12/24 experts (reap), --repair {repair}",
+            prepare=lambda ck, plan=repaired, rows=fixer.rows: {
+                "prune": prune_stage(plan, ck, rows)})
     plan = plan_from_scores(scores, KEEPS["50%"], "reap")
     run("reap-p48-nvfp4", "reap-p48-nvfp4",
         "one pass: REAP keep 12/24 + p48 magnitude + NVFP4",
@@ -133,6 +153,11 @@ def orderings(kl: dict[str, float], draws: int) -> list[str]:
                            kl[f"reap-frequency-{pct}"]))
     lines.append(check("sparsegpt", "magnitude", kl["p48-sparsegpt"], kl["p48-magnitude"]))
     lines.append(check("sparsegpt", "wanda", kl["p48-sparsegpt"], kl["p48-wanda"]))
+    lines.append(check("sparsegpt --hessian sequential", "--hessian source",
+                       kl["p48-sparsegpt"], kl["p48-sparsegpt-source"]))
+    for repair in ("bias", "router"):
+        lines.append(check(f"reap 50% --repair {repair}", "--repair none",
+                           kl[f"reap-reap-50%-repair-{repair}"], kl["reap-reap-50%"]))
     return lines
 
 

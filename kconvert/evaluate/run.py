@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-from kconvert import __version__
 from kconvert.calibrate.data import PAD_ID, load_calibration_data
 from kconvert.calibrate.forward import (
     ForwardContext,
@@ -27,6 +26,7 @@ from kconvert.errors import KconvertError
 from kconvert.evaluate.metrics import LOGIT_ELEMS, LayerErrors, LogitsComparison, NextToken
 from kconvert.evaluate.report import CandidateResult, EvalReport, render_table, save_report
 from kconvert.io.checkpoint import Checkpoint
+from kconvert.version import __version__
 
 # Model dimensions a candidate must share with its source to be compared at all.
 SAME_DIMS = ("hidden_size", "vocab_size", "num_hidden_layers")

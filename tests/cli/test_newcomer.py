@@ -16,8 +16,8 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import BUNDLED
-from kconvert import __version__
 from kconvert.cli import main
+from kconvert.version import __version__
 
 HELP_BOUND_S = 3.0  # generous: ~0.1 s measured on the 2-core test machine
 
