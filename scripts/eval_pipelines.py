@@ -99,9 +99,9 @@ def build(tmp: Path, calib: torch.Tensor, draws: int) -> dict[str, tuple[Path, s
         run(f"p48-{method}", "sparsify", f"p48 by {method} + NVFP4 (group 16, dense)",
             {"method": method} | ({"stats": str(tmp / "stats")} if method == "wanda" else {}),
             prepare)
-    run("p48-sparsegpt-source", "sparsify",
-        "p48 by sparsegpt, Hessians of the unpruned source (--hessian source)",
-        {"method": "sparsegpt", "hessian": "source"},
+    run("p48-sparsegpt-sequential", "sparsify",
+        "p48 by sparsegpt, Hessians of the compressed model (--hessian sequential)",
+        {"method": "sparsegpt", "hessian": "sequential"},
         lambda ck: {"sparsify": SparsegptCalibration(
             CalibrationHessians(ck, calib, torch.device("cpu"), 16))})
     for repair in ("bias", "router"):
@@ -115,7 +115,7 @@ def build(tmp: Path, calib: torch.Tensor, draws: int) -> dict[str, tuple[Path, s
         finally:
             ckpt.close()
         run(f"reap-reap-50%-repair-{repair}", "reap",
-            f"keep 12/24 experts (reap), --repair {repair}",
+            f"keep 12/24 experts (reap), --repair {repair}", {"repair": repair},
             prepare=lambda ck, plan=repaired, rows=fixer.rows: {
                 "prune": prune_stage(plan, ck, rows)})
     plan = plan_from_scores(scores, KEEPS["50%"], "reap")
@@ -153,8 +153,8 @@ def orderings(kl: dict[str, float], draws: int) -> list[str]:
                            kl[f"reap-frequency-{pct}"]))
     lines.append(check("sparsegpt", "magnitude", kl["p48-sparsegpt"], kl["p48-magnitude"]))
     lines.append(check("sparsegpt", "wanda", kl["p48-sparsegpt"], kl["p48-wanda"]))
-    lines.append(check("sparsegpt --hessian sequential", "--hessian source",
-                       kl["p48-sparsegpt"], kl["p48-sparsegpt-source"]))
+    lines.append(check("sparsegpt --hessian sequential", "--hessian source (default)",
+                       kl["p48-sparsegpt-sequential"], kl["p48-sparsegpt"]))
     for repair in ("bias", "router"):
         lines.append(check(f"reap 50% --repair {repair}", "--repair none",
                            kl[f"reap-reap-50%-repair-{repair}"], kl["reap-reap-50%"]))

@@ -232,7 +232,7 @@ SPARSIFY_OPTIONS = [
                       "4-bit masks, ~0.65x) [default: dense]."),
     click.option("--hessian", type=click.Choice(HESSIANS), default=None,
                  help="SparseGPT's layer inputs: from the already-compressed model "
-                      "(sequential) or the unpruned source [default: sequential]."),
+                      "(sequential) or the unpruned source [default: source]."),
 ]
 
 

@@ -93,7 +93,7 @@ def test_sparsegpt_beats_wanda_beats_magnitude(tmp_path):
     src_w = _weights(SRC, layer)
 
     results = {}
-    for method in ("magnitude", "wanda", "sparsegpt", "sparsegpt-source", "dense-nvfp4"):
+    for method in ("magnitude", "wanda", "sparsegpt", "sparsegpt-sequential", "dense-nvfp4"):
         dst = tmp_path / method
         if method == "dense-nvfp4":  # no sparsity: what NVFP4 alone costs
             convert(str(SRC), str(dst), load_recipe("quantize"), {}, RunControl(quiet=True))
@@ -106,8 +106,8 @@ def test_sparsegpt_beats_wanda_beats_magnitude(tmp_path):
 
             # "sparsegpt" is the default: each layer's inputs from the compressed model
             options = {"method": method.split("-")[0], "stats": str(tmp_path / "stats")}
-            if method == "sparsegpt-source":
-                options["hessian"] = "source"
+            if method == "sparsegpt-sequential":
+                options["hessian"] = "sequential"
             convert(str(SRC), str(dst), load_recipe("sparsify"), options,
                     RunControl(quiet=True), prepare=prepare)
         dense = tmp_path / f"{method}-f32"
@@ -120,7 +120,8 @@ def test_sparsegpt_beats_wanda_beats_magnitude(tmp_path):
     rec = {k: r for k, (r, _) in results.items()}
     assert rec["sparsegpt"] < rec["wanda"] < rec["magnitude"]
     assert rec["dense-nvfp4"] < rec["sparsegpt"]  # half the pairs gone must cost something
-    # The default Hessians (sequential) are the better ones for the whole model's loss
+    # The two Hessian sources tie on the whole model's loss (within 0.0003 here and by
+    # `kconvert eval`'s KL); the default (source) costs one forward per layer, not two
     # (scripts/results/sparsegpt_hessian_tiny_moe.md).
     loss = {k: dl for k, (_, dl) in results.items()}
-    assert loss["sparsegpt"] <= loss["sparsegpt-source"] + 0.002
+    assert abs(loss["sparsegpt"] - loss["sparsegpt-sequential"]) <= 0.002
