@@ -10,10 +10,26 @@ import click
 from kconvert.cli.base import (
     AUDIT_CHUNK_MB,
     KconvertCommand,
+    apply_options,
     device_option,
     echo_unless_quiet,
 )
 from kconvert.options import REAP_SAMPLES
+
+# The layer-streamed forward's options, shared by calibrate and eval.
+FORWARD_OPTIONS = [
+    click.option("--seq-len", type=click.IntRange(min=1), default=2048, show_default=True,
+                 help="Tokens per sequence."),
+    click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True,
+                 help="Sequences per forward step through a layer."),
+    click.option("--seed", default=0, show_default=True,
+                 help="Order in which data lines are used."),
+    device_option(),
+    click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
+                 show_default=True, help="Compute dtype of weights and hidden states."),
+    click.option("--tokenizer", default=None,
+                 help="Tokenizer directory for text/messages lines [default: SRC]."),
+]
 
 
 @click.command("calibrate", cls=KconvertCommand)
@@ -24,16 +40,7 @@ from kconvert.options import REAP_SAMPLES
               help="Directory for stats.safetensors, stats.json and act_stats.json.")
 @click.option("--samples", type=click.IntRange(min=1), default=REAP_SAMPLES, show_default=True,
               help="Sequences to calibrate on.")
-@click.option("--seq-len", type=click.IntRange(min=1), default=2048, show_default=True,
-              help="Tokens per sequence.")
-@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True,
-              help="Sequences per forward step through a layer.")
-@click.option("--seed", default=0, show_default=True, help="Order in which data lines are used.")
-@device_option()
-@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
-              show_default=True, help="Compute dtype of weights and hidden states.")
-@click.option("--tokenizer", default=None,
-              help="Tokenizer directory for text/messages lines [default: SRC].")
+@apply_options(FORWARD_OPTIONS)
 @click.option("--revision", default=None, help="Hub revision when SRC is a repo id.")
 @click.option("--overwrite", is_flag=True, help="Replace statistics already in the directory.")
 @click.option("--quiet", is_flag=True, help="No per-layer progress.")
@@ -57,16 +64,7 @@ def calibrate_cmd(src, data, out, samples, seq_len, batch_size, seed, device, dt
               help="Directory for eval.json and eval.png [default: print the table only].")
 @click.option("--samples", type=click.IntRange(min=1), default=128, show_default=True,
               help="Sequences to evaluate on.")
-@click.option("--seq-len", type=click.IntRange(min=1), default=2048, show_default=True,
-              help="Tokens per sequence.")
-@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True,
-              help="Sequences per forward step through a layer.")
-@click.option("--seed", default=0, show_default=True, help="Order in which data lines are used.")
-@device_option()
-@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
-              show_default=True, help="Compute dtype of weights and hidden states.")
-@click.option("--tokenizer", default=None,
-              help="Tokenizer directory for text/messages lines [default: SRC].")
+@apply_options(FORWARD_OPTIONS)
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def eval_cmd(src, candidates, data, out, samples, seq_len, batch_size, seed, device, dtype,
              tokenizer, quiet):
