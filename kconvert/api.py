@@ -64,10 +64,13 @@ class ConversionResult:
 def run_recipe(recipe: str, src: str, dst: str, *, revision: str | None = None,
                device: str = "auto", resume: bool = False, overwrite: bool = False,
                dry_run: bool = False, quiet: bool = True, readers: int = 4,
-               trust_complete: bool = False, echo: Callable[[str], None] | None = None,
+               trust_complete: bool = False, token: str | None = None,
+               cache_dir: str | None = None, echo: Callable[[str], None] | None = None,
                **options) -> ConversionResult:
     """`kconvert run RECIPE SRC DST`: RECIPE (a pipelines/ name or a .toml path) on SRC (a
-    directory or Hub repo id) into DST. `options` are the stage options by name (`format`,
+    directory or Hub repo id: only its index's shards and its non-weight files are downloaded,
+    with `token` into `cache_dir`; a dry run fetches config, index and headers) into DST.
+    `options` are the stage options by name (`format`,
     `block_scale`, `targets`, `act_stats`, `dtype`, `keep`, `prune_ratio`, `criterion`,
     `plan`, `stats`, `data`, `samples`, `seq_len`, `batch_size`, `seed`, `save_stats`,
     `pattern`, `method`, `group_size`, `storage`); one the recipe does not use is an error."""
@@ -80,7 +83,8 @@ def run_recipe(recipe: str, src: str, dst: str, *, revision: str | None = None,
         (echo or _silent)(message)
 
     run = RunControl(device=device, resume=resume, overwrite=overwrite, dry_run=dry_run,
-                     quiet=quiet, readers=readers, trust_complete=trust_complete)
+                     quiet=quiet, readers=readers, trust_complete=trust_complete, token=token,
+                     cache_dir=cache_dir)
     start = time.perf_counter()
     manifest = run_conversion(recipe, src, dst, options, run, revision, note)
     output = None if manifest is None else Path(dst)

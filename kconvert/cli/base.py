@@ -130,6 +130,10 @@ def apply_options(options: list) -> Callable:
 # (StageKind.settings or .input_options; a test holds the two equal).
 RUN_OPTIONS = [
     click.option("--revision", default=None, help="Hub revision when SRC is a repo id."),
+    click.option("--token", envvar="HF_TOKEN", default=None,
+                 help="Hugging Face token for a gated or private repo [env: HF_TOKEN]."),
+    click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+                 help="Hugging Face cache directory [default: huggingface_hub's]."),
     device_option(),
     click.option("--resume", is_flag=True,
                  help="Continue an interrupted run into DST (finished shards are re-hashed "
@@ -148,8 +152,8 @@ RUN_OPTIONS = [
 
 
 # The destinations of RUN_OPTIONS: kconvert.convert.RunControl's fields and --revision.
-RUN_CONTROL_OPTIONS = ("revision", "device", "resume", "trust_complete", "overwrite", "dry_run",
-                       "quiet", "readers")
+RUN_CONTROL_OPTIONS = ("revision", "token", "cache_dir", "device", "resume", "trust_complete",
+                       "overwrite", "dry_run", "quiet", "readers")
 
 
 QUANTIZE_OPTIONS = [
