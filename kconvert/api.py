@@ -19,15 +19,19 @@ its own); conversions show no progress bar unless `quiet=False`.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kconvert import events
 from kconvert.audit import audit
 from kconvert.calibrate import calibrate_to as calibrate
 from kconvert.convert import RunControl, summary_line
 from kconvert.evaluate.report import EvalReport
 from kconvert.manifest import Manifest
+from kconvert.model.names import parse_name
+from kconvert.run_summary import RunSummary
 from kconvert.sizing.predict import Options
 from kconvert.sizing.report import InspectReport, inspect_checkpoint
 
@@ -47,6 +51,7 @@ class ConversionResult:
     manifest: Manifest | None
     seconds: float
     messages: list[str] = field(default_factory=list)  # warnings and notes, as printed
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per phase of the run
 
     @property
     def summary(self) -> dict:
@@ -59,6 +64,18 @@ class ConversionResult:
         if self.manifest is None:
             return f"dry run of {self.command} on {self.src}: nothing written"
         return summary_line(self.manifest, str(self.output))
+
+    def to_summary(self) -> RunSummary:
+        """What `--json` prints (kconvert.run_summary)."""
+        tensors = self.manifest.tensors if self.manifest is not None else {}
+        roles = Counter(str(parse_name(name).role) for name in tensors)
+        return RunSummary(
+            command=self.command, src=self.src,
+            output=None if self.output is None else str(self.output), ok=True,
+            dry_run=self.manifest is None, bytes_written=int(self.summary.get("bytes", 0)),
+            tensors_by_role=dict(sorted(roles.items())), summary=self.summary,
+            timings={"total": self.seconds, **self.timings}, messages=self.messages,
+            error=None)
 
 
 def run_recipe(recipe: str, src: str, dst: str, *, revision: str | None = None,
@@ -82,14 +99,24 @@ def run_recipe(recipe: str, src: str, dst: str, *, revision: str | None = None,
         messages.append(message)
         (echo or _silent)(message)
 
+    timings: dict[str, float] = {}
+
+    def timed(event: str, info: dict) -> None:
+        if event == "phase":
+            timings[info["name"]] = timings.get(info["name"], 0.0) + info["end"] - info["start"]
+
     run = RunControl(device=device, resume=resume, overwrite=overwrite, dry_run=dry_run,
                      quiet=quiet, readers=readers, trust_complete=trust_complete, token=token,
                      cache_dir=cache_dir)
     start = time.perf_counter()
-    manifest = run_conversion(recipe, src, dst, options, run, revision, note)
+    unsubscribe = events.subscribe(timed, timings=True)
+    try:
+        manifest = run_conversion(recipe, src, dst, options, run, revision, note)
+    finally:
+        unsubscribe()
     output = None if manifest is None else Path(dst)
     return ConversionResult(recipe, src, output, manifest, time.perf_counter() - start,
-                            messages)
+                            messages, timings)
 
 
 def int4_to_nvfp4(src: str, dst: str, **kwargs) -> ConversionResult:

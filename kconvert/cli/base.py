@@ -148,10 +148,14 @@ RUN_OPTIONS = [
     click.option("--quiet", is_flag=True, help="No progress bar."),
     click.option("--readers", type=click.IntRange(min=1), default=4, show_default=True,
                  help="Reader threads."),
+    click.option("--json", "as_json", is_flag=True,
+                 help="Print one JSON summary on stdout (schema: manifests/"
+                      "run-summary.schema.json); messages go to stderr."),
 ]
 
 
-# The destinations of RUN_OPTIONS: kconvert.convert.RunControl's fields and --revision.
+# The destinations of RUN_OPTIONS: kconvert.convert.RunControl's fields and --revision (and
+# --json, which the command line itself handles).
 RUN_CONTROL_OPTIONS = ("revision", "token", "cache_dir", "device", "resume", "trust_complete",
                        "overwrite", "dry_run", "quiet", "readers")
 

@@ -75,7 +75,7 @@ def test_cli_options_are_the_stage_kinds_options():
     from kconvert.recipes import load_recipe
     from kconvert.stages import KINDS
 
-    run_controls = {f.name for f in fields(RunControl)} | {"revision"}
+    run_controls = {f.name for f in fields(RunControl)} | {"revision", "as_json"}
     offered = set()
     for name in (*CONVERSION_COMMANDS, "run"):
         command = main.commands[name]
