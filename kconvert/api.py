@@ -18,6 +18,7 @@ its own); conversions show no progress bar unless `quiet=False`.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -34,6 +35,8 @@ from kconvert.model.names import parse_name
 from kconvert.run_summary import RunSummary
 from kconvert.sizing.predict import Options
 from kconvert.sizing.report import InspectReport, inspect_checkpoint
+
+log = logging.getLogger(__name__)
 
 
 def _silent(_message: str) -> None:
@@ -103,7 +106,9 @@ def run_recipe(recipe: str, src: str, dst: str, *, revision: str | None = None,
 
     def timed(event: str, info: dict) -> None:
         if event == "phase":
-            timings[info["name"]] = timings.get(info["name"], 0.0) + info["end"] - info["start"]
+            seconds = info["end"] - info["start"]
+            timings[info["name"]] = timings.get(info["name"], 0.0) + seconds
+            log.info("%s took %.2f s", info["name"], seconds)
 
     run = RunControl(device=device, resume=resume, overwrite=overwrite, dry_run=dry_run,
                      quiet=quiet, readers=readers, trust_complete=trust_complete, token=token,

@@ -13,6 +13,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +67,7 @@ from kconvert.version import __version__
 
 # What the OS says when a write runs out of room, and when it refuses to write at all.
 NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
+log = logging.getLogger(__name__)
 NOT_WRITABLE = {errno.EROFS, errno.EACCES, errno.EPERM}
 
 
@@ -106,6 +108,8 @@ def convert(src: str, dst: str, recipe: Recipe, settings: Mapping[str, object],
     StageKind.input_type), e.g. {"prune": the Prune stage of a plan checked against it}.
     """
     ckpt = open_source(src, revision, run)
+    log.info("opened %s: %d shard(s), %d tensors, recipe %s", ckpt.root, len(ckpt.shards),
+             len(ckpt.weight_map), recipe.name)
     if "repo" in ckpt.identity and distributed.is_main():
         echo(f"{src}@{ckpt.identity['revision']}: files in {ckpt.root}")
     try:
@@ -200,6 +204,9 @@ def _plan(ckpt: Checkpoint, recipe: Recipe, settings: Mapping[str, object],
     header_only = any(isinstance(r, HeaderOnlyShard) for r in ckpt.readers.values())
     plan = build_work_plan(ckpt, stages, work_elems,
                            header_shape_values(ckpt) if header_only else None)
+    log.info("planned on %s: %d modules, %d work items, %d output shard(s), %d tensors",
+             device, len(plan.modules), len(plan.items), len(plan.shard_entries),
+             len(plan.outputs))
     for warning in validate_source(ckpt.config, ckpt.tensors, plan.modules, ckpt.root):
         say(f"kconvert: warning: {warning}")
     if recipe.requires_source and not any(m.codec.name == recipe.requires_source

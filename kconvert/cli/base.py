@@ -9,7 +9,9 @@ keeps its traceback, says it is a bug, and exits 1.
 from __future__ import annotations
 
 import errno
+import logging
 import re
+import sys
 import traceback
 from collections.abc import Callable
 
@@ -75,9 +77,29 @@ def _os_error_message(exc: OSError, ctx: click.Context) -> str:
             + f"; {advice.format(resume=resume)}")
 
 
+def _log_verbosely(_ctx, _param, verbose: int) -> int:
+    """-v: the steps of a run (`kconvert` loggers at INFO) on stderr; -vv: DEBUG too.
+    Without it the `kconvert` loggers stay silent, so the default output does not change."""
+    if verbose:
+        logger = logging.getLogger("kconvert")
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("kconvert: %(levelname)s: %(message)s"))
+        logger.handlers[:] = [handler]
+        logger.setLevel(logging.INFO if verbose == 1 else logging.DEBUG)
+    return verbose
+
+
 class KconvertCommand(click.Command):
     """A command whose errors reach the user as one line: KconvertError and OSError exit 2
-    without a traceback; anything else is a bug, reported as one, exit 1."""
+    without a traceback; anything else is a bug, reported as one, exit 1. Every command takes
+    -v/--verbose (logging)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.params.append(click.Option(
+            ["-v", "--verbose"], count=True, expose_value=False, is_eager=True,
+            callback=_log_verbosely,
+            help="Log the steps of the run to stderr (-vv: details too)."))
 
     def invoke(self, ctx: click.Context):
         try:

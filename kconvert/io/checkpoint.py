@@ -13,6 +13,7 @@ same way but reports every inconsistency as a finding and goes on with what is r
 from __future__ import annotations
 
 import json
+import logging
 import os
 import stat
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ SUPPORTED_ARCHITECTURES = {"DeepseekV3ForCausalLM", "KimiK25ForConditionalGenera
 GENERATED_FILES = {INDEX, "config.json", "hf_quant_config.json", "kconvert-manifest.json",
                    "reap-plan.json"}
 SKIPPED_DIRS = {".git", ".cache", ".kconvert"}
+log = logging.getLogger(__name__)
 # Weight files of a Hub repo that are fetched only when the index names them (a repo may hold
 # other formats of the same weights beside the safetensors: original/*.pth, *.bin).
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
@@ -146,11 +148,16 @@ def download(repo: str, revision: str | None, token: str | None = None,
     from huggingface_hub import constants, snapshot_download
 
     where = f"{repo}@{revision or 'main'}"
+    log.info("%s is no local directory: fetching %s from the Hugging Face Hub (cache %s), "
+             "all but %s first", repo, where, cache_dir or constants.HF_HUB_CACHE,
+             " ".join(WEIGHT_FILES))
     try:
         local = Path(snapshot_download(repo, revision=revision, token=token,
                                        cache_dir=cache_dir, ignore_patterns=list(WEIGHT_FILES)))
         index, _ = parse_index(local / INDEX) if (local / INDEX).is_file() else (None, None)
         shards = sorted(set(index["weight_map"].values())) if index else [SINGLE]
+        log.info("fetching the %d weight file(s) the index names, at commit %s", len(shards),
+                 local.name)
         # Pinned to the commit of the first call, so both halves are of one revision.
         snapshot_download(repo, revision=local.name, token=token, cache_dir=cache_dir,
                           allow_patterns=shards)
@@ -237,6 +244,7 @@ def open_checkpoint(src: str, revision: str | None = None, *, token: str | None 
         if not path.is_file():
             raise KconvertError("index names a shard that does not exist", file=str(path))
         ckpt.readers[fn] = ShardReader(path)
+        log.debug("shard %s: %d tensors", fn, len(ckpt.readers[fn].tensors))
     if not has_index:
         ckpt.weight_map = {name: SINGLE for name in ckpt.readers[SINGLE].tensors}
 

@@ -8,6 +8,7 @@ What `kconvert inspect` and `--dry-run` open. With HF_HUB_OFFLINE=1 the Hub cach
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from kconvert.errors import KconvertError
@@ -22,6 +23,8 @@ from kconvert.io.checkpoint import (
     parse_index,
 )
 from kconvert.io.shards import DTYPES, ShardReader, TensorInfo
+
+log = logging.getLogger(__name__)
 
 
 class HeaderOnlyShard:
@@ -86,12 +89,14 @@ def open_headers(src: str, revision: str | None = None, *, token: str | None = N
     api = HfApi(token=token)
     for fn in files:
         if (root / fn).is_file():  # already in the cache: read its header here
+            log.debug("header of %s from the Hugging Face cache", fn)
             ckpt.readers[fn] = ShardReader(root / fn)
             continue
         if offline:
             raise KconvertError(f"HF_HUB_OFFLINE is set and shard {fn} of {where} is not in the "
                                 "Hugging Face cache: run once online (inspect reads only its "
                                 "header) or unset HF_HUB_OFFLINE", file=fn)
+        log.info("reading the header of %s of %s with HTTP range requests", fn, where)
         try:
             meta = api.parse_safetensors_file_metadata(src, fn, revision=commit, token=token)
         except Exception as exc:
