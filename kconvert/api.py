@@ -18,18 +18,25 @@ its own); conversions show no progress bar unless `quiet=False`.
 
 from __future__ import annotations
 
+import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kconvert import events
 from kconvert.audit import audit
 from kconvert.calibrate import calibrate_to as calibrate
 from kconvert.convert import RunControl, summary_line
 from kconvert.evaluate.report import EvalReport
 from kconvert.manifest import Manifest
+from kconvert.model.names import parse_name
+from kconvert.run_summary import RunSummary
 from kconvert.sizing.predict import Options
 from kconvert.sizing.report import InspectReport, inspect_checkpoint
+
+log = logging.getLogger(__name__)
 
 
 def _silent(_message: str) -> None:
@@ -47,6 +54,7 @@ class ConversionResult:
     manifest: Manifest | None
     seconds: float
     messages: list[str] = field(default_factory=list)  # warnings and notes, as printed
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per phase of the run
 
     @property
     def summary(self) -> dict:
@@ -60,14 +68,29 @@ class ConversionResult:
             return f"dry run of {self.command} on {self.src}: nothing written"
         return summary_line(self.manifest, str(self.output))
 
+    def to_summary(self) -> RunSummary:
+        """What `--json` prints (kconvert.run_summary)."""
+        tensors = self.manifest.tensors if self.manifest is not None else {}
+        roles = Counter(str(parse_name(name).role) for name in tensors)
+        return RunSummary(
+            command=self.command, src=self.src,
+            output=None if self.output is None else str(self.output), ok=True,
+            dry_run=self.manifest is None, bytes_written=int(self.summary.get("bytes", 0)),
+            tensors_by_role=dict(sorted(roles.items())), summary=self.summary,
+            timings={"total": self.seconds, **self.timings}, messages=self.messages,
+            error=None)
+
 
 def run_recipe(recipe: str, src: str, dst: str, *, revision: str | None = None,
                device: str = "auto", resume: bool = False, overwrite: bool = False,
                dry_run: bool = False, quiet: bool = True, readers: int = 4,
-               trust_complete: bool = False, echo: Callable[[str], None] | None = None,
+               trust_complete: bool = False, token: str | None = None,
+               cache_dir: str | None = None, echo: Callable[[str], None] | None = None,
                **options) -> ConversionResult:
     """`kconvert run RECIPE SRC DST`: RECIPE (a pipelines/ name or a .toml path) on SRC (a
-    directory or Hub repo id) into DST. `options` are the stage options by name (`format`,
+    directory or Hub repo id: only its index's shards and its non-weight files are downloaded,
+    with `token` into `cache_dir`; a dry run fetches config, index and headers) into DST.
+    `options` are the stage options by name (`format`,
     `block_scale`, `targets`, `act_stats`, `dtype`, `keep`, `prune_ratio`, `criterion`,
     `plan`, `stats`, `data`, `samples`, `seq_len`, `batch_size`, `seed`, `save_stats`,
     `pattern`, `method`, `group_size`, `storage`); one the recipe does not use is an error."""
@@ -79,13 +102,26 @@ def run_recipe(recipe: str, src: str, dst: str, *, revision: str | None = None,
         messages.append(message)
         (echo or _silent)(message)
 
+    timings: dict[str, float] = {}
+
+    def timed(event: str, info: dict) -> None:
+        if event == "phase":
+            seconds = info["end"] - info["start"]
+            timings[info["name"]] = timings.get(info["name"], 0.0) + seconds
+            log.info("%s took %.2f s", info["name"], seconds)
+
     run = RunControl(device=device, resume=resume, overwrite=overwrite, dry_run=dry_run,
-                     quiet=quiet, readers=readers, trust_complete=trust_complete)
+                     quiet=quiet, readers=readers, trust_complete=trust_complete, token=token,
+                     cache_dir=cache_dir)
     start = time.perf_counter()
-    manifest = run_conversion(recipe, src, dst, options, run, revision, note)
+    unsubscribe = events.subscribe(timed, timings=True)
+    try:
+        manifest = run_conversion(recipe, src, dst, options, run, revision, note)
+    finally:
+        unsubscribe()
     output = None if manifest is None else Path(dst)
     return ConversionResult(recipe, src, output, manifest, time.perf_counter() - start,
-                            messages)
+                            messages, timings)
 
 
 def int4_to_nvfp4(src: str, dst: str, **kwargs) -> ConversionResult:

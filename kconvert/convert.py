@@ -13,6 +13,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,16 +25,30 @@ from kconvert import distributed, events
 from kconvert.checks.structure import validate_source
 from kconvert.devices import pick_device
 from kconvert.engine.execute import execute
-from kconvert.engine.work import WorkPlan, build_work_plan, describe, shard_file_bytes, share_shards
+from kconvert.engine.work import (
+    WorkPlan,
+    build_work_plan,
+    describe,
+    header_shape_values,
+    shard_file_bytes,
+    share_shards,
+)
 from kconvert.errors import KconvertError
 from kconvert.formats import nvfp4
 from kconvert.formats.dense import DenseCodec
 from kconvert.formats.nvfp4_modelopt import HF_QUANT_CONFIG
 from kconvert.formats.quant_config import output_config, output_format, rewrite_config
 from kconvert.io import lock, output_dir
-from kconvert.io.checkpoint import GENERATED_FILES, INDEX, Checkpoint, open_checkpoint
+from kconvert.io.checkpoint import (
+    GENERATED_FILES,
+    INDEX,
+    Checkpoint,
+    is_repo_id,
+    open_checkpoint,
+)
 from kconvert.io.files import copy_file, hash_file, human_bytes, write_text
 from kconvert.io.output_dir import Planned, Workspace
+from kconvert.io.remote import HeaderOnlyShard, open_headers
 from kconvert.io.shards import tensor_nbytes
 from kconvert.manifest import (
     MANIFEST,
@@ -52,6 +67,7 @@ from kconvert.version import __version__
 
 # What the OS says when a write runs out of room, and when it refuses to write at all.
 NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
+log = logging.getLogger(__name__)
 NOT_WRITABLE = {errno.EROFS, errno.EACCES, errno.EPERM}
 
 
@@ -66,6 +82,8 @@ class RunControl:
     quiet: bool = False
     readers: int = 4
     trust_complete: bool = False  # --resume keeps finished shards without re-hashing them
+    token: str | None = None  # Hugging Face token when SRC is a repo id
+    cache_dir: str | None = None  # Hugging Face cache [default: huggingface_hub's]
 
 
 def _fingerprint(ckpt: Checkpoint, command: str, options: dict) -> str:
@@ -89,12 +107,24 @@ def convert(src: str, dst: str, recipe: Recipe, settings: Mapping[str, object],
     `prepare(ckpt)` returns, by stage kind, the inputs that need the opened source (see
     StageKind.input_type), e.g. {"prune": the Prune stage of a plan checked against it}.
     """
-    ckpt = open_checkpoint(src, revision)
+    ckpt = open_source(src, revision, run)
+    log.info("opened %s: %d shard(s), %d tensors, recipe %s", ckpt.root, len(ckpt.shards),
+             len(ckpt.weight_map), recipe.name)
+    if "repo" in ckpt.identity and distributed.is_main():
+        echo(f"{src}@{ckpt.identity['revision']}: files in {ckpt.root}")
     try:
         inputs = prepare(ckpt) if prepare is not None else {}
         return _convert(ckpt, Path(dst), recipe, settings, inputs, run, echo)
     finally:
         ckpt.close()
+
+
+def open_source(src: str, revision: str | None, run: RunControl) -> Checkpoint:
+    """SRC as a conversion opens it; a dry run on a Hub repo id fetches config.json, the index
+    and each shard's header only."""
+    if run.dry_run and is_repo_id(src):
+        return open_headers(src, revision, token=run.token, cache_dir=run.cache_dir)
+    return open_checkpoint(src, revision, token=run.token, cache_dir=run.cache_dir)
 
 
 def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, settings: Mapping[str, object],
@@ -171,7 +201,12 @@ def _plan(ckpt: Checkpoint, recipe: Recipe, settings: Mapping[str, object],
     # keep the decode temporaries to ~200 MB (measured in tests/test_robustness.py).
     work_elems = 1 << 28 if device.type == "cuda" else 1 << 24
     work_elems = max([work_elems] + [n for s in stages if (n := s.work_elems(device))])
-    plan = build_work_plan(ckpt, stages, work_elems)
+    header_only = any(isinstance(r, HeaderOnlyShard) for r in ckpt.readers.values())
+    plan = build_work_plan(ckpt, stages, work_elems,
+                           header_shape_values(ckpt) if header_only else None)
+    log.info("planned on %s: %d modules, %d work items, %d output shard(s), %d tensors",
+             device, len(plan.modules), len(plan.items), len(plan.shard_entries),
+             len(plan.outputs))
     for warning in validate_source(ckpt.config, ckpt.tensors, plan.modules, ckpt.root):
         say(f"kconvert: warning: {warning}")
     if recipe.requires_source and not any(m.codec.name == recipe.requires_source

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -83,3 +84,24 @@ def edit_json(path: Path, fn: Callable[[dict], None]) -> None:
     data = json.loads(path.read_text())
     fn(data)
     path.write_text(json.dumps(data, indent=2))
+
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def hub_cache(root: Path, src: Path, files: list[str], repo_id: str = "kimi/tiny") -> str:
+    """A cache dir holding `repo_id` at COMMIT with `files` of `src`, as huggingface_hub lays
+    it out (blobs linked from the snapshot, refs/main)."""
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(COMMIT)
+    snapshot = repo / "snapshots" / COMMIT
+    (repo / "blobs").mkdir(exist_ok=True)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for name in files:
+        blob = repo / "blobs" / hashlib.sha256(name.encode()).hexdigest()
+        shutil.copyfile(src / name, blob)
+        (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
+        if not (snapshot / name).is_symlink():
+            (snapshot / name).symlink_to(blob)
+    return str(root)

@@ -9,7 +9,9 @@ keeps its traceback, says it is a bug, and exits 1.
 from __future__ import annotations
 
 import errno
+import logging
 import re
+import sys
 import traceback
 from collections.abc import Callable
 
@@ -75,9 +77,29 @@ def _os_error_message(exc: OSError, ctx: click.Context) -> str:
             + f"; {advice.format(resume=resume)}")
 
 
+def _log_verbosely(_ctx, _param, verbose: int) -> int:
+    """-v: the steps of a run (`kconvert` loggers at INFO) on stderr; -vv: DEBUG too.
+    Without it the `kconvert` loggers stay silent, so the default output does not change."""
+    if verbose:
+        logger = logging.getLogger("kconvert")
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("kconvert: %(levelname)s: %(message)s"))
+        logger.handlers[:] = [handler]
+        logger.setLevel(logging.INFO if verbose == 1 else logging.DEBUG)
+    return verbose
+
+
 class KconvertCommand(click.Command):
     """A command whose errors reach the user as one line: KconvertError and OSError exit 2
-    without a traceback; anything else is a bug, reported as one, exit 1."""
+    without a traceback; anything else is a bug, reported as one, exit 1. Every command takes
+    -v/--verbose (logging)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.params.append(click.Option(
+            ["-v", "--verbose"], count=True, expose_value=False, is_eager=True,
+            callback=_log_verbosely,
+            help="Log the steps of the run to stderr (-vv: details too)."))
 
     def invoke(self, ctx: click.Context):
         try:
@@ -130,6 +152,10 @@ def apply_options(options: list) -> Callable:
 # (StageKind.settings or .input_options; a test holds the two equal).
 RUN_OPTIONS = [
     click.option("--revision", default=None, help="Hub revision when SRC is a repo id."),
+    click.option("--token", envvar="HF_TOKEN", default=None,
+                 help="Hugging Face token for a gated or private repo [env: HF_TOKEN]."),
+    click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+                 help="Hugging Face cache directory [default: huggingface_hub's]."),
     device_option(),
     click.option("--resume", is_flag=True,
                  help="Continue an interrupted run into DST (finished shards are re-hashed "
@@ -144,12 +170,16 @@ RUN_OPTIONS = [
     click.option("--quiet", is_flag=True, help="No progress bar."),
     click.option("--readers", type=click.IntRange(min=1), default=4, show_default=True,
                  help="Reader threads."),
+    click.option("--json", "as_json", is_flag=True,
+                 help="Print one JSON summary on stdout (schema: manifests/"
+                      "run-summary.schema.json); messages go to stderr."),
 ]
 
 
-# The destinations of RUN_OPTIONS: kconvert.convert.RunControl's fields and --revision.
-RUN_CONTROL_OPTIONS = ("revision", "device", "resume", "trust_complete", "overwrite", "dry_run",
-                       "quiet", "readers")
+# The destinations of RUN_OPTIONS: kconvert.convert.RunControl's fields and --revision (and
+# --json, which the command line itself handles).
+RUN_CONTROL_OPTIONS = ("revision", "token", "cache_dir", "device", "resume", "trust_complete",
+                       "overwrite", "dry_run", "quiet", "readers")
 
 
 QUANTIZE_OPTIONS = [

@@ -5,6 +5,8 @@ the command prepares from the source."""
 
 from __future__ import annotations
 
+import time
+
 import click
 
 from kconvert.cli.base import (
@@ -24,15 +26,36 @@ from kconvert.options import REAP_SAMPLES, SPARSEGPT_SAMPLES
 
 def _run(recipe_name: str, src: str, dst: str, params: dict) -> None:
     """The options given on the command line (defaults are the API's), then the conversion
-    through the Python API; its summary line unless --quiet."""
+    through the Python API; its summary line unless --quiet, or with --json one JSON object on
+    stdout (messages go to stderr), which on failure carries the error."""
     from kconvert.api import run_recipe
 
+    as_json = params.pop("as_json")
     given = set(given_options(click.get_current_context()))
     run = {k: params.pop(k) for k in RUN_CONTROL_OPTIONS}
     options = {k: v for k, v in params.items() if k in given}
-    result = run_recipe(recipe_name, src, dst, **run, **options, echo=click.echo)
-    if result.manifest is not None and not run["quiet"]:
-        click.echo(result.summary_line())
+    if not as_json:
+        result = run_recipe(recipe_name, src, dst, **run, **options, echo=click.echo)
+        if result.manifest is not None and not run["quiet"]:
+            click.echo(result.summary_line())
+        return
+    from kconvert.run_summary import RunSummary
+
+    messages: list[str] = []
+
+    def note(message: str) -> None:
+        messages.append(message)
+        click.echo(message, err=True)
+
+    start = time.perf_counter()
+    try:
+        summary = run_recipe(recipe_name, src, dst, **run, **options, echo=note).to_summary()
+    except Exception as exc:
+        # The same error then reaches KconvertCommand, which prints it and sets the exit code.
+        click.echo(RunSummary.failed(recipe_name, src, run["dry_run"], str(exc),
+                                     time.perf_counter() - start, messages).model_dump_json())
+        raise
+    click.echo(summary.model_dump_json())
 
 
 def conversion_command(name: str, summary: str, options: list) -> click.Command:

@@ -142,6 +142,18 @@ def read_shape_values(ckpt: Checkpoint) -> dict[str, tuple[int, ...]]:
     return values
 
 
+def header_shape_values(ckpt: Checkpoint) -> dict[str, tuple[int, ...]]:
+    """Each INT4 `weight_shape` as its `weight_packed` header says: [out, 8 x words]."""
+    tensors = ckpt.tensors
+    values = {}
+    for name in tensors:
+        if name.endswith(".weight_shape"):
+            packed = tensors.get(name.removesuffix("weight_shape") + "weight_packed")
+            if packed is not None and len(packed.shape) == 2:
+                values[name] = (packed.shape[0], packed.shape[1] * 8)
+    return values
+
+
 def _renames(names, stages: list[Stage]) -> dict[str, tuple[str | None, tuple[int, ...] | None]]:
     """Source name -> (output name or None if dropped, router rows kept or None)."""
     out = {}

@@ -13,6 +13,7 @@ same way but reports every inconsistency as a finding and goes on with what is r
 from __future__ import annotations
 
 import json
+import logging
 import os
 import stat
 from dataclasses import dataclass, field
@@ -30,6 +31,10 @@ SUPPORTED_ARCHITECTURES = {"DeepseekV3ForCausalLM", "KimiK25ForConditionalGenera
 GENERATED_FILES = {INDEX, "config.json", "hf_quant_config.json", "kconvert-manifest.json",
                    "reap-plan.json"}
 SKIPPED_DIRS = {".git", ".cache", ".kconvert"}
+log = logging.getLogger(__name__)
+# Weight files of a Hub repo that are fetched only when the index names them (a repo may hold
+# other formats of the same weights beside the safetensors: original/*.pth, *.bin).
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 
 
 @dataclass
@@ -112,8 +117,16 @@ class Checkpoint:
             reader.close()
 
 
-def resolve(src: str, revision: str | None) -> tuple[Path, dict]:
-    """A local path stays local; anything else is treated as a Hub repo id and downloaded."""
+def is_repo_id(src: str) -> bool:
+    """`owner/name`, not a path that exists here (nor one that starts like a path)."""
+    return (src.count("/") == 1 and not src.startswith((".", "/", "~"))
+            and not Path(src).exists() and all(src.split("/")))
+
+
+def resolve(src: str, revision: str | None, token: str | None = None,
+            cache_dir: str | None = None) -> tuple[Path, dict]:
+    """A local path stays local; a repo id is downloaded (`download`); any other path that
+    does not exist is a missing directory."""
     path = Path(src)
     if path.exists():
         if not path.is_dir():
@@ -122,16 +135,45 @@ def resolve(src: str, revision: str | None) -> tuple[Path, dict]:
             raise KconvertError(f"--revision {revision} applies to a Hub repo id, and the source "
                                 "is a local directory: drop --revision", file=src)
         return path.resolve(), {"path": str(path.resolve())}
-    if src.count("/") != 1 or src.startswith((".", "/")):
+    if not is_repo_id(src):
         raise KconvertError("source directory does not exist", file=src)
-    from huggingface_hub import snapshot_download
+    return download(src, revision, token, cache_dir)
 
+
+def download(repo: str, revision: str | None, token: str | None = None,
+             cache_dir: str | None = None) -> tuple[Path, dict]:
+    """The files of Hub repo `repo` a conversion reads or carries over, in the Hugging Face
+    cache: first every file but weights (config, index, tokenizer, chat template, code, docs:
+    what a local run copies), then the shards the index names, and no other weight file."""
+    from huggingface_hub import constants, snapshot_download
+
+    where = f"{repo}@{revision or 'main'}"
+    log.info("%s is no local directory: fetching %s from the Hugging Face Hub (cache %s), "
+             "all but %s first", repo, where, cache_dir or constants.HF_HUB_CACHE,
+             " ".join(WEIGHT_FILES))
     try:
-        local = snapshot_download(repo_id=src, revision=revision)
+        local = Path(snapshot_download(repo, revision=revision, token=token,
+                                       cache_dir=cache_dir, ignore_patterns=list(WEIGHT_FILES)))
+        index, _ = parse_index(local / INDEX) if (local / INDEX).is_file() else (None, None)
+        shards = sorted(set(index["weight_map"].values())) if index else [SINGLE]
+        log.info("fetching the %d weight file(s) the index names, at commit %s", len(shards),
+                 local.name)
+        # Pinned to the commit of the first call, so both halves are of one revision.
+        snapshot_download(repo, revision=local.name, token=token, cache_dir=cache_dir,
+                          allow_patterns=shards)
     except Exception as exc:  # network, auth, missing repo: all the user's to fix
-        raise KconvertError(f"could not download {src}@{revision or 'main'}: {exc}") from exc
-    commit = Path(local).name  # snapshot folders are named by commit hash
-    return Path(local), {"repo": src, "revision": revision or "main", "commit": commit}
+        raise KconvertError(hub_failed(repo, where, "the snapshot", exc,
+                                       constants.is_offline_mode())) from exc
+    return local, {"repo": repo, "revision": revision or "main", "commit": local.name}
+
+
+def hub_failed(src: str, where: str, name: str, exc: Exception, offline: bool) -> str:
+    """Why SRC, no local directory, could not be had as a Hub repo id either."""
+    tried = f"source directory does not exist: {src!r} is no local directory, and as a Hub repo id"
+    if offline:
+        return (f"{tried} {name} of {where} is not in the Hugging Face cache while "
+                f"HF_HUB_OFFLINE is set ({type(exc).__name__})")
+    return f"{tried} {name} could not be fetched from {where}: {exc}"
 
 
 def parse_config(path: Path) -> tuple[dict, str | None]:
@@ -179,8 +221,9 @@ def parse_index(path: Path) -> tuple[dict | None, str | None]:
     return index, None
 
 
-def open_checkpoint(src: str, revision: str | None = None) -> Checkpoint:
-    root, identity = resolve(src, revision)
+def open_checkpoint(src: str, revision: str | None = None, *, token: str | None = None,
+                    cache_dir: str | None = None) -> Checkpoint:
+    root, identity = resolve(src, revision, token, cache_dir)
     config = load_config(root)
     index_path = root / INDEX
     index = None
@@ -201,6 +244,7 @@ def open_checkpoint(src: str, revision: str | None = None) -> Checkpoint:
         if not path.is_file():
             raise KconvertError("index names a shard that does not exist", file=str(path))
         ckpt.readers[fn] = ShardReader(path)
+        log.debug("shard %s: %d tensors", fn, len(ckpt.readers[fn].tensors))
     if not has_index:
         ckpt.weight_map = {name: SINGLE for name in ckpt.readers[SINGLE].tensors}
 

@@ -8,6 +8,7 @@ What `kconvert inspect` and `--dry-run` open. With HF_HUB_OFFLINE=1 the Hub cach
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from kconvert.errors import KconvertError
@@ -15,11 +16,15 @@ from kconvert.io.checkpoint import (
     INDEX,
     SINGLE,
     Checkpoint,
+    hub_failed,
+    is_repo_id,
     load_config,
     open_checkpoint,
     parse_index,
 )
 from kconvert.io.shards import DTYPES, ShardReader, TensorInfo
+
+log = logging.getLogger(__name__)
 
 
 class HeaderOnlyShard:
@@ -44,12 +49,6 @@ class HeaderOnlyShard:
         """Nothing is open."""
 
 
-def is_repo_id(src: str) -> bool:
-    """`owner/name`, not a path that exists here (nor one that starts like a path)."""
-    return (src.count("/") == 1 and not src.startswith((".", "/", "~"))
-            and not Path(src).exists() and all(src.split("/")))
-
-
 def open_headers(src: str, revision: str | None = None, *, token: str | None = None,
                  cache_dir: str | None = None) -> Checkpoint:
     """The checkpoint SRC with headers only: local shards are opened as a conversion opens
@@ -69,7 +68,7 @@ def open_headers(src: str, revision: str | None = None, *, token: str | None = N
     try:
         root = fetch("config.json").parent
     except Exception as exc:  # network, auth, missing repo: all the user's to fix
-        raise KconvertError(_fetch_failed(src, where, "config.json", exc, offline)) from exc
+        raise KconvertError(hub_failed(src, where, "config.json", exc, offline)) from exc
     config = load_config(root)
     index = None
     try:
@@ -82,7 +81,7 @@ def open_headers(src: str, revision: str | None = None, *, token: str | None = N
     except KconvertError:
         raise
     except Exception as exc:
-        raise KconvertError(_fetch_failed(src, where, INDEX, exc, offline)) from exc
+        raise KconvertError(hub_failed(src, where, INDEX, exc, offline)) from exc
 
     commit = root.name  # snapshot folders are named by commit hash
     ckpt = Checkpoint(root, {"repo": src, "revision": revision or "main", "commit": commit},
@@ -90,16 +89,19 @@ def open_headers(src: str, revision: str | None = None, *, token: str | None = N
     api = HfApi(token=token)
     for fn in files:
         if (root / fn).is_file():  # already in the cache: read its header here
+            log.debug("header of %s from the Hugging Face cache", fn)
             ckpt.readers[fn] = ShardReader(root / fn)
             continue
         if offline:
             raise KconvertError(f"HF_HUB_OFFLINE is set and shard {fn} of {where} is not in the "
                                 "Hugging Face cache: run once online (inspect reads only its "
                                 "header) or unset HF_HUB_OFFLINE", file=fn)
+        log.info("reading the header of %s of %s with HTTP range requests", fn, where)
         try:
             meta = api.parse_safetensors_file_metadata(src, fn, revision=commit, token=token)
         except Exception as exc:
-            raise KconvertError(_fetch_failed(src, where, fn, exc, offline)) from exc
+            raise KconvertError(f"could not read the header of shard {fn} from {where}: {exc}",
+                                file=fn) from exc
         header = {name: (t.dtype, list(t.shape), list(t.data_offsets))
                   for name, t in meta.tensors.items()}
         ckpt.readers[fn] = HeaderOnlyShard(root / fn, header, meta.metadata)
@@ -110,11 +112,3 @@ def open_headers(src: str, revision: str | None = None, *, token: str | None = N
             raise KconvertError("index names a tensor the shard does not hold", file=fn,
                                 tensor=name)
     return ckpt
-
-
-def _fetch_failed(src: str, where: str, name: str, exc: Exception, offline: bool) -> str:
-    if offline:
-        return (f"HF_HUB_OFFLINE is set and {name} of {where} is not in the Hugging Face "
-                f"cache ({type(exc).__name__}); SRC {src!r} is no local directory either")
-    return (f"{src!r} is no local directory, and as a Hub repo id {name} could not be fetched "
-            f"from {where}: {exc}")

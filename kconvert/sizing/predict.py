@@ -15,7 +15,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from functools import cached_property
 
-from kconvert.engine.work import WorkPlan, build_work_plan, shard_file_bytes
+from kconvert.engine.work import (
+    WorkPlan,
+    build_work_plan,
+    header_shape_values,
+    shard_file_bytes,
+)
 from kconvert.errors import KconvertError
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.shards import tensor_nbytes
@@ -49,18 +54,6 @@ def component_bytes(tensors: Iterable[tuple[TensorName, int]]) -> dict[str, int]
     for tn, nbytes in tensors:
         out[COMPONENT_OF[tn.role]] += nbytes
     return out
-
-
-def header_shape_values(ckpt: Checkpoint) -> dict[str, tuple[int, ...]]:
-    """Each INT4 `weight_shape` as its `weight_packed` header says: [out, 8 x words]."""
-    tensors = ckpt.tensors
-    values = {}
-    for name in tensors:
-        if name.endswith(".weight_shape"):
-            packed = tensors.get(name.removesuffix("weight_shape") + "weight_packed")
-            if packed is not None and len(packed.shape) == 2:
-                values[name] = (packed.shape[0], packed.shape[1] * 8)
-    return values
 
 
 @dataclass(frozen=True)

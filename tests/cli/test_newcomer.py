@@ -75,11 +75,12 @@ def test_cli_options_are_the_stage_kinds_options():
     from kconvert.recipes import load_recipe
     from kconvert.stages import KINDS
 
-    run_controls = {f.name for f in fields(RunControl)} | {"revision"}
+    run_controls = {f.name for f in fields(RunControl)} | {"revision", "as_json"}
     offered = set()
     for name in (*CONVERSION_COMMANDS, "run"):
         command = main.commands[name]
-        options = {p.name for p in command.params if isinstance(p, click.Option)} - {"help"}
+        options = ({p.name for p in command.params if isinstance(p, click.Option)}
+                   - {"help", "verbose"})
         assert run_controls <= options, name
         kinds = KINDS.values() if name == "run" else [KINDS[k] for k in load_recipe(name).kinds]
         takes = {o for kind in kinds for o in kind.options}

@@ -5,31 +5,13 @@ mistyped local path is reported as a missing directory."""
 from __future__ import annotations
 
 import re
-import shutil
 
 import pytest
 from huggingface_hub import constants
 
 import kconvert
+from helpers import COMMIT, hub_cache
 from kconvert.errors import KconvertError
-
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-def hub_cache(root, src, files) -> str:
-    """A cache dir holding repo `kimi/tiny` at COMMIT with `files` of `src`, as
-    huggingface_hub lays it out (blobs linked from the snapshot, refs/main)."""
-    repo = root / "models--kimi--tiny"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(COMMIT)
-    snapshot = repo / "snapshots" / COMMIT
-    (repo / "blobs").mkdir()
-    snapshot.mkdir(parents=True)
-    for i, name in enumerate(files):
-        blob = repo / "blobs" / f"blob{i}"
-        shutil.copyfile(src / name, blob)
-        (snapshot / name).symlink_to(blob)
-    return str(root)
 
 
 @pytest.fixture
@@ -55,8 +37,8 @@ def test_offline_without_the_shards_fails_at_once(fixture_dir, tmp_path, offline
     with pytest.raises(KconvertError, match="HF_HUB_OFFLINE is set and shard model-00001"):
         kconvert.inspect("kimi/tiny", cache_dir=cache)
     with pytest.raises(KconvertError, match=re.escape(
-            "HF_HUB_OFFLINE is set and config.json of kimi/other@main is not in the Hugging "
-            "Face cache")):
+            "config.json of kimi/other@main is not in the Hugging Face cache while "
+            "HF_HUB_OFFLINE is set")):
         kconvert.inspect("kimi/other", cache_dir=cache)
 
 
