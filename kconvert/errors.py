@@ -1,4 +1,5 @@
-"""One exception type for everything a user can get wrong; the CLI turns it into exit code 2."""
+"""One exception type for everything a user can get wrong; the CLI turns it into exit code 1
+(a UsageError, for options that do not go together, into click's usage error: exit 2)."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@ and the audit.
 
 Only click is imported at start-up, so `kconvert --help` answers at once; each command imports
 what it runs (torch and compressed-tensors take seconds). Every command reports errors the same
-way (`KconvertCommand`): a problem the user can fix is one line and exit 2, an internal error
-keeps its traceback, says it is a bug, and exits 1.
+way (`KconvertCommand`): a usage error exits 2 (click's message), bad input is one line and
+exit 1, an internal error keeps its traceback, says it is a bug, and exits 3.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Only click is imported at start-up, so `kconvert --help` answers at once; each command imports
 what it runs (torch and compressed-tensors take seconds). Every command reports errors the same
-way (`KconvertCommand`): a problem the user can fix is one line and exit 2, an internal error
-keeps its traceback, says it is a bug, and exits 1.
+way (`KconvertCommand`): a usage error exits 2 (click's message), bad input is one line and
+exit 1, an internal error keeps its traceback, says it is a bug, and exits 3.
 """
 
 from __future__ import annotations
@@ -60,6 +60,12 @@ OS_ADVICE = {
 }
 
 
+# Exit status: 0 done (audit: every check passed); 2 a usage error (click's own: an unknown or
+# missing option, options that do not go together); 1 bad input, an I/O failure or a failed
+# audit check; 3 an internal error (a bug in kconvert).
+EXIT_BAD_INPUT = 1
+EXIT_BUG = 3
+
 BUG_REPORT = ("kconvert: internal error: this is a bug in kconvert {version}, not a problem "
               "with your input. Please report it (an issue in the kconvert repository) with "
               "the command line and the traceback above.")
@@ -90,9 +96,9 @@ def _log_verbosely(_ctx, _param, verbose: int) -> int:
 
 
 class KconvertCommand(click.Command):
-    """A command whose errors reach the user as one line: KconvertError and OSError exit 2
-    without a traceback; anything else is a bug, reported as one, exit 1. Every command takes
-    -v/--verbose (logging)."""
+    """A command whose errors reach the user as one line: KconvertError and OSError exit 1
+    without a traceback (a UsageError: click's usage message, exit 2); anything else is a bug,
+    reported as one, exit 3. Every command takes -v/--verbose (logging)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -110,16 +116,16 @@ class KconvertCommand(click.Command):
             raise click.UsageError(str(exc), ctx) from exc
         except KconvertError as exc:
             click.echo(f"kconvert: error: {exc}", err=True)
-            ctx.exit(2)
+            ctx.exit(EXIT_BAD_INPUT)
         except OSError as exc:
             if exc.errno == errno.EPIPE:  # output piped into `head`: click ends quietly
                 raise
             click.echo(f"kconvert: error: {_os_error_message(exc, ctx)}", err=True)
-            ctx.exit(2)
+            ctx.exit(EXIT_BAD_INPUT)
         except Exception:
             traceback.print_exc()
             click.echo(BUG_REPORT.format(version=__version__), err=True)
-            ctx.exit(1)
+            ctx.exit(EXIT_BUG)
 
 
 class KconvertGroup(click.Group):

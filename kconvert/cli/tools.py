@@ -101,7 +101,8 @@ def eval_cmd(src, candidates, data, out, samples, seq_len, batch_size, seed, dev
 def audit(ckpt, source, plan_path, as_json, device, revision, max_rel_mse, chunk_mb, quiet):
     """Check that CKPT is what its config, manifest and plan say; exit 0 only if all pass.
 
-    Exit status: 0 every check passed, 1 some check failed, 2 the audit could not run.
+    Exit status: 0 every check passed, 1 some check failed or the audit could not run, 2 a
+    usage error.
     """
     from kconvert.api import audit as run_audit
 

@@ -304,7 +304,7 @@ def test_table_output_and_exit_codes(outputs, tmp_path):
     assert any(line.split()[:3] == ["1", "16", "0..15"] for line in lines), res.stdout
     assert "PASS" in lines[-1]
     res = CliRunner().invoke(main, ["audit", str(tmp_path / "nope"), "--quiet"])
-    assert res.exit_code == 2
+    assert res.exit_code == 1 and "not a directory" in res.output, res.output
     bad = copy(out, tmp_path / "bad")
     (bad / "config.json").write_text("{")
     res = CliRunner().invoke(main, ["audit", str(bad), "--quiet"])

@@ -117,7 +117,7 @@ def test_audit_and_conversion_refuse_the_same_structure(broken, name, tmp_path):
     for command in (["int4-to-nvfp4"], ["dequant"], ["run", "sparsify"]):
         dst = tmp_path / command[-1]
         code, out = cli(*command, src, dst, "--quiet")
-        assert code == 2, out
+        assert code == 1, out
         assert "kconvert: error: the source is not what its config says" in out, out
         # The audit's own words, its first failure's included.
         assert text in out and rep["failures"][0]["message"] in out, out
@@ -164,7 +164,7 @@ def test_unknown_quantization_is_refused(fixture_dir, tmp_path, name):
     assert len(found) == 1 and found[0]["file"] == "config.json", rep["failures"]
     assert value in found[0]["message"] and "tensors are quantized" in found[0]["message"]
     code, out = cli("int4-to-nvfp4", src, tmp_path / "out", "--quiet")
-    assert code == 2 and value in out and str(src / "config.json") in out, out
+    assert code == 1 and value in out and str(src / "config.json") in out, out
     assert not (tmp_path / "out").exists()
 
 

@@ -30,10 +30,10 @@ def cli(*args) -> object:
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
-def assert_user_error(res, *said: str) -> None:
-    """Exit 2 through the CLI's own exit (no escaped exception), no traceback, and the
-    message names what it should."""
-    assert res.exit_code == 2, (res.exit_code, res.output, res.exception)
+def assert_user_error(res, *said: str, code: int = 1) -> None:
+    """Exit `code` (1 bad input, 2 click's usage error) through the CLI's own exit (no escaped
+    exception), no traceback, and the message names what it should."""
+    assert res.exit_code == code, (res.exit_code, res.output, res.exception)
     assert isinstance(res.exception, SystemExit), res.exception
     assert "Traceback" not in res.output, res.output
     for words in said:
@@ -66,19 +66,19 @@ def test_keep_and_prune_ratio_are_range_checked(command, stats_dir, tmp_path):
     """`--keep -3` used to exit 0 keeping 13 experts; `--keep 0` and `--prune-ratio 0.99`
     ended in a pydantic traceback. Each is now refused, naming the option, and nothing is
     written."""
-    cases = [
-        (["--keep", "-3"], "--keep"),
-        (["--keep", "0"], "--keep"),
-        (["--keep", "2"], "num_experts_per_tok=4"),  # the fixture's router picks 4
-        (["--keep", "17"], "n_routed_experts=16"),
-        (["--prune-ratio", "0.99"], "num_experts_per_tok=4"),  # keeps round(0.16) = 0
-        (["--prune-ratio", "1"], "--prune-ratio"),
-        (["--prune-ratio", "-0.5"], "--prune-ratio"),
+    cases = [  # a value outside the option's range is a usage error (2), one the model
+        (["--keep", "-3"], "--keep", 2),  # cannot take is bad input (1)
+        (["--keep", "0"], "--keep", 2),
+        (["--keep", "2"], "num_experts_per_tok=4", 1),  # the fixture's router picks 4
+        (["--keep", "17"], "n_routed_experts=16", 1),
+        (["--prune-ratio", "0.99"], "num_experts_per_tok=4", 1),  # keeps round(0.16) = 0
+        (["--prune-ratio", "1"], "--prune-ratio", 2),
+        (["--prune-ratio", "-0.5"], "--prune-ratio", 2),
     ]
-    for i, (opts, said) in enumerate(cases):
+    for i, (opts, said, code) in enumerate(cases):
         dst = tmp_path / f"out{i}"
         res = cli(*command.split(), BUNDLED, dst, "--stats", stats_dir, *opts, "--quiet")
-        assert_user_error(res, said)
+        assert_user_error(res, said, code=code)
         assert not (dst / MANIFEST).exists()
 
 
@@ -124,7 +124,7 @@ def test_broken_symlink_in_source_is_found_before_anything_is_written(tmp_path):
 @pytest.mark.parametrize("readers", ["0", "-1"])
 def test_readers_must_be_positive(readers, tmp_path):
     res = cli("int4-to-nvfp4", BUNDLED, tmp_path / "out", "--readers", readers, "--quiet")
-    assert_user_error(res, "--readers")
+    assert_user_error(res, "--readers", code=2)
     assert not (tmp_path / "out").exists()
 
 
@@ -140,7 +140,7 @@ def test_device_spec_is_checked_by_every_command(tmp_path):
     ]
     for args in commands:
         for spec in ("foo", "cuda:x", "gpu"):
-            assert_user_error(cli(*args, "--device", spec, "--quiet"), "--device", spec)
+            assert_user_error(cli(*args, "--device", spec, "--quiet"), "--device", spec, code=2)
     assert not any((tmp_path / d).exists() for d in "abc")
 
 
@@ -233,7 +233,7 @@ def test_internal_error_keeps_traceback_and_says_it_is_a_bug(tmp_path, monkeypat
 
     monkeypatch.setattr(kconvert.convert, "convert", fail)
     res = cli("int4-to-nvfp4", BUNDLED, tmp_path / "out", "--quiet")
-    assert res.exit_code == 1 and isinstance(res.exception, SystemExit), res.output
+    assert res.exit_code == 3 and isinstance(res.exception, SystemExit), res.output
     assert "Traceback" in res.stderr and "ZeroDivisionError" in res.stderr
     assert "bug in kconvert" in res.stderr and "report" in res.stderr
 

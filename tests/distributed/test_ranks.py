@@ -166,7 +166,7 @@ def test_calibration_statistics_as_one_process(runs, ranks):
 def test_killed_rank_fails_the_job_and_resume_with_other_rank_count_completes(runs):
     rank0, rank1 = runs["killed"]
     assert rank1.returncode == -9  # killed after its first shard, as planned
-    assert rank0.returncode == 2, rank0.stderr
+    assert rank0.returncode == 1, rank0.stderr
     assert "lost contact with another rank" in rank0.stderr and "--resume" in rank0.stderr
     assert not runs["manifest_after_kill"]
     assert 1 <= len(runs["done_after_kill"]) < 4  # some shards were kept for the resume

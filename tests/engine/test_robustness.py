@@ -416,7 +416,7 @@ def test_bad_input_fails_cleanly(case: Case, tmp_path):
     dst = tmp_path / "out"
     if case.cli:
         proc = cli("int4-to-nvfp4", src, dst, "--quiet", "--block-scale", "amax", *case.args)
-        assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+        assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
         assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
         msg = proc.stderr
         assert "kconvert: error:" in msg, msg
@@ -493,7 +493,7 @@ def test_resume_refuses_a_dst_started_with_other_options(tmp_path):
     before = snapshot(src)
 
     proc = cli("int4-to-nvfp4", src, dst, "--quiet", "--resume", "--block-scale", "mse")
-    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.returncode == 1, proc.stderr[-2000:]
     assert re.search(r"different (command|option)", proc.stderr), proc.stderr
     assert str(dst) in proc.stderr
     assert snapshot(dst) == state, "a refused --resume modified DST"

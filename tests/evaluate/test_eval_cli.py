@@ -20,7 +20,7 @@ def cli(*args) -> object:
 
 
 def assert_user_error(res, *said: str) -> None:
-    assert res.exit_code == 2, (res.exit_code, res.output, res.exception)
+    assert res.exit_code == 1, (res.exit_code, res.output, res.exception)
     assert "Traceback" not in res.output, res.output
     for words in said:
         assert words in res.output, (words, res.output)

@@ -86,7 +86,7 @@ def test_overwrite_refuses_a_directory_that_is_not_a_kconvert_output(tmp_path):
     (mine / "precious.txt").write_text("keep")
     before = snapshot(mine)
     proc = kc("int4-to-nvfp4", src, mine, "--overwrite", "--quiet")
-    assert proc.returncode == 2, proc.stderr
+    assert proc.returncode == 1, proc.stderr
     assert "precious.txt" in proc.stderr and "sub" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert snapshot(mine) == before
@@ -156,7 +156,7 @@ def test_overwrite_through_a_symlink_and_a_dangling_one(tmp_path):
     dangling = tmp_path / "dangling"
     dangling.symlink_to(tmp_path / "nowhere")
     proc = kc("int4-to-nvfp4", src, dangling, "--overwrite", "--quiet")
-    assert proc.returncode == 2 and "does not exist" in proc.stderr, proc.stderr
+    assert proc.returncode == 1 and "does not exist" in proc.stderr, proc.stderr
 
 
 # ------------------------------------------------------------------------------ the lock
@@ -167,7 +167,7 @@ def test_a_second_run_into_a_dst_in_use_is_refused_naming_the_holder(tmp_path):
     dst = tmp_path / "out"
     with lock.locked(dst, print):
         proc = kc("dequant", src, dst, "--quiet")
-    assert proc.returncode == 2, proc.stderr
+    assert proc.returncode == 1, proc.stderr
     assert f"pid {os.getpid()}" in proc.stderr and "another kconvert run" in proc.stderr
     assert not (dst / MANIFEST).exists()
     assert not dst.exists()  # the holder created DST and left nothing behind
@@ -186,7 +186,7 @@ def test_concurrent_runs_one_is_refused_and_the_other_audits_clean(tmp_path):
     (rc1, err1), (rc2, err2) = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
     assert rc1 == 0, err1
     # Refused at once while the first runs (or, had it finished, because DST is now complete).
-    assert rc2 == 2 and ("another kconvert run" in err2 or "not empty" in err2), err2
+    assert rc2 == 1 and ("another kconvert run" in err2 or "not empty" in err2), err2
     assert "Traceback" not in err2
     assert json.loads((dst / MANIFEST).read_text())["command"] == "int4-to-nvfp4"
     audited(dst, src)
@@ -311,7 +311,7 @@ def test_a_disk_too_small_is_refused_before_writing(tmp_path):
     src = src_copy(tmp_path)
     with small_fs(tmp_path / "fs", "2m") as fs:
         proc = kc("dequant", src, fs / "out", "--quiet")
-        assert proc.returncode == 2, proc.stderr
+        assert proc.returncode == 1, proc.stderr
         assert "not enough disk space" in proc.stderr and "bytes) free" in proc.stderr
         assert "Traceback" not in proc.stderr
         assert not (fs / "out").exists()
@@ -344,7 +344,7 @@ def test_read_only_dst_is_a_message(tmp_path, monkeypatch):
     src = src_copy(tmp_path)
     with small_fs(tmp_path / "ro", "1m", read_only=True) as fs:
         proc = kc("dequant", src, fs / "out", "--quiet")
-        assert proc.returncode == 2, proc.stderr
+        assert proc.returncode == 1, proc.stderr
         assert "read-only file system" in proc.stderr and "Traceback" not in proc.stderr
 
 
