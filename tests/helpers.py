@@ -1,18 +1,22 @@
 """Helpers shared by the tests that run conversions end to end: the command line in a
 subprocess, a conversion in-process exactly as the command line calls it, snapshots of a
-directory, and edits of a source checkpoint."""
+directory, edits of a source checkpoint, safetensors headers read straight from the bytes
+(independently of kconvert), and a real small file system."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -105,3 +109,32 @@ def hub_cache(root: Path, src: Path, files: list[str], repo_id: str = "kimi/tiny
         if not (snapshot / name).is_symlink():
             (snapshot / name).symlink_to(blob)
     return str(root)
+
+
+def st_header(path: Path) -> tuple[dict, int]:
+    """A safetensors file's header as written (`__metadata__` included) and the offset where
+    its data starts, parsed straight from the bytes."""
+    with open(path, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        return json.loads(fh.read(n)), 8 + n
+
+
+def data_bytes(path: Path) -> int:
+    """Tensor bytes of a safetensors file: its size less the 8-byte length and the header."""
+    return path.stat().st_size - st_header(path)[1]
+
+
+@contextlib.contextmanager
+def small_fs(where: Path, options: str) -> Iterator[Path]:
+    """A real tmpfs mounted at `where` with mount `options` (e.g. "size=16k", "ro,size=1m");
+    skips the test where mounting is not allowed (it needs root with CAP_SYS_ADMIN, e.g. not
+    in an unprivileged container)."""
+    where.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
+                           capture_output=True, text=True)
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.strip() or 'not permitted'}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)

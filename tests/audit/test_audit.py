@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import ROOT
+from helpers import st_header
 from kconvert.cli import main
 from kconvert.convert import RunControl, convert
 from kconvert.pruning.plan import PrunePlan, load_plan, plan_json_schema
@@ -36,12 +36,6 @@ E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 
 # ------------------------------------------------------------------ helpers (independent I/O)
-
-
-def st_header(path: Path) -> tuple[dict, int]:
-    with open(path, "rb") as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
-        return json.loads(fh.read(n)), 8 + n
 
 
 def locate(ckpt: Path, name: str) -> tuple[Path, int, int, dict]:

@@ -10,15 +10,13 @@ import errno
 import json
 import os
 import shutil
-import subprocess
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from conftest import BUNDLED
+from helpers import small_fs
 from kconvert.cli import main
 from kconvert.errors import KconvertError
 from kconvert.recipes import load_recipe
@@ -172,21 +170,6 @@ def test_os_errors_are_one_line_naming_the_file(code, advice, tmp_path, monkeypa
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
     if code == errno.ENOSPC:
         assert "--resume" in res.output
-
-
-@contextmanager
-def small_fs(where: Path, options: str) -> Iterator[Path]:
-    """A real tiny (or read-only) tmpfs at `where`; skips the test where mounting is not
-    allowed (it needs root with CAP_SYS_ADMIN, e.g. not in an unprivileged container)."""
-    where.mkdir()
-    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
-                           capture_output=True, text=True)
-    if mount.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", str(where)], check=True)
 
 
 def test_full_and_read_only_file_systems_are_messages(tmp_path):

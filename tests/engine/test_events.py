@@ -6,27 +6,19 @@ from __future__ import annotations
 
 import itertools
 import json
-import struct
 import threading
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
 
 from conftest import BUNDLED
-from helpers import run_inproc
+from helpers import data_bytes, run_inproc
 from kconvert import events
 from kconvert.engine import work
 
 ITEM_STEPS = ("read", "wait-read", "compute", "wait-put", "hash", "wait-get", "write",
               "wait-hash")
 
-
-def _data_bytes(path: Path) -> int:
-    """Tensor bytes of a safetensors file: its size less the 8-byte length and the header."""
-    with open(path, "rb") as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
-    return path.stat().st_size - 8 - n
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +85,7 @@ def test_every_item_has_each_step_once_in_its_thread_in_causal_order(recorded):
 def test_bytes_add_up_to_the_source_and_output_files(recorded):
     timed, _, dst = recorded
     reads = sum(info["nbytes"] for e, info in timed if e == "read")
-    assert reads == sum(_data_bytes(p) for p in BUNDLED.glob("*.safetensors"))
+    assert reads == sum(data_bytes(p) for p in BUNDLED.glob("*.safetensors"))
     pwrites: dict[str, int] = defaultdict(int)
     fsyncs = []
     for event, info in timed:
@@ -104,7 +96,7 @@ def test_bytes_add_up_to_the_source_and_output_files(recorded):
             fsyncs.append((info["shard"], info["nbytes"]))
     shards = sorted(p.name for p in dst.glob("*.safetensors"))
     assert sorted(pwrites) == shards
-    assert all(pwrites[s] == _data_bytes(dst / s) for s in shards)
+    assert all(pwrites[s] == data_bytes(dst / s) for s in shards)
     assert sorted(fsyncs) == [(s, (dst / s).stat().st_size) for s in shards]
     # Each shard is flushed after its last pwrite and before the run says it is done.
     order = [(e, info.get("shard")) for e, info in timed]

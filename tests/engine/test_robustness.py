@@ -49,6 +49,7 @@ from helpers import (
     S3,
     S4,
     cli,
+    data_bytes,
     edit_json,
     edit_tensor,
     load_tensors,
@@ -643,11 +644,6 @@ def test_manifest_hashes_are_the_bytes_written_when_tensors_span_many_items(
 # ------------------------------------------------------------------------- 4. dry run
 
 
-def _data_bytes(path: Path) -> int:
-    with open(path, "rb") as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
-    return path.stat().st_size - 8 - n
-
 
 def test_dry_run_writes_nothing_and_prints_the_role_table(multi, tmp_path):
     src, clean = multi
@@ -679,8 +675,8 @@ def test_dry_run_writes_nothing_and_prints_the_role_table(multi, tmp_path):
     output_tensors = sum(len(safe_open(str(p), "pt").keys()) for p in clean.glob("*.safetensors"))
     assert int(total[2]) == output_tensors == sum(r[1] for r in rows.values())
     assert f"{output_tensors} tensors" in proc.stdout
-    out_bytes = sum(_data_bytes(p) for p in clean.glob("*.safetensors"))
-    in_bytes = sum(_data_bytes(p) for p in src.glob("*.safetensors"))
+    out_bytes = sum(data_bytes(p) for p in clean.glob("*.safetensors"))
+    in_bytes = sum(data_bytes(p) for p in src.glob("*.safetensors"))
     assert abs(float(total[-1]) - out_bytes / 1e6) <= 0.051, (total, out_bytes)
     assert abs(float(total[-2]) - in_bytes / 1e6) <= 0.051, (total, in_bytes)
     n_shards = len(list(clean.glob("*.safetensors")))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 import subprocess
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from huggingface_hub.errors import EntryNotFoundError
 from huggingface_hub.utils import SafetensorsFileMetadata, TensorInfo, filter_repo_objects
 
 import kconvert
-from helpers import CLI, COMMIT, INDEX, MANIFEST, hub_cache, snapshot
+from helpers import CLI, COMMIT, INDEX, MANIFEST, hub_cache, snapshot, st_header
 from kconvert.errors import KconvertError
 
 CARRIED = {"tokenizer_config.json": "{}", "chat_template.jinja": "{{ messages }}",
@@ -75,8 +74,7 @@ class FakeHub:
 
     def header(self, name: str) -> SafetensorsFileMetadata:
         self.headers.append(name)
-        with (self.remote / name).open("rb") as f:
-            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        header = st_header(self.remote / name)[0]
         metadata = header.pop("__metadata__", {})
         return SafetensorsFileMetadata(metadata, {
             n: TensorInfo(t["dtype"], t["shape"], tuple(t["data_offsets"]))

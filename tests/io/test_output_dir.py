@@ -4,7 +4,6 @@ DST end in a message, --dry-run needs no empty DST."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
@@ -19,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import BUNDLED
-from helpers import CLI, S2, edit_tensor, run_inproc, set_at, snapshot
+from helpers import CLI, S2, edit_tensor, run_inproc, set_at, small_fs, snapshot
 from kconvert.audit.auditor import run_audit
 from kconvert.errors import KconvertError
 from kconvert.io import lock, output_dir
@@ -292,24 +291,9 @@ def test_resume_rewrites_a_finished_shard_whose_bytes_changed(tmp_path, clean_ou
 # ------------------------------------------------------------------------------ disk space
 
 
-@contextlib.contextmanager
-def small_fs(where: Path, size: str, read_only: bool = False):
-    """A real tmpfs of `size` mounted at `where` (skipped where mounting is not permitted)."""
-    where.mkdir()
-    opts = f"size={size}" + (",ro" if read_only else "")
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(where)],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip() or 'not permitted'})")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
-
-
 def test_a_disk_too_small_is_refused_before_writing(tmp_path):
     src = src_copy(tmp_path)
-    with small_fs(tmp_path / "fs", "2m") as fs:
+    with small_fs(tmp_path / "fs", "size=2m") as fs:
         proc = kc("dequant", src, fs / "out", "--quiet")
         assert proc.returncode == 1, proc.stderr
         assert "not enough disk space" in proc.stderr and "bytes) free" in proc.stderr
@@ -342,7 +326,7 @@ def test_disk_full_mid_run_says_what_is_needed_then_resume_completes(tmp_path, m
 
 def test_read_only_dst_is_a_message(tmp_path, monkeypatch):
     src = src_copy(tmp_path)
-    with small_fs(tmp_path / "ro", "1m", read_only=True) as fs:
+    with small_fs(tmp_path / "ro", "size=1m,ro") as fs:
         proc = kc("dequant", src, fs / "out", "--quiet")
         assert proc.returncode == 1, proc.stderr
         assert "read-only file system" in proc.stderr and "Traceback" not in proc.stderr

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import re
-import struct
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 import kconvert
+from helpers import data_bytes, st_header
 from kconvert.cli import main
 from kconvert.errors import KconvertError
 from kconvert.testing.fixture_weights import FixtureDims
@@ -26,12 +26,10 @@ def shard_data(root: Path) -> dict[str, int]:
     that the tensors fill the file's data section exactly."""
     out = {}
     for path in sorted(root.glob("*.safetensors")):
-        with path.open("rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
+        header = st_header(path)[0]
         header.pop("__metadata__", None)
         sizes = {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items()}
-        assert sum(sizes.values()) == path.stat().st_size - 8 - n, path
+        assert sum(sizes.values()) == data_bytes(path), path
         out.update(sizes)
     return out
 
@@ -198,9 +196,7 @@ def test_header_only_layout_is_the_fixture_layout(fixture_dir):
     src = fixture_dir("k2-int4-kimi")
     real = {}
     for path in sorted(src.glob("*.safetensors")):
-        with path.open("rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
+        header = st_header(path)[0]
         header.pop("__metadata__", None)
         real[path.name] = {k: (v["dtype"], tuple(v["shape"])) for k, v in header.items()}
     shards = kimi_int4_shards(FixtureDims())
