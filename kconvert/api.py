@@ -32,6 +32,7 @@ from kconvert.convert import RunControl, summary_line
 from kconvert.evaluate.report import EvalReport
 from kconvert.manifest import Manifest
 from kconvert.model.names import parse_name
+from kconvert.options import BATCH_SIZE, EVAL_SAMPLES, SEED, SEQ_LEN
 from kconvert.run_summary import RunSummary
 from kconvert.sizing.predict import Options
 from kconvert.sizing.report import InspectReport, inspect_checkpoint
@@ -160,7 +161,8 @@ def densify(src: str, dst: str, **kwargs) -> ConversionResult:
 
 
 def eval(src: str, candidates: list[str], data: str, out: str | None = None, *,
-         samples: int = 128, seq_len: int = 2048, batch_size: int = 8, seed: int = 0,
+         samples: int = EVAL_SAMPLES, seq_len: int = SEQ_LEN, batch_size: int = BATCH_SIZE,
+         seed: int = SEED,
          device: str = "auto", dtype: str = "bfloat16", tokenizer: str | None = None,
          quiet: bool = True, echo: Callable[[str], None] = print) -> EvalReport:
     """`kconvert eval`: SRC against each candidate on the JSONL `data`, layer by layer;

@@ -12,6 +12,7 @@ SPARSEGPT_SAMPLES = 128
 SEQ_LEN = 2048
 BATCH_SIZE = 8
 SEED = 0
+EVAL_SAMPLES = 128  # eval's --samples
 
 # Options that only act beside another one: given alone they would be silently dropped.
 ONLY_WITH = {

@@ -188,10 +188,14 @@ class MoEBlock(nn.Module):
             self._inputs, self._indices = [torch.cat(self._inputs)], [torch.cat(self._indices)]
         return self._inputs[0], self._indices[0]
 
+    def routed_inputs(self, expert: int) -> torch.Tensor:
+        """The inputs of gate/up [tokens, hidden] over the tokens routed to `expert`."""
+        x, idx = self.captured()
+        return x[(idx == expert).any(-1)]
+
     def expert_inputs(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs of gate/up, inputs of down) over the tokens routed to `expert`."""
-        x, idx = self.captured()
-        xe = x[(idx == expert).any(-1)]
+        xe = self.routed_inputs(expert)
         gate, up = nn.functional.linear(xe, self.experts.gate_up[expert]).chunk(2, dim=-1)
         return xe, self.act_fn(gate) * up
 

@@ -14,15 +14,16 @@ from kconvert.cli.base import (
     device_option,
     echo_unless_quiet,
 )
-from kconvert.options import REAP_SAMPLES
+from kconvert.options import BATCH_SIZE, EVAL_SAMPLES, REAP_SAMPLES, SEED, SEQ_LEN
 
 # The layer-streamed forward's options, shared by calibrate and eval.
 FORWARD_OPTIONS = [
-    click.option("--seq-len", type=click.IntRange(min=1), default=2048, show_default=True,
+    click.option("--seq-len", type=click.IntRange(min=1), default=SEQ_LEN, show_default=True,
                  help="Tokens per sequence."),
-    click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True,
+    click.option("--batch-size", type=click.IntRange(min=1), default=BATCH_SIZE,
+                 show_default=True,
                  help="Sequences per forward step through a layer."),
-    click.option("--seed", default=0, show_default=True,
+    click.option("--seed", default=SEED, show_default=True,
                  help="Order in which data lines are used."),
     device_option(),
     click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
@@ -62,7 +63,7 @@ def calibrate_cmd(src, data, out, samples, seq_len, batch_size, seed, device, dt
                    "(use held-out text, not the calibration set).")
 @click.option("-o", "--output", "out", default=None, type=click.Path(file_okay=False),
               help="Directory for eval.json and eval.png [default: print the table only].")
-@click.option("--samples", type=click.IntRange(min=1), default=128, show_default=True,
+@click.option("--samples", type=click.IntRange(min=1), default=EVAL_SAMPLES, show_default=True,
               help="Sequences to evaluate on.")
 @apply_options(FORWARD_OPTIONS)
 @click.option("--quiet", is_flag=True, help="No progress bar.")

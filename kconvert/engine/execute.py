@@ -65,9 +65,10 @@ def _execute(plan: WorkPlan, dst: Path, device: torch.device, done: dict[str, di
              shards: Collection[str] | None) -> dict[str, dict]:
     _fix_mmap_threshold(MMAP_THRESHOLD)
     sink = ShardSink(plan, dst, done, shards)
+    share, finished = (None if shards is None else set(shards)), set(done)
     mine = [(i, it) for i, it in enumerate(plan.items)
-            if shards is None or plan.item_shards(it) <= set(shards)]
-    todo = [(i, it) for i, it in mine if plan.item_shards(it) - set(done)]
+            if share is None or plan.item_shards(it) <= share]
+    todo = [(i, it) for i, it in mine if plan.item_shards(it) - finished]
     skipped = sum(it.nbytes for _, it in mine) - sum(it.nbytes for _, it in todo)
     if skipped:
         progress(skipped)

@@ -106,8 +106,10 @@ class WorkPlan:
     items: list[Item]
     dropped: dict[str, str]  # source tensor -> why it has no output
 
-    @property
+    @cached_property
     def shard_entries(self) -> dict[str, list[tuple[str, str, tuple[int, ...]]]]:
+        """Output shard -> its tensors (name, dtype, shape); the outputs never change after
+        planning, so it is built once."""
         entries: dict[str, list] = defaultdict(list)
         for t in self.outputs.values():
             entries[t.shard].append((t.name, t.dtype, t.shape))
@@ -134,12 +136,8 @@ def shard_file_bytes(plan: WorkPlan) -> dict[str, int]:
 
 def read_shape_values(ckpt: Checkpoint) -> dict[str, tuple[int, ...]]:
     """Contents of every INT4 `weight_shape` tensor (8-16 bytes each), needed to plan shapes."""
-    values = {}
     with events.span("phase", name="read_shape_values"):
-        for name, info in ckpt.tensors.items():
-            if name.endswith(".weight_shape"):
-                values[name] = tuple(int(v) for v in ckpt.reader_for(info).read(info).tolist())
-    return values
+        return ckpt.shape_values()
 
 
 def header_shape_values(ckpt: Checkpoint) -> dict[str, tuple[int, ...]]:

@@ -103,8 +103,8 @@ def _block_sum(x: torch.Tensor) -> torch.Tensor:
     return x[..., 0]
 
 
-def _step(d: torch.Tensor, gs: torch.Tensor, arithmetic: str = "compressed-tensors"
-          ) -> torch.Tensor:
+def block_step(d: torch.Tensor, gs: torch.Tensor, arithmetic: str = "compressed-tensors"
+               ) -> torch.Tensor:
     """Element step [..., nb, 1] of FP8 block scales d [..., nb] (uint8 codes or
     float8_e4m3fn) with per-tensor scales gs broadcast against d: fp32(d) / gs, or for
     ModelOpt's arithmetic fp32(d) * gs."""
@@ -145,7 +145,7 @@ def _block_error(
 
     Working on magnitudes is exact: the sign of a code never changes its error.
     """
-    step = _step(d, gs, arithmetic)
+    step = block_step(d, gs, arithmetic)
     idx = torch.bucketize(mag / step, cuts, out_int32=True)
     err = lut[idx] * step - mag
     return _block_sum(err * err)
@@ -154,7 +154,7 @@ def _block_error(
 def _nibbles(blocks: torch.Tensor, d: torch.Tensor, gs: torch.Tensor, cuts: torch.Tensor,
              arithmetic: str = "compressed-tensors") -> torch.Tensor:
     """E2M1 nibbles (sign << 3 | code) of blocks [N, nb, block] under block scale codes d."""
-    y = blocks / _step(d, gs, arithmetic)
+    y = blocks / block_step(d, gs, arithmetic)
     idx = torch.bucketize(y.abs(), cuts, out_int32=True).to(torch.uint8)
     # compressed-tensors takes the sign from sign(y): a negative value that rounds to 0 is
     # written 0x8, while -0.0 itself (and +0.0, a pruned p48 pair) stays 0x0.
@@ -213,7 +213,7 @@ def fake_quantize(blocks: torch.Tensor, codes: torch.Tensor, gs: torch.Tensor,
     """
     blocks = blocks.float()
     nibbles = _nibbles(blocks, codes, gs, cut_points(blocks.device), arithmetic)
-    return _values(nibbles, _step(codes, gs, arithmetic))
+    return _values(nibbles, block_step(codes, gs, arithmetic))
 
 
 def _checked_codes(codes: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -458,7 +458,7 @@ def dequantize(packed: torch.Tensor, block_scales: torch.Tensor, gs: torch.Tenso
                arithmetic: str = "compressed-tensors") -> torch.Tensor:
     """fp32 [B, M, K] from packed [B, M, K/2], block scales [B, M, K/block] (float8_e4m3fn;
     the block size is read off the shapes), per-tensor scales [B] of `arithmetic`."""
-    step = _step(block_scales, gs.float().reshape(-1, 1, 1), arithmetic)
+    step = block_step(block_scales, gs.float().reshape(-1, 1, 1), arithmetic)
     return decode_steps(packed, step[..., 0])
 
 

@@ -46,8 +46,8 @@ class ModeloptNvfp4Codec(Nvfp4Codec):
 
     @classmethod
     def decode(cls, t, shape):
-        step = t["weight_scale"].float() * t["weight_scale_2"].float().reshape(-1, 1, 1)
-        return nvfp4.decode_steps(t["weight"], step)
+        return nvfp4.dequantize(t["weight"], t["weight_scale"], t["weight_scale_2"],
+                                cls.arithmetic)
 
     @classmethod
     def unpack(cls, t):

@@ -36,9 +36,9 @@ from kconvert.io.files import human_bytes, write_json
 from kconvert.io.hashing import TensorHashes
 from kconvert.io.lock import LOCK_FILE, STATE_DIR, acquire, holder_of, in_use, unwritable
 from kconvert.io.shards import plan_header, read_header
+from kconvert.manifest import MANIFEST
 
 RUN_FILE = "run.json"
-MANIFEST = "kconvert-manifest.json"
 STAGING_SUFFIX = ".kconvert-new"
 # Room kept free beyond the planned bytes (file system metadata, rounding to blocks): this
 # much plus a thousandth of the output.

@@ -16,6 +16,7 @@ import torch
 import xxhash
 from safetensors import safe_open
 
+from kconvert.calibrate.stats import STATS_FILE
 from kconvert.errors import KconvertError
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.model.names import Role, parse_name
@@ -27,7 +28,7 @@ CRITERIA = {"reap": "saliency", "frequency": "count", "ean": "ean_sum"}
 
 def scores_from_stats(stats_dir: str | Path) -> dict[int, dict[str, torch.Tensor]]:
     """Per MoE layer: saliency, count and ean_sum per source expert, from `calibrate` output."""
-    path = Path(stats_dir) / "stats.safetensors"
+    path = Path(stats_dir) / STATS_FILE
     if not path.is_file():
         raise KconvertError("no stats.safetensors in the statistics directory", file=str(path))
     layers: dict[int, dict[str, torch.Tensor]] = {}

@@ -55,7 +55,6 @@ class RepairSettings:
     lr_gate: float = 3e-3  # relative to each gate row's RMS
     candidates: int = 2  # per token, candidates x top_k kept experts the fit may select
     temperature: float = 0.02  # width of the soft top-k threshold, in score units
-    seed: int = 0
 
 
 def route(router: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

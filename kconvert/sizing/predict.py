@@ -22,6 +22,7 @@ from kconvert.engine.work import (
     shard_file_bytes,
 )
 from kconvert.errors import KconvertError
+from kconvert.formats.int4 import Int4Codec
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.shards import tensor_nbytes
 from kconvert.model.names import Role, TensorName, parse_name
@@ -29,7 +30,6 @@ from kconvert.recipes import Recipe, build_stages, load_recipe
 
 AS_FORMATS = ("nvfp4", "int4", "bf16")
 P48_STORAGES = ("pair-bitmask", "dense")
-INT4 = "int4-pack-quantized"
 
 # Checkpoint components, by tensor role (kconvert.model.names), in the order they are shown.
 COMPONENTS: dict[str, tuple[Role, ...]] = {
@@ -66,10 +66,6 @@ class Options:
     p48: str | None = None
     targets: str | None = None
     format: str | None = None
-
-    @property
-    def any(self) -> bool:
-        return any(v is not None for v in (self.as_format, self.keep, self.p48))
 
 
 @dataclass
@@ -133,7 +129,7 @@ def predict(ckpt: Checkpoint, options: Options) -> Prediction:
         formats = {m.codec.name for m in plan.modules}
         if recipe is None or recipe.requires_source in (None, *formats):
             break
-    if options.as_format == "int4" and formats - {"dense"} != {INT4}:
+    if options.as_format == "int4" and formats - {"dense"} != {Int4Codec.name}:
         have = ", ".join(sorted(formats - {"dense"})) or "no quantized modules"
         raise KconvertError("kconvert writes no INT4: --as int4 only describes an INT4 source "
                             f"as it is, and this one has {have}")

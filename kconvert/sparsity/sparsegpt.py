@@ -122,13 +122,6 @@ def _subtract_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, preci
         out.baddbmm_(a, b, alpha=-1.0)
 
 
-def _block_steps(codes: torch.Tensor, gs: torch.Tensor, arithmetic: str) -> torch.Tensor:
-    """Each row's E2M1 step for one scale block: fp32(code) / gs, or * gs for ModelOpt's
-    arithmetic (as nvfp4.fake_quantize computes it)."""
-    d = codes.view(torch.float8_e4m3fn).float()
-    return d * gs if arithmetic == "modelopt" else d / gs
-
-
 def _round_to_grid(x: torch.Tensor, step: torch.Tensor, cuts: torch.Tensor, lut: torch.Tensor
                    ) -> torch.Tensor:
     """nvfp4.fake_quantize of single columns x on per-row steps, in a few elementwise ops (the
@@ -172,7 +165,7 @@ def prune_quantize(w: torch.Tensor, u: torch.Tensor, gs: torch.Tensor, group_siz
                 c = nvfp4.choose_block_codes(torch.where(keep, wg, 0.0).reshape(b * m, 1, -1),
                                              row_gs, rule, local_dtype, arithmetic).reshape(b, m)
                 codes[:, :, j0 // group_size] = c
-                step = _block_steps(c, gs, arithmetic)
+                step = nvfp4.block_step(c, gs, arithmetic)[..., 0]
                 eg = err[:, :, j0 - i1:j1 - i1]
                 for j in range(group_size):
                     col = wg[:, :, j]
@@ -280,9 +273,9 @@ class CalibrationHessians:
         if proj == "down_proj" and (layer, expert) in self._replaced:
             raise KconvertError(f"SparseGPT asked for layer {layer} expert {expert}'s down_proj "
                                 "Hessian after its gate/up were replaced")
-        with torch.no_grad():
-            x_in, x_down = moe.expert_inputs(expert)
-            x = (x_down if proj == "down_proj" else x_in).float().to(self.device)
+        with torch.no_grad():  # gate/up need only the routed inputs, not down's
+            x = (moe.expert_inputs(expert)[1] if proj == "down_proj"
+                 else moe.routed_inputs(expert)).float().to(self.device)
             return x.T @ x
 
     def replace(self, layer: int, expert: int, proj: str, w: torch.Tensor) -> None:

@@ -82,7 +82,7 @@ class Prune(Stage):
         return {PLAN_FILE: self.plan_json}
 
 
-REPAIRS = ("none", "bias", "router")  # kconvert.pruning.repair.REPAIR_METHODS
+REPAIRS = ("none", "bias", "router")  # kconvert.pruning.repair fits REPAIRS[1:]
 
 
 def build(settings: dict, prune: Prune | None) -> Prune:

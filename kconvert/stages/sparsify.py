@@ -23,6 +23,7 @@ import torch
 from pydantic import Field
 
 from kconvert.calibrate.data import load_calibration_data
+from kconvert.calibrate.stats import META_FILE, STATS_FILE
 from kconvert.errors import KconvertError
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.files import hash_file
@@ -83,8 +84,6 @@ class WandaNorms:
 
     def __init__(self, stats_dir: str):
         from safetensors import safe_open
-
-        from kconvert.calibrate.stats import META_FILE, STATS_FILE
 
         path = Path(stats_dir)
         if not (path / META_FILE).is_file():
@@ -152,7 +151,7 @@ class Sparsify(Stage):
         out = {"pattern": "p48", "method": self.method, "group_size": self.group_size,
                "storage": self.storage, "targets": [Role.ROUTED_EXPERT.value]}
         if self.stats is not None:
-            out["stats"] = hash_file(Path(self.stats) / "stats.safetensors")
+            out["stats"] = hash_file(Path(self.stats) / STATS_FILE)
         if self.method == "sparsegpt":
             out.update(percdamp=sparsegpt.PERCDAMP, blocksize=sparsegpt.BLOCKSIZE,
                        hessian=self.hessian, data=self.calibration.data)
