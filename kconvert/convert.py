@@ -73,9 +73,11 @@ NOT_WRITABLE = {errno.EROFS, errno.EACCES, errno.EPERM}
 
 @dataclass(frozen=True)
 class RunControl:
-    """Options that change how a run goes, never what it writes."""
+    """Options that change how a run goes, never what it writes. `device` is resolved here,
+    once per run (`--device auto | cpu | cuda | cuda:N` -> the torch device, or a clear
+    error); everything past this boundary gets a torch.device."""
 
-    device: str = "auto"
+    device: torch.device | str = "auto"
     resume: bool = False
     overwrite: bool = False
     dry_run: bool = False
@@ -84,6 +86,10 @@ class RunControl:
     trust_complete: bool = False  # --resume keeps finished shards without re-hashing them
     token: str | None = None  # Hugging Face token when SRC is a repo id
     cache_dir: str | None = None  # Hugging Face cache [default: huggingface_hub's]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device, torch.device):
+            object.__setattr__(self, "device", pick_device(self.device))
 
 
 def _fingerprint(ckpt: Checkpoint, command: str, options: dict) -> str:
@@ -194,7 +200,7 @@ def _plan(ckpt: Checkpoint, recipe: Recipe, settings: Mapping[str, object],
         raise KconvertError("--method sparsegpt streams its calibration layer by layer beside "
                             "the conversion and does not run across ranks; run it without "
                             "torchrun")
-    device = pick_device(run.device)
+    device = run.device
     # GPU items of 2^28 decoded elements (~18 Kimi expert matrices): large enough to keep
     # the GPU busy, small enough that prefetch + queued results stay within ~4 GB of host RAM.
     # On a CPU, items of 2^24 elements (~one expert matrix; the fused kernel is per row anyway)

@@ -113,7 +113,7 @@ def make_checkpoint(src: Path) -> None:
 
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from kconvert.calibrate.run import calibrate
+    from kconvert.calibrate.run import measure_stats
     from kconvert.io.checkpoint import open_checkpoint
 
     OUT.mkdir(parents=True, exist_ok=True)
@@ -128,7 +128,7 @@ def main() -> None:
     ckpt = open_checkpoint(str(src))
     if dev == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    calibrate(ckpt, ids, dev, BATCH, on_layer=lambda _layer, _h: marks.append(
+    measure_stats(ckpt, ids, dev, BATCH, on_layer=lambda _layer, _h: marks.append(
         (torch.cuda.synchronize() if dev == "cuda" else None) or time.perf_counter()))
     per_layer = [round(b - a, 2) for a, b in itertools.pairwise(marks)]
     res.update({

@@ -18,9 +18,9 @@ from kconvert.audit.context import AuditContext
 from kconvert.checks.findings import Checks
 from kconvert.formats import nvfp4
 from kconvert.formats.base import Codec, is_linear
+from kconvert.formats.linear import ModuleWork
 from kconvert.io.finite import NONFINITE_BITS, find_nonfinite
 from kconvert.io.shards import TensorInfo
-from kconvert.stages.base import ModuleWork
 
 S = "scales"
 # A block (or group) scale is 0 for an all-zero block but never negative; every other scale a

@@ -17,10 +17,10 @@ from torch import nn
 
 from kconvert.calibrate.data import PAD_ID
 from kconvert.errors import KconvertError
+from kconvert.formats.linear import ModuleWork, group_modules
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.shards import TensorInfo
 from kconvert.model.names import Role, parse_name
-from kconvert.stages.base import ModuleWork, group_modules
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 

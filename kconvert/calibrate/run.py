@@ -34,7 +34,7 @@ from kconvert.model.names import Role, parse_name
 from kconvert.version import __version__
 
 
-def calibrate(
+def measure_stats(
     ckpt: Checkpoint,
     input_ids: torch.Tensor,
     device: str | torch.device = "cpu",
@@ -235,7 +235,7 @@ def run_calibration(src: str, data: str, out: str, samples: int, seq_len: int, b
         if ids.shape[0] < samples:
             progress(f"note: the data gives {_plural(ids.shape[0], 'sequence')} of {seq_len} "
                      f"tokens, fewer than --samples {samples}")
-        stats = calibrate(
+        stats = measure_stats(
             ckpt, ids, pick_device(device), batch_size, dtype=getattr(torch, dtype),
             meta={"seed": seed, "data": str(Path(data).resolve())}, progress=progress)
     finally:

@@ -19,7 +19,18 @@ import click
 from click.core import ParameterSource
 
 from kconvert.errors import KconvertError, UsageError
-from kconvert.options import BATCH_SIZE, SEED, SEQ_LEN, SPARSEGPT_SAMPLES
+from kconvert.options import (
+    BATCH_SIZE,
+    HESSIANS,
+    OUTPUT_FORMATS,
+    PRUNE_CRITERIA,
+    REPAIRS,
+    SEED,
+    SEQ_LEN,
+    SPARSEGPT_SAMPLES,
+    SPARSIFY_METHODS,
+    SPARSIFY_STORAGES,
+)
 from kconvert.version import __version__
 
 DEVICE_SPEC = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -28,19 +39,11 @@ DEVICE_SPEC = re.compile(r"auto|cpu|cuda(:\d+)?")
 AUDIT_CHUNK_MB = 8  # kconvert.audit.CHUNK, in MiB (a test keeps the two equal)
 
 
-# Choices whose lists live in modules that import torch (tests keep these equal to them).
-CRITERIA = ("ean", "frequency", "reap")  # kconvert.pruning.reap.CRITERIA
-
-
-REPAIRS = ("none", "bias", "router")  # kconvert.stages.prune.REPAIRS
-
-
-METHODS = ("magnitude", "wanda", "sparsegpt")  # kconvert.stages.sparsify.METHODS
-
-
-STORAGES = ("dense", "pair-bitmask")  # kconvert.stages.sparsify.STORAGES
-HESSIANS = ("source", "sequential")  # kconvert.sparsity.sparsegpt.HESSIANS
-FORMATS = ("compressed-tensors", "modelopt")  # kconvert.formats.OUTPUT_CODECS
+# The choice lists of the stage options (kconvert.options, which imports no torch).
+CRITERIA = tuple(sorted(PRUNE_CRITERIA))
+METHODS = SPARSIFY_METHODS
+STORAGES = SPARSIFY_STORAGES
+FORMATS = OUTPUT_FORMATS
 
 
 # What to do about an OSError that reaches the command line, by errno.

@@ -9,10 +9,10 @@ import torch
 from kconvert.engine.work import CopyItem, DecodeGroup, Item, WorkPlan
 from kconvert.errors import KconvertError
 from kconvert.formats import DenseCodec, Int4Codec, nvfp4
+from kconvert.formats.linear import ModuleWork
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.finite import check_finite, has_nonfinite
 from kconvert.io.shards import TensorInfo
-from kconvert.stages.base import ModuleWork
 
 
 @dataclass

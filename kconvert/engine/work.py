@@ -12,10 +12,11 @@ import torch
 from kconvert import events
 from kconvert.errors import KconvertError
 from kconvert.formats import DenseCodec
+from kconvert.formats.linear import ModuleWork, group_modules
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.shards import TensorInfo, plan_header, tensor_nbytes
 from kconvert.model.names import Role, parse_name, split_param
-from kconvert.stages.base import ModuleWork, Stage, group_modules
+from kconvert.stages.base import Stage
 from kconvert.stages.quantize import Quantize
 
 # Pass-through bytes move in pieces of this size (memory: ~8 pieces in flight).

@@ -36,9 +36,9 @@ from kconvert.calibrate.forward import MoEBlock, embed, model_config, padding_aw
 from kconvert.errors import KconvertError
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.model.names import Role, parse_name
+from kconvert.options import REPAIRS
 from kconvert.pruning.plan import LayerRepair, PrunePlan
 from kconvert.pruning.reap import CRITERIA, keep_ids, row_hashes
-from kconvert.stages.prune import REPAIRS
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kconvert.formats import Nvfp4Codec, Nvfp4PairBitmaskCodec
-from kconvert.stages.base import ModuleWork, Stage, StageKind, StageRecord
+from kconvert.formats.linear import ModuleWork
+from kconvert.stages.base import Stage, StageKind, StageRecord
 
 
 class DensifyRecord(StageRecord):

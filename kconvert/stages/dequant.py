@@ -8,7 +8,8 @@ from pydantic import Field
 
 from kconvert.errors import KconvertError
 from kconvert.formats import DenseCodec
-from kconvert.stages.base import ModuleWork, Stage, StageKind, StageRecord
+from kconvert.formats.linear import ModuleWork
+from kconvert.stages.base import Stage, StageKind, StageRecord
 
 
 class DequantRecord(StageRecord):

@@ -11,8 +11,9 @@ from pydantic import Field
 
 from kconvert.errors import KconvertError
 from kconvert.formats import OUTPUT_CODECS, DenseCodec, Nvfp4PairBitmaskCodec
+from kconvert.formats.linear import ModuleWork
 from kconvert.model.names import TARGET_ROLES, Role
-from kconvert.stages.base import ModuleWork, Stage, StageKind, StageRecord
+from kconvert.stages.base import Stage, StageKind, StageRecord
 
 
 class QuantizeRecord(StageRecord):
