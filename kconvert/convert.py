@@ -25,6 +25,7 @@ from kconvert import distributed, events
 from kconvert.checks.structure import validate_source
 from kconvert.devices import pick_device
 from kconvert.engine.execute import execute
+from kconvert.engine.stage import Stage
 from kconvert.engine.work import (
     WorkPlan,
     build_work_plan,
@@ -99,8 +100,8 @@ def _fingerprint(ckpt: Checkpoint, command: str, options: dict) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _stats_hash(stages) -> str | None:
-    paths = [s.act_stats for s in stages if getattr(s, "act_stats", None)]
+def _stats_hash(stages: list[Stage]) -> str | None:
+    paths = [p for s in stages for p in s.input_files()]
     return hash_file(Path(paths[0])) if paths else None
 
 

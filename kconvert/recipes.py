@@ -16,9 +16,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from kconvert.engine.stage import Stage
 from kconvert.errors import KconvertError
 from kconvert.stages import KINDS
-from kconvert.stages.base import Stage
 
 RECIPE_KEYS = ("name", "description", "requires_source", "stages")
 

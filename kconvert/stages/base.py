@@ -1,12 +1,11 @@
-"""Stages: plain functions over one module's plan (and, later, one layer's fp32 weights).
+"""The stage kind: how recipes and commands name a stage, what they may set, what it prepares
+from the opened source, and how it is built.
 
-A conversion is a list of stages. At plan time each stage may claim a source module and say
-how it leaves: decoded and re-encoded by an output codec, or (when no stage claims it)
-copied byte for byte. The engine then decodes only what some stage claimed, runs the
-stages' weight transforms on the fp32 values, and encodes with the module's output codec.
-
-Each stage module declares its `StageKind` (KIND): how recipes and commands name the stage,
-what they may set, what a command prepares for it, and how it is built; kconvert.stages.KINDS
+A conversion is a list of stages (their hooks: kconvert.engine.stage.Stage). At plan time each
+stage may claim a source module and say how it leaves: decoded and re-encoded by an output
+codec, or (when no stage claims it) copied byte for byte. The engine then decodes only what
+some stage claimed, runs the stages' weight transforms on the fp32 values, and encodes with the
+module's output codec. Each stage module declares its `StageKind` (KIND); kconvert.stages.KINDS
 lists them.
 """
 
@@ -17,61 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict
 
-from kconvert.formats.linear import ModuleWork
+from kconvert.engine.stage import Stage, StageRecord
 from kconvert.io.checkpoint import Checkpoint
-from kconvert.model.names import TensorName
-
-
-class StageRecord(BaseModel):
-    """What a stage records in the manifest (kconvert.stages.records.RunRecord): the options
-    that decide the output bytes. A field that was not set is left out of the file (a record is
-    dumped with exclude_unset), so adding an optional field changes no existing manifest."""
-
-    model_config = ConfigDict(extra="forbid")
-
-
-class Stage:
-    """A stage's hooks; each defaults to "leave it alone"."""
-
-    name: str
-    # True when the stage streams calibration layers forward (SparseGPT): the engine then
-    # runs transform items in layer order across shards.
-    ordered_layers: bool = False
-
-    def rename(self, tn: TensorName) -> tuple[str | None, tuple[int, ...] | None]:
-        """Output name of a source tensor (None: dropped) and, for router tensors, the rows
-        (experts) to keep."""
-        return tn.name, None
-
-    def replaced_rows(self) -> dict[str, torch.Tensor]:
-        """Output name -> the tensor the stage computed for a router whose rows it selects
-        (a repaired router), written instead of the selected source rows."""
-        return {}
-
-    def claim(self, m: ModuleWork) -> None:
-        """Claim a module for decoding: set `m.out_codec` and append to `m.stages`."""
-
-    def edit_config(self, text_config: dict) -> None:
-        """Change the language model's config (in place) to describe the output."""
-
-    def record(self) -> StageRecord:
-        """The options that decide the output bytes, for the manifest and resume checks."""
-        raise NotImplementedError
-
-    def output_files(self) -> dict[str, str]:
-        """Files (name -> text) this stage adds to the output, e.g. the pruning plan."""
-        return {}
-
-    def close(self) -> None:
-        """Release what the stage holds for the run (threads, open files)."""
-
-    def work_elems(self, device: torch.device) -> int | None:
-        """Decoded elements per transform item the stage wants on `device`,
-        or None for the engine's own size."""
-        return None
-
 
 # The command-line options that say which calibration data a command reads and how it runs
 # (REAP's saliency for a prune stage, SparseGPT's inputs for a sparsify stage).

@@ -11,13 +11,14 @@ from functools import cached_property
 import torch
 from pydantic import Field
 
+from kconvert.engine.stage import Stage, StageRecord
 from kconvert.errors import KconvertError, UsageError
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.model.names import Role, TensorName
 from kconvert.options import REAP_SAMPLES, REPAIRS, calibration_run
 from kconvert.pruning.plan import PLAN_FILE, PrunePlan
 from kconvert.pruning.reap import moe_layers, repaired_tensors
-from kconvert.stages.base import CALIBRATION_OPTIONS, Stage, StageKind, StageRecord
+from kconvert.stages.base import CALIBRATION_OPTIONS, StageKind
 
 
 class PruneRecord(StageRecord):

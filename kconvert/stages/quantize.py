@@ -9,11 +9,12 @@ from pathlib import Path
 
 from pydantic import Field
 
+from kconvert.engine.stage import Stage, StageRecord
 from kconvert.errors import KconvertError
 from kconvert.formats import OUTPUT_CODECS, DenseCodec, Nvfp4PairBitmaskCodec
 from kconvert.formats.linear import ModuleWork
 from kconvert.model.names import TARGET_ROLES, Role
-from kconvert.stages.base import Stage, StageKind, StageRecord
+from kconvert.stages.base import StageKind
 
 
 class QuantizeRecord(StageRecord):
@@ -49,6 +50,9 @@ class Quantize(Stage):
                     json.loads(Path(self.act_stats).read_text())["input_amax"].items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise KconvertError(f"bad activation statistics: {exc}", file=self.act_stats) from exc
+
+    def input_files(self) -> list[str]:
+        return [self.act_stats] if self.act_stats else []
 
     def record(self) -> QuantizeRecord:
         return QuantizeRecord(targets=sorted(r.value for r in self.targets), format=self.fmt,

@@ -25,6 +25,7 @@ from pydantic import Field
 
 from kconvert.calibrate.data import load_calibration_data
 from kconvert.calibrate.stats import META_FILE, STATS_FILE
+from kconvert.engine.stage import Stage, StageRecord
 from kconvert.errors import KconvertError, UsageError
 from kconvert.formats.linear import ModuleWork
 from kconvert.io.checkpoint import Checkpoint
@@ -38,7 +39,7 @@ from kconvert.options import (
     calibration_run,
 )
 from kconvert.sparsity import p48, sparsegpt
-from kconvert.stages.base import CALIBRATION_OPTIONS, Stage, StageKind, StageRecord
+from kconvert.stages.base import CALIBRATION_OPTIONS, StageKind
 
 METHODS = SPARSIFY_METHODS
 STORAGES = SPARSIFY_STORAGES
