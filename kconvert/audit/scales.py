@@ -86,8 +86,8 @@ def stored_global_scale(codec: type[Codec], global_scale: float, amax: float) ->
     `global_scale` (2688 / amax, compressed-tensors' stored form, exact) and `amax`: what the
     format's own encoder writes (ModelOpt's amax / 2688 is computed from amax, as its
     encoder computes it)."""
-    scale = (nvfp4.tensor_scale(torch.tensor([amax]), codec.arithmetic)
-             if codec.arithmetic == "modelopt" else torch.tensor([global_scale]))
+    scale = nvfp4.stored_scale(torch.tensor([global_scale]), torch.tensor([amax]),
+                               codec.arithmetic)
     one_block = nvfp4.Quantized(
         packed=torch.zeros(1, 1, 8, dtype=torch.uint8),
         block_scales=torch.zeros(1, 1, 1, dtype=torch.float8_e4m3fn),

@@ -72,10 +72,11 @@ class Quantize(Stage):
                 )
             m.out_codec = OUTPUT_CODECS[self.fmt]
             if m.storage == "pair-bitmask" or m.group_size != 16:
-                if self.fmt != "compressed-tensors":
+                if not m.out_codec.p48_forms:
+                    others = [f for f, c in OUTPUT_CODECS.items() if c.p48_forms]
                     raise KconvertError(f"--format {self.fmt} has no form for block size "
                                         f"{m.group_size} / {m.storage} storage; use "
-                                        "compressed-tensors", tensor=m.module)
+                                        f"{' or '.join(others)}", tensor=m.module)
                 if m.storage == "pair-bitmask":
                     m.out_codec = Nvfp4PairBitmaskCodec
             m.stages.append(self.name)
