@@ -28,9 +28,10 @@ from pathlib import Path
 from kconvert import events
 from kconvert.audit import audit
 from kconvert.calibrate import calibrate_to as calibrate
-from kconvert.convert import RunControl, summary_line
+from kconvert.convert import RunControl
 from kconvert.evaluate.report import EvalReport
 from kconvert.manifest import Manifest
+from kconvert.manifest_writer import summary_line
 from kconvert.model.names import parse_name
 from kconvert.options import BATCH_SIZE, EVAL_SAMPLES, SEED, SEQ_LEN
 from kconvert.run_summary import RunSummary
