@@ -161,7 +161,7 @@ def densify(src: str, dst: str, **kwargs) -> ConversionResult:
     return run_recipe("densify", src, dst, **kwargs)
 
 
-def eval(src: str, candidates: list[str], data: str, out: str | None = None, *,
+def evaluate_candidates(src: str, candidates: list[str], data: str, out: str | None = None, *,
          samples: int = EVAL_SAMPLES, seq_len: int = SEQ_LEN, batch_size: int = BATCH_SIZE,
          seed: int = SEED,
          device: str = "auto", dtype: str = "bfloat16", tokenizer: str | None = None,
@@ -175,7 +175,7 @@ def eval(src: str, candidates: list[str], data: str, out: str | None = None, *,
                     device, dtype, tokenizer, quiet, echo=echo)
 
 
-def inspect(src: str, *, as_format: str | None = None, keep: int | None = None,
+def size_report(src: str, *, as_format: str | None = None, keep: int | None = None,
             p48: str | None = None, targets: str | None = None, format: str | None = None,
             gpus: int | None = None, gpu_mem: float | None = None, mem_util: float = 0.9,
             tp: int | None = None, ep: int | None = None, pp: int | None = None,
@@ -191,6 +191,11 @@ def inspect(src: str, *, as_format: str | None = None, keep: int | None = None,
         revision=revision, token=token, cache_dir=cache_dir)
 
 
+# The commands' names, as the API names them (kconvert.eval, kconvert.inspect): bound last, so
+# that above this line `eval` and `inspect` keep Python's meaning.
+eval = evaluate_candidates
+inspect = size_report
+
 __all__ = [
     "ConversionResult",
     "audit",
@@ -198,11 +203,13 @@ __all__ = [
     "densify",
     "dequant",
     "eval",
+    "evaluate_candidates",
     "inspect",
     "int4_to_nvfp4",
     "quantize",
     "reap",
     "run_recipe",
+    "size_report",
     "sparsify",
 ]
 

@@ -74,7 +74,7 @@ def eval_cmd(src, candidates, data, out, samples, seq_len, batch_size, seed, dev
     Per decoder layer: accumulated and local relative error of the hidden states; at the end:
     KL(SRC || CANDIDATE), top-1/top-5 agreement and both models' NLL and perplexity.
     """
-    from kconvert.api import eval as run_eval
+    from kconvert.api import evaluate_candidates as run_eval
 
     run_eval(src, list(candidates), data, out, samples=samples, seq_len=seq_len,
              batch_size=batch_size, seed=seed, device=device, dtype=dtype, tokenizer=tokenizer,
