@@ -18,19 +18,9 @@ from collections.abc import Callable
 import click
 from click.core import ParameterSource
 
+from kconvert import options
 from kconvert.errors import KconvertError, UsageError
-from kconvert.options import (
-    BATCH_SIZE,
-    HESSIANS,
-    OUTPUT_FORMATS,
-    PRUNE_CRITERIA,
-    REPAIRS,
-    SEED,
-    SEQ_LEN,
-    SPARSEGPT_SAMPLES,
-    SPARSIFY_METHODS,
-    SPARSIFY_STORAGES,
-)
+from kconvert.options import BATCH_SIZE, SEED, SEQ_LEN, SPARSEGPT_SAMPLES
 from kconvert.version import __version__
 
 DEVICE_SPEC = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -40,10 +30,12 @@ AUDIT_CHUNK_MB = 8  # kconvert.audit.CHUNK, in MiB (a test keeps the two equal)
 
 
 # The choice lists of the stage options (kconvert.options, which imports no torch).
-CRITERIA = tuple(sorted(PRUNE_CRITERIA))
-METHODS = SPARSIFY_METHODS
-STORAGES = SPARSIFY_STORAGES
-FORMATS = OUTPUT_FORMATS
+CRITERIA = tuple(sorted(options.PRUNE_CRITERIA))
+REPAIRS = options.REPAIRS
+METHODS = options.SPARSIFY_METHODS
+STORAGES = options.SPARSIFY_STORAGES
+HESSIANS = options.HESSIANS
+FORMATS = options.OUTPUT_FORMATS
 
 
 # What to do about an OSError that reaches the command line, by errno.
