@@ -16,7 +16,7 @@ from kconvert.errors import KconvertError, UsageError
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.model.names import Role, TensorName
 from kconvert.options import REAP_SAMPLES, REPAIRS, calibration_run
-from kconvert.pruning.plan import PLAN_FILE, PrunePlan
+from kconvert.pruning.plan import PLAN_FILE, PrunePlan, load_plan
 from kconvert.pruning.reap import moe_layers, repaired_tensors
 from kconvert.stages.base import CALIBRATION_OPTIONS, StageKind
 
@@ -142,7 +142,6 @@ def prune_stage(plan: PrunePlan, ckpt: Checkpoint,
                  replaced=repaired_tensors(plan, ckpt, rows or {}))
 
 
-
 def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
             ) -> Callable[[Checkpoint], Prune]:
     """The Prune stage from --plan, or a plan from --stats or --data (REAP calibration, with
@@ -162,7 +161,6 @@ def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
         from kconvert.calibrate.data import load_calibration_data
         from kconvert.calibrate.run import measure_stats
         from kconvert.calibrate.stats import save_stats
-        from kconvert.pruning.plan import load_plan
         from kconvert.pruning.reap import keep_count, plan_from_scores, scores_from_stats, scores_of
         from kconvert.pruning.repair import RepairSettings, RouterRepair, with_repair
 
