@@ -175,5 +175,6 @@ class LayerPrefetcher(Generic[J, T]):
 
     def report(self, timing: LayerTiming, count: int) -> None:
         """Log one layer's line (-v), once the loop has set its compute seconds."""
-        log.info("%s/%d: read %.2f s, compute %.2f s, overlap %.2f s", timing.label, count,
-                 timing.read_s, timing.compute_s, timing.overlap_s)
+        log.info("%s/%d: read %.2f s, compute %.2f s, overlap %.2f s, wall %.2f s",
+                 timing.label, count, timing.read_s, timing.compute_s, timing.overlap_s,
+                 timing.wall_s)
