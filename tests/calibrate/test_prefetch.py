@@ -1,5 +1,6 @@
-"""The layer prefetcher (order, one layer ahead, errors where the layer would have loaded) and
-the grouped routed experts against transformers' own DeepseekV3MoE."""
+"""The layer prefetcher (order, one layer ahead, errors where the layer would have loaded), the
+grouped routed experts against transformers' own DeepseekV3MoE, and bf16 statistics, REAP plans
+and eval numbers against the per-expert loop they replace."""
 
 from __future__ import annotations
 
@@ -14,10 +15,16 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 from conftest import ROOT
 from helpers import edit_tensor
 from kconvert.calibrate import run
-from kconvert.calibrate.forward import ForwardContext, model_config
+from kconvert.calibrate.forward import ForwardContext, MoEBlock, model_config
 from kconvert.calibrate.load import build_layer, read_layer, tensors_by_layer
+from kconvert.convert import RunControl, convert
 from kconvert.errors import KconvertError
+from kconvert.evaluate.run import evaluate
 from kconvert.io.checkpoint import open_checkpoint
+from kconvert.pruning.reap import CRITERIA, plan_from_scores, scores_of
+from kconvert.recipes import load_recipe
+from kconvert.testing.tiny_moe import heldout_ids
+from oracles import per_expert_routed
 
 TRAINED = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
 
@@ -131,3 +138,47 @@ def test_grouped_experts_match_transformers_moe(dtype):
             ours_err = (ours(xb).float() - want).norm() / want.norm()
             ref_err = (ref(xb).float() - want).norm() / want.norm()
             assert ours_err <= 1.5 * ref_err + 1e-4, (float(ours_err), float(ref_err))
+
+
+def test_bf16_statistics_plans_and_eval_as_before(monkeypatch, tmp_path):
+    """On the trained tiny MoE in bf16 (the CLI's default dtype): the statistics within bf16
+    tolerance of the per-expert loop's (tests/oracles.py), the same REAP plans, and eval's
+    numbers for an NVFP4 candidate unchanged within tolerance."""
+    ids = heldout_ids(4 * 64, seed=5, window=64).reshape(4, 64)
+    cand = tmp_path / "nvfp4"
+    convert(str(TRAINED), str(cand), load_recipe("quantize"), {}, RunControl(quiet=True))
+
+    def run_both():
+        src = open_checkpoint(str(TRAINED))
+        other = open_checkpoint(str(cand))
+        try:
+            stats = run.calibrate(src, ids, "cpu", 2, dtype=torch.bfloat16)
+            report = evaluate(src, [other], ids, "cpu", 2, dtype=torch.bfloat16)
+        finally:
+            src.close()
+            other.close()
+        return stats, report
+
+    stats, report = run_both()
+    monkeypatch.setattr(MoEBlock, "_routed", per_expert_routed)
+    before, report_before = run_both()
+    assert set(stats.tensors) == set(before.tensors)
+    for k, v in before.tensors.items():
+        if k.endswith(".count") or k.endswith(".tokens"):
+            assert torch.equal(stats.tensors[k], v), k
+        else:
+            # the same bf16 expert products; only fp32 summation orders differ
+            torch.testing.assert_close(stats.tensors[k].double(), v.double(), rtol=1e-5,
+                                       atol=1e-7, msg=k)
+    for criterion in CRITERIA:
+        for keep in (6, 12, 18):
+            new = plan_from_scores(scores_of(stats), keep, criterion)
+            old = plan_from_scores(scores_of(before), keep, criterion)
+            assert {k: v.keep for k, v in new.layers.items()} == {
+                k: v.keep for k, v in old.layers.items()}, (criterion, keep)
+    got, want = report.candidates[0], report_before.candidates[0]
+    for key in ("kl_mean", "top1_agreement", "top5_overlap", "nll_candidate"):
+        assert getattr(got.logits, key) == pytest.approx(getattr(want.logits, key), rel=1e-4,
+                                                         abs=1e-6), key
+    for layer, err in want.layers.items():
+        assert got.layers[layer].rel_err == pytest.approx(err.rel_err, rel=1e-4), layer
