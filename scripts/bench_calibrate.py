@@ -18,7 +18,11 @@ Device (H100/H200, ~3-4 min with the set to build, ~2.5 min when it exists; root
 CPU smoke test (tiny dims, seconds):
     python scripts/bench_calibrate.py --tiny /tmp/bench_calibrate_tiny.json
 
-Env: ROOT (scratch dir), SEQS (256), SEQ (2048), BATCH (8), DIMS, COMMANDS (calibrate,eval,reap).
+With MOE_LAYERS=2 the second MoE layer shows the steady state of a whole model: its read
+overlaps the first MoE layer's compute (the first's overlaps only the short dense layer 0).
+
+Env: ROOT (scratch dir), SEQS (256), SEQ (2048), BATCH (8), DIMS, MOE_LAYERS (1),
+COMMANDS (calibrate,eval,reap).
 """
 
 from __future__ import annotations
@@ -47,6 +51,9 @@ SEQS, SEQ, BATCH = (int(os.environ.get(k, d)) for k, d in
                     (("SEQS", 256), ("SEQ", 2048), ("BATCH", 8)))
 H, I_MOE, I_DENSE, E, V, QL, KVL, NH = (int(x) for x in os.environ.get(
     "DIMS", "7168,2048,18432,384,16384,1536,512,64").split(","))
+# MoE layers after the dense layer 0: the second one's read overlaps the first one's compute,
+# as every MoE layer's does in a 61-layer model (the first's overlaps only the dense layer's).
+MOE_LAYERS = int(os.environ.get("MOE_LAYERS", 1))
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -80,7 +87,8 @@ def attention(p: str) -> dict[str, torch.Tensor]:
 def make_checkpoint(src: Path) -> None:
     shutil.rmtree(src, ignore_errors=True)
     src.mkdir(parents=True)
-    names = [f"model-{i:05d}-of-000003.safetensors" for i in (1, 2, 3)]
+    count = MOE_LAYERS + 2
+    names = [f"model-{i:05d}-of-{count:06d}.safetensors" for i in range(1, count + 1)]
     weight_map: dict[str, str] = {}
 
     def put(i: int, t: dict[str, torch.Tensor]) -> None:
@@ -92,18 +100,19 @@ def make_checkpoint(src: Path) -> None:
                         ("down_proj", (H, I_DENSE))):
         t[f"model.layers.0.mlp.{proj}.weight"] = bf16(*shape)
     put(0, t)
-    p = "model.layers.1"
-    t = attention(p)
-    t[f"{p}.mlp.gate.weight"] = bf16(E, H)
-    t[f"{p}.mlp.gate.e_score_correction_bias"] = torch.randn(E) * 0.01
-    for proj, shape in (("gate_proj", (I_MOE, H)), ("up_proj", (I_MOE, H)),
-                        ("down_proj", (H, I_MOE))):
-        t[f"{p}.mlp.shared_experts.{proj}.weight"] = bf16(*shape)
-        for e in range(E):
-            for param, v in int4(*shape).items():
-                t[f"{p}.mlp.experts.{e}.{proj}.{param}"] = v
-    put(1, t)
-    put(2, {"model.embed_tokens.weight": bf16(V, H), "lm_head.weight": bf16(V, H),
+    for layer in range(1, MOE_LAYERS + 1):
+        p = f"model.layers.{layer}"
+        t = attention(p)
+        t[f"{p}.mlp.gate.weight"] = bf16(E, H)
+        t[f"{p}.mlp.gate.e_score_correction_bias"] = torch.randn(E) * 0.01
+        for proj, shape in (("gate_proj", (I_MOE, H)), ("up_proj", (I_MOE, H)),
+                            ("down_proj", (H, I_MOE))):
+            t[f"{p}.mlp.shared_experts.{proj}.weight"] = bf16(*shape)
+            for e in range(E):
+                for param, v in int4(*shape).items():
+                    t[f"{p}.mlp.experts.{e}.{proj}.{param}"] = v
+        put(layer, t)
+    put(MOE_LAYERS + 1, {"model.embed_tokens.weight": bf16(V, H), "lm_head.weight": bf16(V, H),
             "model.norm.weight": torch.ones(H, dtype=torch.bfloat16)})
     (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     qc = {"quant_method": "compressed-tensors", "format": "pack-quantized",
@@ -115,7 +124,8 @@ def make_checkpoint(src: Path) -> None:
                      r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]}
     config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
               "hidden_size": H, "intermediate_size": I_DENSE, "moe_intermediate_size": I_MOE,
-              "num_hidden_layers": 2, "first_k_dense_replace": 1, "n_routed_experts": E,
+              "num_hidden_layers": 1 + MOE_LAYERS, "first_k_dense_replace": 1,
+              "n_routed_experts": E,
               "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1,
               "topk_method": "noaux_tc", "scoring_func": "sigmoid", "routed_scaling_factor": 2.827,
               "norm_topk_prob": True, "q_lora_rank": QL, "kv_lora_rank": KVL,
@@ -168,9 +178,11 @@ def run_cli(name: str, args: list[str]) -> dict:
                                        for k in ("read", "compute", "overlap", "wall")}}
               for m in LAYER_LINE.finditer(proc.stderr)]
     layers_s = sum(lay["wall"] for lay in layers)
-    moe = [lay["wall"] for lay in layers if lay["layer"].endswith("layer 1")]
+    # per MoE layer (eval: the source's and the candidate's together)
+    moe = [round(sum(lay["wall"] for lay in layers if lay["layer"].endswith(f"layer {L}")), 2)
+           for L in range(1, MOE_LAYERS + 1)]
     return {"wall_s": round(wall, 2), "layers": layers, "layers_s": round(layers_s, 2),
-            "moe_layer_s": round(sum(moe), 2),
+            "moe_layer_s": moe,
             "wall_minus_layers_s": round(wall - layers_s, 2),
             "projection": [ln for ln in proc.stderr.splitlines() if "projection" in ln]}
 
@@ -180,15 +192,15 @@ def main() -> None:
     src, data = ROOT / "calib-src", ROOT / f"ids-{SEQS}x{SEQ}.jsonl"
     dims = os.environ.get("DIMS", "")
     t0 = time.perf_counter()
-    stamp = ROOT / "calib-src.dims"
-    if not (src / "config.json").exists() or not stamp.exists() or stamp.read_text() != dims:
+    stamp, made = ROOT / "calib-src.dims", f"{dims};{MOE_LAYERS}"
+    if not (src / "config.json").exists() or not stamp.exists() or stamp.read_text() != made:
         make_checkpoint(src)
-        stamp.write_text(dims)
+        stamp.write_text(made)
     if not data.exists():
         make_data(data)
     res: dict = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
                  "make_s": round(time.perf_counter() - t0, 1), "seqs": SEQS, "seq_len": SEQ,
-                 "batch": BATCH, "tokens": SEQS * SEQ, "experts": E,
+                 "batch": BATCH, "tokens": SEQS * SEQ, "experts": E, "moe_layers": MOE_LAYERS,
                  "targets": {"cold_over_hot": 1.15, "moe_layer_hot_s": 6.0,
                              "wall_minus_layers_s": 6.0}}
     common = ["--data", str(data), "--samples", str(SEQS), "--seq-len", str(SEQ),
@@ -201,7 +213,8 @@ def main() -> None:
         res["calibrate_cold"] = run_cli("calibrate cold", calibrate)
         res["calibrate_hot"] = run_cli("calibrate hot", calibrate)
         cold, hot = res["calibrate_cold"]["moe_layer_s"], res["calibrate_hot"]["moe_layer_s"]
-        res["moe_cold_over_hot"] = round(cold / hot, 3) if hot else None
+        res["moe_cold_over_hot"] = [round(c / h, 3) if h else None
+                                    for c, h in zip(cold, hot, strict=True)]
     if "eval" in commands:
         res["eval_hot"] = run_cli("eval", ["eval", str(src), str(src), *common])
     if "reap" in commands:

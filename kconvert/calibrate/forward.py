@@ -249,8 +249,10 @@ class Layer:
         return sums, maxima
 
 
-def embed(ckpt: Checkpoint, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Embedding rows of `ids` (PAD_ID -> zeros), reading only the rows that are used."""
+def embed(ckpt: Checkpoint, ids: torch.Tensor, dtype: torch.dtype,
+          device: torch.device | str = "cpu") -> torch.Tensor:
+    """Embedding rows of `ids` (PAD_ID -> zeros) on `device`, reading only the rows that are
+    used: only those rows and the ids travel there, and the gather runs there."""
     names = [n for n in ckpt.weight_map if parse_name(n).role is Role.EMBEDDING]
     if len(names) != 1:
         raise KconvertError(f"expected one embed_tokens tensor, found {names}")
@@ -259,7 +261,8 @@ def embed(ckpt: Checkpoint, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tens
         raise KconvertError(f"embedding is {info.dtype}{list(info.shape)}; a float matrix is "
                             "needed", file=info.file.name, tensor=info.name)
     vocab, hidden = info.shape
-    real = ids[ids != PAD_ID]
+    pad = ids == PAD_ID
+    real = ids[~pad]
     if real.numel() and (int(real.min()) < 0 or int(real.max()) >= vocab):
         raise KconvertError(f"token ids must lie in 0..{vocab - 1} (or be {PAD_ID}, padding)")
     used = torch.unique(real)
@@ -272,10 +275,10 @@ def embed(ckpt: Checkpoint, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tens
         for i, t in enumerate(used.tolist()):
             reader.read_into(info, raw[i], t * row_bytes)
         table = raw.view(info.torch_dtype).reshape(-1, hidden)
-    out = torch.zeros(*ids.shape, hidden, dtype=dtype)
-    mask = ids != PAD_ID
-    out[mask] = table.to(dtype)[torch.searchsorted(used, ids[mask])]
-    return out
+    # one more row of zeros, where padding points
+    table = torch.cat([table.to(dtype), torch.zeros(1, hidden, dtype=dtype)]).to(device)
+    rows = torch.where(pad, used.numel(), torch.searchsorted(used, ids.clamp(min=0)))
+    return table[rows.to(device)]
 
 
 def padding_aware_mask(valid: torch.Tensor, all_valid: bool) -> torch.Tensor | None:

@@ -98,12 +98,14 @@ def measure_stats(
     say = progress if progress is not None and distributed.is_main() else (lambda _msg: None)
 
     t0 = time.perf_counter()
-    hidden = embed(ckpt, torch.where(local_valid, local_ids, PAD_ID), dtype)
-    if device.type == "cuda":
-        if hidden_on_device is None:
-            free = torch.cuda.mem_get_info(device)[0]
-            hidden_on_device = hidden.numel() * hidden.element_size() * 3 <= free
-        hidden = hidden.to(device) if hidden_on_device else hidden.pin_memory()
+    if device.type == "cuda" and hidden_on_device is None:
+        size = n_seq * seq_len * cfg.hidden_size * torch.empty((), dtype=dtype).element_size()
+        hidden_on_device = size * 3 <= torch.cuda.mem_get_info(device)[0]
+    on_device = device.type == "cuda" and hidden_on_device
+    hidden = embed(ckpt, torch.where(local_valid, local_ids, PAD_ID), dtype,
+                   device if on_device else "cpu")
+    if device.type == "cuda" and not on_device:
+        hidden = hidden.pin_memory()
     positions, pos_emb = position_embeddings(cfg, seq_len, device, dtype)
     valid_dev = local_valid.to(device)
     ctx = ForwardContext()

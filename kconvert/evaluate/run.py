@@ -70,8 +70,11 @@ def evaluate(source: Checkpoint, candidates: list[Checkpoint], input_ids: torch.
     if not bool(scored.any()):
         raise KconvertError("the data has no position with a next token to score")
     t0 = time.perf_counter()
-    streams = [_stream(label, ckpt, input_ids, valid, device, dtype)
-               for label, ckpt in zip(["source", *labels], [source, *candidates], strict=True)]
+    models = [source, *candidates]
+    where = _hidden_device(model_config(source).hidden_size, len(models), input_ids.shape,
+                           device, dtype)
+    streams = [_stream(label, ckpt, input_ids, valid, device, dtype, where)
+               for label, ckpt in zip(["source", *labels], models, strict=True)]
     src, cands = streams[0], streams[1:]
     for cand in cands:
         for key in SAME_DIMS:
@@ -80,7 +83,6 @@ def evaluate(source: Checkpoint, candidates: list[Checkpoint], input_ids: torch.
                                     f" but the source's is {getattr(src.cfg, key)}; only "
                                     "models of the same architecture can be compared",
                                     file=str(cand.ckpt.root / "config.json"))
-    _place(streams, device)
     src_out = torch.empty_like(src.hidden)
     valid_dev = valid.to(device)
     errors = [LayerErrors() for _ in cands]
@@ -159,26 +161,28 @@ def evaluate(source: Checkpoint, candidates: list[Checkpoint], input_ids: torch.
 
 
 def _stream(label: str, ckpt: Checkpoint, ids: torch.Tensor, valid: torch.Tensor,
-            device: torch.device, dtype: torch.dtype) -> Stream:
+            device: torch.device, dtype: torch.dtype, hidden_device: torch.device) -> Stream:
     try:
         cfg = model_config(ckpt)
         layers = tensors_by_layer(ckpt, cfg.num_hidden_layers)
-        hidden = embed(ckpt, torch.where(valid, ids, PAD_ID), dtype)
+        hidden = embed(ckpt, torch.where(valid, ids, PAD_ID), dtype, hidden_device)
+        if device.type == "cuda" and hidden_device.type == "cpu":
+            hidden = hidden.pin_memory()
     except KconvertError as exc:
         raise KconvertError(f"{label} {ckpt.root}: {exc}") from exc
     return Stream(label, ckpt, cfg, layers, hidden,
                   position_embeddings(cfg, ids.shape[1], device, dtype))
 
 
-def _place(streams: list[Stream], device: torch.device) -> None:
-    """Hidden states (one per stream, plus the source's next layer) on the device when they
-    take at most a third of its free memory, else in pinned host memory."""
+def _hidden_device(hidden_size: int, models: int, shape: torch.Size, device: torch.device,
+                   dtype: torch.dtype) -> torch.device:
+    """Where the hidden states live: on the device when they (one per model, plus the
+    source's next layer) take at most a third of its free memory, else in host memory."""
     if device.type != "cuda":
-        return
-    need = (len(streams) + 1) * streams[0].hidden.numel() * streams[0].hidden.element_size()
-    on_device = need * 3 <= torch.cuda.mem_get_info(device)[0]
-    for s in streams:
-        s.hidden = s.hidden.to(device) if on_device else s.hidden.pin_memory()
+        return device
+    need = (models + 1) * shape[0] * shape[1] * hidden_size * torch.empty(
+        (), dtype=dtype).element_size()
+    return device if need * 3 <= torch.cuda.mem_get_info(device)[0] else torch.device("cpu")
 
 
 def _labelled(stream: Stream, step, *args, **kwargs):

@@ -228,7 +228,7 @@ class RouterRepair:
         self.n_fit = n - max(1, round(n * self.settings.heldout))
         ids = self.input_ids[:n]
         self.valid = (ids != PAD_ID).to(self.device)
-        self.hidden = embed(self.ckpt, ids, self.dtype).to(self.device)
+        self.hidden = embed(self.ckpt, ids, self.dtype, self.device)
         self.cfg = model_config(self.ckpt)
         positions = torch.arange(seq_len, device=self.device).unsqueeze(0)
         rotary = DeepseekV3RotaryEmbedding(self.cfg).to(self.device)
