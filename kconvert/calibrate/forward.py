@@ -113,8 +113,8 @@ class Experts:
 
 
 class MoEBlock(nn.Module):
-    """DeepseekV3MoE with our routed-expert loop, which gathers each expert's tokens and
-    accumulates the REAP and activation statistics. `gate` and `shared_experts` are
+    """DeepseekV3MoE with our routed experts (grouped matrix products over each expert's
+    tokens), which accumulate the REAP and activation statistics. `gate` and `shared_experts` are
     transformers' own modules (same names, so the checkpoint's tensors load into them)."""
 
     def __init__(self, cfg, ctx: ForwardContext, experts: Experts, device: torch.device):

@@ -232,14 +232,6 @@ def _decode_experts(raw: LayerBytes, cfg, device: torch.device, dtype: torch.dty
     return Experts(gate_up, down, raw.expert_names)
 
 
-def load_layer(ckpt: Checkpoint, cfg, layer: int, tensors: dict[str, TensorInfo],
-               ctx: ForwardContext, device: torch.device, dtype: torch.dtype,
-               stats: bool = True) -> Layer:
-    """Read, then build, decoder layer L at once (no prefetch)."""
-    return build_layer(read_layer(ckpt, cfg, layer, tensors, dtype, device), cfg, ctx, device,
-                       dtype, stats)
-
-
 def tensors_by_layer(ckpt: Checkpoint, n_layers: int) -> dict[int, dict[str, TensorInfo]]:
     layers: dict[int, dict[str, TensorInfo]] = {}
     for name, info in ckpt.tensors.items():
