@@ -18,7 +18,6 @@ from torch import nn
 
 from kconvert.calibrate.data import PAD_ID
 from kconvert.errors import KconvertError
-from kconvert.formats.linear import ModuleWork, group_modules
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.model.names import Role, parse_name
 

@@ -22,10 +22,10 @@ from kconvert.calibrate.forward import (
 )
 from kconvert.errors import KconvertError
 from kconvert.formats import Codec
+from kconvert.formats.linear import ModuleWork, group_modules
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.shards import TensorInfo
 from kconvert.model.names import Role, parse_name
-from kconvert.stages.base import ModuleWork, group_modules
 
 # KV-cache quantization scales some exports carry: no effect on an unquantized forward.
 KV_SCALES = {"k_scale", "v_scale"}

@@ -44,7 +44,7 @@ def _ids(n: int = 3, seq: int = 24) -> torch.Tensor:
 def _calibrate(src: Path, **kwargs):
     ckpt = open_checkpoint(str(src))
     try:
-        return run.calibrate(ckpt, _ids(), "cpu", 2, dtype=torch.float32, **kwargs)
+        return run.measure_stats(ckpt, _ids(), "cpu", 2, dtype=torch.float32, **kwargs)
     finally:
         ckpt.close()
 
@@ -152,7 +152,7 @@ def test_bf16_statistics_plans_and_eval_as_before(monkeypatch, tmp_path):
         src = open_checkpoint(str(TRAINED))
         other = open_checkpoint(str(cand))
         try:
-            stats = run.calibrate(src, ids, "cpu", 2, dtype=torch.bfloat16)
+            stats = run.measure_stats(src, ids, "cpu", 2, dtype=torch.bfloat16)
             report = evaluate(src, [other], ids, "cpu", 2, dtype=torch.bfloat16)
         finally:
             src.close()
