@@ -22,7 +22,9 @@ With MOE_LAYERS=2 the second MoE layer shows the steady state of a whole model: 
 overlaps the first MoE layer's compute (the first's overlaps only the short dense layer 0).
 
 Env: ROOT (scratch dir), SEQS (256), SEQ (2048), BATCH (8), DIMS, MOE_LAYERS (1),
-COMMANDS (calibrate,eval,reap).
+COMMANDS (calibrate,eval,reap), TREE (another checkout whose kconvert the commands run, e.g. the
+previous code for a before/after comparison in one device run; its -v log may lack the
+per-layer lines, and then only process walls compare).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from safetensors.torch import save_file
 ROOT = Path(os.environ.get("ROOT", "/tmp/kbench"))
 OUT = Path(os.environ.get("OUT", "/tmp/kbench-out"))  # bench_eval.py's result directory
 REPO = Path(__file__).resolve().parent.parent
+TREE = Path(os.environ.get("TREE", REPO)).resolve()  # whose kconvert runs
 SEQS, SEQ, BATCH = (int(os.environ.get(k, d)) for k, d in
                     (("SEQS", 256), ("SEQ", 2048), ("BATCH", 8)))
 H, I_MOE, I_DENSE, E, V, QL, KVL, NH = (int(x) for x in os.environ.get(
@@ -166,7 +169,7 @@ def drop_page_cache() -> str | None:
 
 def run_cli(name: str, args: list[str]) -> dict:
     """One `python -m kconvert ARGS -v` process: wall seconds and the per-layer lines."""
-    env = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
+    env = {**os.environ, "PYTHONPATH": f"{TREE}:{os.environ.get('PYTHONPATH', '')}"}
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "kconvert", *args, "-v"], env=env,
                           capture_output=True, text=True)
@@ -199,6 +202,7 @@ def main() -> None:
     if not data.exists():
         make_data(data)
     res: dict = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+                 "tree": str(TREE),
                  "make_s": round(time.perf_counter() - t0, 1), "seqs": SEQS, "seq_len": SEQ,
                  "batch": BATCH, "tokens": SEQS * SEQ, "experts": E, "moe_layers": MOE_LAYERS,
                  "targets": {"cold_over_hot": 1.15, "moe_layer_hot_s": 6.0,
