@@ -171,7 +171,8 @@ def run_cli(name: str, args: list[str]) -> dict:
     """One `python -m kconvert ARGS -v` process: wall seconds and the per-layer lines."""
     env = {**os.environ, "PYTHONPATH": f"{TREE}:{os.environ.get('PYTHONPATH', '')}"}
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "kconvert", *args, "-v"], env=env,
+    # cwd=TREE: `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH.
+    proc = subprocess.run([sys.executable, "-m", "kconvert", *args, "-v"], env=env, cwd=TREE,
                           capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode:
