@@ -33,7 +33,7 @@ from kconvert.evaluate.report import EvalReport
 from kconvert.manifest import Manifest
 from kconvert.manifest_writer import summary_line
 from kconvert.model.names import parse_name
-from kconvert.options import BATCH_SIZE, EVAL_SAMPLES, SEED, SEQ_LEN
+from kconvert.options import BATCH_SIZE, EVAL_SAMPLES, SEED, SEQ_LEN, STREAM_WINDOW
 from kconvert.run_summary import RunSummary
 from kconvert.sizing.predict import Options
 from kconvert.sizing.report import InspectReport, inspect_checkpoint
@@ -87,11 +87,14 @@ def run_recipe(recipe: str, src: str, dst: str, *, revision: str | None = None,
                device: str = "auto", resume: bool = False, overwrite: bool = False,
                dry_run: bool = False, quiet: bool = True, readers: int = 4,
                trust_complete: bool = False, token: str | None = None,
-               cache_dir: str | None = None, echo: Callable[[str], None] | None = None,
+               cache_dir: str | None = None, stream: bool = False,
+               stream_window: int = STREAM_WINDOW, echo: Callable[[str], None] | None = None,
                **options) -> ConversionResult:
     """`kconvert run RECIPE SRC DST`: RECIPE (a pipelines/ name or a .toml path) on SRC (a
     directory or Hub repo id: only its index's shards and its non-weight files are downloaded,
-    with `token` into `cache_dir`; a dry run fetches config, index and headers) into DST.
+    with `token` into `cache_dir`; a dry run fetches config, index and headers; `stream`:
+    the shards are fetched `stream_window` at a time during the run and deleted once converted)
+    into DST.
     `options` are the stage options by name (`format`,
     `block_scale`, `targets`, `act_stats`, `dtype`, `keep`, `prune_ratio`, `criterion`,
     `plan`, `stats`, `data`, `samples`, `seq_len`, `batch_size`, `seed`, `save_stats`,
@@ -114,7 +117,7 @@ def run_recipe(recipe: str, src: str, dst: str, *, revision: str | None = None,
 
     run = RunControl(device=device, resume=resume, overwrite=overwrite, dry_run=dry_run,
                      quiet=quiet, readers=readers, trust_complete=trust_complete, token=token,
-                     cache_dir=cache_dir)
+                     cache_dir=cache_dir, stream=stream, stream_window=stream_window)
     start = time.perf_counter()
     unsubscribe = events.subscribe(timed, timings=True)
     try:

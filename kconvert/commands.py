@@ -30,6 +30,12 @@ def run_conversion(recipe_name: str, src: str, dst: str, options: Mapping[str, o
         raise UsageError(f"unknown option {unknown[0]!r}; options: {', '.join(sorted(known))}")
     recipe = load_recipe(recipe_name)
     check_options(recipe, given)
+    if run.stream and "data" in given:
+        raise UsageError("--stream reads each source shard once, as it arrives, and --data "
+                         "calibrates on the source (every shard) before or beside the "
+                         "conversion, which would read it twice: download the model first (run "
+                         "without --stream), or give --stats from `kconvert calibrate` (or "
+                         "--plan) instead of --data")
     for option, needs in ONLY_WITH.items():
         if option in given and not set(needs) & set(given):
             raise UsageError(f"--{option.replace('_', '-')} applies only with "

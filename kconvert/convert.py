@@ -26,6 +26,7 @@ from kconvert.checks.structure import validate_source
 from kconvert.devices import pick_device
 from kconvert.dry_run import print_dry_run
 from kconvert.engine.execute import execute
+from kconvert.engine.source_order import hub_disk, start_stream
 from kconvert.engine.stage import Stage
 from kconvert.engine.work import (
     WorkPlan,
@@ -34,7 +35,7 @@ from kconvert.engine.work import (
     shard_file_bytes,
     share_shards,
 )
-from kconvert.errors import KconvertError
+from kconvert.errors import KconvertError, UsageError
 from kconvert.formats import nvfp4
 from kconvert.formats.dense import DenseCodec
 from kconvert.formats.nvfp4_modelopt import HF_QUANT_CONFIG
@@ -51,8 +52,10 @@ from kconvert.io.files import copy_file, hash_file, write_text
 from kconvert.io.output_dir import Planned, Workspace
 from kconvert.io.remote import HeaderOnlyShard, open_headers
 from kconvert.io.shards import tensor_nbytes
+from kconvert.io.stream import SOURCE_DIR, ShardStream, StreamedShard, open_streamed
 from kconvert.manifest import MANIFEST, Manifest, render_manifest
 from kconvert.manifest_writer import build_manifest
+from kconvert.options import STREAM_WINDOW
 from kconvert.recipes import Recipe, build_stages
 from kconvert.stages.records import RunRecord
 from kconvert.version import __version__
@@ -78,6 +81,8 @@ class RunControl:
     trust_complete: bool = False  # --resume keeps finished shards without re-hashing them
     token: str | None = None  # Hugging Face token when SRC is a repo id
     cache_dir: str | None = None  # Hugging Face cache [default: huggingface_hub's]
+    stream: bool = False  # a repo id's shards fetched during the run (kconvert.io.stream)
+    stream_window: int = STREAM_WINDOW  # with `stream`: shards on disk at once
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, torch.device):
@@ -119,9 +124,18 @@ def convert(src: str, dst: str, recipe: Recipe, settings: Mapping[str, object],
 
 def open_source(src: str, revision: str | None, run: RunControl) -> Checkpoint:
     """SRC as a conversion opens it; a dry run on a Hub repo id fetches config.json, the index
-    and each shard's header only."""
+    and each shard's header only, a streamed run the non-weight files too."""
+    if run.stream and not is_repo_id(src):
+        raise UsageError(f"--stream fetches the shards of a Hub repo id during the run, and "
+                         f"{src} is not one (a local directory is read where it is)")
+    if run.stream and run.stream_window < 1:
+        raise UsageError(f"--stream-window {run.stream_window}: give 1 or more shards")
+    if run.stream and distributed.world() > 1:
+        raise UsageError("--stream does not run across ranks: run it without torchrun")
     if run.dry_run and is_repo_id(src):
         return open_headers(src, revision, token=run.token, cache_dir=run.cache_dir)
+    if run.stream:
+        return open_streamed(src, revision, token=run.token, cache_dir=run.cache_dir)
     return open_checkpoint(src, revision, token=run.token, cache_dir=run.cache_dir)
 
 
@@ -137,13 +151,16 @@ def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, settings: Mapping[str,
     if run.dry_run:
         if main:
             print_dry_run(plan, echo)
+            disk = hub_disk(plan, run.stream_window, run.token)
+            for line in disk.lines() if disk is not None else []:
+                echo(line)
         return None
 
     # The manifest's options: a RunRecord, typed, so the audit can read it.
     recorded = RunRecord(recipe=recipe.name, **{s.name: s.record() for s in stages}).model_dump(
         mode="json", exclude_unset=True)
     fingerprint = _fingerprint(ckpt, recipe.name, {**recorded, "act_stats": _stats_hash(stages)})
-    planned = _planned(ckpt, plan)
+    planned = _planned(ckpt, plan, run)
     ws: Workspace | None = None
     try:
         # Rank 0 holds DST's lock and prepares DST; every rank then writes its share of shards
@@ -154,12 +171,15 @@ def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, settings: Mapping[str,
                 plan.shard_entries, echo))
             share = (share_shards(plan, set(done), distributed.world())[distributed.rank()]
                      if distributed.world() > 1 else None)
+            stream = start_stream(plan, done, ws.state / SOURCE_DIR, run.stream_window, say)
             try:
                 mine = distributed.agree(lambda: _execute(
-                    plan, ws, device, done, run, recipe.name, share))
+                    plan, ws, device, done, run, recipe.name, share, stream))
             finally:
                 for stage in stages:
                     stage.close()
+            if stream is not None:
+                stream.finish()
             records = {s: r for got in distributed.all_gather_object(mine) for s, r in got.items()}
             manifest = distributed.agree(
                 lambda: _finish(ckpt, ws, plan, records, recipe.name, recorded) if main else None)
@@ -199,7 +219,9 @@ def _prepare_run(ckpt: Checkpoint, recipe: Recipe, settings: Mapping[str, object
     # keep the decode temporaries to ~200 MB (measured in tests/test_robustness.py).
     work_elems = 1 << 28 if device.type == "cuda" else 1 << 24
     work_elems = max([work_elems] + [n for s in stages if (n := s.work_elems(device))])
-    header_only = any(isinstance(r, HeaderOnlyShard) for r in ckpt.readers.values())
+    # Shards not on disk yet (a dry run's or a streamed run's): INT4 shapes from the headers.
+    header_only = any(isinstance(r, HeaderOnlyShard | StreamedShard)
+                      for r in ckpt.readers.values())
     plan = build_work_plan(ckpt, stages, work_elems,
                            header_shape_values(ckpt) if header_only else None)
     log.info("planned on %s: %d modules, %d work items, %d output shard(s), %d tensors",
@@ -214,18 +236,21 @@ def _prepare_run(ckpt: Checkpoint, recipe: Recipe, settings: Mapping[str, object
     return stages, device, plan
 
 
-def _planned(ckpt: Checkpoint, plan: WorkPlan) -> Planned:
-    """Names and sizes of everything the run will write."""
+def _planned(ckpt: Checkpoint, plan: WorkPlan, run: RunControl) -> Planned:
+    """Names and sizes of everything the run will write (a streamed run: its downloads too)."""
     shard_bytes = shard_file_bytes(plan)
     others = ckpt.other_files()
     files = sorted({*shard_bytes, *others, *GENERATED_FILES,
                     *(n for s in plan.stages for n in s.output_files())})
     other_bytes = sum((ckpt.root / rel).stat().st_size for rel in others) + (1 << 20)
+    if any(isinstance(r, StreamedShard) for r in ckpt.readers.values()):
+        other_bytes += hub_disk(plan, run.stream_window, run.token).window_bytes
     return Planned(tuple(files), shard_bytes, other_bytes)
 
 
 def _execute(plan: WorkPlan, ws: Workspace, device: torch.device, done: dict[str, dict],
-             run: RunControl, name: str, shards: set[str] | None) -> dict[str, dict]:
+             run: RunControl, name: str, shards: set[str] | None,
+             stream: ShardStream | None) -> dict[str, dict]:
     """This rank's shards (all of them in a one-process run) -> their records; rank 0 shows
     the progress of its own share, which byte balancing keeps near each other rank's."""
     total = sum(item.nbytes for item in plan.items
@@ -242,7 +267,7 @@ def _execute(plan: WorkPlan, ws: Workspace, device: torch.device, done: dict[str
             nvfp4.warm_cpu_kernels()
             bar.set_description(name)
         return execute(plan, ws.root, device, done, bar.update, readers=run.readers,
-                       shards=shards)
+                       shards=shards, feed=stream)
 
 
 def _finish(ckpt: Checkpoint, ws: Workspace, plan: WorkPlan, records: dict[str, dict],

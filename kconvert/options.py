@@ -33,6 +33,8 @@ HESSIANS = ("source", "sequential")  # SparseGPT's layer inputs (kconvert.sparsi
 # `--format NAME` of the quantize stage: each is an output codec's `cli_name`
 # (kconvert.formats.OUTPUT_CODECS; a test keeps the two equal).
 OUTPUT_FORMATS = ("compressed-tensors", "modelopt")
+# --stream-window: a streamed run's source shards on disk at once (kconvert.io.stream)
+STREAM_WINDOW = 3
 
 
 def calibration_run(options: dict, samples: int) -> tuple[int, int, int, int]:

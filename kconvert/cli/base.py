@@ -171,6 +171,14 @@ RUN_OPTIONS = [
     click.option("--quiet", is_flag=True, help="No progress bar."),
     click.option("--readers", type=click.IntRange(min=1), default=4, show_default=True,
                  help="Reader threads."),
+    click.option("--stream", is_flag=True,
+                 help="SRC a Hub repo id: download its shards a few at a time while converting, "
+                      "each deleted once converted (disk: the window, not the model; shards "
+                      "already in the Hugging Face cache are read there and kept)."),
+    click.option("--stream-window", type=click.IntRange(min=1), default=options.STREAM_WINDOW,
+                 show_default=True,
+                 help="With --stream: source shards on disk at once (the one being converted "
+                      "and those downloaded ahead)."),
     click.option("--json", "as_json", is_flag=True,
                  help="Print one JSON summary on stdout (schema: manifests/"
                       "run-summary.schema.json); messages go to stderr."),
@@ -180,7 +188,8 @@ RUN_OPTIONS = [
 # The destinations of RUN_OPTIONS: kconvert.convert.RunControl's fields and --revision (and
 # --json, which the command line itself handles).
 RUN_CONTROL_OPTIONS = ("revision", "token", "cache_dir", "device", "resume", "trust_complete",
-                       "overwrite", "dry_run", "quiet", "readers")
+                       "overwrite", "dry_run", "quiet", "readers", "stream",
+                       "stream_window")
 
 
 QUANTIZE_OPTIONS = [

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -42,6 +43,16 @@ RESULT_QUEUE = 2
 _CAN_PIN = sys.platform.startswith("linux") and hasattr(os, "sched_setaffinity")
 
 
+class SourceFeed(Protocol):
+    """A source whose shards arrive during the run (kconvert.io.stream): told when an output
+    shard is complete and recorded, so it can let go of the source shards nothing reads any
+    more, and told to stop when the reading is over (a reader thread may be waiting on it)."""
+
+    def shard_done(self, shard: str) -> None: ...
+
+    def stop(self) -> None: ...
+
+
 def execute(
     plan: WorkPlan,
     dst: Path,
@@ -51,20 +62,22 @@ def execute(
     readers: int = 4,
     prefetch: int = 4,
     shards: Collection[str] | None = None,
+    feed: SourceFeed | None = None,
 ) -> dict[str, dict]:
     """Run every item whose output is not already complete; returns shard -> record.
 
     `readers` threads read up to `prefetch` items ahead of the one being computed. With
-    `shards` (a rank's share), only the items of those output shards run."""
+    `shards` (a rank's share), only the items of those output shards run. `feed`: a source
+    whose shards arrive while the run goes on."""
     with events.span("phase", name="execute"):
-        return _execute(plan, dst, device, done, progress, readers, prefetch, shards)
+        return _execute(plan, dst, device, done, progress, readers, prefetch, shards, feed)
 
 
 def _execute(plan: WorkPlan, dst: Path, device: torch.device, done: dict[str, dict],
              progress: Callable[[int], None], readers: int, prefetch: int,
-             shards: Collection[str] | None) -> dict[str, dict]:
+             shards: Collection[str] | None, feed: SourceFeed | None) -> dict[str, dict]:
     _fix_mmap_threshold(MMAP_THRESHOLD)
-    sink = ShardSink(plan, dst, done, shards)
+    sink = ShardSink(plan, dst, done, shards, None if feed is None else feed.shard_done)
     share, finished = (None if shards is None else set(shards)), set(done)
     mine = [(i, it) for i, it in enumerate(plan.items)
             if share is None or plan.item_shards(it) <= share]
@@ -108,19 +121,25 @@ def _execute(plan: WorkPlan, dst: Path, device: torch.device, done: dict[str, di
         try:
             with ThreadPoolExecutor(readers, thread_name_prefix="kconvert-read",
                                     initializer=_pin_thread, initargs=(io_cores,)) as pool:
-                ready = read_ahead(pool, todo, read, prefetch)
-                if events.timing:
-                    ready = _timed_waits(ready)
-                for (index, item), bufs in ready:
-                    if failure:
-                        break
-                    with events.span("compute", item=index, kind=item.kind,
-                                     nbytes=item.nbytes):
-                        res = compute_item(plan, item, bufs, device, index, chunk_elems)
-                    queued = (res, hasher.submit(sink.hash, res))
-                    with events.span("wait-put", item=index, kind=item.kind,
-                                     nbytes=item.nbytes):
-                        results.put(queued)
+                try:
+                    ready = read_ahead(pool, todo, read, prefetch)
+                    if events.timing:
+                        ready = _timed_waits(ready)
+                    for (index, item), bufs in ready:
+                        if failure:
+                            break
+                        with events.span("compute", item=index, kind=item.kind,
+                                         nbytes=item.nbytes):
+                            res = compute_item(plan, item, bufs, device, index, chunk_elems)
+                        queued = (res, hasher.submit(sink.hash, res))
+                        with events.span("wait-put", item=index, kind=item.kind,
+                                         nbytes=item.nbytes):
+                            results.put(queued)
+                finally:
+                    # Before the pool waits for its threads: a reader may be waiting for a
+                    # shard that will now never come.
+                    if feed is not None:
+                        feed.stop()
         except BaseException:
             results.put(None)
             wthread.join()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -20,8 +20,10 @@ class ShardSink:
     """The writer side: planned .partial files, hashing, and rename-on-complete."""
 
     def __init__(self, plan: WorkPlan, dst: Path, done: dict[str, dict],
-                 shards: Collection[str] | None = None):
+                 shards: Collection[str] | None = None,
+                 on_done: Callable[[str], None] | None = None):
         self.plan, self.dst = plan, dst
+        self.on_done = on_done  # called with each shard once it is complete and recorded
         self.state = dst / STATE_DIR
         (self.state / "partial").mkdir(parents=True, exist_ok=True)
         (self.state / "done").mkdir(parents=True, exist_ok=True)
@@ -102,6 +104,8 @@ class ShardSink:
                    self.state / "tmp" / f"{shard}.json")
         self.done[shard] = record
         events.emit("shard-done", shard=shard)
+        if self.on_done is not None:
+            self.on_done(shard)
 
     def finish_empty(self) -> None:
         """Shards with no data bytes at all (possible only for zero-size tensors)."""

@@ -124,6 +124,12 @@ class WorkPlan:
             return {self.outputs[c.out_name].shard for c in item.chunks}
         return {m.primary.file.name for s in item.sets for m in s}
 
+    def item_sources(self, item: Item) -> set[str]:
+        """The source shards an item reads (a module's parameters may lie in two)."""
+        if isinstance(item, CopyItem):
+            return {c.info.file.name for c in item.chunks}
+        return {i.file.name for s in item.sets for m in s for i in m.params.values()}
+
 
 def shard_file_bytes(plan: WorkPlan) -> dict[str, int]:
     """Size of every output shard file as the run writes it: header, then the tensors."""

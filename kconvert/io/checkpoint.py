@@ -142,10 +142,11 @@ def resolve(src: str, revision: str | None, token: str | None = None,
 
 
 def download(repo: str, revision: str | None, token: str | None = None,
-             cache_dir: str | None = None) -> tuple[Path, dict]:
+             cache_dir: str | None = None, shards: bool = True) -> tuple[Path, dict]:
     """The files of Hub repo `repo` a conversion reads or carries over, in the Hugging Face
     cache: first every file but weights (config, index, tokenizer, chat template, code, docs:
-    what a local run copies), then the shards the index names, and no other weight file."""
+    what a local run copies), then (`shards`) the shards the index names, and no other weight
+    file."""
     from huggingface_hub import constants, snapshot_download
 
     where = f"{repo}@{revision or 'main'}"
@@ -156,12 +157,13 @@ def download(repo: str, revision: str | None, token: str | None = None,
         local = Path(snapshot_download(repo, revision=revision, token=token,
                                        cache_dir=cache_dir, ignore_patterns=list(WEIGHT_FILES)))
         index, _ = parse_index(local / INDEX) if (local / INDEX).is_file() else (None, None)
-        shards = sorted(set(index["weight_map"].values())) if index else [SINGLE]
-        log.info("fetching the %d weight file(s) the index names, at commit %s", len(shards),
-                 local.name)
-        # Pinned to the commit of the first call, so both halves are of one revision.
-        snapshot_download(repo, revision=local.name, token=token, cache_dir=cache_dir,
-                          allow_patterns=shards)
+        names = sorted(set(index["weight_map"].values())) if index else [SINGLE]
+        if shards:
+            log.info("fetching the %d weight file(s) the index names, at commit %s",
+                     len(names), local.name)
+            # Pinned to the commit of the first call, so both halves are of one revision.
+            snapshot_download(repo, revision=local.name, token=token, cache_dir=cache_dir,
+                              allow_patterns=names)
     except Exception as exc:  # network, auth, missing repo: all the user's to fix
         raise KconvertError(hub_failed(repo, where, "the snapshot", exc,
                                        constants.is_offline_mode())) from exc
@@ -249,7 +251,18 @@ def open_checkpoint(src: str, revision: str | None = None, *, token: str | None 
     if not has_index:
         ckpt.weight_map = {name: SINGLE for name in ckpt.readers[SINGLE].tensors}
 
-    # The index and the shards must agree exactly (loaders such as llama.cpp refuse otherwise).
+    try:
+        check_weight_map(ckpt)
+        ckpt.check_other_files()
+    except KconvertError:
+        ckpt.close()
+        raise
+    return ckpt
+
+
+def check_weight_map(ckpt: Checkpoint) -> None:
+    """The index and the shards must agree exactly (loaders such as llama.cpp refuse
+    otherwise)."""
     for name, fn in ckpt.weight_map.items():
         if name not in ckpt.readers[fn].tensors:
             raise KconvertError("index names a tensor the shard does not hold", file=fn,
@@ -259,9 +272,3 @@ def open_checkpoint(src: str, revision: str | None = None, *, token: str | None 
             if ckpt.weight_map.get(name) != fn:
                 raise KconvertError("shard holds a tensor the index does not list", file=fn,
                                     tensor=name)
-    try:
-        ckpt.check_other_files()
-    except KconvertError:
-        ckpt.close()
-        raise
-    return ckpt

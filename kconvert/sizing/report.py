@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from kconvert.engine.source_order import HubDisk, hub_disk
 from kconvert.io.files import human_bytes
 from kconvert.model.names import parse_name
+from kconvert.options import STREAM_WINDOW
 from kconvert.sizing.deploy import (
     GIB,
     Parallelism,
@@ -63,6 +65,7 @@ class InspectReport:
     kv_bytes_per_token: int
     fit: Fit
     warnings: list[str] = field(default_factory=list)
+    hub_disk: HubDisk | None = None  # a Hub repo id: the disk of a streamed vs a cached run
 
     def to_json(self) -> dict:
         fit = self.fit
@@ -94,6 +97,7 @@ class InspectReport:
             "max_position_embeddings": self.max_position_embeddings,
             "context": context,
             "warnings": self.warnings,
+            "disk_from_hub": self.hub_disk.to_json() if self.hub_disk is not None else None,
         }
 
     def render(self) -> str:
@@ -130,6 +134,8 @@ class InspectReport:
             verdict = {None: "", True: ": fits", False: ": does not fit"}[c["fits"]]
             lines.append(f"context {c['tokens']:,} tokens: {human_bytes(c['kv_bytes_per_gpu'])}"
                          f" of KV cache per GPU{verdict}")
+        if self.hub_disk is not None:
+            lines += self.hub_disk.lines()
         lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
@@ -139,7 +145,7 @@ def inspect_checkpoint(src: str, options: Options, *, gpus: int | None = None,
                        tp: int | None = None, ep: int | None = None, pp: int | None = None,
                        context: int | None = None, kv_dtype: str = "bf16",
                        revision: str | None = None, token: str | None = None,
-                       cache_dir: str | None = None) -> InspectReport:
+                       cache_dir: str | None = None, window: int = STREAM_WINDOW) -> InspectReport:
     """Inspect SRC (a directory or Hub repo id) from its headers and config alone."""
     from kconvert.io.remote import open_headers
 
@@ -166,6 +172,7 @@ def inspect_checkpoint(src: str, options: Options, *, gpus: int | None = None,
             output_file_bytes=prediction.file_bytes,
             output_components=prediction.components, output_tensors=len(prediction.tensors),
             num_layers=num_layers, max_position_embeddings=text.get("max_position_embeddings"),
-            kv_bytes_per_token=per_layer * num_layers, fit=fit, warnings=warnings)
+            kv_bytes_per_token=per_layer * num_layers, fit=fit, warnings=warnings,
+            hub_disk=hub_disk(prediction.plan, window, token))
     finally:
         ckpt.close()

@@ -16,6 +16,7 @@ import huggingface_hub
 import pytest
 from huggingface_hub import constants
 from huggingface_hub.errors import EntryNotFoundError
+from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils import SafetensorsFileMetadata, TensorInfo, filter_repo_objects
 
 import kconvert
@@ -52,6 +53,8 @@ class FakeHub:
         monkeypatch.setattr(huggingface_hub, "hf_hub_download", self.hf_hub_download)
         monkeypatch.setattr(huggingface_hub.HfApi, "parse_safetensors_file_metadata",
                             lambda api, repo, name, **kw: self.header(name))
+        monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_tree",
+                            lambda api, repo, **kw: self.tree())
 
     def cache(self, cache_dir: str | None, names: list[str]) -> Path:
         assert cache_dir is not None, "the --cache-dir given must reach huggingface_hub"
@@ -71,6 +74,10 @@ class FakeHub:
         if not (self.remote / filename).is_file():
             raise EntryNotFoundError(filename)
         return str(self.cache(cache_dir, [filename]) / filename)
+
+    def tree(self) -> list[RepoFile]:
+        return [RepoFile(path=n, size=(self.remote / n).stat().st_size, oid="0" * 40)
+                for n in files_of(self.remote)]
 
     def header(self, name: str) -> SafetensorsFileMetadata:
         self.headers.append(name)
@@ -116,7 +123,10 @@ def test_dry_run_fetches_config_index_and_headers_only(remote, tmp_path, monkeyp
     kconvert.int4_to_nvfp4(str(remote), str(tmp_path / "out"), dry_run=True, device="cpu",
                            echo=local_lines.append)
     assert remote_lines[0].startswith("kimi/tiny@main: files in ")
-    assert remote_lines[1:] == local_lines
+    # A repo id's dry run also says the disk of a streamed and of a cached run.
+    assert remote_lines[1:-2] == local_lines
+    assert remote_lines[-2].startswith("disk, streamed")
+    assert remote_lines[-1].startswith("disk, cached")
     assert not (tmp_path / "out").exists()
 
 

@@ -28,6 +28,13 @@ def test_repo_id_from_the_cache_offline(fixture_dir, tmp_path, offline):
     local = kconvert.inspect(str(src), as_format="nvfp4").to_json()
     assert remote["source"] == {"repo": "kimi/tiny", "revision": "main", "commit": COMMIT}
     remote.pop("source"), local.pop("source")
+    # Every shard is cached: a streamed run downloads nothing, a cached run nothing more.
+    disk = remote.pop("disk_from_hub")
+    assert local.pop("disk_from_hub") is None
+    cached = sum((src / f).stat().st_size for f in files if f.endswith(".safetensors"))
+    assert disk["cached_source_bytes"] == cached and disk["remote_source_bytes"] == 0
+    assert disk["streamed_peak_bytes"] == disk["cached_peak_bytes"] == \
+        cached + disk["output_bytes"]
     assert remote == local
 
 
