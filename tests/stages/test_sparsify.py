@@ -16,6 +16,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from compressed_tensors.quantization import QuantizationConfig
+from nvfp4_reference import p48_keep
 
 from kconvert.cli import main
 from kconvert.formats.nvfp4_ct import Nvfp4Codec
@@ -62,24 +63,13 @@ def reference_decode(packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor
     return vals * step
 
 
-def p48_keep_reference(pair: torch.Tensor) -> torch.Tensor:
-    """The p48 rule written out with plain loops over chunks [..., 4] of pair scores: the 2
-    highest scores are kept, and of equal scores the lower pair index wins."""
-    flat = pair.reshape(-1, 4).tolist()
-    keep = torch.zeros(len(flat), 4, dtype=torch.bool)
-    for c, scores in enumerate(flat):
-        for i in sorted(range(4), key=lambda i: (-scores[i], i))[:2]:
-            keep[c, i] = True
-    return keep.reshape(pair.shape)
-
-
 def test_top2_pairs_breaks_every_tie_by_the_lower_index():
     """Every chunk of scores drawn from {0, 1, 2} (all 81 tie patterns), batched, against the
     rule written out."""
     values = torch.tensor([0.0, 1.0, 2.0])
     chunks = torch.cartesian_prod(values, values, values, values)  # [81, 4]
     scores = chunks.reshape(3, 27 * 4)
-    assert torch.equal(top2_pairs(scores), p48_keep_reference(scores))
+    assert torch.equal(top2_pairs(scores), p48_keep(scores))
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +116,7 @@ def test_every_chunk_keeps_its_two_best_pairs(sparsified):
         assert bool((kept_min[full] >= dropped_max[full]).all()), module
         # And ties go to the lower pair index (p48.md): no stored pair lies outside the mask
         # that rule gives (INT4 sources tie often: 13.7% of the bytes depend on it).
-        assert bool((stored <= p48_keep_reference(pair)).all()), module
+        assert bool((stored <= p48_keep(pair)).all()), module
     # Shared experts are never sparsified (p48.md: non-shared routed experts only).
     shared = [m for m in out if ".shared_experts." in m]
     assert shared and all(torch.equal(out[m]["weight"], source[m]["weight"]) for m in shared)
