@@ -23,6 +23,7 @@ from kconvert.calibrate.forward import (
 from kconvert.calibrate.load import build_layer, read_layer, tensors_by_layer
 from kconvert.calibrate.prefetch import LayerPrefetcher
 from kconvert.errors import KconvertError
+from kconvert.evaluate import activations
 from kconvert.evaluate.metrics import LOGIT_ELEMS, LayerErrors, LogitsComparison, NextToken
 from kconvert.evaluate.report import CandidateResult, EvalReport, render_table, save_report
 from kconvert.io.checkpoint import Checkpoint
@@ -94,8 +95,8 @@ def evaluate(source: Checkpoint, candidates: list[Checkpoint], input_ids: torch.
         read=lambda job: _labelled(streams[job[0]], read_layer, streams[job[0]].ckpt,
                                    streams[job[0]].cfg, job[1],
                                    streams[job[0]].layers[job[1]], dtype, device),
-        build=lambda job, raw: _labelled(streams[job[0]], build_layer, raw, streams[job[0]].cfg,
-                                         ctx, device, dtype, stats=False),
+        build=lambda job, raw: _labelled(streams[job[0]], _build, streams[job[0]], job[1], raw,
+                                         ctx, device, dtype),
         device=device)
     # Source layer L, then each candidate's layer L: the next one read while one computes.
     jobs = [(i, layer) for layer in range(n_layers) for i in range(len(streams))]
@@ -191,6 +192,17 @@ def _labelled(stream: Stream, step, *args, **kwargs):
         return step(*args, **kwargs)
     except KconvertError as exc:
         raise KconvertError(f"{stream.label} {stream.ckpt.root}: {exc}") from exc
+
+
+def _build(stream: Stream, layer: int, raw, ctx: ForwardContext, device: torch.device,
+           dtype: torch.dtype):
+    """Layer `layer` of `stream` built from its bytes; a W4A4 checkpoint runs as served: its
+    activations quantized where it stores input scales (evaluate/activations.py)."""
+    loaded = build_layer(raw, stream.cfg, ctx, device, dtype, stats=False)
+    scales = activations.input_scales(stream.ckpt, stream.layers[layer])
+    if scales:
+        activations.emulate(loaded.module, loaded.moe, raw.prefix, scales)
+    return loaded
 
 
 def _finite(out: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
