@@ -20,7 +20,13 @@ from click.core import ParameterSource
 
 from kconvert import options
 from kconvert.errors import KconvertError, UsageError
-from kconvert.options import BATCH_SIZE, SEED, SEQ_LEN, SPARSEGPT_SAMPLES
+from kconvert.options import (
+    BATCH_SIZE,
+    BLOCK_SCALE_RULES,
+    SEED,
+    SEQ_LEN,
+    SPARSEGPT_SAMPLES,
+)
 from kconvert.version import __version__
 
 DEVICE_SPEC = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -186,7 +192,7 @@ RUN_CONTROL_OPTIONS = ("revision", "token", "cache_dir", "device", "resume", "tr
 QUANTIZE_OPTIONS = [
     click.option("--format", type=click.Choice(FORMATS), default=None,
                  help="NVFP4 on-disk flavour [default: compressed-tensors]."),
-    click.option("--block-scale", type=click.Choice(["amax", "mse"]), default=None,
+    click.option("--block-scale", type=click.Choice(BLOCK_SCALE_RULES), default=None,
                  help="FP8 block-scale rule: amax (compressed-tensors/ModelOpt bytes) or mse "
                       "(min block error) [default: mse]."),
     click.option("--act-stats", type=click.Path(exists=True, dir_okay=False), default=None,

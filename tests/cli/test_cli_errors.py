@@ -266,7 +266,7 @@ def test_recipe_key_typo_is_an_error(tmp_path):
 def test_run_refuses_options_no_stage_of_the_recipe_takes(opts, stage, tmp_path):
     """`run int4-to-nvfp4 ... --keep 4` used to keep every expert and exit 0."""
     res = cli("run", "int4-to-nvfp4", BUNDLED, tmp_path / "out", *opts, "--quiet")
-    assert_user_error(res, opts[0], "int4-to-nvfp4", f"option of stage {stage}")
+    assert_user_error(res, opts[0], "int4-to-nvfp4", f"option of stage {stage}", code=2)
     assert not (tmp_path / "out").exists()
 
 
@@ -300,3 +300,45 @@ def test_revision_with_a_local_source_is_an_error(tmp_path):
     assert not (tmp_path / "out" / MANIFEST).exists()
     res = cli("audit", BUNDLED, "--revision", "v2", "--quiet")
     assert res.exit_code == 2 and "--revision applies only with --source" in res.output
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["int4-to-nvfp4", "{src}", "{out}", "--resume", "--overwrite"], "not both"),
+    (["reap", "{src}", "{out}", "--stats", "{stats}", "--keep", "8", "--prune-ratio", "0.5"],
+     "not both"),
+    (["int4-to-nvfp4", "{src}", "{out}", "--targets", "bogus"], "unknown --targets"),
+    (["run", "int4-to-nvfp4", "{src}", "{out}", "--keep", "8"], "option of stage prune"),
+    (["int4-to-nvfp4", "{src}", "{out}", "--trust-complete"], "only with --resume"),
+])
+def test_options_that_do_not_go_together_are_usage_errors(args, said, stats_dir, tmp_path):
+    """The README's rule: a usage error exits 2 (these exited 1, or were ignored)."""
+    out = tmp_path / "out"
+    res = cli(*(a.format(src=BUNDLED, out=out, stats=stats_dir) for a in args), "--quiet")
+    assert_user_error(res, said, code=2)
+    assert not out.exists()
+
+
+def test_bad_recipe_files_are_messages_before_anything_is_written(tmp_path):
+    recipe = tmp_path / "r.toml"
+    cases = [
+        (b'name = "caf\xe9"\n[[stages]]\nstage = "quantize"\n', "not UTF-8"),
+        (b'[[stages]]\nstage = "dequant"\n[[stages]]\nstage = "quantize"\n'
+         b'block_scale = "foo"\n', "unknown block_scale 'foo'"),
+        (b'[[stages]]\nstage = "quantize"\n[[stages]]\nstage = "dequant"\n',
+         "dequant after quantize"),
+    ]
+    for text, said in cases:
+        recipe.write_bytes(text)
+        out = tmp_path / "out"
+        res = cli("run", recipe, BUNDLED, out, "--quiet")
+        assert_user_error(res, said, str(recipe) if said != "unknown block_scale 'foo'" else said)
+        assert not list(out.glob("*.safetensors")) and not (out / MANIFEST).exists()
+
+
+def test_api_block_scale_is_checked_before_anything_is_written(tmp_path):
+    import kconvert
+
+    with pytest.raises(KconvertError, match="unknown block_scale 'foo'"):
+        kconvert.int4_to_nvfp4(str(BUNDLED), str(tmp_path / "out"), block_scale="foo",
+                               device="cpu")
+    assert not (tmp_path / "out").exists()
