@@ -92,6 +92,29 @@ def test_prune_ratio_without_n_routed_experts_names_config_and_key(stats_dir, tm
         assert not (tmp_path / "out" / MANIFEST).exists()
 
 
+@pytest.mark.parametrize(("key", "value", "said"), [
+    ("num_experts_per_tok", None, "num_experts_per_tok is missing"),
+    ("n_routed_experts", "16", "n_routed_experts is '16', not a positive integer"),
+])
+def test_reap_needs_integer_routing_keys(key, value, said, stats_dir, tmp_path):
+    """Without num_experts_per_tok `reap --keep 1` used to write a model transformers refuses;
+    a string n_routed_experts said "has 16, config says 16"."""
+    src = source_copy(tmp_path)
+    config = json.loads((src / "config.json").read_text())
+    if value is None:
+        del config[key]
+    else:
+        config[key] = value
+    (src / "config.json").write_text(json.dumps(config))
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"criterion": "manual", "layers": {
+        str(layer): {"keep": [0]} for layer in (1, 2)}}))
+    for args in (["--stats", stats_dir, "--keep", "1"], ["--plan", plan]):
+        res = cli("reap", src, tmp_path / "out", *args, "--quiet")
+        assert_user_error(res, said)
+        assert not (tmp_path / "out" / MANIFEST).exists()
+
+
 # ------------------------------------------------------------------ bad input, bad options
 
 def test_config_json_that_is_an_array(tmp_path):
