@@ -365,3 +365,19 @@ def test_api_block_scale_is_checked_before_anything_is_written(tmp_path):
         kconvert.int4_to_nvfp4(str(BUNDLED), str(tmp_path / "out"), block_scale="foo",
                                device="cpu")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("model_type", ["kimi_k2", "llama"])
+def test_a_llama_config_is_refused_by_conversions_and_failed_by_the_audit(model_type, tmp_path):
+    """`architectures: [LlamaForCausalLM]` beside a Kimi model_type used to convert, and the
+    audit passed such a checkpoint."""
+    src = source_copy(tmp_path)
+    config = json.loads((src / "config.json").read_text())
+    config["architectures"], config["model_type"] = ["LlamaForCausalLM"], model_type
+    (src / "config.json").write_text(json.dumps(config))
+    res = cli("int4-to-nvfp4", src, tmp_path / "out", "--quiet")
+    assert_user_error(res, "unsupported architecture ['LlamaForCausalLM']", "config.json")
+    res = cli("audit", src, "--quiet")
+    assert res.exit_code == 1 and "unsupported architecture" in res.output, res.output
+    res = cli("audit", BUNDLED, "--source", src, "--quiet")
+    assert_user_error(res, "unsupported architecture")
