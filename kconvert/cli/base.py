@@ -66,6 +66,7 @@ OS_ADVICE = {
 # audit check; 3 an internal error (a bug in kconvert).
 EXIT_BAD_INPUT = 1
 EXIT_BUG = 3
+EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT (128 + 2)
 
 BUG_REPORT = ("kconvert: internal error: this is a bug in kconvert {version}, not a problem "
               "with your input. Please report it (an issue in the kconvert repository) with "
@@ -127,6 +128,11 @@ class KconvertCommand(click.Command):
             traceback.print_exc()
             click.echo(BUG_REPORT.format(version=__version__), err=True)
             ctx.exit(EXIT_BUG)
+        except KeyboardInterrupt:
+            hint = ("; nothing unfinished was marked complete: the same command with --resume "
+                    "keeps every finished shard") if "resume" in ctx.params else ""
+            click.echo(f"\nkconvert: interrupted{hint}", err=True)
+            ctx.exit(EXIT_INTERRUPTED)
 
 
 class KconvertGroup(click.Group):

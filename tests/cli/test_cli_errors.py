@@ -231,6 +231,21 @@ def test_dst_below_a_regular_file_is_a_message(tmp_path):
     assert_user_error(res, str(tmp_path / "file"))
 
 
+def test_ctrl_c_says_how_to_continue(tmp_path, monkeypatch):
+    """Ctrl-C used to print click's "Aborted!" alone: a conversion says --resume keeps its
+    finished shards, and exits 130 as a shell reports SIGINT."""
+    import kconvert.convert
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kconvert.convert, "convert", interrupted)
+    res = cli("int4-to-nvfp4", BUNDLED, tmp_path / "out", "--quiet")
+    assert res.exit_code == 130 and isinstance(res.exception, SystemExit), res.output
+    assert "kconvert: interrupted" in res.stderr and "--resume" in res.stderr
+    assert "Aborted!" not in res.output and "Traceback" not in res.output
+
+
 def test_internal_error_keeps_traceback_and_says_it_is_a_bug(tmp_path, monkeypatch):
     import kconvert.convert
 
