@@ -254,7 +254,8 @@ def open_checkpoint(src: str, revision: str | None = None, *, token: str | None 
     for fn in files:
         path = root / fn
         if not path.is_file():
-            raise KconvertError("index names a shard that does not exist", file=str(path))
+            what = "is a directory, not a file" if path.is_dir() else "does not exist"
+            raise KconvertError(f"index names a shard that {what}", file=str(path))
         ckpt.readers[fn] = ShardReader(path)
         log.debug("shard %s: %d tensors", fn, len(ckpt.readers[fn].tensors))
     if not has_index:

@@ -299,7 +299,8 @@ def _tree_bytes(root: Path) -> int:
 
 def _no_space(where: Path, need: int, free: int, extra: str = "") -> KconvertError:
     return KconvertError(f"not enough disk space: the output needs {human_bytes(need)} "
-                         f"({need} bytes), the file system has {human_bytes(free)} ({free} "
+                         f"({need} bytes, including a margin of 1 MiB + 0.1% for the file "
+                         f"system's own use), the file system has {human_bytes(free)} ({free} "
                          f"bytes) free{' ' + extra if extra else ''}; free space and run again "
                          "(--resume continues an interrupted run)", file=str(where))
 

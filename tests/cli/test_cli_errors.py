@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import shutil
+import struct
 from pathlib import Path
 
 import pytest
@@ -396,3 +397,26 @@ def test_a_llama_config_is_refused_by_conversions_and_failed_by_the_audit(model_
     assert res.exit_code == 1 and "unsupported architecture" in res.output, res.output
     res = cli("audit", BUNDLED, "--source", src, "--quiet")
     assert_user_error(res, "unsupported architecture")
+
+
+def test_shard_problems_name_the_tensor_and_what_the_path_is(tmp_path):
+    """A header entry whose byte range is not its dtype x shape names that tensor (it used to
+    name only the file); a shard that is a directory is not called missing."""
+    src = source_copy(tmp_path)
+    shard = src / "model-00002-of-000004.safetensors"
+    raw = shard.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    victim = sorted(k for k in header if k != "__metadata__")[3]
+    header[victim]["shape"] = [header[victim]["shape"][0] + 1, *header[victim]["shape"][1:]]
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    shard.write_bytes(struct.pack("<Q", len(blob)) + blob + raw[8 + n:])
+    res = cli("int4-to-nvfp4", src, tmp_path / "out", "--quiet")
+    assert_user_error(res, victim, shard.name)
+    other = source_copy(tmp_path / "dir")
+    target = other / "model-00003-of-000004.safetensors"
+    target.unlink()
+    target.mkdir()
+    res = cli("int4-to-nvfp4", other, tmp_path / "out2", "--quiet")
+    assert_user_error(res, "is a directory, not a file", target.name)

@@ -319,6 +319,7 @@ def test_a_disk_too_small_is_refused_before_writing(tmp_path):
         proc = kc("dequant", src, fs / "out", "--quiet")
         assert proc.returncode == 1, proc.stderr
         assert "not enough disk space" in proc.stderr and "bytes) free" in proc.stderr
+        assert "including a margin of 1 MiB + 0.1%" in proc.stderr  # the figure says so
         assert "Traceback" not in proc.stderr
         assert not (fs / "out").exists()
 
