@@ -71,19 +71,23 @@ def evaluate(source: Checkpoint, candidates: list[Checkpoint], input_ids: torch.
     if not bool(scored.any()):
         raise KconvertError("the data has no position with a next token to score")
     t0 = time.perf_counter()
+    names = ["source", *labels]
     models = [source, *candidates]
-    where = _hidden_device(model_config(source).hidden_size, len(models), input_ids.shape,
-                           device, dtype)
-    streams = [_stream(label, ckpt, input_ids, valid, device, dtype, where)
-               for label, ckpt in zip(["source", *labels], models, strict=True)]
-    src, cands = streams[0], streams[1:]
-    for cand in cands:
+    # Dimensions first: a candidate of another vocabulary would otherwise fail in its
+    # embedding, on token ids that are not the problem.
+    cfgs = [_config(label, ckpt) for label, ckpt in zip(names, models, strict=True)]
+    for label, ckpt, cfg in zip(labels, candidates, cfgs[1:], strict=True):
         for key in SAME_DIMS:
-            if getattr(cand.cfg, key) != getattr(src.cfg, key):
-                raise KconvertError(f"candidate {cand.label}: {key} is {getattr(cand.cfg, key)}"
-                                    f" but the source's is {getattr(src.cfg, key)}; only "
-                                    "models of the same architecture can be compared",
-                                    file=str(cand.ckpt.root / "config.json"))
+            if getattr(cfg, key) != getattr(cfgs[0], key):
+                raise KconvertError(f"candidate {_named(label, ckpt)}: {key} is "
+                                    f"{getattr(cfg, key)} but the source's is "
+                                    f"{getattr(cfgs[0], key)}; only models of the same "
+                                    "architecture can be compared",
+                                    file=str(ckpt.root / "config.json"))
+    where = _hidden_device(cfgs[0].hidden_size, len(models), input_ids.shape, device, dtype)
+    streams = [_stream(label, ckpt, cfg, input_ids, valid, device, dtype, where)
+               for label, ckpt, cfg in zip(names, models, cfgs, strict=True)]
+    src, cands = streams[0], streams[1:]
     src_out = torch.empty_like(src.hidden)
     valid_dev = valid.to(device)
     errors = [LayerErrors() for _ in cands]
@@ -161,16 +165,27 @@ def evaluate(source: Checkpoint, candidates: list[Checkpoint], input_ids: torch.
     return report.model_copy(update=meta or {})
 
 
-def _stream(label: str, ckpt: Checkpoint, ids: torch.Tensor, valid: torch.Tensor,
+def _named(label: str, ckpt: Checkpoint) -> str:
+    """A model as messages name it: its label, and its directory when that is not the label."""
+    return label if label == str(ckpt.root) else f"{label} {ckpt.root}"
+
+
+def _config(label: str, ckpt: Checkpoint):
+    try:
+        return model_config(ckpt)
+    except KconvertError as exc:
+        raise KconvertError(f"{_named(label, ckpt)}: {exc}") from exc
+
+
+def _stream(label: str, ckpt: Checkpoint, cfg, ids: torch.Tensor, valid: torch.Tensor,
             device: torch.device, dtype: torch.dtype, hidden_device: torch.device) -> Stream:
     try:
-        cfg = model_config(ckpt)
         layers = tensors_by_layer(ckpt, cfg.num_hidden_layers)
         hidden = embed(ckpt, torch.where(valid, ids, PAD_ID), dtype, hidden_device)
         if device.type == "cuda" and hidden_device.type == "cpu":
             hidden = hidden.pin_memory()
     except KconvertError as exc:
-        raise KconvertError(f"{label} {ckpt.root}: {exc}") from exc
+        raise KconvertError(f"{_named(label, ckpt)}: {exc}") from exc
     return Stream(label, ckpt, cfg, layers, hidden,
                   position_embeddings(cfg, ids.shape[1], device, dtype))
 
@@ -191,7 +206,7 @@ def _labelled(stream: Stream, step, *args, **kwargs):
     try:
         return step(*args, **kwargs)
     except KconvertError as exc:
-        raise KconvertError(f"{stream.label} {stream.ckpt.root}: {exc}") from exc
+        raise KconvertError(f"{_named(stream.label, stream.ckpt)}: {exc}") from exc
 
 
 def _build(stream: Stream, layer: int, raw, ctx: ForwardContext, device: torch.device,

@@ -8,8 +8,8 @@ the output").
   routed experts random (a Kimi config says "kimi_k2"), and its own compressed-tensors loading
   of an NVFP4 MoE checkpoint does not compute the source's function (plain or with
   dequantize=True, the routed experts come out multiplied by their weight_global_scale:
-  transformers #48371). Those tests are strict xfails: the day transformers fixes a path, they fail, and the
-  README must be updated.
+  transformers #48371). Those tests are strict xfails: the day transformers fixes a path,
+  they fail, and the README must be updated.
 """
 
 from __future__ import annotations
