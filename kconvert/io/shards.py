@@ -80,6 +80,8 @@ def _mis_sized(path: Path) -> str | None:
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError, struct.error):
         with open(path, "rb") as fh:
             (header_len,) = struct.unpack("<Q", fh.read(8))
+            if header_len > os.fstat(fh.fileno()).st_size:  # an absurd length: nothing to name
+                return None
             header = json.loads(fh.read(header_len))
         for name, entry in header.items():
             if name == "__metadata__" or entry["dtype"] not in DTYPES:
