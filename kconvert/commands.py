@@ -16,6 +16,7 @@ from kconvert.manifest import Manifest
 from kconvert.options import ONLY_WITH
 from kconvert.recipes import Recipe, check_options, load_recipe
 from kconvert.stages import KINDS
+from kconvert.stages.quantize import parse_targets
 
 
 def run_conversion(recipe_name: str, src: str, dst: str, options: Mapping[str, object],
@@ -28,6 +29,11 @@ def run_conversion(recipe_name: str, src: str, dst: str, options: Mapping[str, o
     unknown = sorted(set(given) - known)
     if unknown:
         raise UsageError(f"unknown option {unknown[0]!r}; options: {', '.join(sorted(known))}")
+    check_run_control(run)
+    if given.get("keep") is not None and given.get("prune_ratio") is not None:
+        raise UsageError("give --keep N or --prune-ratio R, not both")
+    if "targets" in given:
+        parse_targets(given["targets"])
     recipe = load_recipe(recipe_name)
     check_options(recipe, given)
     if run.stream and "data" in given:
@@ -45,6 +51,14 @@ def run_conversion(recipe_name: str, src: str, dst: str, options: Mapping[str, o
     # Through the module, so that a test can stand in for convert.convert.
     return convert.convert(src, dst, recipe, settings, run, revision=revision, echo=echo,
                            prepare=preparer(recipe, given, run.device))
+
+
+def check_run_control(run: convert.RunControl) -> None:
+    """Run controls that do not go together (usage errors, exit 2)."""
+    if run.resume and run.overwrite:
+        raise UsageError("give --resume or --overwrite, not both")
+    if run.trust_complete and not run.resume:
+        raise UsageError("--trust-complete applies only with --resume")
 
 
 def preparer(recipe: Recipe, options: dict, device: torch.device

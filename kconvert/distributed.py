@@ -35,6 +35,12 @@ T = TypeVar("T")
 # shard; a calibration layer is the same work on every rank.
 TIMEOUT = datetime.timedelta(minutes=60)
 
+# How long a rank waits at shutdown for the others to finish too.
+SHUTDOWN_TIMEOUT = datetime.timedelta(seconds=60)
+
+# Set when a collective or a step failed on any rank: shutdown then waits for no one.
+_failed = False
+
 LOST = ("lost contact with another rank (it failed or was killed: see its output or "
         "torchrun's summary): {exc}; nothing was marked complete, run the same command again "
         "with --resume")
@@ -60,12 +66,28 @@ def init() -> None:
     else:
         _take_core_share(local_rank, local_world)
     dist.init_process_group(backend, timeout=TIMEOUT)
-    atexit.register(_leave)
+    atexit.register(shutdown)
 
 
-def _leave() -> None:
+def shutdown() -> None:
+    """Leave the process group in step with the other ranks, on the calling thread: after a
+    job that went well, a barrier first (bounded by SHUTDOWN_TIMEOUT), so that no rank closes
+    its connections while a peer is still sending on them, then the group is destroyed before
+    the interpreter starts tearing down (a gloo group torn down under a peer, or left to
+    interpreter exit, can abort a rank with "terminate called without an active exception").
+    After a failure (a peer may be gone) it only destroys. Idempotent; also run at exit."""
+    global _failed
+    if not dist.is_initialized():
+        return
+    if not _failed:
+        with contextlib.suppress(Exception):
+            if dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=SHUTDOWN_TIMEOUT)
+            else:
+                dist.barrier()
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
+    _failed = False
 
 
 def _take_core_share(local_rank: int, local_world: int) -> None:
@@ -100,9 +122,11 @@ def is_main() -> bool:
 @contextlib.contextmanager
 def _collective() -> Iterator[None]:
     """A collective whose failure (a peer gone) reads as what it is."""
+    global _failed
     try:
         yield
     except RuntimeError as exc:  # torch.distributed.DistBackendError is one
+        _failed = True
         raise KconvertError(f"rank {rank()}: " + LOST.format(exc=exc)) from exc
 
 
@@ -176,6 +200,8 @@ def agree(step: Callable[[], T]) -> T:
     failed = [r for r in reports if r is not None]
     if not failed:
         return result  # type: ignore[return-value]
+    global _failed
+    _failed = True
     _, first_rank, message = min(failed)
     if failure is not None and first_rank == rank():
         raise failure

@@ -24,3 +24,17 @@ class KconvertError(Exception):
 class UsageError(KconvertError):
     """Options that do not go together or are missing: the command line reports it as a usage
     error (exit code 2), like a misspelt option."""
+
+
+def invalid_fields(exc: Exception, limit: int = 3) -> str:
+    """A pydantic ValidationError as one line a user reads: each field's dotted path and what
+    is wrong with it (the first `limit`), without pydantic's type tags and links."""
+    errors = exc.errors() if hasattr(exc, "errors") else []
+    if not errors:
+        return str(exc)
+    parts = []
+    for e in errors[:limit]:
+        msg = str(e["msg"]).removeprefix("Value error, ")
+        parts.append(f"{'.'.join(map(str, e['loc']))}: {msg}" if e["loc"] else msg)
+    more = len(errors) - limit
+    return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")

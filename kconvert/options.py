@@ -14,6 +14,9 @@ BATCH_SIZE = 8
 SEED = 0
 EVAL_SAMPLES = 128  # eval's --samples
 
+# FP8 block-scale rules of NVFP4 encoding (formats/nvfp4.py).
+BLOCK_SCALE_RULES = ("amax", "mse")
+
 # Options that only act beside another one: given alone they would be silently dropped.
 ONLY_WITH = {
     "samples": ("data",), "seq_len": ("data",), "batch_size": ("data",), "seed": ("data",),

@@ -17,10 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kconvert.engine.stage import Stage
-from kconvert.errors import KconvertError
+from kconvert.errors import KconvertError, UsageError
 from kconvert.stages import KINDS
 
 RECIPE_KEYS = ("name", "description", "requires_source", "stages")
+
+
+# Stages that encode their modules: a dequant after one of them would undo it.
+ENCODING_STAGES = ("quantize", "sparsify")
 
 
 def builtin_dir() -> Path:
@@ -50,9 +54,12 @@ def load_recipe(name_or_path: str) -> Recipe:
         known = sorted(p.stem for p in builtin_dir().glob("*.toml"))
         raise KconvertError(f"no recipe {name_or_path!r}; built-in recipes: {known}")
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise KconvertError(f"bad recipe: {exc}", file=str(path)) from exc
+    except UnicodeDecodeError as exc:
+        raise KconvertError(f"bad recipe: not UTF-8 text (byte {exc.start}); TOML files are "
+                            "UTF-8", file=str(path)) from exc
     unknown = sorted(set(data) - set(RECIPE_KEYS))
     if unknown:
         hint = _did_you_mean(unknown[0], RECIPE_KEYS)
@@ -63,6 +70,12 @@ def load_recipe(name_or_path: str) -> Recipe:
         raise KconvertError("recipe has no [[stages]]", file=str(path))
     for number, spec in enumerate(stages, 1):
         _check_stage_table(spec, number, str(path))
+    kinds = [s["stage"] for s in stages]
+    encoding = [k for k in kinds if k in ENCODING_STAGES]
+    if "dequant" in kinds and encoding and kinds.index("dequant") > kinds.index(encoding[0]):
+        raise KconvertError(f"stage dequant after {encoding[0]} would decode what {encoding[0]} "
+                            "encodes: dequant comes first (it decodes the source)",
+                            file=str(path))
     return Recipe(data.get("name", path.stem), data.get("description", ""), stages,
                   data.get("requires_source"))
 
@@ -108,7 +121,7 @@ def check_options(recipe: Recipe, given: Iterable[str]) -> None:
         if takers and not set(takers) & set(kinds):
             users = sorted(p.stem for p in builtin_dir().glob("*.toml")
                            if set(takers) & set(load_recipe(str(p)).kinds))
-            raise KconvertError(
+            raise UsageError(
                 f"--{option.replace('_', '-')} is not used by recipe {recipe.name} (stages "
                 f"{', '.join(kinds)}); it is an option of stage {', '.join(takers)}"
                 + (f" (recipes: {', '.join(users)})" if users else ""))

@@ -1,13 +1,17 @@
 """CPU milliseconds per full-size expert matrix, INT4 -> NVFP4, with every core of this machine.
 
     python scripts/bench_cpu_matrix.py [--shape 2048x7168] [--batch 4] [--reps 5]
+        [--anchor-results FILE] [--out FILE]
 
 Source: random Kimi-style INT4 (codes -7..7, bf16 group-32 scales), as Kimi-K2-Thinking ships.
 Two paths, each for the `amax` and `mse` block-scale rules:
   decode+quantize  Int4Codec.decode to fp32, amax from it, nvfp4.quantize (what the engine does)
   quantize_int4    nvfp4.int4_amax + nvfp4.quantize_int4 (INT4 decoded inside the fused kernel)
-The anchor (llm-compressor model_free_ptq, 16 cores) takes 233 ms per 2048x7168 matrix; 10x
-that is 23 ms. Prints one JSON line; the first (compiling) call of each path is not timed.
+The anchor's time per matrix is not assumed: with --anchor-results, a JSON file written by
+`scripts/bench_convert.py --mode cpu` on the same machine (its
+`per_matrix.anchor.slope_ms_per_matrix`), each path's time is also given as the anchor's
+multiple. Prints one JSON line (and writes it to --out); the first (compiling) call of each
+path is not timed.
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ def main() -> None:
     ap.add_argument("--shape", default="2048x7168", help="MxK of one matrix")
     ap.add_argument("--batch", type=int, default=4, help="matrices per call")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--anchor-results", default=None,
+                    help="bench_convert.py --mode cpu results of this machine (anchor ms)")
+    ap.add_argument("--out", default=None, help="also write the JSON line here")
     args = ap.parse_args()
     m, k = (int(v) for v in args.shape.split("x"))
     packed, scale = kimi_int4(args.batch, m, k)
@@ -68,7 +75,18 @@ def main() -> None:
                 fn(packed, scale, mode)
                 times.append(time.perf_counter() - t)
             out[f"{name} {mode} ms/matrix"] = round(statistics.median(times) / args.batch * 1e3, 2)
-    print(json.dumps(out))
+    if args.anchor_results:
+        with open(args.anchor_results) as f:
+            anchor = json.load(f)["cpu"]["per_matrix"]["anchor"]["slope_ms_per_matrix"]
+        out["anchor ms/matrix"] = anchor
+        out["anchor_results"] = args.anchor_results
+        for key in [k for k in out if k.endswith(" ms/matrix") and not k.startswith("anchor")]:
+            out[key.replace(" ms/matrix", " speed-up vs anchor")] = round(anchor / out[key], 1)
+    line = json.dumps(out)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(line + "\n")
+    print(line)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spin-waiting threads on a shared CPU
@@ -55,8 +56,10 @@ EXPERTS = 24
 KEEPS = {"75%": 18, "50%": 12, "25%": 6}
 
 
-def build(tmp: Path, calib: torch.Tensor, draws: int) -> dict[str, tuple[Path, str]]:
-    """name -> (output directory, what it is), every pipeline run on the tiny MoE."""
+def build(tmp: Path, calib: torch.Tensor, draws: int, only: set[str] | None = None
+          ) -> dict[str, tuple[Path, str]]:
+    """name -> (output directory, what it is), every pipeline run on the tiny MoE (only the
+    names in `only` when it is given)."""
     ckpt = open_checkpoint(str(SRC))
     try:
         stats = measure_stats(ckpt, calib, "cpu", 16, dtype=torch.float32)
@@ -67,6 +70,8 @@ def build(tmp: Path, calib: torch.Tensor, draws: int) -> dict[str, tuple[Path, s
     out: dict[str, tuple[Path, str]] = {}
 
     def run(name: str, recipe: str, what: str, options: dict | None = None, prepare=None):
+        if only is not None and name not in only:
+            return
         t0 = time.perf_counter()
         convert(str(SRC), str(tmp / name), load_recipe(recipe), options or {},
                 RunControl(quiet=True), prepare=prepare)
@@ -106,6 +111,8 @@ def build(tmp: Path, calib: torch.Tensor, draws: int) -> dict[str, tuple[Path, s
         lambda ck: {"sparsify": SparsegptCalibration(
             CalibrationHessians(ck, calib, torch.device("cpu"), 16))})
     for repair in ("bias", "router"):
+        if only is not None and f"reap-reap-50%-repair-{repair}" not in only:
+            continue
         ckpt = open_checkpoint(str(SRC))
         try:  # the plan and the repair from one calibration pass, as `reap --repair` does
             fixer = RouterRepair(ckpt, calib, RepairSettings(repair, KEEPS["50%"], "reap"),
@@ -142,12 +149,18 @@ def table(report: dict, what: dict[str, str]) -> list[str]:
 
 
 def orderings(kl: dict[str, float], draws: int) -> list[str]:
-    def check(a: str, b: str, ka: float, kb: float) -> str:
+    def check(a: str, b: str, ka: float | None, kb: float | None) -> str:
+        if ka is None or kb is None:
+            return f"- {a} < {b}: not measured in this run"
         return f"- {a} < {b}: KL {ka:.4f} vs {kb:.4f}: **{'holds' if ka < kb else 'fails'}**"
 
-    lines = [check("mse", "amax", kl["nvfp4-mse"], kl["nvfp4-amax"])]
+    kl = defaultdict(lambda: None, kl)
+
+    lines = [check("mse", "amax", kl["nvfp4-mse"], kl["nvfp4-amax"]),
+             check("w4a16 (mse)", "w4a4", kl["nvfp4-mse"], kl["w4a4"])]
     for pct in KEEPS:
-        rand = statistics.mean(kl[f"reap-random{d}-{pct}"] for d in range(draws))
+        draws_kl = [kl[f"reap-random{d}-{pct}"] for d in range(draws)]
+        rand = None if None in draws_kl else statistics.mean(draws_kl)
         lines.append(check(f"reap {pct}", f"random {pct} (mean of {draws} draws)",
                            kl[f"reap-reap-{pct}"], rand))
         lines.append(check(f"reap {pct}", f"frequency {pct}", kl[f"reap-reap-{pct}"],
@@ -170,13 +183,15 @@ def main() -> None:
     ap.add_argument("--draws", type=int, default=3, help="random pruning plans per keep")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "eval_tiny_moe"))
+    ap.add_argument("--only", default=None,
+                    help="comma-separated candidate names (default: every pipeline)")
     a = ap.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     t0 = time.perf_counter()
     calib = windows(corpus_ids("train"), a.calib, 256, torch.Generator().manual_seed(1))
     held = heldout_ids(a.samples * a.seq_len, seed=0, window=a.seq_len).reshape(-1, a.seq_len)
     with tempfile.TemporaryDirectory(prefix="eval-pipelines-") as tmp:
-        built = build(Path(tmp), calib, a.draws)
+        built = build(Path(tmp), calib, a.draws, set(a.only.split(",")) if a.only else None)
         t_eval = time.perf_counter()
         opened = [open_checkpoint(str(p)) for p in (SRC, *(d for d, _ in built.values()))]
         try:
@@ -200,7 +215,8 @@ def main() -> None:
         f"calibration on {a.calib} training windows of 256. Source NLL "
         f"{first['nll_source']:.4f} nats/byte (perplexity {first['ppl_source']:.3f}). "
         f"Made by `python scripts/eval_pipelines.py --samples {a.samples} --seq-len "
-        f"{a.seq_len} --calib {a.calib} --draws {a.draws}`: {time.perf_counter() - t0:.0f} s "
+        f"{a.seq_len} --calib {a.calib} --draws {a.draws}"
+        f"{f' --only {a.only}' if a.only else ''}`: {time.perf_counter() - t0:.0f} s "
         f"in all, {eval_s:.0f} s of it the eval of {len(built)} candidates.",
         "",
         *table(data, what),
@@ -209,9 +225,11 @@ def main() -> None:
         "",
         *orderings(kl, a.draws),
         "",
-        "Notes: eval runs each checkpoint's weights as decoded; it does not emulate the 4-bit "
-        "activation quantization a W4A4 kernel applies at run time, so the w4a4 row measures "
-        "its weights, which are the mse row's. ΔNLL is the candidate's NLL minus the source's "
+        "Notes: eval runs each checkpoint as it is served: weights as decoded, and where a "
+        "module stores an input scale (W4A4) its activations NVFP4-quantized as the serving "
+        "kernels quantize them (kconvert/evaluate/activations.py); the w4a4 row has the mse "
+        "row's weights, so their difference is what 4-bit activations cost. ΔNLL is the "
+        "candidate's NLL minus the source's "
         "on the same positions; below ~0.001 it is within the noise of a 16k-position sample "
         "(it can even be negative).",
         "",

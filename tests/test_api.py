@@ -89,7 +89,7 @@ def test_errors_are_the_cli_messages(fixture_dir, tmp_path):
         (lambda: kconvert.reap(src, str(tmp_path / "a"), keep=8), UsageError,
          ["reap", src, str(tmp_path / "a"), "--keep", "8"]),
         (lambda: kconvert.run_recipe("dequant", src, str(tmp_path / "b"), block_scale="amax"),
-         KconvertError, ["run", "dequant", src, str(tmp_path / "b"), "--block-scale", "amax"]),
+         UsageError, ["run", "dequant", src, str(tmp_path / "b"), "--block-scale", "amax"]),
         (lambda: kconvert.int4_to_nvfp4(src + "-missing", str(tmp_path / "c")), KconvertError,
          ["int4-to-nvfp4", src + "-missing", str(tmp_path / "c")]),
     ]

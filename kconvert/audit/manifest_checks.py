@@ -24,7 +24,7 @@ from kconvert.audit.context import AuditContext
 from kconvert.audit.scales import stored_global_scale
 from kconvert.checks.findings import CONFIG, text_config
 from kconvert.checks.quant_config import quant_blocks
-from kconvert.errors import KconvertError
+from kconvert.errors import KconvertError, invalid_fields
 from kconvert.formats import SOURCE_CODECS
 from kconvert.io.files import hash_file
 from kconvert.manifest import MANIFEST, read_manifest
@@ -50,14 +50,16 @@ def load(ctx: AuditContext) -> None:
         try:
             ctx.manifest = read_manifest(root / MANIFEST)
             r.ran(M)
+        except ValidationError as exc:
+            r.add(M, "manifest", f"invalid manifest: {invalid_fields(exc)}", file=MANIFEST)
+            return
         except (ValueError, OSError) as exc:
             r.add(M, "manifest", f"unreadable or invalid manifest: {exc}", file=MANIFEST)
             return
         try:
             ctx.record = RunRecord.model_validate(ctx.manifest.options)
         except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'options'}: {e['msg']}"
-                                 for e in exc.errors()[:3])
+            problems = invalid_fields(exc)
             r.warn(M, "options", f"the options are not a kconvert RunRecord ({problems}): an "
                    "older or another tool's manifest; the parameters its stages recorded "
                    "(p48 pattern, kept experts, plan hash) are not checked", file=MANIFEST)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -148,6 +149,11 @@ class MoEBlock(nn.Module):
         self.collect = True
         self._inputs: list[torch.Tensor] = []
         self._indices: list[torch.Tensor] = []
+        # Set by `kconvert eval` on a W4A4 checkpoint: (linear 0 gate/up or 1 down, input rows,
+        # each row's expert) -> the rows as the serving kernel quantizes them
+        # (evaluate/activations.py).
+        self.quantize_input: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor] | None \
+            = None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
@@ -175,9 +181,12 @@ class MoEBlock(nn.Module):
         counts = torch.bincount(exp, minlength=self.n_experts)
         ends = counts.cumsum(0).to(torch.int32)
         xs = x[slot // k]
-        gate, up = grouped_linear(xs, self.experts.gate_up, ends).chunk(2, dim=-1)
+        q = self.quantize_input
+        gate, up = grouped_linear(xs if q is None else q(0, xs, exp), self.experts.gate_up,
+                                  ends).chunk(2, dim=-1)
         a = self.act_fn(gate) * up
-        f = grouped_linear(a, self.experts.down, ends)  # f_j(x): before gating
+        # f_j(x): before gating
+        f = grouped_linear(a if q is None else q(1, a, exp), self.experts.down, ends)
         # Each (token, slot) written once, then a token's k slots summed in slot order: the
         # same sum whatever the expert order, and no atomic adds (deterministic on a GPU).
         slots = torch.zeros(t * k, x.shape[1], dtype=torch.float32, device=x.device)

@@ -8,7 +8,14 @@ from pathlib import Path
 
 from kconvert.checks.findings import CONFIG, Checks
 from kconvert.errors import KconvertError
-from kconvert.io.checkpoint import INDEX, SINGLE, Checkpoint, parse_config, parse_index
+from kconvert.io.checkpoint import (
+    INDEX,
+    SINGLE,
+    Checkpoint,
+    architecture_problem,
+    parse_config,
+    parse_index,
+)
 from kconvert.io.shards import ShardReader
 
 
@@ -22,6 +29,8 @@ def survey_checkpoint(root: Path, checks: Checks) -> Checkpoint | None:
     config = {}
     if checks.check(S, (root / CONFIG).is_file(), "config", "no config.json", file=CONFIG):
         config, problem = parse_config(root / CONFIG)
+        if problem is None:
+            problem = architecture_problem(config)
         if problem is not None:
             checks.add(S, "config", problem, file=CONFIG)
     index = None

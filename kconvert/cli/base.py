@@ -20,7 +20,13 @@ from click.core import ParameterSource
 
 from kconvert import options
 from kconvert.errors import KconvertError, UsageError
-from kconvert.options import BATCH_SIZE, SEED, SEQ_LEN, SPARSEGPT_SAMPLES
+from kconvert.options import (
+    BATCH_SIZE,
+    BLOCK_SCALE_RULES,
+    SEED,
+    SEQ_LEN,
+    SPARSEGPT_SAMPLES,
+)
 from kconvert.version import __version__
 
 DEVICE_SPEC = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -60,6 +66,7 @@ OS_ADVICE = {
 # audit check; 3 an internal error (a bug in kconvert).
 EXIT_BAD_INPUT = 1
 EXIT_BUG = 3
+EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT (128 + 2)
 
 BUG_REPORT = ("kconvert: internal error: this is a bug in kconvert {version}, not a problem "
               "with your input. Please report it (an issue in the kconvert repository) with "
@@ -121,6 +128,11 @@ class KconvertCommand(click.Command):
             traceback.print_exc()
             click.echo(BUG_REPORT.format(version=__version__), err=True)
             ctx.exit(EXIT_BUG)
+        except KeyboardInterrupt:
+            hint = ("; nothing unfinished was marked complete: the same command with --resume "
+                    "keeps every finished shard") if "resume" in ctx.params else ""
+            click.echo(f"\nkconvert: interrupted{hint}", err=True)
+            ctx.exit(EXIT_INTERRUPTED)
 
 
 class KconvertGroup(click.Group):
@@ -195,7 +207,7 @@ RUN_CONTROL_OPTIONS = ("revision", "token", "cache_dir", "device", "resume", "tr
 QUANTIZE_OPTIONS = [
     click.option("--format", type=click.Choice(FORMATS), default=None,
                  help="NVFP4 on-disk flavour [default: compressed-tensors]."),
-    click.option("--block-scale", type=click.Choice(["amax", "mse"]), default=None,
+    click.option("--block-scale", type=click.Choice(BLOCK_SCALE_RULES), default=None,
                  help="FP8 block-scale rule: amax (compressed-tensors/ModelOpt bytes) or mse "
                       "(min block error) [default: mse]."),
     click.option("--act-stats", type=click.Path(exists=True, dir_okay=False), default=None,

@@ -107,6 +107,7 @@ def draw_figure(report: EvalReport, fh) -> None:
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharex=True)
     # Log scale shows errors that differ by orders of magnitude; an all-zero panel (a model
@@ -126,12 +127,17 @@ def draw_figure(report: EvalReport, fh) -> None:
         ax.set_yscale("log" if is_log else "linear")
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("decoder layer")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # layers are whole numbers
+        ax.set_ylabel("relative L2 error")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].set_ylabel("relative L2 error")
+    if any(is_log for is_log in log):
+        fig.text(0.5, 0.01, "a layer whose error is exactly 0 (e.g. a dense layer the "
+                 "candidate did not change) has no point on a log scale", ha="center",
+                 fontsize=8)
     axes[0].legend(fontsize=8)
     fig.suptitle(f"kconvert eval: candidates against {report.source} "
                  f"({report.tokens} tokens, {report.dtype})", fontsize=11)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
     fig.savefig(fh, format="png", dpi=110)
     plt.close(fig)
 

@@ -23,6 +23,7 @@ from kconvert.calibrate.forward import (
 from kconvert.calibrate.load import build_layer, read_layer, tensors_by_layer
 from kconvert.calibrate.prefetch import LayerPrefetcher
 from kconvert.errors import KconvertError
+from kconvert.evaluate import activations
 from kconvert.evaluate.metrics import LOGIT_ELEMS, LayerErrors, LogitsComparison, NextToken
 from kconvert.evaluate.report import CandidateResult, EvalReport, render_table, save_report
 from kconvert.io.checkpoint import Checkpoint
@@ -70,19 +71,23 @@ def evaluate(source: Checkpoint, candidates: list[Checkpoint], input_ids: torch.
     if not bool(scored.any()):
         raise KconvertError("the data has no position with a next token to score")
     t0 = time.perf_counter()
+    names = ["source", *labels]
     models = [source, *candidates]
-    where = _hidden_device(model_config(source).hidden_size, len(models), input_ids.shape,
-                           device, dtype)
-    streams = [_stream(label, ckpt, input_ids, valid, device, dtype, where)
-               for label, ckpt in zip(["source", *labels], models, strict=True)]
-    src, cands = streams[0], streams[1:]
-    for cand in cands:
+    # Dimensions first: a candidate of another vocabulary would otherwise fail in its
+    # embedding, on token ids that are not the problem.
+    cfgs = [_config(label, ckpt) for label, ckpt in zip(names, models, strict=True)]
+    for label, ckpt, cfg in zip(labels, candidates, cfgs[1:], strict=True):
         for key in SAME_DIMS:
-            if getattr(cand.cfg, key) != getattr(src.cfg, key):
-                raise KconvertError(f"candidate {cand.label}: {key} is {getattr(cand.cfg, key)}"
-                                    f" but the source's is {getattr(src.cfg, key)}; only "
-                                    "models of the same architecture can be compared",
-                                    file=str(cand.ckpt.root / "config.json"))
+            if getattr(cfg, key) != getattr(cfgs[0], key):
+                raise KconvertError(f"candidate {_named(label, ckpt)}: {key} is "
+                                    f"{getattr(cfg, key)} but the source's is "
+                                    f"{getattr(cfgs[0], key)}; only models of the same "
+                                    "architecture can be compared",
+                                    file=str(ckpt.root / "config.json"))
+    where = _hidden_device(cfgs[0].hidden_size, len(models), input_ids.shape, device, dtype)
+    streams = [_stream(label, ckpt, cfg, input_ids, valid, device, dtype, where)
+               for label, ckpt, cfg in zip(names, models, cfgs, strict=True)]
+    src, cands = streams[0], streams[1:]
     src_out = torch.empty_like(src.hidden)
     valid_dev = valid.to(device)
     errors = [LayerErrors() for _ in cands]
@@ -94,8 +99,8 @@ def evaluate(source: Checkpoint, candidates: list[Checkpoint], input_ids: torch.
         read=lambda job: _labelled(streams[job[0]], read_layer, streams[job[0]].ckpt,
                                    streams[job[0]].cfg, job[1],
                                    streams[job[0]].layers[job[1]], dtype, device),
-        build=lambda job, raw: _labelled(streams[job[0]], build_layer, raw, streams[job[0]].cfg,
-                                         ctx, device, dtype, stats=False),
+        build=lambda job, raw: _labelled(streams[job[0]], _build, streams[job[0]], job[1], raw,
+                                         ctx, device, dtype),
         device=device)
     # Source layer L, then each candidate's layer L: the next one read while one computes.
     jobs = [(i, layer) for layer in range(n_layers) for i in range(len(streams))]
@@ -160,16 +165,27 @@ def evaluate(source: Checkpoint, candidates: list[Checkpoint], input_ids: torch.
     return report.model_copy(update=meta or {})
 
 
-def _stream(label: str, ckpt: Checkpoint, ids: torch.Tensor, valid: torch.Tensor,
+def _named(label: str, ckpt: Checkpoint) -> str:
+    """A model as messages name it: its label, and its directory when that is not the label."""
+    return label if label == str(ckpt.root) else f"{label} {ckpt.root}"
+
+
+def _config(label: str, ckpt: Checkpoint):
+    try:
+        return model_config(ckpt)
+    except KconvertError as exc:
+        raise KconvertError(f"{_named(label, ckpt)}: {exc}") from exc
+
+
+def _stream(label: str, ckpt: Checkpoint, cfg, ids: torch.Tensor, valid: torch.Tensor,
             device: torch.device, dtype: torch.dtype, hidden_device: torch.device) -> Stream:
     try:
-        cfg = model_config(ckpt)
         layers = tensors_by_layer(ckpt, cfg.num_hidden_layers)
         hidden = embed(ckpt, torch.where(valid, ids, PAD_ID), dtype, hidden_device)
         if device.type == "cuda" and hidden_device.type == "cpu":
             hidden = hidden.pin_memory()
     except KconvertError as exc:
-        raise KconvertError(f"{label} {ckpt.root}: {exc}") from exc
+        raise KconvertError(f"{_named(label, ckpt)}: {exc}") from exc
     return Stream(label, ckpt, cfg, layers, hidden,
                   position_embeddings(cfg, ids.shape[1], device, dtype))
 
@@ -190,7 +206,18 @@ def _labelled(stream: Stream, step, *args, **kwargs):
     try:
         return step(*args, **kwargs)
     except KconvertError as exc:
-        raise KconvertError(f"{stream.label} {stream.ckpt.root}: {exc}") from exc
+        raise KconvertError(f"{_named(stream.label, stream.ckpt)}: {exc}") from exc
+
+
+def _build(stream: Stream, layer: int, raw, ctx: ForwardContext, device: torch.device,
+           dtype: torch.dtype):
+    """Layer `layer` of `stream` built from its bytes; a W4A4 checkpoint runs as served: its
+    activations quantized where it stores input scales (evaluate/activations.py)."""
+    loaded = build_layer(raw, stream.cfg, ctx, device, dtype, stats=False)
+    scales = activations.input_scales(stream.ckpt, stream.layers[layer])
+    if scales:
+        activations.emulate(loaded.module, loaded.moe, raw.prefix, scales)
+    return loaded
 
 
 def _finite(out: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -200,14 +200,25 @@ def load_config(root: Path) -> dict:
     text = config.get("text_config", config)
     if not isinstance(text, dict):
         raise KconvertError("config.json's text_config is not an object", file=str(path))
-    archs = set(config.get("architectures") or [])
-    if text.get("model_type") not in SUPPORTED_MODEL_TYPES and not archs & SUPPORTED_ARCHITECTURES:
-        raise KconvertError(
-            f"unsupported architecture {sorted(archs)} / model_type "
-            f"{text.get('model_type')!r}: kconvert handles the Kimi-K2 / DeepSeek-V3 family",
-            file=str(path),
-        )
+    problem = architecture_problem(config)
+    if problem is not None:
+        raise KconvertError(problem, file=str(path))
     return config
+
+
+def architecture_problem(config: dict) -> str | None:
+    """Why a config is not of the Kimi-K2 / DeepSeek-V3 family, or None: every architecture it
+    names and its (text) model_type must be ones kconvert handles, and it must name one."""
+    text = config.get("text_config", config)
+    archs = config.get("architectures") or []
+    model_type = text.get("model_type") if isinstance(text, dict) else None
+    archs = set(archs) if isinstance(archs, list) and all(isinstance(a, str) for a in archs) \
+        else {str(archs)}
+    if archs - SUPPORTED_ARCHITECTURES or (model_type is not None and model_type not in
+                                           SUPPORTED_MODEL_TYPES) or not (archs or model_type):
+        return (f"unsupported architecture {sorted(archs)} / model_type {model_type!r}: "
+                "kconvert handles the Kimi-K2 / DeepSeek-V3 family")
+    return None
 
 
 def parse_index(path: Path) -> tuple[dict | None, str | None]:
@@ -245,7 +256,8 @@ def open_checkpoint(src: str, revision: str | None = None, *, token: str | None 
     for fn in files:
         path = root / fn
         if not path.is_file():
-            raise KconvertError("index names a shard that does not exist", file=str(path))
+            what = "is a directory, not a file" if path.is_dir() else "does not exist"
+            raise KconvertError(f"index names a shard that {what}", file=str(path))
         ckpt.readers[fn] = ShardReader(path)
         log.debug("shard %s: %d tensors", fn, len(ckpt.readers[fn].tensors))
     if not has_index:

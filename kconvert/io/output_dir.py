@@ -32,7 +32,7 @@ from pathlib import Path
 
 from kconvert import events
 from kconvert.errors import KconvertError
-from kconvert.io.files import human_bytes, write_json
+from kconvert.io.files import hash_file, human_bytes, write_json
 from kconvert.io.hashing import TensorHashes
 from kconvert.io.lock import LOCK_FILE, STATE_DIR, acquire, holder_of, in_use, unwritable
 from kconvert.io.shards import plan_header, read_header
@@ -158,6 +158,38 @@ def _check_replaceable(dst: Path) -> None:
                             f"does not account for: {', '.join(unknown[:5])}"
                             f"{', ...' if len(unknown) > 5 else ''}; move them away first",
                             file=str(dst))
+    changed = _not_as_recorded(dst)
+    if changed:
+        raise KconvertError(f"--overwrite would delete files that are not what the kconvert "
+                            f"output in DST recorded: {'; '.join(changed[:5])}"
+                            f"{'; ...' if len(changed) > 5 else ''}; move them away first",
+                            file=str(dst))
+
+
+def _not_as_recorded(root: Path) -> list[str]:
+    """Files present in `root` whose size (shards) or xxh3-128 (every other file) differs from
+    what its manifest records: a file with a recorded name is not necessarily the file. Files
+    an interrupted run in `root` writes (its run state names them) may differ."""
+    try:
+        data = json.loads((root / MANIFEST).read_text())
+        run = root / STATE_DIR / RUN_FILE
+        rewriting = set(json.loads(run.read_text()).get("files") or []) if run.is_file() \
+            else set()
+    except (OSError, ValueError, AttributeError, TypeError):
+        return []
+    out = []
+    for name, entry in (data.get("files") or {}).items():
+        path = root / name
+        if name not in rewriting and path.is_file() and isinstance(entry, dict) and \
+                path.stat().st_size != entry.get("bytes"):
+            out.append(f"{name} ({path.stat().st_size} bytes, the manifest says "
+                       f"{entry.get('bytes')})")
+    for key in ("non_weight_files", "generated_files"):
+        for name, digest in (data.get(key) or {}).items():
+            path = root / name
+            if name not in rewriting and path.is_file() and hash_file(path) != digest:
+                out.append(f"{name} (its xxh3-128 is not the manifest's)")
+    return out
 
 
 # ------------------------------------------------------------------------------ preparing
@@ -267,7 +299,8 @@ def _tree_bytes(root: Path) -> int:
 
 def _no_space(where: Path, need: int, free: int, extra: str = "") -> KconvertError:
     return KconvertError(f"not enough disk space: the output needs {human_bytes(need)} "
-                         f"({need} bytes), the file system has {human_bytes(free)} ({free} "
+                         f"({need} bytes, including a margin of 1 MiB + 0.1% for the file "
+                         f"system's own use), the file system has {human_bytes(free)} ({free} "
                          f"bytes) free{' ' + extra if extra else ''}; free space and run again "
                          "(--resume continues an interrupted run)", file=str(where))
 

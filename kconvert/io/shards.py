@@ -12,9 +12,11 @@ are produced, into `<shard>.partial`, then fsync'd and renamed into place.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
+import math
 import os
 import struct
 import sys
@@ -72,6 +74,24 @@ class TensorInfo:
         return DTYPES[self.dtype]
 
 
+def _mis_sized(path: Path) -> str | None:
+    """The first tensor whose header's byte range is not its dtype x shape (what safetensors'
+    InvalidOffset / offsets-size errors do not name), or None."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError, struct.error):
+        with open(path, "rb") as fh:
+            (header_len,) = struct.unpack("<Q", fh.read(8))
+            if header_len > os.fstat(fh.fileno()).st_size:  # an absurd length: nothing to name
+                return None
+            header = json.loads(fh.read(header_len))
+        for name, entry in header.items():
+            if name == "__metadata__" or entry["dtype"] not in DTYPES:
+                continue
+            start, end = entry["data_offsets"]
+            if end - start != math.prod(entry["shape"]) * DTYPES[entry["dtype"]].itemsize:
+                return name
+    return None
+
+
 class ShardReader:
     """Header-validated, lazily read safetensors file."""
 
@@ -82,7 +102,8 @@ class ShardReader:
             with safe_open(str(path), framework="pt") as handle:
                 handle.keys()
         except (SafetensorError, OSError, ValueError) as exc:
-            raise KconvertError(f"unreadable safetensors file: {exc}", file=str(path)) from exc
+            raise KconvertError(f"unreadable safetensors file: {exc}", file=str(path),
+                                tensor=_mis_sized(path)) from exc
         with open(path, "rb") as fh:
             (header_len,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(header_len))

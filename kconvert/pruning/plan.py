@@ -23,7 +23,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kconvert.errors import KconvertError
+from kconvert.errors import KconvertError, invalid_fields
 
 PLAN_SCHEMA_ID = "kconvert-plan/1"
 PLAN_FILE = "reap-plan.json"  # the plan a pruning run writes into its output
@@ -150,7 +150,7 @@ def parse_plan(data: dict | str | bytes, where: str = "plan") -> PrunePlan:
             return PrunePlan.model_validate(data)
         return PrunePlan.model_validate_json(data)
     except ValidationError as exc:
-        raise KconvertError(f"invalid plan: {exc}", file=where) from exc
+        raise KconvertError(f"invalid plan: {invalid_fields(exc)}", file=where) from exc
 
 
 def load_plan(path: str | Path) -> PrunePlan:

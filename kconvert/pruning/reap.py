@@ -119,20 +119,28 @@ def row_hashes(rows: torch.Tensor) -> list[str]:
     return [xxhash.xxh3_64_hexdigest(raw[i].numpy().tobytes()) for i in range(rows.shape[0])]
 
 
+def routing_limits(ckpt: Checkpoint) -> tuple[int, int]:
+    """(n_routed_experts, num_experts_per_tok) from the config, both required positive
+    integers: without num_experts_per_tok no keep can be checked against the router's top-k
+    (transformers' default, 8, would then refuse a model pruned below it)."""
+    text, out = ckpt.text_config, []
+    for key in ("n_routed_experts", "num_experts_per_tok"):
+        value = text.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            found = "is missing" if value is None else f"is {value!r}, not a positive integer"
+            raise KconvertError(f"{key} {found}; pruning needs it",
+                                file=str(ckpt.root / "config.json"))
+        out.append(value)
+    return out[0], out[1]
+
+
 def keep_count(ckpt: Checkpoint, keep: int | None, prune_ratio: float | None) -> int:
     """Routed experts to keep per layer from --keep N or --prune-ratio R, checked against the
     config: at least num_experts_per_tok (the router's top-k), at most n_routed_experts."""
     if (keep is None) == (prune_ratio is None):
         raise KconvertError("give exactly one of --keep N and --prune-ratio R")
     config = str(ckpt.root / "config.json")
-    text = ckpt.text_config
-    limits = {key: text.get(key, default) for key, default in
-              (("n_routed_experts", None), ("num_experts_per_tok", 1))}
-    for key, value in limits.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            found = "is missing" if value is None else f"is {value!r}, not a positive integer"
-            raise KconvertError(f"{key} {found}; pruning needs it", file=config)
-    n_routed, top_k = limits.values()
+    n_routed, top_k = routing_limits(ckpt)
     if keep is None:
         if not 0 <= prune_ratio < 1:
             raise KconvertError(f"--prune-ratio {prune_ratio} is not in [0, 1)")

@@ -17,7 +17,7 @@ from kconvert.io.checkpoint import Checkpoint
 from kconvert.model.names import Role, TensorName
 from kconvert.options import REAP_SAMPLES, REPAIRS, calibration_run
 from kconvert.pruning.plan import PLAN_FILE, PrunePlan, load_plan
-from kconvert.pruning.reap import moe_layers, repaired_tensors
+from kconvert.pruning.reap import moe_layers, repaired_tensors, routing_limits
 from kconvert.stages.base import CALIBRATION_OPTIONS, StageKind
 
 
@@ -109,8 +109,7 @@ def prune_stage(plan: PrunePlan, ckpt: Checkpoint,
     layer the repaired router (gate rows, bias) to write, which the plan's repair records
     describe; a plan with repair records needs them (they are not in the plan file)."""
     text = ckpt.text_config
-    n_routed = text.get("n_routed_experts")
-    top_k = text.get("num_experts_per_tok", 1)
+    n_routed, top_k = routing_limits(ckpt)
     layers = moe_layers(ckpt)
     planned = {int(k): v.keep for k, v in plan.layers.items()}
     extra = sorted(set(planned) - set(layers))

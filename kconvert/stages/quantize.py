@@ -10,10 +10,11 @@ from pathlib import Path
 from pydantic import Field
 
 from kconvert.engine.stage import Stage, StageRecord
-from kconvert.errors import KconvertError
+from kconvert.errors import KconvertError, UsageError
 from kconvert.formats import OUTPUT_CODECS, DenseCodec, Nvfp4PairBitmaskCodec
 from kconvert.formats.linear import ModuleWork
 from kconvert.model.names import TARGET_ROLES, Role
+from kconvert.options import BLOCK_SCALE_RULES
 from kconvert.stages.base import StageKind
 
 
@@ -92,7 +93,7 @@ def parse_targets(spec: str | list[str] | tuple[str, ...]) -> frozenset[Role]:
     names = spec.split(",") if isinstance(spec, str) else list(spec)
     unknown = [n for n in names if n.strip() not in TARGET_ROLES]
     if unknown:
-        raise KconvertError(f"unknown --targets {unknown}; choose from {sorted(TARGET_ROLES)}")
+        raise UsageError(f"unknown --targets {unknown}; choose from {sorted(TARGET_ROLES)}")
     return frozenset(TARGET_ROLES[n.strip()] for n in names if n.strip())
 
 
@@ -100,8 +101,12 @@ def build(settings: dict, _input: None) -> Quantize:
     fmt = settings.get("format", "compressed-tensors")
     if fmt not in OUTPUT_CODECS:
         raise KconvertError(f"unknown format {fmt!r}")
+    scale_rule = settings.get("block_scale", "mse")
+    if scale_rule not in BLOCK_SCALE_RULES:  # a recipe file's value: checked before any write
+        raise KconvertError(f"unknown block_scale {scale_rule!r}; choose from "
+                            f"{list(BLOCK_SCALE_RULES)}")
     return Quantize(targets=parse_targets(settings.get("targets", ["experts"])), fmt=fmt,
-                    scale_rule=settings.get("block_scale", "mse"),
+                    scale_rule=scale_rule,
                     act_stats=settings.get("act_stats"))
 
 

@@ -226,8 +226,15 @@ def test_plan_validation(tmp_path):
                 {"n_routed_experts": 4, "layers": {"1": {"keep": [0, 4]}}}):
         path = tmp_path / "p.json"
         path.write_text(json.dumps(bad))
-        with pytest.raises(Exception, match="invalid plan"):
+        with pytest.raises(Exception, match="invalid plan") as info:
             load_plan(path)
+        # one line naming the field, without pydantic's boilerplate
+        said = str(info.value)
+        assert "\n" not in said and "errors.pydantic.dev" not in said and "[type=" not in said
+        assert "layer" in said and "Value error" not in said, said
+    path.write_text(json.dumps({"layers": {"1": {"keep": "x"}}}))
+    with pytest.raises(Exception, match=r"invalid plan: layers\.1\.keep: Input should be"):
+        load_plan(path)
 
 
 # ------------------------------------------------------------------ 1. clean outputs pass

@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import shutil
+import struct
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,29 @@ def test_prune_ratio_without_n_routed_experts_names_config_and_key(stats_dir, tm
         res = cli(*command, src, tmp_path / "out", "--stats", stats_dir,
                        "--prune-ratio", "0.5", "--quiet")
         assert_user_error(res, "n_routed_experts", str(src / "config.json"))
+        assert not (tmp_path / "out" / MANIFEST).exists()
+
+
+@pytest.mark.parametrize(("key", "value", "said"), [
+    ("num_experts_per_tok", None, "num_experts_per_tok is missing"),
+    ("n_routed_experts", "16", "n_routed_experts is '16', not a positive integer"),
+])
+def test_reap_needs_integer_routing_keys(key, value, said, stats_dir, tmp_path):
+    """Without num_experts_per_tok `reap --keep 1` used to write a model transformers refuses;
+    a string n_routed_experts said "has 16, config says 16"."""
+    src = source_copy(tmp_path)
+    config = json.loads((src / "config.json").read_text())
+    if value is None:
+        del config[key]
+    else:
+        config[key] = value
+    (src / "config.json").write_text(json.dumps(config))
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"criterion": "manual", "layers": {
+        str(layer): {"keep": [0]} for layer in (1, 2)}}))
+    for args in (["--stats", stats_dir, "--keep", "1"], ["--plan", plan]):
+        res = cli("reap", src, tmp_path / "out", *args, "--quiet")
+        assert_user_error(res, said)
         assert not (tmp_path / "out" / MANIFEST).exists()
 
 
@@ -208,6 +232,21 @@ def test_dst_below_a_regular_file_is_a_message(tmp_path):
     assert_user_error(res, str(tmp_path / "file"))
 
 
+def test_ctrl_c_says_how_to_continue(tmp_path, monkeypatch):
+    """Ctrl-C used to print click's "Aborted!" alone: a conversion says --resume keeps its
+    finished shards, and exits 130 as a shell reports SIGINT."""
+    import kconvert.convert
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kconvert.convert, "convert", interrupted)
+    res = cli("int4-to-nvfp4", BUNDLED, tmp_path / "out", "--quiet")
+    assert res.exit_code == 130 and isinstance(res.exception, SystemExit), res.output
+    assert "kconvert: interrupted" in res.stderr and "--resume" in res.stderr
+    assert "Aborted!" not in res.output and "Traceback" not in res.output
+
+
 def test_internal_error_keeps_traceback_and_says_it_is_a_bug(tmp_path, monkeypatch):
     import kconvert.convert
 
@@ -266,7 +305,7 @@ def test_recipe_key_typo_is_an_error(tmp_path):
 def test_run_refuses_options_no_stage_of_the_recipe_takes(opts, stage, tmp_path):
     """`run int4-to-nvfp4 ... --keep 4` used to keep every expert and exit 0."""
     res = cli("run", "int4-to-nvfp4", BUNDLED, tmp_path / "out", *opts, "--quiet")
-    assert_user_error(res, opts[0], "int4-to-nvfp4", f"option of stage {stage}")
+    assert_user_error(res, opts[0], "int4-to-nvfp4", f"option of stage {stage}", code=2)
     assert not (tmp_path / "out").exists()
 
 
@@ -300,3 +339,84 @@ def test_revision_with_a_local_source_is_an_error(tmp_path):
     assert not (tmp_path / "out" / MANIFEST).exists()
     res = cli("audit", BUNDLED, "--revision", "v2", "--quiet")
     assert res.exit_code == 2 and "--revision applies only with --source" in res.output
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["int4-to-nvfp4", "{src}", "{out}", "--resume", "--overwrite"], "not both"),
+    (["reap", "{src}", "{out}", "--stats", "{stats}", "--keep", "8", "--prune-ratio", "0.5"],
+     "not both"),
+    (["int4-to-nvfp4", "{src}", "{out}", "--targets", "bogus"], "unknown --targets"),
+    (["run", "int4-to-nvfp4", "{src}", "{out}", "--keep", "8"], "option of stage prune"),
+    (["int4-to-nvfp4", "{src}", "{out}", "--trust-complete"], "only with --resume"),
+])
+def test_options_that_do_not_go_together_are_usage_errors(args, said, stats_dir, tmp_path):
+    """The README's rule: a usage error exits 2 (these exited 1, or were ignored)."""
+    out = tmp_path / "out"
+    res = cli(*(a.format(src=BUNDLED, out=out, stats=stats_dir) for a in args), "--quiet")
+    assert_user_error(res, said, code=2)
+    assert not out.exists()
+
+
+def test_bad_recipe_files_are_messages_before_anything_is_written(tmp_path):
+    recipe = tmp_path / "r.toml"
+    cases = [
+        (b'name = "caf\xe9"\n[[stages]]\nstage = "quantize"\n', "not UTF-8"),
+        (b'[[stages]]\nstage = "dequant"\n[[stages]]\nstage = "quantize"\n'
+         b'block_scale = "foo"\n', "unknown block_scale 'foo'"),
+        (b'[[stages]]\nstage = "quantize"\n[[stages]]\nstage = "dequant"\n',
+         "dequant after quantize"),
+    ]
+    for text, said in cases:
+        recipe.write_bytes(text)
+        out = tmp_path / "out"
+        res = cli("run", recipe, BUNDLED, out, "--quiet")
+        assert_user_error(res, said, str(recipe) if said != "unknown block_scale 'foo'" else said)
+        assert not list(out.glob("*.safetensors")) and not (out / MANIFEST).exists()
+
+
+def test_api_block_scale_is_checked_before_anything_is_written(tmp_path):
+    import kconvert
+
+    with pytest.raises(KconvertError, match="unknown block_scale 'foo'"):
+        kconvert.int4_to_nvfp4(str(BUNDLED), str(tmp_path / "out"), block_scale="foo",
+                               device="cpu")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("model_type", ["kimi_k2", "llama"])
+def test_a_llama_config_is_refused_by_conversions_and_failed_by_the_audit(model_type, tmp_path):
+    """`architectures: [LlamaForCausalLM]` beside a Kimi model_type used to convert, and the
+    audit passed such a checkpoint."""
+    src = source_copy(tmp_path)
+    config = json.loads((src / "config.json").read_text())
+    config["architectures"], config["model_type"] = ["LlamaForCausalLM"], model_type
+    (src / "config.json").write_text(json.dumps(config))
+    res = cli("int4-to-nvfp4", src, tmp_path / "out", "--quiet")
+    assert_user_error(res, "unsupported architecture ['LlamaForCausalLM']", "config.json")
+    res = cli("audit", src, "--quiet")
+    assert res.exit_code == 1 and "unsupported architecture" in res.output, res.output
+    res = cli("audit", BUNDLED, "--source", src, "--quiet")
+    assert_user_error(res, "unsupported architecture")
+
+
+def test_shard_problems_name_the_tensor_and_what_the_path_is(tmp_path):
+    """A header entry whose byte range is not its dtype x shape names that tensor (it used to
+    name only the file); a shard that is a directory is not called missing."""
+    src = source_copy(tmp_path)
+    shard = src / "model-00002-of-000004.safetensors"
+    raw = shard.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    victim = sorted(k for k in header if k != "__metadata__")[3]
+    header[victim]["shape"] = [header[victim]["shape"][0] + 1, *header[victim]["shape"][1:]]
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    shard.write_bytes(struct.pack("<Q", len(blob)) + blob + raw[8 + n:])
+    res = cli("int4-to-nvfp4", src, tmp_path / "out", "--quiet")
+    assert_user_error(res, victim, shard.name)
+    other = source_copy(tmp_path / "dir")
+    target = other / "model-00003-of-000004.safetensors"
+    target.unlink()
+    target.mkdir()
+    res = cli("int4-to-nvfp4", other, tmp_path / "out2", "--quiet")
+    assert_user_error(res, "is a directory, not a file", target.name)

@@ -29,7 +29,10 @@ if __name__ == "__main__":
         events.subscribe(die_after_first_shard)
     with open(sys.argv[1]) as f:
         commands = json.load(f)
+    code = 0
     for argv in commands:
         code = main.main(args=argv, prog_name="kconvert", standalone_mode=False)
         if code:
-            sys.exit(code)
+            break
+    distributed.shutdown()  # on the main thread, every rank together, before interpreter exit
+    sys.exit(code)

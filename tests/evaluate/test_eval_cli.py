@@ -85,7 +85,21 @@ def test_a_candidate_of_another_shape_is_refused(dims, said, fixture_dir, data, 
     res = cli("eval", fixture_dir("bf16"), cand, "--data", data, "--seq-len", 16,
               "--device", "cpu", "-o", tmp_path / "ev", "--quiet")
     assert_user_error(res, said, str(cand))
+    assert res.output.count(str(cand)) == 2, res.output  # once in the text, once as the file
     assert not (tmp_path / "ev").exists()
+
+
+def test_a_candidate_of_a_smaller_vocabulary_is_named_for_it(fixture_dir, tmp_path):
+    """Token ids past the candidate's vocabulary used to fail its embedding first, blaming the
+    ids; the vocabulary is what differs."""
+    src, cand = fixture_dir("bf16", vocab=1024), fixture_dir("bf16")
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": [(97 * i + 31 * j) % 1000
+                                                      for j in range(16)]}) + "\n"
+                            for i in range(2)))
+    res = cli("eval", src, cand, "--data", data, "--seq-len", 16, "--device", "cpu", "-o",
+              tmp_path / "ev", "--quiet")
+    assert_user_error(res, "vocab_size is 512 but the source's is 1024", str(cand))
 
 
 def test_empty_data_and_bad_ids_are_refused(fixture_dir, tmp_path):

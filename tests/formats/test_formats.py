@@ -447,7 +447,6 @@ def test_modelopt_configs(converted):
     for d in dicts(cfg):
         assert d.get("quant_method") != "compressed-tensors"
     assert "compressed-tensors" not in (dst / "config.json").read_text()
-    pytest.importorskip("modelopt", reason="nvidia-modelopt is a test dependency")
     from modelopt.torch.export.convert_hf_config import convert_hf_quant_config_format
 
     assert block == convert_hf_quant_config_format(hf)
@@ -570,7 +569,6 @@ def test_nvfp4_matches_modelopt_reference_math(converted):
     """`--format modelopt --block-scale amax` writes ModelOpt's own NVFP4QTensor bytes, block
     scales and weight_scale_2 (amax / 2688 of the fused set, as ModelOpt computes it), exactly,
     for every routed expert."""
-    pytest.importorskip("modelopt", reason="nvidia-modelopt is a test dependency")
     from modelopt.torch.quantization.qtensor import NVFP4QTensor
 
     src, dst = converted("k2-int4-kimi", format="modelopt", block_scale="amax")

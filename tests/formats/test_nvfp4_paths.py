@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import os
 
+import numba  # a hard dependency (pyproject.toml): its absence fails, never skips
 import pytest
 import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
-from kconvert.formats import nvfp4, nvfp4_grid
+from kconvert.formats import nvfp4, nvfp4_cpu, nvfp4_grid
 from kconvert.formats.int4 import Int4Codec
-
-numba = pytest.importorskip("numba")
-nvfp4_cpu = pytest.importorskip("kconvert.formats.nvfp4_cpu")
 
 
 def _kimi_style(out: int, inp: int, seed: int) -> torch.Tensor:

@@ -6,10 +6,10 @@ the output").
   logits of the source, the source being decoded here by compressed-tensors' own decompressors.
 - The traps, documented as they are: without model_type "deepseek_v3" transformers leaves the
   routed experts random (a Kimi config says "kimi_k2"), and its own compressed-tensors loading
-  of an NVFP4 MoE checkpoint does not compute the source's function (the experts are not
-  matched; with dequantize=True they come out scaled by about the global scale: transformers
-  #48371). Those tests are strict xfails: the day transformers fixes a path, they fail, and the
-  README must be updated.
+  of an NVFP4 MoE checkpoint does not compute the source's function (plain or with
+  dequantize=True, the routed experts come out multiplied by their weight_global_scale:
+  transformers #48371). Those tests are strict xfails: the day transformers fixes a path,
+  they fail, and the README must be updated.
 """
 
 from __future__ import annotations
@@ -129,9 +129,10 @@ def test_without_the_deepseek_v3_model_type_the_experts_stay_random(checkpoints)
     assert any("experts" in k for k in info["missing_keys"]), info
 
 
-@pytest.mark.xfail(strict=True, reason="transformers' compressed-tensors loading does not match "
-                   "the routed experts of an NVFP4 MoE checkpoint (they load random); when it "
-                   "does, update the README's loader table")
+@pytest.mark.xfail(strict=True, reason="transformers' compressed-tensors loading does not give "
+                   "the routed experts of an NVFP4 MoE checkpoint as stored (they come out "
+                   "scaled by their weight_global_scale); when it does, update the README's "
+                   "loader table")
 def test_transformers_nvfp4_compressed_path(checkpoints):
     src, dst = checkpoints["nvfp4"]
     _assert_same_function(src, dst)

@@ -91,6 +91,28 @@ def test_overwrite_refuses_a_directory_that_is_not_a_kconvert_output(tmp_path):
     assert snapshot(mine) == before
 
 
+def test_overwrite_refuses_files_named_as_recorded_but_not_the_recorded_files(tmp_path):
+    """A copied manifest beside a user's file that has a recorded name: --overwrite compares
+    sizes (shards) and hashes (other files) with the manifest and refuses, naming the file."""
+    src = src_copy(tmp_path)
+    made = tmp_path / "made"
+    assert kc("int4-to-nvfp4", src, made, "--quiet").returncode == 0
+    for name, content in (("model-00001-of-000004.safetensors", b"my data!!"),
+                          ("tokenizer_config.json", b"{}")):
+        mine = tmp_path / f"mine-{name}"
+        mine.mkdir()
+        shutil.copy(made / "kconvert-manifest.json", mine)
+        (mine / name).write_bytes(content)
+        before = snapshot(mine)
+        proc = kc("int4-to-nvfp4", src, mine, "--overwrite", "--quiet")
+        assert proc.returncode == 1, proc.stderr
+        assert "not what the kconvert output in DST recorded" in proc.stderr
+        assert name in proc.stderr and "Traceback" not in proc.stderr
+        assert snapshot(mine) == before
+    # the real output is still replaced
+    assert kc("int4-to-nvfp4", src, made, "--overwrite", "--quiet").returncode == 0
+
+
 def test_overwrite_that_fails_leaves_the_old_output_as_it_was(tmp_path):
     src = src_copy(tmp_path)
     dst = tmp_path / "out"
@@ -297,6 +319,7 @@ def test_a_disk_too_small_is_refused_before_writing(tmp_path):
         proc = kc("dequant", src, fs / "out", "--quiet")
         assert proc.returncode == 1, proc.stderr
         assert "not enough disk space" in proc.stderr and "bytes) free" in proc.stderr
+        assert "including a margin of 1 MiB + 0.1%" in proc.stderr  # the figure says so
         assert "Traceback" not in proc.stderr
         assert not (fs / "out").exists()
 

@@ -62,7 +62,7 @@ def made(tmp_path_factory) -> dict[str, Path]:
     ids = windows(corpus_ids("train"), 12, SEQ, torch.Generator().manual_seed(3))
     data.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in ids))
     out = {"data": data}
-    for method in ("none", "router"):
+    for method in ("none", "bias", "router"):
         out[method] = root / method
         _reap(out[method], data, "--repair", method)
     out["default"] = root / "default"
@@ -85,25 +85,33 @@ def test_repair_none_is_todays_output(made):
     assert "repair" not in json.dumps(manifest["options"])
 
 
-def test_repaired_rows_are_recorded_and_differ_from_source(made):
-    plan = load_plan(made["router"] / PLAN_FILE)
-    assert plan.repair == "router"
-    out, src = _tensors(made["router"]), _tensors(SRC)
+@pytest.mark.parametrize("method", ["bias", "router"])
+def test_repaired_rows_are_recorded_and_differ_from_source(made, method):
+    """Through the command line: the plan and manifest record the repair, and the rows on disk
+    are the recorded ones; `bias` changes only e_score_correction_bias (the gate rows are the
+    source's kept rows, bit for bit), `router` the gate rows too."""
+    plan = load_plan(made[method] / PLAN_FILE)
+    assert plan.repair == method
+    manifest = json.loads((made[method] / "kconvert-manifest.json").read_text())
+    assert method in json.dumps(manifest["options"])
+    out, src = _tensors(made[method]), _tensors(SRC)
     applied = 0
     for key, entry in plan.layers.items():
         rec = entry.repair
-        assert rec is not None and rec.method == "router"
+        assert rec is not None and rec.method == method
         w = out[f"model.layers.{key}.mlp.gate.weight"]
         b = out[f"model.layers.{key}.mlp.gate.e_score_correction_bias"]
         assert w.dtype == torch.bfloat16 and b.dtype == torch.float32
         assert row_hashes(w) == rec.gate_rows_xxh3 and b.tolist() == rec.bias
         sw = src[f"model.layers.{key}.mlp.gate.weight"][entry.keep]
+        sb = src[f"model.layers.{key}.mlp.gate.e_score_correction_bias"][entry.keep]
         if rec.applied:
             applied += 1
             assert rec.heldout_mse_after < rec.heldout_mse_before
-            assert not torch.equal(w, sw)
+            assert not torch.equal(b, sb)
+            assert torch.equal(w, sw) if method == "bias" else not torch.equal(w, sw)
         else:
-            assert torch.equal(w, sw)
+            assert torch.equal(w, sw) and torch.equal(b, sb)
         for e, s in enumerate(entry.keep):  # experts are never changed
             for p in ("gate_proj", "up_proj", "down_proj"):
                 name = f"model.layers.{key}.mlp.experts.{{}}.{p}.weight"
@@ -133,8 +141,9 @@ def _routing(x: torch.Tensor, t: dict[str, torch.Tensor], layer: int, cfg: dict
     return out
 
 
-def test_repaired_output_loads_in_transformers_and_routes_as_written(made):
-    dst = made["router"]
+@pytest.mark.parametrize("method", ["bias", "router"])
+def test_repaired_output_loads_in_transformers_and_routes_as_written(made, method):
+    dst = made[method]
     cfg = json.loads((dst / "config.json").read_text())
     model = load_kimi_checkpoint(dst)
     t = _tensors(dst)
@@ -145,8 +154,9 @@ def test_repaired_output_loads_in_transformers_and_routes_as_written(made):
         torch.testing.assert_close(got, _routing(x, t, layer, cfg), atol=1e-5, rtol=1e-5)
 
 
-def test_audit_passes_on_repaired_output(made):
-    code, report = _audit(made["router"], "--source", str(SRC))
+@pytest.mark.parametrize("method", ["bias", "router"])
+def test_audit_passes_on_repaired_output(made, method):
+    code, report = _audit(made[method], "--source", str(SRC))
     assert code == 0, report["failures"]
 
 
