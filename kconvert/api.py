@@ -136,9 +136,16 @@ def int4_to_nvfp4(src: str, dst: str, **kwargs) -> ConversionResult:
     return run_recipe("int4-to-nvfp4", src, dst, **kwargs)
 
 
+def int4_to_mxfp4(src: str, dst: str, **kwargs) -> ConversionResult:
+    """`kconvert int4-to-mxfp4`: INT4 pack-quantized -> MXFP4 in one pass. Options: `format`
+    (quark-mxfp4 | mxfp4-pack-quantized), `block_scale` (mse | amax), `targets`,
+    `activations` (dynamic | none), and the run controls of `run_recipe`."""
+    return run_recipe("int4-to-mxfp4", src, dst, **kwargs)
+
+
 def quantize(src: str, dst: str, **kwargs) -> ConversionResult:
-    """`kconvert quantize`: any checkpoint -> NVFP4 on the targets (options as
-    `int4_to_nvfp4`)."""
+    """`kconvert quantize`: any checkpoint -> NVFP4 or MXFP4 on the targets (options as
+    `int4_to_nvfp4`, `format` any of the four, `activations` for MXFP4)."""
     return run_recipe("quantize", src, dst, **kwargs)
 
 
@@ -208,6 +215,7 @@ __all__ = [
     "eval",
     "evaluate_candidates",
     "inspect",
+    "int4_to_mxfp4",
     "int4_to_nvfp4",
     "quantize",
     "reap",

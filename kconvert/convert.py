@@ -292,8 +292,8 @@ def _finish(ckpt: Checkpoint, ws: Workspace, plan: WorkPlan, records: dict[str, 
         write(INDEX, _json({"metadata": {"total_size": total}, "weight_map": weight_map}),
               "index-written")
 
-    names = list(plan.outputs)
-    fmt, qconfig, format_files = output_config(plan.modules, names, ckpt.config)
+    shapes = {name: t.shape for name, t in plan.outputs.items()}
+    fmt, qconfig, format_files = output_config(plan.modules, shapes, ckpt.config)
     dropped = dict(plan.dropped)
     if (ckpt.root / HF_QUANT_CONFIG).is_file() and HF_QUANT_CONFIG not in format_files:
         dropped[HF_QUANT_CONFIG] = "ModelOpt quantization file; output is not ModelOpt"

@@ -63,7 +63,8 @@ class Manifest(BaseModel):
                                       "(the recipe, and per stage the options that decide "
                                       "the bytes)")
     source: SourceEntry
-    output_format: str = Field(description="compressed-tensors | modelopt | bf16 | source")
+    output_format: str = Field(description="compressed-tensors | modelopt | quark | bf16 | "
+                                           "source")
     files: dict[str, FileEntry]
     non_weight_files: dict[str, str] = Field(
         description="files carried over from the source: relative path -> xxh3-128 of bytes")

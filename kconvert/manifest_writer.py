@@ -9,6 +9,7 @@ from pathlib import Path
 
 from kconvert import distributed
 from kconvert.engine.work import WorkPlan
+from kconvert.formats import OUTPUT_CODECS
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.files import human_bytes
 from kconvert.manifest import (
@@ -19,7 +20,7 @@ from kconvert.manifest import (
     SourceEntry,
     TensorEntry,
 )
-from kconvert.model.names import parse_name
+from kconvert.model.names import Role, parse_name
 from kconvert.version import __version__
 
 
@@ -40,12 +41,15 @@ def build_manifest(ckpt: Checkpoint, plan: WorkPlan, records: dict[str, dict], c
         st = stats[m.out_module]
         # Keyed by the OUTPUT's fused set: after pruning, m.tn names the source expert.
         out_set = parse_name(f"{m.out_module}.{m.tn.param}").fused_set
-        entry = fused_sets.setdefault(
-            out_set, FusedSetEntry(members=[], amax=st["amax"],
-                                   global_scale=st["global_scale"]))
-        entry.members.append(m.out_module)
-        if "quantize" not in m.stages:
-            continue  # re-laid out (densify): bytes unchanged, nothing quantized
+        if st["global_scale"] is not None:  # a shared per-tensor scale (NVFP4; MXFP4 has none)
+            entry = fused_sets.setdefault(
+                out_set, FusedSetEntry(members=[], amax=st["amax"],
+                                       global_scale=st["global_scale"]))
+            entry.members.append(m.out_module)
+        if "quantize" not in m.stages or m.tn.role is Role.ROUTER_WEIGHT:
+            # re-laid out (densify): bytes unchanged, nothing quantized; a router is checked
+            # row by row by the audit, not by its layer's decode bound
+            continue
         rel = st["err_sq"] / st["ref_sq"] if st["ref_sq"] else 0.0
         by_layer.setdefault(str(m.tn.layer), []).append(rel)
     for layer, rels in sorted(by_layer.items()):
@@ -104,7 +108,9 @@ def summary_line(manifest: Manifest, dst: str) -> str:
     if s.get("sparsified_modules"):
         parts.append(f"{s['sparsified_modules']} modules made paired-4:8 sparse")
     if s.get("quantized_modules"):
-        parts.append(f"{s['quantized_modules']} modules quantized to NVFP4 (relative squared "
+        fmt = (manifest.options.get("quantize") or {}).get("format", "compressed-tensors")
+        written = OUTPUT_CODECS[fmt].description if fmt in OUTPUT_CODECS else fmt
+        parts.append(f"{s['quantized_modules']} modules quantized to {written} (relative squared "
                      f"error mean {s['rel_mse_mean']:.2e}, max {s['rel_mse_max']:.2e})")
     if s.get("dequantized_modules"):
         parts.append(f"{s['dequantized_modules']} modules dequantized")

@@ -35,7 +35,10 @@ SPARSIFY_STORAGES = ("dense", "pair-bitmask")
 HESSIANS = ("source", "sequential")  # SparseGPT's layer inputs (kconvert.sparsity.sparsegpt)
 # `--format NAME` of the quantize stage: each is an output codec's `cli_name`
 # (kconvert.formats.OUTPUT_CODECS; a test keeps the two equal).
-OUTPUT_FORMATS = ("compressed-tensors", "modelopt")
+OUTPUT_FORMATS = ("compressed-tensors", "modelopt", "mxfp4-pack-quantized", "quark-mxfp4")
+# MXFP4's --activations: W4A16, or W4A4 with activations quantized at run time
+# (kconvert.stages.quantize).
+ACTIVATIONS = ("none", "dynamic")
 # --stream-window: a streamed run's source shards on disk at once (kconvert.io.stream)
 STREAM_WINDOW = 3
 

@@ -1,4 +1,5 @@
-"""kconvert int4-to-nvfp4 against llm-compressor's model_free_ptq (the anchor) and the I/O floor.
+"""kconvert int4-to-nvfp4 (and int4-to-mxfp4) against llm-compressor's model_free_ptq (the
+anchor) and the I/O floor.
 
     python scripts/bench_convert.py smoke   # correctness + CPU per-matrix comparison (short)
     python scripts/bench_convert.py full    # the acceptance benchmark on the full-size set
@@ -12,7 +13,9 @@ anchor_convert.py + stub/ copied to .bench/):
 `full` runs `anchor_convert.py` (shared/bench; it builds ROOT/src, a full-size synthetic
 Kimi-K2-Thinking shard set, and times the anchor, the cold read floor and the write floor),
 then, in the same run and on the same disk, a concurrent read+write floor and kconvert
-(`--device cuda` with `--block-scale mse` and `amax`, then `--device cpu` mse on the same set),
+(`--device cuda` with `--block-scale mse` and `amax`, then `int4-to-mxfp4 --device cuda` (AMD
+Quark's layout) with its default `amax` and with `mse` unless MXFP4=0, then `--device cpu` mse
+on the same set),
 each in its own process with the page cache dropped first, and last the CPU per-matrix
 comparison of `smoke` step 3 (the CUDA runs are left out on a machine without a GPU). Every
 kconvert run is timed in-process (after imports, like the anchor; on the CPU also after
@@ -28,7 +31,8 @@ the run events came, phase_until_plan, phase__finish and phase_write_manifest (`
 DIMS=tiny makes `full` build and convert a tiny set (MOE_LAYERS=1: seconds), a check of the
 script and of the event plumbing rather than a benchmark.
 
-`smoke` converts the bundled fixture on CPU and CUDA and compares every output byte, does the
+`smoke` converts the bundled fixture on CPU and CUDA (int4-to-nvfp4, and int4-to-mxfp4 with
+the routers) and compares every output byte, does the
 same on a shard of full-size experts, times kconvert's compute per expert matrix on the GPU
 and the CPU in-process, times a DIMS=tiny anchor set, and measures CPU throughput per expert
 matrix of both tools (CUDA hidden), end to end on shards of 8 and 64 full-size INT4 experts
@@ -741,17 +745,19 @@ def _json_diff(a, b, path="") -> list[str]:
     return [] if a == b else [f"{path}: {str(a)[:80]} != {str(b)[:80]}"]
 
 
-def kc_args(src: Path, dst: Path, device: str, bs: str | None, extra=()) -> list[str]:
-    a = ["_kc", "int4-to-nvfp4", str(src), str(dst), "--device", device, "--quiet",
+def kc_args(src: Path, dst: Path, device: str, bs: str | None, extra=(),
+            command: str = "int4-to-nvfp4") -> list[str]:
+    a = ["_kc", command, str(src), str(dst), "--device", device, "--quiet",
          "--overwrite", *extra]
     return a + (["--block-scale", bs] if bs else [])
 
 
-def timed_kc(src: Path, dst: Path, device: str, bs: str | None, env=None, extra=()) -> dict:
+def timed_kc(src: Path, dst: Path, device: str, bs: str | None, env=None, extra=(),
+             command: str = "int4-to-nvfp4") -> dict:
     """A cold-cache kconvert run into a fresh `dst`."""
     rm(dst)
     cold = drop_caches()
-    r = run_child(kc_args(src, dst, device, bs, extra), env=env, gpu=device != "cpu")
+    r = run_child(kc_args(src, dst, device, bs, extra, command), env=env, gpu=device != "cpu")
     r["drop_caches_ok"] = cold
     r["out_bytes"] = du(dst) if dst.exists() else None
     return r
@@ -831,20 +837,24 @@ def smoke() -> None:
     import torch
 
     has_cuda = torch.cuda.is_available()
-    # 1. fixture: CPU vs CUDA bytes, both block-scale rules.
+    # 1. fixture: CPU vs CUDA bytes, both block-scale rules, NVFP4 and MXFP4 (AMD's recipe:
+    # experts and routers).
     fx: dict = {}
-    for bs in ("amax", "mse"):
+    for bs, command, extra in (("amax", "int4-to-nvfp4", ()), ("mse", "int4-to-nvfp4", ()),
+                               ("amax", "int4-to-mxfp4", ("--targets", "experts,routers")),
+                               ("mse", "int4-to-mxfp4", ("--targets", "experts,routers"))):
+        key = bs if command == "int4-to-nvfp4" else f"mxfp4_{bs}"
         dirs = {}
         for dev in ("cpu",) + (("cuda",) if has_cuda else ()):
-            d = ROOT / f"fx_{dev}_{bs}"
-            r = run_child(kc_args(FIXTURE, d, dev, bs), monitor=False)
-            fx[f"{dev}_{bs}"] = {k: r.get(k) for k in ("rc", "rc_main", "wall_process_s",
-                                                        "wall_main_s", "error_tail")}
+            d = ROOT / f"fx_{dev}_{key}"
+            r = run_child(kc_args(FIXTURE, d, dev, bs, extra, command), monitor=False)
+            fx[f"{dev}_{key}"] = {k: r.get(k) for k in ("rc", "rc_main", "wall_process_s",
+                                                         "wall_main_s", "error_tail")}
             dirs[dev] = d
-            log(f"fixture {dev} {bs}", fx[f"{dev}_{bs}"])
-        if has_cuda and all(fx[f"{d}_{bs}"]["rc"] == 0 for d in ("cpu", "cuda")):
-            fx[f"compare_{bs}"] = compare_dirs(dirs["cpu"], dirs["cuda"])
-            log(f"fixture compare {bs}", fx[f"compare_{bs}"])
+            log(f"fixture {dev} {key}", fx[f"{dev}_{key}"])
+        if has_cuda and all(fx[f"{d}_{key}"]["rc"] == 0 for d in ("cpu", "cuda")):
+            fx[f"compare_{key}"] = compare_dirs(dirs["cpu"], dirs["cuda"])
+            log(f"fixture compare {key}", fx[f"compare_{key}"])
     RES["fixture_cpu_vs_cuda"] = fx
     save("smoke")
     # 2. GPU compute per matrix in-process.
@@ -952,18 +962,22 @@ def full() -> None:
     if shutil.disk_usage(ROOT).free < 1.3 * (dst_bytes or 0):
         rm(ROOT / "dst")
     RES["kc"] = {}
-    variants = [("mse", None, "cuda"), ("amax", "amax", "cuda"), ("mse_cpu", None, "cpu")]
+    nv, mx = "int4-to-nvfp4", "int4-to-mxfp4"
+    variants = [("mse", None, "cuda", nv), ("amax", "amax", "cuda", nv)]
+    if os.environ.get("MXFP4", "1") == "1":
+        variants += [("mxfp4_amax", None, "cuda", mx), ("mxfp4_mse", "mse", "cuda", mx)]
+    variants.append(("mse_cpu", None, "cpu", nv))
     if not RES["machine"]["gpu"]:
         variants = [v for v in variants if v[2] != "cuda"]
-    for label, bs, device in variants:
+    for label, bs, device, command in variants:
         if device == "cpu" and late():
             continue
         env = None
         if device == "cpu":
             warm_cpu_kernels()
             env = env_with(CUDA_VISIBLE_DEVICES="")
-        r = timed_kc(src, ROOT / "kc", device, bs, env=env)
-        r["device"] = device
+        r = timed_kc(src, ROOT / "kc", device, bs, env=env, command=command)
+        r["device"], r["command"] = device, command
         RES["kc"][label] = r
         log(f"kconvert {label}", {k: r.get(k) for k in (
             "rc", "wall_main_s", "wall_process_s", "vmhwm_gb", "maxrss_gb", "gpu")}
@@ -974,18 +988,20 @@ def full() -> None:
     rm(ROOT / "kc")
     # 4. Ratios.
     floor = anchor.get("io_floor_s")
+    conc = RES.get("io_floor_concurrent", {}).get("both_s")
     ratios = {}
     for label, r in RES["kc"].items():
         if r.get("rc") == 0 and r.get("rc_main") == 0 and floor:
             ratios[label] = {
                 "wall_main_over_floor": round(r["wall_main_s"] / floor, 2),
+                "wall_main_over_concurrent_floor": round(r["wall_main_s"] / conc, 2)
+                if conc else None,
                 "wall_process_over_floor": round(r["wall_process_s"] / floor, 2),
                 "anchor_over_wall_main": round(anchor["anchor_w1_s"] / r["wall_main_s"], 2)
                 if anchor.get("anchor_w1_s") else None,
                 "peak_rss_gb": r.get("vmhwm_gb") or r.get("maxrss_gb"),
                 "target_wall_ok": r["wall_main_s"] <= 1.3 * floor,
                 "target_rss_ok": (r.get("vmhwm_gb") or r.get("maxrss_gb") or 99) <= 4.0}
-    conc = RES.get("io_floor_concurrent", {}).get("both_s")
     if conc:
         ratios["concurrent_floor_over_io_floor"] = round(conc / floor, 2) if floor else None
     RES["ratios"] = ratios

@@ -34,7 +34,7 @@ def test_recipe_options_are_overridden_and_validated(tmp_path):
     assert m.options["quantize"]["block_scale"] == "amax"
     with pytest.raises(KconvertError, match="unknown --targets"):
         convert(str(BUNDLED), str(tmp_path / "b"), load_recipe("int4-to-nvfp4"),
-                {"targets": "routers"}, quiet)
+                {"targets": "embeddings"}, quiet)
     with pytest.raises(KconvertError, match="no recipe"):
         load_recipe("no-such-recipe")
 

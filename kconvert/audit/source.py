@@ -3,7 +3,9 @@
 Router rows and e_score_correction_bias entries equal the source rows the plan chose, or, in
 a layer whose router the plan records as repaired, the rows it records (xxh3 of each gate
 row, the exact bias entries); without a plan, the mapping is inferred by matching router rows,
-and the report says so;
+and the report says so. A router quantized (MXFP4, AMD's recipe) is compared through its
+decode: byte for byte against a source router in its own format, else each row within
+ROUTER_REL_MSE of its source row;
 the config is unchanged but for what pruning / quantization must change; nothing in the
 source is unaccounted for; non-weight files are identical. The tensors' bytes and decodes are
 compared as they stream by (kconvert.audit.stream). Without a source, a plan's expert counts
@@ -17,8 +19,10 @@ from collections import Counter, defaultdict
 import torch
 
 from kconvert.audit.bits import same_bits
-from kconvert.audit.context import AuditContext
+from kconvert.audit.context import AuditContext, Side
 from kconvert.checks.findings import CONFIG, short
+from kconvert.formats import DenseCodec, router_format
+from kconvert.formats.base import Codec
 from kconvert.io.files import hash_file
 from kconvert.io.shards import TensorInfo
 from kconvert.model.names import Role, parse_name
@@ -29,6 +33,24 @@ SRC = "source"
 # Config keys that pruning / quantization legitimately change.
 CHANGEABLE_CONFIG_KEYS = {"quantization_config", "n_routed_experts", "n_group", "topk_group",
                           "torch_dtype", "dtype", "transformers_version"}
+# A router row in another format than its source's (MXFP4 from BF16) must decode within this
+# relative squared error of its source row: MXFP4 gives about 0.01, another expert's row ~2.
+ROUTER_REL_MSE = 0.05
+
+
+def _router(side: Side, info: TensorInfo, seen: set[str]) -> tuple[torch.Tensor, type[Codec]]:
+    """(the router weight as compared, its format): the stored tensor when plain, the fp32
+    decode when quantized; a scale tensor read is added to `seen`."""
+    params = {"weight": info}
+    scale = side.tensors.get(info.name.rsplit(".", 1)[0] + ".weight_scale")
+    if scale is not None:
+        params["weight_scale"] = scale
+        seen.add(scale.name)
+    found = router_format(params)
+    if found is None or found[0] is DenseCodec:
+        return side.read(info), DenseCodec
+    codec, shape = found
+    return codec.decode({p: side.read(i).unsqueeze(0) for p, i in params.items()}, shape)[0], codec
 
 
 def map_experts(ctx: AuditContext) -> None:
@@ -47,15 +69,17 @@ def map_experts(ctx: AuditContext) -> None:
             continue
         ctx.used_source.update(i.name for i in (sw_info, sb_info) if i is not None)
         ctx.has_counterpart.update(i.name for i in (w_info, b_info) if i is not None)
-        w, sw = ctx.ckpt.read(w_info), ctx.source.read(sw_info)
+        (w, codec), (sw, src_codec) = (_router(ctx.ckpt, w_info, ctx.has_counterpart),
+                                       _router(ctx.source, sw_info, ctx.used_source))
+        exact = codec is src_codec
         b = ctx.ckpt.read(b_info) if b_info is not None else None
         sb = ctx.source.read(sb_info) if sb_info is not None else None
         if not r.check(SRC, w.dim() == 2 and sw.dim() == 2 and w.shape[1] == sw.shape[1]
-                       and w.dtype == sw.dtype, "router", f"router {w.dtype}{list(w.shape)} "
-                       f"cannot be compared with the source's {sw.dtype}{list(sw.shape)}",
-                       tensor=w_info.name):
+                       and (w.dtype == sw.dtype or not exact), "router",
+                       f"router {w.dtype}{list(w.shape)} cannot be compared with the source's "
+                       f"{sw.dtype}{list(sw.shape)}", tensor=w_info.name):
             continue
-        mapping, mode = _layer_mapping(ctx, layer, w_info, w, sw, b, sb)
+        mapping, mode = _layer_mapping(ctx, layer, w_info, w, sw, b, sb, exact)
         repair = _repair_record(ctx, layer)
         if repair is not None and b is not None:
             bad = 0
@@ -89,9 +113,10 @@ def map_experts(ctx: AuditContext) -> None:
 
 
 def _layer_mapping(ctx: AuditContext, layer: int, w_info: TensorInfo, w: torch.Tensor,
-                   sw: torch.Tensor, b: torch.Tensor | None, sb: torch.Tensor | None
-                   ) -> tuple[list[int | None], str]:
-    """(source id per expert, "plan" | "identity" | "inferred"), and the table's columns."""
+                   sw: torch.Tensor, b: torch.Tensor | None, sb: torch.Tensor | None,
+                   exact: bool = True) -> tuple[list[int | None], str]:
+    """(source id per expert, "plan" | "identity" | "inferred"), and the table's columns;
+    `exact`: rows compared byte for byte, else through the decode (`_nearest`)."""
     r, row = ctx.report, ctx.report.row(layer)
     n, ns = w.shape[0], sw.shape[0]
     rows, src_rows = _row_bytes(w), _row_bytes(sw)
@@ -114,6 +139,12 @@ def _layer_mapping(ctx: AuditContext, layer: int, w_info: TensorInfo, w: torch.T
         keep = None
     if n != ns:
         row.experts = f"{n}/{ns}"
+    if not exact:
+        mapping = _nearest(ctx, layer, w_info, w, sw, keep)
+        mode = ("plan" if keep is not None else
+                "identity" if mapping == list(range(ns)) else "inferred")
+        row.router = f"decoded, {'= plan' if keep is not None else mode} ({n}/{ns})"
+        return mapping, mode
     if keep is None:
         mapping = _infer(ctx, layer, w_info, w, sw, rows, by_bytes, b, sb)
         identity = n == ns and mapping == list(range(n))
@@ -187,6 +218,28 @@ def _infer(ctx: AuditContext, layer: int, w_info: TensorInfo, w: torch.Tensor,
                    layer=layer, tensor=w_info.name)
         mapping.append(cands[0])
         taken.add(cands[0])
+    return mapping
+
+
+def _nearest(ctx: AuditContext, layer: int, w_info: TensorInfo, w: torch.Tensor,
+             sw: torch.Tensor, keep: list[int] | None) -> list[int | None]:
+    """Each decoded router row's source row (the plan's, else the nearest), which it must
+    match within ROUTER_REL_MSE; a source row claimed twice is a failure."""
+    r = ctx.report
+    w, sw = w.double(), sw.double()
+    rel = torch.cdist(w, sw).square() / sw.square().sum(1).clamp_min(1e-300)  # [n, ns]
+    mapping: list[int | None] = []
+    for i in range(w.shape[0]):
+        s = keep[i] if keep is not None else int(rel[i].argmin())
+        how = "chosen by the plan" if keep is not None else "its nearest"
+        ok = r.check(SRC, float(rel[i, s]) <= ROUTER_REL_MSE, "router", f"row {i} decodes "
+                     f"{float(rel[i, s]):.3g} (relative squared error) away from source row "
+                     f"{s}, {how}", layer=layer, tensor=w_info.name)
+        if keep is None and s in mapping:
+            r.add(SRC, "router", f"row {i} and row {mapping.index(s)} both match source row "
+                  f"{s}", layer=layer, tensor=w_info.name)
+            ok = False
+        mapping.append(s if ok or keep is not None else None)
     return mapping
 
 

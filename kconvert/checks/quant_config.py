@@ -23,6 +23,7 @@ from kconvert.formats import (
     ct_config,
     method_codec,
     modelopt_codec,
+    mxfp4_quark,
     nvfp4_modelopt,
 )
 from kconvert.formats.base import Codec, Linear, is_linear
@@ -76,7 +77,8 @@ def _modelopt_expected(qconfig: dict, name: str, linear: bool
 # How a config family (by its quant_method) gives a module's format: (qconfig, the name the
 # config knows the module by, is it a Linear) -> (kind, codec, scheme), as expected_format.
 FAMILY_READERS = {ct_config.QUANT_METHOD: _ct_expected,
-                  nvfp4_modelopt.QUANT_METHOD: _modelopt_expected}
+                  nvfp4_modelopt.QUANT_METHOD: _modelopt_expected,
+                  mxfp4_quark.QUANT_METHOD: mxfp4_quark.quark_expected}
 
 
 def expected_format(qconfig: dict, m: Linear, name: str | None = None

@@ -28,6 +28,7 @@ from kconvert.checks.findings import (
 )
 from kconvert.checks.quant_config import FOLLOWS_TENSORS, check_quant_config
 from kconvert.errors import KconvertError
+from kconvert.formats import router_format
 from kconvert.formats.base import Linear
 from kconvert.formats.dense import FLOAT_DTYPES
 from kconvert.io.shards import TensorInfo
@@ -214,7 +215,9 @@ def _check_moe_layer(checks: Checks, row: dict[str, str], layer: int, tns: list[
                      tensors: dict[str, TensorInfo], n_cfg: int | None, hidden: int | None,
                      needs_bias: bool) -> None:
     S = "structure"
-    router = next((tn for tn in tns if tn.role is Role.ROUTER_WEIGHT), None)
+    router_params = {tn.param: tensors[tn.name] for tn in tns if tn.role is Role.ROUTER_WEIGHT}
+    router = next((tn for tn in tns if tn.role is Role.ROUTER_WEIGHT and tn.param == "weight"),
+                  None)
     bias = next((tn for tn in tns if tn.role is Role.ROUTER_BIAS), None)
     experts: dict[int, dict[str, dict[str, TensorInfo]]] = defaultdict(lambda: defaultdict(
         dict))
@@ -228,11 +231,17 @@ def _check_moe_layer(checks: Checks, row: dict[str, str], layer: int, tns: list[
                     layer=layer):
         info = tensors[router.name]
         counts["router rows"] = info.shape[0] if info.shape else None
-        checks.check(S, len(info.shape) == 2 and (hidden is None or info.shape[1] == hidden),
-                     "router", f"router shape {list(info.shape)}, expected [N, {hidden}]",
+        found = router_format(router_params) if len(info.shape) == 2 else None
+        if checks.check(S, found is not None or set(router_params) == {"weight"}, "router",
+                        f"router parameters {sorted(router_params)} "
+                        f"({', '.join(i.dtype for i in router_params.values())}) are neither "
+                        "a float weight nor MXFP4", tensor=router.name) and found is None:
+            checks.check(S, info.dtype in FLOAT_DTYPES, "router", f"router dtype {info.dtype} "
+                         "is not floating point", tensor=router.name)
+        shape = found[1] if found is not None else tuple(info.shape)
+        checks.check(S, len(shape) == 2 and (hidden is None or shape[1] == hidden),
+                     "router", f"router shape {list(shape)}, expected [N, {hidden}]",
                      tensor=router.name)
-        checks.check(S, info.dtype in FLOAT_DTYPES, "router", f"router dtype {info.dtype} is "
-                     "not floating point", tensor=router.name)
     if bias is not None:
         info = tensors[bias.name]
         counts["e_score_correction_bias entries"] = info.shape[0] if info.shape else None

@@ -15,6 +15,7 @@ from kconvert.cli.base import KconvertGroup
 from kconvert.cli.convert import (
     densify,
     dequant,
+    int4_to_mxfp4,
     int4_to_nvfp4,
     quantize,
     reap,
@@ -32,6 +33,6 @@ def main() -> None:
     """Convert and compress Kimi-K2 family MoE checkpoints shard by shard."""
 
 
-for command in (int4_to_nvfp4, quantize, dequant, reap, sparsify, densify, run_recipe,
-                calibrate_cmd, eval_cmd, audit, inspect_cmd):
+for command in (int4_to_nvfp4, int4_to_mxfp4, quantize, dequant, reap, sparsify, densify,
+                run_recipe, calibrate_cmd, eval_cmd, audit, inspect_cmd):
     main.add_command(command)

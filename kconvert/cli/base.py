@@ -42,6 +42,7 @@ METHODS = options.SPARSIFY_METHODS
 STORAGES = options.SPARSIFY_STORAGES
 HESSIANS = options.HESSIANS
 FORMATS = options.OUTPUT_FORMATS
+ACTIVATIONS = options.ACTIVATIONS
 
 
 # What to do about an OSError that reaches the command line, by errno.
@@ -206,10 +207,16 @@ RUN_CONTROL_OPTIONS = ("revision", "token", "cache_dir", "device", "resume", "tr
 
 QUANTIZE_OPTIONS = [
     click.option("--format", type=click.Choice(FORMATS), default=None,
-                 help="NVFP4 on-disk flavour [default: compressed-tensors]."),
+                 help="On-disk format: NVFP4 compressed-tensors | modelopt, MXFP4 "
+                      "mxfp4-pack-quantized | quark-mxfp4 (AMD Quark) [default: "
+                      "compressed-tensors; int4-to-mxfp4: quark-mxfp4]."),
     click.option("--block-scale", type=click.Choice(BLOCK_SCALE_RULES), default=None,
-                 help="FP8 block-scale rule: amax (compressed-tensors/ModelOpt bytes) or mse "
+                 help="Block-scale rule: amax (the format's own tool's bytes) or mse "
                       "(min block error) [default: mse]."),
+    click.option("--activations", type=click.Choice(ACTIVATIONS), default=None,
+                 help="MXFP4 only: dynamic declares W4A4, activations quantized per 32 at "
+                      "run time (AMD's recipe), none is weight-only [default: dynamic for "
+                      "quark-mxfp4, none for mxfp4-pack-quantized]."),
     click.option("--act-stats", type=click.Path(exists=True, dir_okay=False), default=None,
                  help="Calibration statistics JSON {\"input_amax\": {module: amax}}: "
                       "listed modules become W4A4 with input scales."),

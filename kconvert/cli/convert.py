@@ -75,8 +75,11 @@ def conversion_command(name: str, summary: str, options: list) -> click.Command:
 int4_to_nvfp4 = conversion_command(
     "int4-to-nvfp4", "INT4 pack-quantized SRC -> NVFP4 DST in one pass (dequant + quantize).",
     QUANTIZE_OPTIONS)
-quantize = conversion_command("quantize", "Any SRC -> NVFP4 on the targeted modules.",
-                              QUANTIZE_OPTIONS)
+int4_to_mxfp4 = conversion_command(
+    "int4-to-mxfp4", "INT4 pack-quantized SRC -> MXFP4 DST in one pass (AMD Quark's layout by "
+                     "default; dequant + quantize).", QUANTIZE_OPTIONS)
+quantize = conversion_command("quantize", "Any SRC -> NVFP4 or MXFP4 (--format) on the "
+                                          "targeted modules.", QUANTIZE_OPTIONS)
 dequant = conversion_command(
     "dequant", "Quantized SRC -> BF16 (or F32) DST, quantization_config removed.",
     DEQUANT_OPTIONS)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -134,6 +134,11 @@ def compute_item(plan: WorkPlan, item: Item, bufs: list[torch.Tensor], device: t
             for i, m in enumerate(ms):
                 writes.append((m.out_module + ".weight", enc[i], 0))
             continue
+        if out_codec.encodes_itself:  # MXFP4: its own block scales, no per-tensor scale
+            q = out_codec.quantize(w, plan.scale_rule, chunk_elems)
+            q = type(q)(*(_to_host(getattr(q, f.name)) for f in fields(q)))
+            encoded.append((ms, q, _to_host(torch.stack([amax[m.module] for m in ms])), {}))
+            continue
         a = torch.stack([set_amax[m.module] for m in ms])
         arithmetic = out_codec.arithmetic
         if w is None:
@@ -164,8 +169,10 @@ def compute_item(plan: WorkPlan, item: Item, bufs: list[torch.Tensor], device: t
                                 tensor=bad.name)
     for ms, q, a, carried in encoded:
         out_codec = ms[0].out_codec
-        # The manifest records compressed-tensors' form, 2688 / amax, whatever the flavour.
-        gs = nvfp4.recorded_scale(q.global_scale, a, out_codec.arithmetic).tolist()
+        # The manifest records compressed-tensors' form, 2688 / amax, whatever the flavour
+        # (none for a format without a per-tensor scale).
+        gs = ([None] * len(ms) if out_codec.encodes_itself
+              else nvfp4.recorded_scale(q.global_scale, a, out_codec.arithmetic).tolist())
         err, ref, amaxes = q.err_sq.tolist(), q.ref_sq.tolist(), a.tolist()
         for i, m in enumerate(ms):
             tensors = {**out_codec.encode(q, i, m.input_amax),
@@ -181,7 +188,7 @@ def _fused_int4(group: DecodeGroup, device: torch.device) -> bool:
     (about 4x faster than an fp32 decode first; same bytes, tested)."""
     m = group.modules[0]
     return (device.type == "cpu" and group.codec is Int4Codec and m.transform is None
-            and not m.repack and m.out_codec is not DenseCodec)
+            and not m.repack and m.out_codec is not DenseCodec and not m.out_codec.encodes_itself)
 
 
 def _unpacked(codec, params: dict[str, torch.Tensor]) -> nvfp4.Quantized:

@@ -31,6 +31,9 @@ class Stage:
     # The FP8 block-scale rule ("mse" | "amax") the run's NVFP4 encoder follows, when the
     # stage chooses it (quantize); the engine's default otherwise.
     scale_rule: str | None = None
+    # True when the stage re-encodes the routers (quantize --targets routers): every router is
+    # then planned as a linear, not only a quantized one (`group_modules`).
+    linear_routers: bool = False
 
     def rename(self, tn: TensorName) -> tuple[str | None, tuple[int, ...] | None]:
         """Output name of a source tensor (None: dropped) and, for router tensors, the rows

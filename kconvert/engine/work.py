@@ -188,7 +188,8 @@ def _build_work_plan(ckpt: Checkpoint, stages: list[Stage], work_elems: int,
     renames = _renames(tensors, stages)
     dropped = {n: "routed expert not kept by the plan" for n, (new, _) in renames.items()
                if new is None}
-    all_modules, others = group_modules(tensors, shape_values)
+    all_modules, others = group_modules(tensors, shape_values,
+                                        any(s.linear_routers for s in stages))
     modules = []
     for m in all_modules:
         new = renames[m.primary.name][0]
@@ -206,9 +207,13 @@ def _build_work_plan(ckpt: Checkpoint, stages: list[Stage], work_elems: int,
     ]
     transformed: list[ModuleWork] = []
     for m in modules:
-        if m.out_codec is None:
-            copies += [(info, m.out_module + "." + p, None) for p, info in m.params.items()]
+        if m.out_codec is None:  # rows: a pruned quantized router's
+            copies += [(info, m.out_module + "." + p, renames[info.name][1])
+                       for p, info in m.params.items()]
             continue
+        if any(renames[info.name][1] is not None for info in m.params.values()):
+            raise KconvertError("a pruned router cannot be re-encoded in the same pass: prune "
+                                "first, then convert", tensor=m.module)
         transformed.append(m)
         stage = "+".join(m.stages)
         sources = tuple(i.name for i in m.params.values())

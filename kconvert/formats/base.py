@@ -47,6 +47,8 @@ class OutputModule(Linear, Protocol):
     out_module: str
     out_codec: type[Codec] | None
     group_size: int
+    # W4A4 whose activations the engine quantizes at run time (MXFP4): no input scales.
+    dynamic_activations: bool
 
     @property
     def has_input_scale(self) -> bool: ...
@@ -73,9 +75,20 @@ class Codec:
     modelopt_algos: ClassVar[dict[str, str]] = {}
     quant_method: ClassVar[str | None] = None
     # The config family an output in this format is described by ("compressed-tensors",
-    # "modelopt"), and the --format name that selects it; None for source-only formats.
+    # "modelopt", "quark"), and the --format name that selects it; None for source-only formats.
     config_family: ClassVar[str | None] = None
     cli_name: ClassVar[str | None] = None
+    # compressed-tensors' preset schemes for an output in this format: (W4A16, W4A4).
+    ct_presets: ClassVar[tuple[str, str] | None] = None
+    # The codec turns fp32 weights into its parameters itself (`quantize`, then `encode`), with
+    # no per-tensor scale (MXFP4); NVFP4's encoders are driven by `arithmetic` instead.
+    encodes_itself: ClassVar[bool] = False
+    # Whether the format has a W4A4 form whose activations are quantized at run time
+    # (declared in the config, no input scales to calibrate): None if not, else whether an
+    # output is written that way unless the command says otherwise.
+    dynamic_activations: ClassVar[bool | None] = None
+    # Whether the format's config can describe a quantized MoE router (AMD's MXFP4 recipe).
+    quantizes_routers: ClassVar[bool] = False
     # NVFP4 formats: whose scale arithmetic the encoder follows (kconvert.formats.nvfp4).
     arithmetic: ClassVar[str | None] = None
     # An output format that also has forms for p48's 32-element blocks and pair-bitmask
@@ -112,6 +125,12 @@ class Codec:
 
     @classmethod
     def decode(cls, t: dict[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
+        raise NotImplementedError
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, rule: str, chunk_elems: int):
+        """An `encodes_itself` codec's encoding of fp32 weights [B, out, in] by the block-scale
+        `rule`: an object with err_sq and ref_sq [B] that `encode` reads module i from."""
         raise NotImplementedError
 
 

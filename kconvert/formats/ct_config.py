@@ -1,6 +1,6 @@
 """compressed-tensors' quantization_config (docs/formats.md §1, §3a): how it names the
 formats and modules it covers, the scheme checks its formats share, and the block kconvert
-writes for an NVFP4 output.
+writes for an NVFP4 or MXFP4 output.
 
 The block is built with compressed-tensors' own pydantic models, laid out as its
 ModelCompressor writes it.
@@ -22,7 +22,6 @@ CT_TARGETS = {
     Role.DENSE_MLP: r"re:.*mlp\.(gate|up|down)_proj$",
     Role.ATTENTION: r"re:.*self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)$",
 }
-OUTPUT_FORMAT = "nvfp4-pack-quantized"
 QUANT_METHOD = "compressed-tensors"  # the config family's quant_method
 
 
@@ -63,7 +62,8 @@ def weight_problems(where: str, scheme: dict, m: Linear, weight_type: str) -> li
 
 
 def _roles_by_group(modules: Iterable[OutputModule]) -> dict[int, list[Role]]:
-    """NVFP4 roles of the output per scale group size (16; 32 for sparse kernels)."""
+    """Quantized roles of the output per scale group size (NVFP4's 16, or 32 for sparse
+    kernels; MXFP4's 32)."""
     sizes: dict[Role, set[int]] = {}
     for m in modules:
         if (m.out_codec or m.codec).config_family == QUANT_METHOD:
@@ -79,26 +79,28 @@ def _roles_by_group(modules: Iterable[OutputModule]) -> dict[int, list[Role]]:
 
 
 def compressed_tensors_config(modules: list[OutputModule], has_vision: bool) -> dict:
-    """NVFP4A16, or NVFP4 (W4A4) when calibrated input scales were written; one config
-    group per group size (32 is p48's sparse-kernel form, see the README); each format in
-    the output adds what it needs (`edit_config`)."""
+    """The output format's W4A16 preset (NVFP4A16, MXFP4A16), or its W4A4 one when
+    calibrated input scales were written or activations are quantized at run time (MXFP4);
+    one config group per group size (32 is p48's sparse-kernel form, see the README); each
+    format in the output adds what it needs (`edit_config`)."""
     # Imported here: compressed-tensors takes seconds to import (it loads transformers), and
     # only runs that write its config need it.
     import compressed_tensors
     from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
 
-    w4a4 = any(m.has_input_scale for m in modules)
+    w4a4 = any(m.has_input_scale or m.dynamic_activations for m in modules)
+    codecs = {m.out_codec or m.codec for m in modules}
+    written = next(c for c in codecs if c.config_family == QUANT_METHOD and c.ct_presets)
     groups = {}
     for i, (group_size, roles) in enumerate(_roles_by_group(modules).items()):
-        scheme = preset_name_to_scheme("NVFP4" if w4a4 else "NVFP4A16",
-                                       [CT_TARGETS[r] for r in roles])
+        scheme = preset_name_to_scheme(written.ct_presets[w4a4], [CT_TARGETS[r] for r in roles])
         scheme.weights.group_size = group_size
-        scheme.format = OUTPUT_FORMAT
+        scheme.format = written.ct_format
         groups[f"group_{i}"] = scheme
     ignore = ["lm_head"] + (["re:vision_tower.*", "re:mm_projector.*"] if has_vision else [])
     qc = QuantizationConfig(
         config_groups=groups,
-        format=OUTPUT_FORMAT,
+        format=written.ct_format,
         quantization_status="compressed",
         ignore=ignore,
     )
@@ -109,6 +111,6 @@ def compressed_tensors_config(modules: list[OutputModule], has_vision: bool) -> 
         "quant_method": QUANT_METHOD,
         **qc.model_dump(mode="json", exclude={"quant_method"}),
     }
-    for codec in {m.out_codec or m.codec for m in modules}:
+    for codec in codecs:
         codec.edit_config(qconfig)
     return qconfig

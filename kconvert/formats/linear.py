@@ -17,7 +17,7 @@ import torch
 from kconvert.errors import KconvertError
 from kconvert.formats import OPTIONAL_PARAMS, Codec, DenseCodec, detect_codec
 from kconvert.io.shards import TensorInfo
-from kconvert.model.names import TARGET_ROLES, TensorName, parse_name
+from kconvert.model.names import TARGET_ROLES, Role, TensorName, parse_name
 
 QUANT_ONLY_PARAMS = {
     "weight_packed", "weight_scale", "weight_shape", "weight_global_scale", "weight_scale_2",
@@ -39,8 +39,10 @@ class ModuleWork:
     stages: list[str] = field(default_factory=list)
     # Calibrated activation amax (W4A4 input scale); shared by the module's fused set.
     input_amax: float | None = None
+    # W4A4 with activations quantized at run time (MXFP4), declared in the config only.
+    dynamic_activations: bool = False
     dense_dtype: str = "BF16"  # what a decoded module is written as (F32: exact INT4 values)
-    group_size: int = 16  # NVFP4 elements per FP8 block scale (32 for sparse kernels)
+    group_size: int = 16  # elements per block scale (NVFP4: 16, or 32 for sparse kernels)
     storage: str = "dense"  # NVFP4 byte layout: "dense" or "pair-bitmask" (p48 only)
     # The stage that changes the decoded fp32 weights before encoding (sparsify), if any.
     transform: WeightTransform | None = None
@@ -112,15 +114,23 @@ def as_linear(module: str, params: dict[str, TensorInfo],
 
 
 def group_modules(
-    tensors: dict[str, TensorInfo], shape_values: dict[str, tuple[int, ...]]
+    tensors: dict[str, TensorInfo], shape_values: dict[str, tuple[int, ...]],
+    routers: bool = False,
 ) -> tuple[list[ModuleWork], list[TensorInfo]]:
     """Split the source tensors into linears (with their codec) and everything else.
 
+    A router is a linear here only when it is quantized (AMD's MXFP4 recipe), so that it is
+    decoded wherever a format is read; a plain one stays a tensor like any other, unless
+    `routers` (a stage re-encodes them).
     `shape_values` holds the contents of the tiny `weight_shape` tensors (INT4 modules).
     """
     targets = set(TARGET_ROLES.values())
     modules, grouped = [], set()
-    for module, params in module_params(tensors, lambda tn: tn.role in targets).items():
+    for module, params in module_params(
+            tensors, lambda tn: tn.role in targets or tn.role is Role.ROUTER_WEIGHT).items():
+        if not routers and set(params) == {"weight"} and \
+                parse_name(params["weight"].name).role is Role.ROUTER_WEIGHT:
+            continue
         m = as_linear(module, params, shape_values)
         if m is None:
             if QUANT_ONLY_PARAMS & set(params):

@@ -110,7 +110,7 @@ def _check_rule(rule: str) -> None:
         raise ValueError(f"the block-scale rule must be 'amax' or 'mse', not {rule!r}")
 
 
-def _block_sum(x: torch.Tensor) -> torch.Tensor:
+def block_sum(x: torch.Tensor) -> torch.Tensor:
     """Sum over the last dim (16 or 32) as a fixed pairwise tree: the same bits on every device."""
     while x.shape[-1] > 1:
         x = x[..., 0::2] + x[..., 1::2]
@@ -162,7 +162,7 @@ def _block_error(
     step = block_step(d, gs, arithmetic)
     idx = torch.bucketize(mag / step, cuts, out_int32=True)
     err = lut[idx] * step - mag
-    return _block_sum(err * err)
+    return block_sum(err * err)
 
 
 def _nibbles(blocks: torch.Tensor, d: torch.Tensor, gs: torch.Tensor, cuts: torch.Tensor,
@@ -489,7 +489,7 @@ def decode_steps(packed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["BLOCK", "BLOCK_SIZES", "E2M1", "FP4_MAX", "FP8_MAX", "FP8_VALUES", "GLOBAL_NUMERATOR",
-           "MSE_CODE_OFFSETS", "ZERO_BLOCK_SCALE", "ZERO_CODE", "Quantized", "choose_block_codes",
-           "cpu_threads", "cut_points", "decode_steps", "dequantize", "fake_quantize",
-           "global_scale", "int4_amax", "pack_codes", "quantize", "quantize_int4",
-           "unpack_codes", "warm_cpu_kernels"]
+           "MSE_CODE_OFFSETS", "ZERO_BLOCK_SCALE", "ZERO_CODE", "Quantized", "block_sum",
+           "choose_block_codes", "cpu_threads", "cut_points", "decode_steps", "dequantize",
+           "fake_quantize", "global_scale", "int4_amax", "pack_codes", "quantize",
+           "quantize_int4", "unpack_codes", "warm_cpu_kernels"]

@@ -141,7 +141,7 @@ def _encode_row(x, gs, codes, codes_in, offsets, block, modelopt, packed, ws):
     rule's, computed here, unless `codes_in` says `codes` already holds them.
 
     LANES blocks at a time are stored transposed, element e of lane l's block at row rev[e]
-    (bit reversal): nvfp4._block_sum's pairwise tree, (0+1), (2+3), ... then pairs of those,
+    (bit reversal): nvfp4.block_sum's pairwise tree, (0+1), (2+3), ... then pairs of those,
     is then row r + row r + h at every level, for h = block/2, block/4, ..., 1, in that order.
     """
     (load, store, tail, xt, mag, sq, pair, steps, vec, step, base, cand, best, best_err, err,

@@ -23,6 +23,7 @@ class Nvfp4Codec(Codec):
     global_scale_param = "weight_global_scale"
     input_scale_param = "input_global_scale"
     ct_format = "nvfp4-pack-quantized"
+    ct_presets = ("NVFP4A16", "NVFP4")
     config_family = QUANT_METHOD
     cli_name = "compressed-tensors"
     arithmetic = "compressed-tensors"

@@ -8,21 +8,23 @@ can never survive anywhere in config.json.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
-from kconvert.formats import ct_config, nvfp4_modelopt
+from kconvert.formats import ct_config, mxfp4_quark, nvfp4_modelopt
 from kconvert.formats.base import OutputModule
 
-# (modules as converted, the output tensors' names) -> (quantization_config, files it adds).
-ConfigWriter = Callable[[list[OutputModule], list[str]], tuple[dict, dict[str, dict]]]
+# The output tensors: name -> shape.
+Shapes = Mapping[str, tuple[int, ...]]
+# (modules as converted, the output tensors) -> (quantization_config, files it adds).
+ConfigWriter = Callable[[list[OutputModule], Shapes], tuple[dict, dict[str, dict]]]
 
 
-def _modelopt(modules: list[OutputModule], names: list[str]) -> tuple[dict, dict[str, dict]]:
-    qconfig, hf_quant = nvfp4_modelopt.modelopt_config(modules, names)
+def _modelopt(modules: list[OutputModule], names: Shapes) -> tuple[dict, dict[str, dict]]:
+    qconfig, hf_quant = nvfp4_modelopt.modelopt_config(modules, list(names))
     return qconfig, {nvfp4_modelopt.HF_QUANT_CONFIG: hf_quant}
 
 
-def _compressed_tensors(modules: list[OutputModule], names: list[str]
+def _compressed_tensors(modules: list[OutputModule], names: Shapes
                         ) -> tuple[dict, dict[str, dict]]:
     has_vision = any(n.startswith(("vision_tower.", "mm_projector.")) for n in names)
     return ct_config.compressed_tensors_config(modules, has_vision), {}
@@ -33,12 +35,13 @@ def _compressed_tensors(modules: list[OutputModule], names: list[str]
 # new family is its writer here.
 CONFIG_WRITERS: dict[str, ConfigWriter] = {
     nvfp4_modelopt.QUANT_METHOD: _modelopt,
+    mxfp4_quark.QUANT_METHOD: mxfp4_quark.quark_config,
     ct_config.QUANT_METHOD: _compressed_tensors,
 }
 
 
 def output_format(modules: list[OutputModule]) -> str:
-    """A config family of CONFIG_WRITERS ('modelopt', 'compressed-tensors'), 'bf16' (no
+    """A config family of CONFIG_WRITERS ('modelopt', 'quark', 'compressed-tensors'), 'bf16' (no
     quantized module left) or 'source' (nothing re-encoded and the source was quantized: its
     config stays)."""
     codecs = {m.out_codec or m.codec for m in modules}
@@ -51,11 +54,11 @@ def output_format(modules: list[OutputModule]) -> str:
     return "source"
 
 
-def output_config(modules: list[OutputModule], names: list[str], config: dict
+def output_config(modules: list[OutputModule], names: Shapes, config: dict
                   ) -> tuple[str, dict | None, dict[str, dict]]:
     """(output format, the output's quantization_config or None, files the format adds
-    (name -> JSON)) for modules as converted, `names` the output tensors, `config` the
-    source's config.json."""
+    (name -> JSON)) for modules as converted, `names` the output tensors (name -> shape),
+    `config` the source's config.json."""
     fmt = output_format(modules)
     if fmt in CONFIG_WRITERS:
         qconfig, files = CONFIG_WRITERS[fmt](modules, names)

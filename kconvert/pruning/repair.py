@@ -237,6 +237,9 @@ class RouterRepair:
         self.source_routers = {}
         for name, info in self.ckpt.tensors.items():
             tn = parse_name(name)
+            if tn.role is Role.ROUTER_WEIGHT and tn.param != "weight":
+                raise KconvertError("router repair re-fits a plain float router; this one is "
+                                    "quantized (MXFP4): dequantize it first", tensor=name)
             if tn.role in (Role.ROUTER_WEIGHT, Role.ROUTER_BIAS):
                 self.source_routers.setdefault(tn.layer, {})[tn.role] = info
 

@@ -1,4 +1,4 @@
-"""The `quantize` stage: targeted modules become NVFP4 in the chosen on-disk flavour."""
+"""The `quantize` stage: targeted modules become NVFP4 or MXFP4 in the chosen on-disk format."""
 
 from __future__ import annotations
 
@@ -14,23 +14,26 @@ from kconvert.errors import KconvertError, UsageError
 from kconvert.formats import OUTPUT_CODECS, DenseCodec, Nvfp4PairBitmaskCodec
 from kconvert.formats.linear import ModuleWork
 from kconvert.model.names import TARGET_ROLES, Role
-from kconvert.options import BLOCK_SCALE_RULES
+from kconvert.options import ACTIVATIONS, BLOCK_SCALE_RULES
 from kconvert.stages.base import StageKind
 
 
 class QuantizeRecord(StageRecord):
-    targets: list[str] = Field(description="roles made NVFP4")
-    format: str = Field(description="compressed-tensors | modelopt")
-    block_scale: str = Field(description="FP8 block-scale rule: amax | mse")
+    targets: list[str] = Field(description="roles quantized")
+    format: str = Field(description="compressed-tensors | modelopt | mxfp4-pack-quantized | "
+                                    "quark-mxfp4")
+    block_scale: str = Field(description="block-scale rule: amax | mse")
     act_stats: str | None = Field(description="activation statistics file (W4A4), or None")
+    activations: str | None = Field(None, description="MXFP4 activations: none (W4A16) or "
+                                    "dynamic (W4A4, quantized at run time)")
 
 
 @dataclass(frozen=True)
 class Quantize(Stage):
-    """Targeted modules become NVFP4 in the chosen on-disk flavour.
+    """Targeted modules become NVFP4 or MXFP4 in the chosen on-disk format.
 
     A quantized module that is not a target but is in another format is decoded to BF16:
-    the output's quantization_config describes NVFP4 only, never a stale format.
+    the output's quantization_config describes the written format only, never a stale one.
     """
 
     targets: frozenset[Role]
@@ -40,7 +43,20 @@ class Quantize(Stage):
     # found there is W4A4 and gets an input scale (2688/amax in compressed-tensors, amax/2688
     # in ModelOpt); without statistics the output is W4A16.
     act_stats: str | None = None
+    # MXFP4 only: "dynamic" declares W4A4 with activations quantized at run time (what AMD's
+    # MXFP4 recipe does), "none" weight-only; None: the format's own default.
+    activations: str | None = None
     name: str = "quantize"
+
+    @property
+    def linear_routers(self) -> bool:
+        return Role.ROUTER_WEIGHT in self.targets
+
+    @property
+    def dynamic_activations(self) -> bool:
+        if self.activations is None:
+            return bool(OUTPUT_CODECS[self.fmt].dynamic_activations)
+        return self.activations == "dynamic"
 
     @cached_property
     def input_amax(self) -> dict[str, float]:
@@ -56,8 +72,11 @@ class Quantize(Stage):
         return [self.act_stats] if self.act_stats else []
 
     def record(self) -> QuantizeRecord:
-        return QuantizeRecord(targets=sorted(r.value for r in self.targets), format=self.fmt,
-                              block_scale=self.scale_rule, act_stats=self.act_stats)
+        record = QuantizeRecord(targets=sorted(r.value for r in self.targets), format=self.fmt,
+                                block_scale=self.scale_rule, act_stats=self.act_stats)
+        if OUTPUT_CODECS[self.fmt].dynamic_activations is not None:  # NVFP4's stay as they were
+            record.activations = "dynamic" if self.dynamic_activations else "none"
+        return record
 
     def claim(self, m: ModuleWork) -> None:
         if m.tn.role in self.targets:
@@ -66,12 +85,23 @@ class Quantize(Stage):
                 # One config group describes every target: all W4A4 or none.
                 raise KconvertError("activation statistics have no input amax for this "
                                     "targeted module", file=self.act_stats, tensor=m.module)
-            if m.shape[1] % 16:
+            codec = OUTPUT_CODECS[self.fmt]
+            block = codec.default_group_size
+            if m.shape[1] % block:
                 raise KconvertError(
-                    f"input dimension {m.shape[1]} is not a multiple of 16; NVFP4 needs it",
+                    f"input dimension {m.shape[1]} is not a multiple of {block}; "
+                    f"{codec.description} needs it",
                     file=m.primary.file.name, tensor=m.primary.name,
                 )
-            m.out_codec = OUTPUT_CODECS[self.fmt]
+            m.out_codec = codec
+            if codec.encodes_itself:
+                if m.transform is not None:
+                    raise KconvertError(f"--format {self.fmt}: sparsify writes NVFP4 only; "
+                                        "use compressed-tensors", tensor=m.module)
+                m.group_size = block
+                m.dynamic_activations = self.dynamic_activations
+                m.stages.append(self.name)
+                return
             if m.storage == "pair-bitmask" or m.group_size != 16:
                 if not m.out_codec.p48_forms:
                     others = [f for f, c in OUTPUT_CODECS.items() if c.p48_forms]
@@ -89,26 +119,44 @@ class Quantize(Stage):
             m.stages.append("dequant")
 
 
+# What --targets may name: the linears' roles, and the MoE routers (AMD's MXFP4 recipe).
+QUANTIZE_TARGETS = {**TARGET_ROLES, "routers": Role.ROUTER_WEIGHT}
+
+
 def parse_targets(spec: str | list[str] | tuple[str, ...]) -> frozenset[Role]:
     names = spec.split(",") if isinstance(spec, str) else list(spec)
-    unknown = [n for n in names if n.strip() not in TARGET_ROLES]
+    unknown = [n for n in names if n.strip() not in QUANTIZE_TARGETS]
     if unknown:
-        raise UsageError(f"unknown --targets {unknown}; choose from {sorted(TARGET_ROLES)}")
-    return frozenset(TARGET_ROLES[n.strip()] for n in names if n.strip())
+        raise UsageError(f"unknown --targets {unknown}; choose from {sorted(QUANTIZE_TARGETS)}")
+    return frozenset(QUANTIZE_TARGETS[n.strip()] for n in names if n.strip())
 
 
 def build(settings: dict, _input: None) -> Quantize:
     fmt = settings.get("format", "compressed-tensors")
     if fmt not in OUTPUT_CODECS:
         raise KconvertError(f"unknown format {fmt!r}")
+    activations, dynamic = settings.get("activations"), OUTPUT_CODECS[fmt].dynamic_activations
+    if activations is not None:
+        if activations not in ACTIVATIONS:
+            raise UsageError(f"activations must be one of {ACTIVATIONS}, not {activations!r}")
+        if dynamic is None:
+            raise UsageError(f"--activations is for the MXFP4 formats; --format {fmt} "
+                             "is W4A4 through calibrated --act-stats")
+    if settings.get("act_stats") is not None and dynamic is not None:
+        raise UsageError(f"--format {fmt} quantizes activations at run time "
+                         "(--activations dynamic); it takes no --act-stats")
+    targets = parse_targets(settings.get("targets", ["experts"]))
+    if Role.ROUTER_WEIGHT in targets and not OUTPUT_CODECS[fmt].quantizes_routers:
+        others = [f for f, c in OUTPUT_CODECS.items() if c.quantizes_routers]
+        raise UsageError(f"--targets routers: only {', '.join(others)} quantizes the "
+                         f"routers (AMD's MXFP4 recipe), not --format {fmt}")
     scale_rule = settings.get("block_scale", "mse")
     if scale_rule not in BLOCK_SCALE_RULES:  # a recipe file's value: checked before any write
         raise KconvertError(f"unknown block_scale {scale_rule!r}; choose from "
                             f"{list(BLOCK_SCALE_RULES)}")
-    return Quantize(targets=parse_targets(settings.get("targets", ["experts"])), fmt=fmt,
-                    scale_rule=scale_rule,
-                    act_stats=settings.get("act_stats"))
+    return Quantize(targets=targets, fmt=fmt, scale_rule=scale_rule,
+                    act_stats=settings.get("act_stats"), activations=activations)
 
 
 KIND = StageKind(Quantize.name, build, QuantizeRecord,
-                 settings=("targets", "format", "block_scale", "act_stats"))
+                 settings=("targets", "format", "block_scale", "act_stats", "activations"))

@@ -1,0 +1,73 @@
+"""MXFP4 in compressed-tensors' "mxfp4-pack-quantized" layout (docs/formats.md §6b), and what
+the MXFP4 layouts share: E2M1 nibbles packed two per byte, one E8M0 byte per 32 elements."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from kconvert.formats import mxfp4
+from kconvert.formats.base import Codec, ParamRules, ParamSpec
+from kconvert.formats.ct_config import QUANT_METHOD, weight_problems
+
+
+class Mxfp4Codec(Codec):
+    """compressed-tensors "mxfp4-pack-quantized" (formats.md §6b): weight_packed uint8
+    [out, in/2] and weight_scale uint8 [out, in/32] (E8M0), no per-tensor scale."""
+
+    name = "mxfp4-compressed-tensors"
+    params = ("weight_packed", "weight_scale")
+    description = "MXFP4 (compressed-tensors)"
+    default_group_size = mxfp4.BLOCK
+    ct_format = "mxfp4-pack-quantized"
+    ct_presets = ("MXFP4A16", "MXFP4")
+    config_family = QUANT_METHOD
+    cli_name = "mxfp4-pack-quantized"
+    encodes_itself = True
+    dynamic_activations = False  # W4A16 unless asked: what vLLM's MXFP4 MoE (Marlin) loads
+    flavour: ClassVar[mxfp4.Flavour] = mxfp4.COMPRESSED_TENSORS
+
+    @classmethod
+    def matches(cls, infos) -> bool:
+        # Both parameters are bytes: INT4 has a weight_shape, NVFP4 a global scale, ModelOpt
+        # NVFP4 a weight_scale_2, an FP8 per-channel `weight` an F8 weight and float scale.
+        return set(infos) == set(cls.params) and all(i.dtype == "U8" for i in infos.values())
+
+    @classmethod
+    def param_rules(cls, shape, group_size) -> ParamRules:
+        out, inp = shape
+        packed, scale = cls.params
+        return {packed: (frozenset({"U8"}), (out, inp // 2)),
+                scale: (frozenset({"U8"}), (out, inp // mxfp4.BLOCK))}
+
+    @classmethod
+    def scheme_problems(cls, where, scheme, m):
+        return weight_problems(where, scheme, m, "float")
+
+    @classmethod
+    def logical_shape(cls, infos, shape_value):
+        out, half = infos[cls.params[0]].shape
+        return out, half * 2
+
+    @classmethod
+    def decode(cls, t, shape):
+        packed, scale = cls.params
+        return mxfp4.dequantize(t[packed], t[scale])
+
+    @classmethod
+    def specs(cls, shape: tuple[int, int], input_scale: bool = False,
+              group_size: int = mxfp4.BLOCK) -> list[ParamSpec]:
+        out, inp = shape
+        packed, scale = cls.params
+        return [(packed, "U8", (out, inp // 2)), (scale, "U8", (out, inp // mxfp4.BLOCK))]
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, rule: str, chunk_elems: int) -> mxfp4.MxQuantized:
+        return mxfp4.quantize(w, rule, cls.flavour, chunk_elems)
+
+    @classmethod
+    def encode(cls, q: mxfp4.MxQuantized, i: int, input_amax: float | None = None
+               ) -> dict[str, torch.Tensor]:
+        packed, scale = cls.params
+        return {packed: q.packed[i], scale: q.scales[i]}
