@@ -80,6 +80,12 @@ def _prune_maker(recipe: Recipe, options: dict, device: str) -> Callable[[Checkp
         (s["repair"] for s in recipe.stages if s["stage"] == "prune" and "repair" in s), "none")
     if repair != "none" and data is None:
         raise UsageError(f"repair {repair} fits the router during calibration: give --data FILE")
+    compensate = options.get("compensate") or next(
+        (s["compensate"] for s in recipe.stages if s["stage"] == "prune" and "compensate" in s),
+        "none")
+    if compensate != "none" and data is None:
+        raise UsageError(f"compensate {compensate} re-fits matrices during calibration: give "
+                         "--data FILE")
 
     def make(ckpt: Checkpoint):
         from kconvert.calibrate.data import load_calibration_data
@@ -88,6 +94,7 @@ def _prune_maker(recipe: Recipe, options: dict, device: str) -> Callable[[Checkp
         from kconvert.devices import pick_device
         from kconvert.pruning.plan import load_plan
         from kconvert.pruning.reap import (
+            check_plan_keep,
             keep_count,
             plan_from_scores,
             prune_stage,
@@ -97,7 +104,9 @@ def _prune_maker(recipe: Recipe, options: dict, device: str) -> Callable[[Checkp
         from kconvert.pruning.repair import RepairSettings, RouterRepair, with_repair
 
         if plan is not None:
-            return prune_stage(load_plan(plan), ckpt)
+            loaded = load_plan(plan)
+            check_plan_keep(loaded, ckpt, options.get("keep"), options.get("prune_ratio"), plan)
+            return prune_stage(loaded, ckpt)
         keep = keep_count(ckpt, options.get("keep"), options.get("prune_ratio"))
         criterion = options.get("criterion") or "reap"
         fixer = None
@@ -107,8 +116,9 @@ def _prune_maker(recipe: Recipe, options: dict, device: str) -> Callable[[Checkp
             samples, seq_len, batch_size, seed = _calibration(options, REAP_SAMPLES)
             ids = load_calibration_data(data, ckpt.root, samples, seq_len, seed)
             dev = pick_device(device)
-            if repair != "none":
-                fixer = RouterRepair(ckpt, ids, RepairSettings(repair, keep, criterion), dev,
+            if repair != "none" or compensate != "none":
+                fixer = RouterRepair(ckpt, ids, RepairSettings(repair, keep, criterion,
+                                                               compensate=compensate), dev,
                                      batch_size=batch_size)
             measured = calibrate(ckpt, ids, dev, batch_size, on_weights=fixer)
             if options.get("save_stats"):
@@ -117,7 +127,7 @@ def _prune_maker(recipe: Recipe, options: dict, device: str) -> Callable[[Checkp
         made = plan_from_scores(scores, keep, criterion, ckpt.identity)
         if fixer is None:
             return prune_stage(made, ckpt)
-        return prune_stage(with_repair(made, fixer), ckpt, fixer.rows)
+        return prune_stage(with_repair(made, fixer), ckpt, fixer.rows, fixer.matrices)
 
     return make
 

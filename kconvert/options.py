@@ -18,5 +18,6 @@ EVAL_SAMPLES = 128  # eval's --samples
 ONLY_WITH = {
     "samples": ("data",), "seq_len": ("data",), "batch_size": ("data",), "seed": ("data",),
     "save_stats": ("data",),
-    "keep": ("data", "stats"), "prune_ratio": ("data", "stats"), "criterion": ("data", "stats"),
+    "keep": ("data", "stats", "plan"), "prune_ratio": ("data", "stats", "plan"),
+    "criterion": ("data", "stats"),
 }

@@ -119,6 +119,7 @@ class MoEBlock(nn.Module):
         self.gate_sum = torch.zeros(n, **f64)
         self.reap_sum = torch.zeros(n, **f64)
         self.ean_sum = torch.zeros(n, **f64)
+        self.ean_sq_sum = torch.zeros(n, **f64)
         self.amax_in = torch.zeros(n, dtype=torch.float32, device=device)
         self.amax_down = torch.zeros(n, dtype=torch.float32, device=device)
         self.sq_in = torch.zeros(n, hidden, **f64)
@@ -180,6 +181,7 @@ class MoEBlock(nn.Module):
         self.gate_sum += torch.bincount(exp, weights=w.double(), minlength=n)
         self.reap_sum += torch.bincount(exp, weights=(w * norms).double(), minlength=n)
         self.ean_sum += torch.bincount(exp, weights=norms.double(), minlength=n)
+        self.ean_sq_sum += torch.bincount(exp, weights=norms.double().square(), minlength=n)
         return out
 
     def captured(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,7 +208,7 @@ class MoEBlock(nn.Module):
         base = f"layers.{layer}"
         out = {f"{base}.count": count, f"{base}.saliency": saliency,
                f"{base}.reap_sum": reap_sum, f"{base}.gate_sum": self.gate_sum.cpu(),
-               f"{base}.ean_sum": self.ean_sum.cpu()}
+               f"{base}.ean_sum": self.ean_sum.cpu(), f"{base}.ean_sq_sum": self.ean_sq_sum.cpu()}
         amax_in, amax_down = self.amax_in.cpu(), self.amax_down.cpu()
         sq_in, sq_down = self.sq_in.float().cpu(), self.sq_down.float().cpu()
         for e in range(self.n_experts):
@@ -231,7 +233,8 @@ class _Layer:
         maxima = [acc.amax for acc in self.linear_stats.values()]
         if self.moe is not None:
             m = self.moe
-            sums += [m.count, m.gate_sum, m.reap_sum, m.ean_sum, m.sq_in, m.sq_down]
+            sums += [m.count, m.gate_sum, m.reap_sum, m.ean_sum, m.ean_sq_sum, m.sq_in,
+                     m.sq_down]
             maxima += [m.amax_in, m.amax_down]
         return sums, maxima
 

@@ -29,10 +29,11 @@ AUDIT_CHUNK_MB = 8  # kconvert.audit.CHUNK, in MiB (a test keeps the two equal)
 
 
 # Choices whose lists live in modules that import torch (tests keep these equal to them).
-CRITERIA = ("ean", "frequency", "reap")  # kconvert.pruning.reap.CRITERIA
+CRITERIA = ("ean", "frequency", "man", "msan", "reap")  # kconvert.pruning.reap.CRITERIA
 
 
 REPAIRS = ("none", "bias", "router")  # kconvert.stages.prune.REPAIRS
+COMPENSATIONS = ("none", "shared", "down")  # kconvert.stages.prune.COMPENSATIONS
 
 
 METHODS = ("magnitude", "wanda", "sparsegpt")  # kconvert.stages.sparsify.METHODS
@@ -246,6 +247,10 @@ def prune_options(samples_default: int | None, samples_help: str) -> list:
                      help="With --data: re-fit the kept experts' router (bias: "
                           "e_score_correction_bias; router: gate rows and bias) so each pruned "
                           "MoE block matches the unpruned one [default: none]."),
+        click.option("--compensate", type=click.Choice(COMPENSATIONS), default=None,
+                     help="With --data: re-fit down_proj matrices by least squares so each "
+                          "pruned MoE block matches the unpruned one (shared: the shared "
+                          "expert's; down: the shared and every kept expert's) [default: none]."),
     ]
 
 

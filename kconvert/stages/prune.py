@@ -21,6 +21,8 @@ class PruneRecord(StageRecord):
     plan: str = Field(description="sha256 of the plan file written as reap-plan.json")
     repair: str | None = Field(default=None, description="router repair method (bias or "
                                "router); absent: none")
+    compensate: str | None = Field(default=None, description="down_proj compensation (shared "
+                                   "or down); absent: none")
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,8 @@ class Prune(Stage):
     keep: tuple[tuple[int, tuple[int, ...]], ...]  # (layer, kept source ids ascending)
     plan_json: str = ""  # the plan file's text, written to DST as reap-plan.json
     repair: str = "none"
-    # (router tensor name, repaired tensor) of every repaired layer
+    compensate: str = "none"
+    # (output name, tensor) of every repaired router and re-fitted down_proj
     replaced: tuple[tuple[str, torch.Tensor], ...] = field(default=(), compare=False)
     name: str = "prune"
 
@@ -76,6 +79,8 @@ class Prune(Stage):
                              plan=hashlib.sha256(self.plan_json.encode()).hexdigest())
         if self.repair != "none":  # left unset otherwise: manifests without repair unchanged
             record.repair = self.repair
+        if self.compensate != "none":
+            record.compensate = self.compensate
         return record
 
     def output_files(self) -> dict[str, str]:
@@ -83,6 +88,7 @@ class Prune(Stage):
 
 
 REPAIRS = ("none", "bias", "router")  # kconvert.pruning.repair fits REPAIRS[1:]
+COMPENSATIONS = ("none", "shared", "down")  # kconvert.pruning.compensate
 
 
 def build(settings: dict, prune: Prune | None) -> Prune:
@@ -97,10 +103,17 @@ def build(settings: dict, prune: Prune | None) -> Prune:
     if repair != prune.repair:
         raise KconvertError(f"prune: repair {repair!r} asked, but the plan's router rows are "
                             f"repaired by {prune.repair!r} (router repair needs --data)")
+    compensate = settings.get("compensate", "none")
+    if compensate not in COMPENSATIONS:
+        raise KconvertError(f"prune: compensate {compensate!r} is not one of "
+                            f"{list(COMPENSATIONS)}")
+    if compensate != prune.compensate:
+        raise KconvertError(f"prune: compensate {compensate!r} asked, but the plan's matrices "
+                            f"are {prune.compensate!r} (compensation needs --data)")
     return prune
 
 
 KIND = StageKind(Prune.name, build, PruneRecord, input_type=Prune,
-                 settings=("repair",),
+                 settings=("repair", "compensate"),
                  input_options=("keep", "prune_ratio", "criterion", "plan", "stats",
                                 *CALIBRATION_OPTIONS, "save_stats"))
