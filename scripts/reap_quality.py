@@ -8,7 +8,7 @@ with the source by ONE `python -m kconvert eval` on held-out text (fp32, CPU). C
 windows of 256 training bytes (seed 1); held-out: `heldout_ids(64 * 256, seed=0)`.
 
     PYTHONPATH=$PWD python scripts/reap_quality.py --out scripts/results/reap_quality_tiny_moe
-        [--fixtures trained 96] [--keeps 75 50 25] [--configs none down ...]
+        [--fixtures trained 96] [--keeps 75 50 25] [--configs none down ...] [--only-50 ...]
 
 Writes OUT.json (every number, each configuration's CLI flags and the plan's per-layer guard
 records) after each fixture, and OUT.md (the table). CPU only; about a minute of CPU per
@@ -67,7 +67,8 @@ def kconvert(*args: str) -> float:
     return time.perf_counter() - t0
 
 
-def run_fixture(name: str, keeps: list[int], configs: list[str], tmp: Path) -> list[dict]:
+def run_fixture(name: str, keeps: list[int], configs: list[str], only_50: list[str], tmp: Path
+                ) -> list[dict]:
     src = FIXTURES[name]
     experts = json.loads((src / "config.json").read_text())["n_routed_experts"]
     calib, held = tmp / "calib.jsonl", tmp / "held.jsonl"
@@ -76,7 +77,7 @@ def run_fixture(name: str, keeps: list[int], configs: list[str], tmp: Path) -> l
     made = []
     for pct in keeps:
         keep = round(experts * pct / 100)
-        for config in configs:
+        for config in configs + (only_50 if pct == 50 else []):
             dst = tmp / f"{name}-k{keep}-{config}"
             secs = kconvert("reap", str(src), str(dst), "--data", str(calib), "--keep", str(keep),
                             "--samples", str(CALIB), "--seq-len", str(SEQ), "--quiet",
@@ -119,14 +120,18 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "reap_quality_tiny_moe"))
     ap.add_argument("--fixtures", nargs="+", default=list(FIXTURES), choices=list(FIXTURES))
     ap.add_argument("--keeps", nargs="+", type=int, default=[75, 50, 25])
-    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--configs", nargs="+", default=["none", "router", "down", "router+down"],
+                    choices=list(CONFIGS), help="configurations made at every keep")
+    ap.add_argument("--only-50", nargs="*", default=["man", "msan", "bias", "shared",
+                                                     "msan+router+down"],
+                    choices=list(CONFIGS), help="configurations made at keep 50%% only")
     a = ap.parse_args()
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     results: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in a.fixtures:
-            results += run_fixture(name, a.keeps, a.configs, Path(tmp))
+            results += run_fixture(name, a.keeps, a.configs, a.only_50, Path(tmp))
             out.with_suffix(".json").write_text(json.dumps(
                 {"calibration": f"{CALIB} x {SEQ} training bytes, seed 1",
                  "heldout": f"heldout_ids({HELD} * {SEQ}, seed=0)", "results": results},

@@ -68,6 +68,8 @@ class LayerCompensation(BaseModel):
                                       "the source matrices were written unchanged")
     fit_tokens: int
     heldout_tokens: int
+    ridge: float = Field(description="the ridge (relative to the mean Gram diagonal) this layer's "
+                                     "re-fit used: of those tried, the lowest held-out error")
     fit_mse_before: float
     fit_mse_after: float
     heldout_mse_before: float

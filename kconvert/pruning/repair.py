@@ -62,7 +62,9 @@ class RepairSettings:
     candidates: int = 2  # per token, candidates x top_k kept experts the fit may select
     temperature: float = 0.02  # width of the soft top-k threshold, in score units
     compensate: str = "none"  # kconvert.pruning.compensate.COMPENSATIONS
-    ridge: float = 1e-2  # compensation's ridge, relative to the mean Gram diagonal
+    # compensation's ridges, relative to the mean Gram diagonal: each layer takes the one with
+    # the lowest held-out error
+    ridges: tuple[float, ...] = (1e-3, 1e-2, 1e-1, 1.0)
     sweeps: int = 2  # compensation's block Gauss-Seidel sweeps
 
 
@@ -360,20 +362,28 @@ class RouterRepair:
         shared_down = moe.shared_experts.down_proj.weight
         pieces = block(moe, keep, fitted_on, x[:n_fit], down, shared_down)
         held = block(moe, keep, held_on, x[n_fit:], down, shared_down)
-        solved = compensate_fit(pieces, target[:n_fit], s.compensate, s.ridge, s.sweeps)
         count = 1 if s.compensate == "shared" else len(sources)
-        written = [m.to(info.torch_dtype) for m, info in zip(solved.weights[:count], sources,
-                                                             strict=False)]
-        after = Block(held.rows, held.features, [*(m.float() for m in written),
-                                                 *held.weights[count:]])
+        dims, n_held = target.shape[1], x.shape[0] - n_fit
+
+        def as_written(ridge: float) -> tuple[float, list[torch.Tensor]]:
+            """(held-out error, matrices rounded to the source dtypes) of one ridge."""
+            solved = compensate_fit(pieces, target[:n_fit], s.compensate, ridge, s.sweeps)
+            written = [m.to(info.torch_dtype) for m, info in zip(solved.weights[:count],
+                                                                 sources, strict=False)]
+            after = Block(held.rows, held.features, [*(m.float() for m in written),
+                                                     *held.weights[count:]])
+            return mse(after.output(n_held, dims), target[n_fit:]), written
+
+        # the ridge is chosen per layer by the held-out error (ties: the smaller ridge)
+        tried = [(*as_written(ridge), ridge) for ridge in s.ridges]
+        held_after, written, ridge = min(tried, key=lambda t: (t[0], t[2]))
         fit_after = Block(pieces.rows, pieces.features, [*(m.float() for m in written),
                                                         *pieces.weights[count:]])
-        dims = target.shape[1]
         errors = {
             "fit_mse_before": mse(pieces.output(n_fit, dims), target[:n_fit]),
             "fit_mse_after": mse(fit_after.output(n_fit, dims), target[:n_fit]),
-            "heldout_mse_before": mse(held.output(x.shape[0] - n_fit, dims), target[n_fit:]),
-            "heldout_mse_after": mse(after.output(x.shape[0] - n_fit, dims), target[n_fit:])}
+            "heldout_mse_before": mse(held.output(n_held, dims), target[n_fit:]),
+            "heldout_mse_after": held_after}
         applied = errors["heldout_mse_after"] < errors["heldout_mse_before"]
         hashes = {}
         if applied:
@@ -385,8 +395,7 @@ class RouterRepair:
                 into.copy_(m.to(into.dtype))
         self.compensations[layer] = LayerCompensation(
             method=s.compensate, applied=applied, fit_tokens=n_fit,
-            heldout_tokens=x.shape[0] - n_fit, matrices_xxh3=hashes, **errors)
-
+            heldout_tokens=n_held, ridge=ridge, matrices_xxh3=hashes, **errors)
 
     def down_sources(self, layer: int, keep: list[int]) -> list[TensorInfo]:
         """The source down_proj weights compensation re-fits, the shared expert's first: dense
