@@ -10,8 +10,8 @@ windows of 256 training bytes (seed 1); held-out: `heldout_ids(64 * 256, seed=0)
     PYTHONPATH=$PWD python scripts/reap_quality.py --out scripts/results/reap_quality_tiny_moe
         [--fixtures trained 96] [--keeps 75 50 25] [--configs none down ...] [--only-50 ...]
 
-Writes OUT.json (every number, each configuration's CLI flags and the plan's per-layer guard
-records) after each fixture, and OUT.md (the table). CPU only; about a minute of CPU per
+Writes OUT + ".json" (every number, each configuration's CLI flags and the plan's per-layer
+guard records) after each fixture, and OUT + ".md" (the table). CPU only; about a minute of CPU per
 configuration on 2 cores.
 """
 
