@@ -28,9 +28,10 @@ from pathlib import Path
 from kconvert import events
 from kconvert.audit import audit
 from kconvert.calibrate import calibrate_to as calibrate
-from kconvert.convert import RunControl, summary_line
+from kconvert.convert import RunControl
 from kconvert.evaluate.report import EvalReport
 from kconvert.manifest import Manifest
+from kconvert.manifest_writer import summary_line
 from kconvert.model.names import parse_name
 from kconvert.options import BATCH_SIZE, EVAL_SAMPLES, SEED, SEQ_LEN
 from kconvert.run_summary import RunSummary
@@ -162,7 +163,7 @@ def densify(src: str, dst: str, **kwargs) -> ConversionResult:
     return run_recipe("densify", src, dst, **kwargs)
 
 
-def eval(src: str, candidates: list[str], data: str, out: str | None = None, *,
+def evaluate_candidates(src: str, candidates: list[str], data: str, out: str | None = None, *,
          samples: int = EVAL_SAMPLES, seq_len: int = SEQ_LEN, batch_size: int = BATCH_SIZE,
          seed: int = SEED,
          device: str = "auto", dtype: str = "bfloat16", tokenizer: str | None = None,
@@ -176,7 +177,7 @@ def eval(src: str, candidates: list[str], data: str, out: str | None = None, *,
                     device, dtype, tokenizer, quiet, echo=echo)
 
 
-def inspect(src: str, *, as_format: str | None = None, keep: int | None = None,
+def size_report(src: str, *, as_format: str | None = None, keep: int | None = None,
             p48: str | None = None, targets: str | None = None, format: str | None = None,
             gpus: int | None = None, gpu_mem: float | None = None, mem_util: float = 0.9,
             tp: int | None = None, ep: int | None = None, pp: int | None = None,
@@ -192,6 +193,11 @@ def inspect(src: str, *, as_format: str | None = None, keep: int | None = None,
         revision=revision, token=token, cache_dir=cache_dir)
 
 
+# The commands' names, as the API names them (kconvert.eval, kconvert.inspect): bound last, so
+# that above this line `eval` and `inspect` keep Python's meaning.
+eval = evaluate_candidates
+inspect = size_report
+
 __all__ = [
     "ConversionResult",
     "audit",
@@ -199,11 +205,13 @@ __all__ = [
     "densify",
     "dequant",
     "eval",
+    "evaluate_candidates",
     "inspect",
     "int4_to_nvfp4",
     "quantize",
     "reap",
     "run_recipe",
+    "size_report",
     "sparsify",
 ]
 

@@ -24,11 +24,12 @@ from tqdm import tqdm
 from kconvert import distributed, events
 from kconvert.checks.structure import validate_source
 from kconvert.devices import pick_device
+from kconvert.dry_run import print_dry_run
 from kconvert.engine.execute import execute
+from kconvert.engine.stage import Stage
 from kconvert.engine.work import (
     WorkPlan,
     build_work_plan,
-    describe,
     header_shape_values,
     shard_file_bytes,
     share_shards,
@@ -37,7 +38,7 @@ from kconvert.errors import KconvertError
 from kconvert.formats import nvfp4
 from kconvert.formats.dense import DenseCodec
 from kconvert.formats.nvfp4_modelopt import HF_QUANT_CONFIG
-from kconvert.formats.quant_config import output_config, output_format, rewrite_config
+from kconvert.formats.quant_config import output_config, rewrite_config
 from kconvert.io import lock, output_dir
 from kconvert.io.checkpoint import (
     GENERATED_FILES,
@@ -46,21 +47,12 @@ from kconvert.io.checkpoint import (
     is_repo_id,
     open_checkpoint,
 )
-from kconvert.io.files import copy_file, hash_file, human_bytes, write_text
+from kconvert.io.files import copy_file, hash_file, write_text
 from kconvert.io.output_dir import Planned, Workspace
 from kconvert.io.remote import HeaderOnlyShard, open_headers
 from kconvert.io.shards import tensor_nbytes
-from kconvert.manifest import (
-    MANIFEST,
-    FileEntry,
-    FusedSetEntry,
-    LayerEntry,
-    Manifest,
-    SourceEntry,
-    TensorEntry,
-    render_manifest,
-)
-from kconvert.model.names import parse_name
+from kconvert.manifest import MANIFEST, Manifest, render_manifest
+from kconvert.manifest_writer import build_manifest
 from kconvert.recipes import Recipe, build_stages
 from kconvert.stages.records import RunRecord
 from kconvert.version import __version__
@@ -73,9 +65,11 @@ NOT_WRITABLE = {errno.EROFS, errno.EACCES, errno.EPERM}
 
 @dataclass(frozen=True)
 class RunControl:
-    """Options that change how a run goes, never what it writes."""
+    """Options that change how a run goes, never what it writes. `device` is resolved here,
+    once per run (`--device auto | cpu | cuda | cuda:N` -> the torch device, or a clear
+    error); everything past this boundary gets a torch.device."""
 
-    device: str = "auto"
+    device: torch.device | str = "auto"
     resume: bool = False
     overwrite: bool = False
     dry_run: bool = False
@@ -85,6 +79,10 @@ class RunControl:
     token: str | None = None  # Hugging Face token when SRC is a repo id
     cache_dir: str | None = None  # Hugging Face cache [default: huggingface_hub's]
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.device, torch.device):
+            object.__setattr__(self, "device", pick_device(self.device))
+
 
 def _fingerprint(ckpt: Checkpoint, command: str, options: dict) -> str:
     """Identifies what a run writes: same source layout + same command/options -> same bytes."""
@@ -93,8 +91,8 @@ def _fingerprint(ckpt: Checkpoint, command: str, options: dict) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _stats_hash(stages) -> str | None:
-    paths = [s.act_stats for s in stages if getattr(s, "act_stats", None)]
+def _stats_hash(stages: list[Stage]) -> str | None:
+    paths = [p for s in stages for p in s.input_files()]
     return hash_file(Path(paths[0])) if paths else None
 
 
@@ -134,11 +132,11 @@ def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, settings: Mapping[str,
     distributed.from_main(lambda: output_dir.check_dst(ckpt.root, dst, run.resume,
                                                        run.overwrite, run.dry_run))
     dst = output_dir.resolve_dst(dst)
-    stages, device, plan = distributed.agree(lambda: _plan(ckpt, recipe, settings, inputs,
-                                                           run, say))
+    stages, device, plan = distributed.agree(lambda: _prepare_run(ckpt, recipe, settings,
+                                                                  inputs, run, say))
     if run.dry_run:
         if main:
-            _print_plan(plan, echo)
+            print_dry_run(plan, echo)
         return None
 
     # The manifest's options: a RunRecord, typed, so the audit can read it.
@@ -185,16 +183,16 @@ def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, settings: Mapping[str,
     return manifest
 
 
-def _plan(ckpt: Checkpoint, recipe: Recipe, settings: Mapping[str, object],
-          inputs: Mapping[str, object], run: RunControl, say
-          ) -> tuple[list, torch.device, WorkPlan]:
+def _prepare_run(ckpt: Checkpoint, recipe: Recipe, settings: Mapping[str, object],
+                 inputs: Mapping[str, object], run: RunControl, say
+                 ) -> tuple[list, torch.device, WorkPlan]:
     """The stages, the device and the work plan, after the checks of the source."""
     stages = build_stages(recipe, settings, inputs)
     if distributed.world() > 1 and any(s.ordered_layers for s in stages):
         raise KconvertError("--method sparsegpt streams its calibration layer by layer beside "
                             "the conversion and does not run across ranks; run it without "
                             "torchrun")
-    device = pick_device(run.device)
+    device = run.device
     # GPU items of 2^28 decoded elements (~18 Kimi expert matrices): large enough to keep
     # the GPU busy, small enough that prefetch + queued results stay within ~4 GB of host RAM.
     # On a CPU, items of 2^24 elements (~one expert matrix; the fused kernel is per row anyway)
@@ -247,19 +245,6 @@ def _execute(plan: WorkPlan, ws: Workspace, device: torch.device, done: dict[str
                        shards=shards)
 
 
-def _print_plan(plan: WorkPlan, echo) -> None:
-    rows = describe(plan)
-    echo(f"{'role':<15} {'source':<26} {'output':<26} {'tensors_in':>10} {'tensors_out':>11} "
-         f"{'MB_in':>10} {'MB_out':>10}")
-    for role, fmt, out, n_in, n_out, b_in, b_out in rows:
-        echo(f"{role:<15} {fmt:<26} {out:<26} {n_in:>10} {n_out:>11} {b_in / 1e6:>10.1f} "
-             f"{b_out / 1e6:>10.1f}")
-    n_in, n_out, b_in, b_out = (sum(r[i] for r in rows) for i in (3, 4, 5, 6))
-    echo(f"{'total':<69} {n_in:>10} {n_out:>11} {b_in / 1e6:>10.1f} {b_out / 1e6:>10.1f}")
-    echo(f"output format: {output_format(plan.modules)}; {len(plan.shard_entries)} shards, "
-         f"{len(plan.outputs)} tensors")
-
-
 def _finish(ckpt: Checkpoint, ws: Workspace, plan: WorkPlan, records: dict[str, dict],
             command: str, options: dict) -> Manifest:
     root = ws.root
@@ -300,7 +285,7 @@ def _finish(ckpt: Checkpoint, ws: Workspace, plan: WorkPlan, records: dict[str, 
         for name, text in stage.output_files().items():
             write(name, text)
 
-    manifest = _manifest(ckpt, plan, records, command, options, fmt, dropped, non_weight,
+    manifest = build_manifest(ckpt, plan, records, command, options, fmt, dropped, non_weight,
                          {name: hash_file(root / name) for name in sorted(generated)}, root)
     write_text(root / MANIFEST, render_manifest(manifest), ws.tmp(MANIFEST), sync=True,
                staged=lambda: events.emit("manifest-staged", file=MANIFEST))
@@ -310,94 +295,3 @@ def _finish(ckpt: Checkpoint, ws: Workspace, plan: WorkPlan, records: dict[str, 
 
 def _json(data: dict) -> str:
     return json.dumps(data, indent=1, sort_keys=True)
-
-
-def _manifest(ckpt: Checkpoint, plan: WorkPlan, records: dict[str, dict], command: str,
-              options: dict, fmt: str, dropped: dict[str, str], non_weight: dict[str, str],
-              generated: dict[str, str], root: Path) -> Manifest:
-    tensors = {}
-    for t in plan.outputs.values():
-        tensors[t.name] = TensorEntry(file=t.shard, dtype=t.dtype, shape=list(t.shape),
-                                      hash=records[t.shard]["tensors"][t.name], stage=t.stage,
-                                      sources=list(t.sources))
-    stats = {m: s for rec in records.values() for m, s in rec["modules"].items()}
-    fused_sets, layers = {}, {}
-    by_layer: dict[str, list[float]] = {}
-    for m in plan.modules:
-        if m.out_module not in stats:
-            continue
-        st = stats[m.out_module]
-        # Keyed by the OUTPUT's fused set: after pruning, m.tn names the source expert.
-        out_set = parse_name(f"{m.out_module}.{m.tn.param}").fused_set
-        entry = fused_sets.setdefault(
-            out_set, FusedSetEntry(members=[], amax=st["amax"],
-                                   global_scale=st["global_scale"]))
-        entry.members.append(m.out_module)
-        if "quantize" not in m.stages:
-            continue  # re-laid out (densify): bytes unchanged, nothing quantized
-        rel = st["err_sq"] / st["ref_sq"] if st["ref_sq"] else 0.0
-        by_layer.setdefault(str(m.tn.layer), []).append(rel)
-    for layer, rels in sorted(by_layer.items()):
-        layers[layer] = LayerEntry(quantized_modules=len(rels), rel_mse_mean=sum(rels) / len(rels),
-                                   rel_mse_max=max(rels))
-    for fused in fused_sets.values():
-        fused.members.sort()
-    files = {shard: FileEntry(bytes=(root / shard).stat().st_size, tensors=len(e))
-             for shard, e in plan.shard_entries.items()}
-    summary = _summary(plan, by_layer, files)
-    if distributed.launched():  # how the run was spread; the bytes are the same on any count
-        summary["world_size"] = distributed.world()
-    return Manifest(
-        tool={"name": "kconvert", "version": __version__}, command=command, options=options,
-        source=SourceEntry(**ckpt.identity), output_format=fmt, files=files,
-        non_weight_files=non_weight, generated_files=generated,
-        tensors=dict(sorted(tensors.items())),
-        fused_sets=dict(sorted(fused_sets.items())), layers=layers,
-        summary=summary, dropped=dropped,
-    )
-
-
-def _summary(plan: WorkPlan, by_layer: dict[str, list[float]], files: dict[str, FileEntry]) -> dict:
-    """What the run did, in numbers (the CLI's closing line is made from it)."""
-    modules = {"quantized": 0, "dequantized": 0, "relaid": 0, "sparsified": 0}
-    for m in plan.modules:
-        if m.out_codec is None:
-            continue
-        if "quantize" in m.stages:
-            modules["quantized"] += 1
-        elif m.repack:
-            modules["relaid"] += 1
-        else:
-            modules["dequantized"] += 1
-        modules["sparsified"] += "sparsify" in m.stages
-    rels = [r for rs in by_layer.values() for r in rs]
-    return {"tensors": len(plan.outputs), "bytes": sum(f.bytes for f in files.values()),
-            "shards": len(files), "quantized_modules": modules["quantized"],
-            "dequantized_modules": modules["dequantized"], "relaid_modules": modules["relaid"],
-            "sparsified_modules": modules["sparsified"],
-            "pruned_experts": len({parse_name(n).module.rsplit(".", 1)[0]
-                                   for n in plan.dropped}),
-            "rel_mse_mean": sum(rels) / len(rels) if rels else 0.0,
-            "rel_mse_max": max(rels, default=0.0)}
-
-
-def summary_line(manifest: Manifest, dst: str) -> str:
-    """One line that says what a run did: tensors and bytes written, and per stage how many
-    modules it changed (only what happened is mentioned)."""
-    s = manifest.summary
-    parts = [f"wrote {dst}: {s['tensors']} tensors in {s['shards']} shard(s), "
-             f"{human_bytes(s['bytes'])}"]
-    if s.get("pruned_experts"):
-        parts.append(f"{s['pruned_experts']} routed experts pruned")
-    if s.get("sparsified_modules"):
-        parts.append(f"{s['sparsified_modules']} modules made paired-4:8 sparse")
-    if s.get("quantized_modules"):
-        parts.append(f"{s['quantized_modules']} modules quantized to NVFP4 (relative squared "
-                     f"error mean {s['rel_mse_mean']:.2e}, max {s['rel_mse_max']:.2e})")
-    if s.get("dequantized_modules"):
-        parts.append(f"{s['dequantized_modules']} modules dequantized")
-    if s.get("relaid_modules"):
-        parts.append(f"{s['relaid_modules']} modules re-laid out (bytes unchanged)")
-    if len(parts) == 1:
-        parts.append("every tensor copied unchanged")
-    return "; ".join(parts)

@@ -21,3 +21,25 @@ ONLY_WITH = {
     "keep": ("data", "stats", "plan"), "prune_ratio": ("data", "stats", "plan"),
     "criterion": ("data", "stats"),
 }
+
+# The choices of the stage options, here so that the command line lists them without importing
+# the stages (torch); the stages and libraries check their values against these same names.
+# A pruning criterion -> the per-expert calibration statistic it keeps the highest of
+# (kconvert.calibrate.stats; reap.md): adding one is an entry here.
+PRUNE_CRITERIA = {"reap": "saliency", "frequency": "count", "ean": "ean_sum", "man": "man",
+                  "msan": "msan"}
+REPAIRS = ("none", "bias", "router")  # router repair; kconvert.pruning.repair fits REPAIRS[1:]
+COMPENSATIONS = ("none", "shared", "down")  # kconvert.pruning.compensate
+SPARSIFY_METHODS = ("magnitude", "wanda", "sparsegpt")
+SPARSIFY_STORAGES = ("dense", "pair-bitmask")
+HESSIANS = ("source", "sequential")  # SparseGPT's layer inputs (kconvert.sparsity.sparsegpt)
+# `--format NAME` of the quantize stage: each is an output codec's `cli_name`
+# (kconvert.formats.OUTPUT_CODECS; a test keeps the two equal).
+OUTPUT_FORMATS = ("compressed-tensors", "modelopt")
+
+
+def calibration_run(options: dict, samples: int) -> tuple[int, int, int, int]:
+    """(samples, seq_len, batch_size, seed) of a stage's calibration from the options given,
+    the defaults where not given (`samples`: the stage's own)."""
+    return (options.get("samples") or samples, options.get("seq_len") or SEQ_LEN,
+            options.get("batch_size") or BATCH_SIZE, options.get("seed", SEED))

@@ -16,9 +16,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from kconvert.engine.stage import Stage
 from kconvert.errors import KconvertError
 from kconvert.stages import KINDS
-from kconvert.stages.base import Stage
 
 RECIPE_KEYS = ("name", "description", "requires_source", "stages")
 
@@ -116,19 +116,18 @@ def check_options(recipe: Recipe, given: Iterable[str]) -> None:
 
 def build_stages(recipe: Recipe, settings: Mapping[str, object],
                  inputs: Mapping[str, object]) -> list[Stage]:
-    """The stages of `recipe`. Non-None `settings` (by name, see StageKind.settings) replace
-    the recipe's; `inputs` holds, by stage kind, what a command prepared from the opened source
-    (an instance of that kind's StageKind.input_type)."""
+    """The stages of `recipe`. Non-None `settings` (by name, see StageKind.settings; a
+    command checks them with check_options) replace the recipe's; `inputs` holds, by stage
+    kind, what a command prepared from the opened source (an instance of that kind's
+    StageKind.input_type)."""
     given = {k: v for k, v in settings.items() if v is not None}
-    check_options(recipe, given)
     for name, prepared in inputs.items():
         wanted = KINDS[name].input_type if name in recipe.kinds else None
         if wanted is None or not isinstance(prepared, wanted):
             raise TypeError(f"a {type(prepared).__name__} for stage {name!r} of recipe "
                             f"{recipe.name}, which takes {wanted.__name__ if wanted else 'none'}")
     stages: list[Stage] = []
-    for number, spec in enumerate(recipe.stages, 1):
-        _check_stage_table(spec, number, f"recipe {recipe.name}")
+    for spec in recipe.stages:  # checked by load_recipe
         kind = KINDS[spec["stage"]]
         chosen = {k: v for k, v in {**spec, **given}.items() if k in kind.settings}
         stages.append(kind.build(chosen, inputs.get(kind.name)))

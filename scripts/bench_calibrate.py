@@ -1,33 +1,62 @@
-"""Benchmark: layer-streamed calibration of one full-size synthetic Kimi MoE layer.
+"""Benchmark: the data-driven commands through the CLI on one full-size synthetic Kimi MoE layer.
 
-Builds a Kimi-K2-Thinking-shaped checkpoint with real shapes (layer 0 dense, layer 1 MoE with
-384 INT4 experts, MLA attention, a reduced 16k vocabulary since only the embedding lookup
-touches it) and times `kconvert.calibrate.calibrate` on TOKENS sequences of SEQ tokens.
-Reports seconds per layer, tokens/s, peak GPU memory and peak host RSS as JSON in $OUT.
+Builds (or reuses, when ROOT/calib-src exists) a Kimi-K2-Thinking-shaped checkpoint with real
+shapes (layer 0 dense, layer 1 MoE with 384 INT4 experts, MLA attention, a reduced 16k
+vocabulary since only the embedding lookup touches it) and SEQS x SEQ random `input_ids` as
+JSONL, then runs, each as its own `python -m kconvert ... -v` process:
+  calibrate cold  (page cache dropped first: `sync; echo 3 > /proc/sys/vm/drop_caches`, root)
+  calibrate hot   (the same, the checkpoint now in the page cache)
+  eval hot        (the source against itself: two models, each layer read and run twice)
+  reap --data hot (REAP on the same tokens, keeping half the experts; output deleted after)
+Per process: wall seconds, per decoder layer the read / compute / overlap / wall seconds from
+the -v log (kconvert.calibrate.prefetch), the MoE layer's seconds and the process wall minus
+the layers' time (imports, CUDA start-up, data, embedding, writing). Targets (issue 30):
+MoE layer cold <= 1.15 x hot, hot <= 6 s, process wall minus layers <= 6 s.
 
-Env: ROOT (scratch dir), OUT (result dir), SEQS (256), SEQ (2048), BATCH (8).
+Device (H100/H200, ~3-4 min with the set to build, ~2.5 min when it exists; root for cold):
+    ROOT=/tmp/kbench python3 scripts/bench_calibrate.py $OUT/bench_calibrate_cli.json
+CPU smoke test (tiny dims, seconds):
+    python scripts/bench_calibrate.py --tiny /tmp/bench_calibrate_tiny.json
+
+With MOE_LAYERS=2 the second MoE layer shows the steady state of a whole model: its read
+overlaps the first MoE layer's compute (the first's overlaps only the short dense layer 0).
+
+Env: ROOT (scratch dir), SEQS (256), SEQ (2048), BATCH (8), DIMS, MOE_LAYERS (1),
+COMMANDS (calibrate,eval,reap), TREE (another checkout whose kconvert the commands run, e.g. the
+previous code for a before/after comparison in one device run; its -v log may lack the
+per-layer lines, and then only process walls compare).
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
-import resource
+import re
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
+
+if "--tiny" in sys.argv:  # before the dims are read from the environment
+    sys.argv.remove("--tiny")
+    os.environ.update(DIMS="128,64,256,16,512,64,32,4", SEQS="4", SEQ="32", BATCH="2")
+    os.environ.setdefault("ROOT", "/tmp/kbench-tiny")
 
 import torch
 from safetensors.torch import save_file
 
 ROOT = Path(os.environ.get("ROOT", "/tmp/kbench"))
-OUT = Path(os.environ.get("OUT", "/tmp/kbench-out"))
+OUT = Path(os.environ.get("OUT", "/tmp/kbench-out"))  # bench_eval.py's result directory
+REPO = Path(__file__).resolve().parent.parent
+TREE = Path(os.environ.get("TREE", REPO)).resolve()  # whose kconvert runs
 SEQS, SEQ, BATCH = (int(os.environ.get(k, d)) for k, d in
                     (("SEQS", 256), ("SEQ", 2048), ("BATCH", 8)))
 H, I_MOE, I_DENSE, E, V, QL, KVL, NH = (int(x) for x in os.environ.get(
     "DIMS", "7168,2048,18432,384,16384,1536,512,64").split(","))
+# MoE layers after the dense layer 0: the second one's read overlaps the first one's compute,
+# as every MoE layer's does in a 61-layer model (the first's overlaps only the dense layer's).
+MOE_LAYERS = int(os.environ.get("MOE_LAYERS", 1))
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -61,7 +90,8 @@ def attention(p: str) -> dict[str, torch.Tensor]:
 def make_checkpoint(src: Path) -> None:
     shutil.rmtree(src, ignore_errors=True)
     src.mkdir(parents=True)
-    names = [f"model-{i:05d}-of-000003.safetensors" for i in (1, 2, 3)]
+    count = MOE_LAYERS + 2
+    names = [f"model-{i:05d}-of-{count:06d}.safetensors" for i in range(1, count + 1)]
     weight_map: dict[str, str] = {}
 
     def put(i: int, t: dict[str, torch.Tensor]) -> None:
@@ -73,18 +103,19 @@ def make_checkpoint(src: Path) -> None:
                         ("down_proj", (H, I_DENSE))):
         t[f"model.layers.0.mlp.{proj}.weight"] = bf16(*shape)
     put(0, t)
-    p = "model.layers.1"
-    t = attention(p)
-    t[f"{p}.mlp.gate.weight"] = bf16(E, H)
-    t[f"{p}.mlp.gate.e_score_correction_bias"] = torch.randn(E) * 0.01
-    for proj, shape in (("gate_proj", (I_MOE, H)), ("up_proj", (I_MOE, H)),
-                        ("down_proj", (H, I_MOE))):
-        t[f"{p}.mlp.shared_experts.{proj}.weight"] = bf16(*shape)
-        for e in range(E):
-            for param, v in int4(*shape).items():
-                t[f"{p}.mlp.experts.{e}.{proj}.{param}"] = v
-    put(1, t)
-    put(2, {"model.embed_tokens.weight": bf16(V, H), "lm_head.weight": bf16(V, H),
+    for layer in range(1, MOE_LAYERS + 1):
+        p = f"model.layers.{layer}"
+        t = attention(p)
+        t[f"{p}.mlp.gate.weight"] = bf16(E, H)
+        t[f"{p}.mlp.gate.e_score_correction_bias"] = torch.randn(E) * 0.01
+        for proj, shape in (("gate_proj", (I_MOE, H)), ("up_proj", (I_MOE, H)),
+                            ("down_proj", (H, I_MOE))):
+            t[f"{p}.mlp.shared_experts.{proj}.weight"] = bf16(*shape)
+            for e in range(E):
+                for param, v in int4(*shape).items():
+                    t[f"{p}.mlp.experts.{e}.{proj}.{param}"] = v
+        put(layer, t)
+    put(MOE_LAYERS + 1, {"model.embed_tokens.weight": bf16(V, H), "lm_head.weight": bf16(V, H),
             "model.norm.weight": torch.ones(H, dtype=torch.bfloat16)})
     (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     qc = {"quant_method": "compressed-tensors", "format": "pack-quantized",
@@ -96,7 +127,8 @@ def make_checkpoint(src: Path) -> None:
                      r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]}
     config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
               "hidden_size": H, "intermediate_size": I_DENSE, "moe_intermediate_size": I_MOE,
-              "num_hidden_layers": 2, "first_k_dense_replace": 1, "n_routed_experts": E,
+              "num_hidden_layers": 1 + MOE_LAYERS, "first_k_dense_replace": 1,
+              "n_routed_experts": E,
               "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1,
               "topk_method": "noaux_tc", "scoring_func": "sigmoid", "routed_scaling_factor": 2.827,
               "norm_topk_prob": True, "q_lora_rank": QL, "kv_lora_rank": KVL,
@@ -111,37 +143,98 @@ def make_checkpoint(src: Path) -> None:
     (src / "config.json").write_text(json.dumps(config, indent=1))
 
 
-def main() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from kconvert.calibrate.run import calibrate
-    from kconvert.io.checkpoint import open_checkpoint
+# A -v line of kconvert.calibrate.prefetch:
+# "<label>/<n>: read R s, compute C s, overlap O s, wall W s".
+LAYER_LINE = re.compile(r"INFO: (?P<label>.+?)/\d+: read (?P<read>[\d.]+) s, compute "
+                        r"(?P<compute>[\d.]+) s, overlap (?P<overlap>[\d.]+) s, wall "
+                        r"(?P<wall>[\d.]+) s")
 
-    OUT.mkdir(parents=True, exist_ok=True)
-    src = ROOT / "calib-src"
-    t0 = time.perf_counter()
-    make_checkpoint(src)
-    res: dict = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
-                 "make_s": round(time.perf_counter() - t0, 1), "seqs": SEQS, "seq_len": SEQ,
-                 "batch": BATCH, "tokens": SEQS * SEQ, "experts": E}
+
+def make_data(path: Path) -> None:
     ids = torch.randint(0, V, (SEQS, SEQ), generator=torch.Generator().manual_seed(0))
-    marks = [time.perf_counter()]
-    ckpt = open_checkpoint(str(src))
-    if dev == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    calibrate(ckpt, ids, dev, BATCH, on_layer=lambda _layer, _h: marks.append(
-        (torch.cuda.synchronize() if dev == "cuda" else None) or time.perf_counter()))
-    per_layer = [round(b - a, 2) for a, b in itertools.pairwise(marks)]
-    res.update({
-        "seconds_per_layer": per_layer,  # [embed + dense layer 0, MoE layer 1]
-        "moe_layer_s": per_layer[-1],
-        "moe_tokens_per_s": round(SEQS * SEQ / per_layer[-1]),
-        "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if dev == "cuda"
-        else None,
-        "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1),
-        "projected_61_layers_min": round((per_layer[0] + 60 * per_layer[-1]) / 60, 1),
-    })
-    print(json.dumps(res, indent=1))
-    (OUT / "bench_calibrate.json").write_text(json.dumps(res, indent=1))
+    with open(path, "w") as fh:
+        for row in ids.tolist():
+            fh.write(json.dumps({"input_ids": row}) + "\n")
+
+
+def drop_page_cache() -> str | None:
+    """Empty the page cache (root only); None when done, else why not."""
+    try:
+        subprocess.run(["sync"], check=True)
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError as exc:
+        return str(exc)
+    return None
+
+
+def run_cli(name: str, args: list[str]) -> dict:
+    """One `python -m kconvert ARGS -v` process: wall seconds and the per-layer lines."""
+    env = {**os.environ, "PYTHONPATH": f"{TREE}:{os.environ.get('PYTHONPATH', '')}"}
+    t0 = time.perf_counter()
+    # cwd=TREE: `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH.
+    proc = subprocess.run([sys.executable, "-m", "kconvert", *args, "-v"], env=env, cwd=TREE,
+                          capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
+        raise SystemExit(f"{name}: kconvert exited {proc.returncode}")
+    layers = [{"layer": m["label"], **{k: float(m[k])
+                                       for k in ("read", "compute", "overlap", "wall")}}
+              for m in LAYER_LINE.finditer(proc.stderr)]
+    layers_s = sum(lay["wall"] for lay in layers)
+    # per MoE layer (eval: the source's and the candidate's together)
+    moe = [round(sum(lay["wall"] for lay in layers if lay["layer"].endswith(f"layer {L}")), 2)
+           for L in range(1, MOE_LAYERS + 1)]
+    return {"wall_s": round(wall, 2), "layers": layers, "layers_s": round(layers_s, 2),
+            "moe_layer_s": moe,
+            "wall_minus_layers_s": round(wall - layers_s, 2),
+            "projection": [ln for ln in proc.stderr.splitlines() if "projection" in ln]}
+
+
+def main() -> None:
+    out_json = Path(sys.argv[1]) if len(sys.argv) > 1 else OUT / "bench_calibrate_cli.json"
+    src, data = ROOT / "calib-src", ROOT / f"ids-{SEQS}x{SEQ}.jsonl"
+    dims = os.environ.get("DIMS", "")
+    t0 = time.perf_counter()
+    stamp, made = ROOT / "calib-src.dims", f"{dims};{MOE_LAYERS}"
+    if not (src / "config.json").exists() or not stamp.exists() or stamp.read_text() != made:
+        make_checkpoint(src)
+        stamp.write_text(made)
+    if not data.exists():
+        make_data(data)
+    res: dict = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+                 "tree": str(TREE),
+                 "make_s": round(time.perf_counter() - t0, 1), "seqs": SEQS, "seq_len": SEQ,
+                 "batch": BATCH, "tokens": SEQS * SEQ, "experts": E, "moe_layers": MOE_LAYERS,
+                 "targets": {"cold_over_hot": 1.15, "moe_layer_hot_s": 6.0,
+                             "wall_minus_layers_s": 6.0}}
+    common = ["--data", str(data), "--samples", str(SEQS), "--seq-len", str(SEQ),
+              "--batch-size", str(BATCH), "--device", dev]
+    stats = ROOT / "stats"
+    calibrate = ["calibrate", str(src), "-o", str(stats), "--overwrite", *common]
+    commands = os.environ.get("COMMANDS", "calibrate,eval,reap").split(",")
+    if "calibrate" in commands:
+        res["drop_caches_failed"] = drop_page_cache()
+        res["calibrate_cold"] = run_cli("calibrate cold", calibrate)
+        res["calibrate_hot"] = run_cli("calibrate hot", calibrate)
+        cold, hot = res["calibrate_cold"]["moe_layer_s"], res["calibrate_hot"]["moe_layer_s"]
+        res["moe_cold_over_hot"] = [round(c / h, 3) if h else None
+                                    for c, h in zip(cold, hot, strict=True)]
+    if "eval" in commands:
+        res["eval_hot"] = run_cli("eval", ["eval", str(src), str(src), *common])
+    if "reap" in commands:
+        pruned = ROOT / "reap-out"
+        res["reap_hot"] = run_cli("reap", ["reap", str(src), str(pruned), "--keep",
+                                           str(E // 2), "--overwrite", *common])
+        shutil.rmtree(pruned, ignore_errors=True)
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    out_json.write_text(json.dumps(res, indent=1) + "\n")
+    for key in ("calibrate_cold", "calibrate_hot", "eval_hot", "reap_hot"):
+        if key in res:
+            r = res[key]
+            print(f"{key}: wall {r['wall_s']} s, layers {r['layers_s']} s, MoE layer "
+                  f"{r['moe_layer_s']} s, wall - layers {r['wall_minus_layers_s']} s")
+    print(f"MoE layer cold/hot: {res.get('moe_cold_over_hot')}; wrote {out_json}")
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ def peaks() -> dict[str, float | None]:
 
 
 def main() -> None:
-    from kconvert.calibrate.run import calibrate
+    from kconvert.calibrate.run import measure_stats
     from kconvert.convert import RunControl, convert
     from kconvert.evaluate.run import evaluate
     from kconvert.io.checkpoint import open_checkpoint
@@ -74,7 +74,7 @@ def main() -> None:
     source = open_checkpoint(str(src))
     marks = [time.perf_counter()]
     reset_peaks()
-    calibrate(source, ids, dev, BATCH, on_layer=lambda _layer, _h: marks.append(
+    measure_stats(source, ids, dev, BATCH, on_layer=lambda _layer, _h: marks.append(
         (torch.cuda.synchronize() if dev == "cuda" else None) or time.perf_counter()))
     calib_layers = [round(b - a, 2) for a, b in itertools.pairwise(marks)]
     res["calibrate"] = {"seconds_per_layer": calib_layers, **peaks()}

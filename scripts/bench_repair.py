@@ -53,13 +53,13 @@ def _sync() -> float:
 
 
 def _calibrate(ckpt, ids: torch.Tensor, hook) -> dict:
-    from kconvert.calibrate.run import calibrate
+    from kconvert.calibrate.run import measure_stats
 
     if bc.dev == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     marks = [_sync()]
-    calibrate(ckpt, ids, bc.dev, bc.BATCH, on_weights=hook,
+    measure_stats(ckpt, ids, bc.dev, bc.BATCH, on_weights=hook,
               on_layer=lambda _layer, _h: marks.append(_sync()))
     return {"seconds_per_layer": [round(b - a, 2) for a, b in itertools.pairwise(marks)],
             "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)

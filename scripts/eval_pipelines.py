@@ -36,16 +36,17 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kconvert.calibrate.run import calibrate  # noqa: E402
+from kconvert.calibrate.run import measure_stats  # noqa: E402
 from kconvert.calibrate.stats import ACT_FILE, save_stats  # noqa: E402
 from kconvert.convert import RunControl, convert  # noqa: E402
 from kconvert.evaluate.run import evaluate  # noqa: E402
 from kconvert.io.checkpoint import open_checkpoint  # noqa: E402
 from kconvert.pruning.plan import parse_plan  # noqa: E402
-from kconvert.pruning.reap import plan_from_scores, prune_stage, scores_of  # noqa: E402
+from kconvert.pruning.reap import plan_from_scores, scores_of  # noqa: E402
 from kconvert.pruning.repair import RepairSettings, RouterRepair, with_repair  # noqa: E402
 from kconvert.recipes import load_recipe  # noqa: E402
 from kconvert.sparsity.sparsegpt import CalibrationHessians  # noqa: E402
+from kconvert.stages.prune import prune_stage  # noqa: E402
 from kconvert.stages.sparsify import SparsegptCalibration  # noqa: E402
 from kconvert.testing.tiny_moe import corpus_ids, heldout_ids, windows  # noqa: E402
 
@@ -58,7 +59,7 @@ def build(tmp: Path, calib: torch.Tensor, draws: int) -> dict[str, tuple[Path, s
     """name -> (output directory, what it is), every pipeline run on the tiny MoE."""
     ckpt = open_checkpoint(str(SRC))
     try:
-        stats = calibrate(ckpt, calib, "cpu", 16, dtype=torch.float32)
+        stats = measure_stats(ckpt, calib, "cpu", 16, dtype=torch.float32)
     finally:
         ckpt.close()
     save_stats(stats, tmp / "stats")
@@ -109,7 +110,7 @@ def build(tmp: Path, calib: torch.Tensor, draws: int) -> dict[str, tuple[Path, s
         try:  # the plan and the repair from one calibration pass, as `reap --repair` does
             fixer = RouterRepair(ckpt, calib, RepairSettings(repair, KEEPS["50%"], "reap"),
                                  torch.device("cpu"), batch_size=16)
-            measured = calibrate(ckpt, calib, "cpu", 16, dtype=torch.float32, on_weights=fixer)
+            measured = measure_stats(ckpt, calib, "cpu", 16, dtype=torch.float32, on_weights=fixer)
             repaired = with_repair(plan_from_scores(scores_of(measured), KEEPS["50%"], "reap"),
                                    fixer)
         finally:

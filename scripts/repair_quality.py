@@ -26,12 +26,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 
-from kconvert.calibrate.run import calibrate
+from kconvert.calibrate.run import measure_stats
 from kconvert.convert import RunControl, convert
 from kconvert.io.checkpoint import open_checkpoint
-from kconvert.pruning.reap import plan_from_scores, prune_stage, scores_of
+from kconvert.pruning.reap import plan_from_scores, scores_of
 from kconvert.pruning.repair import RepairSettings, RouterRepair, with_repair
 from kconvert.recipes import load_recipe
+from kconvert.stages.prune import prune_stage
 from kconvert.testing.tiny_moe import corpus_ids, heldout_ids, load_kimi_checkpoint, windows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +65,7 @@ def prune(keep: int, method: str, calib: torch.Tensor, dst: Path) -> dict:
         fixer = None if method == "none" else RouterRepair(
             ckpt, calib, RepairSettings(method, keep, "reap"), torch.device("cpu"),
             torch.float32, 16)
-        stats = calibrate(ckpt, calib, "cpu", 16, dtype=torch.float32, on_weights=fixer)
+        stats = measure_stats(ckpt, calib, "cpu", 16, dtype=torch.float32, on_weights=fixer)
         plan = plan_from_scores(scores_of(stats), keep, "reap")
     finally:
         ckpt.close()

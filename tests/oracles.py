@@ -269,3 +269,51 @@ def sparsegpt_per_column(w: torch.Tensor, u: torch.Tensor, gs: torch.Tensor, gro
         w[:, :, i1:i2] = w1
         w[:, :, i2:] -= torch.bmm(err1, u[:, i1:i2, i2:])
     return w, codes
+
+
+def per_expert_routed(moe, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
+                      ) -> torch.Tensor:
+    """The calibration MoE block's routed experts as computed before issue 30, as an oracle of
+    "today's" statistics: a Python loop over the experts, each on its gathered tokens, the
+    statistics accumulated expert by expert (bound as `MoEBlock._routed`)."""
+    k = indices.shape[1]
+    tok = torch.arange(x.shape[0], device=x.device).repeat_interleave(k)
+    exp, w = indices.reshape(-1), weights.reshape(-1).float()
+    if moe.ctx.valid is not None:
+        keep = moe.ctx.valid.reshape(-1)[tok]
+        tok, exp, w = tok[keep], exp[keep], w[keep]
+    order = torch.argsort(exp, stable=True)
+    tok, exp, w = tok[order], exp[order], w[order]
+    counts = torch.bincount(exp, minlength=moe.n_experts)
+    xs = x[tok]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    norms = torch.empty(tok.shape[0], dtype=torch.float32, device=x.device)
+
+    def accumulate(rows: torch.Tensor, amax: torch.Tensor, sq: torch.Tensor) -> None:
+        torch.maximum(amax, torch.linalg.vector_norm(rows, ord=float("inf"),
+                                                     dtype=torch.float32), out=amax)
+        sq += torch.linalg.vector_norm(rows, ord=2, dim=0, dtype=torch.float32).double().square()
+
+    start = 0
+    for e, c in enumerate(counts.tolist()):
+        if c == 0:
+            continue
+        rows = slice(start, start + c)
+        xe = xs[rows]
+        gate, up = torch.nn.functional.linear(xe, moe.experts.gate_up[e]).chunk(2, dim=-1)
+        a = moe.act_fn(gate) * up
+        f = torch.nn.functional.linear(a, moe.experts.down[e])
+        out[tok[rows]] += f.float() * w[rows, None]
+        start += c
+        if moe.collect:
+            norms[rows] = torch.linalg.vector_norm(f, dim=-1, dtype=torch.float32)
+            accumulate(xe, moe.amax_in[e], moe.sq_in[e])
+            accumulate(a, moe.amax_down[e], moe.sq_down[e])
+    if not moe.collect:
+        return out
+    n = moe.n_experts
+    moe.count += counts
+    moe.gate_sum += torch.bincount(exp, weights=w.double(), minlength=n)
+    moe.reap_sum += torch.bincount(exp, weights=(w * norms).double(), minlength=n)
+    moe.ean_sum += torch.bincount(exp, weights=norms.double(), minlength=n)
+    return out

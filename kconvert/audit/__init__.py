@@ -9,7 +9,7 @@ them, the manifest and its typed RunRecord, the plan), run in order by auditor.r
   survey); no file left by an unfinished kconvert write; config consistent with the tensors
   (kconvert.checks.structure, the checks every conversion runs on its source).
 * quant-config: every `quantization_config` agrees with the tensors (kconvert.checks).
-* manifest.py: the manifest's tensor and file lists, file hashes, output format, the stages'
+* manifest_checks.py: the manifest's tensor and file lists, file hashes, output format, the stages'
   recorded parameters, fused-set scales and per-layer counts; tensor hashes as they stream.
 * source.py (--source): router rows and bias entries vs the plan's choice (or the inferred
   mapping), the config, every source tensor accounted for, non-weight files identical.

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kconvert.audit import manifest, p48, scales, source, stream
+from kconvert.audit import manifest_checks, p48, scales, source, stream
 from kconvert.audit.context import AuditContext, open_side
 from kconvert.audit.report import Report
 from kconvert.checks.quant_config import check_quant_config
 from kconvert.checks.structure import check_config, check_layers
+from kconvert.checks.survey import survey_checkpoint
 from kconvert.devices import pick_device
 from kconvert.errors import KconvertError
-from kconvert.io.checkpoint import open_checkpoint, survey_checkpoint
+from kconvert.io.checkpoint import open_checkpoint
 from kconvert.pruning.plan import load_plan
 
 CHUNK = 8 << 20  # default bytes per streamed piece of a plain tensor
@@ -49,7 +50,7 @@ def run_audit(ckpt: str | Path, source: str | None = None, plan: str | None = No
 
 def _run_families(ctx: AuditContext) -> None:
     r = ctx.report
-    manifest.load(ctx)
+    manifest_checks.load(ctx)
     config, modules = ctx.ckpt.ckpt.config, list(ctx.ckpt.modules.values())
     check_config(r, config)
     layers = check_layers(r, config, ctx.ckpt.tensors, modules)
@@ -57,7 +58,7 @@ def _run_families(ctx: AuditContext) -> None:
     for layer, columns in layers.rows.items():
         vars(r.row(layer)).update(columns)
     check_quant_config(r, config, modules, ctx.ckpt.root)
-    manifest.check_files(ctx)
+    manifest_checks.check_files(ctx)
     _before_stream(ctx)
     stream.run(ctx)
     p48.check_declared(ctx)
@@ -69,7 +70,7 @@ def _run_families(ctx: AuditContext) -> None:
 def _before_stream(ctx: AuditContext) -> None:
     """What the manifest records, and the expert mapping the streaming pass compares under."""
     if ctx.manifest is not None:
-        manifest.check_recorded(ctx)
+        manifest_checks.check_recorded(ctx)
     if ctx.source is not None:
         source.map_experts(ctx)
         source.check_config(ctx)
@@ -81,10 +82,10 @@ def _after_stream(ctx: AuditContext) -> None:
     """What needs every tensor read: recorded scales and counts, the source's accounting."""
     recorded = ctx.manifest is not None
     if recorded:
-        manifest.check_after_stream(ctx)
+        manifest_checks.check_after_stream(ctx)
     if ctx.source is None:
         return
     source.check_accounting(ctx)
     if recorded:
-        manifest.check_sources(ctx)
+        manifest_checks.check_sources(ctx)
     source.check_other_files(ctx)

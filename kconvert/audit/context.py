@@ -1,6 +1,6 @@
 """What every check family of `kconvert audit` reads: the audited checkpoint and the source,
 each opened by kconvert.io.checkpoint and grouped into modules by the converter's own
-grouping (kconvert.stages.base), the manifest and the typed record of the run that made it,
+grouping (kconvert.formats.linear), the manifest and the typed record of the run that made it,
 the pruning plan, and what earlier families established (the MoE layers, the expert mapping,
 the stored fused-set scales, which source tensors have a counterpart)."""
 
@@ -17,12 +17,12 @@ from kconvert.audit.report import Report
 from kconvert.checks.findings import Checks
 from kconvert.errors import KconvertError
 from kconvert.formats.base import Codec
+from kconvert.formats.linear import ModuleWork, as_linear, module_params
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.shards import ShardReader, TensorInfo
 from kconvert.manifest import Manifest
 from kconvert.model.names import Role, parse_name
 from kconvert.pruning.plan import PrunePlan
-from kconvert.stages.base import ModuleWork, as_linear, module_params
 from kconvert.stages.records import RunRecord
 
 ROUTER_ROLES = (Role.ROUTER_WEIGHT, Role.ROUTER_BIAS)

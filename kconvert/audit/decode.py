@@ -16,7 +16,7 @@ import torch
 from kconvert.audit.context import AuditContext
 from kconvert.checks.findings import Checks
 from kconvert.formats.base import Codec
-from kconvert.stages.base import ModuleWork
+from kconvert.formats.linear import ModuleWork
 
 SRC = "source"
 # Without a manifest that records the error, a re-encoded module must decode within this

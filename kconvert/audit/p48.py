@@ -8,9 +8,9 @@ import torch
 
 from kconvert.audit.context import AuditContext
 from kconvert.checks.findings import Checks
+from kconvert.formats.linear import ModuleWork
 from kconvert.manifest import MANIFEST
 from kconvert.sparsity.p48 import check_packed
-from kconvert.stages.base import ModuleWork
 
 P = "p48"
 

@@ -18,9 +18,9 @@ from kconvert.audit.context import AuditContext
 from kconvert.checks.findings import Checks
 from kconvert.formats import nvfp4
 from kconvert.formats.base import Codec, is_linear
+from kconvert.formats.linear import ModuleWork
 from kconvert.io.finite import NONFINITE_BITS, find_nonfinite
 from kconvert.io.shards import TensorInfo
-from kconvert.stages.base import ModuleWork
 
 S = "scales"
 # A block (or group) scale is 0 for an all-zero block but never negative; every other scale a
@@ -86,8 +86,8 @@ def stored_global_scale(codec: type[Codec], global_scale: float, amax: float) ->
     `global_scale` (2688 / amax, compressed-tensors' stored form, exact) and `amax`: what the
     format's own encoder writes (ModelOpt's amax / 2688 is computed from amax, as its
     encoder computes it)."""
-    scale = (nvfp4.tensor_scale(torch.tensor([amax]), codec.arithmetic)
-             if codec.arithmetic == "modelopt" else torch.tensor([global_scale]))
+    scale = nvfp4.stored_scale(torch.tensor([global_scale]), torch.tensor([amax]),
+                               codec.arithmetic)
     one_block = nvfp4.Quantized(
         packed=torch.zeros(1, 1, 8, dtype=torch.uint8),
         block_scales=torch.zeros(1, 1, 1, dtype=torch.float8_e4m3fn),

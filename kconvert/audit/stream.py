@@ -30,11 +30,11 @@ from kconvert.audit.context import ROUTER_ROLES, AuditContext, StoredScales
 from kconvert.audit.decode import DecodeJob, bound
 from kconvert.audit.worker import ModuleWorker
 from kconvert.checks.findings import Checks
+from kconvert.formats.linear import ModuleWork
 from kconvert.io.hashing import TensorHashes
 from kconvert.io.readahead import read_ahead
 from kconvert.io.shards import TensorInfo, byte_view
 from kconvert.model.names import parse_name
-from kconvert.stages.base import ModuleWork
 
 SRC = "source"
 READ_AHEAD = 8  # pieces' worth of bytes being read ahead of the consumer (both sides counted)

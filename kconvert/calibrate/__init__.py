@@ -4,12 +4,13 @@ The calibration tokens are embedded once (only the embedding rows they use are r
 decoder layers are streamed: for L = 0..num_hidden_layers-1 only layer L's tensors are read and
 decoded (INT4, NVFP4, FP8-block or BF16, through `kconvert.formats`) to the compute dtype, the
 layer runs over the hidden states of every calibration token, statistics are accumulated, and
-the outputs become layer L+1's inputs. The weights are freed before the next layer is read.
+the outputs become layer L+1's inputs. While layer L runs, layer L+1 is read on a thread
+(`prefetch.py`), never more than one layer ahead: layer L's weights are freed before L+2 is read.
 
 Exact forward. The layer is transformers' own `DeepseekV3DecoderLayer` (MLA attention with its
 YaRN rope, RMSNorms, residuals, dense MLP below `first_k_dense_replace`), built from the
 checkpoint's text config read as "deepseek_v3" and loaded with layer L's tensors. Only the MoE
-block is ours, and only its routed-expert loop: the router is transformers'
+block is ours, and only its routed experts (grouped matrix products): the router is transformers'
 `DeepseekV3TopkRouter` (selection on sigmoid(logits) + e_score_correction_bias with the group
 limits, weights = sigmoid at the chosen experts, renormalised when norm_topk_prob, times
 routed_scaling_factor) and the shared expert is `DeepseekV3MLP`. Each routed expert sees only

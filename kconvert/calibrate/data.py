@@ -6,6 +6,7 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kconvert.errors import KconvertError
@@ -40,8 +41,8 @@ def load_calibration_data(path: str | Path, tokenizer_dir: str | Path | None, sa
     random.Random(seed).shuffle(lines)
 
     tokenizer = None
-    seqs: list[list[int]] = []
-    stream: list[int] = []
+    seqs: list[np.ndarray] = []
+    stream = np.empty(0, dtype=np.int64)
     for lineno, line in lines:
         if len(seqs) >= samples:
             break
@@ -53,32 +54,49 @@ def load_calibration_data(path: str | Path, tokenizer_dir: str | Path | None, sa
         if not isinstance(obj, dict):
             raise KconvertError(f"line {lineno} is not a JSON object", file=str(path))
         if "input_ids" in obj:
-            ids = obj["input_ids"]
-            if not isinstance(ids, list) or not all(
-                    isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            ids = _token_ids(obj["input_ids"], line)
+            if ids is None:
                 raise KconvertError(f"line {lineno}: input_ids must be a list of non-negative "
                                     "integers", file=str(path))
             if len(ids) == seq_len:
-                seqs.append(list(ids))
+                seqs.append(ids)
                 continue
         elif "text" in obj or "messages" in obj:
             if tokenizer is None:
                 tokenizer = _load_tokenizer(tokenizer_dir)
-            ids = _tokenize(tokenizer, obj, where)
+            ids = np.asarray(_tokenize(tokenizer, obj, where), dtype=np.int64)
         else:
             raise KconvertError(f"line {lineno} has none of input_ids, text, messages",
                                 file=str(path))
-        stream.extend(ids)
-        start = 0
-        while len(stream) - start >= seq_len and len(seqs) < samples:
-            seqs.append(stream[start:start + seq_len])
-            start += seq_len
-        del stream[:start]
-    if len(seqs) < samples and stream:
-        seqs.append(stream + [PAD_ID] * (seq_len - len(stream)))
+        stream = np.concatenate([stream, ids])
+        pieces = min(len(stream) // seq_len, samples - len(seqs))
+        seqs.extend(stream[i * seq_len:(i + 1) * seq_len] for i in range(pieces))
+        stream = stream[pieces * seq_len:]
+    if len(seqs) < samples and len(stream):
+        seqs.append(np.concatenate([stream, np.full(seq_len - len(stream), PAD_ID)]))
     if not seqs:
         raise KconvertError("calibration data holds no tokens", file=str(path))
-    return torch.tensor(seqs, dtype=torch.long)
+    return torch.from_numpy(np.stack(seqs).astype(np.int64, copy=False))
+
+
+def _token_ids(ids, line: str) -> np.ndarray | None:
+    """A JSON list of non-negative integers as int64, converted in bulk (no Python loop over
+    the tokens); None when it is anything else."""
+    if not isinstance(ids, list):
+        return None
+    if not ids:
+        return np.empty(0, dtype=np.int64)
+    # JSON true/false would pass as 1/0 in bulk: only a line that spells them is checked id
+    # by id.
+    if ("true" in line or "false" in line) and any(isinstance(i, bool) for i in ids):
+        return None
+    try:
+        arr = np.asarray(ids)
+    except (ValueError, OverflowError):  # ragged nesting, integers beyond int64
+        return None
+    if arr.ndim != 1 or arr.dtype.kind not in "iu" or (arr < 0).any():
+        return None
+    return arr.astype(np.int64, copy=False)
 
 
 def _load_tokenizer(tokenizer_dir):

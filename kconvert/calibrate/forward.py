@@ -2,8 +2,9 @@
 
 transformers' own `DeepseekV3DecoderLayer` (MLA attention with its YaRN rope, RMSNorms,
 residuals, dense MLP) built from the checkpoint's text config read as "deepseek_v3", with our
-MoE block: transformers' router and shared expert, and a routed-expert loop in which each
-expert sees only its routed tokens while the calibration statistics accumulate.
+MoE block: transformers' router and shared expert, and the routed experts as grouped matrix
+products in which each expert sees only its routed tokens while the calibration statistics
+accumulate (per expert, over the same rows, without a host sync).
 """
 
 from __future__ import annotations
@@ -18,19 +19,13 @@ from torch import nn
 from kconvert.calibrate.data import PAD_ID
 from kconvert.errors import KconvertError
 from kconvert.io.checkpoint import Checkpoint
-from kconvert.io.shards import TensorInfo
 from kconvert.model.names import Role, parse_name
-from kconvert.stages.base import ModuleWork, group_modules
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
-# KV-cache quantization scales some exports carry: no effect on an unquantized forward.
-KV_SCALES = {"k_scale", "v_scale"}
-
-
-# Decoded fp32 elements per batch of routed experts while a layer's weights are loaded.
-DECODE_ELEMS = {"cuda": 1 << 28, "cpu": 1 << 24}
+# Rows per step of the per-expert activation statistics (fp32 temporaries of rows x width).
+GROUP_STAT_ROWS = 1 << 15
 
 
 def model_config(ckpt: Checkpoint):
@@ -53,7 +48,7 @@ def model_config(ckpt: Checkpoint):
     return cfg
 
 
-class _LinearStats:
+class LinearStats:
     """Input amax and per-column sum of squares of one linear, accumulated on the device."""
 
     def __init__(self, n_in: int, device: torch.device):
@@ -71,6 +66,29 @@ def _accumulate(x: torch.Tensor, amax: torch.Tensor, sq: torch.Tensor) -> None:
     sq += torch.linalg.vector_norm(x, ord=2, dim=0, dtype=torch.float32).double().square()
 
 
+def _accumulate_groups(rows: torch.Tensor, counts: torch.Tensor, amax: torch.Tensor,
+                       sq: torch.Tensor) -> None:
+    """_accumulate per group of consecutive rows (group g: counts[g] rows) into amax[g], sq[g],
+    a chunk of rows at a time (bounds the fp32 temporaries)."""
+    ends = counts.cumsum(0)
+    for start in range(0, rows.shape[0], GROUP_STAT_ROWS):
+        stop = min(start + GROUP_STAT_ROWS, rows.shape[0])
+        # the rows of each group inside [start, stop)
+        lengths = ends.clamp(start, stop) - (ends - counts).clamp(start, stop)
+        chunk = rows[start:stop].float()
+        row_max = torch.linalg.vector_norm(chunk, ord=math.inf, dim=-1)
+        torch.maximum(amax, torch.segment_reduce(row_max, "max", lengths=lengths, initial=0),
+                      out=amax)
+        sq += torch.segment_reduce(chunk.square(), "sum", lengths=lengths).double()
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Rows x[ends[g-1]:ends[g]] times weight[g]^T for every group g at once ([rows, in] x
+    [G, out, in] -> [rows, out]): torch's grouped GEMM (CUTLASS on Hopper in bf16; elsewhere
+    torch's own loop over the groups)."""
+    return nn.functional.grouped_mm(x, weight.transpose(1, 2), offs=ends)
+
+
 class ForwardContext:
     """Per-batch state shared by the hooks and the MoE block: which positions are real."""
 
@@ -85,7 +103,7 @@ class ForwardContext:
 
 
 @dataclass
-class _Experts:
+class Experts:
     """A layer's routed experts decoded to the compute dtype, stacked like transformers'."""
 
     gate_up: torch.Tensor  # [E, 2I, H]: gate rows then up rows
@@ -94,11 +112,11 @@ class _Experts:
 
 
 class MoEBlock(nn.Module):
-    """DeepseekV3MoE with our routed-expert loop, which gathers each expert's tokens and
-    accumulates the REAP and activation statistics. `gate` and `shared_experts` are
+    """DeepseekV3MoE with our routed experts (grouped matrix products over each expert's
+    tokens), which accumulate the REAP and activation statistics. `gate` and `shared_experts` are
     transformers' own modules (same names, so the checkpoint's tensors load into them)."""
 
-    def __init__(self, cfg, ctx: ForwardContext, experts: _Experts, device: torch.device):
+    def __init__(self, cfg, ctx: ForwardContext, experts: Experts, device: torch.device):
         from transformers.activations import ACT2FN
         from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
             DeepseekV3MLP,
@@ -145,43 +163,36 @@ class MoEBlock(nn.Module):
 
     def _routed(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
                 ) -> torch.Tensor:
-        k = indices.shape[1]
-        tok = torch.arange(x.shape[0], device=x.device).repeat_interleave(k)
+        """Every routed expert on its tokens as two grouped matrix products: the (token,
+        slot) pairs sorted by expert once, each expert's rows one group. No host sync."""
+        t, k = indices.shape
+        slot = torch.arange(t * k, device=x.device)  # token * k + j: the j-th choice of a token
         exp, w = indices.reshape(-1), weights.reshape(-1).float()
         if self.ctx.valid is not None:  # padding is never routed, so never counted
-            keep = self.ctx.valid.reshape(-1)[tok]
-            tok, exp, w = tok[keep], exp[keep], w[keep]
+            keep = self.ctx.valid.reshape(-1).repeat_interleave(k)
+            slot, exp, w = slot[keep], exp[keep], w[keep]
         order = torch.argsort(exp, stable=True)
-        tok, exp, w = tok[order], exp[order], w[order]
+        slot, exp, w = slot[order], exp[order], w[order]
         counts = torch.bincount(exp, minlength=self.n_experts)
-        xs = x[tok]
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        norms = torch.empty(tok.shape[0], dtype=torch.float32, device=x.device)
-        start = 0
-        for e, c in enumerate(counts.tolist()):
-            if c == 0:
-                continue
-            rows = slice(start, start + c)
-            xe = xs[rows]
-            gate, up = nn.functional.linear(xe, self.experts.gate_up[e]).chunk(2, dim=-1)
-            a = self.act_fn(gate) * up
-            f = nn.functional.linear(a, self.experts.down[e])  # f_j(x): before gating
-            # A token reaches an expert at most once: no repeated index, a plain += is exact
-            # (and far cheaper than index_add_ on a busy multi-threaded CPU).
-            out[tok[rows]] += f.float() * w[rows, None]
-            start += c
-            if self.collect:
-                norms[rows] = torch.linalg.vector_norm(f, dim=-1, dtype=torch.float32)
-                _accumulate(xe, self.amax_in[e], self.sq_in[e])
-                _accumulate(a, self.amax_down[e], self.sq_down[e])
+        ends = counts.cumsum(0).to(torch.int32)
+        xs = x[slot // k]
+        gate, up = grouped_linear(xs, self.experts.gate_up, ends).chunk(2, dim=-1)
+        a = self.act_fn(gate) * up
+        f = grouped_linear(a, self.experts.down, ends)  # f_j(x): before gating
+        # Each (token, slot) written once, then a token's k slots summed in slot order: the
+        # same sum whatever the expert order, and no atomic adds (deterministic on a GPU).
+        slots = torch.zeros(t * k, x.shape[1], dtype=torch.float32, device=x.device)
+        slots[slot] = f.float() * w[:, None]
+        out = slots.view(t, k, -1).sum(1)
         if not self.collect:
             return out
-        n = self.n_experts
+        norms = torch.linalg.vector_norm(f, dim=-1, dtype=torch.float32)
         self.count += counts
-        self.gate_sum += torch.bincount(exp, weights=w.double(), minlength=n)
-        self.reap_sum += torch.bincount(exp, weights=(w * norms).double(), minlength=n)
-        self.ean_sum += torch.bincount(exp, weights=norms.double(), minlength=n)
-        self.ean_sq_sum += torch.bincount(exp, weights=norms.double().square(), minlength=n)
+        for acc, values in ((self.gate_sum, w), (self.reap_sum, w * norms),
+                            (self.ean_sum, norms), (self.ean_sq_sum, norms.square())):
+            acc += torch.segment_reduce(values.double(), "sum", lengths=counts)
+        _accumulate_groups(xs, counts, self.amax_in, self.sq_in)
+        _accumulate_groups(a, counts, self.amax_down, self.sq_down)
         return out
 
     def captured(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,10 +232,10 @@ class MoEBlock(nn.Module):
 
 
 @dataclass
-class _Layer:
+class Layer:
     module: nn.Module  # transformers' DeepseekV3DecoderLayer, weights loaded
     moe: MoEBlock | None
-    linear_stats: dict[str, _LinearStats]  # checkpoint module -> accumulator (non-expert)
+    linear_stats: dict[str, LinearStats]  # checkpoint module -> accumulator (non-expert)
     hooks: list = field(default_factory=list)
 
     def stat_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -239,143 +250,10 @@ class _Layer:
         return sums, maxima
 
 
-def _read(ckpt: Checkpoint, info: TensorInfo) -> torch.Tensor:
-    return ckpt.reader_for(info).read(info)
-
-
-def _decode_one(ckpt: Checkpoint, m: ModuleWork, device: torch.device, dtype: torch.dtype
-                ) -> torch.Tensor:
-    t = {p: _read(ckpt, m.params[p]).to(device).unsqueeze(0) for p in m.codec.params}
-    return m.codec.decode(t, m.shape)[0].to(dtype)
-
-
-def _load_experts(ckpt: Checkpoint, cfg, modules: list[ModuleWork], layer: int,
-                  device: torch.device, dtype: torch.dtype) -> _Experts:
-    n, hidden, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    by_id: dict[int, dict[str, ModuleWork]] = {}
-    for m in modules:
-        by_id.setdefault(m.tn.expert, {})[m.tn.proj] = m
-    missing = [e for e in range(n) if set(by_id.get(e, {})) != set(PROJS)]
-    extra = sorted(set(by_id) - set(range(n)))
-    if missing or extra:
-        raise KconvertError(f"layer {layer}: routed experts must be 0..{n - 1} with gate/up/down "
-                            f"(n_routed_experts); incomplete {missing[:8]}, unexpected "
-                            f"{extra[:8]}", file=modules[0].primary.file.name if modules else None)
-    want = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
-    for projs in by_id.values():
-        for proj, m in projs.items():
-            if tuple(m.shape) != want[proj]:
-                raise KconvertError(f"expert linear is {list(m.shape)}, config says "
-                                    f"{list(want[proj])}", file=m.primary.file.name,
-                                    tensor=m.module)
-    gate_up = torch.empty(n, 2 * inter, hidden, dtype=dtype, device=device)
-    down = torch.empty(n, hidden, inter, dtype=dtype, device=device)
-    groups: dict[tuple, list[tuple[int, str, ModuleWork]]] = {}
-    for e in range(n):
-        for proj, m in by_id[e].items():
-            groups.setdefault((m.codec, tuple(m.shape)), []).append((e, proj, m))
-    budget = DECODE_ELEMS.get(device.type, DECODE_ELEMS["cpu"])
-    for (codec, shape), members in groups.items():
-        step = max(1, budget // (shape[0] * shape[1]))
-        for i in range(0, len(members), step):
-            chunk = members[i:i + step]
-            params = {}
-            for p in codec.params:
-                first = chunk[0][2].params[p]
-                raw = torch.empty(len(chunk), first.nbytes, dtype=torch.uint8)
-                for j, (_, _, m) in enumerate(chunk):
-                    info = m.params[p]
-                    if info.shape != first.shape or info.dtype != first.dtype:
-                        raise KconvertError(f"{p} is {info.dtype}{list(info.shape)} but its "
-                                            f"siblings are {first.dtype}{list(first.shape)}",
-                                            file=info.file.name, tensor=info.name)
-                    ckpt.reader_for(info).read_into(info, raw[j])
-                params[p] = raw.view(first.torch_dtype).reshape(len(chunk), *first.shape).to(
-                    device)
-            w = codec.decode(params, shape).to(dtype)
-            for j, (e, proj, _) in enumerate(chunk):
-                if proj == "gate_proj":
-                    gate_up[e, :inter] = w[j]
-                elif proj == "up_proj":
-                    gate_up[e, inter:] = w[j]
-                else:
-                    down[e] = w[j]
-            del w, params
-    names = [{proj: by_id[e][proj].module for proj in PROJS} for e in range(n)]
-    return _Experts(gate_up, down, names)
-
-
-def load_layer(ckpt: Checkpoint, cfg, layer: int, tensors: dict[str, TensorInfo],
-                ctx: ForwardContext, device: torch.device, dtype: torch.dtype,
-                stats: bool = True) -> _Layer:
-    """transformers' decoder layer L holding exactly the checkpoint's layer-L tensors; with
-    `stats` False it computes the forward alone (no calibration statistics)."""
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
-
-    prefix = f"{parse_name(next(iter(tensors))).prefix}layers.{layer}."
-    shape_values = {n: tuple(int(v) for v in _read(ckpt, i).tolist())
-                    for n, i in tensors.items() if n.endswith(".weight_shape")}
-    modules, others = group_modules(tensors, shape_values)
-    experts = [m for m in modules if m.tn.role is Role.ROUTED_EXPERT]
-    state: dict[str, torch.Tensor] = {}
-    for m in modules:
-        if m.tn.role is not Role.ROUTED_EXPERT:
-            state[m.module[len(prefix):] + ".weight"] = _decode_one(ckpt, m, device, dtype)
-    for info in others:
-        if info.name.endswith(".weight_shape") or info.name.rsplit(".", 1)[-1] in KV_SCALES:
-            continue
-        rel = info.name[len(prefix):]
-        t = _read(ckpt, info).to(device)
-        if not t.is_floating_point():
-            raise KconvertError("unexpected non-float tensor in a decoder layer",
-                                file=info.file.name, tensor=info.name)
-        # e_score_correction_bias stays F32 (transformers keeps it in fp32 too).
-        state[rel] = t.float() if rel.endswith("e_score_correction_bias") else t.to(dtype)
-
-    with torch.device("meta"):
-        module = DeepseekV3DecoderLayer(cfg, layer)
-    moe = None
-    is_moe = layer >= cfg.first_k_dense_replace
-    if is_moe != bool(experts):
-        raise KconvertError(f"layer {layer}: first_k_dense_replace={cfg.first_k_dense_replace} "
-                            f"but the layer has {len(experts)} routed expert linears")
-    if is_moe:
-        moe = MoEBlock(cfg, ctx, _load_experts(ckpt, cfg, experts, layer, device, dtype), device)
-        module.mlp = moe
-    try:
-        module.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as exc:
-        raise KconvertError(f"layer {layer} does not match the config: {exc}",
-                            tensor=prefix.rstrip(".")) from exc
-    module.eval()
-
-    linear_stats: dict[str, _LinearStats] = {}
-    hooks = []
-    if moe is not None:
-        moe.collect = stats
-    for rel, sub in module.named_modules() if stats else ():
-        if isinstance(sub, nn.Linear):
-            acc = linear_stats[prefix + rel] = _LinearStats(sub.in_features, device)
-            hooks.append(sub.register_forward_pre_hook(
-                lambda _mod, args, acc=acc: acc.add(ctx.real_rows(args[0]))))
-    return _Layer(module, moe, linear_stats, hooks)
-
-
-def tensors_by_layer(ckpt: Checkpoint, n_layers: int) -> dict[int, dict[str, TensorInfo]]:
-    layers: dict[int, dict[str, TensorInfo]] = {}
-    for name, info in ckpt.tensors.items():
-        tn = parse_name(name)
-        if tn.layer is not None:
-            layers.setdefault(tn.layer, {})[name] = info
-    missing = [L for L in range(n_layers) if L not in layers]
-    if missing:
-        raise KconvertError(f"decoder layers {missing[:8]} have no tensors "
-                            f"(num_hidden_layers={n_layers})")
-    return layers
-
-
-def embed(ckpt: Checkpoint, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Embedding rows of `ids` (PAD_ID -> zeros), reading only the rows that are used."""
+def embed(ckpt: Checkpoint, ids: torch.Tensor, dtype: torch.dtype,
+          device: torch.device | str = "cpu") -> torch.Tensor:
+    """Embedding rows of `ids` (PAD_ID -> zeros) on `device`, reading only the rows that are
+    used: only those rows and the ids travel there, and the gather runs there."""
     names = [n for n in ckpt.weight_map if parse_name(n).role is Role.EMBEDDING]
     if len(names) != 1:
         raise KconvertError(f"expected one embed_tokens tensor, found {names}")
@@ -384,23 +262,24 @@ def embed(ckpt: Checkpoint, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tens
         raise KconvertError(f"embedding is {info.dtype}{list(info.shape)}; a float matrix is "
                             "needed", file=info.file.name, tensor=info.name)
     vocab, hidden = info.shape
-    real = ids[ids != PAD_ID]
+    pad = ids == PAD_ID
+    real = ids[~pad]
     if real.numel() and (int(real.min()) < 0 or int(real.max()) >= vocab):
         raise KconvertError(f"token ids must lie in 0..{vocab - 1} (or be {PAD_ID}, padding)")
     used = torch.unique(real)
     row_bytes = info.nbytes // vocab
     if used.numel() > vocab // 4:
-        table = _read(ckpt, info)[used]
+        table = ckpt.reader_for(info).read(info)[used]
     else:
         raw = torch.empty(used.numel(), row_bytes, dtype=torch.uint8)
         reader = ckpt.reader_for(info)
         for i, t in enumerate(used.tolist()):
             reader.read_into(info, raw[i], t * row_bytes)
         table = raw.view(info.torch_dtype).reshape(-1, hidden)
-    out = torch.zeros(*ids.shape, hidden, dtype=dtype)
-    mask = ids != PAD_ID
-    out[mask] = table.to(dtype)[torch.searchsorted(used, ids[mask])]
-    return out
+    # one more row of zeros, where padding points
+    table = torch.cat([table.to(dtype), torch.zeros(1, hidden, dtype=dtype)]).to(device)
+    rows = torch.where(pad, used.numel(), torch.searchsorted(used, ids.clamp(min=0)))
+    return table[rows.to(device)]
 
 
 def padding_aware_mask(valid: torch.Tensor, all_valid: bool) -> torch.Tensor | None:
@@ -425,7 +304,7 @@ def position_embeddings(cfg, seq_len: int, device: torch.device, dtype: torch.dt
     return positions, rotary(torch.empty(0, device=device, dtype=dtype), positions)
 
 
-def layer_forward(layer: _Layer, ctx: ForwardContext, x: torch.Tensor, valid: torch.Tensor,
+def layer_forward(layer: Layer, ctx: ForwardContext, x: torch.Tensor, valid: torch.Tensor,
                   positions: torch.Tensor, pos_emb) -> torch.Tensor:
     """One loaded decoder layer on hidden states x [b, s, hidden] whose real positions are
     `valid` [b, s] (both on the layer's device)."""
@@ -466,7 +345,7 @@ def load_head(ckpt: Checkpoint, cfg, device: torch.device, dtype: torch.dtype) -
             raise KconvertError(f"{role} is {info.dtype}{list(info.shape)}; a float tensor of "
                                 f"shape {list(shape)} is needed", file=info.file.name,
                                 tensor=info.name)
-        loaded[role] = _read(ckpt, info).to(device, dtype)
+        loaded[role] = ckpt.reader_for(info).read(info).to(device, dtype)
     with torch.device("meta"):
         norm = DeepseekV3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
     norm.load_state_dict({"weight": loaded[Role.NORM]}, assign=True)

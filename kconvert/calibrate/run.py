@@ -14,11 +14,12 @@ from kconvert.calibrate.forward import (
     ForwardContext,
     MoEBlock,
     embed,
-    load_layer,
     model_config,
     padding_aware_mask,
-    tensors_by_layer,
+    position_embeddings,
 )
+from kconvert.calibrate.load import build_layer, read_layer, tensors_by_layer
+from kconvert.calibrate.prefetch import LayerPrefetcher
 from kconvert.calibrate.stats import (
     GATE_WEIGHT,
     META_FILE,
@@ -34,7 +35,7 @@ from kconvert.model.names import Role, parse_name
 from kconvert.version import __version__
 
 
-def calibrate(
+def measure_stats(
     ckpt: Checkpoint,
     input_ids: torch.Tensor,
     device: str | torch.device = "cpu",
@@ -49,6 +50,8 @@ def calibrate(
     rerun_moe: bool = False,
     on_weights: Callable[[int, torch.nn.Module], None] | None = None,
     progress: Callable[[str], None] | None = None,
+    prefetch: bool = True,
+    prefetch_bytes: int | None = None,
 ) -> CalibrationStats:
     """One layer-streamed pass over `input_ids` [num_seqs, seq_len]; see the module docstring.
 
@@ -64,10 +67,9 @@ def calibrate(
     sequential Hessians; the statistics are the first run's); `on_weights(L, module)` sees
     transformers' decoder layer L with its weights loaded after its statistics were taken,
     hooks removed (a second stream may run it: REAP router repair); `meta` is merged into the
-    recorded meta.
+    recorded meta. `prefetch` and `prefetch_bytes`: the layer prefetcher's `ahead` and
+    `device_bytes` (kconvert.calibrate.prefetch).
     """
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
-
     device = torch.device(device)
     if input_ids.dim() != 2 or input_ids.dtype != torch.long or not input_ids.numel():
         raise KconvertError("input_ids must be a non-empty LongTensor [num_seqs, seq_len]")
@@ -96,48 +98,48 @@ def calibrate(
     say = progress if progress is not None and distributed.is_main() else (lambda _msg: None)
 
     t0 = time.perf_counter()
-    hidden = embed(ckpt, torch.where(local_valid, local_ids, PAD_ID), dtype)
-    if device.type == "cuda":
-        if hidden_on_device is None:
-            free = torch.cuda.mem_get_info(device)[0]
-            hidden_on_device = hidden.numel() * hidden.element_size() * 3 <= free
-        hidden = hidden.to(device) if hidden_on_device else hidden.pin_memory()
-    rotary = DeepseekV3RotaryEmbedding(cfg).to(device)
-    positions = torch.arange(seq_len, device=device).unsqueeze(0)
-    pos_emb = rotary(torch.empty(0, device=device, dtype=dtype), positions)
+    if device.type == "cuda" and hidden_on_device is None:
+        size = n_seq * seq_len * cfg.hidden_size * torch.empty((), dtype=dtype).element_size()
+        hidden_on_device = size * 3 <= torch.cuda.mem_get_info(device)[0]
+    on_device = device.type == "cuda" and hidden_on_device
+    hidden = embed(ckpt, torch.where(local_valid, local_ids, PAD_ID), dtype,
+                   device if on_device else "cpu")
+    if device.type == "cuda" and not on_device:
+        hidden = hidden.pin_memory()
+    positions, pos_emb = position_embeddings(cfg, seq_len, device, dtype)
     valid_dev = local_valid.to(device)
     ctx = ForwardContext()
+    prefetcher = LayerPrefetcher(
+        read=lambda layer: read_layer(ckpt, cfg, layer, layer_tensors[layer], dtype, device),
+        build=lambda _layer, raw: build_layer(raw, cfg, ctx, device, dtype),
+        device=device, ahead=prefetch, device_bytes=prefetch_bytes)
 
     tensors: dict[str, torch.Tensor] = {}
     modules: dict[str, str] = {}
-    timing = []
-    for layer in range(n_layers):
-        t_layer = time.perf_counter()
-        loaded = load_layer(ckpt, cfg, layer, layer_tensors[layer], ctx, device, dtype)
+    for layer, loaded, timing in prefetcher.layers(range(n_layers), lambda L: f"layer {L}"):
+        t_loaded = time.perf_counter()
         if loaded.moe is not None:
             loaded.moe.capture = on_moe is not None
-        t_loaded = time.perf_counter()
         rerun = rerun_moe and loaded.moe is not None
         layer_input = hidden.clone() if rerun else None
 
         def forward(loaded=loaded) -> torch.Tensor:
             """This rank's batches through the layer, in place; 1 where an output is not
-            finite (a flag rather than an error, so that every rank learns of it)."""
-            nonfinite = torch.zeros((), device=device)
+            finite (a flag rather than an error, so that every rank learns of it), checked
+            on the device and read once per layer."""
+            finite = torch.ones((), dtype=torch.bool, device=device)
             with torch.no_grad():
                 for start in range(0, n_seq, batch_size):
                     rows = slice(start, min(start + batch_size, n_seq))
                     x = hidden[rows].to(device, non_blocking=True)
                     v = valid_dev[rows]
-                    batch_all = all_valid or bool(v.all())
+                    batch_all = all_valid or bool(local_valid[rows].all())
                     ctx.valid = None if batch_all else v
                     out = loaded.module(x, attention_mask=padding_aware_mask(v, batch_all),
                                         position_ids=positions, position_embeddings=pos_emb)
-                    if not bool(torch.isfinite(out[v]).all()):
-                        nonfinite.fill_(1)
-                        break
-                    hidden[rows].copy_(out)
-            return nonfinite
+                    finite &= (torch.isfinite(out) | ~v[..., None]).all()
+                    hidden[rows].copy_(out, non_blocking=True)
+            return (~finite).float()
 
         nonfinite = forward()
         sums, maxima = loaded.stat_tensors()
@@ -171,17 +173,17 @@ def calibrate(
             del layer_input
         if on_weights is not None:
             on_weights(layer, loaded.module)
-        del loaded, forward  # free layer L's weights before layer L+1 is read
-        if device.type == "cuda":
+        if device.type == "cuda":  # layer L's kernels done before its memory can be reused
             torch.cuda.synchronize(device)
+        del loaded, forward  # layer L's weights go before the prefetcher starts on L+2
+        if device.type == "cuda":
             torch.cuda.empty_cache()
         if on_layer is not None:
             on_layer(layer, hidden)
-        done = time.perf_counter()
-        timing.append({"layer": layer, "load_s": round(t_loaded - t_layer, 3),
-                       "compute_s": round(done - t_loaded, 3)})
-        say(f"layer {layer + 1}/{n_layers}: {done - t_layer:.1f} s "
-            f"({int(valid.sum()) / max(done - t_loaded, 1e-9):,.0f} tokens/s)")
+        timing.compute_s = time.perf_counter() - t_loaded
+        prefetcher.report(timing, n_layers)
+        say(f"layer {layer + 1}/{n_layers}: {timing.wall_s:.1f} s "
+            f"({int(valid.sum()) / max(timing.compute_s, 1e-9):,.0f} tokens/s)")
 
     meta_out = {
         "producer": f"kconvert {__version__}",
@@ -202,7 +204,7 @@ def calibrate(
         "dtype": str(dtype).removeprefix("torch."),
         "device": str(device),
         "seconds": round(time.perf_counter() - t0, 3),
-        "timing": timing,
+        "timing": prefetcher.summary(cfg.first_k_dense_replace),
         **(meta or {}),
     }
     if n_layers < len(layer_tensors):
@@ -235,7 +237,7 @@ def run_calibration(src: str, data: str, out: str, samples: int, seq_len: int, b
         if ids.shape[0] < samples:
             progress(f"note: the data gives {_plural(ids.shape[0], 'sequence')} of {seq_len} "
                      f"tokens, fewer than --samples {samples}")
-        stats = calibrate(
+        stats = measure_stats(
             ckpt, ids, pick_device(device), batch_size, dtype=getattr(torch, dtype),
             meta={"seed": seed, "data": str(Path(data).resolve())}, progress=progress)
     finally:

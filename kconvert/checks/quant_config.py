@@ -17,9 +17,16 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from kconvert.checks.findings import CONFIG, Checks, short
-from kconvert.formats import DenseCodec, ct_codec, method_codec, modelopt_codec
+from kconvert.formats import (
+    DenseCodec,
+    ct_codec,
+    ct_config,
+    method_codec,
+    modelopt_codec,
+    nvfp4_modelopt,
+)
 from kconvert.formats.base import Codec, Linear, is_linear
-from kconvert.formats.compressed_tensors import scheme_for
+from kconvert.formats.ct_config import scheme_for
 from kconvert.formats.nvfp4_modelopt import HF_QUANT_CONFIG, excluded, modelopt_view
 from kconvert.model.names import language_model_name
 
@@ -49,6 +56,29 @@ def governed_name(where: str, module: str) -> str | None:
     return module
 
 
+def _ct_expected(qconfig: dict, name: str, linear: bool) -> tuple[str, type[Codec] | None, dict]:
+    group, fmt = scheme_for(qconfig, name, linear)
+    if group is None:
+        return "ct", DenseCodec, {}
+    codec = ct_codec(fmt, qconfig)
+    return ("ct", codec, group) if codec else (f"format {fmt!r}", None, group)
+
+
+def _modelopt_expected(qconfig: dict, name: str, linear: bool
+                       ) -> tuple[str, type[Codec] | None, dict]:
+    if excluded(qconfig, name) or not linear:
+        return "modelopt", DenseCodec, {}
+    algo = qconfig.get("quant_algo")
+    codec = modelopt_codec(algo)
+    return ("modelopt", codec, qconfig) if codec else (f"quant_algo {algo!r}", None, qconfig)
+
+
+# How a config family (by its quant_method) gives a module's format: (qconfig, the name the
+# config knows the module by, is it a Linear) -> (kind, codec, scheme), as expected_format.
+FAMILY_READERS = {ct_config.QUANT_METHOD: _ct_expected,
+                  nvfp4_modelopt.QUANT_METHOD: _modelopt_expected}
+
+
 def expected_format(qconfig: dict, m: Linear, name: str | None = None
                     ) -> tuple[str, type[Codec] | None, dict]:
     """(kind, codec the qconfig gives m, the scheme dict). The codec is DenseCodec for an
@@ -57,18 +87,8 @@ def expected_format(qconfig: dict, m: Linear, name: str | None = None
     (`governed_name`), by default its checkpoint name."""
     name, linear = name or m.tn.module, is_linear(m)
     method = qconfig.get("quant_method")
-    if method == "compressed-tensors":
-        group, fmt = scheme_for(qconfig, name, linear)
-        if group is None:
-            return "ct", DenseCodec, {}
-        codec = ct_codec(fmt, qconfig)
-        return ("ct", codec, group) if codec else (f"format {fmt!r}", None, group)
-    if method == "modelopt":
-        if excluded(qconfig, name) or not linear:
-            return "modelopt", DenseCodec, {}
-        algo = qconfig.get("quant_algo")
-        codec = modelopt_codec(algo)
-        return ("modelopt", codec, qconfig) if codec else (f"quant_algo {algo!r}", None, qconfig)
+    if method in FAMILY_READERS:
+        return FAMILY_READERS[method](qconfig, name, linear)
     codec = method_codec(method)
     if codec is not None:  # every linear in that format, or left unquantized
         return method, m.codec if m.codec in (codec, DenseCodec) else codec, qconfig
@@ -157,7 +177,7 @@ def _check_hf_quant_config(checks: Checks, hf: Path, qconfigs: list[tuple[str, d
     except (json.JSONDecodeError, AttributeError) as exc:
         checks.add(Q, "hf_quant_config", f"unreadable: {exc}", file=hf.name)
         return
-    mo = [b for _, b in qconfigs if b.get("quant_method") == "modelopt"]
+    mo = [b for _, b in qconfigs if b.get("quant_method") == nvfp4_modelopt.QUANT_METHOD]
     if not checks.check(Q, bool(mo), "hf_quant_config", "hf_quant_config.json present but "
                         "config.json's quantization_config is not ModelOpt (stale file)",
                         file=hf.name):
@@ -170,7 +190,7 @@ def _check_hf_quant_config(checks: Checks, hf: Path, qconfigs: list[tuple[str, d
 
 
 def _group_size(qconfig: dict, m: Linear, name: str) -> int | None:
-    if qconfig.get("quant_method") == "modelopt":
+    if qconfig.get("quant_method") == nvfp4_modelopt.QUANT_METHOD:
         return modelopt_view(qconfig)["group_size"]
     _, _, scheme = expected_format(qconfig, m, name)
     weights = scheme.get("weights") if isinstance(scheme, dict) else None

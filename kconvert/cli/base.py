@@ -18,6 +18,7 @@ from collections.abc import Callable
 import click
 from click.core import ParameterSource
 
+from kconvert import options
 from kconvert.errors import KconvertError, UsageError
 from kconvert.options import BATCH_SIZE, SEED, SEQ_LEN, SPARSEGPT_SAMPLES
 from kconvert.version import __version__
@@ -28,20 +29,14 @@ DEVICE_SPEC = re.compile(r"auto|cpu|cuda(:\d+)?")
 AUDIT_CHUNK_MB = 8  # kconvert.audit.CHUNK, in MiB (a test keeps the two equal)
 
 
-# Choices whose lists live in modules that import torch (tests keep these equal to them).
-CRITERIA = ("ean", "frequency", "man", "msan", "reap")  # kconvert.pruning.reap.CRITERIA
-
-
-REPAIRS = ("none", "bias", "router")  # kconvert.stages.prune.REPAIRS
-COMPENSATIONS = ("none", "shared", "down")  # kconvert.stages.prune.COMPENSATIONS
-
-
-METHODS = ("magnitude", "wanda", "sparsegpt")  # kconvert.stages.sparsify.METHODS
-
-
-STORAGES = ("dense", "pair-bitmask")  # kconvert.stages.sparsify.STORAGES
-HESSIANS = ("source", "sequential")  # kconvert.sparsity.sparsegpt.HESSIANS
-FORMATS = ("compressed-tensors", "modelopt")  # kconvert.formats.OUTPUT_CODECS
+# The choice lists of the stage options (kconvert.options, which imports no torch).
+CRITERIA = tuple(sorted(options.PRUNE_CRITERIA))
+REPAIRS = options.REPAIRS
+COMPENSATIONS = options.COMPENSATIONS
+METHODS = options.SPARSIFY_METHODS
+STORAGES = options.SPARSIFY_STORAGES
+HESSIANS = options.HESSIANS
+FORMATS = options.OUTPUT_FORMATS
 
 
 # What to do about an OSError that reaches the command line, by errno.

@@ -53,10 +53,10 @@ def inspect_cmd(src, as_format, keep, p48, targets, format, gpus, gpu_mem, mem_u
     """Sizes of SRC by component, of the output an option would write, per GPU, and the KV
     cache, from safetensors headers and config.json alone (no tensor data is read; a Hub repo
     id downloads only config.json and the index)."""
-    from kconvert.api import inspect
+    from kconvert.api import size_report
 
-    report = inspect(src, as_format=as_format, keep=keep, p48=p48, targets=targets,
-                     format=format, gpus=gpus, gpu_mem=gpu_mem, mem_util=mem_util, tp=tp, ep=ep,
-                     pp=pp, context=context, kv_dtype=kv_dtype, revision=revision, token=token,
-                     cache_dir=cache_dir)
+    report = size_report(src, as_format=as_format, keep=keep, p48=p48, targets=targets,
+                         format=format, gpus=gpus, gpu_mem=gpu_mem, mem_util=mem_util, tp=tp,
+                         ep=ep, pp=pp, context=context, kv_dtype=kv_dtype, revision=revision,
+                         token=token, cache_dir=cache_dir)
     click.echo(json.dumps(report.to_json(), indent=1) if as_json else report.render())

@@ -48,7 +48,8 @@ FORWARD_OPTIONS = [
 def calibrate_cmd(src, data, out, samples, seq_len, batch_size, seed, device, dtype, tokenizer,
                   revision, overwrite, quiet):
     """Layer-streamed calibration of SRC: REAP saliency, expert counts, activation stats."""
-    from kconvert.api import calibrate
+    # kconvert.api's calibrate, without importing the rest of the API (audit, convert, sizing)
+    from kconvert.calibrate import calibrate_to as calibrate
 
     calibrate(src, data, out, samples=samples, seq_len=seq_len, batch_size=batch_size,
               seed=seed, device=device, dtype=dtype, tokenizer=tokenizer, revision=revision,
@@ -74,11 +75,11 @@ def eval_cmd(src, candidates, data, out, samples, seq_len, batch_size, seed, dev
     Per decoder layer: accumulated and local relative error of the hidden states; at the end:
     KL(SRC || CANDIDATE), top-1/top-5 agreement and both models' NLL and perplexity.
     """
-    from kconvert.api import eval as run_eval
+    # what kconvert.api's evaluate_candidates runs, without importing the rest of the API
+    from kconvert.evaluate.run import run_eval
 
-    run_eval(src, list(candidates), data, out, samples=samples, seq_len=seq_len,
-             batch_size=batch_size, seed=seed, device=device, dtype=dtype, tokenizer=tokenizer,
-             quiet=quiet, echo=click.echo)
+    run_eval(src, list(candidates), data, out, samples, seq_len, batch_size, seed, device, dtype,
+             tokenizer, quiet, echo=click.echo)
 
 
 @click.command("audit", cls=KconvertCommand)

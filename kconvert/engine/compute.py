@@ -9,10 +9,10 @@ import torch
 from kconvert.engine.work import CopyItem, DecodeGroup, Item, WorkPlan
 from kconvert.errors import KconvertError
 from kconvert.formats import DenseCodec, Int4Codec, nvfp4
+from kconvert.formats.linear import ModuleWork
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.finite import check_finite, has_nonfinite
 from kconvert.io.shards import TensorInfo
-from kconvert.stages.base import ModuleWork
 
 
 @dataclass
@@ -165,8 +165,7 @@ def compute_item(plan: WorkPlan, item: Item, bufs: list[torch.Tensor], device: t
     for ms, q, a, carried in encoded:
         out_codec = ms[0].out_codec
         # The manifest records compressed-tensors' form, 2688 / amax, whatever the flavour.
-        gs = (q.global_scale if out_codec.arithmetic != "modelopt"
-              else nvfp4.global_scale(a)).tolist()
+        gs = nvfp4.recorded_scale(q.global_scale, a, out_codec.arithmetic).tolist()
         err, ref, amaxes = q.err_sq.tolist(), q.ref_sq.tolist(), a.tolist()
         for i, m in enumerate(ms):
             tensors = {**out_codec.encode(q, i, m.input_amax),

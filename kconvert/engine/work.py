@@ -10,13 +10,13 @@ from typing import ClassVar
 import torch
 
 from kconvert import events
+from kconvert.engine.stage import Stage
 from kconvert.errors import KconvertError
 from kconvert.formats import DenseCodec
+from kconvert.formats.linear import ModuleWork, group_modules
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.shards import TensorInfo, plan_header, tensor_nbytes
 from kconvert.model.names import Role, parse_name, split_param
-from kconvert.stages.base import ModuleWork, Stage, group_modules
-from kconvert.stages.quantize import Quantize
 
 # Pass-through bytes move in pieces of this size (memory: ~8 pieces in flight).
 COPY_CHUNK = 16 << 20
@@ -117,7 +117,7 @@ class WorkPlan:
 
     @property
     def scale_rule(self) -> str:
-        return next((s.scale_rule for s in self.stages if isinstance(s, Quantize)), "mse")
+        return next((s.scale_rule for s in self.stages if s.scale_rule is not None), "mse")
 
     def item_shards(self, item: Item) -> set[str]:
         if isinstance(item, CopyItem):

@@ -19,21 +19,24 @@ class LayerErrors:
     stream and on the source's input, and of the source's output, over real positions."""
 
     def __init__(self) -> None:
-        self.sums: dict[int, list[float]] = {}
+        self.sums: dict[int, torch.Tensor] = {}  # [3] float64, on the device
 
     def add(self, layer: int, reference: torch.Tensor, own: torch.Tensor, local: torch.Tensor
             ) -> None:
         """Rows [n, hidden] of real positions: the source's output, the candidate's output on
-        its own stream and on the source's input."""
-        acc = self.sums.setdefault(layer, [0.0, 0.0, 0.0])
+        its own stream and on the source's input (summed on their device: no host sync)."""
         ref = reference.float()
-        for i, t in enumerate((own, local)):
-            acc[i] += float(torch.linalg.vector_norm(t.float() - ref, dtype=torch.float64) ** 2)
-        acc[2] += float(torch.linalg.vector_norm(ref, dtype=torch.float64) ** 2)
+        sums = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64) ** 2
+                            for t in (own.float() - ref, local.float() - ref, ref)])
+        if layer in self.sums:
+            self.sums[layer] += sums
+        else:
+            self.sums[layer] = sums
 
     def result(self) -> dict[str, LayerError]:
         out = {}
-        for layer, (own, local, ref) in sorted(self.sums.items()):
+        for layer, sums in sorted(self.sums.items()):
+            own, local, ref = sums.tolist()
             ref = ref if ref > 0 else 1.0  # an all-zero source output: report absolute errors
             out[str(layer)] = LayerError(rel_err=math.sqrt(own / ref),
                                          rel_err_local=math.sqrt(local / ref))

@@ -67,6 +67,9 @@ class EvalReport(BaseModel):
     seconds: float
     layer_seconds: list[float] = Field(description="Wall seconds per decoder layer (the source "
                                                    "and every candidate)")
+    timing: dict = Field(default_factory=dict, description="Per decoder layer of each model: "
+                         "read, compute and overlap seconds (kconvert.calibrate.prefetch), and "
+                         "the projection for the whole model")
     candidates: list[CandidateResult] = Field(description="One entry per candidate, in the "
                                                           "order given")
 

@@ -17,11 +17,11 @@ from kconvert.calibrate.forward import (
     embed,
     layer_forward,
     load_head,
-    load_layer,
     model_config,
     position_embeddings,
-    tensors_by_layer,
 )
+from kconvert.calibrate.load import build_layer, read_layer, tensors_by_layer
+from kconvert.calibrate.prefetch import LayerPrefetcher
 from kconvert.errors import KconvertError
 from kconvert.evaluate.metrics import LOGIT_ELEMS, LayerErrors, LogitsComparison, NextToken
 from kconvert.evaluate.report import CandidateResult, EvalReport, render_table, save_report
@@ -70,8 +70,11 @@ def evaluate(source: Checkpoint, candidates: list[Checkpoint], input_ids: torch.
     if not bool(scored.any()):
         raise KconvertError("the data has no position with a next token to score")
     t0 = time.perf_counter()
-    streams = [_stream(label, ckpt, input_ids, valid, device, dtype)
-               for label, ckpt in zip(["source", *labels], [source, *candidates], strict=True)]
+    models = [source, *candidates]
+    where = _hidden_device(model_config(source).hidden_size, len(models), input_ids.shape,
+                           device, dtype)
+    streams = [_stream(label, ckpt, input_ids, valid, device, dtype, where)
+               for label, ckpt in zip(["source", *labels], models, strict=True)]
     src, cands = streams[0], streams[1:]
     for cand in cands:
         for key in SAME_DIMS:
@@ -80,7 +83,6 @@ def evaluate(source: Checkpoint, candidates: list[Checkpoint], input_ids: torch.
                                     f" but the source's is {getattr(src.cfg, key)}; only "
                                     "models of the same architecture can be compared",
                                     file=str(cand.ckpt.root / "config.json"))
-    _place(streams, device)
     src_out = torch.empty_like(src.hidden)
     valid_dev = valid.to(device)
     errors = [LayerErrors() for _ in cands]
@@ -88,36 +90,57 @@ def evaluate(source: Checkpoint, candidates: list[Checkpoint], input_ids: torch.
     n_seq, n_layers = input_ids.shape[0], src.cfg.num_hidden_layers
     batches = [slice(s, min(s + batch_size, n_seq)) for s in range(0, n_seq, batch_size)]
     layer_seconds = []
+    prefetcher = LayerPrefetcher(
+        read=lambda job: _labelled(streams[job[0]], read_layer, streams[job[0]].ckpt,
+                                   streams[job[0]].cfg, job[1],
+                                   streams[job[0]].layers[job[1]], dtype, device),
+        build=lambda job, raw: _labelled(streams[job[0]], build_layer, raw, streams[job[0]].cfg,
+                                         ctx, device, dtype, stats=False),
+        device=device)
+    # Source layer L, then each candidate's layer L: the next one read while one computes.
+    jobs = [(i, layer) for layer in range(n_layers) for i in range(len(streams))]
     bar = tqdm(total=n_layers + 1, desc="eval", unit="layer", disable=quiet)
+    t_layer = time.perf_counter()
     with torch.no_grad():
-        for layer in range(n_layers):
-            t_layer = time.perf_counter()
-            loaded = _load(src, layer, ctx, device, dtype)
-            for rows in batches:
-                out = layer_forward(loaded, ctx, src.hidden[rows].to(device), valid_dev[rows],
-                                    *src.rope)
-                _check_finite(out, valid_dev[rows], src.label, layer)
-                src_out[rows].copy_(out)
-            del loaded, out
-            _free(device)
-            for cand, err in zip(cands, errors, strict=True):
-                loaded = _load(cand, layer, ctx, device, dtype)
+        for (i, layer), loaded, timing in prefetcher.layers(
+                jobs, lambda job: f"{streams[job[0]].label} layer {job[1]}"):
+            t_loaded = time.perf_counter()
+            finite = torch.ones((), dtype=torch.bool, device=device)
+            if i == 0:
+                for rows in batches:
+                    v = valid_dev[rows]
+                    out = layer_forward(loaded, ctx, src.hidden[rows].to(device), v, *src.rope)
+                    finite &= _finite(out, v)
+                    src_out[rows].copy_(out)
+            else:
+                cand, err = streams[i], errors[i - 1]
                 for rows in batches:
                     v = valid_dev[rows]
                     local = layer_forward(loaded, ctx, src.hidden[rows].to(device), v,
                                           *cand.rope)
                     own = layer_forward(loaded, ctx, cand.hidden[rows].to(device), v,
                                         *cand.rope)
-                    _check_finite(own, v, cand.label, layer)
+                    finite &= _finite(own, v)
                     err.add(layer, src_out[rows].to(device)[v], own[v], local[v])
                     cand.hidden[rows].copy_(own)
-                del loaded, local, own
-                _free(device)
-            src.hidden, src_out = src_out, src.hidden
-            layer_seconds.append(round(time.perf_counter() - t_layer, 3))
-            bar.set_postfix_str(", ".join(f"{e.result()[str(layer)].rel_err:.3g}"
-                                          for e in errors))
-            bar.update()
+            if not bool(finite):
+                raise KconvertError(f"{streams[i].label}: non-finite hidden states after "
+                                    f"decoder layer {layer}")
+            if device.type == "cuda":  # layer L's kernels done before its memory is reused
+                torch.cuda.synchronize(device)
+            del loaded
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            timing.compute_s = time.perf_counter() - t_loaded
+            prefetcher.report(timing, n_layers)
+            if i == len(streams) - 1:  # layer L done for every model
+                src.hidden, src_out = src_out, src.hidden
+                done = time.perf_counter()
+                layer_seconds.append(round(done - t_layer, 3))
+                t_layer = done
+                bar.set_postfix_str(", ".join(f"{e.result()[str(layer)].rel_err:.3g}"
+                                              for e in errors))
+                bar.update()
         results, nll_source = _compare_logits(streams, batches, valid, targets, scored,
                                               device, dtype)
         bar.update()
@@ -129,6 +152,7 @@ def evaluate(source: Checkpoint, candidates: list[Checkpoint], input_ids: torch.
         seq_len=input_ids.shape[1], tokens=int(valid.sum()), scored_tokens=n_scored,
         dtype=str(dtype).removeprefix("torch."), device=str(device),
         seconds=round(time.perf_counter() - t0, 3), layer_seconds=layer_seconds,
+        timing=prefetcher.summary(src.cfg.first_k_dense_replace, len(streams)),
         candidates=[CandidateResult(candidate=c.label, identity=c.ckpt.identity,
                                     n_routed_experts=c.cfg.n_routed_experts,
                                     logits=r.result(nll_source, n_scored), layers=e.result())
@@ -137,46 +161,41 @@ def evaluate(source: Checkpoint, candidates: list[Checkpoint], input_ids: torch.
 
 
 def _stream(label: str, ckpt: Checkpoint, ids: torch.Tensor, valid: torch.Tensor,
-            device: torch.device, dtype: torch.dtype) -> Stream:
+            device: torch.device, dtype: torch.dtype, hidden_device: torch.device) -> Stream:
     try:
         cfg = model_config(ckpt)
         layers = tensors_by_layer(ckpt, cfg.num_hidden_layers)
-        hidden = embed(ckpt, torch.where(valid, ids, PAD_ID), dtype)
+        hidden = embed(ckpt, torch.where(valid, ids, PAD_ID), dtype, hidden_device)
+        if device.type == "cuda" and hidden_device.type == "cpu":
+            hidden = hidden.pin_memory()
     except KconvertError as exc:
         raise KconvertError(f"{label} {ckpt.root}: {exc}") from exc
     return Stream(label, ckpt, cfg, layers, hidden,
                   position_embeddings(cfg, ids.shape[1], device, dtype))
 
 
-def _place(streams: list[Stream], device: torch.device) -> None:
-    """Hidden states (one per stream, plus the source's next layer) on the device when they
-    take at most a third of its free memory, else in pinned host memory."""
+def _hidden_device(hidden_size: int, models: int, shape: torch.Size, device: torch.device,
+                   dtype: torch.dtype) -> torch.device:
+    """Where the hidden states live: on the device when they (one per model, plus the
+    source's next layer) take at most a third of its free memory, else in host memory."""
     if device.type != "cuda":
-        return
-    need = (len(streams) + 1) * streams[0].hidden.numel() * streams[0].hidden.element_size()
-    on_device = need * 3 <= torch.cuda.mem_get_info(device)[0]
-    for s in streams:
-        s.hidden = s.hidden.to(device) if on_device else s.hidden.pin_memory()
+        return device
+    need = (models + 1) * shape[0] * shape[1] * hidden_size * torch.empty(
+        (), dtype=dtype).element_size()
+    return device if need * 3 <= torch.cuda.mem_get_info(device)[0] else torch.device("cpu")
 
 
-def _load(stream: Stream, layer: int, ctx: ForwardContext, device: torch.device,
-          dtype: torch.dtype):
+def _labelled(stream: Stream, step, *args, **kwargs):
+    """A loading step of one of the models, its errors saying which model."""
     try:
-        return load_layer(stream.ckpt, stream.cfg, layer, stream.layers[layer], ctx, device,
-                          dtype, stats=False)
+        return step(*args, **kwargs)
     except KconvertError as exc:
         raise KconvertError(f"{stream.label} {stream.ckpt.root}: {exc}") from exc
 
 
-def _free(device: torch.device) -> None:
-    if device.type == "cuda":  # layer L's weights go before the next checkpoint's are read
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-
-
-def _check_finite(out: torch.Tensor, valid: torch.Tensor, label: str, layer: int) -> None:
-    if not bool(torch.isfinite(out[valid]).all()):
-        raise KconvertError(f"{label}: non-finite hidden states after decoder layer {layer}")
+def _finite(out: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Whether every real position's output is finite, as a device bool (no host sync)."""
+    return (torch.isfinite(out) | ~valid[..., None]).all()
 
 
 def _compare_logits(streams: list[Stream], batches: list[slice], valid: torch.Tensor,

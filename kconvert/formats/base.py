@@ -78,6 +78,9 @@ class Codec:
     cli_name: ClassVar[str | None] = None
     # NVFP4 formats: whose scale arithmetic the encoder follows (kconvert.formats.nvfp4).
     arithmetic: ClassVar[str | None] = None
+    # An output format that also has forms for p48's 32-element blocks and pair-bitmask
+    # storage (kconvert.formats.nvfp4_pair_bitmask).
+    p48_forms: ClassVar[bool] = False
     # The dtypes its first parameter may have, where the parameter names alone do not tell
     # the format (a `weight` is dense, FP8-block or ModelOpt NVFP4); None: any.
     weight_dtypes: ClassVar[frozenset[str] | None] = None

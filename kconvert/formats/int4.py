@@ -6,7 +6,7 @@ import torch
 
 from kconvert.errors import KconvertError
 from kconvert.formats.base import Codec, ParamRules
-from kconvert.formats.compressed_tensors import weight_problems
+from kconvert.formats.ct_config import weight_problems
 
 
 class Int4Codec(Codec):

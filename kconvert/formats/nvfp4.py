@@ -77,6 +77,20 @@ def tensor_scale(amax: torch.Tensor, arithmetic: str = "compressed-tensors") -> 
     return torch.where(amax > 0, amax / GLOBAL_NUMERATOR, torch.ones_like(amax))
 
 
+def recorded_scale(stored: torch.Tensor, amax: torch.Tensor, arithmetic: str) -> torch.Tensor:
+    """compressed-tensors' form of the per-tensor scales, 2688 / amax, which the manifest
+    records whatever the flavour: `stored` (as `arithmetic` stores them) as it is in
+    compressed-tensors' arithmetic, else from `amax`."""
+    return global_scale(amax) if arithmetic == "modelopt" else stored
+
+
+def stored_scale(recorded: torch.Tensor, amax: torch.Tensor, arithmetic: str) -> torch.Tensor:
+    """The per-tensor scales `arithmetic` stores for sets the manifest records with `recorded`
+    (2688 / amax, exact) and `amax`: what the flavour's own encoder writes (ModelOpt's
+    amax / 2688 is computed from amax, as its encoder computes it)."""
+    return tensor_scale(amax, arithmetic) if arithmetic == "modelopt" else recorded
+
+
 def _check_arithmetic(arithmetic: str) -> None:
     if arithmetic not in ARITHMETIC:
         raise ValueError(f"NVFP4 arithmetic must be one of {ARITHMETIC}, not {arithmetic!r}")

@@ -8,7 +8,7 @@ import torch
 
 from kconvert.formats import nvfp4
 from kconvert.formats.base import Codec, ParamRules, ParamSpec
-from kconvert.formats.compressed_tensors import weight_problems
+from kconvert.formats.ct_config import QUANT_METHOD, weight_problems
 
 
 class Nvfp4Codec(Codec):
@@ -23,9 +23,10 @@ class Nvfp4Codec(Codec):
     global_scale_param = "weight_global_scale"
     input_scale_param = "input_global_scale"
     ct_format = "nvfp4-pack-quantized"
-    config_family = "compressed-tensors"
+    config_family = QUANT_METHOD
     cli_name = "compressed-tensors"
     arithmetic = "compressed-tensors"
+    p48_forms = True
 
     # The stored shape of the per-tensor scales: [1] here; None where any shape is read.
     scale_shape: ClassVar[tuple[int, ...] | None] = (1,)

@@ -15,6 +15,7 @@ from kconvert.formats.nvfp4_ct import Nvfp4Codec
 from kconvert.version import __version__
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
+QUANT_METHOD = "modelopt"  # the config family's quant_method
 
 
 class ModeloptNvfp4Codec(Nvfp4Codec):
@@ -32,9 +33,10 @@ class ModeloptNvfp4Codec(Nvfp4Codec):
     # is spelled W4A16_NVFP4 (vLLM #41769; older ModelOpt code NVFP4_W4A16).
     modelopt_algos: ClassVar[dict[str, str]] = {
         "NVFP4": "w4a4", "W4A16_NVFP4": "w4a16", "NVFP4_W4A16": "w4a16"}
-    config_family = "modelopt"
+    config_family = QUANT_METHOD
     cli_name = "modelopt"
     arithmetic = "modelopt"
+    p48_forms = False
     scale_shape = None  # ModelOpt's exports store scalars, other tools [1]
 
     @classmethod
@@ -118,7 +120,7 @@ def config_block(hf_quant: dict) -> dict:
                    "quant_algo": quant["quant_algo"]}
     if quant.get("kv_cache_quant_algo"):
         block["kv_cache_scheme"] = quant["kv_cache_quant_algo"]
-    return {**block, "producer": hf_quant["producer"], "quant_method": "modelopt"}
+    return {**block, "producer": hf_quant["producer"], "quant_method": QUANT_METHOD}
 
 
 def _wildcard(pattern: str) -> re.Pattern:

@@ -1,4 +1,5 @@
-"""REAP expert pruning: calibration scores -> a plan -> the `Prune` stage on the engine.
+"""REAP expert pruning: calibration scores -> a plan, which the `prune` stage
+(kconvert.stages.prune) checks against the checkpoint and applies.
 
 The plan keeps the N highest-scoring routed experts of every MoE layer (ties: lower id),
 listed in ascending source order (reap.md). Criteria: `reap` (saliency: mean over routed
@@ -9,7 +10,6 @@ checking it against the checkpoint.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -20,11 +20,10 @@ from kconvert.calibrate.stats import STATS_FILE
 from kconvert.errors import KconvertError, UsageError
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.model.names import Role, parse_name
+from kconvert.options import PRUNE_CRITERIA
 from kconvert.pruning.plan import PruneLayer, PrunePlan
-from kconvert.stages.prune import Prune
 
-CRITERIA = {"reap": "saliency", "frequency": "count", "ean": "ean_sum", "man": "man",
-            "msan": "msan"}
+CRITERIA = PRUNE_CRITERIA  # criterion -> the statistic it ranks experts by
 # The per-layer statistics the criteria are computed from (`calibrate` writes them).
 SCORE_STATS = ("saliency", "count", "ean_sum", "ean_sq_sum")
 
@@ -103,49 +102,6 @@ def moe_layers(ckpt: Checkpoint) -> dict[int, int]:
         if tn.role is Role.ROUTED_EXPERT:
             experts.setdefault(tn.layer, set()).add(tn.expert)
     return {layer: len(ids) for layer, ids in sorted(experts.items())}
-
-
-def prune_stage(plan: PrunePlan, ckpt: Checkpoint,
-                rows: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
-                matrices: dict[str, torch.Tensor] | None = None) -> Prune:
-    """Check a plan against the checkpoint and make the stage that applies it. `rows`: per
-    layer the repaired router (gate rows, bias) to write, which the plan's repair records
-    describe; `matrices`: output name -> re-fitted down_proj, which its compensation records
-    hash; a plan with such records needs them (they are not in the plan file)."""
-    text = ckpt.text_config
-    n_routed = text.get("n_routed_experts")
-    top_k = text.get("num_experts_per_tok", 1)
-    layers = moe_layers(ckpt)
-    planned = {int(k): v.keep for k, v in plan.layers.items()}
-    extra = sorted(set(planned) - set(layers))
-    if extra:
-        raise KconvertError(f"plan names layers {extra} that have no routed experts")
-    for layer, count in layers.items():
-        if layer not in planned:
-            kind = ("MTP/nextn layer" if layer >= text.get("num_hidden_layers", layer + 1)
-                    else "MoE layer")
-            raise KconvertError(f"{kind} {layer} is not in the plan; every MoE layer (MTP "
-                                "included) must be pruned the same way", tensor=f"layers.{layer}")
-        if count != n_routed:
-            raise KconvertError(f"layer {layer} has {count} routed experts, config says "
-                                f"{n_routed}", tensor=f"layers.{layer}")
-        if planned[layer][-1] >= count:
-            raise KconvertError(f"plan keeps expert {planned[layer][-1]} of layer {layer}, which "
-                                f"has {count}", tensor=f"layers.{layer}")
-    sizes = {len(k) for k in planned.values()}
-    if len(sizes) != 1:
-        raise KconvertError(f"plan keeps different numbers of experts per layer {sorted(sizes)}; "
-                            "config.json has one n_routed_experts")
-    kept = sizes.pop()
-    if kept < top_k:
-        raise KconvertError(f"cannot keep {kept} experts: fewer than num_experts_per_tok={top_k}")
-    plan_json = json.dumps(plan.model_dump(mode="json", exclude_none=True), indent=1,
-                           sort_keys=True)
-    return Prune(keep=tuple((layer, tuple(planned[layer])) for layer in layers),
-                 plan_json=plan_json, repair=plan.repair or "none",
-                 compensate=plan.compensation or "none",
-                 replaced=repaired_tensors(plan, ckpt, rows or {})
-                 + compensated_tensors(plan, matrices or {}))
 
 
 def repaired_tensors(plan: PrunePlan, ckpt: Checkpoint,

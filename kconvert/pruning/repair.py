@@ -40,11 +40,11 @@ from kconvert.errors import KconvertError
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.shards import TensorInfo
 from kconvert.model.names import Role, parse_name
+from kconvert.options import COMPENSATIONS, REPAIRS
 from kconvert.pruning.compensate import DENSE_DTYPES, Block, Routing, block
 from kconvert.pruning.compensate import fit as compensate_fit
 from kconvert.pruning.plan import LayerCompensation, LayerRepair, PrunePlan
 from kconvert.pruning.reap import CRITERIA, keep_ids, row_hashes, with_means
-from kconvert.stages.prune import COMPENSATIONS, REPAIRS
 
 
 @dataclass(frozen=True)
@@ -244,7 +244,7 @@ class RouterRepair:
         self.n_fit = n - max(1, round(n * self.settings.heldout))
         ids = self.input_ids[:n]
         self.valid = (ids != PAD_ID).to(self.device)
-        self.hidden = embed(self.ckpt, ids, self.dtype).to(self.device)
+        self.hidden = embed(self.ckpt, ids, self.dtype, self.device)
         self.cfg = model_config(self.ckpt)
         positions = torch.arange(seq_len, device=self.device).unsqueeze(0)
         rotary = DeepseekV3RotaryEmbedding(self.cfg).to(self.device)

@@ -140,7 +140,8 @@ def _prune_first(ckpt: Checkpoint, keep: int):
     """A prune stage keeping experts 0..keep-1 of every MoE layer: any plan keeping `keep`
     writes the same bytes (kept experts keep theirs), and `reap` checks it the same way."""
     from kconvert.pruning.plan import PruneLayer, PrunePlan
-    from kconvert.pruning.reap import keep_count, moe_layers, prune_stage
+    from kconvert.pruning.reap import keep_count, moe_layers
+    from kconvert.stages.prune import prune_stage
 
     keep = keep_count(ckpt, keep, None)
     layers = {str(layer): PruneLayer(keep=list(range(keep))) for layer in moe_layers(ckpt)}

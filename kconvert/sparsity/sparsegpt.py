@@ -54,11 +54,6 @@ PERCDAMP = 0.1  # damping, as a fraction of the mean Hessian diagonal (p48.md)
 PRECISIONS = ("fp32", "tf32", "bf16")
 
 
-# Where each layer's calibration inputs come from: the unpruned source's forward, or the
-# forward of the model whose earlier layers are already compressed.
-HESSIANS = ("source", "sequential")
-
-
 # Experts per SparseGPT batch on a CPU (a GPU's batch is sized from its free memory).
 CPU_BATCH = 8
 
@@ -221,7 +216,7 @@ class CalibrationHessians:
         self.device = device
 
     def _run(self) -> None:
-        from kconvert.calibrate.run import calibrate
+        from kconvert.calibrate.run import measure_stats
 
         ckpt, ids, device, batch_size, dtype = self._args
 
@@ -233,7 +228,7 @@ class CalibrationHessians:
                 raise _Closed
 
         try:
-            calibrate(ckpt, ids, device, batch_size, dtype=dtype, on_moe=hand_over,
+            measure_stats(ckpt, ids, device, batch_size, dtype=dtype, on_moe=hand_over,
                       rerun_moe=self.sequential)
             self._handoffs.put(None)
         except _Closed:

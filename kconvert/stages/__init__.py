@@ -2,8 +2,9 @@
 
 A stage module declares its kind once (`KIND`, a kconvert.stages.base.StageKind): the name a
 recipe's `stage = "..."` gives, the settings a recipe or the command line may give it, the
-command-line options from which a command prepares its input out of the opened source, and the
-factory that builds the stage from those. A new stage is its module plus one line here.
+command-line options from which its `prepare` makes its input out of the opened source, and the
+factory that builds the stage from those. A new stage is its module plus one line here; the
+engine sees only its hooks (kconvert.engine.stage.Stage).
 """
 
 from __future__ import annotations

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kconvert.engine.stage import Stage, StageRecord
 from kconvert.formats import Nvfp4Codec, Nvfp4PairBitmaskCodec
-from kconvert.stages.base import ModuleWork, Stage, StageKind, StageRecord
+from kconvert.formats.linear import ModuleWork
+from kconvert.stages.base import StageKind
 
 
 class DensifyRecord(StageRecord):

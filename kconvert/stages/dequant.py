@@ -6,9 +6,11 @@ from dataclasses import dataclass
 
 from pydantic import Field
 
+from kconvert.engine.stage import Stage, StageRecord
 from kconvert.errors import KconvertError
 from kconvert.formats import DenseCodec
-from kconvert.stages.base import ModuleWork, Stage, StageKind, StageRecord
+from kconvert.formats.linear import ModuleWork
+from kconvert.stages.base import StageKind
 
 
 class DequantRecord(StageRecord):

@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import hashlib
+import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
 from pydantic import Field
 
-from kconvert.errors import KconvertError
+from kconvert.engine.stage import Stage, StageRecord
+from kconvert.errors import KconvertError, UsageError
+from kconvert.io.checkpoint import Checkpoint
 from kconvert.model.names import Role, TensorName
-from kconvert.pruning.plan import PLAN_FILE
-from kconvert.stages.base import CALIBRATION_OPTIONS, Stage, StageKind, StageRecord
+from kconvert.options import COMPENSATIONS, REAP_SAMPLES, REPAIRS, calibration_run
+from kconvert.pruning.plan import PLAN_FILE, PrunePlan, load_plan
+from kconvert.pruning.reap import compensated_tensors, moe_layers, repaired_tensors
+from kconvert.stages.base import CALIBRATION_OPTIONS, StageKind
 
 
 class PruneRecord(StageRecord):
@@ -87,13 +93,9 @@ class Prune(Stage):
         return {PLAN_FILE: self.plan_json}
 
 
-REPAIRS = ("none", "bias", "router")  # kconvert.pruning.repair fits REPAIRS[1:]
-COMPENSATIONS = ("none", "shared", "down")  # kconvert.pruning.compensate
-
-
 def build(settings: dict, prune: Prune | None) -> Prune:
-    # The plan is data, not a recipe setting: the command makes the stage from a plan checked
-    # against the opened source (kconvert.pruning.reap.prune_stage), repaired as `repair` says.
+    # The plan is data, not a recipe setting: `prepare` makes the stage from a plan checked
+    # against the opened source (prune_stage), repaired as `repair` says.
     if prune is None:
         raise KconvertError("a prune stage needs a plan (kconvert reap ... --plan FILE | "
                             "--stats DIR | --data FILE)")
@@ -113,7 +115,112 @@ def build(settings: dict, prune: Prune | None) -> Prune:
     return prune
 
 
-KIND = StageKind(Prune.name, build, PruneRecord, input_type=Prune,
+def prune_stage(plan: PrunePlan, ckpt: Checkpoint,
+                rows: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+                matrices: dict[str, torch.Tensor] | None = None) -> Prune:
+    """Check a plan against the checkpoint and make the stage that applies it. `rows`: per
+    layer the repaired router (gate rows, bias) to write, which the plan's repair records
+    describe; `matrices`: output name -> re-fitted down_proj, which its compensation records
+    hash; a plan with such records needs them (they are not in the plan file)."""
+    text = ckpt.text_config
+    n_routed = text.get("n_routed_experts")
+    top_k = text.get("num_experts_per_tok", 1)
+    layers = moe_layers(ckpt)
+    planned = {int(k): v.keep for k, v in plan.layers.items()}
+    extra = sorted(set(planned) - set(layers))
+    if extra:
+        raise KconvertError(f"plan names layers {extra} that have no routed experts")
+    for layer, count in layers.items():
+        if layer not in planned:
+            kind = ("MTP/nextn layer" if layer >= text.get("num_hidden_layers", layer + 1)
+                    else "MoE layer")
+            raise KconvertError(f"{kind} {layer} is not in the plan; every MoE layer (MTP "
+                                "included) must be pruned the same way", tensor=f"layers.{layer}")
+        if count != n_routed:
+            raise KconvertError(f"layer {layer} has {count} routed experts, config says "
+                                f"{n_routed}", tensor=f"layers.{layer}")
+        if planned[layer][-1] >= count:
+            raise KconvertError(f"plan keeps expert {planned[layer][-1]} of layer {layer}, which "
+                                f"has {count}", tensor=f"layers.{layer}")
+    sizes = {len(k) for k in planned.values()}
+    if len(sizes) != 1:
+        raise KconvertError(f"plan keeps different numbers of experts per layer {sorted(sizes)}; "
+                            "config.json has one n_routed_experts")
+    kept = sizes.pop()
+    if kept < top_k:
+        raise KconvertError(f"cannot keep {kept} experts: fewer than num_experts_per_tok={top_k}")
+    plan_json = json.dumps(plan.model_dump(mode="json", exclude_none=True), indent=1,
+                           sort_keys=True)
+    return Prune(keep=tuple((layer, tuple(planned[layer])) for layer in layers),
+                 plan_json=plan_json, repair=plan.repair or "none",
+                 compensate=plan.compensation or "none",
+                 replaced=repaired_tensors(plan, ckpt, rows or {})
+                 + compensated_tensors(plan, matrices or {}))
+
+
+def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
+            ) -> Callable[[Checkpoint], Prune]:
+    """The Prune stage from --plan, or a plan from --stats or --data (REAP calibration, with
+    router repair in the same pass when --repair or the recipe asks for it). The options are
+    checked now, before the source is opened."""
+    plan, stats, data = options.get("plan"), options.get("stats"), options.get("data")
+    if sum(x is not None for x in (plan, stats, data)) > 1:
+        raise UsageError("give only one of --plan, --stats and --data")
+    if plan is None and stats is None and data is None:
+        raise UsageError("give --data FILE, --stats DIR or --plan FILE")
+    repair = options.get("repair") or next(
+        (s["repair"] for s in stages if s["stage"] == Prune.name and "repair" in s), "none")
+    if repair != "none" and data is None:
+        raise UsageError(f"repair {repair} fits the router during calibration: give --data FILE")
+    compensate = options.get("compensate") or next(
+        (s["compensate"] for s in stages if s["stage"] == Prune.name and "compensate" in s),
+        "none")
+    if compensate != "none" and data is None:
+        raise UsageError(f"compensate {compensate} re-fits matrices during calibration: give "
+                         "--data FILE")
+
+    def make(ckpt: Checkpoint) -> Prune:
+        from kconvert.calibrate.data import load_calibration_data
+        from kconvert.calibrate.run import measure_stats
+        from kconvert.calibrate.stats import save_stats
+        from kconvert.pruning.reap import (
+            check_plan_keep,
+            keep_count,
+            plan_from_scores,
+            scores_from_stats,
+            scores_of,
+        )
+        from kconvert.pruning.repair import RepairSettings, RouterRepair, with_repair
+
+        if plan is not None:
+            loaded = load_plan(plan)
+            check_plan_keep(loaded, ckpt, options.get("keep"), options.get("prune_ratio"), plan)
+            return prune_stage(loaded, ckpt)
+        keep = keep_count(ckpt, options.get("keep"), options.get("prune_ratio"))
+        criterion = options.get("criterion") or "reap"
+        fixer = None
+        if stats is not None:
+            scores = scores_from_stats(stats)
+        else:
+            samples, seq_len, batch_size, seed = calibration_run(options, REAP_SAMPLES)
+            ids = load_calibration_data(data, ckpt.root, samples, seq_len, seed)
+            if repair != "none" or compensate != "none":
+                fixer = RouterRepair(ckpt, ids, RepairSettings(repair, keep, criterion,
+                                                               compensate=compensate), device,
+                                     batch_size=batch_size)
+            measured = measure_stats(ckpt, ids, device, batch_size, on_weights=fixer)
+            if options.get("save_stats"):
+                save_stats(measured, options["save_stats"])
+            scores = scores_of(measured)
+        made = plan_from_scores(scores, keep, criterion, ckpt.identity)
+        if fixer is None:
+            return prune_stage(made, ckpt)
+        return prune_stage(with_repair(made, fixer), ckpt, fixer.rows, fixer.matrices)
+
+    return make
+
+
+KIND = StageKind(Prune.name, build, PruneRecord, input_type=Prune, prepare=prepare,
                  settings=("repair", "compensate"),
                  input_options=("keep", "prune_ratio", "criterion", "plan", "stats",
                                 *CALIBRATION_OPTIONS, "save_stats"))

@@ -9,10 +9,12 @@ from pathlib import Path
 
 from pydantic import Field
 
+from kconvert.engine.stage import Stage, StageRecord
 from kconvert.errors import KconvertError
 from kconvert.formats import OUTPUT_CODECS, DenseCodec, Nvfp4PairBitmaskCodec
+from kconvert.formats.linear import ModuleWork
 from kconvert.model.names import TARGET_ROLES, Role
-from kconvert.stages.base import ModuleWork, Stage, StageKind, StageRecord
+from kconvert.stages.base import StageKind
 
 
 class QuantizeRecord(StageRecord):
@@ -49,6 +51,9 @@ class Quantize(Stage):
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise KconvertError(f"bad activation statistics: {exc}", file=self.act_stats) from exc
 
+    def input_files(self) -> list[str]:
+        return [self.act_stats] if self.act_stats else []
+
     def record(self) -> QuantizeRecord:
         return QuantizeRecord(targets=sorted(r.value for r in self.targets), format=self.fmt,
                               block_scale=self.scale_rule, act_stats=self.act_stats)
@@ -67,10 +72,11 @@ class Quantize(Stage):
                 )
             m.out_codec = OUTPUT_CODECS[self.fmt]
             if m.storage == "pair-bitmask" or m.group_size != 16:
-                if self.fmt != "compressed-tensors":
+                if not m.out_codec.p48_forms:
+                    others = [f for f, c in OUTPUT_CODECS.items() if c.p48_forms]
                     raise KconvertError(f"--format {self.fmt} has no form for block size "
                                         f"{m.group_size} / {m.storage} storage; use "
-                                        "compressed-tensors", tensor=m.module)
+                                        f"{' or '.join(others)}", tensor=m.module)
                 if m.storage == "pair-bitmask":
                     m.out_codec = Nvfp4PairBitmaskCodec
             m.stages.append(self.name)

@@ -1,6 +1,6 @@
 """The manifest's `options`: a RunRecord, the recipe and what each of its stages recorded.
 
-Each stage module declares its record (a kconvert.stages.base.StageRecord) beside the stage;
+Each stage module declares its record (a kconvert.engine.stage.StageRecord) beside the stage;
 RunRecord has one optional field per stage kind of the registry, named as the kind. The resume
 fingerprint hashes it, and `kconvert audit` reads it (the p48 pattern and its targets, the kept
 expert count, the plan's hash).

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -24,17 +25,24 @@ from pydantic import Field
 
 from kconvert.calibrate.data import load_calibration_data
 from kconvert.calibrate.stats import META_FILE, STATS_FILE
-from kconvert.errors import KconvertError
+from kconvert.engine.stage import Stage, StageRecord
+from kconvert.errors import KconvertError, UsageError
+from kconvert.formats.linear import ModuleWork
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.files import hash_file
 from kconvert.model.names import Role
+from kconvert.options import (
+    HESSIANS,
+    SPARSEGPT_SAMPLES,
+    SPARSIFY_METHODS,
+    SPARSIFY_STORAGES,
+    calibration_run,
+)
 from kconvert.sparsity import p48, sparsegpt
-from kconvert.stages.base import CALIBRATION_OPTIONS, ModuleWork, Stage, StageKind, StageRecord
+from kconvert.stages.base import CALIBRATION_OPTIONS, StageKind
 
-METHODS = ("magnitude", "wanda", "sparsegpt")
-
-
-STORAGES = ("dense", "pair-bitmask")
+METHODS = SPARSIFY_METHODS
+STORAGES = SPARSIFY_STORAGES
 
 
 GROUP_SIZES = (16, 32)
@@ -124,9 +132,9 @@ class Sparsify(Stage):
             raise KconvertError("--method wanda needs --stats DIR (from `kconvert calibrate`)")
         if self.method == "sparsegpt" and self.calibration is None:
             raise KconvertError("--method sparsegpt needs calibration data: --data FILE")
-        if self.hessian not in sparsegpt.HESSIANS:
+        if self.hessian not in HESSIANS:
             raise KconvertError(f"unknown --hessian {self.hessian!r}; choose from "
-                                f"{sparsegpt.HESSIANS}")
+                                f"{HESSIANS}")
         if self.calibration is not None:
             self.calibration.hessians.sequential = self.hessian == "sequential"
 
@@ -243,7 +251,32 @@ def build(settings: dict, calibration: SparsegptCalibration | None) -> Sparsify:
                     hessian=hessian or Sparsify.hessian, calibration=calibration)
 
 
+def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
+            ) -> Callable[[Checkpoint], SparsegptCalibration] | None:
+    """SparseGPT's calibration from --data when the run's sparsify method is sparsegpt; None
+    otherwise (without --data the stage itself refuses sparsegpt, as it refuses wanda without
+    --stats)."""
+    recipe_methods = [s.get("method", "magnitude") for s in stages if s["stage"] == "sparsify"]
+    method = options.get("method") or next(iter(recipe_methods), None)
+    data, stats = options.get("data"), options.get("stats")
+    if not any(s["stage"] == "prune" for s in stages):  # else they also serve the pruning plan
+        for option, value, user in (("data", data, "sparsegpt"), ("stats", stats, "wanda")):
+            if value is not None and method != user:
+                raise UsageError(f"--{option} serves --method {user}; this run's sparsify "
+                                 f"method is {method}")
+    if method != "sparsegpt" or data is None:
+        return None
+
+    def make(ckpt: Checkpoint) -> SparsegptCalibration:
+        samples, seq_len, batch_size, seed = calibration_run(options, SPARSEGPT_SAMPLES)
+        return SparsegptCalibration.from_file(ckpt, data, samples, seq_len, batch_size, seed,
+                                              device)
+
+    return make
+
+
 KIND = StageKind(Sparsify.name, build, SparsifyRecord,
                  settings=("pattern", "method", "group_size", "storage", "stats", "hessian"),
                  input_options=CALIBRATION_OPTIONS, input_type=SparsegptCalibration,
+                 prepare=prepare,
                  followed_by=("quantize", "p48 output is NVFP4"))

@@ -26,9 +26,9 @@ from helpers import st_header
 from kconvert.cli import main
 from kconvert.convert import RunControl, convert
 from kconvert.pruning.plan import PrunePlan, load_plan, plan_json_schema
-from kconvert.pruning.reap import prune_stage
 from kconvert.recipes import load_recipe
 from kconvert.sparsity.p48 import check_packed as p48_check
+from kconvert.stages.prune import prune_stage
 from third_party_prune import prune
 
 INDEX = "model.safetensors.index.json"

@@ -20,12 +20,12 @@ from kconvert.audit.decode import Bound, DecodeJob, compare
 from kconvert.checks.findings import Checks
 from kconvert.cli import main
 from kconvert.formats import DenseCodec, Fp8BlockCodec
+from kconvert.formats.linear import ModuleWork
 from kconvert.io.checkpoint import open_checkpoint
 from kconvert.io.finite import BLOCK, find_nonfinite
 from kconvert.io.readahead import read_ahead
 from kconvert.io.shards import TensorInfo
 from kconvert.model.names import parse_name
-from kconvert.stages.base import ModuleWork
 
 MANIFEST = "kconvert-manifest.json"
 

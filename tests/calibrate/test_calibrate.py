@@ -23,7 +23,7 @@ from transformers.utils import logging as hf_logging
 
 from conftest import BUNDLED
 from kconvert.calibrate.data import PAD_ID, load_calibration_data
-from kconvert.calibrate.run import calibrate
+from kconvert.calibrate.run import measure_stats as calibrate
 from kconvert.calibrate.stats import CalibrationStats, load_stats, save_stats
 from kconvert.cli import calibrate_cmd
 from kconvert.convert import RunControl, convert

@@ -14,8 +14,8 @@ from helpers import run_inproc
 from kconvert.audit.auditor import run_audit
 from kconvert.convert import RunControl, convert
 from kconvert.pruning.plan import load_plan
-from kconvert.pruning.reap import prune_stage
 from kconvert.recipes import load_recipe
+from kconvert.stages.prune import prune_stage
 from kconvert.testing.fixtures import kimi_quantization_config
 
 VARIANTS = ("k25-int4", "k26-int4")

@@ -19,8 +19,8 @@ from kconvert.convert import RunControl, convert
 from kconvert.evaluate.run import evaluate
 from kconvert.io.checkpoint import open_checkpoint
 from kconvert.pruning.plan import parse_plan
-from kconvert.pruning.reap import prune_stage
 from kconvert.recipes import load_recipe
+from kconvert.stages.prune import prune_stage
 from kconvert.testing.tiny_moe import heldout_ids, load_kimi_checkpoint
 
 SRC = ROOT / "tests" / "fixtures" / "tiny-moe-trained"

@@ -138,8 +138,8 @@ def test_int4_decode_all_codes_before_bf16_rounding(shape_dtype):
 def test_int4_decode_of_fixture_checkpoint(fixture_dir, variant, shape_dtype):
     """kconvert's planner reads int32 and int64 weight_shape; its decode equals CT's in fp32."""
     from kconvert.engine.work import read_shape_values
+    from kconvert.formats.linear import group_modules
     from kconvert.io.checkpoint import open_checkpoint
-    from kconvert.stages.base import group_modules
 
     src = fixture_dir(variant)
     scheme = int4_scheme(src)

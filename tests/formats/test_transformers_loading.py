@@ -26,8 +26,8 @@ from conftest import BUNDLED, ROOT
 from helpers import run_inproc
 from kconvert.convert import RunControl, convert
 from kconvert.pruning.plan import load_plan
-from kconvert.pruning.reap import prune_stage
 from kconvert.recipes import load_recipe
+from kconvert.stages.prune import prune_stage
 from oracles import (
     by_module,
     ct_int4_fp32,

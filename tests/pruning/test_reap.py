@@ -27,8 +27,8 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from kconvert.convert import RunControl, convert
 from kconvert.errors import KconvertError
 from kconvert.pruning.plan import parse_plan
-from kconvert.pruning.reap import prune_stage
 from kconvert.recipes import load_recipe
+from kconvert.stages.prune import prune_stage
 
 QUIET = RunControl(quiet=True)
 KEEP = {1: [0, 2, 3, 5, 8, 9, 12, 15], 2: [1, 2, 4, 6, 7, 10, 11, 14]}

@@ -14,12 +14,13 @@ import statistics
 import torch
 
 from conftest import ROOT
-from kconvert.calibrate.run import calibrate
+from kconvert.calibrate.run import measure_stats as calibrate
 from kconvert.convert import RunControl, convert
 from kconvert.io.checkpoint import open_checkpoint
 from kconvert.pruning.plan import parse_plan
-from kconvert.pruning.reap import plan_from_scores, prune_stage, scores_of
+from kconvert.pruning.reap import plan_from_scores, scores_of
 from kconvert.recipes import load_recipe
+from kconvert.stages.prune import prune_stage
 from kconvert.testing.tiny_moe import corpus_ids, heldout_ids, heldout_loss, windows
 
 SRC = ROOT / "tests" / "fixtures" / "tiny-moe-trained"

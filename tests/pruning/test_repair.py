@@ -24,9 +24,10 @@ from kconvert.cli import main
 from kconvert.cli.base import REPAIRS as CLI_REPAIRS
 from kconvert.errors import KconvertError
 from kconvert.io.checkpoint import open_checkpoint
+from kconvert.options import REPAIRS
 from kconvert.pruning.plan import PLAN_FILE, load_plan, parse_plan
-from kconvert.pruning.reap import prune_stage, row_hashes
-from kconvert.stages.prune import REPAIRS
+from kconvert.pruning.reap import row_hashes
+from kconvert.stages.prune import prune_stage
 from kconvert.testing.tiny_moe import corpus_ids, load_kimi_checkpoint, windows
 
 SRC = ROOT / "tests" / "fixtures" / "tiny-moe-trained"

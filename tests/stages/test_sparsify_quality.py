@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from conftest import ROOT
-from kconvert.calibrate.run import calibrate
+from kconvert.calibrate.run import measure_stats as calibrate
 from kconvert.calibrate.stats import save_stats
 from kconvert.convert import RunControl, convert
 from kconvert.io.checkpoint import open_checkpoint

@@ -23,6 +23,7 @@ CT_TARGETS = {
     Role.ATTENTION: r"re:.*self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)$",
 }
 OUTPUT_FORMAT = "nvfp4-pack-quantized"
+QUANT_METHOD = "compressed-tensors"  # the config family's quant_method
 
 
 def target_matches(name: str, target: str, linear: bool) -> bool:
@@ -65,7 +66,7 @@ def _roles_by_group(modules: Iterable[OutputModule]) -> dict[int, list[Role]]:
     """NVFP4 roles of the output per scale group size (16; 32 for sparse kernels)."""
     sizes: dict[Role, set[int]] = {}
     for m in modules:
-        if (m.out_codec or m.codec).config_family == "compressed-tensors":
+        if (m.out_codec or m.codec).config_family == QUANT_METHOD:
             sizes.setdefault(m.tn.role, set()).add(m.group_size)
     mixed = [r.value for r, b in sizes.items() if len(b) > 1]
     if mixed:
@@ -105,7 +106,7 @@ def compressed_tensors_config(modules: list[OutputModule], has_vision: bool) -> 
     # sparsity/transform blocks (vLLM refuses some sparsity_config forms: docs/p48.md).
     qconfig = {
         "version": compressed_tensors.__version__,
-        "quant_method": "compressed-tensors",
+        "quant_method": QUANT_METHOD,
         **qc.model_dump(mode="json", exclude={"quant_method"}),
     }
     for codec in {m.out_codec or m.codec for m in modules}:

@@ -1,0 +1,70 @@
+"""What a stage is to the engine: the hooks a work plan calls on every stage of a run.
+
+The stage kinds themselves (kconvert.stages) subclass `Stage`; the engine knows only these
+hooks, never a kind.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from kconvert.formats.linear import ModuleWork
+from kconvert.model.names import TensorName
+
+
+class StageRecord(BaseModel):
+    """What a stage records in the manifest (kconvert.stages.records.RunRecord): the options
+    that decide the output bytes. A field that was not set is left out of the file (a record is
+    dumped with exclude_unset), so adding an optional field changes no existing manifest."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Stage:
+    """A stage's hooks; each defaults to "leave it alone"."""
+
+    name: str
+    # True when the stage streams calibration layers forward (SparseGPT): the engine then
+    # runs transform items in layer order across shards.
+    ordered_layers: bool = False
+    # The FP8 block-scale rule ("mse" | "amax") the run's NVFP4 encoder follows, when the
+    # stage chooses it (quantize); the engine's default otherwise.
+    scale_rule: str | None = None
+
+    def rename(self, tn: TensorName) -> tuple[str | None, tuple[int, ...] | None]:
+        """Output name of a source tensor (None: dropped) and, for router tensors, the rows
+        (experts) to keep."""
+        return tn.name, None
+
+    def replaced_rows(self) -> dict[str, torch.Tensor]:
+        """Output name -> the tensor the stage computed for a router whose rows it selects
+        (a repaired router), written instead of the selected source rows."""
+        return {}
+
+    def claim(self, m: ModuleWork) -> None:
+        """Claim a module for decoding: set `m.out_codec` and append to `m.stages`."""
+
+    def edit_config(self, text_config: dict) -> None:
+        """Change the language model's config (in place) to describe the output."""
+
+    def record(self) -> StageRecord:
+        """The options that decide the output bytes, for the manifest and resume checks."""
+        raise NotImplementedError
+
+    def input_files(self) -> list[str]:
+        """Files besides the source whose contents decide the output bytes (the activation
+        statistics of W4A4): a resumed run checks they are unchanged."""
+        return []
+
+    def output_files(self) -> dict[str, str]:
+        """Files (name -> text) this stage adds to the output, e.g. the pruning plan."""
+        return {}
+
+    def close(self) -> None:
+        """Release what the stage holds for the run (threads, open files)."""
+
+    def work_elems(self, device: torch.device) -> int | None:
+        """Decoded elements per transform item the stage wants on `device`,
+        or None for the engine's own size."""
+        return None

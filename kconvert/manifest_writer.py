@@ -1,0 +1,115 @@
+"""The manifest of a finished run (kconvert.manifest is its schema), from the work plan, the
+records every shard's writer returned and the files written: per tensor its hash and the
+stages that made it, per fused set its scales, per layer the quantization error, and the run's
+summary in numbers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kconvert import distributed
+from kconvert.engine.work import WorkPlan
+from kconvert.io.checkpoint import Checkpoint
+from kconvert.io.files import human_bytes
+from kconvert.manifest import (
+    FileEntry,
+    FusedSetEntry,
+    LayerEntry,
+    Manifest,
+    SourceEntry,
+    TensorEntry,
+)
+from kconvert.model.names import parse_name
+from kconvert.version import __version__
+
+
+def build_manifest(ckpt: Checkpoint, plan: WorkPlan, records: dict[str, dict], command: str,
+              options: dict, fmt: str, dropped: dict[str, str], non_weight: dict[str, str],
+              generated: dict[str, str], root: Path) -> Manifest:
+    tensors = {}
+    for t in plan.outputs.values():
+        tensors[t.name] = TensorEntry(file=t.shard, dtype=t.dtype, shape=list(t.shape),
+                                      hash=records[t.shard]["tensors"][t.name], stage=t.stage,
+                                      sources=list(t.sources))
+    stats = {m: s for rec in records.values() for m, s in rec["modules"].items()}
+    fused_sets, layers = {}, {}
+    by_layer: dict[str, list[float]] = {}
+    for m in plan.modules:
+        if m.out_module not in stats:
+            continue
+        st = stats[m.out_module]
+        # Keyed by the OUTPUT's fused set: after pruning, m.tn names the source expert.
+        out_set = parse_name(f"{m.out_module}.{m.tn.param}").fused_set
+        entry = fused_sets.setdefault(
+            out_set, FusedSetEntry(members=[], amax=st["amax"],
+                                   global_scale=st["global_scale"]))
+        entry.members.append(m.out_module)
+        if "quantize" not in m.stages:
+            continue  # re-laid out (densify): bytes unchanged, nothing quantized
+        rel = st["err_sq"] / st["ref_sq"] if st["ref_sq"] else 0.0
+        by_layer.setdefault(str(m.tn.layer), []).append(rel)
+    for layer, rels in sorted(by_layer.items()):
+        layers[layer] = LayerEntry(quantized_modules=len(rels), rel_mse_mean=sum(rels) / len(rels),
+                                   rel_mse_max=max(rels))
+    for fused in fused_sets.values():
+        fused.members.sort()
+    files = {shard: FileEntry(bytes=(root / shard).stat().st_size, tensors=len(e))
+             for shard, e in plan.shard_entries.items()}
+    summary = summary_numbers(plan, by_layer, files)
+    if distributed.launched():  # how the run was spread; the bytes are the same on any count
+        summary["world_size"] = distributed.world()
+    return Manifest(
+        tool={"name": "kconvert", "version": __version__}, command=command, options=options,
+        source=SourceEntry(**ckpt.identity), output_format=fmt, files=files,
+        non_weight_files=non_weight, generated_files=generated,
+        tensors=dict(sorted(tensors.items())),
+        fused_sets=dict(sorted(fused_sets.items())), layers=layers,
+        summary=summary, dropped=dropped,
+    )
+
+
+def summary_numbers(plan: WorkPlan, by_layer: dict[str, list[float]],
+                    files: dict[str, FileEntry]) -> dict:
+    """What the run did, in numbers (the CLI's closing line is made from it)."""
+    modules = {"quantized": 0, "dequantized": 0, "relaid": 0, "sparsified": 0}
+    for m in plan.modules:
+        if m.out_codec is None:
+            continue
+        if "quantize" in m.stages:
+            modules["quantized"] += 1
+        elif m.repack:
+            modules["relaid"] += 1
+        else:
+            modules["dequantized"] += 1
+        modules["sparsified"] += "sparsify" in m.stages
+    rels = [r for rs in by_layer.values() for r in rs]
+    return {"tensors": len(plan.outputs), "bytes": sum(f.bytes for f in files.values()),
+            "shards": len(files), "quantized_modules": modules["quantized"],
+            "dequantized_modules": modules["dequantized"], "relaid_modules": modules["relaid"],
+            "sparsified_modules": modules["sparsified"],
+            "pruned_experts": len({parse_name(n).module.rsplit(".", 1)[0]
+                                   for n in plan.dropped}),
+            "rel_mse_mean": sum(rels) / len(rels) if rels else 0.0,
+            "rel_mse_max": max(rels, default=0.0)}
+
+
+def summary_line(manifest: Manifest, dst: str) -> str:
+    """One line that says what a run did: tensors and bytes written, and per stage how many
+    modules it changed (only what happened is mentioned)."""
+    s = manifest.summary
+    parts = [f"wrote {dst}: {s['tensors']} tensors in {s['shards']} shard(s), "
+             f"{human_bytes(s['bytes'])}"]
+    if s.get("pruned_experts"):
+        parts.append(f"{s['pruned_experts']} routed experts pruned")
+    if s.get("sparsified_modules"):
+        parts.append(f"{s['sparsified_modules']} modules made paired-4:8 sparse")
+    if s.get("quantized_modules"):
+        parts.append(f"{s['quantized_modules']} modules quantized to NVFP4 (relative squared "
+                     f"error mean {s['rel_mse_mean']:.2e}, max {s['rel_mse_max']:.2e})")
+    if s.get("dequantized_modules"):
+        parts.append(f"{s['dequantized_modules']} modules dequantized")
+    if s.get("relaid_modules"):
+        parts.append(f"{s['relaid_modules']} modules re-laid out (bytes unchanged)")
+    if len(parts) == 1:
+        parts.append("every tensor copied unchanged")
+    return "; ".join(parts)
