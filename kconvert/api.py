@@ -98,7 +98,8 @@ def run_recipe(recipe: str, src: str, dst: str, *, revision: str | None = None,
     `options` are the stage options by name (`format`,
     `block_scale`, `targets`, `act_stats`, `dtype`, `keep`, `prune_ratio`, `criterion`,
     `plan`, `stats`, `data`, `samples`, `seq_len`, `batch_size`, `seed`, `save_stats`,
-    `pattern`, `method`, `group_size`, `storage`); one the recipe does not use is an error."""
+    `repair`, `compensate`, `pattern`, `method`, `group_size`, `storage`); one the recipe
+    does not use is an error."""
     from kconvert.commands import run_conversion
 
     messages: list[str] = []
@@ -156,7 +157,8 @@ def dequant(src: str, dst: str, **kwargs) -> ConversionResult:
 
 def reap(src: str, dst: str, **kwargs) -> ConversionResult:
     """`kconvert reap`: prune routed experts by `plan` (a file), or `keep` / `prune_ratio`
-    ranked by `criterion` on `stats` (a calibrate output) or `data` (calibrated first)."""
+    ranked by `criterion` on `stats` (a calibrate output) or `data` (calibrated first), with
+    `repair` and `compensate` fitted on `data`."""
     return run_recipe("reap", src, dst, **kwargs)
 
 

@@ -21,15 +21,18 @@ BLOCK_SCALE_RULES = ("amax", "mse")
 ONLY_WITH = {
     "samples": ("data",), "seq_len": ("data",), "batch_size": ("data",), "seed": ("data",),
     "save_stats": ("data",),
-    "keep": ("data", "stats"), "prune_ratio": ("data", "stats"), "criterion": ("data", "stats"),
+    "keep": ("data", "stats", "plan"), "prune_ratio": ("data", "stats", "plan"),
+    "criterion": ("data", "stats"),
 }
 
 # The choices of the stage options, here so that the command line lists them without importing
 # the stages (torch); the stages and libraries check their values against these same names.
 # A pruning criterion -> the per-expert calibration statistic it keeps the highest of
 # (kconvert.calibrate.stats; reap.md): adding one is an entry here.
-PRUNE_CRITERIA = {"reap": "saliency", "frequency": "count", "ean": "ean_sum"}
+PRUNE_CRITERIA = {"reap": "saliency", "frequency": "count", "ean": "ean_sum", "man": "man",
+                  "msan": "msan"}
 REPAIRS = ("none", "bias", "router")  # router repair; kconvert.pruning.repair fits REPAIRS[1:]
+COMPENSATIONS = ("none", "shared", "down")  # kconvert.pruning.compensate
 SPARSIFY_METHODS = ("magnitude", "wanda", "sparsegpt")
 SPARSIFY_STORAGES = ("dense", "pair-bitmask")
 HESSIANS = ("source", "sequential")  # SparseGPT's layer inputs (kconvert.sparsity.sparsegpt)

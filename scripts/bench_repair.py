@@ -1,8 +1,10 @@
-"""Benchmark: REAP router repair of one full-size synthetic Kimi MoE layer, beyond calibration.
+"""Benchmark: REAP router repair and compensation of one full-size synthetic Kimi MoE layer,
+beyond calibration.
 
 Builds scripts/bench_calibrate.py's checkpoint (layer 0 dense, layer 1 MoE with 384 INT4
 experts, real Kimi-K2 shapes), runs `kconvert.calibrate.calibrate` on SEQS x SEQ tokens once
-alone and once with `RouterRepair` (keep KEEP, method METHOD) in the same pass, and reports the
+alone and once with `RouterRepair` (keep KEEP, router repair METHOD, compensation COMPENSATE)
+in the same pass, and reports the
 repair hook's seconds per layer (the MoE layer's is the number to read), the calibration
 seconds per layer of both runs, and peak GPU memory and host RSS of each run. One JSON line on
 stdout and in $OUT/bench_repair.json.
@@ -11,7 +13,11 @@ stdout and in $OUT/bench_repair.json.
     python scripts/bench_repair.py --tiny                              # CPU smoke, tiny dims
 
 Env: ROOT, OUT, SEQS (256), SEQ (2048), BATCH (8) as bench_calibrate; KEEP (192), METHOD
-(router).
+(router), COMPENSATE (down), MAX_TOKENS (32768: the repair stream's tokens).
+
+The synthetic experts are INT4, whose re-fitted down_proj kconvert does not write (it
+re-fits dense BF16 sources only): the bench re-fits them all the same, rounding to BF16 as a
+BF16 source's are written, so the seconds and memory are those of a BF16 source's layer.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ import bench_calibrate as bc  # noqa: E402
 import torch  # noqa: E402
 
 KEEP, METHOD = int(os.environ.get("KEEP", 192)), os.environ.get("METHOD", "router")
+COMPENSATE = os.environ.get("COMPENSATE", "down")
+MAX_TOKENS = int(os.environ.get("MAX_TOKENS", 32768))
 
 
 def _sync() -> float:
@@ -60,8 +68,24 @@ def _calibrate(ckpt, ids: torch.Tensor, hook) -> dict:
 
 
 def main() -> None:
+    from dataclasses import replace
+
     from kconvert.io.checkpoint import open_checkpoint
     from kconvert.pruning.repair import RepairSettings, RouterRepair
+
+    class AnyDownRepair(RouterRepair):
+        """Re-fits the INT4 down_proj as if it were BF16 (module docstring)."""
+
+        def down_sources(self, layer: int, keep: list[int]) -> list:
+            packed = {}
+            for name, info in self.ckpt.tensors.items():
+                if (f"layers.{layer}.mlp." in name and ".down_proj." in name
+                        and name.endswith((".weight", ".weight_packed"))):
+                    packed[name.rsplit(".", 1)[0]] = replace(
+                        info, name=name.rsplit(".", 1)[0] + ".weight", dtype="BF16")
+            prefix = next(iter(packed)).split("layers.")[0] + f"layers.{layer}.mlp."
+            return [packed[prefix + "shared_experts.down_proj"],
+                    *(packed[f"{prefix}experts.{e}.down_proj"] for e in keep)]
 
     bc.OUT.mkdir(parents=True, exist_ok=True)
     src = bc.ROOT / "calib-src"
@@ -69,13 +93,16 @@ def main() -> None:
     bc.make_checkpoint(src)
     res: dict = {"device": torch.cuda.get_device_name() if bc.dev == "cuda" else "cpu",
                  "make_s": round(time.perf_counter() - t0, 1), "seqs": bc.SEQS,
-                 "seq_len": bc.SEQ, "experts": bc.E, "keep": KEEP, "method": METHOD}
+                 "seq_len": bc.SEQ, "experts": bc.E, "keep": KEEP, "method": METHOD,
+                 "compensate": COMPENSATE, "max_tokens": MAX_TOKENS}
     ids = torch.randint(0, bc.V, (bc.SEQS, bc.SEQ), generator=torch.Generator().manual_seed(0))
     ckpt = open_checkpoint(str(src))
     try:
         res["calibrate"] = _calibrate(ckpt, ids, None)
-        repair = RouterRepair(ckpt, ids, RepairSettings(METHOD, KEEP, "reap"),
-                              torch.device(bc.dev), batch_size=bc.BATCH)
+        repair = AnyDownRepair(ckpt, ids, RepairSettings(METHOD, KEEP, "reap",
+                                                         max_tokens=MAX_TOKENS,
+                                                         compensate=COMPENSATE),
+                               torch.device(bc.dev), batch_size=bc.BATCH)
         hook_s: list[float] = []
 
         def timed(layer: int, module: torch.nn.Module) -> None:
@@ -86,12 +113,14 @@ def main() -> None:
         res["with_repair"] = _calibrate(ckpt, ids, timed)
     finally:
         ckpt.close()
-    rec = repair.records[1]
-    res.update({"repair_s_per_layer": hook_s, "repair_moe_layer_s": hook_s[-1],
-                "repair_tokens": rec.fit_tokens + rec.heldout_tokens,
-                "fit_mse": [rec.fit_mse_before, rec.fit_mse_after],
-                "heldout_mse": [rec.heldout_mse_before, rec.heldout_mse_after],
-                "applied": rec.applied})
+    res.update({"repair_s_per_layer": hook_s, "repair_moe_layer_s": hook_s[-1]})
+    for name, recs in (("router", repair.records), ("compensation", repair.compensations)):
+        if 1 in recs:
+            rec = recs[1]
+            res[name] = {"tokens": rec.fit_tokens + rec.heldout_tokens,
+                         "fit_mse": [rec.fit_mse_before, rec.fit_mse_after],
+                         "heldout_mse": [rec.heldout_mse_before, rec.heldout_mse_after],
+                         "applied": rec.applied}
     line = json.dumps(res)
     print(line)
     (bc.OUT / "bench_repair.json").write_text(line + "\n")

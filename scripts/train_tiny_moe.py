@@ -48,7 +48,7 @@ import math
 import shutil
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -237,6 +237,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=TrainArgs.seed)
     ap.add_argument("--eval-tokens", type=int, default=128 * 256, help="held-out tokens scored")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--experts", type=int, default=TINY_MOE_DIMS.experts, help="routed experts")
+    ap.add_argument("--top-k", type=int, default=TINY_MOE_DIMS.top_k)
+    ap.add_argument("--moe-intermediate", type=int, default=TINY_MOE_DIMS.moe_intermediate)
+    ap.add_argument("--moe-layers", type=int, default=TINY_MOE_DIMS.moe_layers)
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
     a = ap.parse_args(argv)
     import transformers
@@ -247,7 +251,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             ap.error(f"{out} is not empty (use --overwrite)")
         shutil.rmtree(out)
     torch.set_num_threads(a.threads)
-    dims = TINY_MOE_DIMS
+    dims = replace(
+        TINY_MOE_DIMS,
+        experts=a.experts,
+        top_k=a.top_k,
+        moe_intermediate=a.moe_intermediate,
+        moe_layers=a.moe_layers,
+    )
     targs = TrainArgs(
         steps=a.steps,
         batch_size=a.batch_size,

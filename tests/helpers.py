@@ -138,3 +138,27 @@ def small_fs(where: Path, options: str) -> Iterator[Path]:
         yield where
     finally:
         subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def kimi_moe_block(x: torch.Tensor, t: dict[str, torch.Tensor], layer: int, cfg: dict
+             ) -> torch.Tensor:
+    """A pruned Kimi MoE block on x [T, hidden] from the tensors `t` on disk, written here
+    from the plan's description of Kimi's routing: sigmoid scores, the bias for selection only,
+    top-k weights renormalised and times routed_scaling_factor, plus the shared expert."""
+    p = f"model.layers.{layer}.mlp."
+    w, bias = t[p + "gate.weight"].float(), t[p + "gate.e_score_correction_bias"]
+    scores = torch.sigmoid(x @ w.T)
+    chosen = torch.topk(scores + bias, cfg["num_experts_per_tok"], dim=-1).indices
+    g = scores.gather(1, chosen)
+    g = g / g.sum(-1, keepdim=True) * cfg["routed_scaling_factor"]
+
+    def mlp(prefix: str, h: torch.Tensor) -> torch.Tensor:
+        gate, up, down = (t[f"{prefix}{n}_proj.weight"].float() for n in ("gate", "up", "down"))
+        return (torch.nn.functional.silu(h @ gate.T) * (h @ up.T)) @ down.T
+
+    out = mlp(p + "shared_experts.", x)
+    for i in range(x.shape[0]):
+        for j in range(chosen.shape[1]):
+            e = int(chosen[i, j])
+            out[i] += g[i, j] * mlp(f"{p}experts.{e}.", x[i:i + 1])[0]
+    return out

@@ -124,4 +124,4 @@ def test_readme_example_runs(tmp_path, monkeypatch, capsys):
     exec(compile(code.replace("/tmp/", f"{tmp_path}/"), "README.md", "exec"), {})
     out = capsys.readouterr().out
     assert "routed_experts" in out and "wrote" in out
-    assert "--keep applies only with --data or --stats" in out
+    assert "--keep applies only with --data or --stats or --plan" in out

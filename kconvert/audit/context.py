@@ -133,6 +133,15 @@ class AuditContext:
         sparsify = self.record.sparsify if self.record is not None else None
         return set(sparsify.targets) if sparsify is not None else None
 
+    @property
+    def refit(self) -> dict[str, str]:
+        """CKPT tensors the plan's compensation re-fitted (name -> xxh3-128 of the bytes)."""
+        if self.plan is None:
+            return {}
+        return {name: digest for entry in self.plan.layers.values()
+                if entry.compensation is not None
+                for name, digest in entry.compensation.matrices_xxh3.items()}
+
     def source_name(self, name: str) -> str | None:
         """The source tensor CKPT's tensor `name` was made from, under the expert mapping
         (None: a routed expert the mapping does not trace to a source expert)."""

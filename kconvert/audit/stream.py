@@ -120,8 +120,10 @@ def plan_units(ctx: AuditContext) -> list[Unit]:
     """Every unit of the pass, in file order. Records which tensors have a counterpart."""
     units: list[Unit] = []
     in_modules: set[str] = set()
-    source, man = ctx.source, ctx.manifest
+    source, man, refit = ctx.source, ctx.manifest, ctx.refit
     for m in ctx.ckpt.modules.values():
+        if refit.keys() & {i.name for i in m.params.values()}:
+            continue  # a re-fitted dense matrix: hashed as a plain tensor below
         s = ctx.source_module(m) if source is not None else None
         decode = False
         if s is not None:
@@ -140,7 +142,12 @@ def plan_units(ctx: AuditContext) -> list[Unit]:
         if name in in_modules:
             continue
         counterpart = None
-        if source is not None and parse_name(name).role not in ROUTER_ROLES:
+        if name in refit:  # checked on its hash (Stream.hash), not on the source's bytes
+            sname = ctx.source_name(name) if source is not None else None
+            if sname is not None and sname in source.tensors:
+                ctx.used_source.add(sname)
+                ctx.has_counterpart.add(name)
+        elif source is not None and parse_name(name).role not in ROUTER_ROLES:
             sname = ctx.source_name(name)
             cand = source.tensors.get(sname) if sname else None
             if cand is not None:
@@ -161,6 +168,7 @@ class Stream:
         self.ctx = ctx
         self.pool = BufferPool(ctx.chunk)
         self.hashes = TensorHashes()
+        self.refit = ctx.refit
 
     def read(self, unit: Unit) -> Read:
         """Read a unit and run its checks (in a reader thread)."""
@@ -242,15 +250,24 @@ class Stream:
             source.will_need(info)
 
     def hash(self, info: TensorInfo, data: torch.Tensor) -> None:
-        """Feed the next bytes of `info`; check its manifest hash once the last are in."""
-        man = self.ctx.manifest
-        if man is None or info.name not in man.tensors:
+        """Feed the next bytes of `info`; check its manifest hash, and the plan's for a
+        re-fitted matrix, once the last are in."""
+        man, refit = self.ctx.manifest, self.refit
+        recorded = man is not None and info.name in man.tensors
+        if not recorded and info.name not in refit:
             return
         digest = self.hashes.update(info.name, byte_view(data), info.nbytes)
-        if digest is not None:
+        if digest is None:
+            return
+        if recorded:
             want = man.tensors[info.name].hash
             self.ctx.report.check("manifest", digest == want, "hash", f"xxh3-128 of the bytes is "
                                   f"{digest}, the manifest records {want}", tensor=info.name)
+        if info.name in refit:
+            self.ctx.report.check(SRC, digest == refit[info.name], "refit", f"xxh3-128 of the "
+                                  f"bytes is {digest}, the plan's compensation wrote "
+                                  f"{refit[info.name]}", layer=parse_name(info.name).layer,
+                                  tensor=info.name)
 
 
 def run(ctx: AuditContext) -> None:

@@ -21,6 +21,7 @@ Statistics, per MoE layer L and routed expert j, over real (non-padding) routed 
   gate_sum   sum g_j(x)                                      (`layers.L.gate_sum`)
   reap_sum   sum g_j(x) * ||f_j(x)||_2                       (`layers.L.reap_sum`)
   ean_sum    sum ||f_j(x)||_2                                (`layers.L.ean_sum`)
+  ean_sq_sum sum ||f_j(x)||_2^2                              (`layers.L.ean_sq_sum`)
   saliency   reap_sum / count, 0 for a never-routed expert   (`layers.L.saliency`, REAP)
 where f_j(x) = down(act(gate x) * up x) is the expert's raw output before gating and g_j(x) is
 the weight the model really multiplies it by: the sigmoid score renormalised over the top-k

@@ -138,6 +138,7 @@ class MoEBlock(nn.Module):
         self.gate_sum = torch.zeros(n, **f64)
         self.reap_sum = torch.zeros(n, **f64)
         self.ean_sum = torch.zeros(n, **f64)
+        self.ean_sq_sum = torch.zeros(n, **f64)
         self.amax_in = torch.zeros(n, dtype=torch.float32, device=device)
         self.amax_down = torch.zeros(n, dtype=torch.float32, device=device)
         self.sq_in = torch.zeros(n, hidden, **f64)
@@ -197,7 +198,7 @@ class MoEBlock(nn.Module):
         norms = torch.linalg.vector_norm(f, dim=-1, dtype=torch.float32)
         self.count += counts
         for acc, values in ((self.gate_sum, w), (self.reap_sum, w * norms),
-                            (self.ean_sum, norms)):
+                            (self.ean_sum, norms), (self.ean_sq_sum, norms.square())):
             acc += torch.segment_reduce(values.double(), "sum", lengths=counts)
         _accumulate_groups(xs, counts, self.amax_in, self.sq_in)
         _accumulate_groups(a, counts, self.amax_down, self.sq_down)
@@ -227,7 +228,7 @@ class MoEBlock(nn.Module):
         base = f"layers.{layer}"
         out = {f"{base}.count": count, f"{base}.saliency": saliency,
                f"{base}.reap_sum": reap_sum, f"{base}.gate_sum": self.gate_sum.cpu(),
-               f"{base}.ean_sum": self.ean_sum.cpu()}
+               f"{base}.ean_sum": self.ean_sum.cpu(), f"{base}.ean_sq_sum": self.ean_sq_sum.cpu()}
         amax_in, amax_down = self.amax_in.cpu(), self.amax_down.cpu()
         sq_in, sq_down = self.sq_in.float().cpu(), self.sq_down.float().cpu()
         for e in range(self.n_experts):
@@ -252,7 +253,8 @@ class Layer:
         maxima = [acc.amax for acc in self.linear_stats.values()]
         if self.moe is not None:
             m = self.moe
-            sums += [m.count, m.gate_sum, m.reap_sum, m.ean_sum, m.sq_in, m.sq_down]
+            sums += [m.count, m.gate_sum, m.reap_sum, m.ean_sum, m.ean_sq_sum, m.sq_in,
+                     m.sq_down]
             maxima += [m.amax_in, m.amax_down]
         return sums, maxima
 

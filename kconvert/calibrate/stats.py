@@ -44,7 +44,8 @@ class CalibrationStats:
                       if k.startswith("layers.") and k.endswith(".saliency"))
 
     def layer(self, layer: int, stat: str) -> torch.Tensor:
-        """A per-expert statistic of an MoE layer: saliency, count, gate_sum, reap_sum, ean_sum."""
+        """A per-expert statistic of an MoE layer: saliency, count, gate_sum, reap_sum, ean_sum,
+        ean_sq_sum."""
         return self.tensors[f"layers.{layer}.{stat}"]
 
     def input_amax(self) -> dict[str, float]:

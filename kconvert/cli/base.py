@@ -38,6 +38,7 @@ AUDIT_CHUNK_MB = 8  # kconvert.audit.CHUNK, in MiB (a test keeps the two equal)
 # The choice lists of the stage options (kconvert.options, which imports no torch).
 CRITERIA = tuple(sorted(options.PRUNE_CRITERIA))
 REPAIRS = options.REPAIRS
+COMPENSATIONS = options.COMPENSATIONS
 METHODS = options.SPARSIFY_METHODS
 STORAGES = options.SPARSIFY_STORAGES
 HESSIANS = options.HESSIANS
@@ -269,6 +270,10 @@ def prune_options(samples_default: int | None, samples_help: str) -> list:
                      help="With --data: re-fit the kept experts' router (bias: "
                           "e_score_correction_bias; router: gate rows and bias) so each pruned "
                           "MoE block matches the unpruned one [default: none]."),
+        click.option("--compensate", type=click.Choice(COMPENSATIONS), default=None,
+                     help="With --data: re-fit down_proj matrices by least squares so each "
+                          "pruned MoE block matches the unpruned one (shared: the shared "
+                          "expert's; down: the shared and every kept expert's) [default: none]."),
     ]
 
 

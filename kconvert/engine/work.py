@@ -222,12 +222,16 @@ def _build_work_plan(ckpt: Checkpoint, stages: list[Stage], work_elems: int,
             outputs[name] = OutTensor(name, dtype, tuple(shape), m.primary.file.name, sources,
                                       stage)
     values = {n: v for stage in stages for n, v in stage.replaced_rows().items()}
-    for info, out_name, rows in copies:
-        shape = info.shape if rows is None else (len(rows), *info.shape[1:])
+    for i, (info, out_name, rows) in enumerate(copies):
         stage = "copy" if rows is None else "select-rows"
         if out_name in values:
-            _check_replacement(info, out_name, shape, rows, values[out_name])
-            stage = "repair-rows"
+            # a whole matrix a stage re-fitted (a compensated down_proj): read as all rows
+            stage = "repair-rows" if rows is not None else "refit"
+            rows = rows if rows is not None else tuple(range(info.shape[0]))
+            copies[i] = (info, out_name, rows)
+            _check_replacement(info, out_name, (len(rows), *info.shape[1:]), rows,
+                               values[out_name])
+        shape = info.shape if rows is None else (len(rows), *info.shape[1:])
         outputs[out_name] = OutTensor(out_name, info.dtype, shape, info.file.name, (info.name,),
                                       stage)
 
@@ -368,7 +372,7 @@ def describe(plan: WorkPlan) -> list[tuple[str, str, str, int, int, int, int]]:
         row[3] += out_bytes
     module_params = {i.name for m in plan.modules for i in m.params.values()}
     sources = {s: t for t in plan.outputs.values()
-               if t.stage in ("copy", "select-rows", "repair-rows") for s in t.sources}
+               if t.stage in ("copy", "select-rows", "repair-rows", "refit") for s in t.sources}
     for name, info in plan.ckpt.tensors.items():
         if name in module_params:
             continue

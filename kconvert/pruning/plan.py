@@ -57,6 +57,29 @@ class LayerRepair(BaseModel):
         return self
 
 
+class LayerCompensation(BaseModel):
+    """Closed-form compensation of one pruned MoE layer (reap.md, "Compensation"): the
+    down_proj matrices re-fitted by least squares, and the block-output mean squared errors
+    against the unpruned block (fit and held-out tokens) before and after."""
+
+    method: str = Field(description="shared (the shared expert's down_proj) or down (the shared "
+                                    "expert's and every kept expert's down_proj)")
+    applied: bool = Field(description="false: the re-fit did not lower the held-out error, so "
+                                      "the source matrices were written unchanged")
+    fit_tokens: int
+    heldout_tokens: int
+    ridge: float = Field(description="the ridge (relative to the mean Gram diagonal) this layer's "
+                                     "re-fit used: of those tried, the lowest held-out error")
+    fit_mse_before: float
+    fit_mse_after: float
+    heldout_mse_before: float
+    heldout_mse_after: float
+    matrices_xxh3: dict[str, str] = Field(
+        default_factory=dict, description="OUTPUT tensor name -> xxh3-128 (hex) of the "
+                                          "re-fitted matrix's bytes as written (source dtype); "
+                                          "empty when not applied")
+
+
 class PruneLayer(BaseModel):
     """The plan for one MoE layer."""
 
@@ -72,6 +95,8 @@ class PruneLayer(BaseModel):
                                   "data (count or fraction)")
     repair: LayerRepair | None = Field(
         default=None, description="router repair of this layer; absent: the source rows keep[i]")
+    compensation: LayerCompensation | None = Field(
+        default=None, description="down_proj re-fit of this layer; absent: source matrices")
 
     @field_validator("keep")
     @classmethod
@@ -117,6 +142,9 @@ class PrunePlan(BaseModel):
     repair: str | None = Field(
         default=None, description="router repair method (bias or router); absent: none, every "
                                   "router row and bias entry is the source's")
+    compensation: str | None = Field(
+        default=None, description="down_proj compensation (shared or down); absent: none, every "
+                                  "expert matrix is the source's")
     n_routed_experts: int | None = Field(
         default=None, description="routed experts per layer in the SOURCE")
     layers: dict[str, PruneLayer] = Field(

@@ -17,13 +17,26 @@ import xxhash
 from safetensors import safe_open
 
 from kconvert.calibrate.stats import STATS_FILE
-from kconvert.errors import KconvertError
+from kconvert.errors import KconvertError, UsageError
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.model.names import Role, parse_name
 from kconvert.options import PRUNE_CRITERIA
 from kconvert.pruning.plan import PruneLayer, PrunePlan
 
 CRITERIA = PRUNE_CRITERIA  # criterion -> the statistic it ranks experts by
+# The per-layer statistics the criteria are computed from (`calibrate` writes them).
+SCORE_STATS = ("saliency", "count", "ean_sum", "ean_sq_sum")
+
+
+def with_means(s: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The scores with MAN and MSAN (arXiv 2606.15716): the routed-token means of the
+    gate-free expert output norm ||f_j(x)|| and of its square (0 for a never-routed expert);
+    MSAN needs `ean_sq_sum`, which statistics from before it existed lack."""
+    count = s["count"].clamp(min=1)
+    out = dict(s, man=s["ean_sum"] / count)
+    if "ean_sq_sum" in s:
+        out["msan"] = s["ean_sq_sum"] / count
+    return out
 
 
 def scores_from_stats(stats_dir: str | Path) -> dict[int, dict[str, torch.Tensor]]:
@@ -36,7 +49,7 @@ def scores_from_stats(stats_dir: str | Path) -> dict[int, dict[str, torch.Tensor
     with safe_open(str(path), "pt") as fh:
         for name in fh.keys():
             parts = name.split(".")
-            if len(parts) == 3 and parts[0] == "layers" and parts[2] in CRITERIA.values():
+            if len(parts) == 3 and parts[0] == "layers" and parts[2] in SCORE_STATS:
                 layers.setdefault(int(parts[1]), {})[parts[2]] = fh.get_tensor(name).double()
     if not layers:
         raise KconvertError("statistics hold no per-layer expert scores", file=str(path))
@@ -45,7 +58,7 @@ def scores_from_stats(stats_dir: str | Path) -> dict[int, dict[str, torch.Tensor
 
 def scores_of(stats) -> dict[int, dict[str, torch.Tensor]]:
     """The same per-layer scores from an in-memory `calibrate.CalibrationStats`."""
-    return {layer: {k: stats.layer(layer, k).double() for k in CRITERIA.values()}
+    return {layer: {k: stats.layer(layer, k).double() for k in SCORE_STATS}
             for layer in stats.moe_layers}
 
 
@@ -54,7 +67,11 @@ def plan_from_scores(scores: dict[int, dict[str, torch.Tensor]], keep: int, crit
     if criterion not in CRITERIA:
         raise KconvertError(f"unknown criterion {criterion!r}; choose from {sorted(CRITERIA)}")
     layers = {}
-    for layer, s in scores.items():
+    for layer, raw in scores.items():
+        s = with_means(raw)
+        if CRITERIA[criterion] not in s:
+            raise KconvertError(f"criterion {criterion} needs statistics this calibration did "
+                                "not record (re-run `kconvert calibrate`)")
         score = s[CRITERIA[criterion]]
         if keep > score.numel():
             raise KconvertError(f"--keep {keep} exceeds the {score.numel()} experts of layer "
@@ -65,7 +82,7 @@ def plan_from_scores(scores: dict[int, dict[str, torch.Tensor]], keep: int, crit
             frequency=s["count"].tolist() if "count" in s else None,
             ean=s["ean_sum"].tolist() if "ean_sum" in s else None,
         )
-    n_routed = next(iter(scores.values()))[CRITERIA[criterion]].numel()
+    n_routed = next(iter(scores.values()))["count"].numel()
     return PrunePlan(criterion=criterion, routing="model", source=source,
                      n_routed_experts=n_routed, layers=layers)
 
@@ -113,6 +130,24 @@ def repaired_tensors(plan: PrunePlan, ckpt: Checkpoint,
     return tuple(out)
 
 
+def compensated_tensors(plan: PrunePlan, matrices: dict[str, torch.Tensor]
+                        ) -> tuple[tuple[str, torch.Tensor], ...]:
+    """(output name, re-fitted matrix) of every compensated layer, checked against the
+    plan's records (xxh3-128 of the bytes)."""
+    recorded = {name: digest for v in plan.layers.values() if v.compensation is not None
+                for name, digest in v.compensation.matrices_xxh3.items()}
+    if set(recorded) != set(matrices):
+        raise KconvertError("the plan records re-fitted down_proj matrices, which only a "
+                            "calibration run can compute (they are not in the plan file): run "
+                            "with --data and --compensate" if recorded else "re-fitted "
+                            "matrices for a plan that records no compensation")
+    for name, t in matrices.items():
+        if xxhash.xxh3_128_hexdigest(t.contiguous().view(torch.uint8).numpy().tobytes()) \
+                != recorded[name]:
+            raise KconvertError("re-fitted matrix differs from the plan's record", tensor=name)
+    return tuple(sorted(matrices.items()))
+
+
 def row_hashes(rows: torch.Tensor) -> list[str]:
     """xxh3-64 (hex) of each row's bytes, as written."""
     raw = rows.contiguous().view(torch.uint8).reshape(rows.shape[0], -1)
@@ -132,6 +167,20 @@ def routing_limits(ckpt: Checkpoint) -> tuple[int, int]:
                                 file=str(ckpt.root / "config.json"))
         out.append(value)
     return out[0], out[1]
+
+
+def check_plan_keep(plan: PrunePlan, ckpt: Checkpoint, keep: int | None,
+                    prune_ratio: float | None, where: str) -> None:
+    """--keep N (or --prune-ratio R) beside --plan: allowed when it asks for the plan's own
+    count, a usage error naming both numbers otherwise."""
+    if keep is None and prune_ratio is None:
+        return
+    asked = keep_count(ckpt, keep, prune_ratio)
+    counts = sorted({len(v.keep) for v in plan.layers.values()})
+    if counts != [asked]:
+        option = f"--keep {keep}" if keep is not None else f"--prune-ratio {prune_ratio}"
+        raise UsageError(f"{option} asks for {asked} experts per layer, but the plan {where} "
+                         f"keeps {', '.join(map(str, counts))}")
 
 
 def keep_count(ckpt: Checkpoint, keep: int | None, prune_ratio: float | None) -> int:

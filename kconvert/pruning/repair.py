@@ -25,20 +25,26 @@ output error is the routed part's error.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+import xxhash
 from torch import nn
 
 from kconvert.calibrate.data import PAD_ID
 from kconvert.calibrate.forward import MoEBlock, embed, model_config, padding_aware_mask
 from kconvert.errors import KconvertError
 from kconvert.io.checkpoint import Checkpoint
+from kconvert.io.shards import TensorInfo
 from kconvert.model.names import Role, parse_name
-from kconvert.options import REPAIRS
-from kconvert.pruning.plan import LayerRepair, PrunePlan
-from kconvert.pruning.reap import CRITERIA, keep_ids, row_hashes
+from kconvert.options import COMPENSATIONS, REPAIRS
+from kconvert.pruning.compensate import DENSE_DTYPES, Block, Routing, block
+from kconvert.pruning.compensate import fit as compensate_fit
+from kconvert.pruning.plan import LayerCompensation, LayerRepair, PrunePlan
+from kconvert.pruning.reap import CRITERIA, keep_ids, row_hashes, with_means
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,11 @@ class RepairSettings:
     lr_gate: float = 3e-3  # relative to each gate row's RMS
     candidates: int = 2  # per token, candidates x top_k kept experts the fit may select
     temperature: float = 0.02  # width of the soft top-k threshold, in score units
+    compensate: str = "none"  # kconvert.pruning.compensate.COMPENSATIONS
+    # compensation's ridges, relative to the mean Gram diagonal: each layer takes the one with
+    # the lowest held-out error
+    ridges: tuple[float, ...] = (1e-3, 1e-2, 1e-1, 1.0)
+    sweeps: int = 2  # compensation's block Gauss-Seidel sweeps
 
 
 def route(router: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,15 +222,20 @@ class RouterRepair:
     rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     kept: dict[int, list[int]] = field(default_factory=dict)
     records: dict[int, LayerRepair] = field(default_factory=dict)
+    compensations: dict[int, LayerCompensation] = field(default_factory=dict)
+    matrices: dict[str, torch.Tensor] = field(default_factory=dict)  # output name -> written
 
     def __post_init__(self):
         from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
             DeepseekV3RotaryEmbedding,
         )
 
-        if self.settings.method not in REPAIRS[1:]:
-            raise KconvertError(f"unknown repair method {self.settings.method!r}; choose from "
-                                f"{list(REPAIRS)}")
+        s = self.settings
+        if s.method not in REPAIRS or s.compensate not in COMPENSATIONS:
+            raise KconvertError(f"unknown repair {s.method!r} / compensation {s.compensate!r}; "
+                                f"choose from {list(REPAIRS)} / {list(COMPENSATIONS)}")
+        if s.method == "none" and s.compensate == "none":
+            raise KconvertError("neither router repair nor compensation asked")
         n_seq, seq_len = self.input_ids.shape
         n = min(n_seq, max(2, self.settings.max_tokens // seq_len))
         if n < 2:
@@ -235,6 +251,7 @@ class RouterRepair:
         self.forward_kw = {"position_ids": positions, "position_embeddings": rotary(
             torch.empty(0, device=self.device, dtype=self.dtype), positions)}
         self.source_routers = {}
+        self.down_names: dict[int, dict[int | None, TensorInfo]] = {}
         for name, info in self.ckpt.tensors.items():
             tn = parse_name(name)
             if tn.role is Role.ROUTER_WEIGHT and tn.param != "weight":
@@ -242,6 +259,9 @@ class RouterRepair:
                                     "quantized (MXFP4): dequantize it first", tensor=name)
             if tn.role in (Role.ROUTER_WEIGHT, Role.ROUTER_BIAS):
                 self.source_routers.setdefault(tn.layer, {})[tn.role] = info
+            elif (tn.role in (Role.ROUTED_EXPERT, Role.SHARED_EXPERT)
+                  and tn.proj == "down_proj" and tn.param == "weight"):
+                self.down_names.setdefault(tn.layer, {})[tn.expert] = info
 
     def _run(self, module: nn.Module, capture: _CaptureInput | None = None) -> None:
         """Decoder layer `module` over the stream, in place."""
@@ -275,8 +295,8 @@ class RouterRepair:
         """Fit layer `layer`'s kept router rows on inputs x [T, hidden]; record them; return
         the pruned block's output with the rows written."""
         s = self.settings
-        scores = {name.rsplit(".", 1)[1]: t.double()
-                  for name, t in moe.results(layer).items() if name.count(".") == 2}
+        scores = with_means({name.rsplit(".", 1)[1]: t.double()
+                             for name, t in moe.results(layer).items() if name.count(".") == 2})
         keep = self.kept[layer] = keep_ids(scores[CRITERIA[s.criterion]], s.keep)
         kept = torch.tensor(keep, device=x.device)
         infos = self.source_routers.get(layer, {})
@@ -292,6 +312,21 @@ class RouterRepair:
 
         target = routed_output(moe, moe.gate, x)
         n_fit = int(self.valid[:self.n_fit].sum())
+        w_out, b_out = w_src, b_src
+        if s.method != "none":
+            w_out, b_out = self._fit_router(layer, moe, x, target, n_fit, kept, w_src, b_src)
+            self.rows[layer] = (w_out.cpu(), b_out.float().cpu())
+        written = pruned_router(self.cfg, w_out.float(), b_out)
+        if s.compensate != "none":
+            shared = moe.shared_experts(x).float()
+            self._compensate(layer, moe, x, target + shared, n_fit, written)
+        return routed_output(moe, written, x, kept) + moe.shared_experts(x).float()
+
+    def _fit_router(self, layer: int, moe: MoEBlock, x: torch.Tensor, target: torch.Tensor,
+                    n_fit: int, kept: torch.Tensor, w_src: torch.Tensor, b_src: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router rows to write (fitted, or the source's when the guard refuses them)."""
+        s = self.settings
         before = pruned_router(self.cfg, w_src.float(), b_src)
         pruned = routed_output(moe, before, x, kept)
         fit_before, held_before = mse(pruned[:n_fit], target[:n_fit]), mse(pruned[n_fit:],
@@ -300,7 +335,7 @@ class RouterRepair:
         c = min(s.keep, s.candidates * self.cfg.num_experts_per_tok)
         choice = (xs.float() @ w_src.float().T).sigmoid() + b_src
         cand = Candidates.measure(moe, xs, target[:n_fit], choice.topk(c, dim=-1).indices, kept)
-        with torch.enable_grad():
+        with torch.enable_grad(), deterministic():
             w_fit, b_fit = fit(xs, w_src.float(), b_src, cand, self.cfg, s)
         w_new = w_fit.to(w_src.dtype) if s.method == "router" else w_src
         after = pruned_router(self.cfg, w_new.float(), b_fit)
@@ -308,29 +343,116 @@ class RouterRepair:
         fit_after, held_after = mse(repaired[:n_fit], target[:n_fit]), mse(repaired[n_fit:],
                                                                             target[n_fit:])
         applied = held_after < held_before
-        if applied:
-            w_out, b_out, routed = w_new, b_fit, repaired
-        else:
-            w_out, b_out, routed = w_src, b_src, pruned
-        self.rows[layer] = (w_out.cpu(), b_out.float().cpu())
+        w_out, b_out = (w_new, b_fit) if applied else (w_src, b_src)
         self.records[layer] = LayerRepair(
             method=s.method, applied=applied, fit_tokens=n_fit, heldout_tokens=x.shape[0] - n_fit,
             fit_mse_before=fit_before, fit_mse_after=fit_after, heldout_mse_before=held_before,
             heldout_mse_after=held_after, gate_rows_xxh3=row_hashes(w_out.cpu()),
             bias=b_out.float().cpu().tolist())
-        return routed + moe.shared_experts(x).float()
+        return w_out, b_out
+
+    def _compensate(self, layer: int, moe: MoEBlock, x: torch.Tensor, target: torch.Tensor,
+                    n_fit: int, router: nn.Module) -> None:
+        """Re-fit the layer's down_proj matrices (kconvert.pruning.compensate) on the fit
+        tokens; when the held-out error falls, write them into `moe` (rounded to the source
+        dtype, so the stream moves on with what is written) and keep them for the output."""
+        s, keep = self.settings, self.kept[layer]
+        sources = self.down_sources(layer, keep)
+        w, ids = route(router, x)
+        fitted_on, held_on = (Routing(w[part], ids[part]) for part in (slice(None, n_fit),
+                                                                       slice(n_fit, None)))
+        down = [moe.experts.down[e] for e in keep]
+        shared_down = moe.shared_experts.down_proj.weight
+        pieces = block(moe, keep, fitted_on, x[:n_fit], down, shared_down)
+        held = block(moe, keep, held_on, x[n_fit:], down, shared_down)
+        count = 1 if s.compensate == "shared" else len(sources)
+        dims, n_held = target.shape[1], x.shape[0] - n_fit
+
+        def as_written(ridge: float) -> tuple[float, list[torch.Tensor]]:
+            """(held-out error, matrices rounded to the source dtypes) of one ridge."""
+            solved = compensate_fit(pieces, target[:n_fit], s.compensate, ridge, s.sweeps)
+            written = [m.to(info.torch_dtype) for m, info in zip(solved.weights[:count],
+                                                                 sources, strict=False)]
+            after = Block(held.rows, held.features, [*(m.float() for m in written),
+                                                     *held.weights[count:]])
+            return mse(after.output(n_held, dims), target[n_fit:]), written
+
+        # the ridge is chosen per layer by the held-out error (ties: the smaller ridge)
+        tried = [(*as_written(ridge), ridge) for ridge in s.ridges]
+        held_after, written, ridge = min(tried, key=lambda t: (t[0], t[2]))
+        fit_after = Block(pieces.rows, pieces.features, [*(m.float() for m in written),
+                                                        *pieces.weights[count:]])
+        errors = {
+            "fit_mse_before": mse(pieces.output(n_fit, dims), target[:n_fit]),
+            "fit_mse_after": mse(fit_after.output(n_fit, dims), target[:n_fit]),
+            "heldout_mse_before": mse(held.output(n_held, dims), target[n_fit:]),
+            "heldout_mse_after": held_after}
+        applied = errors["heldout_mse_after"] < errors["heldout_mse_before"]
+        hashes = {}
+        if applied:
+            for i, (m, info) in enumerate(zip(written, sources, strict=False)):
+                name = output_name(info, i - 1)
+                hashes[name] = tensor_hash(m.cpu())
+                self.matrices[name] = m.cpu()
+                into = shared_down if i == 0 else moe.experts.down[keep[i - 1]]
+                into.copy_(m.to(into.dtype))
+        self.compensations[layer] = LayerCompensation(
+            method=s.compensate, applied=applied, fit_tokens=n_fit,
+            heldout_tokens=n_held, ridge=ridge, matrices_xxh3=hashes, **errors)
+
+    def down_sources(self, layer: int, keep: list[int]) -> list[TensorInfo]:
+        """The source down_proj weights compensation re-fits, the shared expert's first: dense
+        (BF16/F16/F32) ones only, since a re-fit is written in its source's dtype."""
+        infos = self.down_names.get(layer, {})
+        sources = [infos.get(None), *(infos.get(e) for e in keep)]
+        for info in sources:
+            if info is None or info.dtype not in DENSE_DTYPES:
+                raise KconvertError(f"layer {layer}: compensation re-fits BF16/F16/F32 "
+                                    "down_proj weights; dequantize the source first",
+                                    tensor=None if info is None else info.name)
+        return sources
+
+
+def output_name(info: TensorInfo, new_id: int) -> str:
+    """The output name of a down_proj weight: the shared expert's unchanged (new_id -1), a
+    kept routed expert's under its new id."""
+    tn = parse_name(info.name)
+    return info.name if tn.role is Role.SHARED_EXPERT else tn.with_expert(new_id).name
+
+
+def tensor_hash(t: torch.Tensor) -> str:
+    """xxh3-128 (hex) of a tensor's bytes, as the manifest hashes written tensors."""
+    return xxhash.xxh3_128_hexdigest(t.contiguous().view(torch.uint8).numpy().tobytes())
+
+
+@contextlib.contextmanager
+def deterministic() -> Iterator[None]:
+    """torch's deterministic kernels (warn-only where none exists): the fit's backward
+    accumulates through indexing, which multi-threaded CPU kernels sum in varying order."""
+    was, warn = (torch.are_deterministic_algorithms_enabled(),
+                 torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn)
 
 
 def with_repair(plan: PrunePlan, repair: RouterRepair) -> PrunePlan:
-    """The plan with each layer's repair record; refuses a plan whose kept experts differ
-    from those the repair chose."""
+    """The plan with each layer's repair and compensation records; refuses a plan whose kept
+    experts differ from those the repair chose."""
     layers = {}
+    s = repair.settings
     for key, entry in plan.layers.items():
-        record = repair.records.get(int(key))
-        if record is None:
+        if int(key) not in repair.kept:
             raise KconvertError(f"layer {key} of the plan was not repaired")
         if entry.keep != repair.kept[int(key)]:
             raise KconvertError(f"layer {key}: the plan keeps other experts than the repair")
-        layers[key] = entry.model_copy(update={"repair": record})
-    return plan.model_copy(update={"layers": layers, "repair": repair.settings.method})
-
+        layers[key] = entry.model_copy(update={"repair": repair.records.get(int(key)),
+                                               "compensation": repair.compensations.get(int(key))})
+    update = {"layers": layers}
+    if s.method != "none":
+        update["repair"] = s.method
+    if s.compensate != "none":
+        update["compensation"] = s.compensate
+    return plan.model_copy(update=update)

@@ -15,9 +15,14 @@ from kconvert.engine.stage import Stage, StageRecord
 from kconvert.errors import KconvertError, UsageError
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.model.names import Role, TensorName
-from kconvert.options import REAP_SAMPLES, REPAIRS, calibration_run
+from kconvert.options import COMPENSATIONS, REAP_SAMPLES, REPAIRS, calibration_run
 from kconvert.pruning.plan import PLAN_FILE, PrunePlan, load_plan
-from kconvert.pruning.reap import moe_layers, repaired_tensors, routing_limits
+from kconvert.pruning.reap import (
+    compensated_tensors,
+    moe_layers,
+    repaired_tensors,
+    routing_limits,
+)
 from kconvert.stages.base import CALIBRATION_OPTIONS, StageKind
 
 
@@ -27,6 +32,8 @@ class PruneRecord(StageRecord):
     plan: str = Field(description="sha256 of the plan file written as reap-plan.json")
     repair: str | None = Field(default=None, description="router repair method (bias or "
                                "router); absent: none")
+    compensate: str | None = Field(default=None, description="down_proj compensation (shared "
+                                   "or down); absent: none")
 
 
 @dataclass(frozen=True)
@@ -41,7 +48,8 @@ class Prune(Stage):
     keep: tuple[tuple[int, tuple[int, ...]], ...]  # (layer, kept source ids ascending)
     plan_json: str = ""  # the plan file's text, written to DST as reap-plan.json
     repair: str = "none"
-    # (router tensor name, repaired tensor) of every repaired layer
+    compensate: str = "none"
+    # (output name, tensor) of every repaired router and re-fitted down_proj
     replaced: tuple[tuple[str, torch.Tensor], ...] = field(default=(), compare=False)
     name: str = "prune"
 
@@ -82,6 +90,8 @@ class Prune(Stage):
                              plan=hashlib.sha256(self.plan_json.encode()).hexdigest())
         if self.repair != "none":  # left unset otherwise: manifests without repair unchanged
             record.repair = self.repair
+        if self.compensate != "none":
+            record.compensate = self.compensate
         return record
 
     def output_files(self) -> dict[str, str]:
@@ -100,14 +110,23 @@ def build(settings: dict, prune: Prune | None) -> Prune:
     if repair != prune.repair:
         raise KconvertError(f"prune: repair {repair!r} asked, but the plan's router rows are "
                             f"repaired by {prune.repair!r} (router repair needs --data)")
+    compensate = settings.get("compensate", "none")
+    if compensate not in COMPENSATIONS:
+        raise KconvertError(f"prune: compensate {compensate!r} is not one of "
+                            f"{list(COMPENSATIONS)}")
+    if compensate != prune.compensate:
+        raise KconvertError(f"prune: compensate {compensate!r} asked, but the plan's matrices "
+                            f"are {prune.compensate!r} (compensation needs --data)")
     return prune
 
 
 def prune_stage(plan: PrunePlan, ckpt: Checkpoint,
-                rows: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> Prune:
+                rows: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+                matrices: dict[str, torch.Tensor] | None = None) -> Prune:
     """Check a plan against the checkpoint and make the stage that applies it. `rows`: per
     layer the repaired router (gate rows, bias) to write, which the plan's repair records
-    describe; a plan with repair records needs them (they are not in the plan file)."""
+    describe; `matrices`: output name -> re-fitted down_proj, which its compensation records
+    hash; a plan with such records needs them (they are not in the plan file)."""
     text = ckpt.text_config
     n_routed, top_k = routing_limits(ckpt)
     layers = moe_layers(ckpt)
@@ -138,7 +157,9 @@ def prune_stage(plan: PrunePlan, ckpt: Checkpoint,
                            sort_keys=True)
     return Prune(keep=tuple((layer, tuple(planned[layer])) for layer in layers),
                  plan_json=plan_json, repair=plan.repair or "none",
-                 replaced=repaired_tensors(plan, ckpt, rows or {}))
+                 compensate=plan.compensation or "none",
+                 replaced=repaired_tensors(plan, ckpt, rows or {})
+                 + compensated_tensors(plan, matrices or {}))
 
 
 def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
@@ -155,16 +176,30 @@ def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
         (s["repair"] for s in stages if s["stage"] == Prune.name and "repair" in s), "none")
     if repair != "none" and data is None:
         raise UsageError(f"repair {repair} fits the router during calibration: give --data FILE")
+    compensate = options.get("compensate") or next(
+        (s["compensate"] for s in stages if s["stage"] == Prune.name and "compensate" in s),
+        "none")
+    if compensate != "none" and data is None:
+        raise UsageError(f"compensate {compensate} re-fits matrices during calibration: give "
+                         "--data FILE")
 
     def make(ckpt: Checkpoint) -> Prune:
         from kconvert.calibrate.data import load_calibration_data
         from kconvert.calibrate.run import measure_stats
         from kconvert.calibrate.stats import save_stats
-        from kconvert.pruning.reap import keep_count, plan_from_scores, scores_from_stats, scores_of
+        from kconvert.pruning.reap import (
+            check_plan_keep,
+            keep_count,
+            plan_from_scores,
+            scores_from_stats,
+            scores_of,
+        )
         from kconvert.pruning.repair import RepairSettings, RouterRepair, with_repair
 
         if plan is not None:
-            return prune_stage(load_plan(plan), ckpt)
+            loaded = load_plan(plan)
+            check_plan_keep(loaded, ckpt, options.get("keep"), options.get("prune_ratio"), plan)
+            return prune_stage(loaded, ckpt)
         keep = keep_count(ckpt, options.get("keep"), options.get("prune_ratio"))
         criterion = options.get("criterion") or "reap"
         fixer = None
@@ -173,8 +208,9 @@ def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
         else:
             samples, seq_len, batch_size, seed = calibration_run(options, REAP_SAMPLES)
             ids = load_calibration_data(data, ckpt.root, samples, seq_len, seed)
-            if repair != "none":
-                fixer = RouterRepair(ckpt, ids, RepairSettings(repair, keep, criterion), device,
+            if repair != "none" or compensate != "none":
+                fixer = RouterRepair(ckpt, ids, RepairSettings(repair, keep, criterion,
+                                                               compensate=compensate), device,
                                      batch_size=batch_size)
             measured = measure_stats(ckpt, ids, device, batch_size, on_weights=fixer)
             if options.get("save_stats"):
@@ -183,12 +219,12 @@ def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
         made = plan_from_scores(scores, keep, criterion, ckpt.identity)
         if fixer is None:
             return prune_stage(made, ckpt)
-        return prune_stage(with_repair(made, fixer), ckpt, fixer.rows)
+        return prune_stage(with_repair(made, fixer), ckpt, fixer.rows, fixer.matrices)
 
     return make
 
 
 KIND = StageKind(Prune.name, build, PruneRecord, input_type=Prune, prepare=prepare,
-                 settings=("repair",),
+                 settings=("repair", "compensate"),
                  input_options=("keep", "prune_ratio", "criterion", "plan", "stats",
                                 *CALIBRATION_OPTIONS, "save_stats"))

@@ -261,14 +261,14 @@ def test_activation_stats_match_direct_computation(bf16, padded_run, tmp_path):
     assert back.meta["routing"] == stats.meta["routing"]
     with safe_open(str(tmp_path / "stats.safetensors"), "pt") as h:
         names = set(h.keys())
-    score_names = ("saliency", "count", "ean_sum")
+    score_names = ("saliency", "count", "ean_sum", "ean_sq_sum")
     assert {f"layers.{L}.{s}" for L in MOE_LAYERS for s in score_names} <= names
     assert not any(n.startswith("layers.0.") and n.count(".") == 2 and "tokens" not in n
                    for n in names)  # a dense layer has no expert scores
     scores = scores_from_stats(tmp_path)  # what `kconvert reap --stats` reads
     assert list(scores) == list(MOE_LAYERS)
     for layer, s in scores.items():
-        assert set(s) == {"saliency", "count", "ean_sum"}
+        assert set(s) == set(score_names)
         for name, t in s.items():
             assert torch.equal(t, stats.layer(layer, name).double())
 

@@ -316,7 +316,8 @@ def test_options_that_only_act_with_another_are_refused_alone(stats_dir, tmp_pat
     cases = [
         (["reap", BUNDLED, tmp_path / "a", "--plan", plan, "--samples", "8"], "--samples",
          "--data"),
-        (["reap", BUNDLED, tmp_path / "b", "--plan", plan, "--keep", "8"], "--keep", "--stats"),
+        (["reap", BUNDLED, tmp_path / "b", "--plan", plan, "--keep", "6"], "--keep 6",
+         "keeps 8"),
         (["reap", BUNDLED, tmp_path / "c", "--stats", stats_dir, "--keep", "8", "--seq-len",
           "64"], "--seq-len", "--data"),
         (["sparsify", BUNDLED, tmp_path / "d", "--seed", "3"], "--seed", "--data"),

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import ROOT
+from helpers import kimi_moe_block
 from kconvert.cli import main
 from kconvert.cli.base import REPAIRS as CLI_REPAIRS
 from kconvert.errors import KconvertError
@@ -119,28 +120,6 @@ def test_repaired_rows_are_recorded_and_differ_from_source(made, method):
     assert applied, "no layer's repair lowered its held-out error"
 
 
-def _routing(x: torch.Tensor, t: dict[str, torch.Tensor], layer: int, cfg: dict
-             ) -> torch.Tensor:
-    """The MoE block, written from the plan's description of Kimi's routing."""
-    p = f"model.layers.{layer}.mlp."
-    w, bias = t[p + "gate.weight"].float(), t[p + "gate.e_score_correction_bias"]
-    scores = torch.sigmoid(x @ w.T)
-    chosen = torch.topk(scores + bias, cfg["num_experts_per_tok"], dim=-1).indices
-    g = scores.gather(1, chosen)
-    g = g / g.sum(-1, keepdim=True) * cfg["routed_scaling_factor"]
-
-    def mlp(prefix: str, h: torch.Tensor) -> torch.Tensor:
-        gate, up, down = (t[f"{prefix}{n}_proj.weight"].float() for n in ("gate", "up", "down"))
-        return (torch.nn.functional.silu(h @ gate.T) * (h @ up.T)) @ down.T
-
-    out = mlp(p + "shared_experts.", x)
-    for i in range(x.shape[0]):
-        for j in range(chosen.shape[1]):
-            e = int(chosen[i, j])
-            out[i] += g[i, j] * mlp(f"{p}experts.{e}.", x[i:i + 1])[0]
-    return out
-
-
 @pytest.mark.parametrize("method", ["bias", "router"])
 def test_repaired_output_loads_in_transformers_and_routes_as_written(made, method):
     dst = made[method]
@@ -151,7 +130,7 @@ def test_repaired_output_loads_in_transformers_and_routes_as_written(made, metho
     for layer in range(cfg["first_k_dense_replace"], cfg["num_hidden_layers"]):
         with torch.no_grad():
             got = model.model.layers[layer].mlp(x[None])[0]
-        torch.testing.assert_close(got, _routing(x, t, layer, cfg), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, kimi_moe_block(x, t, layer, cfg), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("method", ["bias", "router"])

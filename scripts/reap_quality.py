@@ -1,0 +1,144 @@
+"""REAP pruning quality by direction (issue 25), through the command line's default path.
+
+For each trained tiny MoE (tests/fixtures/tiny-moe-trained: 24 experts top-4;
+tests/fixtures/tiny-moe-96: 96 experts top-8) and each keep (75/50/25% of the routed
+experts), every configuration is made by `python -m kconvert reap SRC DST --data CALIB --keep N
+...` (default dtype and device, as a user runs it) and all of a fixture's outputs are compared
+with the source by ONE `python -m kconvert eval` on held-out text (fp32, CPU). Calibration: 64
+windows of 256 training bytes (seed 1); held-out: `heldout_ids(64 * 256, seed=0)`.
+
+    PYTHONPATH=$PWD python scripts/reap_quality.py --out scripts/results/reap_quality_tiny_moe
+        [--fixtures trained 96] [--keeps 75 50 25] [--configs none down ...] [--only-50 ...]
+
+Writes OUT + ".json" (every number, each configuration's CLI flags and the plan's per-layer
+guard records) after each fixture, and OUT + ".md" (the table). CPU only; about a minute of CPU per
+configuration on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spin-waiting threads on a shared CPU
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kconvert.testing.tiny_moe import corpus_ids, heldout_ids, windows  # noqa: E402
+
+FIXTURES = {"trained": ROOT / "tests" / "fixtures" / "tiny-moe-trained",
+            "96": ROOT / "tests" / "fixtures" / "tiny-moe-96"}
+# name -> (what it is, `kconvert reap` flags)
+CONFIGS = {
+    "none": ("plain REAP (--repair none)", []),
+    "frequency": ("frequency criterion", ["--criterion", "frequency"]),
+    "ean": ("EAN criterion", ["--criterion", "ean"]),
+    "man": ("MAN criterion", ["--criterion", "man"]),
+    "msan": ("MSAN criterion", ["--criterion", "msan"]),
+    "bias": ("--repair bias", ["--repair", "bias"]),
+    "router": ("--repair router", ["--repair", "router"]),
+    "shared": ("--compensate shared", ["--compensate", "shared"]),
+    "down": ("--compensate down", ["--compensate", "down"]),
+    "router+down": ("--repair router --compensate down",
+                    ["--repair", "router", "--compensate", "down"]),
+    "msan+router+down": ("--criterion msan --repair router --compensate down",
+                         ["--criterion", "msan", "--repair", "router", "--compensate", "down"]),
+}
+SEQ, CALIB, HELD = 256, 64, 64
+
+
+def write_jsonl(path: Path, rows: torch.Tensor) -> None:
+    path.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in rows))
+
+
+def kconvert(*args: str) -> float:
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "kconvert", *args], check=True, cwd=ROOT,
+                   env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    return time.perf_counter() - t0
+
+
+def run_fixture(name: str, keeps: list[int], configs: list[str], only_50: list[str], tmp: Path
+                ) -> list[dict]:
+    src = FIXTURES[name]
+    experts = json.loads((src / "config.json").read_text())["n_routed_experts"]
+    calib, held = tmp / "calib.jsonl", tmp / "held.jsonl"
+    write_jsonl(calib, windows(corpus_ids("train"), CALIB, SEQ, torch.Generator().manual_seed(1)))
+    write_jsonl(held, heldout_ids(HELD * SEQ, seed=0).reshape(-1, SEQ))
+    made = []
+    for pct in keeps:
+        keep = round(experts * pct / 100)
+        for config in configs + (only_50 if pct == 50 else []):
+            dst = tmp / f"{name}-k{keep}-{config}"
+            secs = kconvert("reap", str(src), str(dst), "--data", str(calib), "--keep", str(keep),
+                            "--samples", str(CALIB), "--seq-len", str(SEQ), "--quiet",
+                            *CONFIGS[config][1])
+            plan = json.loads((dst / "reap-plan.json").read_text())
+            guards = {k: {r: v[r] for r in ("repair", "compensation") if r in v}
+                      for k, v in plan["layers"].items()}
+            made.append({"fixture": name, "keep": keep, "of": experts, "pct": pct,
+                         "config": config, "what": CONFIGS[config][0],
+                         "flags": CONFIGS[config][1], "reap_s": round(secs, 1),
+                         "dir": dst, "guards": guards})
+            print(f"{name} keep {keep}/{experts} {config}: {secs:.0f} s", flush=True)
+    out = tmp / f"eval-{name}"
+    kconvert("eval", str(src), *(str(m["dir"]) for m in made), "--data", str(held),
+             "--samples", str(HELD), "--seq-len", str(SEQ), "--dtype", "float32", "--device",
+             "cpu", "--quiet", "-o", str(out))
+    report = json.loads((out / "eval.json").read_text())
+    for m, c in zip(made, report["candidates"], strict=True):
+        logits = c["logits"]
+        m.update(kl=logits["kl_mean"], kl_p99=logits["kl_p99"], top1=logits["top1_agreement"],
+                 nll_increase=logits["nll_candidate"] - logits["nll_source"])
+        m["dir"] = c["candidate"]
+    return made
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| fixture | keep | configuration | KL | KL vs none | top-1 | ΔNLL | reap s |",
+             "|---|---|---|---|---|---|---|---|"]
+    none = {(r["fixture"], r["keep"]): r["kl"] for r in results if r["config"] == "none"}
+    for r in results:
+        base = none.get((r["fixture"], r["keep"]))
+        change = f"{(r['kl'] / base - 1) * 100:+.1f}%" if base else "-"
+        lines.append(f"| {r['fixture']} | {r['keep']}/{r['of']} | {r['what']} | {r['kl']:.4f} | "
+                     f"{change} | {r['top1']:.4f} | {r['nll_increase']:+.4f} | {r['reap_s']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "reap_quality_tiny_moe"))
+    ap.add_argument("--fixtures", nargs="+", default=list(FIXTURES), choices=list(FIXTURES))
+    ap.add_argument("--keeps", nargs="+", type=int, default=[75, 50, 25])
+    ap.add_argument("--configs", nargs="+", default=["none", "router", "down", "router+down"],
+                    choices=list(CONFIGS), help="configurations made at every keep")
+    ap.add_argument("--only-50", nargs="*", default=["man", "msan", "bias", "shared",
+                                                     "msan+router+down"],
+                    choices=list(CONFIGS), help="configurations made at keep 50%% only")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in a.fixtures:
+            results += run_fixture(name, a.keeps, a.configs, a.only_50, Path(tmp))
+            out.with_suffix(".json").write_text(json.dumps(
+                {"calibration": f"{CALIB} x {SEQ} training bytes, seed 1",
+                 "heldout": f"heldout_ids({HELD} * {SEQ}, seed=0)", "results": results},
+                 indent=1, default=str) + "\n")
+            out.with_suffix(".md").write_text(table(results))
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

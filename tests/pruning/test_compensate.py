@@ -1,0 +1,215 @@
+"""REAP compensation (`kconvert reap --compensate shared|down`), router repair by bias, and the
+new criteria, end to end through the command line on both trained tiny MoEs.
+
+Oracles: transformers' DeepSeek-V3 model loads every output, and its MoE blocks compute what
+a routing written in the test (tests/helpers.kimi_moe_block) computes from the tensors on disk;
+the re-fitted matrices are the closed-form least-squares solution (torch.linalg.lstsq); the
+audit accepts what the plan records and names an altered re-fitted matrix; the same command
+twice writes the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from conftest import ROOT
+from helpers import edit_tensor, kimi_moe_block, load_tensors
+from kconvert.cli import main
+from kconvert.cli.base import COMPENSATIONS as CLI_COMPENSATIONS
+from kconvert.pruning.compensate import solve
+from kconvert.pruning.plan import PLAN_FILE, load_plan
+from kconvert.pruning.reap import CRITERIA, keep_ids, plan_from_scores
+from kconvert.pruning.repair import tensor_hash
+from kconvert.stages.prune import COMPENSATIONS
+from kconvert.testing.tiny_moe import corpus_ids, load_kimi_checkpoint, windows
+
+FIXTURES = {"trained": ROOT / "tests" / "fixtures" / "tiny-moe-trained",
+            "96": ROOT / "tests" / "fixtures" / "tiny-moe-96"}
+SEQ = 64
+RUNS = {  # name -> (fixture, keep, flags)
+    "down": ("trained", 12, ["--compensate", "down"]),
+    "router+down": ("trained", 12, ["--repair", "router", "--compensate", "down"]),
+    "router+down-again": ("trained", 12, ["--repair", "router", "--compensate", "down"]),
+    "bias": ("trained", 12, ["--repair", "bias"]),
+    "msan": ("trained", 12, ["--criterion", "msan"]),
+    # every other option, twice
+    "msan+bias+shared": ("trained", 12, ["--criterion", "msan", "--repair", "bias",
+                                         "--compensate", "shared"]),
+    "msan+bias+shared-again": ("trained", 12, ["--criterion", "msan", "--repair", "bias",
+                                               "--compensate", "shared"]),
+    "96-down": ("96", 48, ["--repair", "router", "--compensate", "down"]),
+}
+
+
+def _reap(src: Path, dst: Path, data: Path, keep: int, *extra: str):
+    return CliRunner().invoke(main, ["reap", str(src), str(dst), "--data", str(data), "--keep",
+                                     str(keep), "--samples", "12", "--seq-len", str(SEQ),
+                                     "--quiet", *extra])
+
+
+def _tensors(d: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_tensors(f).items()}
+
+
+def _bump(t: torch.Tensor) -> torch.Tensor:
+    t[5, 7] += 0.125
+    return t
+
+
+def _audit(ckpt: Path, src: Path) -> tuple[int, dict]:
+    res = CliRunner().invoke(main, ["audit", str(ckpt), "--json", "--quiet", "--source",
+                                    str(src)])
+    assert res.exit_code in (0, 1), res.output
+    return res.exit_code, json.loads(res.stdout)
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("compensate")
+    data = root / "calib.jsonl"
+    ids = windows(corpus_ids("train"), 12, SEQ, torch.Generator().manual_seed(3))
+    data.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in ids))
+    out = {"data": data}
+    for name, (fixture, keep, flags) in RUNS.items():
+        out[name] = root / name
+        res = _reap(FIXTURES[fixture], out[name], data, keep, *flags)
+        assert res.exit_code == 0, res.output
+    return out
+
+
+def test_compensation_choices_agree():
+    assert CLI_COMPENSATIONS == COMPENSATIONS
+
+
+@pytest.mark.parametrize("run", [r for r in RUNS if not r.endswith("-again")])
+def test_output_loads_in_transformers_and_blocks_route_as_written(made, run):
+    dst = made[run]
+    cfg = json.loads((dst / "config.json").read_text())
+    model = load_kimi_checkpoint(dst)
+    t = _tensors(dst)
+    x = torch.randn(32, cfg["hidden_size"], generator=torch.Generator().manual_seed(0))
+    for layer in range(cfg["first_k_dense_replace"], cfg["num_hidden_layers"]):
+        with torch.no_grad():
+            got = model.model.layers[layer].mlp(x[None])[0]
+        torch.testing.assert_close(got, kimi_moe_block(x, t, layer, cfg), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("run", ["down", "router+down", "msan+bias+shared", "96-down"])
+def test_refit_matrices_are_recorded_and_the_rest_is_the_source(made, run):
+    fixture, _, flags = RUNS[run]
+    plan = load_plan(made[run] / PLAN_FILE)
+    method = flags[flags.index("--compensate") + 1]
+    assert plan.compensation == method
+    out, src = _tensors(made[run]), _tensors(FIXTURES[fixture])
+    applied = 0
+    for key, entry in plan.layers.items():
+        rec = entry.compensation
+        assert rec is not None and rec.method == method
+        p = f"model.layers.{key}.mlp."
+        refit = {f"{p}shared_experts.down_proj.weight"}
+        if method == "down":
+            refit |= {f"{p}experts.{i}.down_proj.weight" for i in range(len(entry.keep))}
+        if rec.applied:
+            applied += 1
+            assert rec.heldout_mse_after < rec.heldout_mse_before
+            assert set(rec.matrices_xxh3) == refit
+        else:
+            assert rec.matrices_xxh3 == {}
+        for name, digest in rec.matrices_xxh3.items():
+            assert out[name].dtype == torch.bfloat16 and tensor_hash(out[name]) == digest
+        shared = f"{p}shared_experts.down_proj.weight"
+        assert torch.equal(out[shared], src[shared]) != (shared in rec.matrices_xxh3)
+        for i, s in enumerate(entry.keep):  # gate/up always, down unless re-fitted
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                name = f"{p}experts.{i}.{proj}.weight"
+                if name not in rec.matrices_xxh3:
+                    assert torch.equal(out[name], src[f"{p}experts.{s}.{proj}.weight"])
+    assert applied, "no layer's compensation lowered its held-out error"
+
+
+@pytest.mark.parametrize("run", ["router+down", "msan+bias+shared"])
+def test_same_command_twice_writes_the_same_bytes(made, run):
+    """Together the two commands use every option (router repair had written different rows
+    on every run: its fit's backward summed through indexing in a varying order)."""
+    a, b = made[run], made[run + "-again"]
+    files = sorted(p.name for p in a.iterdir() if p.suffix in (".safetensors", ".json")
+                   and p.name != "kconvert-manifest.json")
+    assert files
+    for f in files:
+        assert (a / f).read_bytes() == (b / f).read_bytes(), f
+
+
+@pytest.mark.parametrize("run", ["router+down", "bias", "96-down"])
+def test_audit_passes(made, run):
+    code, report = _audit(made[run], FIXTURES[RUNS[run][0]])
+    assert code == 0, report["failures"]
+
+
+def test_audit_names_an_altered_refit_matrix(made, tmp_path):
+    dst = shutil.copytree(made["down"], tmp_path / "altered")
+    plan = load_plan(dst / PLAN_FILE)
+    layer, entry = next((k, v) for k, v in plan.layers.items() if v.compensation.applied)
+    name = f"model.layers.{layer}.mlp.experts.3.down_proj.weight"
+    assert name in entry.compensation.matrices_xxh3
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    edit_tensor(dst / index["weight_map"][name], name, _bump)
+    code, report = _audit(dst, FIXTURES["trained"])
+    assert code == 1
+    found = [f for f in report["failures"] if f["check"] == "refit"]
+    assert len(found) == 1 and found[0]["tensor"] == name, report["failures"]
+    assert found[0]["layer"] == int(layer)
+
+
+def test_solve_is_the_least_squares_solution():
+    g = torch.Generator().manual_seed(0)
+    a, w = torch.randn(200, 16, generator=g), torch.randn(8, 16, generator=g)
+    y = a @ w.T + 0.1 * torch.randn(200, 8, generator=g)
+    want = torch.linalg.lstsq(a.double(), y.double()).solution.T.float()
+    torch.testing.assert_close(solve(a, y, torch.zeros(8, 16), 1e-12), want, atol=1e-5,
+                               rtol=1e-5)
+    # a large ridge pulls the solution to the start matrix, not to zero
+    start = torch.randn(8, 16, generator=g)
+    torch.testing.assert_close(solve(a, y, start, 1e9), start, atol=1e-4, rtol=1e-4)
+
+
+def test_man_and_msan_rank_by_routed_token_means():
+    count = torch.tensor([10.0, 1.0, 4.0, 0.0], dtype=torch.float64)
+    norms = [[1.0] * 10, [5.0], [2.0, 2.0, 2.0, 10.0], []]
+    s = {"saliency": torch.zeros(4, dtype=torch.float64), "count": count,
+         "ean_sum": torch.tensor([sum(n) for n in norms], dtype=torch.float64),
+         "ean_sq_sum": torch.tensor([sum(v * v for v in n) for n in norms],
+                                    dtype=torch.float64)}
+    man = plan_from_scores({1: s}, 2, "man").layers["1"].keep
+    msan = plan_from_scores({1: s}, 2, "msan").layers["1"].keep
+    assert man == keep_ids(torch.tensor([1.0, 5.0, 4.0, 0.0]), 2) == [1, 2]
+    assert msan == [1, 2] and {"man", "msan"} <= set(CRITERIA)
+    ean = plan_from_scores({1: s}, 2, "ean").layers["1"].keep
+    assert ean == [0, 2]  # sums favour the often-routed expert; the means do not
+
+
+def test_keep_beside_a_plan(made, tmp_path):
+    plan = made["down"].parent / "msan" / PLAN_FILE
+    src = FIXTURES["trained"]
+    ok = CliRunner().invoke(main, ["reap", str(src), str(tmp_path / "a"), "--plan", str(plan),
+                                   "--keep", "12", "--quiet"])
+    assert ok.exit_code == 0, ok.output
+    bad = CliRunner().invoke(main, ["reap", str(src), str(tmp_path / "b"), "--plan", str(plan),
+                                    "--keep", "10", "--quiet"])
+    assert bad.exit_code == 2
+    assert "--keep 10" in bad.output and "keeps 12" in bad.output
+
+
+def test_compensation_needs_data_and_a_dense_source(made, tmp_path):
+    res = CliRunner().invoke(main, ["reap", str(FIXTURES["trained"]), str(tmp_path / "o"),
+                                    "--plan", str(made["down"] / PLAN_FILE), "--compensate",
+                                    "down"])
+    assert res.exit_code == 2 and "--data" in res.output
+    int4 = ROOT / "tests" / "fixtures" / "tiny-k2-thinking-int4"
+    res = _reap(int4, tmp_path / "q", made["data"], 8, "--compensate", "down")
+    assert res.exit_code == 1 and "down_proj" in res.output and "dequantize" in res.output
