@@ -263,6 +263,11 @@ def open_checkpoint(src: str, revision: str | None = None, *, token: str | None 
     if not has_index:
         ckpt.weight_map = {name: SINGLE for name in ckpt.readers[SINGLE].tensors}
 
+    return checked(ckpt)
+
+
+def checked(ckpt: Checkpoint) -> Checkpoint:
+    """`ckpt` once its index, shards and other files agree; closed and refused otherwise."""
     try:
         check_weight_map(ckpt)
         ckpt.check_other_files()

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from kconvert.errors import KconvertError
-from kconvert.io.checkpoint import Checkpoint, check_weight_map, download
+from kconvert.io.checkpoint import Checkpoint, checked, download
 from kconvert.io.remote import HeaderOnlyShard, open_headers
 from kconvert.io.shards import ShardReader, TensorInfo
 from kconvert.options import STREAM_WINDOW
@@ -319,13 +319,7 @@ def open_streamed(src: str, revision: str | None, *, token: str | None = None,
             ckpt.readers[name] = stream.shards[name] = StreamedShard(reader, stream)
         else:
             stream.shards[name] = reader
-    try:
-        check_weight_map(ckpt)
-        ckpt.check_other_files()
-    except KconvertError:
-        ckpt.close()
-        raise
-    return ckpt
+    return checked(ckpt)
 
 
 def stream_of(ckpt: Checkpoint) -> ShardStream | None:
