@@ -316,4 +316,5 @@ def per_expert_routed(moe, x: torch.Tensor, indices: torch.Tensor, weights: torc
     moe.gate_sum += torch.bincount(exp, weights=w.double(), minlength=n)
     moe.reap_sum += torch.bincount(exp, weights=(w * norms).double(), minlength=n)
     moe.ean_sum += torch.bincount(exp, weights=norms.double(), minlength=n)
+    moe.ean_sq_sum += torch.bincount(exp, weights=norms.double().square(), minlength=n)
     return out
