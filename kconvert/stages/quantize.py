@@ -1,20 +1,32 @@
-"""The `quantize` stage: targeted modules become NVFP4 in the chosen on-disk flavour."""
+"""The `quantize` stage: targeted modules become NVFP4 in the chosen on-disk flavour, by
+round-to-nearest (`rtn`) or by the OBS engine's GPTQ (`gptq`, kconvert.sparsity.obs), which is
+kept per matrix only where its output error on the calibration Hessian is below RTN's."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
 
+import torch
 from pydantic import Field
 
 from kconvert.engine.stage import Stage, StageRecord
-from kconvert.errors import KconvertError
+from kconvert.errors import KconvertError, UsageError
 from kconvert.formats import OUTPUT_CODECS, DenseCodec, Nvfp4PairBitmaskCodec
 from kconvert.formats.linear import ModuleWork
+from kconvert.io.checkpoint import Checkpoint
 from kconvert.model.names import TARGET_ROLES, Role
-from kconvert.stages.base import StageKind
+from kconvert.options import QUANTIZE_METHODS, SPARSEGPT_SAMPLES, SPARSIFY_METHODS, calibration_run
+from kconvert.sparsity import obs
+from kconvert.sparsity.hessians import Calibration
+from kconvert.stages.base import CALIBRATION_OPTIONS, StageKind
+
+# The roles GPTQ has Hessians for (the layer-streamed calibration's MoE blocks); other
+# targeted roles are quantized by RTN in a gptq run (recorded as `gptq_targets`).
+GPTQ_ROLES = (Role.ROUTED_EXPERT, Role.SHARED_EXPERT)
 
 
 class QuantizeRecord(StageRecord):
@@ -22,6 +34,12 @@ class QuantizeRecord(StageRecord):
     format: str = Field(description="compressed-tensors | modelopt")
     block_scale: str = Field(description="FP8 block-scale rule: amax | mse")
     act_stats: str | None = Field(description="activation statistics file (W4A4), or None")
+    method: str | None = Field(default=None, description="gptq when not round-to-nearest")
+    gptq_targets: list[str] | None = Field(
+        default=None, description="gptq: the targeted roles quantized by GPTQ (the others RTN)")
+    percdamp: float | None = None
+    blocksize: int | None = None
+    data: dict | None = Field(default=None, description="gptq: the calibration data")
 
 
 @dataclass(frozen=True)
@@ -39,7 +57,25 @@ class Quantize(Stage):
     # found there is W4A4 and gets an input scale (2688/amax in compressed-tensors, amax/2688
     # in ModelOpt); without statistics the output is W4A16.
     act_stats: str | None = None
+    method: str = "rtn"
+    calibration: Calibration | None = field(default=None, compare=False)
     name: str = "quantize"
+
+    def __post_init__(self) -> None:
+        if self.method not in QUANTIZE_METHODS:
+            raise KconvertError(f"unknown --method {self.method!r}; choose from "
+                                f"{QUANTIZE_METHODS}")
+        if self.method == "gptq" and self.calibration is None:
+            raise KconvertError("--method gptq needs calibration data: --data FILE")
+
+    @property
+    def ordered_layers(self) -> bool:
+        """GPTQ's calibration pass streams layers forward: items must follow."""
+        return self.method == "gptq"
+
+    @property
+    def gptq_roles(self) -> list[Role]:
+        return [r for r in GPTQ_ROLES if r in self.targets] if self.method == "gptq" else []
 
     @cached_property
     def input_amax(self) -> dict[str, float]:
@@ -55,8 +91,31 @@ class Quantize(Stage):
         return [self.act_stats] if self.act_stats else []
 
     def record(self) -> QuantizeRecord:
-        return QuantizeRecord(targets=sorted(r.value for r in self.targets), format=self.fmt,
-                              block_scale=self.scale_rule, act_stats=self.act_stats)
+        out = {"targets": sorted(r.value for r in self.targets), "format": self.fmt,
+               "block_scale": self.scale_rule, "act_stats": self.act_stats}
+        if self.method == "gptq":  # an RTN run's record is unchanged
+            out.update(method=self.method, gptq_targets=sorted(r.value for r in self.gptq_roles),
+                       percdamp=obs.PERCDAMP, blocksize=obs.BLOCKSIZE,
+                       data=self.calibration.data)
+        return QuantizeRecord(**out)
+
+    def close(self) -> None:
+        if self.calibration is not None:
+            self.calibration.hessians.close()
+
+    def work_elems(self, device: torch.device) -> int | None:
+        return obs.work_elems(device) if self.method == "gptq" else None
+
+    def transform(self, modules, w, gs, scale_rule, local_dtype, arithmetic):
+        """GPTQ on the decoded target weights w [B, M, K], per matrix kept only where it beats
+        RTN on the same Hessian; the choices go to the manifest (`obs`)."""
+        hessians = self.calibration.hessians
+        out, codes, choices = obs.quantize_batches(
+            w, gs, obs.members_of([m.tn for m in modules]),
+            lambda mb: hessians.hessian(mb.layer, mb.expert, mb.proj), modules[0].group_size,
+            scale_rule, local_dtype, arithmetic, against_rtn=True,
+            budget=obs.batch_budget(w.device))
+        return out, codes, [asdict(c) for c in choices]
 
     def claim(self, m: ModuleWork) -> None:
         if m.tn.role in self.targets:
@@ -71,6 +130,12 @@ class Quantize(Stage):
                     file=m.primary.file.name, tensor=m.primary.name,
                 )
             m.out_codec = OUTPUT_CODECS[self.fmt]
+            if m.tn.role in self.gptq_roles:
+                if m.transform is not None:
+                    raise KconvertError("--method gptq quantizes unsparsified weights; a p48 "
+                                        "run's error-compensated method is sparsify --method "
+                                        "sparsegpt", tensor=m.module)
+                m.transform = self
             if m.storage == "pair-bitmask" or m.group_size != 16:
                 if not m.out_codec.p48_forms:
                     others = [f for f, c in OUTPUT_CODECS.items() if c.p48_forms]
@@ -96,14 +161,47 @@ def parse_targets(spec: str | list[str] | tuple[str, ...]) -> frozenset[Role]:
     return frozenset(TARGET_ROLES[n.strip()] for n in names if n.strip())
 
 
-def build(settings: dict, _input: None) -> Quantize:
+def build(settings: dict, calibration: Calibration | None) -> Quantize:
     fmt = settings.get("format", "compressed-tensors")
     if fmt not in OUTPUT_CODECS:
         raise KconvertError(f"unknown format {fmt!r}")
+    method = settings.get("method", "rtn")
+    if method in SPARSIFY_METHODS:
+        # In a recipe with a sparsify stage, --method names the sparsify method (`prepare`
+        # refuses those where there is none): this stage rounds.
+        method = "rtn"
     return Quantize(targets=parse_targets(settings.get("targets", ["experts"])), fmt=fmt,
                     scale_rule=settings.get("block_scale", "mse"),
-                    act_stats=settings.get("act_stats"))
+                    act_stats=settings.get("act_stats"), method=method,
+                    calibration=calibration)
+
+
+def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
+            ) -> Callable[[Checkpoint], Calibration] | None:
+    """GPTQ's calibration from --data when the run's quantize method is gptq (a recipe without
+    a sparsify stage: with one, --method is the sparsify method); None otherwise (without
+    --data the stage itself refuses gptq)."""
+    kinds = [s["stage"] for s in stages]
+    if "sparsify" in kinds:
+        return None
+    recipe_methods = [s.get("method", "rtn") for s in stages if s["stage"] == "quantize"]
+    method = options.get("method") or next(iter(recipe_methods), "rtn")
+    if method not in QUANTIZE_METHODS:
+        raise UsageError(f"--method {method} is a sparsify method; this recipe quantizes "
+                         f"without sparsifying: --method {' or '.join(QUANTIZE_METHODS)}")
+    data = options.get("data")
+    if data is not None and method != "gptq" and "prune" not in kinds:
+        raise UsageError(f"--data serves --method gptq; this run's quantize method is {method}")
+    if method != "gptq" or data is None:
+        return None
+
+    def make(ckpt: Checkpoint) -> Calibration:
+        samples, seq_len, batch_size, seed = calibration_run(options, SPARSEGPT_SAMPLES)
+        return Calibration.from_file(ckpt, data, samples, seq_len, batch_size, seed, device)
+
+    return make
 
 
 KIND = StageKind(Quantize.name, build, QuantizeRecord,
-                 settings=("targets", "format", "block_scale", "act_stats"))
+                 settings=("targets", "format", "block_scale", "act_stats", "method"),
+                 input_options=CALIBRATION_OPTIONS, input_type=Calibration, prepare=prepare)
