@@ -161,3 +161,16 @@ def test_quantize_gptq_shared_expert_and_usage(tmp_path):
     code, out = _run("run", "quantize", str(TINY_MOE), str(tmp_path / "c"), "--method",
                      "sparsegpt")
     assert code == 2 and "is a sparsify method" in out
+
+
+def test_gptq_is_nvfp4_only(tmp_path):
+    """GPTQ is implemented on NVFP4's grid: an MXFP4 --format with --method gptq is a usage
+    error before any write, and int4-to-mxfp4 offers no --method."""
+    data = _data(tmp_path, 64)
+    dst = tmp_path / "mx"
+    code, out = _run("quantize", str(BUNDLED), str(dst), "--format", "quark-mxfp4", "--method",
+                     "gptq", "--data", str(data), "--seq-len", "16", "--samples", "4")
+    assert code == 2 and "--method gptq writes NVFP4" in out, out
+    assert not dst.exists() or not any(dst.iterdir())
+    code, out = _run("int4-to-mxfp4", str(BUNDLED), str(dst), "--method", "gptq")
+    assert code == 2 and "--method" in out
