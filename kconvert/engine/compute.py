@@ -140,7 +140,8 @@ def compute_item(plan: WorkPlan, item: Item, bufs: list[torch.Tensor], device: t
         if out_codec.encodes_itself:  # MXFP4: its own block scales, no per-tensor scale
             q = out_codec.quantize(w, plan.scale_rule, chunk_elems)
             q = type(q)(*(_to_host(getattr(q, f.name)) for f in fields(q)))
-            encoded.append((ms, q, _to_host(torch.stack([amax[m.module] for m in ms])), {}))
+            encoded.append((ms, q, _to_host(torch.stack([amax[m.module] for m in ms])), {},
+                            None))
             continue
         a = torch.stack([set_amax[m.module] for m in ms])
         arithmetic = out_codec.arithmetic
