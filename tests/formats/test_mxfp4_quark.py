@@ -8,8 +8,20 @@ from __future__ import annotations
 import json
 
 import pytest
+import quark.torch.kernel as quark_kernel
 import torch
 from click.testing import CliRunner
+from quark.torch.quantization.config.config import QConfig
+from quark.torch.quantization.config.template import (
+    MXFP4Scheme,
+    MXFP4WeightOnlyScheme,
+)
+from quark.torch.quantization.file2file_quantization import (
+    quantize_model_per_safetensor,
+)
+from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
+from quark.torch.utils.numerics import to_e8m0_uint8
+from quark.torch.utils.pack import create_pack_method
 
 from conftest import BUNDLED
 from kconvert.cli import main
@@ -17,19 +29,6 @@ from kconvert.convert import RunControl, convert
 from kconvert.formats import mxfp4
 from kconvert.recipes import load_recipe
 from oracles import load_tensors
-
-quark_kernel = pytest.importorskip("quark.torch.kernel")
-from quark.torch.quantization.config.config import QConfig  # noqa: E402
-from quark.torch.quantization.config.template import (  # noqa: E402
-    MXFP4Scheme,
-    MXFP4WeightOnlyScheme,
-)
-from quark.torch.quantization.file2file_quantization import (  # noqa: E402
-    quantize_model_per_safetensor,
-)
-from quark.torch.quantization.tensor_quantize import FakeQuantizeBase  # noqa: E402
-from quark.torch.utils.numerics import to_e8m0_uint8  # noqa: E402
-from quark.torch.utils.pack import create_pack_method  # noqa: E402
 
 # AMD's Kimi recipe as Quark's exclude patterns: everything but the routed experts and the
 # routers (Quark's linear-weight rule takes `mlp.gate.weight` for a linear's).

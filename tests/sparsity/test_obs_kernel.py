@@ -9,11 +9,11 @@ import os
 
 import pytest
 import torch
+import triton  # noqa: F401  (a test dependency: pyproject's test extra)
 
 from kconvert.formats import nvfp4
 from kconvert.sparsity import obs, sparsegpt
 
-pytest.importorskip("triton")  # a test dependency (pyproject's test extra)
 if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
     pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1 (tests/conftest.py sets it)",
                 allow_module_level=True)
