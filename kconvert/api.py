@@ -132,7 +132,8 @@ def run_recipe(recipe: str, src: str, dst: str, *, revision: str | None = None,
 
 def int4_to_nvfp4(src: str, dst: str, **kwargs) -> ConversionResult:
     """`kconvert int4-to-nvfp4`: INT4 pack-quantized -> NVFP4 in one pass. Options: `format`
-    (compressed-tensors | modelopt), `block_scale` (mse | amax), `targets`, `act_stats`, and
+    (compressed-tensors | modelopt), `block_scale` (mse | amax), `targets`, `act_stats`,
+    `method` (rtn | gptq; gptq with `data`, `samples`, `seq_len`, `batch_size`, `seed`), and
     the run controls of `run_recipe`."""
     return run_recipe("int4-to-nvfp4", src, dst, **kwargs)
 

@@ -209,9 +209,9 @@ def _prepare_run(ckpt: Checkpoint, recipe: Recipe, settings: Mapping[str, object
     """The stages, the device and the work plan, after the checks of the source."""
     stages = build_stages(recipe, settings, inputs)
     if distributed.world() > 1 and any(s.ordered_layers for s in stages):
-        raise KconvertError("--method sparsegpt streams its calibration layer by layer beside "
-                            "the conversion and does not run across ranks; run it without "
-                            "torchrun")
+        raise KconvertError("--method sparsegpt and --method gptq stream their calibration "
+                            "layer by layer beside the conversion and do not run across "
+                            "ranks; run them without torchrun")
     device = run.device
     # GPU items of 2^28 decoded elements (~18 Kimi expert matrices): large enough to keep
     # the GPU busy, small enough that prefetch + queued results stay within ~4 GB of host RAM.

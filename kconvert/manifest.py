@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field
 
 from kconvert.io.files import hash_file
 
-__all__ = ["MANIFEST", "Manifest", "hash_file", "read_manifest", "render_manifest"]
+__all__ = ["MANIFEST", "Manifest", "ObsEntry", "hash_file", "read_manifest", "render_manifest"]
 
 MANIFEST = "kconvert-manifest.json"
 SCHEMA_ID = "kconvert-manifest/1"
@@ -41,6 +41,15 @@ class LayerEntry(BaseModel):
     quantized_modules: int
     rel_mse_mean: float = Field(description="mean over modules of sum((w'-w)^2) / sum(w^2)")
     rel_mse_max: float
+
+
+class ObsEntry(BaseModel):
+    method: Literal["gptq", "rtn"] = Field(
+        description="what was written: GPTQ's result, or round-to-nearest where GPTQ's output "
+                    "error was not smaller")
+    gptq_error: float = Field(description="tr(dW H dW^T) of GPTQ's result, H = X^T X of the "
+                                          "calibration tokens")
+    rtn_error: float = Field(description="tr(dW H dW^T) of round-to-nearest on the same H")
 
 
 class SourceEntry(BaseModel):
@@ -77,6 +86,9 @@ class Manifest(BaseModel):
     summary: dict[str, float | int]
     dropped: dict[str, str] = Field(default_factory=dict,
                                     description="source tensor or file -> why it is not in DST")
+    obs: dict[str, ObsEntry] = Field(
+        default_factory=dict, description="quantize --method gptq: module -> GPTQ or RTN, "
+                                          "whichever has the smaller output error")
 
 
 def render_manifest(manifest: Manifest) -> str:

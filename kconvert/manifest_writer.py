@@ -17,6 +17,7 @@ from kconvert.manifest import (
     FusedSetEntry,
     LayerEntry,
     Manifest,
+    ObsEntry,
     SourceEntry,
     TensorEntry,
 )
@@ -52,6 +53,7 @@ def build_manifest(ckpt: Checkpoint, plan: WorkPlan, records: dict[str, dict], c
             continue
         rel = st["err_sq"] / st["ref_sq"] if st["ref_sq"] else 0.0
         by_layer.setdefault(str(m.tn.layer), []).append(rel)
+    obs = {m: ObsEntry(**st["obs"]) for m, st in sorted(stats.items()) if st.get("obs")}
     for layer, rels in sorted(by_layer.items()):
         layers[layer] = LayerEntry(quantized_modules=len(rels), rel_mse_mean=sum(rels) / len(rels),
                                    rel_mse_max=max(rels))
@@ -68,7 +70,7 @@ def build_manifest(ckpt: Checkpoint, plan: WorkPlan, records: dict[str, dict], c
         non_weight_files=non_weight, generated_files=generated,
         tensors=dict(sorted(tensors.items())),
         fused_sets=dict(sorted(fused_sets.items())), layers=layers,
-        summary=summary, dropped=dropped,
+        summary=summary, dropped=dropped, obs=obs,
     )
 
 

@@ -8,6 +8,9 @@ from __future__ import annotations
 REAP_SAMPLES = 1024
 SPARSEGPT_SAMPLES = 128
 
+# quantize's --method: round-to-nearest, or the OBS engine's GPTQ (kept only where it beats RTN).
+QUANTIZE_METHODS = ("rtn", "gptq")
+
 # How calibration data is read and run, when not given.
 SEQ_LEN = 2048
 BATCH_SIZE = 8

@@ -16,7 +16,7 @@ import time
 import torch
 
 from kconvert.formats import nvfp4
-from kconvert.sparsity import sparsegpt
+from kconvert.sparsity import obs, sparsegpt
 
 B, T = int(os.environ.get("B", 6)), int(os.environ.get("TOKENS", 2800))
 dev = "cuda"
@@ -28,7 +28,7 @@ def timed(rows: int, k: int) -> float:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     h = x.transpose(1, 2) @ x
-    u = sparsegpt.prepare_inverse(h)
+    u = obs.prepare_inverse(h)
     gs = nvfp4.global_scale(w.abs().amax((1, 2))).repeat_interleave(rows).reshape(B, rows)
     sparsegpt.prune_quantize(w, u, gs, 16, "mse")
     torch.cuda.synchronize()

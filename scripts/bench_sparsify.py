@@ -32,8 +32,7 @@ import bench_calibrate
 
 from kconvert.convert import RunControl, convert
 from kconvert.recipes import load_recipe
-from kconvert.sparsity.sparsegpt import CalibrationHessians
-from kconvert.stages.sparsify import SparsegptCalibration
+from kconvert.sparsity.hessians import Calibration, CalibrationHessians
 from kconvert.testing.fixture_weights import FixtureDims
 from kconvert.testing.fixtures import make_fixture
 
@@ -51,7 +50,7 @@ def run(src: Path, dst: Path, recipe: str, opts: dict, device: str, ids=None) ->
     def prepare(ckpt):
         if ids is None:
             return {}
-        return {"sparsify": SparsegptCalibration(
+        return {"sparsify": Calibration(
             CalibrationHessians(ckpt, ids, torch.device(device), BATCH))}
 
     if device == "cuda":

@@ -6,12 +6,15 @@ work is measured through their BF16 counterparts: `quantize` with each FP8 block
 (amax, mse) is int4-to-nvfp4's encode step; W4A4 is `quantize --act-stats`; `reap` keeps 75%,
 50% and 25% of the 24 experts by REAP saliency, frequency and random draws; `sparsify` p48 by
 magnitude, Wanda and SparseGPT (NVFP4, group 16, dense); `reap-p48-nvfp4` is the one-pass
-recipe (REAP keep 50% + p48 magnitude + NVFP4). Calibration (REAP scores, Wanda norms,
-activation amax, SparseGPT Hessians) is on training windows; eval on held-out windows
+recipe (REAP keep 50% + p48 magnitude + NVFP4); `gptq-mse` is `quantize --method gptq` (the OBS
+engine without a mask, mse block scales). `--only obs` builds just the OBS engine's comparison
+(RTN amax, RTN mse, GPTQ mse, p48 magnitude, p48 SparseGPT) and adds the GPTQ/RTN KL ratio.
+Calibration (REAP scores, Wanda norms, activation amax, SparseGPT and GPTQ Hessians) is on
+training windows; eval on held-out windows
 (`heldout_ids(..., seed=0, window=SEQ)`), in fp32 on the CPU, every candidate in one eval pass.
 
     python scripts/eval_pipelines.py [--samples 64] [--seq-len 256] [--calib 64] [--draws 3]
-        [--out scripts/results/eval_tiny_moe]   # -> .md and .json
+        [--only obs] [--out scripts/results/eval_tiny_moe]   # -> .md and .json
 
 Prints the table; writes the table and orderings to OUT + ".md", and the eval report plus what
 each candidate is to OUT + ".json".
@@ -46,14 +49,24 @@ from kconvert.pruning.plan import parse_plan  # noqa: E402
 from kconvert.pruning.reap import plan_from_scores, scores_of  # noqa: E402
 from kconvert.pruning.repair import RepairSettings, RouterRepair, with_repair  # noqa: E402
 from kconvert.recipes import load_recipe  # noqa: E402
-from kconvert.sparsity.sparsegpt import CalibrationHessians  # noqa: E402
+from kconvert.sparsity.hessians import Calibration, CalibrationHessians  # noqa: E402
 from kconvert.stages.prune import prune_stage  # noqa: E402
-from kconvert.stages.sparsify import SparsegptCalibration  # noqa: E402
 from kconvert.testing.tiny_moe import corpus_ids, heldout_ids, windows  # noqa: E402
 
 SRC = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
 EXPERTS = 24
 KEEPS = {"75%": 18, "50%": 12, "25%": 6}
+# `--only obs`: the OBS engine's comparison (RTN amax and mse, GPTQ mse, p48 magnitude and
+# SparseGPT).
+OBS_NAMES = ("nvfp4-amax", "nvfp4-mse", "gptq-mse", "p48-magnitude", "p48-sparsegpt")
+
+
+def only_names(spec: str | None) -> set[str] | None:
+    """--only's comma list as candidate names, `obs` standing for OBS_NAMES."""
+    if not spec:
+        return None
+    names = {n.strip() for n in spec.split(",") if n.strip()}
+    return (names - {"obs"}) | (set(OBS_NAMES) if "obs" in names else set())
 
 
 def build(tmp: Path, calib: torch.Tensor, draws: int, only: set[str] | None = None
@@ -73,14 +86,22 @@ def build(tmp: Path, calib: torch.Tensor, draws: int, only: set[str] | None = No
         if only is not None and name not in only:
             return
         t0 = time.perf_counter()
-        convert(str(SRC), str(tmp / name), load_recipe(recipe), options or {},
-                RunControl(quiet=True), prepare=prepare)
+        manifest = convert(str(SRC), str(tmp / name), load_recipe(recipe), options or {},
+                           RunControl(quiet=True), prepare=prepare)
+        if manifest.obs:  # GPTQ: how many matrices kept GPTQ's result over RTN's
+            kept = sum(e.method == "gptq" for e in manifest.obs.values())
+            what += f" (GPTQ kept for {kept}/{len(manifest.obs)} matrices)"
         out[name] = (tmp / name, what)
         print(f"built {name} in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    def calibration(ck):
+        return Calibration(CalibrationHessians(ck, calib, torch.device("cpu"), 16))
 
     for rule in ("amax", "mse"):
         run(f"nvfp4-{rule}", "quantize", f"NVFP4 W4A16 experts, block scales by {rule}",
             {"block_scale": rule})
+    run("gptq-mse", "quantize", "NVFP4 W4A16 experts by GPTQ (mse block scales), RTN where "
+        "GPTQ is not better", {"method": "gptq"}, lambda ck: {"quantize": calibration(ck)})
     run("w4a4", "quantize", "NVFP4 W4A4 experts (mse block scales, calibrated input amax)",
         {"act_stats": str(tmp / "stats" / ACT_FILE)})
     for pct, keep in KEEPS.items():
@@ -99,8 +120,7 @@ def build(tmp: Path, calib: torch.Tensor, draws: int, only: set[str] | None = No
         def prepare(ck, method=method):
             if method != "sparsegpt":
                 return {}
-            return {"sparsify": SparsegptCalibration(
-                CalibrationHessians(ck, calib, torch.device("cpu"), 16))}
+            return {"sparsify": calibration(ck)}
 
         run(f"p48-{method}", "sparsify", f"p48 by {method} + NVFP4 (group 16, dense)",
             {"method": method} | ({"stats": str(tmp / "stats")} if method == "wanda" else {}),
@@ -108,8 +128,7 @@ def build(tmp: Path, calib: torch.Tensor, draws: int, only: set[str] | None = No
     run("p48-sparsegpt-sequential", "sparsify",
         "p48 by sparsegpt, Hessians of the compressed model (--hessian sequential)",
         {"method": "sparsegpt", "hessian": "sequential"},
-        lambda ck: {"sparsify": SparsegptCalibration(
-            CalibrationHessians(ck, calib, torch.device("cpu"), 16))})
+        lambda ck: {"sparsify": calibration(ck)})
     for repair in ("bias", "router"):
         if only is not None and f"reap-reap-50%-repair-{repair}" not in only:
             continue
@@ -117,7 +136,8 @@ def build(tmp: Path, calib: torch.Tensor, draws: int, only: set[str] | None = No
         try:  # the plan and the repair from one calibration pass, as `reap --repair` does
             fixer = RouterRepair(ckpt, calib, RepairSettings(repair, KEEPS["50%"], "reap"),
                                  torch.device("cpu"), batch_size=16)
-            measured = measure_stats(ckpt, calib, "cpu", 16, dtype=torch.float32, on_weights=fixer)
+            measured = measure_stats(ckpt, calib, "cpu", 16, dtype=torch.float32,
+                                     on_weights=fixer)
             repaired = with_repair(plan_from_scores(scores_of(measured), KEEPS["50%"], "reap"),
                                    fixer)
         finally:
@@ -157,7 +177,12 @@ def orderings(kl: dict[str, float], draws: int) -> list[str]:
     kl = defaultdict(lambda: None, kl)
 
     lines = [check("mse", "amax", kl["nvfp4-mse"], kl["nvfp4-amax"]),
-             check("w4a16 (mse)", "w4a4", kl["nvfp4-mse"], kl["w4a4"])]
+             check("w4a16 (mse)", "w4a4", kl["nvfp4-mse"], kl["w4a4"]),
+             check("gptq", "rtn (mse)", kl["gptq-mse"], kl["nvfp4-mse"])]
+    if kl["gptq-mse"] is not None and kl["nvfp4-mse"] is not None:
+        ratio = kl["gptq-mse"] / kl["nvfp4-mse"]
+        lines.append(f"- gptq-mse KL / rtn-mse KL = {ratio:.3f} (issue 26 asks <= 0.7): "
+                     f"**{'holds' if ratio <= 0.7 else 'fails'}**")
     for pct in KEEPS:
         draws_kl = [kl[f"reap-random{d}-{pct}"] for d in range(draws)]
         rand = None if None in draws_kl else statistics.mean(draws_kl)
@@ -184,14 +209,15 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "eval_tiny_moe"))
     ap.add_argument("--only", default=None,
-                    help="comma-separated candidate names (default: every pipeline)")
+                    help="comma-separated candidate names (default: every pipeline); `obs` "
+                         "names the OBS engine's comparison: " + ",".join(OBS_NAMES))
     a = ap.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     t0 = time.perf_counter()
     calib = windows(corpus_ids("train"), a.calib, 256, torch.Generator().manual_seed(1))
     held = heldout_ids(a.samples * a.seq_len, seed=0, window=a.seq_len).reshape(-1, a.seq_len)
     with tempfile.TemporaryDirectory(prefix="eval-pipelines-") as tmp:
-        built = build(Path(tmp), calib, a.draws, set(a.only.split(",")) if a.only else None)
+        built = build(Path(tmp), calib, a.draws, only_names(a.only))
         t_eval = time.perf_counter()
         opened = [open_checkpoint(str(p)) for p in (SRC, *(d for d, _ in built.values()))]
         try:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from kconvert.testing.fixture_weights import FixtureDims
 from kconvert.testing.fixtures import make_fixture
+
+# The suite runs on CPU tensors: Triton kernels (kconvert.sparsity.obs_kernel) run under
+# Triton's interpreter, which must be chosen before triton is first imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = ROOT / "tests" / "fixtures" / "tiny-k2-thinking-int4"

@@ -231,11 +231,12 @@ def sparsegpt_inverse_reference(h: torch.Tensor, percdamp: float = SPARSEGPT_PER
 
 
 def sparsegpt_per_column(w: torch.Tensor, u: torch.Tensor, gs: torch.Tensor, group_size: int,
-                         rule: str, arithmetic: str = "compressed-tensors", blocksize: int = 128
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         rule: str, arithmetic: str = "compressed-tensors", blocksize: int = 128,
+                         prune: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The first p48 + NVFP4 SparseGPT loop, kept as the reference: one column at a time, each
     column's error propagated by a rank-1 update to the rest of its lazy block, one matrix
-    product per block for the later columns (p48.md, "Mask selection" 3)."""
+    product per block for the later columns (p48.md, "Mask selection" 3). Without `prune` it
+    is GPTQ's loop (Frantar et al., Algorithm 1) on the NVFP4 grid: no mask."""
     from kconvert.sparsity import p48
 
     b, m, k = w.shape
@@ -252,7 +253,8 @@ def sparsegpt_per_column(w: torch.Tensor, u: torch.Tensor, gs: torch.Tensor, gro
         for j0 in range(0, step, group_size):
             cols = slice(j0, j0 + group_size)
             obs = w1[:, :, cols].square() / d[:, None, cols].square()
-            keep = p48.top2_pairs(obs[..., 0::2] + obs[..., 1::2]).repeat_interleave(2, -1)
+            keep = (p48.top2_pairs(obs[..., 0::2] + obs[..., 1::2]).repeat_interleave(2, -1)
+                    if prune else torch.ones_like(obs, dtype=torch.bool))
             masked = torch.where(keep, w1[:, :, cols], 0.0)
             c = nvfp4.choose_block_codes(masked.reshape(b * m, 1, group_size), row_gs, rule,
                                          torch.float32, arithmetic)

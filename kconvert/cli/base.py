@@ -281,12 +281,19 @@ def _to_int(_ctx, _param, value: str | None) -> int | None:
     return None if value is None else int(value)
 
 
+def method_option(choices: tuple[str, ...], help_text: str):
+    return click.option("--method", type=click.Choice(choices), default=None, help=help_text)
+
+
+SPARSIFY_METHOD_HELP = ("Mask selection: magnitude (data-free), wanda (--stats), sparsegpt "
+                        "(--data) [default: magnitude].")
+QUANTIZE_METHOD_HELP = ("rtn (round to nearest) or gptq (error-compensated on --data, kept per "
+                        "matrix where it beats rtn) [default: rtn].")
+
+
 SPARSIFY_OPTIONS = [
     click.option("--pattern", type=click.Choice(["p48"]), default=None,
                  help="Sparsity pattern: paired-4:8 [default: p48]."),
-    click.option("--method", type=click.Choice(METHODS), default=None,
-                 help="Mask selection: magnitude (data-free), wanda (--stats), sparsegpt "
-                      "(--data) [default: magnitude]."),
     click.option("--group-size", type=click.Choice(["16", "32"]), default=None,
                  callback=_to_int,
                  help="Elements per FP8 block scale: 16 loads on stock vLLM, 32 is what "
@@ -297,6 +304,15 @@ SPARSIFY_OPTIONS = [
     click.option("--hessian", type=click.Choice(HESSIANS), default=None,
                  help="SparseGPT's layer inputs: from the already-compressed model "
                       "(sequential) or the unpruned source [default: source]."),
+]
+
+
+# `quantize` and `int4-to-nvfp4`: the method and GPTQ's calibration.
+QUANTIZE_METHOD_OPTIONS = [
+    method_option(options.QUANTIZE_METHODS, QUANTIZE_METHOD_HELP),
+    click.option("--data", type=click.Path(exists=True, dir_okay=False), default=None,
+                 help="Calibration JSONL for GPTQ (run layer by layer beside the conversion)."),
+    *calibration_options(SPARSEGPT_SAMPLES, "With --data: sequences."),
 ]
 
 

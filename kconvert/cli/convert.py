@@ -11,17 +11,21 @@ import click
 
 from kconvert.cli.base import (
     DEQUANT_OPTIONS,
+    METHODS,
+    QUANTIZE_METHOD_OPTIONS,
     QUANTIZE_OPTIONS,
     RUN_CONTROL_OPTIONS,
     RUN_OPTIONS,
     SPARSIFY_CALIBRATION_OPTIONS,
+    SPARSIFY_METHOD_HELP,
     SPARSIFY_OPTIONS,
     KconvertCommand,
     apply_options,
     given_options,
+    method_option,
     prune_options,
 )
-from kconvert.options import REAP_SAMPLES, SPARSEGPT_SAMPLES
+from kconvert.options import QUANTIZE_METHODS, REAP_SAMPLES, SPARSEGPT_SAMPLES
 
 
 def _run(recipe_name: str, src: str, dst: str, params: dict) -> None:
@@ -74,12 +78,13 @@ def conversion_command(name: str, summary: str, options: list) -> click.Command:
 
 int4_to_nvfp4 = conversion_command(
     "int4-to-nvfp4", "INT4 pack-quantized SRC -> NVFP4 DST in one pass (dequant + quantize).",
-    QUANTIZE_OPTIONS)
+    QUANTIZE_OPTIONS + QUANTIZE_METHOD_OPTIONS)
 int4_to_mxfp4 = conversion_command(
     "int4-to-mxfp4", "INT4 pack-quantized SRC -> MXFP4 DST in one pass (AMD Quark's layout by "
                      "default; dequant + quantize).", QUANTIZE_OPTIONS)
 quantize = conversion_command("quantize", "Any SRC -> NVFP4 or MXFP4 (--format) on the "
-                                          "targeted modules.", QUANTIZE_OPTIONS)
+                                          "targeted modules; --method gptq for NVFP4.",
+                              QUANTIZE_OPTIONS + QUANTIZE_METHOD_OPTIONS)
 dequant = conversion_command(
     "dequant", "Quantized SRC -> BF16 (or F32) DST, quantization_config removed.",
     DEQUANT_OPTIONS)
@@ -88,7 +93,8 @@ reap = conversion_command(
             "--plan.", prune_options(REAP_SAMPLES, "With --data: sequences."))
 sparsify = conversion_command(
     "sparsify", "Paired-4:8 routed experts of SRC (BF16, INT4 or NVFP4) -> p48 NVFP4 DST, one "
-                "pass.", SPARSIFY_OPTIONS + SPARSIFY_CALIBRATION_OPTIONS + QUANTIZE_OPTIONS)
+                "pass.", [method_option(METHODS, SPARSIFY_METHOD_HELP), *SPARSIFY_OPTIONS,
+                          *SPARSIFY_CALIBRATION_OPTIONS, *QUANTIZE_OPTIONS])
 densify = conversion_command(
     "densify", "pair-bitmask p48 SRC -> dense NVFP4 DST (stock compressed-tensors layout), "
                "lossless.", [])
@@ -98,12 +104,18 @@ densify = conversion_command(
 @click.argument("recipe")
 @click.argument("src")
 @click.argument("dst")
-@apply_options(QUANTIZE_OPTIONS + prune_options(
-    None, f"With --data: sequences [default: {REAP_SAMPLES} for a prune stage's REAP "
-          f"calibration, {SPARSEGPT_SAMPLES} for SparseGPT].") + SPARSIFY_OPTIONS + RUN_OPTIONS)
+@apply_options([
+    *QUANTIZE_OPTIONS,
+    *prune_options(None, f"With --data: sequences [default: {REAP_SAMPLES} for a prune stage's "
+                         f"REAP calibration, {SPARSEGPT_SAMPLES} for SparseGPT and GPTQ]."),
+    method_option(METHODS + QUANTIZE_METHODS, "A sparsify stage's mask selection (magnitude, "
+                  "wanda, sparsegpt), or in a recipe without one the quantize method (rtn, "
+                  "gptq)."),
+    *SPARSIFY_OPTIONS, *RUN_OPTIONS])
 def run_recipe(recipe: str, src: str, dst: str, **params) -> None:
     """Run RECIPE (a pipelines/ name or a .toml path) on SRC into DST.
 
     --stats and --data serve every stage that needs calibration: REAP's saliency, Wanda's
-    column norms, SparseGPT's inputs. An option that no stage of RECIPE takes is an error."""
+    column norms, SparseGPT's and GPTQ's inputs. An option that no stage of RECIPE takes is an
+    error."""
     _run(recipe, src, dst, params)

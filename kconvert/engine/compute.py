@@ -21,6 +21,8 @@ class ModuleStats:
     global_scale: float | None
     err_sq: float
     ref_sq: float
+    # GPTQ's choice against RTN (kconvert.sparsity.obs.Choice as a dict), when it was made.
+    obs: dict | None = None
 
 
 @dataclass
@@ -127,7 +129,8 @@ def compute_item(plan: WorkPlan, item: Item, bufs: list[torch.Tensor], device: t
         if ms[0].repack:
             q = _unpacked(group.codec, params)
             carried = {p: _to_host(params[p]) for p in ms[0].carried}
-            encoded.append((ms, q, _to_host(nvfp4.GLOBAL_NUMERATOR / q.global_scale), carried))
+            encoded.append((ms, q, _to_host(nvfp4.GLOBAL_NUMERATOR / q.global_scale), carried,
+                            None))
             continue
         if out_codec is DenseCodec:
             enc = _to_host(DenseCodec.encode(w, ms[0].dense_dtype)["weight"])
@@ -137,7 +140,8 @@ def compute_item(plan: WorkPlan, item: Item, bufs: list[torch.Tensor], device: t
         if out_codec.encodes_itself:  # MXFP4: its own block scales, no per-tensor scale
             q = out_codec.quantize(w, plan.scale_rule, chunk_elems)
             q = type(q)(*(_to_host(getattr(q, f.name)) for f in fields(q)))
-            encoded.append((ms, q, _to_host(torch.stack([amax[m.module] for m in ms])), {}))
+            encoded.append((ms, q, _to_host(torch.stack([amax[m.module] for m in ms])), {},
+                            None))
             continue
         a = torch.stack([set_amax[m.module] for m in ms])
         arithmetic = out_codec.arithmetic
@@ -145,21 +149,21 @@ def compute_item(plan: WorkPlan, item: Item, bufs: list[torch.Tensor], device: t
             q = nvfp4.quantize_int4(params["weight_packed"], params["weight_scale"], a,
                                     plan.scale_rule, ms[0].group_size, chunk_elems,
                                     arithmetic=arithmetic)
-            encoded.append((ms, q, a, {}))
+            encoded.append((ms, q, a, {}, None))
             continue
         src_dtype = ms[0].primary.torch_dtype
         local = src_dtype if ms[0].codec is DenseCodec else torch.float32
-        source, codes = w, None
+        source, codes, choices = w, None, None
         if ms[0].transform is not None:
-            w, codes = ms[0].transform.transform(ms, w, nvfp4.tensor_scale(a, arithmetic),
-                                                 plan.scale_rule, local, arithmetic)
+            w, codes, choices = ms[0].transform.transform(
+                ms, w, nvfp4.tensor_scale(a, arithmetic), plan.scale_rule, local, arithmetic)
         q = nvfp4.quantize(w, a, plan.scale_rule, chunk_elems, local_dtype=local,
                            group_size=ms[0].group_size, block_codes=codes, arithmetic=arithmetic)
         if w is not source:  # the error that matters is against the source, not the transform
             q.err_sq, q.ref_sq = _error_vs(source, q, arithmetic)
         q = nvfp4.Quantized(*(_to_host(t) for t in (q.packed, q.block_scales, q.global_scale,
                                                     q.err_sq, q.ref_sq)))
-        encoded.append((ms, q, _to_host(a), {}))
+        encoded.append((ms, q, _to_host(a), {}, choices))
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the one wait per item: every host copy has landed
     for ok, m in zip(finite.tolist(), checked, strict=True):
@@ -167,7 +171,7 @@ def compute_item(plan: WorkPlan, item: Item, bufs: list[torch.Tensor], device: t
             bad = _nonfinite_param(plan.ckpt, m)
             raise KconvertError("NaN or Inf in the source weights", file=bad.file.name,
                                 tensor=bad.name)
-    for ms, q, a, carried in encoded:
+    for ms, q, a, carried, choices in encoded:
         out_codec = ms[0].out_codec
         # The manifest records compressed-tensors' form, 2688 / amax, whatever the flavour
         # (none for a format without a per-tensor scale).
@@ -179,7 +183,8 @@ def compute_item(plan: WorkPlan, item: Item, bufs: list[torch.Tensor], device: t
                        **{p: t[i] for p, t in carried.items()}}
             for param, t in tensors.items():
                 writes.append((f"{m.out_module}.{param}", t, 0))
-            stats[m.out_module] = ModuleStats(amaxes[i], gs[i], err[i], ref[i])
+            stats[m.out_module] = ModuleStats(amaxes[i], gs[i], err[i], ref[i],
+                                              choices[i] if choices else None)
     return Result(index, item.kind, writes, stats, item.nbytes)
 
 

@@ -80,10 +80,12 @@ class WeightTransform(Protocol):
 
     def transform(self, modules: list[ModuleWork], w: torch.Tensor, gs: torch.Tensor,
                   scale_rule: str, local_dtype: torch.dtype, arithmetic: str
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, list[dict] | None]:
         """(new weights [B, M, K], FP8 block-scale codes to encode them with, or None to let
-        the encoder choose). `gs` [B] are the NVFP4 per-tensor scales they will be encoded
-        with, in the output flavour's `arithmetic` (kconvert.formats.nvfp4.ARITHMETIC)."""
+        the encoder choose, per module what the manifest records of the method's choice
+        (kconvert.manifest.ObsEntry), or None). `gs` [B] are the NVFP4 per-tensor scales they
+        will be encoded with, in the output flavour's `arithmetic`
+        (kconvert.formats.nvfp4.ARITHMETIC)."""
         ...
 
 

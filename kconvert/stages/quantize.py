@@ -1,21 +1,40 @@
-"""The `quantize` stage: targeted modules become NVFP4 or MXFP4 in the chosen on-disk format."""
+"""The `quantize` stage: targeted modules become NVFP4 or MXFP4 in the chosen on-disk format.
+NVFP4 by round-to-nearest (`rtn`) or by the OBS engine's GPTQ (`gptq`, kconvert.sparsity.obs),
+which is kept per matrix only where its output error on the calibration Hessian is below RTN's;
+MXFP4 by round-to-nearest only."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
 
+import torch
 from pydantic import Field
 
 from kconvert.engine.stage import Stage, StageRecord
 from kconvert.errors import KconvertError, UsageError
 from kconvert.formats import OUTPUT_CODECS, DenseCodec, Nvfp4PairBitmaskCodec
 from kconvert.formats.linear import ModuleWork
+from kconvert.io.checkpoint import Checkpoint
 from kconvert.model.names import TARGET_ROLES, Role
-from kconvert.options import ACTIVATIONS, BLOCK_SCALE_RULES
-from kconvert.stages.base import StageKind
+from kconvert.options import (
+    ACTIVATIONS,
+    BLOCK_SCALE_RULES,
+    QUANTIZE_METHODS,
+    SPARSEGPT_SAMPLES,
+    SPARSIFY_METHODS,
+    calibration_run,
+)
+from kconvert.sparsity import obs
+from kconvert.sparsity.hessians import Calibration
+from kconvert.stages.base import CALIBRATION_OPTIONS, StageKind
+
+# The roles GPTQ has Hessians for (the layer-streamed calibration's MoE blocks); other
+# targeted roles are quantized by RTN in a gptq run (recorded as `gptq_targets`).
+GPTQ_ROLES = (Role.ROUTED_EXPERT, Role.SHARED_EXPERT)
 
 
 class QuantizeRecord(StageRecord):
@@ -26,6 +45,12 @@ class QuantizeRecord(StageRecord):
     act_stats: str | None = Field(description="activation statistics file (W4A4), or None")
     activations: str | None = Field(None, description="MXFP4 activations: none (W4A16) or "
                                     "dynamic (W4A4, quantized at run time)")
+    method: str | None = Field(default=None, description="gptq when not round-to-nearest")
+    gptq_targets: list[str] | None = Field(
+        default=None, description="gptq: the targeted roles quantized by GPTQ (the others RTN)")
+    percdamp: float | None = None
+    blocksize: int | None = None
+    data: dict | None = Field(default=None, description="gptq: the calibration data")
 
 
 @dataclass(frozen=True)
@@ -46,6 +71,8 @@ class Quantize(Stage):
     # MXFP4 only: "dynamic" declares W4A4 with activations quantized at run time (what AMD's
     # MXFP4 recipe does), "none" weight-only; None: the format's own default.
     activations: str | None = None
+    method: str = "rtn"
+    calibration: Calibration | None = field(default=None, compare=False)
     name: str = "quantize"
 
     @property
@@ -57,6 +84,22 @@ class Quantize(Stage):
         if self.activations is None:
             return bool(OUTPUT_CODECS[self.fmt].dynamic_activations)
         return self.activations == "dynamic"
+
+    def __post_init__(self) -> None:
+        if self.method not in QUANTIZE_METHODS:
+            raise KconvertError(f"unknown --method {self.method!r}; choose from "
+                                f"{QUANTIZE_METHODS}")
+        if self.method == "gptq" and self.calibration is None:
+            raise KconvertError("--method gptq needs calibration data: --data FILE")
+
+    @property
+    def ordered_layers(self) -> bool:
+        """GPTQ's calibration pass streams layers forward: items must follow."""
+        return self.method == "gptq"
+
+    @property
+    def gptq_roles(self) -> list[Role]:
+        return [r for r in GPTQ_ROLES if r in self.targets] if self.method == "gptq" else []
 
     @cached_property
     def input_amax(self) -> dict[str, float]:
@@ -72,11 +115,34 @@ class Quantize(Stage):
         return [self.act_stats] if self.act_stats else []
 
     def record(self) -> QuantizeRecord:
-        record = QuantizeRecord(targets=sorted(r.value for r in self.targets), format=self.fmt,
-                                block_scale=self.scale_rule, act_stats=self.act_stats)
+        out = {"targets": sorted(r.value for r in self.targets), "format": self.fmt,
+               "block_scale": self.scale_rule, "act_stats": self.act_stats}
+        if self.method == "gptq":  # an RTN run's record is unchanged
+            out.update(method=self.method, gptq_targets=sorted(r.value for r in self.gptq_roles),
+                       percdamp=obs.PERCDAMP, blocksize=obs.BLOCKSIZE,
+                       data=self.calibration.data)
+        record = QuantizeRecord(**out)
         if OUTPUT_CODECS[self.fmt].dynamic_activations is not None:  # NVFP4's stay as they were
             record.activations = "dynamic" if self.dynamic_activations else "none"
         return record
+
+    def close(self) -> None:
+        if self.calibration is not None:
+            self.calibration.hessians.close()
+
+    def work_elems(self, device: torch.device) -> int | None:
+        return obs.work_elems(device) if self.method == "gptq" else None
+
+    def transform(self, modules, w, gs, scale_rule, local_dtype, arithmetic):
+        """GPTQ on the decoded target weights w [B, M, K], per matrix kept only where it beats
+        RTN on the same Hessian; the choices go to the manifest (`obs`)."""
+        hessians = self.calibration.hessians
+        out, codes, choices = obs.quantize_batches(
+            w, gs, obs.members_of([m.tn for m in modules]),
+            lambda mb: hessians.hessian(mb.layer, mb.expert, mb.proj), modules[0].group_size,
+            scale_rule, local_dtype, arithmetic, against_rtn=True,
+            budget=obs.batch_budget(w.device))
+        return out, codes, [asdict(c) for c in choices]
 
     def claim(self, m: ModuleWork) -> None:
         if m.tn.role in self.targets:
@@ -102,6 +168,12 @@ class Quantize(Stage):
                 m.dynamic_activations = self.dynamic_activations
                 m.stages.append(self.name)
                 return
+            if m.tn.role in self.gptq_roles:
+                if m.transform is not None:
+                    raise KconvertError("--method gptq quantizes unsparsified weights; a p48 "
+                                        "run's error-compensated method is sparsify --method "
+                                        "sparsegpt", tensor=m.module)
+                m.transform = self
             if m.storage == "pair-bitmask" or m.group_size != 16:
                 if not m.out_codec.p48_forms:
                     others = [f for f, c in OUTPUT_CODECS.items() if c.p48_forms]
@@ -131,7 +203,7 @@ def parse_targets(spec: str | list[str] | tuple[str, ...]) -> frozenset[Role]:
     return frozenset(QUANTIZE_TARGETS[n.strip()] for n in names if n.strip())
 
 
-def build(settings: dict, _input: None) -> Quantize:
+def build(settings: dict, calibration: Calibration | None) -> Quantize:
     fmt = settings.get("format", "compressed-tensors")
     if fmt not in OUTPUT_CODECS:
         raise KconvertError(f"unknown format {fmt!r}")
@@ -154,9 +226,53 @@ def build(settings: dict, _input: None) -> Quantize:
     if scale_rule not in BLOCK_SCALE_RULES:  # a recipe file's value: checked before any write
         raise KconvertError(f"unknown block_scale {scale_rule!r}; choose from "
                             f"{list(BLOCK_SCALE_RULES)}")
+    method = settings.get("method", "rtn")
+    if method in SPARSIFY_METHODS:
+        # In a recipe with a sparsify stage, --method names the sparsify method (`prepare`
+        # refuses those where there is none): this stage rounds.
+        method = "rtn"
+    check_method_format(method, fmt)
     return Quantize(targets=targets, fmt=fmt, scale_rule=scale_rule,
-                    act_stats=settings.get("act_stats"), activations=activations)
+                    act_stats=settings.get("act_stats"), activations=activations,
+                    method=method, calibration=calibration)
+
+
+def check_method_format(method: str, fmt: str) -> None:
+    """GPTQ is implemented for NVFP4 (the OBS engine's E2M1 grid with FP8 block scales);
+    the MXFP4 formats are round-to-nearest only."""
+    if method == "gptq" and OUTPUT_CODECS[fmt].encodes_itself:
+        nvfp4 = [f for f, c in OUTPUT_CODECS.items() if not c.encodes_itself]
+        raise UsageError(f"--method gptq writes NVFP4 ({', '.join(nvfp4)}); --format {fmt} "
+                         "is quantized by --method rtn only")
+
+
+def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
+            ) -> Callable[[Checkpoint], Calibration] | None:
+    """GPTQ's calibration from --data when the run's quantize method is gptq (a recipe without
+    a sparsify stage: with one, --method is the sparsify method); None otherwise (without
+    --data the stage itself refuses gptq)."""
+    kinds = [s["stage"] for s in stages]
+    if "sparsify" in kinds:
+        return None
+    recipe_methods = [s.get("method", "rtn") for s in stages if s["stage"] == "quantize"]
+    method = options.get("method") or next(iter(recipe_methods), "rtn")
+    if method not in QUANTIZE_METHODS:
+        raise UsageError(f"--method {method} is a sparsify method; this recipe quantizes "
+                         f"without sparsifying: --method {' or '.join(QUANTIZE_METHODS)}")
+    data = options.get("data")
+    if data is not None and method != "gptq" and "prune" not in kinds:
+        raise UsageError(f"--data serves --method gptq; this run's quantize method is {method}")
+    if method != "gptq" or data is None:
+        return None
+
+    def make(ckpt: Checkpoint) -> Calibration:
+        samples, seq_len, batch_size, seed = calibration_run(options, SPARSEGPT_SAMPLES)
+        return Calibration.from_file(ckpt, data, samples, seq_len, batch_size, seed, device)
+
+    return make
 
 
 KIND = StageKind(Quantize.name, build, QuantizeRecord,
-                 settings=("targets", "format", "block_scale", "act_stats", "activations"))
+                 settings=("targets", "format", "block_scale", "act_stats", "activations",
+                           "method"),
+                 input_options=CALIBRATION_OPTIONS, input_type=Calibration, prepare=prepare)

@@ -14,7 +14,6 @@ after the mask (a pruned outlier never inflates a scale); pruned pairs are +0.0,
 from __future__ import annotations
 
 import functools
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +22,6 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from kconvert.calibrate.data import load_calibration_data
 from kconvert.calibrate.stats import META_FILE, STATS_FILE
 from kconvert.engine.stage import Stage, StageRecord
 from kconvert.errors import KconvertError, UsageError
@@ -38,7 +36,8 @@ from kconvert.options import (
     SPARSIFY_STORAGES,
     calibration_run,
 )
-from kconvert.sparsity import p48, sparsegpt
+from kconvert.sparsity import obs, p48, sparsegpt
+from kconvert.sparsity.hessians import Calibration
 from kconvert.stages.base import CALIBRATION_OPTIONS, StageKind
 
 METHODS = SPARSIFY_METHODS
@@ -64,25 +63,6 @@ class SparsifyRecord(StageRecord):
     blocksize: int | None = None
     hessian: str | None = Field(default=None, description="sparsegpt: source | sequential")
     data: dict | None = Field(default=None, description="SparseGPT's calibration data")
-
-
-@dataclass(frozen=True)
-class SparsegptCalibration:
-    """What a command prepares for SparseGPT from the opened source: the calibration pass that
-    yields each expert's Hessian, and what identifies its data in the manifest and the resume
-    fingerprint (None when the inputs came from memory, not from a file)."""
-
-    hessians: sparsegpt.CalibrationHessians
-    data: dict | None = None
-
-    @classmethod
-    def from_file(cls, ckpt: Checkpoint, path: str, samples: int, seq_len: int,
-                  batch_size: int, seed: int, device: torch.device) -> SparsegptCalibration:
-        """Calibration on `samples` sequences of `seq_len` tokens from the JSONL `path`."""
-        ids = load_calibration_data(path, ckpt.root, samples, seq_len, seed)
-        digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
-        return cls(sparsegpt.CalibrationHessians(ckpt, ids, device, batch_size),
-                   {"sha256": digest, "samples": samples, "seq_len": seq_len, "seed": seed})
 
 
 class WandaNorms:
@@ -118,7 +98,7 @@ class Sparsify(Stage):
     storage: str = "dense"
     stats: str | None = None  # `kconvert calibrate` output directory (wanda)
     hessian: str = DEFAULT_HESSIAN  # sparsegpt: where layer inputs come from
-    calibration: SparsegptCalibration | None = field(default=None, compare=False)
+    calibration: Calibration | None = field(default=None, compare=False)
     name: str = "sparsify"
 
     def __post_init__(self) -> None:
@@ -161,7 +141,7 @@ class Sparsify(Stage):
         if self.stats is not None:
             out["stats"] = hash_file(Path(self.stats) / STATS_FILE)
         if self.method == "sparsegpt":
-            out.update(percdamp=sparsegpt.PERCDAMP, blocksize=sparsegpt.BLOCKSIZE,
+            out.update(percdamp=obs.PERCDAMP, blocksize=obs.BLOCKSIZE,
                        hessian=self.hessian, data=self.calibration.data)
         return SparsifyRecord(**out)
 
@@ -170,15 +150,8 @@ class Sparsify(Stage):
             self.calibration.hessians.close()
 
     def work_elems(self, device: torch.device) -> int | None:
-        """SparseGPT's batches are sized from the device's memory (sparsegpt.experts_per_batch),
-        so its items are large: on a GPU a 32nd of the free bytes in decoded elements (the
-        fp32 weights and their result; the rest is left for the calibration layer and the
-        Hessians), on a CPU 2^26."""
-        if self.method != "sparsegpt":
-            return None
-        if device.type == "cuda":
-            return torch.cuda.mem_get_info(device)[0] // 32
-        return 1 << 26
+        """SparseGPT's items, sized as the OBS engine's."""
+        return obs.work_elems(device) if self.method == "sparsegpt" else None
 
     @property
     def norms(self) -> WandaNorms:
@@ -186,51 +159,26 @@ class Sparsify(Stage):
 
     def transform(self, modules, w, gs, scale_rule, local_dtype, arithmetic):
         if self.method == "sparsegpt":
-            return self._sparsegpt(modules, w, gs, scale_rule, local_dtype, arithmetic)
+            return (*self._sparsegpt(modules, w, gs, scale_rule, local_dtype, arithmetic), None)
         col = None
         if self.method == "wanda":
             col = torch.stack([self.norms.column_norms(m) for m in modules]).to(w.device)
         keep = p48.top2_pairs(p48.pair_scores(w, col))
-        return p48.apply_pair_mask(w, keep), None
+        return p48.apply_pair_mask(w, keep), None, None
 
     def _sparsegpt(self, modules, w, gs, scale_rule, local_dtype, arithmetic):
-        # Members that see the same inputs (an expert's gate and up) share one Hessian and
-        # run as one [rows, in] matrix: one Cholesky, one loop; as many such matrices per
-        # batch as the device holds.
-        keys = [(m.tn.layer, m.tn.expert, "down" if m.tn.proj == "down_proj" else "in")
-                for m in modules]
-        order = list(dict.fromkeys(keys))
-        members = [[i for i, k in enumerate(keys) if k == key] for key in order]
-        if len({len(g) for g in members}) != 1:
-            raise KconvertError("SparseGPT batch mixes experts with different projection sets",
-                                tensor=modules[0].module)
         hessians = self.calibration.hessians
-        b, m, k = w.shape
-        per = len(members[0])
-        gs = gs.to(w.device)
-        out = torch.empty_like(w)
-        out_codes = torch.empty(b, m, k // self.group_size, dtype=torch.uint8, device=w.device)
-        step = sparsegpt.experts_per_batch(per * m, k, w.device)
-        for start in range(0, len(order), step):
-            batch = range(start, min(start + step, len(order)))
-            u = sparsegpt.prepare_inverse(torch.stack([
-                hessians.hessian(order[i][0], order[i][1], modules[members[i][0]].tn.proj)
-                .to(w.device) for i in batch]))
-            rows = [j for i in batch for j in members[i]]
-            idx = torch.tensor(rows, device=w.device)
-            row_gs = gs[idx].repeat_interleave(m).reshape(len(batch), per * m)
-            w_hat, codes = sparsegpt.prune_quantize(
-                w[idx].reshape(len(batch), per * m, k), u, row_gs, self.group_size, scale_rule,
-                local_dtype, arithmetic)
-            del u
-            out[idx] = w_hat.reshape(-1, m, k)
-            out_codes[idx] = codes.reshape(-1, m, k // self.group_size)
-            del w_hat
-            if hessians.sequential:
-                for j in rows:
-                    tn = modules[j].tn
-                    hessians.replace(tn.layer, tn.expert, tn.proj, out[j])
-        return out, out_codes
+        written = None
+        if hessians.sequential:
+            def written(i: int, w_hat: torch.Tensor) -> None:
+                tn = modules[i].tn
+                hessians.replace(tn.layer, tn.expert, tn.proj, w_hat)
+        out, codes, _ = obs.quantize_batches(
+            w, gs, obs.members_of([m.tn for m in modules]),
+            lambda mb: hessians.hessian(mb.layer, mb.expert, mb.proj),
+            self.group_size, scale_rule, local_dtype, arithmetic, mask=sparsegpt.p48_mask,
+            budget=obs.batch_budget(w.device), written=written)
+        return out, codes
 
 
 @functools.cache
@@ -239,7 +187,7 @@ def _norms(stats: str) -> WandaNorms:
     return WandaNorms(stats)
 
 
-def build(settings: dict, calibration: SparsegptCalibration | None) -> Sparsify:
+def build(settings: dict, calibration: Calibration | None) -> Sparsify:
     if settings.get("pattern", "p48") != "p48":
         raise KconvertError(f"unknown sparsity pattern {settings['pattern']!r}; only p48")
     hessian = settings.get("hessian")
@@ -252,7 +200,7 @@ def build(settings: dict, calibration: SparsegptCalibration | None) -> Sparsify:
 
 
 def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
-            ) -> Callable[[Checkpoint], SparsegptCalibration] | None:
+            ) -> Callable[[Checkpoint], Calibration] | None:
     """SparseGPT's calibration from --data when the run's sparsify method is sparsegpt; None
     otherwise (without --data the stage itself refuses sparsegpt, as it refuses wanda without
     --stats)."""
@@ -267,16 +215,15 @@ def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
     if method != "sparsegpt" or data is None:
         return None
 
-    def make(ckpt: Checkpoint) -> SparsegptCalibration:
+    def make(ckpt: Checkpoint) -> Calibration:
         samples, seq_len, batch_size, seed = calibration_run(options, SPARSEGPT_SAMPLES)
-        return SparsegptCalibration.from_file(ckpt, data, samples, seq_len, batch_size, seed,
-                                              device)
+        return Calibration.from_file(ckpt, data, samples, seq_len, batch_size, seed, device)
 
     return make
 
 
 KIND = StageKind(Sparsify.name, build, SparsifyRecord,
                  settings=("pattern", "method", "group_size", "storage", "stats", "hessian"),
-                 input_options=CALIBRATION_OPTIONS, input_type=SparsegptCalibration,
+                 input_options=CALIBRATION_OPTIONS, input_type=Calibration,
                  prepare=prepare,
                  followed_by=("quantize", "p48 output is NVFP4"))

@@ -299,7 +299,7 @@ def test_recipe_key_typo_is_an_error(tmp_path):
     (["--keep", "4"], "prune"),
     (["--prune-ratio", "0.5"], "prune"),
     (["--storage", "pair-bitmask"], "sparsify"),
-    (["--method", "wanda"], "sparsify"),
+    (["--hessian", "source"], "sparsify"),  # --method is also quantize's (rtn|gptq)
     (["--group-size", "32"], "sparsify"),
 ])
 def test_run_refuses_options_no_stage_of_the_recipe_takes(opts, stage, tmp_path):

@@ -176,5 +176,6 @@ def test_samples_default_is_per_use_and_documented(tmp_path):
 
     assert "With --data: sequences. [default: 128;" in help_of("sparsify")
     assert "With --data: sequences. [default: 1024;" in help_of("reap")
-    assert "[default: 1024 for a prune stage's REAP calibration, 128 for SparseGPT]" in help_of(
-        "run")
+    assert ("[default: 1024 for a prune stage's REAP calibration, 128 for SparseGPT and GPTQ]"
+            in help_of("run"))
+    assert "With --data: sequences. [default: 128;" in help_of("quantize")

@@ -21,8 +21,7 @@ from kconvert.calibrate.stats import save_stats
 from kconvert.convert import RunControl, convert
 from kconvert.io.checkpoint import open_checkpoint
 from kconvert.recipes import load_recipe
-from kconvert.sparsity.sparsegpt import CalibrationHessians
-from kconvert.stages.sparsify import SparsegptCalibration
+from kconvert.sparsity.hessians import Calibration, CalibrationHessians
 from kconvert.testing.tiny_moe import (
     corpus_ids,
     heldout_ids,
@@ -102,7 +101,7 @@ def test_sparsegpt_beats_wanda_beats_magnitude(tmp_path):
                 if not method.startswith("sparsegpt"):
                     return {}
                 hessians = CalibrationHessians(ck, calib, torch.device("cpu"), 16)
-                return {"sparsify": SparsegptCalibration(hessians)}
+                return {"sparsify": Calibration(hessians)}
 
             # "sparsegpt" is the default: each layer's inputs from the compressed model
             options = {"method": method.split("-")[0], "stats": str(tmp_path / "stats")}

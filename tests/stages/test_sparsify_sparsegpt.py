@@ -26,7 +26,8 @@ from kconvert.cli import main
 from kconvert.errors import KconvertError
 from kconvert.formats import nvfp4
 from kconvert.io.checkpoint import open_checkpoint
-from kconvert.sparsity import sparsegpt
+from kconvert.sparsity import obs, sparsegpt
+from kconvert.sparsity.hessians import CalibrationHessians
 from kconvert.stages import sparsify
 from kconvert.testing.tiny_moe import corpus_ids, windows
 
@@ -61,7 +62,7 @@ def test_batched_loop_matches_the_paper_reference(shape, group, rule, arithmetic
     b, m, k, tokens = shape
     w, h, gs = _problem(b, m, k, tokens, seed=k, arithmetic=arithmetic)
     ref_w, ref_codes = sparsegpt_p48_nvfp4(w, h, gs, group, rule, arithmetic)
-    new_w, new_codes = sparsegpt.prune_quantize(w, sparsegpt.prepare_inverse(h), gs, group,
+    new_w, new_codes = sparsegpt.prune_quantize(w, obs.prepare_inverse(h), gs, group,
                                                 rule, arithmetic=arithmetic)
     pairs = b * m * k // 2
     mask_differ = int(((ref_w[..., 0::2] != 0) | (ref_w[..., 1::2] != 0)).ne(
@@ -85,7 +86,7 @@ def test_batched_loop_matches_the_paper_reference(shape, group, rule, arithmetic
 
 def test_inverse_factor_is_the_reference_factor():
     _, h, _ = _problem(3, 1, 96, 300, seed=1, arithmetic="compressed-tensors")
-    u = sparsegpt.prepare_inverse(h)
+    u = obs.prepare_inverse(h)
     torch.testing.assert_close(u, sparsegpt_inverse(h).float(), rtol=1e-4, atol=1e-6)
     assert torch.equal(u, u.triu()) and bool((u.diagonal(dim1=-2, dim2=-1) > 0).all())
 
@@ -93,7 +94,7 @@ def test_inverse_factor_is_the_reference_factor():
 def test_bf16_products_cost_little_reconstruction_error():
     """The bf16 knob, measured: relative error within 2% of fp32's on this problem."""
     w, h, gs = _problem(2, 64, 256, 600, seed=2, arithmetic="compressed-tensors")
-    u = sparsegpt.prepare_inverse(h)
+    u = obs.prepare_inverse(h)
     errs = {p: _relative_error(w, sparsegpt.prune_quantize(w, u, gs, 16, "mse",
                                                            precision=p)[0], h)
             for p in ("fp32", "bf16")}
@@ -110,7 +111,7 @@ def test_sequential_hessians_follow_the_compressed_layers():
     got = {}
     for mode in ("source", "sequential", "sequential-unchanged"):
         ckpt = open_checkpoint(str(TINY_MOE))
-        hessians = sparsegpt.CalibrationHessians(ckpt, ids, torch.device("cpu"), 4)
+        hessians = CalibrationHessians(ckpt, ids, torch.device("cpu"), 4)
         hessians.sequential = mode != "source"
         try:
             first = hessians.hessian(1, 0, "down_proj")

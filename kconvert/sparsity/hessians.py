@@ -1,0 +1,175 @@
+"""Per-matrix input Hessians H = X^T X from kconvert.calibrate's layer-streamed forward, for
+the OBS engine (kconvert.sparsity.obs: GPTQ and SparseGPT).
+
+`CalibrationHessians` runs the calibration forward on a thread beside the conversion and hands
+over one MoE layer at a time (its captured inputs and decoded weights), so no Hessian is ever
+stored: a layer's are built on demand from its tokens and freed after use: a routed expert's
+from the tokens routed to it, the shared expert's from every token of the layer. With
+`sequential` the compressed experts are written back into the handed-over layer and the layer
+is run again, so every later layer's inputs are those of the already-compressed model (the
+SparseGPT paper's order); otherwise they are the unchanged source's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import queue
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kconvert.calibrate.data import load_calibration_data
+from kconvert.errors import KconvertError
+from kconvert.io.checkpoint import Checkpoint
+
+
+class _Closed(Exception):
+    """Raised inside the calibration thread to end it early."""
+
+
+@dataclass
+class _Handoff:
+    layer: int
+    moe: object  # calibrate.MoEBlock, weights loaded and inputs captured
+
+
+class CalibrationHessians:
+    """Per-expert input Hessians from a layer-streamed calibration pass run beside the engine.
+
+    The pass (kconvert.calibrate.calibrate with `on_moe`) runs on its own thread and stops
+    after each MoE layer until the engine has asked for a later layer, so only one layer's
+    weights and inputs are held at a time. Layers must be asked for in ascending order (the
+    engine orders transform items by layer when this source is used).
+
+    With `sequential` (set before the first layer is asked for), `replace` writes compressed
+    weights into the handed-over layer, and the pass runs that layer again before the next, so
+    later layers see the compressed model's activations. Within a layer the inputs stay those
+    of the layer as it came: a down_proj Hessian after its own expert's gate/up were replaced
+    is refused (the engine hands a layer's down_proj batches over first).
+    """
+
+    def __init__(self, ckpt: Checkpoint, input_ids: torch.Tensor, device: torch.device,
+                 batch_size: int, dtype: torch.dtype = torch.bfloat16):
+        self._args = (ckpt, input_ids, device, batch_size, dtype)
+        self.sequential = False
+        self._replaced: set[tuple[int, int]] = set()  # (layer, expert): gate/up replaced
+        self._handoffs: queue.Queue = queue.Queue(maxsize=1)
+        self._release = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._current: _Handoff | None = None
+        self._done = False
+        self._closed = False
+        self.device = device
+
+    def _run(self) -> None:
+        from kconvert.calibrate.run import measure_stats
+
+        ckpt, ids, device, batch_size, dtype = self._args
+
+        def hand_over(layer: int, moe) -> None:
+            self._handoffs.put(_Handoff(layer, moe))
+            self._release.wait()
+            self._release.clear()
+            if self._closed:
+                raise _Closed
+
+        try:
+            measure_stats(ckpt, ids, device, batch_size, dtype=dtype, on_moe=hand_over,
+                          rerun_moe=self.sequential)
+            self._handoffs.put(None)
+        except _Closed:
+            pass
+        except BaseException as exc:  # surfaced to the engine's thread in `_layer`
+            self._handoffs.put(exc)
+
+    def moe_layer(self, layer: int):
+        """The calibration pass's MoE block of `layer` (weights loaded, inputs captured)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kconvert-calibrate",
+                                            daemon=True)
+            self._thread.start()
+        while self._current is None or self._current.layer < layer:
+            if self._done:
+                raise KconvertError(f"calibration produced no MoE layer {layer}")
+            if self._current is not None:
+                self._current = None
+                self._release.set()  # calibration may free this layer and go on
+            got = self._handoffs.get()
+            if isinstance(got, BaseException):
+                self._done = True
+                raise got
+            if got is None:
+                self._done = True
+                continue
+            self._current = got
+        if self._current.layer != layer:
+            raise KconvertError(f"the OBS engine needs MoE layers in ascending order; layer "
+                                f"{layer} was asked for after layer {self._current.layer}")
+        return self._current.moe
+
+    def hessian(self, layer: int, expert: int | None, proj: str) -> torch.Tensor:
+        """X^T X [in, in] (fp32, on the device) over the tokens routed to the source expert
+        (`expert` None: the shared expert, every token); X is the input of gate/up, or
+        act(gate x) * up x for down."""
+        moe = self.moe_layer(layer)
+        if proj == "down_proj" and (layer, expert) in self._replaced:
+            raise KconvertError(f"the OBS engine asked for layer {layer} expert {expert}'s "
+                                "down_proj Hessian after its gate/up were replaced")
+        with torch.no_grad():  # gate/up need only the routed inputs, not down's
+            if expert is None:
+                x = moe.captured()[0]
+                if proj == "down_proj":
+                    mlp = moe.shared_experts
+                    x = mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
+            else:
+                x = (moe.expert_inputs(expert)[1] if proj == "down_proj"
+                     else moe.routed_inputs(expert))
+            x = x.float().to(self.device)
+            return x.T @ x
+
+    def replace(self, layer: int, expert: int, proj: str, w: torch.Tensor) -> None:
+        """Put the compressed weights w [out, in] of one expert linear into the layer the
+        pass runs again (`sequential` only)."""
+        moe = self.moe_layer(layer)
+        if proj == "down_proj":
+            target = moe.experts.down[expert]
+        else:
+            rows = slice(0, moe.inter) if proj == "gate_proj" else slice(moe.inter, None)
+            target = moe.experts.gate_up[expert, rows]
+            self._replaced.add((layer, expert))
+        target.copy_(w)
+
+    def close(self) -> None:
+        """Stop the calibration pass (the layers after the last one asked for are not needed)
+        and wait for its thread; safe to call more than once, and after an error."""
+        if self._thread is None or self._closed:
+            return
+        self._closed = True
+        self._current = None
+        while self._thread.is_alive():
+            self._release.set()
+            with contextlib.suppress(queue.Empty):  # unblock a pending hand-over
+                self._handoffs.get(timeout=0.1)
+        self._thread.join()
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What a command prepares for the OBS engine from the opened source: the calibration pass
+    that yields each matrix's Hessian, and what identifies its data in the manifest and the
+    resume fingerprint (None when the inputs came from memory, not from a file)."""
+
+    hessians: CalibrationHessians
+    data: dict | None = None
+
+    @classmethod
+    def from_file(cls, ckpt: Checkpoint, path: str, samples: int, seq_len: int,
+                  batch_size: int, seed: int, device: torch.device) -> Calibration:
+        """Calibration on `samples` sequences of `seq_len` tokens from the JSONL `path`."""
+        ids = load_calibration_data(path, ckpt.root, samples, seq_len, seed)
+        digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        return cls(CalibrationHessians(ckpt, ids, device, batch_size),
+                   {"sha256": digest, "samples": samples, "seq_len": seq_len, "seed": seed})

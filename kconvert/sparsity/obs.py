@@ -1,0 +1,348 @@
+"""The OBS engine: blocked error-compensated NVFP4 quantization (GPTQ), optionally with a mask
+chosen per scale block (SparseGPT's p48, kconvert.sparsity.sparsegpt). docs/obs.md.
+
+For a batch of matrices W [B, M, K] that share an input Hessian H = X^T X per batch entry
+(an expert's gate and up rows see the same tokens), columns are visited left to right. At the
+start of every NVFP4 scale block (16 or 32 columns) the block's mask is chosen, if any, on the
+error-updated weights, then the block's FP8 scale by the `--block-scale` rule on those same
+weights (after the mask: the rule the encoder uses), then each column is quantized with that
+scale (masked entries +0) and its error is propagated to the columns not yet visited.
+
+The propagation is blocked three ways (GPTQ's lazy batch updates, one level deeper), so that
+almost all of the arithmetic is large batched matrix products and the per-column work touches
+only one scale block's columns:
+  inside a scale block   rank-1 updates of the block's own later columns (G columns): the
+                         column loop, a fused Triton kernel on a GPU (obs_kernel), torch on a
+                         CPU and as the kernel's oracle
+  end of a scale block   one batched product for the rest of its BLOCKSIZE-column lazy block
+  end of a lazy block    one batched product for every later column
+Every entry gets the same updates as in the plain per-column loop (each column's error times
+its row of U), only summed in another order, so results agree up to fp32 rounding (tested
+against the per-column loop kept in tests/oracles.py).
+
+The result is W-hat already on the NVFP4 grid plus the block-scale codes to encode it with,
+so the encoder writes exactly the values this loop optimised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kconvert.formats import nvfp4
+from kconvert.model.names import TensorName
+
+BLOCKSIZE = 128  # columns per lazy-update block (else one NVFP4 block, for small K)
+PERCDAMP = 0.1  # damping, as a fraction of the mean Hessian diagonal (p48.md)
+
+
+# Matrix products of the error propagation: fp32 (the default), TF32 tensor cores (CUDA only;
+# on a CPU the same as fp32) or bf16 operands with fp32 accumulation.
+PRECISIONS = ("fp32", "tf32", "bf16")
+
+
+# Matrices per OBS batch on a CPU (a GPU's batch is sized from a byte budget).
+CPU_BATCH = 8
+
+
+# The in-block column loop: "torch" (any device), "triton" (CUDA, or Triton's interpreter with
+# TRITON_INTERPRET=1), or "auto" (triton on CUDA when it imports, else torch).
+KERNELS = ("auto", "torch", "triton")
+
+
+# (error-updated weights of one scale block [B, M, G], diagonal of its U [B, G]) -> entries
+# kept [B, M, G] (bool), chosen before the block's scale; None: no mask (GPTQ).
+MaskRule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def prepare_inverse(h: torch.Tensor, percdamp: float = PERCDAMP) -> torch.Tensor:
+    """U = upper Cholesky factor of (H + damp I)^-1, for H [B, K, K] (fp32).
+
+    A column no token touched (zero diagonal) gets a unit diagonal: it neither receives nor
+    passes error and is quantized on its own (pruned by magnitude under a mask), instead of
+    being zeroed as SparseGPT does (an expert the calibration data never reached must still
+    work).
+
+    With J the order-reversing permutation and J H J = L L^T (lower Cholesky),
+    (H)^-1 = (J L^-1 J)^T (J L^-1 J) and J L^-1 J is upper with a positive diagonal: so U is
+    one Cholesky and one triangular solve, where SparseGPT's code (Cholesky, explicit inverse,
+    Cholesky again) takes about three times the arithmetic.
+    """
+    h = h.float().clone()
+    diag = h.diagonal(dim1=-2, dim2=-1)
+    diag.masked_fill_(diag == 0, 1.0)
+    diag += percdamp * diag.mean(-1, keepdim=True)
+    lower = torch.linalg.cholesky(h.flip(-2, -1))
+    del h
+    eye = torch.eye(lower.shape[-1], dtype=lower.dtype, device=lower.device)
+    return torch.linalg.solve_triangular(lower, eye.expand_as(lower), upper=False).flip(-2, -1)
+
+
+def batch_budget(device: torch.device) -> int | None:
+    """Bytes one OBS batch may use on `device` when no budget is given: half of the GPU
+    memory free now (torch's cache counts as free: it holds what earlier batches freed);
+    None on a CPU (CPU_BATCH matrices per batch)."""
+    if device.type != "cuda":
+        return None
+    free = (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+            - torch.cuda.memory_allocated(device))
+    return free // 2
+
+
+def experts_per_batch(rows: int, k: int, budget: int | None, tokens: int = 0,
+                      against_rtn: bool = False) -> int:
+    """How many Hessian-sharing matrices [rows, k] one OBS batch takes within `budget` bytes
+    (`batch_bytes`); CPU_BATCH when the budget is None."""
+    if budget is None:
+        return CPU_BATCH
+    return max(1, budget // batch_bytes(rows, k, tokens, against_rtn))
+
+
+def batch_bytes(rows: int, k: int, tokens: int = 0, against_rtn: bool = False) -> int:
+    """Device bytes one matrix [rows, k] of an OBS batch needs: the Hessian, its factor and
+    their temporaries, the weights, their copy and the result, the routed inputs, and with
+    `against_rtn` RTN's values, the difference and its product with H."""
+    return 4 * (4 * k * k + (7 if against_rtn else 4) * rows * k + tokens * k)
+
+
+@contextlib.contextmanager
+def _matmul_precision(precision: str, device: torch.device) -> Iterator[None]:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, not {precision!r}")
+    if precision != "tf32" or device.type != "cuda":
+        yield
+        return
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def _subtract_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, precision: str
+                      ) -> None:
+    """out -= a @ b (batched), in place on a view of the weights."""
+    if precision == "bf16":
+        out -= torch.bmm(a.bfloat16(), b.bfloat16()).float()
+    else:
+        out.baddbmm_(a, b, alpha=-1.0)
+
+
+def _round_to_grid(x: torch.Tensor, step: torch.Tensor, cuts: torch.Tensor, lut: torch.Tensor
+                   ) -> torch.Tensor:
+    """nvfp4.fake_quantize of single columns x on per-row steps, in a few elementwise ops (the
+    same division, rounding boundaries and sign rule, so the same bits)."""
+    y = x / step
+    v = lut[torch.bucketize(y.abs(), cuts)]
+    return torch.where(y < 0, -v, v) * step
+
+
+def column_loop(wg: torch.Tensor, ug: torch.Tensor, keep: torch.Tensor | None,
+                step: torch.Tensor, eg: torch.Tensor) -> None:
+    """The in-block loop in torch, in place: for each column j of the scale block wg
+    [B, M, G] (a view of the weights), quantize it on the rows' steps [B, M] (entries not in
+    `keep` +0), write its scaled error (w - q) / U_jj to eg[..., j] and subtract error x U's
+    row j from the block's later columns. ug [B, G, G] is the block's part of U."""
+    cuts = nvfp4.cut_points(wg.device)
+    lut = torch.tensor(nvfp4.E2M1, dtype=torch.float32, device=wg.device)
+    d = ug.diagonal(dim1=-2, dim2=-1)
+    g = wg.shape[-1]
+    for j in range(g):
+        col = wg[:, :, j]
+        q = _round_to_grid(col, step, cuts, lut)
+        if keep is not None:
+            q = torch.where(keep[:, :, j], q, 0.0)
+        e = (col - q) / d[:, None, j]
+        if j + 1 < g:
+            wg[:, :, j + 1:] -= e.unsqueeze(-1) * ug[:, None, j, j + 1:]
+        wg[:, :, j] = q
+        eg[:, :, j] = e
+
+
+def _column_loop_for(kernel: str, device: torch.device):
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, not {kernel!r}")
+    if kernel == "torch" or (kernel == "auto" and device.type != "cuda"):
+        return column_loop
+    from kconvert.sparsity import obs_kernel
+
+    if kernel == "auto" and not obs_kernel.available():
+        return column_loop
+    return obs_kernel.column_loop
+
+
+def obs_quantize(w: torch.Tensor, u: torch.Tensor, gs: torch.Tensor, group_size: int,
+                 rule: str, local_dtype: torch.dtype = torch.float32,
+                 arithmetic: str = "compressed-tensors", precision: str = "fp32",
+                 mask: MaskRule | None = None, kernel: str = "auto"
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Error-compensated NVFP4 quantization of w [B, M, K] with U [B, K, K]
+    (`prepare_inverse`), with `mask` chosen per scale block if given.
+
+    gs [B, M] is each row's NVFP4 global scale; `rule` the block-scale rule ("amax" | "mse");
+    `precision` that of the error propagation's matrix products (PRECISIONS); `kernel` the
+    in-block loop (KERNELS). Returns (W-hat [B, M, K] on the NVFP4 grid, masked entries +0,
+    FP8 block-scale codes uint8 [B, M, K/group_size]).
+    """
+    b, m, k = w.shape
+    if k % group_size:
+        raise ValueError(f"input dimension {k} is not a multiple of the block size {group_size}")
+    loop = _column_loop_for(kernel, w.device)
+    lazy = BLOCKSIZE if k % BLOCKSIZE == 0 else group_size
+    w = w.float().clone()
+    gs = gs.float()
+    codes = torch.empty(b, m, k // group_size, dtype=torch.uint8, device=w.device)
+    row_gs = gs.reshape(b * m, 1)
+    err = torch.empty(b, m, lazy, dtype=torch.float32, device=w.device)
+    with _matmul_precision(precision, w.device):
+        for i1 in range(0, k, lazy):
+            i2 = i1 + lazy
+            for j0 in range(i1, i2, group_size):
+                j1 = j0 + group_size
+                wg = w[:, :, j0:j1]  # a view: updated in place
+                ug = u[:, j0:j1, j0:j1]
+                keep = None if mask is None else mask(wg, ug.diagonal(dim1=-2, dim2=-1))
+                blocks = wg if keep is None else torch.where(keep, wg, 0.0)
+                c = nvfp4.choose_block_codes(blocks.reshape(b * m, 1, -1), row_gs, rule,
+                                             local_dtype, arithmetic).reshape(b, m)
+                codes[:, :, j0 // group_size] = c
+                step = nvfp4.block_step(c, gs, arithmetic)[..., 0]
+                eg = err[:, :, j0 - i1:j1 - i1]
+                loop(wg, ug, keep, step, eg)
+                if j1 < i2:
+                    _subtract_product(w[:, :, j1:i2], eg, u[:, j0:j1, j1:i2], precision)
+            if i2 < k:
+                _subtract_product(w[:, :, i2:], err, u[:, i1:i2, i2:], precision)
+    return w, codes
+
+
+def output_error(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """tr(dW H dW^T) per row, dW = W-hat - W: the squared output error on the calibration
+    tokens (w, w_hat [B, M, K], h [B, K, K]) -> float64 [B, M]. On a GPU the product runs on
+    TF32 tensor cores (fp32 would cost a full-size layer about 6 s on an H100; the errors
+    compared differ by far more than TF32's rounding wherever GPTQ helps)."""
+    d = (w_hat - w).float()
+    with _matmul_precision("tf32", d.device):
+        return (torch.bmm(d, h.float()) * d).sum(-1, dtype=torch.float64)
+
+
+@dataclass(frozen=True)
+class Member:
+    """One matrix of a transform item and the Hessian it is quantized under (`expert` None: the
+    shared expert's). Matrices with the same `key` (an expert's gate and up see the same
+    inputs) run as one [rows, in] matrix: one Hessian, one factor, one loop."""
+
+    layer: int
+    expert: int | None
+    proj: str  # gate_proj | up_proj | down_proj
+
+    @property
+    def key(self) -> tuple:
+        return self.layer, self.expert, self.proj == "down_proj"
+
+
+def members_of(names: Sequence[TensorName]) -> list[Member]:
+    """The Members of the linears named `names` (parsed names of their weights)."""
+    return [Member(tn.layer, tn.expert, tn.proj) for tn in names]
+
+
+def work_elems(device: torch.device) -> int:
+    """Decoded elements per OBS transform item: batches are sized by `experts_per_batch`, so
+    items are large: on a GPU a 32nd of the free bytes (the fp32 weights and their result; the
+    rest is left for the calibration layer and the Hessians), on a CPU 2^26."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] // 32
+    return 1 << 26
+
+
+@dataclass(frozen=True)
+class Choice:
+    """GPTQ against RTN for one matrix: both output errors on the same Hessian, and which was
+    written ("gptq" only when strictly better)."""
+
+    method: str
+    gptq_error: float
+    rtn_error: float
+
+
+def quantize_batches(w: torch.Tensor, gs: torch.Tensor, members: Sequence[Member],
+                     hessian: Callable[[Member], torch.Tensor], group_size: int, rule: str,
+                     local_dtype: torch.dtype, arithmetic: str, *, mask: MaskRule | None = None,
+                     against_rtn: bool = False, budget: int | None = None,
+                     written: Callable[[int, torch.Tensor], None] | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor, list[Choice] | None]:
+    """OBS-quantize w [B, M, K] (B matrices, per-matrix global scales gs [B]), batching the
+    Hessian-sharing groups of `members` (one per matrix) `experts_per_batch(budget)` at a time.
+
+    With `against_rtn`, each matrix's result is compared with round-to-nearest on the same
+    Hessian and the better is kept (RTN's values and codes are the encoder's own, so an RTN
+    choice gives exactly the bytes of a run without OBS); the choices come back per matrix.
+    `written(i, w_hat_i)` sees each matrix's result as soon as its batch is done (SparseGPT's
+    sequential Hessians). Returns (weights [B, M, K], block codes uint8 [B, M, K/group_size],
+    choices or None).
+    """
+    keys = [mb.key for mb in members]
+    order = list(dict.fromkeys(keys))
+    groups = [[i for i, key in enumerate(keys) if key == o] for o in order]
+    if len({len(g) for g in groups}) != 1:
+        raise ValueError("an OBS batch mixes Hessian groups of different sizes")
+    b, m, k = w.shape
+    per = len(groups[0])
+    gs = gs.to(w.device)
+    out = torch.empty_like(w)
+    out_codes = torch.empty(b, m, k // group_size, dtype=torch.uint8, device=w.device)
+    choices: list[Choice | None] = [None] * b
+    step = experts_per_batch(per * m, k, budget, against_rtn=against_rtn)
+    for start in range(0, len(order), step):
+        batch = range(start, min(start + step, len(order)))
+        h = torch.stack([hessian(members[groups[i][0]]).to(w.device) for i in batch])
+        u = prepare_inverse(h)
+        rows = [j for i in batch for j in groups[i]]
+        idx = torch.tensor(rows, device=w.device)
+        row_gs = gs[idx].repeat_interleave(m).reshape(len(batch), per * m)
+        target = w[idx].reshape(len(batch), per * m, k)
+        w_hat, codes = obs_quantize(target, u, row_gs, group_size, rule, local_dtype,
+                                    arithmetic, mask=mask)
+        del u
+        if against_rtn:
+            w_hat, codes = keep_better_than_rtn(target, w_hat, codes, h, row_gs, per,
+                                                group_size, rule, local_dtype, arithmetic, rows,
+                                                choices)
+        del h
+        out[idx] = w_hat.reshape(-1, m, k)
+        out_codes[idx] = codes.reshape(-1, m, k // group_size)
+        del w_hat
+        if written is not None:
+            for j in rows:
+                written(j, out[j])
+    return out, out_codes, (choices if against_rtn else None)  # type: ignore[return-value]
+
+
+def keep_better_than_rtn(target: torch.Tensor, w_hat: torch.Tensor, codes: torch.Tensor,
+                         h: torch.Tensor, row_gs: torch.Tensor, per: int, group_size: int,
+                         rule: str, local_dtype: torch.dtype, arithmetic: str, rows: list[int],
+                         choices: list[Choice | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per matrix (`per` matrices of equal rows share each batch entry of target [nb, r, k]),
+    the OBS result (w_hat, codes) or RTN's, whichever has the smaller output error on h; each
+    matrix's Choice goes to choices[rows[...]]."""
+    nb, r, k = target.shape
+    blocks = target.reshape(nb * r, -1, group_size)
+    rtn_codes = nvfp4.choose_block_codes(blocks, row_gs.reshape(-1, 1), rule, local_dtype,
+                                         arithmetic)
+    rtn = nvfp4.fake_quantize(blocks, rtn_codes, row_gs.reshape(-1, 1), arithmetic)
+    rtn, rtn_codes = rtn.reshape(nb, r, k), rtn_codes.reshape(nb, r, -1)
+    m = r // per
+    obs_err = output_error(target, w_hat, h).reshape(nb, per, m).sum(-1)
+    rtn_err = output_error(target, rtn, h).reshape(nb, per, m).sum(-1)
+    better = (obs_err < rtn_err).repeat_interleave(m, dim=1)  # [nb, r]
+    for j, o, e in zip(rows, obs_err.reshape(-1).tolist(), rtn_err.reshape(-1).tolist(),
+                       strict=True):
+        choices[j] = Choice("gptq" if o < e else "rtn", o, e)
+    # RTN's matrices go to the encoder as the target itself with RTN's codes: the encoder
+    # rounds them exactly as an RTN run does (same nibbles, negative zeros included).
+    return (torch.where(better[..., None], w_hat, target),
+            torch.where(better[..., None], codes, rtn_codes))

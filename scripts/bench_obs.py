@@ -1,0 +1,307 @@
+"""Benchmark: the OBS engine (kconvert.sparsity.obs) on one full-size Kimi MoE layer: RTN, GPTQ
+and SparseGPT side by side, the fused Triton in-block loop against the torch loop.
+
+    python3 scripts/bench_obs.py --json /tmp/kbench-out/bench_obs.json       # H100, ~5 min
+    python3 scripts/bench_obs.py --tiny --json /tmp/bench_obs_tiny.json      # CPU check, ~1 min
+
+Parts (PARTS=stage,kernel,e2e by default; a JSON line each on stdout, all in --json):
+  stage   384 synthetic experts (gate+up as one [4096, 7168] matrix sharing a 7168^2 Hessian,
+          down [7168, 2048] with a 2048^2 one), TOKENS (2800) random routed tokens per expert,
+          in batches sized as the stages size them (obs.experts_per_batch of obs.batch_budget):
+          rtn       the NVFP4 encode alone (mse block scales)
+          gptq      Hessians X^T X + U = chol(H^-1) + the OBS loop without a mask + the
+                    comparison with RTN on the same H + the encode
+          sparsegpt the same with the p48 mask
+          with the Triton in-block kernel (KERNEL, default auto: Triton on CUDA); OBS stage
+          seconds, per phase (hessian, inverse, loop, rtn_compare, encode), peak GPU memory.
+  kernel  one gate+up batch (KERNEL_EXPERTS, 16) through the loop with the torch column loop
+          and with the Triton kernel, for gptq and sparsegpt: loop seconds of each, and how
+          many block codes and W-hat values differ (0 expected: docs/obs.md).
+  e2e     `kconvert int4-to-nvfp4 --method rtn`, `--method gptq --data` and `kconvert sparsify
+          --method sparsegpt --data` on bench_calibrate's full-size one-MoE-layer INT4
+          checkpoint (SEQS x SEQ random tokens, 16 x 2048 by default), each audited
+          (`kconvert audit --source`); wall seconds, GPU peak memory (nvidia-smi) and mean
+          utilisation; a failed run is recorded (its exit code and last line), not fatal.
+--tiny: a few small experts on the CPU, and e2e on the tiny k2-int4-kimi fixture.
+Env: ROOT (scratch, /tmp/kbench), TOKENS, KERNEL, KERNEL_EXPERTS, SEQS, SEQ, PARTS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+from kconvert.formats import nvfp4  # noqa: E402
+from kconvert.sparsity import obs, sparsegpt  # noqa: E402
+
+ROOT = Path(os.environ.get("ROOT", "/tmp/kbench"))
+METHODS = {"gptq": None, "sparsegpt": sparsegpt.p48_mask}
+
+
+class GpuSampler:
+    """nvidia-smi's utilisation and memory.used, sampled on a thread while a part runs."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            try:
+                line = subprocess.run(
+                    ["nvidia-smi", "--query-gpu=utilization.gpu,memory.used",
+                     "--format=csv,noheader,nounits", "-i", "0"],
+                    capture_output=True, text=True, timeout=5).stdout.split(",")
+                self.samples.append((float(line[0]), float(line[1])))
+            except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+                return
+
+    def __enter__(self) -> GpuSampler:
+        if torch.cuda.is_available():
+            self._thread.start()
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def summary(self) -> dict:
+        if not self.samples:
+            return {}
+        util = [u for u, _ in self.samples]
+        return {"gpu_util_mean_pct": round(sum(util) / len(util), 1),
+                "gpu_mem_used_peak_gib": round(max(m for _, m in self.samples) / 1024, 1)}
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+class Phases:
+    """Seconds per phase, with the device synchronised at each boundary."""
+
+    def __init__(self, dev: torch.device) -> None:
+        self.dev, self.s = dev, {}
+
+    def __call__(self, name: str, fn, *args, **kw):
+        sync(self.dev)
+        t0 = time.perf_counter()
+        out = fn(*args, **kw)
+        sync(self.dev)
+        self.s[name] = self.s.get(name, 0.0) + time.perf_counter() - t0
+        return out
+
+
+def problem(dev: torch.device, e: int, rows: int, k: int, tokens: int, gen: torch.Generator
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """e random experts [rows, k] and their routed inputs [tokens, k] (bf16, as captured)."""
+    w = torch.randn(e, rows, k, generator=gen, device=dev) * k ** -0.5
+    x = torch.randn(e, tokens, k, generator=gen, device=dev).to(torch.bfloat16)
+    return w, x
+
+
+def run_batch(ph: Phases, method: str, w: torch.Tensor, x: torch.Tensor, kernel: str
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch through Hessian, inverse, loop, RTN comparison (gptq) and encode."""
+    e, rows, _ = w.shape
+    amax = w.abs().amax((1, 2))
+    gs = nvfp4.tensor_scale(amax).repeat_interleave(rows).reshape(e, rows)
+    if method == "rtn":
+        ph("encode", nvfp4.quantize, w, amax, "mse", group_size=16)
+        return w, torch.empty(0)
+    h = ph("hessian", lambda x: torch.stack([xi.float().T @ xi.float() for xi in x]), x)
+    u = ph("inverse", obs.prepare_inverse, h)
+    w_hat, codes = ph("loop", obs.obs_quantize, w, u, gs, 16, "mse", mask=METHODS[method],
+                      kernel=kernel)
+    del u
+    if method == "gptq":
+        w_hat, codes = ph("rtn_compare", obs.keep_better_than_rtn, w, w_hat, codes, h, gs, 1,
+                          16, "mse", torch.float32, "compressed-tensors", list(range(e)),
+                          [None] * e)
+    del h
+    ph("encode", nvfp4.quantize, w_hat, amax, "mse", group_size=16, block_codes=codes)
+    return w_hat, codes
+
+
+def warm(dev: torch.device, kernels: list[str]) -> None:
+    """Compile the Triton kernel (each mask variant) outside the timed parts."""
+    w = torch.randn(1, 8, 64, device=dev)
+    u = torch.eye(64, device=dev)[None]
+    gs = torch.ones(1, 8, device=dev)
+    for mask in METHODS.values():
+        for k in kernels:
+            obs.obs_quantize(w, u, gs, 16, "mse", mask=mask, kernel=k)
+    sync(dev)
+
+
+def stage_part(dev: torch.device, method: str, experts: int, dims, tokens: int, kernel: str
+               ) -> dict:
+    """All `experts` of a layer, gate+up then down, in batches; seconds per phase."""
+    gen = torch.Generator(device=dev).manual_seed(0)
+    ph = Phases(dev)
+    hidden, inter = dims
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    batches = {}
+    seconds = 0.0
+    for name, rows, k in (("gate_up", 2 * inter, hidden), ("down", hidden, inter)):
+        step = obs.experts_per_batch(rows, k, obs.batch_budget(dev), tokens,
+                                     against_rtn=method == "gptq")
+        batches[name] = step
+        for start in range(0, experts, step):
+            w, x = problem(dev, min(step, experts - start), rows, k, tokens, gen)
+            sync(dev)
+            t0 = time.perf_counter()
+            run_batch(ph, method, w, x, kernel)
+            sync(dev)
+            seconds += time.perf_counter() - t0  # the making of the problem is not timed
+            del w, x
+    out = {"experts": experts, "batch_experts": batches, "kernel": kernel,
+           "stage_s": round(seconds, 2), "phases_s": {k: round(v, 2) for k, v in ph.s.items()}}
+    if dev.type == "cuda":
+        out["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+    return out
+
+
+def kernel_part(dev: torch.device, dims, tokens: int, e: int) -> dict:
+    """Torch column loop vs Triton kernel on one gate+up batch: seconds and differences."""
+    hidden, inter = dims
+    out = {}
+    for method in METHODS:
+        got = {}
+        for kernel in ("torch", "triton"):
+            ph = Phases(dev)
+            w, x = problem(dev, e, 2 * inter, hidden, tokens,
+                           torch.Generator(device=dev).manual_seed(1))
+            got[kernel] = run_batch(ph, method, w, x, kernel)
+            got[kernel + "_s"] = round(ph.s["loop"], 2)
+            del w, x
+        out[method] = {
+            "torch_loop_s": got["torch_s"], "triton_loop_s": got["triton_s"],
+            "codes_differing": int((got["torch"][1] != got["triton"][1]).sum()),
+            "codes": got["torch"][1].numel(),
+            "values_differing": int((got["torch"][0] != got["triton"][0]).sum())}
+    return {"experts": e, **out}
+
+
+def cli(*args: str) -> tuple[float, int, str]:
+    """(wall seconds, exit code, last line of output) of one kconvert command."""
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, "-m", "kconvert.cli", *args], capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                             [str(HERE.parent), *filter(None, [os.environ.get("PYTHONPATH")])])})
+    lines = (res.stdout + res.stderr).strip().splitlines()
+    return round(time.perf_counter() - t0, 2), res.returncode, lines[-1] if lines else ""
+
+
+def e2e_part(tiny: bool, dev: str) -> dict:
+    if tiny:
+        from kconvert.testing.fixture_weights import FixtureDims
+        from kconvert.testing.fixtures import make_fixture
+
+        src = make_fixture(ROOT / "fixture", "k2-int4-kimi", FixtureDims())
+        seqs, seq, vocab = 16, 64, FixtureDims().vocab
+        make_s = 0.0
+    else:
+        import bench_calibrate
+
+        src = ROOT / "calib-src"
+        t0 = time.perf_counter()
+        if not (src / "config.json").exists():
+            bench_calibrate.make_checkpoint(src)
+        make_s = round(time.perf_counter() - t0, 1)
+        seqs, seq, vocab = (int(os.environ.get("SEQS", 16)), int(os.environ.get("SEQ", 2048)),
+                            bench_calibrate.V)
+    ids = torch.randint(0, vocab, (seqs, seq), generator=torch.Generator().manual_seed(0))
+    data = ROOT / "calib.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in ids.tolist()))
+    calib = ["--data", str(data), "--samples", str(seqs), "--seq-len", str(seq)]
+    runs = {"rtn": ["int4-to-nvfp4", "--method", "rtn"],
+            "gptq": ["int4-to-nvfp4", "--method", "gptq", *calib],
+            "sparsegpt": ["sparsify", "--pattern", "p48", "--method", "sparsegpt", *calib]}
+    out: dict = {"make_s": make_s, "seqs": seqs, "seq_len": seq}
+    for name, args in runs.items():
+        dst = ROOT / f"out-{name}"
+        shutil.rmtree(dst, ignore_errors=True)
+        with GpuSampler() as gpu:
+            wall, code, last = cli(args[0], str(src), str(dst), *args[1:], "--device", dev,
+                                   "--quiet")
+        got = {"wall_s": wall, "exit": code, **gpu.summary()}
+        if code:
+            got["error"] = last
+        else:
+            audit_s, audit_code, audit_last = cli("audit", str(dst), "--source", str(src))
+            manifest = json.loads((dst / "kconvert-manifest.json").read_text())
+            choices = [c["method"] for c in manifest.get("obs", {}).values()]
+            got.update(audit_s=audit_s, audit="passed" if audit_code == 0 else audit_last,
+                       rel_mse_mean=manifest["summary"]["rel_mse_mean"],
+                       gptq_kept=choices.count("gptq"), rtn_kept=choices.count("rtn"))
+        shutil.rmtree(dst, ignore_errors=True)
+        out[name] = got
+        print("e2e", name, got, flush=True)
+    out["children_peak_rss_gib"] = round(
+        resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, 2)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="small sizes, CPU (a check)")
+    ap.add_argument("--json", required=True, help="where to write the results")
+    args = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    if dev.type == "cpu":
+        torch.set_num_threads(1)  # a check, not a benchmark: no thread contention
+        nvfp4.warm_cpu_kernels()  # numba's compile is not the encode's time
+    dims = (256, 128) if args.tiny else (7168, 2048)
+    experts = 8 if args.tiny else 384
+    tokens = int(os.environ.get("TOKENS", 300 if args.tiny else 2800))
+    kernel = os.environ.get("KERNEL", "auto")
+    parts = os.environ.get("PARTS", "stage,kernel,e2e").split(",")
+    ROOT.mkdir(parents=True, exist_ok=True)
+    res: dict = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+                 "tiny": args.tiny, "tokens_per_expert": tokens}
+    triton_ok = dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    t0 = time.perf_counter()
+    warm(dev, ["torch", kernel] + (["triton"] if triton_ok else []))
+    res["warm_s"] = round(time.perf_counter() - t0, 1)
+    if "stage" in parts:
+        res["stage"] = {}
+        for method in ("rtn", "gptq", "sparsegpt"):
+            with torch.no_grad(), GpuSampler() as gpu:
+                got = stage_part(dev, method, experts, dims, tokens, kernel)
+            res["stage"][method] = {**got, **gpu.summary()}
+            print("stage", method, res["stage"][method], flush=True)
+    if "kernel" in parts and triton_ok:
+        with torch.no_grad():
+            res["kernel"] = kernel_part(dev, dims, tokens,
+                                        int(os.environ.get("KERNEL_EXPERTS", 2 if args.tiny
+                                                           else 16)))
+        print("kernel", res["kernel"], flush=True)
+    if "e2e" in parts:
+        res["e2e"] = e2e_part(args.tiny, dev.type)
+    res["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(res, indent=1))
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()

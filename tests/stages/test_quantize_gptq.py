@@ -1,0 +1,176 @@
+"""GPTQ (`quantize --method gptq`): the OBS engine without a mask against GPTQ's per-column loop
+(tests/oracles.py), never worse than RTN per matrix, RTN's bytes where RTN is kept, and the
+command line end to end (manifest record, audit against the source, usage errors).
+
+Tolerance against the per-column loop as for SparseGPT (p48.md, "Mask selection" 3): the
+batched loop sums each column's error updates in another order and U comes from another
+factorisation, so an E2M1 code may differ where a rounding boundary decides; at most 0.1% of
+the block codes may differ, and the output error must not be worse than the reference's by
+more than 1%.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from conftest import BUNDLED, ROOT
+from kconvert.cli import main
+from kconvert.formats import nvfp4
+from kconvert.sparsity import obs
+from oracles import raw_tensors, sparsegpt_inverse_reference, sparsegpt_per_column
+
+TINY_MOE = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
+
+
+def _problem(b: int, m: int, k: int, tokens: int, seed: int, arithmetic: str):
+    """Weights, a Hessian from correlated inputs with uneven column scales, row scales."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(k, k, generator=g) / k ** 0.5 + torch.eye(k)
+    x = torch.randn(b, tokens, k, generator=g) @ mix * torch.rand(k, generator=g) * 3
+    h = x.transpose(1, 2) @ x
+    h[0, :, 3] = h[0, 3, :] = 0.0  # a column no token touched
+    w = torch.randn(b, m, k, generator=g) * k ** -0.5
+    gs = nvfp4.tensor_scale(w.abs().amax((1, 2)), arithmetic)
+    return w, h, gs
+
+
+@pytest.mark.parametrize("shape,group,rule,arithmetic", [
+    ((2, 32, 256, 600), 16, "mse", "compressed-tensors"),  # two lazy blocks of 128
+    ((2, 24, 96, 300), 32, "amax", "modelopt"),  # K < 128: lazy block = scale block
+])
+def test_gptq_loop_matches_the_per_column_loop(shape, group, rule, arithmetic):
+    b, m, k, tokens = shape
+    w, h, gs = _problem(b, m, k, tokens, seed=k, arithmetic=arithmetic)
+    row_gs = gs.repeat_interleave(m).reshape(b, m)
+    ref_w, ref_codes = sparsegpt_per_column(w, sparsegpt_inverse_reference(h), row_gs, group,
+                                            rule, arithmetic, prune=False)
+    new_w, new_codes = obs.obs_quantize(w, obs.prepare_inverse(h), row_gs, group, rule,
+                                        arithmetic=arithmetic)
+    ref_err = float(obs.output_error(w, ref_w, h).sum())
+    new_err = float(obs.output_error(w, new_w, h).sum())
+    differ = int((ref_codes != new_codes).sum())
+    print(f"{shape} g{group} {rule}: codes differing {differ}/{ref_codes.numel()}, values "
+          f"differing {int((ref_w != new_w).sum())}/{w.numel()}, error {ref_err:.5f} -> "
+          f"{new_err:.5f}")
+    assert differ <= ref_codes.numel() // 1000
+    assert new_err <= ref_err * 1.01
+    # W-hat is on the NVFP4 grid of its codes
+    blocks = new_w.reshape(b * m, -1, group)
+    again = nvfp4.fake_quantize(blocks, new_codes.reshape(b * m, -1),
+                                row_gs.reshape(-1, 1), arithmetic)
+    assert torch.equal(again.reshape(new_w.shape), new_w)
+
+
+def _batches(w, h, gs):
+    members = [obs.Member(0, e, "gate_proj") for e in range(w.shape[0])]
+    return obs.quantize_batches(w, gs, members, lambda mb: h[mb.expert], 16, "mse",
+                                torch.float32, "compressed-tensors", against_rtn=True)
+
+
+def test_gptq_kept_only_where_it_beats_rtn():
+    """Correlated inputs: GPTQ wins and its recorded errors are the true ones. A diagonal
+    Hessian leaves GPTQ nothing to compensate (its result is RTN's, a tie): RTN is kept, and
+    its values and codes are exactly the encoder's RTN."""
+    w, h, gs = _problem(3, 16, 128, 400, seed=5, arithmetic="compressed-tensors")
+    out, codes, choices = _batches(w, h, gs)
+    assert [c.method for c in choices] == ["gptq"] * 3
+    for i, c in enumerate(choices):
+        assert c.gptq_error < c.rtn_error
+        assert c.gptq_error == pytest.approx(float(obs.output_error(
+            w[i:i + 1], out[i:i + 1], h[i:i + 1]).sum()), rel=1e-6)
+    diagonal = torch.diag_embed(h.diagonal(dim1=-2, dim2=-1))
+    out, codes, choices = _batches(w, diagonal, gs)
+    assert [c.method for c in choices] == ["rtn"] * 3
+    assert all(c.gptq_error == c.rtn_error for c in choices)
+    rtn = nvfp4.quantize(w, w.abs().amax((1, 2)), "mse")
+    got = nvfp4.quantize(out, w.abs().amax((1, 2)), "mse", block_codes=codes)
+    assert torch.equal(got.packed, rtn.packed)
+    assert torch.equal(got.block_scales.view(torch.uint8), rtn.block_scales.view(torch.uint8))
+
+
+def _data(tmp_path, vocab: int):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": [(7 * i + j) % vocab for j in range(16)]})
+                            + "\n" for i in range(4)))
+    return data
+
+
+def _run(*args: str) -> tuple[int, str]:
+    res = CliRunner().invoke(main, [*args, "--device", "cpu", "--quiet"])
+    return res.exit_code, res.output
+
+
+def test_int4_to_nvfp4_gptq_end_to_end(tmp_path):
+    """GPTQ from INT4 (the target is the decoded INT4 weights): every routed expert matrix
+    recorded, no recorded GPTQ error above RTN's, RTN's bytes wherever RTN was kept, audit
+    against the source clean; `--method rtn` writes exactly the default run's bytes."""
+    data = _data(tmp_path, 64)
+    gptq, rtn, default = tmp_path / "gptq", tmp_path / "rtn", tmp_path / "default"
+    code, out = _run("int4-to-nvfp4", str(BUNDLED), str(gptq), "--method", "gptq", "--data",
+                     str(data), "--seq-len", "16", "--samples", "4")
+    assert code == 0, out
+    assert _run("int4-to-nvfp4", str(BUNDLED), str(rtn), "--method", "rtn")[0] == 0
+    assert _run("int4-to-nvfp4", str(BUNDLED), str(default))[0] == 0
+    assert raw_tensors(rtn) == raw_tensors(default)
+    man = json.loads((gptq / "kconvert-manifest.json").read_text())
+    assert man["options"]["quantize"]["method"] == "gptq"
+    assert man["options"]["quantize"]["gptq_targets"] == ["routed_expert"]
+    assert "method" not in json.loads((rtn / "kconvert-manifest.json").read_text()
+                                      )["options"]["quantize"]
+    got, ref = raw_tensors(gptq), raw_tensors(rtn)
+    experts = {n.rsplit(".", 1)[0] for n in ref if ".mlp.experts." in n}
+    assert experts and experts == set(man["obs"])
+    choices = man["obs"].values()
+    assert all(c["gptq_error"] < c["rtn_error"] if c["method"] == "gptq"
+               else c["rtn_error"] <= c["gptq_error"] for c in choices)
+    assert any(c["method"] == "gptq" for c in choices)
+    for module, c in man["obs"].items():
+        same = got[f"{module}.weight_packed"] == ref[f"{module}.weight_packed"]
+        assert same == (c["method"] == "rtn") or (same and c["method"] == "gptq")
+    code, out = _run("audit", str(gptq), "--source", str(BUNDLED))
+    assert code == 0, out
+
+
+def test_quantize_gptq_shared_expert_and_usage(tmp_path):
+    """A BF16 source with shared experts and attention targeted: GPTQ on routed and shared
+    experts (Hessians from every token for the shared one), attention by RTN, as recorded;
+    --data without gptq, gptq without --data and a sparsify method are refused."""
+    vocab = json.loads((TINY_MOE / "config.json").read_text())["vocab_size"]
+    data = _data(tmp_path, vocab)
+    dst = tmp_path / "q"
+    code, out = _run("quantize", str(TINY_MOE), str(dst), "--method", "gptq", "--data",
+                     str(data), "--seq-len", "16", "--samples", "4", "--targets",
+                     "experts,shared_experts,attention")
+    assert code == 0, out
+    man = json.loads((dst / "kconvert-manifest.json").read_text())
+    assert man["options"]["quantize"]["gptq_targets"] == ["routed_expert", "shared_expert"]
+    assert any(".shared_experts." in m for m in man["obs"])
+    assert not any(".self_attn." in m for m in man["obs"])
+    assert all(c["gptq_error"] < c["rtn_error"] or c["method"] == "rtn"
+               for c in man["obs"].values())
+    code, out = _run("audit", str(dst), "--source", str(TINY_MOE))
+    assert code == 0, out
+    code, out = _run("quantize", str(TINY_MOE), str(tmp_path / "a"), "--data", str(data))
+    assert code == 2 and "--data serves --method gptq" in out
+    code, out = _run("quantize", str(TINY_MOE), str(tmp_path / "b"), "--method", "gptq")
+    assert code == 1 and "--method gptq needs calibration data" in out
+    code, out = _run("run", "quantize", str(TINY_MOE), str(tmp_path / "c"), "--method",
+                     "sparsegpt")
+    assert code == 2 and "is a sparsify method" in out
+
+
+def test_gptq_is_nvfp4_only(tmp_path):
+    """GPTQ is implemented on NVFP4's grid: an MXFP4 --format with --method gptq is a usage
+    error before any write, and int4-to-mxfp4 offers no --method."""
+    data = _data(tmp_path, 64)
+    dst = tmp_path / "mx"
+    code, out = _run("quantize", str(BUNDLED), str(dst), "--format", "quark-mxfp4", "--method",
+                     "gptq", "--data", str(data), "--seq-len", "16", "--samples", "4")
+    assert code == 2 and "--method gptq writes NVFP4" in out, out
+    assert not dst.exists() or not any(dst.iterdir())
+    code, out = _run("int4-to-mxfp4", str(BUNDLED), str(dst), "--method", "gptq")
+    assert code == 2 and "--method" in out
