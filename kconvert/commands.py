@@ -38,7 +38,8 @@ def run_conversion(recipe_name: str, src: str, dst: str, options: Mapping[str, o
                 if any(k in kind.settings for kind in KINDS.values())}
     # Through the module, so that a test can stand in for convert.convert.
     return convert.convert(src, dst, recipe, settings, run, revision=revision, echo=echo,
-                           prepare=preparer(recipe, given, run.device))
+                           prepare=preparer(recipe, {**given, "gpu_memory": run.gpu_memory},
+                                            run.device))
 
 
 def preparer(recipe: Recipe, options: dict, device: torch.device

@@ -8,7 +8,7 @@ Parts (each timed on its own, JSON line on stdout and in $OUT/bench_sparsegpt.js
   stage   384 synthetic experts (gate+up as one [4096, 7168] matrix sharing a 7168^2 Hessian,
           down [7168, 2048] with a 2048^2 one), TOKENS (2800) random routed tokens per expert:
           Hessians X^T X + U = chol(H^-1) + the prune/quantize loop + the NVFP4 encode, in
-          batches sized as the stage sizes them (sparsegpt.experts_per_batch). NEW runs the
+          batches sized by sparsegpt.experts_per_batch on half the default GPU budget. NEW runs the
           whole layer; OLD (the per-column loop: `--old TREE`'s kconvert/sparsity/sparsegpt.py,
           else tests/oracles.py's copy of it) runs OLD_EXPERTS (6) experts and is extrapolated
           to 384. Per phase seconds, GPU utilisation (nvidia-smi, sampled every 0.2 s), peak
@@ -139,6 +139,14 @@ def run_batch(ph: Phases, inverse, loop, e: int, rows: int, k: int, tokens: int,
     return w, h, w_hat
 
 
+def obs_budget(dev: torch.device) -> int | None:
+    """The OBS batches' bytes when nothing else holds the GPU: half the default budget."""
+    from kconvert.gpu_budget import resolve
+
+    budget = resolve(dev, None)
+    return None if budget is None else budget // 2
+
+
 def layer(dev: torch.device, inverse, loop, experts: int, dims, tokens: int, batch=None) -> dict:
     """All `experts` of a layer, gate+up then down, in batches; seconds per phase."""
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -147,7 +155,7 @@ def layer(dev: torch.device, inverse, loop, experts: int, dims, tokens: int, bat
     t0 = time.perf_counter()
     batches = {}
     for name, rows, k in (("gate_up", 2 * inter, hidden), ("down", hidden, inter)):
-        step = batch or sparsegpt.experts_per_batch(rows, k, dev, tokens)
+        step = batch or sparsegpt.experts_per_batch(rows, k, obs_budget(dev), tokens)
         batches[name] = step
         for start in range(0, experts, step):
             run_batch(ph, inverse, loop, min(step, experts - start), rows, k, tokens, gen)

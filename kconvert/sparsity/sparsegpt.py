@@ -80,17 +80,20 @@ def prepare_inverse(h: torch.Tensor, percdamp: float = PERCDAMP) -> torch.Tensor
     return torch.linalg.solve_triangular(lower, eye.expand_as(lower), upper=False).flip(-2, -1)
 
 
-def experts_per_batch(rows: int, k: int, device: torch.device, tokens: int = 0) -> int:
+def batch_bytes(rows: int, k: int, tokens: int = 0) -> int:
+    """GPU bytes one Hessian-sharing matrix [rows, k] takes in a SparseGPT batch: Hessian, its
+    factor and their temporaries, the weights, their copy and the result, and its routed
+    inputs (`tokens` of them) in fp32."""
+    return 4 * (4 * k * k + 4 * rows * k + tokens * k)
+
+
+def experts_per_batch(rows: int, k: int, budget: int | None, tokens: int = 0) -> int:
     """How many Hessian-sharing matrices [rows, k] one SparseGPT batch takes: on a GPU as
-    many as half its free memory holds (Hessian, its factor and their temporaries, the
-    weights, their copy and the result, the routed inputs), on a CPU `CPU_BATCH`."""
-    if device.type != "cuda":
+    many as `budget` bytes hold (the OBS share of the command's GPU memory plan,
+    kconvert.gpu_plan), at least one; on a CPU (`budget` None) `CPU_BATCH`."""
+    if budget is None:
         return CPU_BATCH
-    # torch's cache keeps what earlier batches freed: free for this batch too
-    free = (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
-            - torch.cuda.memory_allocated(device))
-    per = 4 * (4 * k * k + 4 * rows * k + tokens * k)
-    return max(1, free // 2 // per)
+    return max(1, budget // batch_bytes(rows, k, tokens))
 
 
 @contextlib.contextmanager
@@ -205,7 +208,11 @@ class CalibrationHessians:
     def __init__(self, ckpt, input_ids: torch.Tensor, device: torch.device, batch_size: int,
                  dtype: torch.dtype = torch.bfloat16):
         self._args = (ckpt, input_ids, device, batch_size, dtype)
+        self.input_ids, self.batch_size = input_ids, batch_size
         self.sequential = False
+        # The command's GPU memory plan (kconvert.gpu_plan), set before the first layer is
+        # asked for: the forward's micro-batch and the OBS batches' share.
+        self.gpu_plan = None
         self._replaced: set[tuple[int, int]] = set()  # (layer, expert): gate/up replaced
         self._handoffs: queue.Queue = queue.Queue(maxsize=1)
         self._release = threading.Event()
@@ -229,7 +236,7 @@ class CalibrationHessians:
 
         try:
             measure_stats(ckpt, ids, device, batch_size, dtype=dtype, on_moe=hand_over,
-                      rerun_moe=self.sequential)
+                          rerun_moe=self.sequential, gpu_plan=self.gpu_plan)
             self._handoffs.put(None)
         except _Closed:
             pass

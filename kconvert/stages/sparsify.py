@@ -28,6 +28,7 @@ from kconvert.calibrate.stats import META_FILE, STATS_FILE
 from kconvert.engine.stage import Stage, StageRecord
 from kconvert.errors import KconvertError, UsageError
 from kconvert.formats.linear import ModuleWork
+from kconvert.gpu_plan import Forward, GpuPlan, GpuWork, Obs, Shapes
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.files import hash_file
 from kconvert.model.names import Role
@@ -170,15 +171,25 @@ class Sparsify(Stage):
             self.calibration.hessians.close()
 
     def work_elems(self, device: torch.device) -> int | None:
-        """SparseGPT's batches are sized from the device's memory (sparsegpt.experts_per_batch),
-        so its items are large: on a GPU a 32nd of the free bytes in decoded elements (the
-        fp32 weights and their result; the rest is left for the calibration layer and the
-        Hessians), on a CPU 2^26."""
+        """SparseGPT's items on a CPU: 2^26 decoded elements (on a GPU the command's memory
+        plan sizes them, from `gpu_work`)."""
+        return 1 << 26 if self.method == "sparsegpt" else None
+
+    def gpu_work(self, shapes: Shapes) -> GpuWork | None:
+        """SparseGPT's calibration forward beside the engine, and its OBS batches: an
+        expert's gate and up share a Hessian and solve as one [2 * moe_inter, hidden]
+        matrix, the largest of the batch."""
         if self.method != "sparsegpt":
             return None
-        if device.type == "cuda":
-            return torch.cuda.mem_get_info(device)[0] // 32
-        return 1 << 26
+        h = self.calibration.hessians
+        return GpuWork(Forward(*h.input_ids.shape, h.batch_size, capture=True,
+                               rerun=h.sequential),
+                       Obs(sparsegpt.batch_bytes(2 * shapes.moe_inter, shapes.hidden),
+                           shapes.experts, shapes.hidden))
+
+    def use_gpu_plan(self, plan: GpuPlan) -> None:
+        if self.calibration is not None:
+            self.calibration.hessians.gpu_plan = plan
 
     @property
     def norms(self) -> WandaNorms:
@@ -210,7 +221,9 @@ class Sparsify(Stage):
         gs = gs.to(w.device)
         out = torch.empty_like(w)
         out_codes = torch.empty(b, m, k // self.group_size, dtype=torch.uint8, device=w.device)
-        step = sparsegpt.experts_per_batch(per * m, k, w.device)
+        plan = hessians.gpu_plan
+        step = sparsegpt.experts_per_batch(
+            per * m, k, plan.obs_bytes if plan is not None and w.device.type == "cuda" else None)
         for start in range(0, len(order), step):
             batch = range(start, min(start + step, len(order)))
             u = sparsegpt.prepare_inverse(torch.stack([
