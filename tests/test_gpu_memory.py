@@ -15,7 +15,8 @@ from click.testing import CliRunner
 
 from conftest import BUNDLED
 from kconvert import api, gpu_budget, gpu_plan
-from kconvert.calibrate.forward import ForwardContext, load_layer, model_config, tensors_by_layer
+from kconvert.calibrate.forward import ForwardContext, model_config
+from kconvert.calibrate.load import build_layer, read_layer, tensors_by_layer
 from kconvert.cli import main
 from kconvert.cli.base import KconvertCommand
 from kconvert.errors import KconvertError, UsageError
@@ -79,8 +80,9 @@ def test_layer_weights_match_a_loaded_tiny_layer():
     try:
         cfg = model_config(ckpt)
         layers = tensors_by_layer(ckpt, cfg.num_hidden_layers)
-        loaded = load_layer(ckpt, cfg, 1, layers[1], ForwardContext(), torch.device("cpu"),
-                            torch.bfloat16, stats=False)
+        cpu = torch.device("cpu")
+        loaded = build_layer(read_layer(ckpt, cfg, 1, layers[1], torch.bfloat16, cpu), cfg,
+                             ForwardContext(), cpu, torch.bfloat16, stats=False)
         held = sum(p.numel() for p in loaded.module.parameters() if p.dim() == 2)
         held += loaded.moe.experts.gate_up.numel() + loaded.moe.experts.down.numel()
         assert Shapes.from_config(ckpt.text_config).layer_elems() == held

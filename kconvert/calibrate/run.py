@@ -63,9 +63,9 @@ def measure_stats(
     through a layer at a time, fewer on a GPU where `gpu_plan` (kconvert.gpu_plan; None:
     planned here on the default budget) lowers the micro-batch; the hidden states of all
     tokens are kept in `dtype` on the device (`hidden_on_device` None: where the plan puts
-    them) or else in CPU memory. `on_layer(L, hidden)` sees layer L's output hidden states [num_seqs,
-    seq_len, hidden] (for tests and debugging); `on_moe(L, moe)` sees MoE layer L after its
-    forward, weights still loaded and inputs captured (`moe.expert_inputs(e)`: SparseGPT's
+    them) or else in CPU memory. `on_layer(L, hidden)` sees layer L's output hidden states
+    [num_seqs, seq_len, hidden] (for tests and debugging); `on_moe(L, moe)` sees MoE layer L
+    after its forward, weights still loaded and inputs captured (`moe.expert_inputs(e)`: SparseGPT's
     Hessians); with `rerun_moe`, each MoE layer then runs again on the same inputs with the
     weights `on_moe` left in it, and that run's outputs go on to the next layer (SparseGPT's
     sequential Hessians; the statistics are the first run's); `on_weights(L, module)` sees
