@@ -218,6 +218,12 @@ class GpuPlan:
     work_elems: int | None = None
     footprint: Footprint = field(default_factory=Footprint)
 
+    @property
+    def prefetch_bytes(self) -> int:
+        """What the layer prefetcher may put on the device ahead of the loop
+        (kconvert.calibrate.prefetch): the budget the plan leaves."""
+        return max(0, self.budget - self.footprint.peak)
+
     def lines(self, what: str) -> list[str]:
         head = (f"GPU memory for {what}: {gib(self.footprint.peak)} planned of a "
                 f"{gib(self.budget)} budget")

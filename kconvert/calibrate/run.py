@@ -126,7 +126,9 @@ def measure_stats(
     prefetcher = LayerPrefetcher(
         read=lambda layer: read_layer(ckpt, cfg, layer, layer_tensors[layer], dtype, device),
         build=lambda _layer, raw: build_layer(raw, cfg, ctx, device, dtype),
-        device=device, ahead=prefetch, device_bytes=prefetch_bytes)
+        device=device, ahead=prefetch,
+        device_bytes=(prefetch_bytes if prefetch_bytes is not None or gpu_plan is None
+                      else gpu_plan.prefetch_bytes))
 
     tensors: dict[str, torch.Tensor] = {}
     modules: dict[str, str] = {}

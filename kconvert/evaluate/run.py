@@ -104,7 +104,7 @@ def evaluate(source: Checkpoint, candidates: list[Checkpoint], input_ids: torch.
                                    streams[job[0]].layers[job[1]], dtype, device),
         build=lambda job, raw: _labelled(streams[job[0]], build_layer, raw, streams[job[0]].cfg,
                                          ctx, device, dtype, stats=False),
-        device=device)
+        device=device, device_bytes=None if gpu_plan is None else gpu_plan.prefetch_bytes)
     # Source layer L, then each candidate's layer L: the next one read while one computes.
     jobs = [(i, layer) for layer in range(n_layers) for i in range(len(streams))]
     bar = tqdm(total=n_layers + 1, desc="eval", unit="layer", disable=quiet)
