@@ -165,8 +165,9 @@ def prune_stage(plan: PrunePlan, ckpt: Checkpoint,
 def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
             ) -> Callable[[Checkpoint], Prune]:
     """The Prune stage from --plan, or a plan from --stats or --data (REAP calibration, with
-    router repair in the same pass when --repair or the recipe asks for it). The options are
-    checked now, before the source is opened."""
+    router repair in the same pass when --repair or the recipe asks for it, its micro-batch
+    within the run's GPU memory budget, `options["gpu_memory"]`). The options are checked
+    now, before the source is opened."""
     plan, stats, data = options.get("plan"), options.get("stats"), options.get("data")
     if sum(x is not None for x in (plan, stats, data)) > 1:
         raise UsageError("give only one of --plan, --stats and --data")
@@ -187,6 +188,7 @@ def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
         from kconvert.calibrate.data import load_calibration_data
         from kconvert.calibrate.run import measure_stats
         from kconvert.calibrate.stats import save_stats
+        from kconvert.gpu_budget import forward_plan, resolve
         from kconvert.pruning.reap import (
             check_plan_keep,
             keep_count,
@@ -208,11 +210,17 @@ def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
         else:
             samples, seq_len, batch_size, seed = calibration_run(options, REAP_SAMPLES)
             ids = load_calibration_data(data, ckpt.root, samples, seq_len, seed)
-            if repair != "none" or compensate != "none":
+            budget = resolve(device, options.get("gpu_memory"))
+            refit = repair != "none" or compensate != "none"
+            gpu = None if budget is None else forward_plan(
+                ckpt, ids.shape, batch_size, torch.bfloat16, device, budget,
+                "REAP's calibration", repair=refit)
+            if refit:
                 fixer = RouterRepair(ckpt, ids, RepairSettings(repair, keep, criterion,
                                                                compensate=compensate), device,
-                                     batch_size=batch_size)
-            measured = measure_stats(ckpt, ids, device, batch_size, on_weights=fixer)
+                                     batch_size=batch_size if gpu is None else gpu.batch_size)
+            measured = measure_stats(ckpt, ids, device, batch_size, on_weights=fixer,
+                                     gpu_plan=gpu)
             if options.get("save_stats"):
                 save_stats(measured, options["save_stats"])
             scores = scores_of(measured)

@@ -157,7 +157,7 @@ def test_quantize_gptq_shared_expert_and_usage(tmp_path):
     code, out = _run("quantize", str(TINY_MOE), str(tmp_path / "a"), "--data", str(data))
     assert code == 2 and "--data serves --method gptq" in out
     code, out = _run("quantize", str(TINY_MOE), str(tmp_path / "b"), "--method", "gptq")
-    assert code == 1 and "--method gptq needs calibration data" in out
+    assert code == 2 and "--method gptq needs calibration data" in out
     code, out = _run("run", "quantize", str(TINY_MOE), str(tmp_path / "c"), "--method",
                      "sparsegpt")
     assert code == 2 and "is a sparsify method" in out
