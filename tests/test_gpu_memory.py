@@ -13,7 +13,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from conftest import BUNDLED
+from conftest import BUNDLED, ROOT
 from kconvert import api, gpu_budget, gpu_plan
 from kconvert.calibrate.forward import ForwardContext, model_config
 from kconvert.calibrate.load import build_layer, read_layer, tensors_by_layer
@@ -32,10 +32,14 @@ from kconvert.gpu_plan import (
 )
 from kconvert.io.checkpoint import open_checkpoint
 from kconvert.manifest import MANIFEST
+from kconvert.model.names import Role
 from kconvert.options import parse_size
 from kconvert.pruning.repair import RepairSettings
 from kconvert.sizing.gpu_memory import command_plans
 from kconvert.sparsity import obs
+from kconvert.sparsity.hessians import Calibration, CalibrationHessians
+from kconvert.stages.quantize import Quantize
+from kconvert.stages.sparsify import Sparsify
 from kconvert.testing.fixtures import k2_config
 from kconvert.testing.header_only import KIMI_K2_THINKING, kimi_int4_shards
 
@@ -228,22 +232,31 @@ def test_dry_run_prints_the_plan_and_refuses_a_budget_below_one_expert(tmp_path)
     assert res.exit_code == 2 and "lots" in res.output
 
 
-def test_an_out_of_memory_step_is_one_line_exit_1_no_manifest(tmp_path, monkeypatch):
+@pytest.mark.parametrize("command,method", [("sparsify", "sparsegpt"),
+                                            ("int4-to-nvfp4", "gptq")])
+def test_an_out_of_memory_step_is_one_line_exit_1_no_manifest(tmp_path, monkeypatch, command,
+                                                                method):
+    """An OBS batch (SparseGPT's, GPTQ's) that runs out of GPU memory: one line through the
+    command line, a GpuMemoryError through the API."""
     def exhausted(*_args, **_kwargs):
         raise torch.OutOfMemoryError(ALLOCATOR)
 
     monkeypatch.setattr(obs, "obs_quantize", exhausted)
     dst = tmp_path / "out"
-    res = _sparsegpt(tmp_path, dst)
+    data = str(_data(tmp_path))
+    res = CliRunner().invoke(main, [
+        command, str(BUNDLED), str(dst), "--method", method, "--data", data, "--seq-len", "16",
+        "--samples", "2", "--device", "cpu", "--quiet"])
     assert res.exit_code == 1, res.output
     lines = [ln for ln in res.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith(
-        "kconvert: error: sparsify ran out of GPU memory: it tried to allocate 2.00 GiB"), lines
+        f"kconvert: error: {command} ran out of GPU memory: it tried to allocate 2.00 GiB"), lines
     assert "lower --batch-size or --samples" in lines[0]
     assert not (dst / MANIFEST).exists()
     with pytest.raises(GpuMemoryError, match="ran out of GPU memory"):
-        api.sparsify(str(BUNDLED), str(tmp_path / "api"), method="sparsegpt",
-                     data=str(_data(tmp_path)), seq_len=16, samples=2, device="cpu")
+        getattr(api, command.replace("-", "_"))(str(BUNDLED), str(tmp_path / "api"),
+                                               method=method, data=data, seq_len=16,
+                                               samples=2, device="cpu")
     assert issubclass(GpuMemoryError, KconvertError)
 
 
@@ -274,5 +287,51 @@ def test_inspect_prints_each_commands_plan():
     assert cal["peak_bytes"] <= 40 * GIB and "  layer weights: 31.8 GiB" in cal["lines"]
     sgpt = plans["sparsify --method sparsegpt"]
     assert sgpt["fits"] and sgpt["obs_matrices"] >= 1 and sgpt["peak_bytes"] <= 40 * GIB
+    # GPTQ compares every result with RTN: more bytes per matrix, no more matrices per batch
+    gptq = plans["quantize --method gptq"]
+    assert gptq["fits"] and 1 <= gptq["obs_matrices"] <= sgpt["obs_matrices"]
+    assert "GPU memory for quantize --method gptq:" in text
     small = command_plans(full, 24 * GIB)
     assert not small["calibrate"]["fits"] and "--gpu-memory" in small["calibrate"]["error"]
+
+
+def _obs_stages(ckpt):
+    """A SparseGPT and a GPTQ stage, each with its calibration pass (not started)."""
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    cpu = torch.device("cpu")
+    return [Sparsify(method="sparsegpt", calibration=Calibration(
+                CalibrationHessians(ckpt, ids, cpu, 8))),
+            Quantize(targets=frozenset({Role.ROUTED_EXPERT}), method="gptq",
+                     calibration=Calibration(CalibrationHessians(ckpt, ids, cpu, 8)))]
+
+
+def test_both_obs_stages_take_their_batches_from_the_one_plan():
+    """SparseGPT and GPTQ: the plan made for the run is the one their calibration forward
+    and OBS batches read; on a GPU an OBS batch is the plan's share (never sized from the
+    memory free at the moment), on a CPU obs.CPU_BATCH matrices."""
+    ckpt = open_checkpoint(str(BUNDLED))
+    try:
+        s = Shapes.from_config(ckpt.text_config)
+        for stage in _obs_stages(ckpt):
+            hessians = stage.calibration.hessians
+            plan = gpu_plan.plan_gpu(ckpt, [stage], 40 * GIB, stage.name)
+            assert hessians.gpu_plan is plan and plan.obs_matrices >= 1
+            assert hessians.obs_budget(torch.device("cuda")) == plan.obs_bytes
+            assert hessians.obs_budget(torch.device("cpu")) is None
+            gptq = stage.name == "quantize"
+            assert obs.experts_per_batch(2 * s.moe_inter, s.hidden, plan.obs_bytes,
+                                         against_rtn=gptq) == plan.obs_matrices
+            work = stage.gpu_work(s)
+            assert work.forward.capture and work.forward.tokens() == 2 * 16
+            assert work.obs.bytes_per_matrix == obs.batch_bytes(2 * s.moe_inter, s.hidden,
+                                                                against_rtn=gptq)
+    finally:
+        ckpt.close()
+
+
+def test_no_gpu_step_sizes_itself_from_the_free_memory():
+    """Only the budget itself reads what the card has free (kconvert.gpu_budget.resolve):
+    every other GPU step takes its share from the plan."""
+    readers = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "kconvert").rglob("*.py")
+                     if "mem_get_info" in p.read_text())
+    assert readers == ["kconvert/gpu_budget.py"]
