@@ -22,7 +22,7 @@ from kconvert.calibrate.forward import (
 )
 from kconvert.calibrate.load import build_layer, read_layer, tensors_by_layer
 from kconvert.calibrate.prefetch import LayerPrefetcher
-from kconvert.errors import KconvertError
+from kconvert.errors import KconvertError, UsageError
 from kconvert.evaluate import activations
 from kconvert.evaluate.metrics import LOGIT_ELEMS, LayerErrors, LogitsComparison, NextToken
 from kconvert.evaluate.report import CandidateResult, EvalReport, render_table, save_report
@@ -252,9 +252,13 @@ def run_eval(src: str, candidates: list[str], data: str, out: str | None, sample
              gpu_memory: str | int | None = None) -> EvalReport:
     """`kconvert eval`: SRC against each candidate on the JSONL `data`; the table goes to
     `echo`, eval.json and eval.png to `out` when it is given."""
+    from kconvert import distributed
     from kconvert.devices import pick_device
     from kconvert.io.checkpoint import open_checkpoint
 
+    if distributed.world() > 1:
+        # Each rank would run the whole comparison on its own and write the same report.
+        raise UsageError("eval runs in one process: run it without torchrun")
     if not Path(data).read_text().strip():
         raise KconvertError("the eval data is empty", file=str(data))
     opened: list[Checkpoint] = []

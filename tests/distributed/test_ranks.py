@@ -52,11 +52,14 @@ def write_commands(path: Path, cmds: list[list[str]]) -> Path:
     return path
 
 
-def torchrun(ranks: int, cmds_file: Path) -> subprocess.CompletedProcess:
+def torchrun_argv(ranks: int, argv: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc-per-node={ranks}", str(HERE / "rank_main.py"), str(cmds_file)],
-        capture_output=True, text=True, timeout=600)
+         f"--nproc-per-node={ranks}", *argv], capture_output=True, text=True, timeout=600)
+
+
+def torchrun(ranks: int, cmds_file: Path) -> subprocess.CompletedProcess:
+    return torchrun_argv(ranks, [str(HERE / "rank_main.py"), str(cmds_file)])
 
 
 def env_launch(ranks: int, cmds_file: Path, **env) -> list[subprocess.CompletedProcess]:
@@ -178,3 +181,15 @@ def test_killed_rank_fails_the_job_and_resume_with_other_rank_count_completes(ru
     m_one, _ = manifest_without_world(runs["one"] / "nvfp4" / MANIFEST)
     m_resumed, world = manifest_without_world(runs["killed_dst"] / MANIFEST)
     assert world == 3 and m_one == m_resumed
+
+
+def test_eval_refuses_ranks_with_a_usage_error(tmp_path):
+    """eval compares whole models in one process: under torchrun every rank would run it all
+    and write the same report, so it says so instead (exit 2, on every rank)."""
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"input_ids": list(range(16))}) + "\n")
+    ranks = torchrun_argv(2, ["-m", "kconvert", "eval", str(BUNDLED), str(BUNDLED), "--data",
+                              str(data), "--samples", "1", "--seq-len", "16", "--device", "cpu"])
+    assert ranks.returncode != 0
+    assert ranks.stderr.count("eval runs in one process: run it without torchrun") >= 2
+    assert "exitcode  : 2" in ranks.stderr  # torchrun's summary of the failed ranks
