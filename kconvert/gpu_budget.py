@@ -39,10 +39,16 @@ def forward_plan(ckpt, shape: tuple[int, int], batch_size: int, dtype: torch.dty
                  device: torch.device, budget: int | None, what: str, *, capture: bool = False,
                  rerun: bool = False, repair: bool = False, models: int = 0) -> GpuPlan:
     """plan_forward for `shape` = (sequences, seq_len) of the checkpoint's tokens in `dtype`
-    (`repair`: REAP router repair's stream of up to REPAIR_TOKENS tokens rides along)."""
+    (`repair`: REAP router repair's stream of up to REPAIR_TOKENS tokens rides along). Under
+    torchrun each rank holds the hidden states of its own batches only: the plan is the
+    busiest rank's (rank 0's: batches are dealt round-robin, distributed.own_batches)."""
+    from kconvert import distributed
+
     if budget is None:
         budget = resolve(device, None)
-    fw = Forward(shape[0], shape[1], batch_size, dtype.itemsize, models, capture, rerun,
+    batches = -(-shape[0] // batch_size)
+    sequences = min(shape[0], -(-batches // distributed.world()) * batch_size)
+    fw = Forward(sequences, shape[1], batch_size, dtype.itemsize, models, capture, rerun,
                  min(REPAIR_TOKENS, shape[0] * shape[1]) if repair else 0)
     return plan_forward(Shapes.from_config(ckpt.text_config), fw, budget, what)
 

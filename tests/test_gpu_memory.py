@@ -335,3 +335,21 @@ def test_no_gpu_step_sizes_itself_from_the_free_memory():
     readers = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "kconvert").rglob("*.py")
                      if "mem_get_info" in p.read_text())
     assert readers == ["kconvert/gpu_budget.py"]
+
+
+def test_each_rank_plans_for_the_hidden_states_of_its_own_batches(monkeypatch):
+    """Under torchrun a rank keeps only its batches' hidden states: 2M tokens' (28 GiB) do not
+    fit on an 80 GB card beside a Kimi MoE layer, one rank's half does."""
+    from types import SimpleNamespace
+
+    from kconvert import distributed
+
+    ckpt = SimpleNamespace(text_config=k2_config(KIMI_K2_THINKING, quantized=True))
+
+    def plan():
+        return gpu_budget.forward_plan(ckpt, (1024, 2048), 8, torch.bfloat16,
+                                       torch.device("cuda"), 75 * GIB, "calibrate")
+
+    assert not plan().hidden_on_device
+    monkeypatch.setattr(distributed, "world", lambda: 2)
+    assert plan().hidden_on_device and plan().batch_size == 8

@@ -97,10 +97,12 @@ def measure_stats(
                                     resolve(device, None), "calibration",
                                     capture=on_moe is not None, rerun=rerun_moe,
                                     repair=on_weights is not None)
-        if gpu_plan.batch_size < batch_size:
-            say(f"note: {batch_size} sequences per step lowered to {gpu_plan.batch_size} to "
-                f"fit the GPU memory budget of {gib(gpu_plan.budget)} (--gpu-memory)")
-            batch_size = gpu_plan.batch_size
+        # every rank deals the batches alike: the smallest micro-batch any rank's plan allows
+        planned = min(distributed.all_gather_object(gpu_plan.batch_size))
+        if planned < batch_size:
+            say(f"note: {batch_size} sequences per step lowered to {planned} to fit the GPU "
+                f"memory budget of {gib(gpu_plan.budget)} (--gpu-memory)")
+            batch_size = planned
     # Data-parallel: this rank runs whole batches of the one-process run (the same batches,
     # so the same arithmetic); the statistics are reduced over ranks after each layer.
     mine = distributed.own_batches(input_ids.shape[0], batch_size)
