@@ -11,8 +11,8 @@ INT4 experts, Kimi-K2 shapes, a 16k vocabulary) and SEQS (128) random sequences 
 tokens, then runs each command in its own process through the command line, at its default
 options (but the data, and OBS_SAMPLES (16) calibration sequences for sparsegpt and gptq), once
 at the default budget and once under --gpu-memory 40GiB (BUDGETS):
-  calibrate, eval (SRC against itself), reap --data --prune-ratio 0.5,
-  sparsify --pattern p48 --method sparsegpt, int4-to-nvfp4 --method gptq;
+  sparsify --pattern p48 --method sparsegpt, int4-to-nvfp4 --method gptq, calibrate,
+  eval (SRC against itself), reap --data --prune-ratio 0.5;
 and two induced out-of-memory cases of sparsify --method sparsegpt, each expecting one
 `kconvert: error:` line (run with --quiet), exit 1 and no manifest:
   oom-refused  --gpu-memory just below the least plan (one sequence per forward step, one
@@ -177,14 +177,15 @@ def main() -> None:
     obs_d = [*d, "--samples", str(obs_samples)]
     out_dir = root / "gpu-memory-out"
     dsts = {name: out_dir / name for name in ("reap", "sparsify", "gptq", "oom")}
+    # the OBS commands first: the longest runs, and the ones an 80 GB card ran out of before
     commands = {
-        "calibrate": ["calibrate", str(src), *d, "-o", str(out_dir / "stats"), "--overwrite"],
-        "eval": ["eval", str(src), str(src), *d, "--quiet"],
-        "reap": ["reap", str(src), str(dsts["reap"]), *d, "--prune-ratio", "0.5", "--quiet"],
         "sparsify": ["sparsify", str(src), str(dsts["sparsify"]), "--pattern", "p48",
                      "--method", "sparsegpt", *obs_d, "--quiet"],
         "gptq": ["int4-to-nvfp4", str(src), str(dsts["gptq"]), "--method", "gptq", *obs_d,
                  "--quiet"],
+        "calibrate": ["calibrate", str(src), *d, "-o", str(out_dir / "stats"), "--overwrite"],
+        "eval": ["eval", str(src), str(src), *d, "--quiet"],
+        "reap": ["reap", str(src), str(dsts["reap"]), *d, "--prune-ratio", "0.5", "--quiet"],
     }
     wanted = os.environ.get("COMMANDS")
     if wanted:
