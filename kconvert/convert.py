@@ -162,14 +162,14 @@ def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, settings: Mapping[str,
     if run.dry_run:
         if main:
             print_dry_run(plan, echo)
-            disk = hub_disk(plan, run.stream_window, run.token)
-            for line in disk.lines() if disk is not None else []:
-                echo(line)
             for line in gpu.lines(recipe.name) if gpu is not None else ():
                 echo(line)
             if device.type != "cuda":
                 echo(f"(planned for a {gib(gpu.budget)} budget: --gpu-memory, else an 80 GB "
                      "H100's default; this run's device has no GPU)")
+            disk = hub_disk(plan, run.stream_window, run.token)
+            for line in disk.lines() if disk is not None else []:
+                echo(line)
         return None
 
     # The manifest's options: a RunRecord, typed, so the audit can read it.
