@@ -51,16 +51,23 @@ def shared_activations(shared: nn.Module, x: torch.Tensor) -> torch.Tensor:
 @dataclass
 class Block:
     """The linear pieces of a pruned block on a set of tokens: per fitted matrix its token rows
-    and features (gate-weighted activations), and the current matrices (fp32)."""
+    and features (gate-weighted activations), and the current matrices in whatever dtype and
+    place they are held (the layer's own tensors, fitted ones on the host): each is used in
+    fp32 on the features' device one at a time, since fp32 copies of a Kimi layer's 193
+    down_proj matrices alone take 11 GB of GPU memory."""
 
     rows: list[torch.Tensor]  # token indices the matrix sees
     features: list[torch.Tensor]  # [n_rows, inter] fp32
-    weights: list[torch.Tensor]  # [hidden, inter] fp32
+    weights: list[torch.Tensor]  # [hidden, inter]
+
+    def weight(self, b: int) -> torch.Tensor:
+        """Matrix b in fp32 on the features' device."""
+        return self.weights[b].to(self.features[b].device, torch.float32)
 
     def output(self, n_tokens: int, hidden: int) -> torch.Tensor:
         out = torch.zeros(n_tokens, hidden, dtype=torch.float32, device=self.features[0].device)
-        for rows, a, w in zip(self.rows, self.features, self.weights, strict=True):
-            out[rows] += a @ w.T  # a token reaches each matrix at most once: exact, in order
+        for b, (rows, a) in enumerate(zip(self.rows, self.features, strict=True)):
+            out[rows] += a @ self.weight(b).T  # a token reaches each matrix at most once
         return out
 
 
@@ -77,7 +84,7 @@ def block(moe, kept: list[int], routing: Routing, x: torch.Tensor,
         rows.append(tok)
         g = routing.weights[tok, slot].unsqueeze(1)
         feats.append(activations(moe.experts.gate_up[src], moe.act_fn, x[tok]) * g)
-    return Block(rows, feats, [shared_down.float(), *(d.float() for d in down)])
+    return Block(rows, feats, [shared_down, *down])
 
 
 def solve(features: torch.Tensor, target: torch.Tensor, start: torch.Tensor,
@@ -93,16 +100,18 @@ def solve(features: torch.Tensor, target: torch.Tensor, start: torch.Tensor,
 
 
 def fit(pieces: Block, target: torch.Tensor, which: str, ridge: float, sweeps: int) -> Block:
-    """`pieces` with its matrices re-fitted to `target` [T, hidden] (module docstring)."""
-    fitted = list(pieces.weights)
+    """`pieces` with its matrices re-fitted to `target` [T, hidden] (module docstring); the
+    re-fitted ones come back fp32 on the host (bounded GPU memory, see Block)."""
+    fitted = Block(pieces.rows, pieces.features, list(pieces.weights))
     residual = target.float() - pieces.output(target.shape[0], target.shape[1])
-    count = 1 if which == "shared" else len(fitted)
+    count = 1 if which == "shared" else len(fitted.weights)
     for _ in range(sweeps if count > 1 else 1):
         for b in range(count):
             rows, a = pieces.rows[b], pieces.features[b]
             if a.shape[0] == 0:
                 continue
-            goal = residual[rows] + a @ fitted[b].T
-            fitted[b] = solve(a, goal, pieces.weights[b], ridge)
-            residual[rows] = goal - a @ fitted[b].T
-    return Block(pieces.rows, pieces.features, fitted)
+            goal = residual[rows] + a @ fitted.weight(b).T
+            solved = solve(a, goal, pieces.weight(b), ridge)
+            residual[rows] = goal - a @ solved.T
+            fitted.weights[b] = solved.cpu()
+    return fitted

@@ -373,15 +373,13 @@ class RouterRepair:
             solved = compensate_fit(pieces, target[:n_fit], s.compensate, ridge, s.sweeps)
             written = [m.to(info.torch_dtype) for m, info in zip(solved.weights[:count],
                                                                  sources, strict=False)]
-            after = Block(held.rows, held.features, [*(m.float() for m in written),
-                                                     *held.weights[count:]])
+            after = Block(held.rows, held.features, [*written, *held.weights[count:]])
             return mse(after.output(n_held, dims), target[n_fit:]), written
 
         # the ridge is chosen per layer by the held-out error (ties: the smaller ridge)
         tried = [(*as_written(ridge), ridge) for ridge in s.ridges]
         held_after, written, ridge = min(tried, key=lambda t: (t[0], t[2]))
-        fit_after = Block(pieces.rows, pieces.features, [*(m.float() for m in written),
-                                                        *pieces.weights[count:]])
+        fit_after = Block(pieces.rows, pieces.features, [*written, *pieces.weights[count:]])
         errors = {
             "fit_mse_before": mse(pieces.output(n_fit, dims), target[:n_fit]),
             "fit_mse_after": mse(fit_after.output(n_fit, dims), target[:n_fit]),
