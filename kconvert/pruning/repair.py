@@ -29,6 +29,7 @@ import contextlib
 import copy
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -223,6 +224,9 @@ class RouterRepair:
     records: dict[int, LayerRepair] = field(default_factory=dict)
     compensations: dict[int, LayerCompensation] = field(default_factory=dict)
     matrices: dict[str, torch.Tensor] = field(default_factory=dict)  # output name -> written
+    # Where each layer's re-fitted matrices go (one file per layer, memory-mapped back), so
+    # host memory does not grow with the layers; None: held in memory.
+    spill: Path | None = None
 
     def __post_init__(self):
         from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
@@ -395,20 +399,30 @@ class RouterRepair:
             "heldout_mse_before": mse(held.output(n_held, dims), target[n_fit:]),
             "heldout_mse_after": held_after}
         applied = errors["heldout_mse_after"] < errors["heldout_mse_before"]
-        hashes = {}
+        hashes, kept = {}, {}
         if applied:
             for i, (lin, params, m) in enumerate(zip(sources, encoded, written, strict=False)):
                 for param, t in params.items():
                     name = output_name(f"{lin.module}.{param}", i - 1)
-                    hashes[name] = tensor_hash(t.cpu())
-                    self.matrices[name] = t.cpu()
+                    kept[name] = t.cpu()
+                    hashes[name] = tensor_hash(kept[name])
                 into = shared_down if i == 0 else moe.experts.down[keep[i - 1]]
                 into.copy_(m.to(into.dtype))
+            self.matrices.update(self._spilled(layer, kept))
         ruled = any(lin.uses_block_scale_rule for lin in sources[:count])
         self.compensations[layer] = LayerCompensation(
             method=s.compensate, applied=applied, fit_tokens=n_fit,
             heldout_tokens=n_held, ridge=ridge, matrices_xxh3=hashes,
             block_scale=self.block_scale if ruled else None, **errors)
+
+    def _spilled(self, layer: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`tensors` written to the spill directory and memory-mapped back (file pages, which
+        the kernel may drop), or as they are without one."""
+        if self.spill is None:
+            return tensors
+        path = self.spill / f"layer-{layer}.pt"
+        torch.save(tensors, path)
+        return torch.load(path, mmap=True, weights_only=True)
 
     def down_sources(self, layer: int, keep: list[int]) -> list[recode.SourceLinear]:
         """The source down_proj linears compensation re-fits, the shared expert's first."""

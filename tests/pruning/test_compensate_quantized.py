@@ -74,6 +74,8 @@ def made(tmp_path_factory) -> dict[str, Path]:
         res = _cli("reap", out[source], out[f"run-{name}"], "--data", data, "--keep", keep,
                    "--samples", 12, "--seq-len", SEQ, *flags)
         assert res.exit_code == 0, res.output
+    # the re-fitted matrices were spilled beside DST, and the scratch directory is gone
+    assert not list(root.glob(".kconvert-refit-*"))
     return out
 
 
