@@ -57,8 +57,8 @@ def run_conversion(recipe_name: str, src: str, dst: str, options: Mapping[str, o
         run = replace(run, gpu_memory=budget)
     # Through the module, so that a test can stand in for convert.convert.
     return convert.convert(src, dst, recipe, settings, run, revision=revision, echo=echo,
-                           prepare=preparer(recipe, {**given, "gpu_memory": run.gpu_memory},
-                                            run.device))
+                           prepare=preparer(recipe, {**given, "dst": str(dst),
+                                                     "gpu_memory": run.gpu_memory}, run.device))
 
 
 def check_run_control(run: convert.RunControl) -> None:

@@ -15,9 +15,9 @@ stdout and in $OUT/bench_repair.json.
 Env: ROOT, OUT, SEQS (256), SEQ (2048), BATCH (8) as bench_calibrate; KEEP (192), METHOD
 (router), COMPENSATE (down), MAX_TOKENS (32768: the repair stream's tokens).
 
-The synthetic experts are INT4, whose re-fitted down_proj kconvert does not write (it
-re-fits dense BF16 sources only): the bench re-fits them all the same, rounding to BF16 as a
-BF16 source's are written, so the seconds and memory are those of a BF16 source's layer.
+The synthetic experts are INT4 (the shared expert BF16), as Kimi-K2-Thinking ships: the
+re-fitted down_proj matrices are re-encoded in INT4 (kconvert.pruning.recode), and the
+seconds include that encode for every ridge tried.
 """
 
 from __future__ import annotations
@@ -68,24 +68,8 @@ def _calibrate(ckpt, ids: torch.Tensor, hook) -> dict:
 
 
 def main() -> None:
-    from dataclasses import replace
-
     from kconvert.io.checkpoint import open_checkpoint
     from kconvert.pruning.repair import RepairSettings, RouterRepair
-
-    class AnyDownRepair(RouterRepair):
-        """Re-fits the INT4 down_proj as if it were BF16 (module docstring)."""
-
-        def down_sources(self, layer: int, keep: list[int]) -> list:
-            packed = {}
-            for name, info in self.ckpt.tensors.items():
-                if (f"layers.{layer}.mlp." in name and ".down_proj." in name
-                        and name.endswith((".weight", ".weight_packed"))):
-                    packed[name.rsplit(".", 1)[0]] = replace(
-                        info, name=name.rsplit(".", 1)[0] + ".weight", dtype="BF16")
-            prefix = next(iter(packed)).split("layers.")[0] + f"layers.{layer}.mlp."
-            return [packed[prefix + "shared_experts.down_proj"],
-                    *(packed[f"{prefix}experts.{e}.down_proj"] for e in keep)]
 
     bc.OUT.mkdir(parents=True, exist_ok=True)
     src = bc.ROOT / "calib-src"
@@ -99,10 +83,10 @@ def main() -> None:
     ckpt = open_checkpoint(str(src))
     try:
         res["calibrate"] = _calibrate(ckpt, ids, None)
-        repair = AnyDownRepair(ckpt, ids, RepairSettings(METHOD, KEEP, "reap",
-                                                         max_tokens=MAX_TOKENS,
-                                                         compensate=COMPENSATE),
-                               torch.device(bc.dev), batch_size=bc.BATCH)
+        repair = RouterRepair(ckpt, ids, RepairSettings(METHOD, KEEP, "reap",
+                                                        max_tokens=MAX_TOKENS,
+                                                        compensate=COMPENSATE),
+                              torch.device(bc.dev), batch_size=bc.BATCH)
         hook_s: list[float] = []
 
         def timed(layer: int, module: torch.nn.Module) -> None:

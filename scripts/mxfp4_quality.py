@@ -1,7 +1,11 @@
 """MXFP4's two block-scale rules measured (issue 29): the weight error of `mse` against `amax`
 on full-size Kimi expert shapes, and `kconvert eval` KL / top-1 on the trained tiny MoE of
-MXFP4 amax, MXFP4 mse and NVFP4 mse, through the CLI's default path (`convert` with the
-`quantize` recipe and `--format`, as `kconvert quantize` runs it).
+MXFP4 amax and mse, each W4A16 and W4A4 (activations quantized at run time, as served: eval
+emulates them, kconvert/evaluate/activations.py), AMD's full recipe (routers too) and NVFP4
+mse, through the CLI's default path (`convert` with the `quantize` recipe and `--format` /
+`--activations` / `--targets`, as `kconvert quantize` runs it). NVFP4's W4A4 row (which needs
+calibration) is read from scripts/results/eval_tiny_moe_w4a4.json, measured by
+scripts/eval_pipelines.py on the same held-out sequences.
 
 Weight error: Kimi-K2-style INT4 experts (gate/up 2048x7168, down 7168x2048; codes by
 round-to-nearest of Gaussian weights on a per-32 bf16 scale, as an RTN INT4 release is made)
@@ -38,11 +42,27 @@ from kconvert.testing.tiny_moe import heldout_ids  # noqa: E402
 
 SRC = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
 SHAPES = {"gate/up": (2048, 7168), "down": (7168, 2048)}  # Kimi-K2's routed expert linears
-CANDIDATES = {  # name -> quantize settings (the CLI's --format / --block-scale)
+CANDIDATES = {  # name -> quantize settings (the CLI's --format / --block-scale / ...)
     "mxfp4-amax": {"format": "quark-mxfp4", "block_scale": "amax", "activations": "none"},
     "mxfp4-mse": {"format": "quark-mxfp4", "block_scale": "mse", "activations": "none"},
+    "mxfp4-amax-w4a4": {"format": "quark-mxfp4", "block_scale": "amax",
+                        "activations": "dynamic"},
+    "mxfp4-mse-w4a4": {"format": "quark-mxfp4", "block_scale": "mse",
+                       "activations": "dynamic"},
+    "mxfp4-amax-w4a4-routers": {"format": "quark-mxfp4", "block_scale": "amax",
+                                "activations": "dynamic", "targets": "experts,routers"},
     "nvfp4-mse": {"format": "compressed-tensors", "block_scale": "mse"},
 }
+WHAT = {
+    "mxfp4-amax": "MXFP4 W4A16 experts, E8M0 scales by amax",
+    "mxfp4-mse": "MXFP4 W4A16 experts, E8M0 scales by mse",
+    "mxfp4-amax-w4a4": "MXFP4 W4A4 experts (amax), activations MXFP4 per 32 at run time",
+    "mxfp4-mse-w4a4": "MXFP4 W4A4 experts (mse), activations MXFP4 per 32 at run time",
+    "mxfp4-amax-w4a4-routers": "AMD's recipe: experts and routers MXFP4 W4A4 (amax)",
+    "nvfp4-mse": "NVFP4 W4A16 experts, block scales by mse",
+}
+# NVFP4 W4A4 (calibrated static input scales): its row of scripts/eval_pipelines.py's run.
+NVFP4_W4A4 = ROOT / "scripts" / "results" / "eval_tiny_moe_w4a4.json"
 
 
 def int4_rtn(w: torch.Tensor) -> torch.Tensor:
@@ -99,6 +119,17 @@ def eval_candidates(samples: int, seq_len: int, batch_size: int) -> dict:
             for c in report.candidates}
 
 
+def nvfp4_w4a4(samples: int, seq_len: int) -> dict | None:
+    """NVFP4 W4A4's figures from NVFP4_W4A4, when it was measured on the same held-out
+    sequences; None otherwise."""
+    run = json.loads(NVFP4_W4A4.read_text())["eval"]
+    if run["data"] != f"heldout_ids({samples * seq_len}, seed=0, window={seq_len})":
+        return None
+    (row,) = [c for c in run["candidates"] if c["candidate"] == "w4a4"]
+    return {k: row["logits"][k] for k in ("kl_mean", "kl_p99", "top1_agreement",
+                                          "nll_source", "nll_candidate")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--experts", type=int, default=2, help="experts per shape")
@@ -110,7 +141,13 @@ def main() -> None:
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     weights = weight_errors(a.experts)
     kl = eval_candidates(a.samples, a.seq_len, a.batch_size)
-    result = {"weights": weights, "eval": kl, "eval_data": {
+    what = dict(WHAT)
+    nv = nvfp4_w4a4(a.samples, a.seq_len)
+    if nv is not None:
+        kl["nvfp4-mse-w4a4"] = nv
+        what["nvfp4-mse-w4a4"] = ("NVFP4 W4A4 experts (mse, calibrated input scales), from "
+                                  f"{NVFP4_W4A4.relative_to(ROOT)}")
+    result = {"weights": weights, "eval": kl, "what": what, "eval_data": {
         "source": "tests/fixtures/tiny-moe-trained", "samples": a.samples,
         "seq_len": a.seq_len, "heldout_seed": 0, "dtype": "float32", "device": "cpu",
         "candidates": CANDIDATES}}
@@ -123,10 +160,11 @@ def main() -> None:
               f"{v['mse_over_amax']:.4f} | {v['nvfp4_mse_rel_err']:.5f} |"
               for k, v in weights.items()]
     lines += ["", f"`kconvert eval` on tests/fixtures/tiny-moe-trained, {a.samples} held-out "
-              f"sequences of {a.seq_len}, fp32, CPU (routed experts quantized, weight-only):", "",
-              "| candidate | KL mean | KL p99 | top-1 | NLL |", "|---|---|---|---|---|"]
-    lines += [f"| {k} | {v['kl_mean']:.5f} | {v['kl_p99']:.4f} | {v['top1_agreement']:.4f} | "
-              f"{v['nll_candidate']:.4f} |" for k, v in kl.items()]
+              f"sequences of {a.seq_len}, fp32, CPU; W4A4 candidates run as served (their "
+              "activations quantized by eval's emulation):", "",
+              "| candidate | what | KL mean | KL p99 | top-1 | NLL |", "|---|---|---|---|---|---|"]
+    lines += [f"| {k} | {what[k]} | {v['kl_mean']:.5f} | {v['kl_p99']:.4f} | "
+              f"{v['top1_agreement']:.4f} | {v['nll_candidate']:.4f} |" for k, v in kl.items()]
     Path(a.out + ".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -6,9 +6,15 @@ experts), every configuration is made by `python -m kconvert reap SRC DST --data
 ...` (default dtype and device, as a user runs it) and all of a fixture's outputs are compared
 with the source by ONE `python -m kconvert eval` on held-out text (fp32, CPU). Calibration: 64
 windows of 256 training bytes (seed 1); held-out: `heldout_ids(64 * 256, seed=0)`.
+`trained-nvfp4` is the trained tiny MoE made NVFP4 first by `kconvert quantize` (see QUANTIZED):
+its outputs (compensation re-encodes the re-fitted matrices in NVFP4) are compared with the
+BF16 model and with the NVFP4 source.
 
     PYTHONPATH=$PWD python scripts/reap_quality.py --out scripts/results/reap_quality_tiny_moe
         [--fixtures trained 96] [--keeps 75 50 25] [--configs none down ...] [--only-50 ...]
+    PYTHONPATH=$PWD python scripts/reap_quality.py --fixtures trained-nvfp4 --keeps 75 50 25 \
+        --configs none router+down --only-50 down \
+        --out scripts/results/reap_quality_nvfp4_tiny_moe
 
 Writes OUT + ".json" (every number, each configuration's CLI flags and the plan's per-layer
 guard records) after each fixture, and OUT + ".md" (the table). CPU only; about a minute of CPU per
@@ -37,6 +43,12 @@ from kconvert.testing.tiny_moe import corpus_ids, heldout_ids, windows  # noqa: 
 
 FIXTURES = {"trained": ROOT / "tests" / "fixtures" / "tiny-moe-trained",
             "96": ROOT / "tests" / "fixtures" / "tiny-moe-96"}
+# A quantized source made first by `kconvert quantize`: name -> (BF16 fixture, flags, what).
+# Its outputs are evaluated against the BF16 fixture (what a user feels: quantization and
+# pruning together; the unpruned quantized source is a row of its own) and against the
+# quantized source itself (`kl_vs_source`: the pruning's damage alone).
+QUANTIZED = {"trained-nvfp4": ("trained", ["--targets", "experts,shared_experts"],
+                               "NVFP4 (compressed-tensors, routed and shared experts)")}
 # name -> (what it is, `kconvert reap` flags)
 CONFIGS = {
     "none": ("plain REAP (--repair none)", []),
@@ -67,9 +79,23 @@ def kconvert(*args: str) -> float:
     return time.perf_counter() - t0
 
 
+def evaluate(reference: Path, candidates: list[Path], held: Path, out: Path) -> list[dict]:
+    """The `logits` block of each candidate's `kconvert eval` against `reference`."""
+    kconvert("eval", str(reference), *map(str, candidates), "--data", str(held),
+             "--samples", str(HELD), "--seq-len", str(SEQ), "--dtype", "float32", "--device",
+             "cpu", "--quiet", "-o", str(out))
+    report = json.loads((out / "eval.json").read_text())
+    return [c["logits"] for c in report["candidates"]]
+
+
 def run_fixture(name: str, keeps: list[int], configs: list[str], only_50: list[str], tmp: Path
                 ) -> list[dict]:
-    src = FIXTURES[name]
+    if name in QUANTIZED:
+        base, flags, what = QUANTIZED[name]
+        reference, src = FIXTURES[base], tmp / name
+        kconvert("quantize", str(reference), str(src), "--quiet", *flags)
+    else:
+        reference = src = FIXTURES[name]
     experts = json.loads((src / "config.json").read_text())["n_routed_experts"]
     calib, held = tmp / "calib.jsonl", tmp / "held.jsonl"
     write_jsonl(calib, windows(corpus_ids("train"), CALIB, SEQ, torch.Generator().manual_seed(1)))
@@ -90,35 +116,44 @@ def run_fixture(name: str, keeps: list[int], configs: list[str], only_50: list[s
                          "flags": CONFIGS[config][1], "reap_s": round(secs, 1),
                          "dir": dst, "guards": guards})
             print(f"{name} keep {keep}/{experts} {config}: {secs:.0f} s", flush=True)
-    out = tmp / f"eval-{name}"
-    kconvert("eval", str(src), *(str(m["dir"]) for m in made), "--data", str(held),
-             "--samples", str(HELD), "--seq-len", str(SEQ), "--dtype", "float32", "--device",
-             "cpu", "--quiet", "-o", str(out))
-    report = json.loads((out / "eval.json").read_text())
-    for m, c in zip(made, report["candidates"], strict=True):
-        logits = c["logits"]
+    if src != reference:
+        made.insert(0, {"fixture": name, "keep": experts, "of": experts, "pct": 100,
+                        "config": "source", "what": f"{what}, unpruned", "flags": flags,
+                        "reap_s": "-", "dir": src})
+        vs_source = evaluate(src, [m["dir"] for m in made[1:]], held, tmp / f"eval-{name}-q")
+        for m, logits in zip(made[1:], vs_source, strict=True):
+            m["kl_vs_source"] = logits["kl_mean"]
+    vs_reference = evaluate(reference, [m["dir"] for m in made], held, tmp / f"eval-{name}")
+    for m, logits in zip(made, vs_reference, strict=True):
         m.update(kl=logits["kl_mean"], kl_p99=logits["kl_p99"], top1=logits["top1_agreement"],
                  nll_increase=logits["nll_candidate"] - logits["nll_source"])
-        m["dir"] = c["candidate"]
+        m["dir"] = str(m["dir"])
     return made
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| fixture | keep | configuration | KL | KL vs none | top-1 | ΔNLL | reap s |",
-             "|---|---|---|---|---|---|---|---|"]
-    none = {(r["fixture"], r["keep"]): r["kl"] for r in results if r["config"] == "none"}
+    lines = ["| fixture | keep | configuration | KL | KL vs none | top-1 | ΔNLL | reap s | "
+             "KL vs quantized source |", "|---|---|---|---|---|---|---|---|---|"]
+    none = {(r["fixture"], r["keep"]): r for r in results if r["config"] == "none"}
     for r in results:
         base = none.get((r["fixture"], r["keep"]))
-        change = f"{(r['kl'] / base - 1) * 100:+.1f}%" if base else "-"
+        change = f"{(r['kl'] / base['kl'] - 1) * 100:+.1f}%" if base else "-"
+        vs_source = "-"
+        if "kl_vs_source" in r:
+            vs_source = f"{r['kl_vs_source']:.4f}"
+            if base:
+                vs_source += f" ({(r['kl_vs_source'] / base['kl_vs_source'] - 1) * 100:+.1f}%)"
         lines.append(f"| {r['fixture']} | {r['keep']}/{r['of']} | {r['what']} | {r['kl']:.4f} | "
-                     f"{change} | {r['top1']:.4f} | {r['nll_increase']:+.4f} | {r['reap_s']} |")
+                     f"{change} | {r['top1']:.4f} | {r['nll_increase']:+.4f} | {r['reap_s']} | "
+                     f"{vs_source} |")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "reap_quality_tiny_moe"))
-    ap.add_argument("--fixtures", nargs="+", default=list(FIXTURES), choices=list(FIXTURES))
+    ap.add_argument("--fixtures", nargs="+", default=list(FIXTURES),
+                    choices=[*FIXTURES, *QUANTIZED])
     ap.add_argument("--keeps", nargs="+", type=int, default=[75, 50, 25])
     ap.add_argument("--configs", nargs="+", default=["none", "router", "down", "router+down"],
                     choices=list(CONFIGS), help="configurations made at every keep")

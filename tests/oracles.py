@@ -16,6 +16,12 @@ from compressed_tensors.compressors.nvfp4.helpers import (
     unpack_fp4_from_uint8,
 )
 from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor
+from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import (
+    CompressedTensorsDequantizer,
+)
+from compressed_tensors.entrypoints.convert.converters.modelopt_nvfp4 import (
+    ModelOptNvfp4Converter,
+)
 from compressed_tensors.quantization import (
     QuantizationConfig,
     QuantizationScheme,
@@ -117,6 +123,28 @@ def load_tensors(d: Path) -> dict[str, torch.Tensor]:
     for path in shard_files(d):
         out.update(load_file(str(path)))
     return out
+
+
+def ct_dense_tensors(d: Path) -> dict[str, torch.Tensor]:
+    """fp32 dense weights of a checkpoint, decoded by compressed-tensors (not by kconvert):
+    its dequantizer for its own formats, its ModelOpt converter then NVFP4 decompressor for a
+    ModelOpt export."""
+    tensors = load_tensors(d)
+    qc = json.loads((d / "config.json").read_text()).get("quantization_config")
+    if qc is None:
+        return {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
+    if qc["quant_method"] == "modelopt":
+        tensors = ModelOptNvfp4Converter(targets=[r"re:.*mlp\.experts\.\d+\.\w+_proj$"]).process(
+            tensors)
+        scheme = nvfp4a16_scheme()
+        for name in [n for n in tensors if n.endswith(".weight_packed")]:
+            m = name[: -len(".weight_packed")]
+            sd = {p: tensors.pop(f"{m}.{p}")
+                  for p in ("weight_packed", "weight_scale", "weight_global_scale")}
+            tensors[f"{m}.weight"] = NVFP4PackedCompressor.decompress(sd, scheme)["weight"]
+        return {k: v.float() for k, v in tensors.items()}
+    deq = CompressedTensorsDequantizer(str(d), dtype=torch.float32)
+    return {k: v.float() for k, v in deq.process(tensors).items()}
 
 
 def by_module(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:

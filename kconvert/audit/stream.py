@@ -122,8 +122,18 @@ def plan_units(ctx: AuditContext) -> list[Unit]:
     in_modules: set[str] = set()
     source, man, refit = ctx.source, ctx.manifest, ctx.refit
     for m in ctx.ckpt.modules.values():
-        if refit.keys() & {i.name for i in m.params.values()}:
-            continue  # a re-fitted dense matrix: hashed as a plain tensor below
+        names = {i.name for i in m.params.values()}
+        if refit.keys() & names:
+            # a re-fitted matrix: every parameter checked on the plan's hash (Stream.hash),
+            # none against the source's bytes; a quantized one's scales checked as a module's
+            ctx.report.check(SRC, names <= refit.keys(), "refit", "the plan's compensation "
+                             f"records {sorted(refit.keys() & names)} of the module's "
+                             f"parameters, not {sorted(names - refit.keys())}", tensor=m.module)
+            if m.codec.quantized:
+                units.append(ModuleUnit(m, None, False))
+                in_modules.update(names)
+                _refit_counterpart(ctx, m)
+            continue
         s = ctx.source_module(m) if source is not None else None
         decode = False
         if s is not None:
@@ -161,6 +171,14 @@ def plan_units(ctx: AuditContext) -> list[Unit]:
             units.append(Piece(info, off, min(ctx.chunk, info.nbytes - off), counterpart))
     units.sort(key=lambda u: u.key)
     return units
+
+
+def _refit_counterpart(ctx: AuditContext, m: ModuleWork) -> None:
+    """A re-fitted quantized module stands for its source module (under the expert mapping)."""
+    s = ctx.source_module(m) if ctx.source is not None else None
+    if s is not None:
+        ctx.used_source.update(i.name for i in s.params.values())
+        ctx.has_counterpart.update(i.name for i in m.params.values())
 
 
 class Stream:

@@ -43,14 +43,15 @@ def read_item(ckpt: Checkpoint, item: Item, pin: bool) -> list[torch.Tensor]:
         # selection happen here in the reader threads, off the compute thread's critical path.
         bufs = []
         for c in item.chunks:
+            if c.values is not None:  # a stage's computed tensor, checked when planned
+                bufs.append(c.values)
+                continue
             buf = torch.empty(c.length, dtype=torch.uint8)
             ckpt.reader_for(c.info).read_into(c.info, buf, c.offset)
             check_finite(buf, c.info)
             if c.rows is not None:
                 rows = torch.tensor(c.rows, dtype=torch.long)
                 buf = buf.view(c.info.torch_dtype).reshape(c.info.shape).index_select(0, rows)
-                if c.values is not None:  # checked against the selection when planned
-                    buf = c.values
             bufs.append(buf)
         return bufs
     bufs = []

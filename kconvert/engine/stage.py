@@ -46,8 +46,9 @@ class Stage:
         return tn.name, None
 
     def replaced_rows(self) -> dict[str, torch.Tensor]:
-        """Output name -> the tensor the stage computed for a router whose rows it selects
-        (a repaired router), written instead of the selected source rows."""
+        """Output name -> the tensor the stage computed, written instead of the source's
+        bytes: a router whose rows it selects (a repaired router), or a whole tensor (a
+        parameter of a re-fitted matrix)."""
         return {}
 
     def claim(self, m: ModuleWork) -> None:

@@ -34,15 +34,16 @@ class OutTensor:
 
 @dataclass(frozen=True)
 class Chunk:
-    """A byte range of a pass-through tensor; with `rows`, the whole tensor, rows selected."""
+    """A byte range of a pass-through tensor; with `rows`, the whole tensor, rows selected;
+    with `values`, the whole tensor, replaced."""
 
     info: TensorInfo
     out_name: str
     offset: int
     length: int
     rows: tuple[int, ...] | None = None
-    # With `rows`: the output tensor a stage computed (a repaired router), written instead of
-    # the selected source rows.
+    # The output tensor a stage computed (a repaired router's rows, a re-fitted matrix's
+    # parameter), written instead of the source's bytes.
     values: torch.Tensor | None = None
 
 
@@ -222,16 +223,14 @@ def _build_work_plan(ckpt: Checkpoint, stages: list[Stage], work_elems: int,
             outputs[name] = OutTensor(name, dtype, tuple(shape), m.primary.file.name, sources,
                                       stage)
     values = {n: v for stage in stages for n, v in stage.replaced_rows().items()}
-    for i, (info, out_name, rows) in enumerate(copies):
+    for info, out_name, rows in copies:
         stage = "copy" if rows is None else "select-rows"
-        if out_name in values:
-            # a whole matrix a stage re-fitted (a compensated down_proj): read as all rows
-            stage = "repair-rows" if rows is not None else "refit"
-            rows = rows if rows is not None else tuple(range(info.shape[0]))
-            copies[i] = (info, out_name, rows)
-            _check_replacement(info, out_name, (len(rows), *info.shape[1:]), rows,
-                               values[out_name])
         shape = info.shape if rows is None else (len(rows), *info.shape[1:])
+        if out_name in values:
+            # rows a stage computed (a repaired router), or a whole tensor it re-fitted (a
+            # parameter of a compensated down_proj, in the source's format)
+            stage = "repair-rows" if rows is not None else "refit"
+            _check_replacement(info, out_name, shape, values[out_name])
         outputs[out_name] = OutTensor(out_name, info.dtype, shape, info.file.name, (info.name,),
                                       stage)
 
@@ -293,13 +292,14 @@ def _share_input_amax(modules: list[ModuleWork]) -> None:
 
 
 def _check_replacement(info: TensorInfo, out_name: str, shape: tuple[int, ...],
-                       rows: tuple[int, ...] | None, value: torch.Tensor) -> None:
-    """A stage's computed rows replace selected source rows of the same shape and dtype."""
-    if rows is None or tuple(value.shape) != tuple(shape) or value.dtype != info.torch_dtype:
-        raise KconvertError(f"computed rows {value.dtype}{list(value.shape)} cannot replace "
+                       value: torch.Tensor) -> None:
+    """A stage's computed tensor replaces source bytes (selected rows, or the whole tensor)
+    of the same shape and dtype."""
+    if tuple(value.shape) != tuple(shape) or value.dtype != info.torch_dtype:
+        raise KconvertError(f"computed tensor {value.dtype}{list(value.shape)} cannot replace "
                             f"{info.dtype}{list(shape)}", tensor=out_name)
-    if not bool(torch.isfinite(value).all()):
-        raise KconvertError("computed rows hold NaN/Inf", tensor=out_name)
+    if value.is_floating_point() and not bool(torch.isfinite(value.float()).all()):
+        raise KconvertError("computed tensor holds NaN/Inf", tensor=out_name)
 
 
 def _copy_items(copies: list[tuple[TensorInfo, str, tuple[int, ...] | None]],
@@ -307,12 +307,14 @@ def _copy_items(copies: list[tuple[TensorInfo, str, tuple[int, ...] | None]],
     """Pass-through bytes in items of at most COPY_CHUNK: big tensors split, small ones merged.
 
     A tensor with selected rows (a pruned router) is read whole: it is small; `values` holds
-    the output tensors stages computed for some of them (by output name).
+    the output tensors stages computed (by output name), which are written whole instead of
+    the source's bytes.
     """
     items, current, size = [], [], 0
     for info, out_name, rows in sorted(copies, key=lambda c: c[0].start):
         item_size = info.torch_dtype.itemsize
-        step = info.nbytes if rows is not None else COPY_CHUNK // item_size * item_size
+        whole = rows is not None or out_name in values
+        step = info.nbytes if whole else COPY_CHUNK // item_size * item_size
         for offset in range(0, max(info.nbytes, 1), max(step, item_size)):
             length = min(step, info.nbytes - offset)
             if size + length > COPY_CHUNK and current:

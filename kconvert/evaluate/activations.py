@@ -1,7 +1,8 @@
-"""W4A4 as it runs: the NVFP4 quantization a serving kernel applies to the activations entering
-a module that carries a static input scale (docs/formats.md §2, "W4A4 activations").
+"""W4A4 as it runs: the 4-bit quantization a serving kernel applies to the activations entering
+a module, in the two forms a W4A4 checkpoint can declare (docs/formats.md §2 "W4A4
+activations", §6 "W4A4: dynamic activations").
 
-A W4A4 module stores one per-tensor input scale: compressed-tensors' `input_global_scale`
+NVFP4: a module stores one per-tensor input scale: compressed-tensors' `input_global_scale`
 (2688 / calibrated amax, the form of `weight_global_scale`) or ModelOpt's `input_scale`
 (amax / 2688). At run time the kernel quantizes each token's activations in blocks of 16
 along the input dimension, with g the stored global scale (compressed-tensors) or its
@@ -11,6 +12,12 @@ reciprocal (ModelOpt):
   GEMM input   E2M1 value x fp32(s) / g
 This is vLLM's reference emulation of its NVFP4 kernels (`ref_nvfp4_quant`), which its CUDA
 kernel matches up to that kernel's approximate reciprocals.
+
+MXFP4: nothing is stored; the config declares the inputs quantized at run time (Quark's
+`input_tensors`, compressed-tensors' `input_activations`, both dynamic per 32 with E8M0
+scales), and each block of 32 is quantized on its own amax rule's step
+(kconvert.formats.mxfp4.fake_quantize, what Quark's and compressed-tensors' dynamic
+quantizers compute).
 """
 
 from __future__ import annotations
@@ -21,6 +28,9 @@ import torch
 from torch import nn
 
 from kconvert.calibrate.forward import MoEBlock
+from kconvert.checks.quant_config import governed_name, quant_blocks
+from kconvert.formats import detect_codec, mxfp4
+from kconvert.formats.linear import module_params
 from kconvert.formats.nvfp4_grid import BLOCK, E2M1, FP4_MAX, FP8_MAX, cut_points
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.shards import TensorInfo
@@ -71,31 +81,72 @@ def input_scales(ckpt: Checkpoint, tensors: dict[str, TensorInfo]) -> dict[str, 
     return out
 
 
+def dynamic_inputs(ckpt: Checkpoint, tensors: dict[str, TensorInfo]) -> set[str]:
+    """The modules of a decoder layer's tensors whose inputs the checkpoint's config declares
+    quantized at run time (MXFP4 W4A4): each module in a format with such a form, asked of
+    the first quantization_config that governs it, when that config is its format's family.
+    Empty for weight-only checkpoints."""
+    blocks = quant_blocks(ckpt.config)
+    out = set()
+    # A router's weight parameters without its bias (a module of the same name).
+    for module, params in module_params(tensors, lambda tn: tn.role is not Role.ROUTER_BIAS
+                                        ).items():
+        codec = detect_codec(params)
+        if codec is None or codec.dynamic_activations is None:
+            continue
+        for where, qconfig in blocks:
+            name = governed_name(where, module)
+            if name is None:
+                continue
+            if (qconfig.get("quant_method") == codec.config_family
+                    and codec.declares_dynamic_input(qconfig, name)):
+                out.add(module)
+            break
+    return out
+
+
 def emulate(layer: nn.Module, moe: MoEBlock | None, prefix: str,
-            scales: dict[str, torch.Tensor]) -> None:
+            scales: dict[str, torch.Tensor], dynamic: set[str] | frozenset = frozenset()
+            ) -> None:
     """Make a loaded decoder layer (`prefix`: its tensors' name prefix) quantize the inputs of
-    every module in `scales` as a W4A4 kernel does: a pre-hook on each linear, and the MoE
-    block's routed experts through `MoEBlock.quantize_input` (gate/up share one scale, as the
-    fused kernel reads one: the larger g, as vLLM takes it)."""
+    every module in `scales` (NVFP4, with its g) and in `dynamic` (MXFP4) as a W4A4 kernel
+    does: a pre-hook on each linear (or router), and the MoE block's routed experts through
+    `MoEBlock.quantize_input`. An expert's gate/up share one quantized input, as the fused
+    kernel reads one: NVFP4's with the larger g, as vLLM takes it; MXFP4's when either is
+    declared (both are, in every config kconvert writes or reads)."""
     experts: dict[tuple[int, int], torch.Tensor] = {}
-    for module, g in scales.items():
+    mx_experts: set[tuple[int, int]] = set()
+    for module in [*scales, *dynamic]:
         tn = parse_name(module + ".weight")
         if tn.role is Role.ROUTED_EXPERT:
             key = (1 if tn.proj == "down_proj" else 0, tn.expert)
-            experts[key] = torch.maximum(experts[key], g) if key in experts else g
+            if module in dynamic:
+                mx_experts.add(key)
+            else:
+                g = scales[module]
+                experts[key] = torch.maximum(experts[key], g) if key in experts else g
             continue
-        linear = layer.get_submodule(module[len(prefix):])
-        linear.register_forward_pre_hook(
-            lambda _mod, args, g=g: (fake_quantize(args[0], g), *args[1:]))
-    if experts and moe is not None:
-        # Per linear (0 gate/up, 1 down), each expert's g; NaN: an expert without one.
+        quantize = (mxfp4.fake_quantize if module in dynamic
+                    else lambda x, g=scales[module]: fake_quantize(x, g))
+        layer.get_submodule(module[len(prefix):]).register_forward_pre_hook(
+            lambda _mod, args, q=quantize: (q(args[0]), *args[1:]))
+    if (experts or mx_experts) and moe is not None:
+        # Per linear (0 gate/up, 1 down), each expert's NVFP4 g (NaN: none) and MXFP4 flag.
         table = torch.full((2, moe.n_experts), math.nan)
         for (which, expert), g in experts.items():
             table[which, expert] = g
+        mx = torch.zeros((2, moe.n_experts), dtype=torch.bool)
+        for which, expert in mx_experts:
+            mx[which, expert] = True
 
         def quantize_input(which: int, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
-            g = table[which].to(x.device)[expert]
-            has = ~torch.isnan(g)
-            return torch.where(has[:, None], fake_quantize(x, torch.where(has, g, 1.0)), x)
+            if experts:
+                g = table[which].to(x.device)[expert]
+                has = ~torch.isnan(g)
+                x = torch.where(has[:, None], fake_quantize(x, torch.where(has, g, 1.0)), x)
+            if mx_experts:
+                x = torch.where(mx[which].to(x.device)[expert][:, None],
+                                mxfp4.fake_quantize(x), x)
+            return x
 
         moe.quantize_input = quantize_input

@@ -210,11 +210,14 @@ def _labelled(stream: Stream, step, *args, **kwargs):
 def _build(stream: Stream, layer: int, raw, ctx: ForwardContext, device: torch.device,
            dtype: torch.dtype):
     """Layer `layer` of `stream` built from its bytes; a W4A4 checkpoint runs as served: its
-    activations quantized where it stores input scales (evaluate/activations.py)."""
+    activations quantized where it stores input scales (NVFP4) or its config declares them
+    quantized at run time (MXFP4) (evaluate/activations.py)."""
     loaded = build_layer(raw, stream.cfg, ctx, device, dtype, stats=False)
-    scales = activations.input_scales(stream.ckpt, stream.layers[layer])
-    if scales:
-        activations.emulate(loaded.module, loaded.moe, raw.prefix, scales)
+    tensors = stream.layers[layer]
+    scales = activations.input_scales(stream.ckpt, tensors)
+    dynamic = activations.dynamic_inputs(stream.ckpt, tensors)
+    if scales or dynamic:
+        activations.emulate(loaded.module, loaded.moe, raw.prefix, scales, dynamic)
     return loaded
 
 

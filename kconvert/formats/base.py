@@ -115,6 +115,14 @@ class Codec:
         return []
 
     @classmethod
+    def declares_dynamic_input(cls, qconfig: dict, name: str) -> bool:
+        """Whether `qconfig` (a config of this format's family) declares that module `name`'s
+        inputs are quantized at run time in the format's own blocks, with no stored scale
+        (the W4A4 form of `dynamic_activations`, which `kconvert eval` emulates). Raises
+        KconvertError where it declares input quantization in a form that is not that one."""
+        return False
+
+    @classmethod
     def edit_config(cls, qconfig: dict) -> None:
         """Add what an output in this format needs to its family's config (in place)."""
 

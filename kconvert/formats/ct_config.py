@@ -67,7 +67,9 @@ def _roles_by_group(modules: Iterable[OutputModule]) -> dict[int, list[Role]]:
     sizes: dict[Role, set[int]] = {}
     for m in modules:
         if (m.out_codec or m.codec).config_family == QUANT_METHOD:
-            sizes.setdefault(m.tn.role, set()).add(m.group_size)
+            # a module copied as it is (pruning an MXFP4 source) has its stored scales' group
+            stored = tensor_group(m) if m.out_codec is None else None
+            sizes.setdefault(m.tn.role, set()).add(stored or m.group_size)
     mixed = [r.value for r, b in sizes.items() if len(b) > 1]
     if mixed:
         raise KconvertError(f"{mixed}: one role must use one NVFP4 block size")

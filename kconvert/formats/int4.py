@@ -61,3 +61,23 @@ class Int4Codec(Codec):
         q = codes.reshape(b, out, groups, -1).float()
         del codes
         return q.mul_(scale.float().unsqueeze(-1)).reshape(b, out, words * 8)
+
+    @classmethod
+    def encode(cls, w: torch.Tensor, group_size: int, scale_dtype: torch.dtype
+               ) -> dict[str, torch.Tensor]:
+        """fp32 weights [B, out, in] as compressed-tensors' symmetric INT4 writes them
+        (formats.md §1): per group of `group_size` inputs scale = amax / 7.5 (its
+        `calculate_qparams`; an all-zero group gets fp32's eps), stored in `scale_dtype`, and
+        codes round(w / stored scale) (ties to even) clamped to -8..7, packed low nibble first.
+        weight_packed [B, out, in/8] int32 and weight_scale [B, out, in/group_size]."""
+        b, out, inp = w.shape
+        if inp % group_size or group_size % 8:
+            raise KconvertError(f"INT4 groups of {group_size} do not divide {inp} inputs into "
+                                "whole words")
+        g = w.float().reshape(b, out, inp // group_size, group_size)
+        scale = g.abs().amax(-1) / 7.5
+        scale = torch.where(scale == 0, torch.finfo(torch.float32).eps, scale).to(scale_dtype)
+        q = torch.round(g / scale.float().unsqueeze(-1)).clamp_(-8, 7).to(torch.int64) + 8
+        words = (q.reshape(b, out, inp // 8, 8) << torch.arange(0, 32, 4, device=w.device)).sum(-1)
+        packed = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+        return {"weight_packed": packed, "weight_scale": scale}

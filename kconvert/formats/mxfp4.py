@@ -149,6 +149,23 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return decode_steps(packed, steps(scales))
 
 
+def fake_quantize(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] (K a multiple of 32) MXFP4-quantized and dequantized as a W4A4 server
+    quantizes its activations at run time (docs/formats.md §6, "W4A4: dynamic activations"):
+    each block of 32 along the last dim on the amax rule's step, E2M1 ties to even, saturating
+    at 6. Computed in fp32 (every step is a power of two, so the only rounding is E2M1's) and
+    returned in x's dtype."""
+    k = x.shape[-1]
+    if k % BLOCK:
+        raise ValueError(f"activations of {k} features are not whole {BLOCK}-element blocks")
+    blocks = x.reshape(*x.shape[:-1], k // BLOCK, BLOCK).float()
+    step = steps(amax_codes(blocks.abs().amax(dim=-1))).unsqueeze(-1)
+    y = blocks / step
+    lut = torch.tensor(E2M1, dtype=torch.float32, device=x.device)
+    mag = lut[torch.bucketize(y.abs(), cut_points(x.device), out_int32=True)]
+    return (torch.where(y < 0, -mag, mag) * step).reshape(x.shape).to(x.dtype)
+
+
 __all__ = ["BIAS", "BLOCK", "COMPRESSED_TENSORS", "EMAX_ELEM", "MAX_CODE", "MSE_CODE_OFFSETS",
            "NAN_CODE", "QUARK", "RULES", "Flavour", "MxQuantized", "amax_codes", "dequantize",
-           "quantize", "steps"]
+           "fake_quantize", "quantize", "steps"]

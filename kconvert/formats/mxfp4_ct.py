@@ -7,9 +7,15 @@ from typing import ClassVar
 
 import torch
 
+from kconvert.errors import KconvertError
 from kconvert.formats import mxfp4
 from kconvert.formats.base import Codec, ParamRules, ParamSpec
-from kconvert.formats.ct_config import QUANT_METHOD, weight_problems
+from kconvert.formats.ct_config import QUANT_METHOD, scheme_for, weight_problems
+
+# The input activations of compressed-tensors' MXFP4 (W4A4) preset, as its config serialises
+# them: dynamic 4-bit float per 32, E8M0 (uint8) scales.
+DYNAMIC_INPUT = {"num_bits": 4, "type": "float", "strategy": "group", "group_size": mxfp4.BLOCK,
+                 "dynamic": True, "scale_dtype": "torch.uint8"}
 
 
 class Mxfp4Codec(Codec):
@@ -44,6 +50,20 @@ class Mxfp4Codec(Codec):
     @classmethod
     def scheme_problems(cls, where, scheme, m):
         return weight_problems(where, scheme, m, "float")
+
+    @classmethod
+    def declares_dynamic_input(cls, qconfig, name):
+        group, _ = scheme_for(qconfig, name, linear=True)
+        acts = (group or {}).get("input_activations")
+        if not acts:
+            return False
+        said = {k: acts.get(k) for k in DYNAMIC_INPUT}
+        if said != DYNAMIC_INPUT:
+            raise KconvertError(f"{name}: the quantization_config gives its MXFP4 weights input "
+                                f"activations {said}, not MXFP4's dynamic form "
+                                f"{DYNAMIC_INPUT}; kconvert cannot run them as served",
+                                file="config.json")
+        return True
 
     @classmethod
     def logical_shape(cls, infos, shape_value):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Mapping
 
+from kconvert.errors import KconvertError
 from kconvert.formats import mxfp4
 from kconvert.formats.base import Codec, OutputModule
 from kconvert.formats.dense import DenseCodec
@@ -30,6 +31,11 @@ MXFP4_SPEC = {
 }
 # What a config's weight spec must say for kconvert to read its tensors as MXFP4.
 SPEC_KEYS = ("dtype", "qscheme", "group_size", "scale_format")
+# What an input_tensors spec must say for `kconvert eval` to run it as MXFP4Scheme's dynamic
+# activation quantization (the arithmetic of kconvert.formats.mxfp4.fake_quantize).
+DYNAMIC_INPUT = {**{k: MXFP4_SPEC[k] for k in (*SPEC_KEYS, "ch_axis", "round_method",
+                                                "scale_calculation_mode")},
+                 "is_dynamic": True}
 
 
 class QuarkMxfp4Codec(Mxfp4Codec):
@@ -49,13 +55,38 @@ class QuarkMxfp4Codec(Mxfp4Codec):
 
     @classmethod
     def scheme_problems(cls, where, scheme, m):
-        weight = (scheme.get("global_quant_config") or {}).get("weight") or {}
-        for pattern, layer in (scheme.get("layer_quant_config") or {}).items():
-            if fnmatch.fnmatch(m.tn.module, pattern):
-                weight = (layer or {}).get("weight") or {}
-                break
+        weight = module_config(scheme, m.tn.module).get("weight") or {}
         return [f"{where} says weight {k} = {weight.get(k)!r}, the tensors are MXFP4 "
                 f"({MXFP4_SPEC[k]!r})" for k in SPEC_KEYS if weight.get(k) != MXFP4_SPEC[k]]
+
+    @classmethod
+    def declares_dynamic_input(cls, qconfig, name):
+        if excluded(qconfig, name):
+            return False
+        spec = module_config(qconfig, name).get("input_tensors")
+        if not spec:
+            return False
+        said = {k: spec.get(k) for k in DYNAMIC_INPUT}
+        if said != DYNAMIC_INPUT:
+            raise KconvertError(f"{name}: the quantization_config gives its MXFP4 weights "
+                                f"input_tensors {said}, not MXFP4's dynamic form "
+                                f"{DYNAMIC_INPUT}; kconvert cannot run them as served",
+                                file="config.json")
+        return True
+
+
+def module_config(qconfig: dict, name: str) -> dict:
+    """The quant config Quark applies to module `name`: the first `layer_quant_config` entry
+    whose fnmatch pattern matches it, else `global_quant_config`."""
+    for pattern, layer in (qconfig.get("layer_quant_config") or {}).items():
+        if fnmatch.fnmatch(name, pattern):
+            return layer or {}
+    return qconfig.get("global_quant_config") or {}
+
+
+def excluded(qconfig: dict, name: str) -> bool:
+    """Whether Quark's `exclude` list (exact names or fnmatch patterns) names module `name`."""
+    return any(fnmatch.fnmatch(name, p) for p in qconfig.get("exclude") or [])
 
 
 def quark_expected(qconfig: dict, name: str, linear: bool
@@ -63,7 +94,7 @@ def quark_expected(qconfig: dict, name: str, linear: bool
     """(kind, codec, scheme) a Quark config gives module `name` (as
     kconvert.checks.quant_config.expected_format): unquantized where its `exclude` list (exact
     names or fnmatch patterns, as Quark matches them) names it or it is no linear, else MXFP4."""
-    if not linear or any(fnmatch.fnmatch(name, p) for p in qconfig.get("exclude") or []):
+    if not linear or excluded(qconfig, name):
         return QUANT_METHOD, DenseCodec, {}
     return QUANT_METHOD, QuarkMxfp4Codec, qconfig
 

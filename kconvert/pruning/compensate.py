@@ -22,8 +22,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-DENSE_DTYPES = ("BF16", "F16", "F32")  # source down_proj formats a re-fit is written in
-
 
 @dataclass(frozen=True)
 class Routing:

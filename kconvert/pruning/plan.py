@@ -75,9 +75,14 @@ class LayerCompensation(BaseModel):
     heldout_mse_before: float
     heldout_mse_after: float
     matrices_xxh3: dict[str, str] = Field(
-        default_factory=dict, description="OUTPUT tensor name -> xxh3-128 (hex) of the "
-                                          "re-fitted matrix's bytes as written (source dtype); "
-                                          "empty when not applied")
+        default_factory=dict, description="OUTPUT tensor name -> xxh3-128 (hex) of its bytes "
+                                          "as written, for every parameter of every re-fitted "
+                                          "matrix (in the source's format: a BF16 weight, or "
+                                          "e.g. INT4's weight_packed, weight_scale and "
+                                          "weight_shape); empty when not applied")
+    block_scale: str | None = Field(
+        default=None, description="the block-scale rule (amax | mse) the quantized re-fitted "
+                                  "matrices were encoded with; absent: all dense")
 
 
 class PruneLayer(BaseModel):

@@ -142,10 +142,15 @@ def compensated_tensors(plan: PrunePlan, matrices: dict[str, torch.Tensor]
                             "with --data and --compensate" if recorded else "re-fitted "
                             "matrices for a plan that records no compensation")
     for name, t in matrices.items():
-        if xxhash.xxh3_128_hexdigest(t.contiguous().view(torch.uint8).numpy().tobytes()) \
-                != recorded[name]:
+        if tensor_hash(t) != recorded[name]:
             raise KconvertError("re-fitted matrix differs from the plan's record", tensor=name)
     return tuple(sorted(matrices.items()))
+
+
+def tensor_hash(t: torch.Tensor) -> str:
+    """xxh3-128 (hex) of a tensor's bytes, as the manifest hashes written tensors."""
+    return xxhash.xxh3_128_hexdigest(t.contiguous().reshape(-1).view(torch.uint8).numpy()
+                                     .tobytes())
 
 
 def row_hashes(rows: torch.Tensor) -> list[str]:

@@ -29,22 +29,22 @@ import contextlib
 import copy
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
-import xxhash
 from torch import nn
 
 from kconvert.calibrate.data import PAD_ID
 from kconvert.calibrate.forward import MoEBlock, embed, model_config, padding_aware_mask
 from kconvert.errors import KconvertError
 from kconvert.io.checkpoint import Checkpoint
-from kconvert.io.shards import TensorInfo
 from kconvert.model.names import Role, parse_name
 from kconvert.options import COMPENSATIONS, REPAIRS
-from kconvert.pruning.compensate import DENSE_DTYPES, Block, Routing, block
+from kconvert.pruning import recode
+from kconvert.pruning.compensate import Block, Routing, block
 from kconvert.pruning.compensate import fit as compensate_fit
 from kconvert.pruning.plan import LayerCompensation, LayerRepair, PrunePlan
-from kconvert.pruning.reap import CRITERIA, keep_ids, row_hashes, with_means
+from kconvert.pruning.reap import CRITERIA, keep_ids, row_hashes, tensor_hash, with_means
 
 
 @dataclass(frozen=True)
@@ -224,6 +224,9 @@ class RouterRepair:
     records: dict[int, LayerRepair] = field(default_factory=dict)
     compensations: dict[int, LayerCompensation] = field(default_factory=dict)
     matrices: dict[str, torch.Tensor] = field(default_factory=dict)  # output name -> written
+    # Where each layer's re-fitted matrices go (one file per layer, memory-mapped back), so
+    # host memory does not grow with the layers; None: held in memory.
+    spill: Path | None = None
 
     def __post_init__(self):
         from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
@@ -251,7 +254,6 @@ class RouterRepair:
         self.forward_kw = {"position_ids": positions, "position_embeddings": rotary(
             torch.empty(0, device=self.device, dtype=self.dtype), positions)}
         self.source_routers = {}
-        self.down_names: dict[int, dict[int | None, TensorInfo]] = {}
         for name, info in self.ckpt.tensors.items():
             tn = parse_name(name)
             if tn.role is Role.ROUTER_WEIGHT and tn.param != "weight":
@@ -259,9 +261,11 @@ class RouterRepair:
                                     "quantized (MXFP4): dequantize it first", tensor=name)
             if tn.role in (Role.ROUTER_WEIGHT, Role.ROUTER_BIAS):
                 self.source_routers.setdefault(tn.layer, {})[tn.role] = info
-            elif (tn.role in (Role.ROUTED_EXPERT, Role.SHARED_EXPERT)
-                  and tn.proj == "down_proj" and tn.param == "weight"):
-                self.down_names.setdefault(tn.layer, {})[tn.expert] = info
+        # checked before the first layer: a format compensation cannot write fails at once
+        self.downs = recode.down_linears(self.ckpt) if s.compensate != "none" else {}
+        self.block_scale = recode.block_scale_rule(self.ckpt) if any(
+            lin.codec.quantized for layer in self.downs.values() for lin in layer.values()) \
+            else None
 
     def _run(self, module: nn.Module, capture: _CaptureInput | None = None) -> None:
         """Decoder layer `module` over the stream, in place."""
@@ -354,8 +358,9 @@ class RouterRepair:
     def _compensate(self, layer: int, moe: MoEBlock, x: torch.Tensor, target: torch.Tensor,
                     n_fit: int, router: nn.Module) -> None:
         """Re-fit the layer's down_proj matrices (kconvert.pruning.compensate) on the fit
-        tokens; when the held-out error falls, write them into `moe` (rounded to the source
-        dtype, so the stream moves on with what is written) and keep them for the output."""
+        tokens; when the held-out error falls, write them into `moe` (encoded in the source's
+        format and decoded again, so the stream moves on with what is written) and keep their
+        encoded parameters for the output."""
         s, keep = self.settings, self.kept[layer]
         sources = self.down_sources(layer, keep)
         w, ids = route(router, x)
@@ -368,17 +373,25 @@ class RouterRepair:
         count = 1 if s.compensate == "shared" else len(sources)
         dims, n_held = target.shape[1], x.shape[0] - n_fit
 
-        def as_written(ridge: float) -> tuple[float, list[torch.Tensor]]:
-            """(held-out error, matrices rounded to the source dtypes) of one ridge."""
+        def as_written(ridge: float) -> tuple[float, list[dict[str, torch.Tensor]],
+                                              list[torch.Tensor]]:
+            """(held-out error, encoded parameters, their decode) of one ridge's matrices."""
             solved = compensate_fit(pieces, target[:n_fit], s.compensate, ridge, s.sweeps)
-            written = [m.to(info.torch_dtype) for m, info in zip(solved.weights[:count],
-                                                                 sources, strict=False)]
+            encoded = recode.encode(self.ckpt, sources[:count], solved.weights[:count],
+                                    self.block_scale, x.device)
+            written = [recode.decode(lin, params, x.device) for lin, params
+                       in zip(sources, encoded, strict=False)]
             after = Block(held.rows, held.features, [*written, *held.weights[count:]])
-            return mse(after.output(n_held, dims), target[n_fit:]), written
+            return mse(after.output(n_held, dims), target[n_fit:]), encoded, written
 
-        # the ridge is chosen per layer by the held-out error (ties: the smaller ridge)
-        tried = [(*as_written(ridge), ridge) for ridge in s.ridges]
-        held_after, written, ridge = min(tried, key=lambda t: (t[0], t[2]))
+        # the ridge is chosen per layer by the held-out error (ties: the smaller ridge); only
+        # the best so far is held (a Kimi layer's matrices are GBs on the host per ridge)
+        best = None
+        for ridge in s.ridges:
+            got = (*as_written(ridge), ridge)
+            if best is None or (got[0], got[3]) < (best[0], best[3]):
+                best = got
+        held_after, encoded, written, ridge = best
         fit_after = Block(pieces.rows, pieces.features, [*written, *pieces.weights[count:]])
         errors = {
             "fit_mse_before": mse(pieces.output(n_fit, dims), target[:n_fit]),
@@ -386,41 +399,47 @@ class RouterRepair:
             "heldout_mse_before": mse(held.output(n_held, dims), target[n_fit:]),
             "heldout_mse_after": held_after}
         applied = errors["heldout_mse_after"] < errors["heldout_mse_before"]
-        hashes = {}
+        hashes, kept = {}, {}
         if applied:
-            for i, (m, info) in enumerate(zip(written, sources, strict=False)):
-                name = output_name(info, i - 1)
-                hashes[name] = tensor_hash(m.cpu())
-                self.matrices[name] = m.cpu()
+            for i, (lin, params, m) in enumerate(zip(sources, encoded, written, strict=False)):
+                for param, t in params.items():
+                    name = output_name(f"{lin.module}.{param}", i - 1)
+                    kept[name] = t.cpu()
+                    hashes[name] = tensor_hash(kept[name])
                 into = shared_down if i == 0 else moe.experts.down[keep[i - 1]]
                 into.copy_(m.to(into.dtype))
+            self.matrices.update(self._spilled(layer, kept))
+        ruled = any(lin.uses_block_scale_rule for lin in sources[:count])
         self.compensations[layer] = LayerCompensation(
             method=s.compensate, applied=applied, fit_tokens=n_fit,
-            heldout_tokens=n_held, ridge=ridge, matrices_xxh3=hashes, **errors)
+            heldout_tokens=n_held, ridge=ridge, matrices_xxh3=hashes,
+            block_scale=self.block_scale if ruled else None, **errors)
 
-    def down_sources(self, layer: int, keep: list[int]) -> list[TensorInfo]:
-        """The source down_proj weights compensation re-fits, the shared expert's first: dense
-        (BF16/F16/F32) ones only, since a re-fit is written in its source's dtype."""
-        infos = self.down_names.get(layer, {})
-        sources = [infos.get(None), *(infos.get(e) for e in keep)]
-        for info in sources:
-            if info is None or info.dtype not in DENSE_DTYPES:
-                raise KconvertError(f"layer {layer}: compensation re-fits BF16/F16/F32 "
-                                    "down_proj weights; dequantize the source first",
-                                    tensor=None if info is None else info.name)
-        return sources
+    def _spilled(self, layer: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`tensors` written to the spill directory and memory-mapped back (file pages, which
+        the kernel may drop), or as they are without one."""
+        if self.spill is None:
+            return tensors
+        path = self.spill / f"layer-{layer}.pt"
+        torch.save(tensors, path)
+        return torch.load(path, mmap=True, weights_only=True)
+
+    def down_sources(self, layer: int, keep: list[int]) -> list[recode.SourceLinear]:
+        """The source down_proj linears compensation re-fits, the shared expert's first."""
+        linears = self.downs.get(layer, {})
+        missing = [e for e in (None, *keep) if e not in linears]
+        if missing:
+            raise KconvertError(f"layer {layer}: compensation needs the down_proj of every kept "
+                                f"expert and of the shared expert; missing {missing}",
+                                tensor=f"layers.{layer}.mlp")
+        return [linears[e] for e in (None, *keep)]
 
 
-def output_name(info: TensorInfo, new_id: int) -> str:
-    """The output name of a down_proj weight: the shared expert's unchanged (new_id -1), a
-    kept routed expert's under its new id."""
-    tn = parse_name(info.name)
-    return info.name if tn.role is Role.SHARED_EXPERT else tn.with_expert(new_id).name
-
-
-def tensor_hash(t: torch.Tensor) -> str:
-    """xxh3-128 (hex) of a tensor's bytes, as the manifest hashes written tensors."""
-    return xxhash.xxh3_128_hexdigest(t.contiguous().view(torch.uint8).numpy().tobytes())
+def output_name(name: str, new_id: int) -> str:
+    """The output name of a down_proj parameter: the shared expert's unchanged (new_id -1),
+    a kept routed expert's under its new id."""
+    tn = parse_name(name)
+    return name if tn.role is Role.SHARED_EXPERT else tn.with_expert(new_id).name
 
 
 @contextlib.contextmanager

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 
 import torch
 from pydantic import Field
@@ -51,6 +54,8 @@ class Prune(Stage):
     compensate: str = "none"
     # (output name, tensor) of every repaired router and re-fitted down_proj
     replaced: tuple[tuple[str, torch.Tensor], ...] = field(default=(), compare=False)
+    # the directory the re-fitted matrices were spilled to, removed when the run ends
+    scratch: tempfile.TemporaryDirectory | None = field(default=None, compare=False)
     name: str = "prune"
 
     @cached_property
@@ -96,6 +101,10 @@ class Prune(Stage):
 
     def output_files(self) -> dict[str, str]:
         return {PLAN_FILE: self.plan_json}
+
+    def close(self) -> None:
+        if self.scratch is not None:
+            self.scratch.cleanup()
 
 
 def build(settings: dict, prune: Prune | None) -> Prune:
@@ -204,7 +213,7 @@ def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
             return prune_stage(loaded, ckpt)
         keep = keep_count(ckpt, options.get("keep"), options.get("prune_ratio"))
         criterion = options.get("criterion") or "reap"
-        fixer = None
+        fixer, scratch = None, None
         if stats is not None:
             scores = scores_from_stats(stats)
         else:
@@ -216,9 +225,11 @@ def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
                 ckpt, ids.shape, batch_size, torch.bfloat16, device, budget,
                 "REAP's calibration", repair=refit)
             if refit:
+                scratch = spill_directory(options.get("dst")) if compensate != "none" else None
                 fixer = RouterRepair(ckpt, ids, RepairSettings(repair, keep, criterion,
                                                                compensate=compensate), device,
-                                     batch_size=batch_size if gpu is None else gpu.batch_size)
+                                     batch_size=batch_size if gpu is None else gpu.batch_size,
+                                     spill=Path(scratch.name) if scratch else None)
             measured = measure_stats(ckpt, ids, device, batch_size, on_weights=fixer,
                                      gpu_plan=gpu)
             if options.get("save_stats"):
@@ -227,9 +238,18 @@ def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
         made = plan_from_scores(scores, keep, criterion, ckpt.identity)
         if fixer is None:
             return prune_stage(made, ckpt)
-        return prune_stage(with_repair(made, fixer), ckpt, fixer.rows, fixer.matrices)
+        stage = prune_stage(with_repair(made, fixer), ckpt, fixer.rows, fixer.matrices)
+        return dataclasses.replace(stage, scratch=scratch)
 
     return make
+
+
+def spill_directory(dst: str | None) -> tempfile.TemporaryDirectory:
+    """A scratch directory for re-fitted matrices beside DST (same file system, whose free
+    space the output needs anyway), or in the system's temporary directory without one."""
+    parent = Path(dst).resolve().parent if dst is not None else None
+    return tempfile.TemporaryDirectory(prefix=".kconvert-refit-",
+                                       dir=parent if parent and parent.is_dir() else None)
 
 
 KIND = StageKind(Prune.name, build, PruneRecord, input_type=Prune, prepare=prepare,

@@ -314,9 +314,16 @@ def test_quantized_routers_read_everywhere(routers_out, tmp_path):
     assert torch.equal(load_tensors(dq)[router + ".weight"], want)
     code, _ = _audit(dq, "--source", routers_out)
     assert code == 0
+    # eval runs a W4A4 output with its activations quantized (tests/evaluate/
+    # test_mxfp4_w4a4_eval.py): the weights alone are compared on the W4A16 twin.
+    w4a16 = tmp_path / "w4a16"
+    convert(str(BUNDLED), str(w4a16), load_recipe("int4-to-mxfp4"),
+            {"targets": "experts,routers", "activations": "none"}, QUIET)
+    twin = load_tensors(w4a16)
+    assert set(twin) == set(s) and all(torch.equal(twin[n], t) for n, t in s.items())
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"input_ids": list(range(3, 19))}) + "\n")
-    res = CliRunner().invoke(main, ["eval", str(dq), str(routers_out), "--data", str(data),
+    res = CliRunner().invoke(main, ["eval", str(dq), str(w4a16), "--data", str(data),
                                     "--seq-len", "16", "--samples", "1", "--device", "cpu",
                                     "-o", str(tmp_path / "ev"), "--quiet"])
     assert res.exit_code == 0, res.output

@@ -12,14 +12,6 @@ import json
 
 import pytest
 import torch
-from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
-from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import (
-    CompressedTensorsDequantizer,
-)
-from compressed_tensors.entrypoints.convert.converters.modelopt_nvfp4 import (
-    ModelOptNvfp4Converter,
-)
-from compressed_tensors.quantization import preset_name_to_scheme
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -29,6 +21,7 @@ from kconvert.errors import KconvertError
 from kconvert.pruning.plan import parse_plan
 from kconvert.recipes import load_recipe
 from kconvert.stages.prune import prune_stage
+from oracles import ct_dense_tensors
 
 QUIET = RunControl(quiet=True)
 KEEP = {1: [0, 2, 3, 5, 8, 9, 12, 15], 2: [1, 2, 4, 6, 7, 10, 11, 14]}
@@ -43,31 +36,11 @@ def _tensors(d) -> dict[str, torch.Tensor]:
     return out
 
 
-def _dense(d) -> dict[str, torch.Tensor]:
-    """fp32 dense weights of a checkpoint, decoded by compressed-tensors (not by kconvert)."""
-    tensors = _tensors(d)
-    qc = json.loads((d / "config.json").read_text()).get("quantization_config")
-    if qc is None:
-        return {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
-    if qc["quant_method"] == "modelopt":
-        tensors = ModelOptNvfp4Converter(targets=[r"re:.*mlp\.experts\.\d+\.\w+_proj$"]).process(
-            tensors)
-        scheme = preset_name_to_scheme("NVFP4A16", ["Linear"])
-        for name in [n for n in tensors if n.endswith(".weight_packed")]:
-            m = name[: -len(".weight_packed")]
-            sd = {p: tensors.pop(f"{m}.{p}")
-                  for p in ("weight_packed", "weight_scale", "weight_global_scale")}
-            tensors[f"{m}.weight"] = NVFP4PackedCompressor.decompress(sd, scheme)["weight"]
-        return {k: v.float() for k, v in tensors.items()}
-    deq = CompressedTensorsDequantizer(str(d), dtype=torch.float32)
-    return {k: v.float() for k, v in deq.process(tensors).items()}
-
-
 def _model(d, tmp_path, tag: str, mask: dict[int, list[int]] | None = None):
     """transformers model of checkpoint d (dense fp32), optionally with experts unroutable."""
     dense_dir = tmp_path / f"dense-{tag}"
     dense_dir.mkdir()
-    state = _dense(d)
+    state = ct_dense_tensors(d)
     save_file({k: v.contiguous() for k, v in state.items()}, str(dense_dir / "model.safetensors"))
     config = json.loads((d / "config.json").read_text())
     config.pop("quantization_config", None)

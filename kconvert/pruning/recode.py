@@ -1,0 +1,170 @@
+"""Re-fitted matrices written in their source's own format (reap.md, "Compensation").
+
+Compensation fits on the decoded weights (fp32); what it writes must be what a loader of the
+source format reads, so each re-fitted down_proj is encoded by the codec of its source
+module, with the same parameter names, dtypes and shapes: BF16 stays BF16 (rounded), INT4
+becomes compressed-tensors' symmetric INT4 again (its group size and scale dtype), NVFP4 and
+MXFP4 are encoded by the same encoders `quantize` uses, with the block-scale rule the source's
+manifest records (`mse`, kconvert's default, when there is none). Parameters a re-fit does not
+change (INT4's weight_shape, an NVFP4 input scale) are the source's bytes. The matrices of a
+layer that share a codec are encoded in batches on the device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kconvert.errors import KconvertError
+from kconvert.formats import (
+    Codec,
+    DenseCodec,
+    Int4Codec,
+    ModeloptNvfp4Codec,
+    Mxfp4Codec,
+    Nvfp4Codec,
+    QuarkMxfp4Codec,
+    detect_codec,
+    nvfp4,
+)
+from kconvert.io.checkpoint import Checkpoint
+from kconvert.io.shards import TensorInfo
+from kconvert.manifest import MANIFEST, read_manifest
+from kconvert.model.names import Role, parse_name
+
+# Formats a re-fitted matrix can be written in (p48's sparse pair-bitmask storage and FP8
+# blocks have no encoder here).
+RECODED = (DenseCodec, Int4Codec, Nvfp4Codec, ModeloptNvfp4Codec, Mxfp4Codec, QuarkMxfp4Codec)
+DEFAULT_BLOCK_SCALE = "mse"  # `kconvert quantize`'s default rule
+CHUNK_ELEMS = 1 << 22  # elements per encoder chunk (bounds its temporaries)
+# Matrices encoded at once on the device: 16 Kimi down_proj are 0.9 GB in fp32.
+ENCODE_BATCH = 16
+
+
+@dataclass(frozen=True)
+class SourceLinear:
+    """A source down_proj as stored: its module name, format and parameter tensors."""
+
+    module: str
+    codec: type[Codec]
+    params: dict[str, TensorInfo]
+
+    @property
+    def quantized(self) -> bool:
+        return self.codec.quantized
+
+    @property
+    def uses_block_scale_rule(self) -> bool:
+        """Whether its encoder chooses block scales by a rule (NVFP4, MXFP4; INT4's are
+        compressed-tensors' amax / 7.5)."""
+        return self.codec.quantized and self.codec is not Int4Codec
+
+    def group_size(self, inputs: int) -> int:
+        """Inputs per block scale, from the stored scale's shape."""
+        return inputs // self.params["weight_scale"].shape[-1]
+
+
+def down_linears(ckpt: Checkpoint) -> dict[int, dict[int | None, SourceLinear]]:
+    """Per MoE layer, per routed expert id (None: the shared expert), its down_proj."""
+    params: dict[str, dict[str, TensorInfo]] = {}
+    for name, info in ckpt.tensors.items():
+        tn = parse_name(name)
+        if tn.role in (Role.ROUTED_EXPERT, Role.SHARED_EXPERT) and tn.proj == "down_proj":
+            params.setdefault(tn.module, {})[tn.param] = info
+    out: dict[int, dict[int | None, SourceLinear]] = {}
+    for module, infos in params.items():
+        tn = parse_name(next(iter(infos.values())).name)
+        codec = detect_codec(infos)
+        if codec not in RECODED:
+            found = codec.description if codec is not None else f"parameters {sorted(infos)}"
+            raise KconvertError(f"compensation cannot write a re-fitted down_proj in this "
+                                f"format ({found}); convert the source to BF16, INT4, NVFP4 "
+                                "or MXFP4 first", tensor=module)
+        out.setdefault(tn.layer, {})[tn.expert] = SourceLinear(module, codec, infos)
+    return out
+
+
+def block_scale_rule(ckpt: Checkpoint) -> str:
+    """The block-scale rule the source's own quantization recorded (its kconvert manifest's
+    quantize stage), else kconvert's default. Refuses a source its record says was made
+    paired-4:8 sparse: a re-fitted matrix would not keep the pattern."""
+    path = ckpt.root / MANIFEST
+    if not path.is_file():
+        return DEFAULT_BLOCK_SCALE
+    try:
+        options = read_manifest(path).options
+    except ValueError as exc:
+        raise KconvertError(f"unreadable manifest: {exc}", file=str(path)) from exc
+    sparse = set((options.get("sparsify") or {}).get("targets") or ())
+    if sparse & {Role.ROUTED_EXPERT.value, Role.SHARED_EXPERT.value}:
+        raise KconvertError("the source's experts are paired-4:8 sparse (its manifest records "
+                            "`sparsify`), which a re-fitted down_proj would not keep: "
+                            "compensate before sparsifying", file=str(path))
+    return (options.get("quantize") or {}).get("block_scale") or DEFAULT_BLOCK_SCALE
+
+
+def encode(ckpt: Checkpoint, linears: Sequence[SourceLinear], weights: Sequence[torch.Tensor],
+           rule: str | None, device: torch.device) -> list[dict[str, torch.Tensor]]:
+    """Each fp32 matrix [out, in] as its source module stores it (parameter -> host tensor):
+    same-format matrices are encoded together on `device`, ENCODE_BATCH at a time."""
+    out: list[dict[str, torch.Tensor] | None] = [None] * len(linears)
+    batches: dict[tuple, list[int]] = {}
+    for i, (lin, w) in enumerate(zip(linears, weights, strict=True)):
+        dtypes = tuple((p, info.dtype) for p, info in sorted(lin.params.items()))
+        batches.setdefault((lin.codec, tuple(w.shape), dtypes), []).append(i)
+    for (codec, _, _), members in batches.items():
+        for start in range(0, len(members), ENCODE_BATCH):
+            chunk = members[start:start + ENCODE_BATCH]
+            w = torch.stack([weights[i].to(device, torch.float32) for i in chunk])
+            for i, params in zip(chunk, _encode_batch(codec, linears[chunk[0]], w, rule),
+                                 strict=True):
+                out[i] = _as_stored(ckpt, linears[i], {p: t.cpu() for p, t in params.items()})
+    return out  # type: ignore[return-value]
+
+
+def decode(lin: SourceLinear, params: dict[str, torch.Tensor], device: torch.device
+           ) -> torch.Tensor:
+    """The matrix [out, in] that `params` (as `encode` wrote them) hold, on the host: a dense
+    one as written, a quantized one decoded on `device` to fp32 (exact)."""
+    if not lin.quantized:
+        return params["weight"]
+    batch = {p: params[p].unsqueeze(0).to(device) for p in lin.codec.params}
+    return lin.codec.decode(batch, None)[0].cpu()
+
+
+def _encode_batch(codec: type[Codec], lin: SourceLinear, w: torch.Tensor, rule: str
+                  ) -> list[dict[str, torch.Tensor]]:
+    n = w.shape[0]
+    if codec is DenseCodec:
+        dtype = lin.params["weight"].torch_dtype
+        return [{"weight": w[i].to(dtype)} for i in range(n)]
+    if codec is Int4Codec:
+        enc = Int4Codec.encode(w, lin.group_size(w.shape[-1]),
+                               lin.params["weight_scale"].torch_dtype)
+        return [{p: t[i] for p, t in enc.items()} for i in range(n)]
+    if codec.encodes_itself:  # MXFP4: its own block scales, no per-tensor scale
+        q = codec.quantize(w, rule, CHUNK_ELEMS)
+        return [codec.encode(q, i) for i in range(n)]
+    amax = torch.maximum(w.amax(dim=(1, 2)), w.amin(dim=(1, 2)).neg())
+    q = nvfp4.quantize(w, amax, rule, CHUNK_ELEMS, group_size=lin.group_size(w.shape[-1]),
+                       arithmetic=codec.arithmetic)
+    return [codec.encode(q, i) for i in range(n)]
+
+
+def _as_stored(ckpt: Checkpoint, lin: SourceLinear, params: dict[str, torch.Tensor]
+               ) -> dict[str, torch.Tensor]:
+    """`params` with the source's dtypes and shapes (a scalar scale stays a scalar), and the
+    source's own bytes for every parameter the encoder does not write."""
+    out = {}
+    for p, info in lin.params.items():
+        t = params.get(p)
+        if t is None:
+            t = ckpt.reader_for(info).read(info)
+        if t.dtype != info.torch_dtype or t.numel() != math.prod(info.shape):
+            raise KconvertError(f"re-encoded {p} is {t.dtype}{list(t.shape)}, the source stores "
+                                f"{info.dtype}{list(info.shape)}", tensor=info.name)
+        out[p] = t.reshape(info.shape).contiguous()
+    return out
