@@ -29,7 +29,9 @@ then output + window). Env: MOE_LAYERS (default 2: ~24 GB), RATE (default 1e9), 
 3), DEVICE (default cuda if present), DIMS=tiny (a check of the script in seconds),
 ANCHOR_SCRIPT (as bench_convert.py), DIMS=small (a few hundred MB: MoE layers of 64 experts
 of 512 x 1024, for a CPU machine, with RATE lowered so that download and conversion take
-similar times). About 3-5 minutes with the defaults on an H100 machine.
+similar times), DOWNLOADS (default 2: shards downloaded at once; "2,1" adds a streamed run
+with 1, under `streamed_downloads_1`), RUN_LIMIT_S (default 240: each timed run at most, its
+timeline kept). About 3-5 minutes with the defaults on an H100 machine.
 
 Each conversion runs in-process in a child of this script (`--child EVENTS -- ARGS`) that
 subscribes to kconvert's timing events (kconvert.events) and writes them out; the JSON then
@@ -37,7 +39,9 @@ holds, under `timeline`, each run's per-shard times in seconds from the child's 
 every source shard its download(s), sha256 verification, the first read of it (when the
 engine asked for it and when it got it) and its deletion; for every output shard when it was
 complete; the execute phase; the compute thread's busy seconds and the seconds it waited for
-reads.
+reads. `where_time_goes` sums them up: each streamed run's download rate against the download
+alone's, the hashing left after each download, how long the compute thread waited for reads (for
+shards to arrive) and its busy seconds against the local run's.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -70,7 +75,10 @@ REPO = "bench/kimi-synthetic"
 ROOT = Path(os.environ.get("ROOT", "/tmp/kstream"))
 RATE = float(os.environ.get("RATE", "1e9"))
 WINDOW = int(os.environ.get("WINDOW", "3"))
+# Shards downloaded at once in each streamed run (the first: the one the ratio is of).
+DOWNLOADS = [int(n) for n in os.environ.get("DOWNLOADS", "2").split(",")]
 TARGET = 1.15
+RUN_LIMIT_S = float(os.environ.get("RUN_LIMIT_S", "240"))  # each timed child at most
 RES: dict = {}
 # DIMS=small: anchor_convert's layout at sizes a 2-core machine converts in seconds (about
 # 57 MB a MoE layer, 70 MB of embed + lm_head).
@@ -126,6 +134,14 @@ def child(events_out: Path, argv: list[str]) -> None:
 
     if argv[argv.index("--device") + 1] == "cpu":
         load_cpu_kernels()
+    if "--stream" in argv:
+        import kconvert.io.stream
+
+        kconvert.io.stream.DOWNLOADS = int(os.environ.get("STREAM_DOWNLOADS")
+                                           or kconvert.io.stream.DOWNLOADS)
+    # Past RUN_LIMIT_S the timeline is written all the same (SIGALRM ends the run).
+    signal.signal(signal.SIGALRM, lambda *_: sys.exit(124))
+    signal.alarm(int(RUN_LIMIT_S) - 5)
     t0 = time.perf_counter()
     unsubscribe = events.subscribe(listen, timings=True)
     rc = 0
@@ -203,11 +219,18 @@ def timed(args: list[str], env: dict, sample: Path | None = None,
     t = time.perf_counter()
     if watcher:
         watcher.start()
-    done = subprocess.run(args, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t
+    try:
+        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=RUN_LIMIT_S)
+        wall = time.perf_counter() - t
+    except subprocess.TimeoutExpired as exc:  # the child wrote its timeline when it was ended
+        wall = time.perf_counter() - t
+        done = subprocess.CompletedProcess(args, -9, exc.stdout or "", exc.stderr or "")
     stop.set()
     if watcher:
         watcher.join()
+    if isinstance(done.stdout, bytes):
+        done.stdout, done.stderr = done.stdout.decode(errors="replace"), \
+            done.stderr.decode(errors="replace")
     out = {"wall_s": round(wall, 2), "rc": done.returncode, "page_cache_dropped": cold}
     if sample:
         out["peak_source_bytes"] = peak[0]
@@ -260,19 +283,27 @@ def main() -> None:
         RES["local"] = timed(kconvert_args(ROOT / "events-local.json", [
             *kc, str(dl), str(local_out), "--device", device, "--quiet", "--json"]), env,
             events_out=ROOT / "events-local.json")
-        log("local conversion alone", RES["local"])
+        log("local conversion alone", {k: v for k, v in RES["local"].items() if k != "timeline"})
         local_hashes = tensor_hashes(local_out) if RES["local"]["rc"] == 0 else None
         shutil.rmtree(dl, ignore_errors=True)
         shutil.rmtree(local_out, ignore_errors=True)
         save(result)
-        RES["streamed"] = timed(kconvert_args(ROOT / "events-stream.json", [
-            *kc, REPO, str(stream_out), "--stream", "--stream-window", str(WINDOW), "--device",
-            device, "--quiet", "--json", "--cache-dir", str(ROOT / "hf-cache")]), env,
-            sample=stream_out / ".kconvert" / "source", events_out=ROOT / "events-stream.json")
-        log("streamed conversion", RES["streamed"])
-        if RES["streamed"]["rc"] == 0 and local_hashes is not None:
-            RES["same_tensors_as_local"] = tensor_hashes(stream_out) == local_hashes
-        shutil.rmtree(stream_out, ignore_errors=True)
+        for n, downloads in enumerate(DOWNLOADS):
+            key = "streamed" if n == 0 else f"streamed_downloads_{downloads}"
+            RES[key] = timed(kconvert_args(ROOT / "events-stream.json", [
+                *kc, REPO, str(stream_out), "--stream", "--stream-window", str(WINDOW),
+                "--device", device, "--quiet", "--json", "--cache-dir", str(ROOT / "hf-cache")]),
+                env_with(HF_ENDPOINT=hub.url, HF_HUB_DISABLE_PROGRESS_BARS=1,
+                         HF_HUB_DISABLE_TELEMETRY=1, STREAM_DOWNLOADS=downloads),
+                sample=stream_out / ".kconvert" / "source",
+                events_out=ROOT / "events-stream.json")
+            RES[key]["downloads_at_once"] = downloads
+            log(key, {k: v for k, v in RES[key].items() if k != "timeline"})
+            if RES[key]["rc"] == 0 and local_hashes is not None:
+                RES[key]["same_tensors_as_local"] = tensor_hashes(stream_out) == local_hashes
+            shutil.rmtree(stream_out, ignore_errors=True)
+            save(result)
+        RES["same_tensors_as_local"] = RES["streamed"].get("same_tensors_as_local")
     walls = [RES[k]["wall_s"] for k in ("download", "local")]
     bound = sum(sorted(sizes, reverse=True)[:WINDOW])
     RES["ratio"] = {
@@ -284,8 +315,37 @@ def main() -> None:
         "window_bound_bytes": bound,
         "peak_ok": (RES["streamed"].get("peak_source_bytes") or 0) <= bound,
     }
+    RES["where_time_goes"] = where_time_goes(sum(sizes))
     save(result)
     log("result", RES["ratio"], "same tensors:", RES.get("same_tensors_as_local"))
+    log("where the time goes", RES["where_time_goes"])
+    for name, times in RES["streamed"].get("timeline", {}).get("source", {}).items():
+        log(name, times, "output complete:",
+            RES["streamed"]["timeline"]["output_complete"].get(name))
+
+
+def where_time_goes(nbytes: int) -> dict:
+    """From the timelines: how fast the streamed run's downloads went against the download
+    alone, the hashing left after them, how long its compute thread waited for reads (for
+    shards, in a streamed run) and how busy it was against the local run's."""
+    out: dict = {"download_alone_gb_s": round(nbytes / RES["download"]["wall_s"] / 1e9, 3),
+                 "local_compute_busy_s": RES["local"].get("timeline", {}).get("compute_busy_s")}
+    for key in [k for k in RES if k.startswith("streamed")]:
+        line = RES[key].get("timeline")
+        if not line or not line["source"]:
+            continue
+        shards = line["source"].values()
+        starts = [d[0] for v in shards for d in v.get("download", [])]
+        ends = [d[1] for v in shards for d in v.get("download", [])]
+        out[key] = {
+            "download_gb_s": round(nbytes / (max(ends) - min(starts)) / 1e9, 3),
+            "first_download_start_s": min(starts), "last_download_end_s": max(ends),
+            "verify_after_download_s": round(sum(x[1] - x[0] for v in shards
+                                                 for x in v.get("verify", [])), 2),
+            "compute_waited_for_reads_s": line["compute_waited_for_reads_s"],
+            "compute_busy_s": line["compute_busy_s"],
+            "execute_s": [round(x, 2) for x in line["phases"].get("execute", [])]}
+    return out
 
 
 if __name__ == "__main__":

@@ -96,16 +96,25 @@ class DownloadWorker:
     def __init__(self, settings: dict):
         self.settings = settings
         self.proc: subprocess.Popen | None = None
+        self.lock = threading.Lock()
+        self.closed = False
 
-    def run(self, job: dict) -> dict:
-        """The worker's answer to `job` (a dict with `error` if it failed or died)."""
-        try:
+    def start(self) -> None:
+        """Start the process (again, if it ended), unless the worker was closed."""
+        with self.lock:
+            if self.closed:
+                raise OSError("the downloads were stopped")
             if self.proc is None or self.proc.poll() is not None:
                 # -P: the worker's folder (kconvert/io) is not put on its import path.
                 self.proc = subprocess.Popen([sys.executable, "-P", WORKER],
                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                              text=True)
                 self._send(self.settings)
+
+    def run(self, job: dict) -> dict:
+        """The worker's answer to `job` (a dict with `error` if it failed or died)."""
+        try:
+            self.start()
             self._send(job)
             line = self.proc.stdout.readline()
         except OSError as exc:  # a pipe to a worker that ended
@@ -120,9 +129,11 @@ class DownloadWorker:
 
     def close(self) -> None:
         """End the process now, mid-download or not (what it downloads is not wanted)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        with self.lock:
+            self.closed = True
+            if self.proc is not None and self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
 
 
 class ShardStream:
@@ -172,6 +183,8 @@ class ShardStream:
         settings = {"constants": hub_settings(), "repo": self.repo, "commit": self.commit,
                     "token": self.token, "where": str(where)}
         self.workers = [DownloadWorker(settings) for _ in range(min(DOWNLOADS, len(streamed)))]
+        for worker in self.workers:  # now, with this thread's CPU mask (see engine.execute)
+            worker.start()
         self.thread = threading.Thread(target=self._fetch_all, args=(streamed,),
                                        name="kconvert-download", daemon=True)
         self.thread.start()
