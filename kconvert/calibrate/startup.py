@@ -43,11 +43,18 @@ def phase(name: str) -> Iterator[None]:
 
 
 def start_device(device: torch.device) -> threading.Thread | None:
-    """On a GPU: a thread (started, not waited for) that starts CUDA on `device`; None on a
-    CPU. A failure there is only logged (-vv): the main thread's own first CUDA call meets
-    the same failure and reports it."""
+    """On a GPU: a thread (started, not waited for) that starts CUDA on `device` (the main
+    thread's current device when `device` names no index); None on a CPU. A failure there is
+    only logged (-vv): the main thread's own first CUDA call meets the same failure and
+    reports it."""
     if device.type != "cuda":
         return None
+    if device.index is None:
+        # "cuda" is the main thread's current device (a torchrun rank's own); a new thread's
+        # current device is device 0
+        import torch
+
+        device = torch.device("cuda", torch.cuda.current_device())
     thread = threading.Thread(target=_start_cuda, args=(device,), name="kconvert-cuda-start")
     thread.start()
     return thread

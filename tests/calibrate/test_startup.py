@@ -71,13 +71,20 @@ def test_eval_and_reap_log_the_same_phases(fixture_dir, tmp_path):
 
 
 def test_failed_cuda_start_on_the_thread_is_left_to_the_main_thread(monkeypatch, caplog):
-    def fail(_device):
+    """And the thread starts the main thread's current device (a torchrun rank's own), not
+    a new thread's default device 0."""
+    seen = []
+
+    def fail(device):
+        seen.append(device)
         raise RuntimeError("no CUDA here")
 
     monkeypatch.setattr(torch.cuda, "device", fail)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     assert startup.start_device(torch.device("cpu")) is None
     with caplog.at_level(logging.DEBUG, logger=startup.__name__):
-        thread = startup.start_device(torch.device("cuda"))
-        thread.join()
-    assert "CUDA start on a thread failed: no CUDA here" in caplog.text
+        startup.start_device(torch.device("cuda")).join()
+        startup.start_device(torch.device("cuda", 2)).join()
+    assert seen == [torch.device("cuda", 1), torch.device("cuda", 2)]
+    assert caplog.text.count("CUDA start on a thread failed: no CUDA here") == 2
     assert "CUDA started" not in caplog.text
