@@ -1,6 +1,6 @@
-"""Start-up of the data-driven commands: every phase logged with -v (the bench reads them), the
-same statistics bytes as an in-process run, and a failed CUDA start on the thread left to the
-main thread to report."""
+"""Start-up of the data-driven commands: every phase logged with -v (the bench reads them),
+the same statistics bytes as measure_stats called directly, and a failed CUDA start on the
+thread left to the main thread to report."""
 
 from __future__ import annotations
 
@@ -9,17 +9,26 @@ import logging
 import os
 import re
 import subprocess
+import sys
 
 import torch
 
 from helpers import CLI, cli
 from kconvert.calibrate import startup
+
+PHASE = re.compile(r"kconvert: INFO: phase ([\w ]+): [\d.]+ s")
+
+# measure_stats and save_stats called directly on what the CLI reads (argv: src, data, out)
+DIRECT = """
+import sys, torch
 from kconvert.calibrate.data import load_calibration_data
 from kconvert.calibrate.run import measure_stats
 from kconvert.calibrate.stats import save_stats
 from kconvert.io.checkpoint import open_checkpoint
-
-PHASE = re.compile(r"kconvert: INFO: phase ([\w ]+): [\d.]+ s")
+ckpt = open_checkpoint(sys.argv[1])
+ids = load_calibration_data(sys.argv[2], None, 3, 16, 1)
+save_stats(measure_stats(ckpt, ids, "cpu", 2, dtype=torch.float32), sys.argv[3])
+"""
 
 
 def _data(path, rows: int = 3, seq: int = 16):
@@ -33,7 +42,7 @@ def test_calibrate_logs_its_phases_and_writes_the_same_bytes(fixture_dir, tmp_pa
     data = _data(tmp_path / "d.jsonl")
     args = ["--data", data, "--samples", 3, "--seq-len", 16, "--batch-size", 2, "--seed", 1,
             "--device", "cpu", "--dtype", "float32"]
-    # one intra-op thread, as this process computes with (conftest): the same summation order
+    # one intra-op thread in both processes below: the same summation order
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run([*CLI, "calibrate", str(src), "-o", str(tmp_path / "cli"),
                           *map(str, args), "-v"], capture_output=True, text=True, env=env)
@@ -43,17 +52,13 @@ def test_calibrate_logs_its_phases_and_writes_the_same_bytes(fixture_dir, tmp_pa
     assert "wrote " in res.stdout  # stdout flushed before the quick exit
     quiet = cli("calibrate", src, "-o", tmp_path / "quiet", *args)
     assert quiet.returncode == 0 and not PHASE.findall(quiet.stderr + quiet.stdout)
-    # the CLI's bytes are an in-process run's (no start-up step changes what is measured)
-    ckpt = open_checkpoint(str(src))
-    try:
-        ids = load_calibration_data(data, None, 3, 16, 1)
-        stats = measure_stats(ckpt, ids, "cpu", 2, dtype=torch.float32,
-                              meta={"seed": 1, "data": str(data.resolve())})
-    finally:
-        ckpt.close()
-    save_stats(stats, tmp_path / "inproc")
-    cli_bytes = (tmp_path / "cli" / "stats.safetensors").read_bytes()
-    assert cli_bytes == (tmp_path / "inproc" / "stats.safetensors").read_bytes()
+    # the CLI's bytes are those of measure_stats called directly (no start-up step changes
+    # what is measured), in a fresh process as the CLI's is (nothing of this test session)
+    direct = subprocess.run([sys.executable, "-c", DIRECT, str(src), str(data),
+                             str(tmp_path / "direct")], capture_output=True, text=True, env=env)
+    assert direct.returncode == 0, direct.stderr
+    assert ((tmp_path / "cli" / "stats.safetensors").read_bytes()
+            == (tmp_path / "direct" / "stats.safetensors").read_bytes())
 
 
 def test_eval_and_reap_log_the_same_phases(fixture_dir, tmp_path):
