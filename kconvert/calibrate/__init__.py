@@ -58,7 +58,10 @@ def calibrate_to(src: str, data: str, output: str, *, samples: int = REAP_SAMPLE
     """`kconvert calibrate SRC --data FILE -o OUTPUT` in the Python API
     (kconvert.calibrate(...)): the statistics, also written to OUTPUT (stats.safetensors,
     stats.json, act_stats.json)."""
-    from kconvert.calibrate.run import run_calibration
+    from kconvert.calibrate.startup import phase
+
+    with phase("imports"):
+        from kconvert.calibrate.run import run_calibration
 
     return run_calibration(src, data, output, samples, seq_len, batch_size, seed, device,
                            dtype, tokenizer, revision, overwrite,

@@ -20,6 +20,7 @@ from kconvert.calibrate.forward import (
 )
 from kconvert.calibrate.load import build_layer, read_layer, tensors_by_layer
 from kconvert.calibrate.prefetch import LayerPrefetcher
+from kconvert.calibrate.startup import device_ready, phase, start_device
 from kconvert.calibrate.stats import (
     GATE_WEIGHT,
     META_FILE,
@@ -92,22 +93,25 @@ def measure_stats(
     local_ids, local_valid = input_ids[mine], valid[mine]
     n_seq, seq_len = local_ids.shape
     all_valid = bool(local_valid.all())
-    cfg = model_config(ckpt)
+    with phase("model code"):
+        cfg = model_config(ckpt)
     n_layers = cfg.num_hidden_layers
     layer_tensors = tensors_by_layer(ckpt, n_layers)
     say = progress if progress is not None and distributed.is_main() else (lambda _msg: None)
 
     t0 = time.perf_counter()
+    device_ready(device)
     if device.type == "cuda" and hidden_on_device is None:
         size = n_seq * seq_len * cfg.hidden_size * torch.empty((), dtype=dtype).element_size()
         hidden_on_device = size * 3 <= torch.cuda.mem_get_info(device)[0]
     on_device = device.type == "cuda" and hidden_on_device
-    hidden = embed(ckpt, torch.where(local_valid, local_ids, PAD_ID), dtype,
-                   device if on_device else "cpu")
-    if device.type == "cuda" and not on_device:
-        hidden = hidden.pin_memory()
-    positions, pos_emb = position_embeddings(cfg, seq_len, device, dtype)
-    valid_dev = local_valid.to(device)
+    with phase("embedding"):
+        hidden = embed(ckpt, torch.where(local_valid, local_ids, PAD_ID), dtype,
+                       device if on_device else "cpu")
+        if device.type == "cuda" and not on_device:
+            hidden = hidden.pin_memory()
+        positions, pos_emb = position_embeddings(cfg, seq_len, device, dtype)
+        valid_dev = local_valid.to(device)
     ctx = ForwardContext()
     prefetcher = LayerPrefetcher(
         read=lambda layer: read_layer(ckpt, cfg, layer, layer_tensors[layer], dtype, device),
@@ -231,18 +235,23 @@ def run_calibration(src: str, data: str, out: str, samples: int, seq_len: int, b
     if (out_dir / META_FILE).exists() and not overwrite:
         raise KconvertError("the directory already holds statistics; pass --overwrite",
                             file=str(out_dir))
-    ckpt = open_checkpoint(src, revision)
+    dev = pick_device(device)
+    start_device(dev)  # CUDA starts while the checkpoint, the data and transformers load
+    with phase("open checkpoint"):
+        ckpt = open_checkpoint(src, revision)
     try:
-        ids = load_calibration_data(data, tokenizer or ckpt.root, samples, seq_len, seed)
+        with phase("data"):
+            ids = load_calibration_data(data, tokenizer or ckpt.root, samples, seq_len, seed)
         if ids.shape[0] < samples:
             progress(f"note: the data gives {_plural(ids.shape[0], 'sequence')} of {seq_len} "
                      f"tokens, fewer than --samples {samples}")
         stats = measure_stats(
-            ckpt, ids, pick_device(device), batch_size, dtype=getattr(torch, dtype),
+            ckpt, ids, dev, batch_size, dtype=getattr(torch, dtype),
             meta={"seed": seed, "data": str(Path(data).resolve())}, progress=progress)
     finally:
         ckpt.close()
-    save_stats(stats, out_dir)
+    with phase("write"):
+        save_stats(stats, out_dir)
     progress(f"wrote {out_dir}: {_plural(stats.meta['tokens'], 'token')}, "
              f"{_plural(len(stats.moe_layers), 'MoE layer')}, {stats.meta['seconds']:.1f} s")
     return stats

@@ -195,6 +195,7 @@ def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
     def make(ckpt: Checkpoint) -> Prune:
         from kconvert.calibrate.data import load_calibration_data
         from kconvert.calibrate.run import measure_stats
+        from kconvert.calibrate.startup import phase, start_device
         from kconvert.calibrate.stats import save_stats
         from kconvert.pruning.reap import (
             check_plan_keep,
@@ -216,7 +217,9 @@ def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
             scores = scores_from_stats(stats)
         else:
             samples, seq_len, batch_size, seed = calibration_run(options, REAP_SAMPLES)
-            ids = load_calibration_data(data, ckpt.root, samples, seq_len, seed)
+            start_device(device)  # CUDA starts while the data and transformers load
+            with phase("data"):
+                ids = load_calibration_data(data, ckpt.root, samples, seq_len, seed)
             if repair != "none" or compensate != "none":
                 scratch = spill_directory(options.get("dst")) if compensate != "none" else None
                 fixer = RouterRepair(ckpt, ids, RepairSettings(repair, keep, criterion,
