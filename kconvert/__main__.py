@@ -1,8 +1,8 @@
 """`python -m kconvert`: the command line."""
 
-from kconvert.cli import main
+from kconvert.cli import run
 
-main()
+run()
 
 
 

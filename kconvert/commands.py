@@ -6,13 +6,11 @@ both run conversions through `run_conversion`."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 
 import torch
 
 from kconvert import convert
 from kconvert.errors import UsageError
-from kconvert.gpu_budget import resolve
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.manifest import Manifest
 from kconvert.options import ONLY_WITH
@@ -50,11 +48,6 @@ def run_conversion(recipe_name: str, src: str, dst: str, options: Mapping[str, o
                              + " or ".join(f"--{n}" for n in needs))
     settings = {k: v for k, v in given.items()
                 if any(k in kind.settings for kind in KINDS.values())}
-    # The GPU memory budget, resolved once: the same bytes for what the stages prepare (REAP's
-    # calibration) and for the conversion.
-    budget = resolve(run.device, run.gpu_memory)
-    if budget is not None:
-        run = replace(run, gpu_memory=budget)
     # Through the module, so that a test can stand in for convert.convert.
     return convert.convert(src, dst, recipe, settings, run, revision=revision, echo=echo,
                            prepare=preparer(recipe, {**given, "dst": str(dst),

@@ -116,18 +116,21 @@ def convert(src: str, dst: str, recipe: Recipe, settings: Mapping[str, object],
     """
     ckpt = open_source(src, revision, run)
     device = run.device
-    budget = resolve(device, run.gpu_memory)
-    if budget is not None:  # resolved once: the same budget for every step of the run
-        run = replace(run, gpu_memory=budget)
     log.info("opened %s: %d shard(s), %d tensors, recipe %s", ckpt.root, len(ckpt.shards),
              len(ckpt.weight_map), recipe.name)
     if "repo" in ckpt.identity and distributed.is_main():
         echo(f"{src}@{ckpt.identity['revision']}: files in {ckpt.root}")
     try:
+        # What a stage prepares on the GPU (REAP's calibration) plans and caps itself within
+        # the same --gpu-memory; the conversion's budget is resolved after it, so the GPU is
+        # not waited for before that calibration's data and imports (calibrate.startup).
+        inputs = prepare(ckpt) if prepare is not None else {}
+        budget = resolve(device, run.gpu_memory)
+        if budget is not None:  # resolved once for the conversion's steps
+            run = replace(run, gpu_memory=budget)
         with enforced(device, budget, recipe.name, "--batch-size --samples"
-                      if any(k in recipe.kinds for k in ("prune", "sparsify"))
-                      or settings.get("method") == "gptq" else ""):
-            inputs = prepare(ckpt) if prepare is not None else {}
+                      if "sparsify" in recipe.kinds or settings.get("method") == "gptq"
+                      else ""):
             return _convert(ckpt, Path(dst), recipe, settings, inputs, run, echo)
     finally:
         ckpt.close()

@@ -26,6 +26,12 @@ in the thread that did it, with `start` and `end` (time.perf_counter() seconds) 
   pwrite      one piece of output bytes written: `item`, `shard`, `tensor`, `nbytes`
   fsync       a complete shard flushed to disk, closed and renamed: `shard`, `nbytes`
   phase       a phase of the run: `name` (read_shape_values, build_work_plan, execute)
+A streamed run (`--stream`, kconvert.io.stream) adds, each with `shard` (a source shard):
+  download    one download of the shard (`attempt`, `nbytes`), timed in a worker process
+  verify      its hash, once the download returned (`ok`; `followed`: hashed as the bytes
+              landed, so only the last bytes were left), timed in a worker process
+  source-wait a reader waited for the verified shard, the first time the run reads it
+  source-deleted  the download deleted, every output shard that reads it being recorded
 Nothing is timed and no event is built while no such listener is subscribed: emitters test the
 `timing` flag first (`span` returns a shared no-op then).
 
@@ -44,7 +50,8 @@ from typing import Any
 Listener = Callable[[str, dict[str, Any]], None]
 
 TIMING_EVENTS = ("read", "wait-read", "compute", "wait-put", "hash", "wait-get", "write",
-                 "wait-hash", "pwrite", "fsync", "phase")
+                 "wait-hash", "pwrite", "fsync", "phase", "download", "verify", "source-wait",
+                 "source-deleted")
 
 _listeners: list[tuple[Listener, bool]] = []
 
@@ -119,6 +126,17 @@ class NoSpan:
 
 
 NO_SPAN = NoSpan()
+
+
+def record(event: str, start: float, end: float, **info: Any) -> None:
+    """A timing event measured elsewhere, e.g. in another process (time.perf_counter reads
+    one clock for every process on Linux), emitted from this thread."""
+    if not timing:
+        return
+    info = {**info, "start": start, "end": end, "thread": threading.current_thread().name}
+    for listener, wants in list(_listeners):
+        if wants:
+            listener(event, info)
 
 
 def span(event: str, **info: Any) -> Span | NoSpan:

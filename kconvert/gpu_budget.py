@@ -107,7 +107,7 @@ def enforced(device: torch.device, budget: int | None, what: str, lower: str = "
     """Cap this process's CUDA allocations at `budget` for the block (on a GPU); a CUDA
     out-of-memory error inside it becomes a GpuMemoryError naming `what`, how much it asked
     for and the options that lower it (`lower`, e.g. "--batch-size --samples"). Logs the
-    peak reserved."""
+    process's peak reserved so far (never reset: a conversion's follows its calibration's)."""
     import torch
 
     try:
@@ -115,6 +115,30 @@ def enforced(device: torch.device, budget: int | None, what: str, lower: str = "
             yield
     except torch.OutOfMemoryError as exc:
         raise GpuMemoryError(oom_message(str(exc), what, budget, lower)) from exc
+
+
+# The budget each GPU (by index) is capped at while an `enforced` block runs.
+_CAPS: dict[int, int] = {}
+
+
+def _index(device: torch.device) -> int:
+    import torch
+
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def room(device: torch.device) -> int:
+    """Bytes this process may still allocate on the GPU `device`: what its budget leaves
+    inside an `enforced` block (torch's cache counted as free), else what the card has free.
+    For a step that decides at run time whether something stays on the GPU (REAP
+    compensation's re-fitted matrices), within the same cap as the plan."""
+    import torch
+
+    allocated = torch.cuda.memory_allocated(device)
+    cap = _CAPS.get(_index(device))
+    if cap is not None:
+        return cap - allocated
+    return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - allocated
 
 
 @contextlib.contextmanager
@@ -126,10 +150,11 @@ def _capped(device: torch.device, budget: int | None) -> Iterator[None]:
         return
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
-    torch.cuda.reset_peak_memory_stats(device)
+    _CAPS[_index(device)] = budget
     try:
         yield
     finally:
+        _CAPS.pop(_index(device), None)
         log.info("GPU memory: peak %s reserved of a %s budget",
                  gib(torch.cuda.max_memory_reserved(device)), gib(budget))
         torch.cuda.empty_cache()

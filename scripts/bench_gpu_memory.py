@@ -84,9 +84,12 @@ def child(peak_file: str, hog_bytes: int, argv: list[str]) -> None:
         Path(peak_file).write_text(json.dumps(info))
 
     atexit.register(record)
-    from kconvert.cli import main as kconvert
+    from kconvert.cli import exit_now, main
 
-    kconvert(argv, prog_name="kconvert")
+    try:  # as the kconvert program runs it (kconvert.cli.run): exit handlers, then the exit
+        main(argv, prog_name="kconvert")
+    except SystemExit as exc:
+        exit_now(exc.code)
 
 
 def run(root: Path, name: str, argv: list[str], timeout: float, hog_bytes: int = 0,

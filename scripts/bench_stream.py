@@ -27,7 +27,21 @@ reads RAM, as a remote Hub would not touch this disk; else ROOT/src), downloads 
 ROOT (default /tmp/kstream). Disk needed in ROOT: about twice the set (download + local output,
 then output + window). Env: MOE_LAYERS (default 2: ~24 GB), RATE (default 1e9), WINDOW (default
 3), DEVICE (default cuda if present), DIMS=tiny (a check of the script in seconds),
-ANCHOR_SCRIPT (as bench_convert.py). About 3-5 minutes with the defaults on an H100 machine.
+ANCHOR_SCRIPT (as bench_convert.py), DIMS=small (a few hundred MB: MoE layers of 64 experts
+of 512 x 1024, for a CPU machine, with RATE lowered so that download and conversion take
+similar times), DOWNLOADS (default 2: shards downloaded at once; "2,1" adds a streamed run
+with 1, under `streamed_downloads_1`), RUN_LIMIT_S (default 240: each timed run at most, its
+timeline kept). About 3-5 minutes with the defaults on an H100 machine.
+
+Each conversion runs in-process in a child of this script (`--child EVENTS -- ARGS`) that
+subscribes to kconvert's timing events (kconvert.events) and writes them out; the JSON then
+holds, under `timeline`, each run's per-shard times in seconds from the child's start: for
+every source shard its download(s), sha256 verification, the first read of it (when the
+engine asked for it and when it got it) and its deletion; for every output shard when it was
+complete; the execute phase; the compute thread's busy seconds and the seconds it waited for
+reads. `where_time_goes` sums them up: each streamed run's download rate against the download
+alone's, the hashing left after each download, how long the compute thread waited for reads (for
+shards to arrive) and its busy seconds against the local run's.
 """
 
 from __future__ import annotations
@@ -36,16 +50,24 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
 import time
+from collections import defaultdict
 from pathlib import Path
 
 REPO_DIR = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO_DIR), str(REPO_DIR / "scripts")]
 
-from bench_convert import drop_caches, env_with, load_anchor_ns, machine  # noqa: E402
+from bench_convert import (  # noqa: E402
+    drop_caches,
+    env_with,
+    load_anchor_ns,
+    load_cpu_kernels,
+    machine,
+)
 
 from kconvert.testing.hub_server import LocalHub  # noqa: E402
 
@@ -53,8 +75,15 @@ REPO = "bench/kimi-synthetic"
 ROOT = Path(os.environ.get("ROOT", "/tmp/kstream"))
 RATE = float(os.environ.get("RATE", "1e9"))
 WINDOW = int(os.environ.get("WINDOW", "3"))
+# Shards downloaded at once in each streamed run (the first: the one the ratio is of).
+DOWNLOADS = [int(n) for n in os.environ.get("DOWNLOADS", "2").split(",")]
 TARGET = 1.15
+RUN_LIMIT_S = float(os.environ.get("RUN_LIMIT_S", "240"))  # each timed child at most
 RES: dict = {}
+# DIMS=small: anchor_convert's layout at sizes a 2-core machine converts in seconds (about
+# 57 MB a MoE layer, 70 MB of embed + lm_head).
+SMALL_DIMS = {"H": 1024, "I_MOE": 512, "I_DENSE": 2048, "E": 64, "V": 16384, "QL": 256,
+              "KVL": 128, "NH": 8}
 
 
 def log(*a) -> None:
@@ -72,7 +101,7 @@ def build_source() -> Path:
     os.environ.setdefault("MOE_LAYERS", "2")
     layers = int(os.environ["MOE_LAYERS"])
     full = os.environ["DIMS"] == "full"
-    need = (1.5 + 9.2 * layers + 4.8) * 1e9 if full else 1e8
+    need = (1.5 + 9.2 * layers + 4.8) * 1e9 if full else 1e9
     shm = Path("/dev/shm")
     default = (shm / "kstream-src" if shm.is_dir() and shutil.disk_usage(shm).free > need * 1.1
                else ROOT / "src")
@@ -83,15 +112,95 @@ def build_source() -> Path:
     shutil.rmtree(src, ignore_errors=True)
     t = time.perf_counter()
     ns = load_anchor_ns()
+    if os.environ["DIMS"] == "small":
+        ns.update(SMALL_DIMS)
     ns["make_src"](str(src))
     marker.write_text(f"{os.environ['DIMS']}:{layers}")
     RES["build_s"] = round(time.perf_counter() - t, 1)
     return src
 
 
-def timed(args: list[str], env: dict, sample: Path | None = None) -> dict:
+def child(events_out: Path, argv: list[str]) -> None:
+    """The kconvert CLI with `argv`, in this process, its timeline (`timeline`) written to
+    `events_out` as JSON."""
+    import kconvert.cli as cli
+    from kconvert import events
+
+    kept: list[tuple[str, dict]] = []
+
+    def listen(event: str, info: dict) -> None:
+        if event in TIMELINE_EVENTS:
+            kept.append((event, info))
+
+    if argv[argv.index("--device") + 1] == "cpu":
+        load_cpu_kernels()
+    if "--stream" in argv:
+        import kconvert.io.stream
+
+        kconvert.io.stream.DOWNLOADS = int(os.environ.get("STREAM_DOWNLOADS")
+                                           or kconvert.io.stream.DOWNLOADS)
+    # Past RUN_LIMIT_S the timeline is written all the same (SIGALRM ends the run).
+    signal.signal(signal.SIGALRM, lambda *_: sys.exit(124))
+    signal.alarm(int(RUN_LIMIT_S) - 5)
+    t0 = time.perf_counter()
+    unsubscribe = events.subscribe(listen, timings=True)
+    rc = 0
+    try:
+        cli.main(argv, standalone_mode=False)
+    except SystemExit as exc:
+        rc = exc.code or 0
+    finally:
+        unsubscribe()
+        events_out.write_text(json.dumps(timeline(kept, t0)))
+    sys.exit(rc)
+
+
+TIMELINE_EVENTS = {"download", "verify", "source-wait", "source-deleted", "fsync", "phase",
+                   "compute", "wait-read"}
+
+
+def timeline(kept: list[tuple[str, dict]], t0: float) -> dict:
+    """Per source shard: `download` [[start, end], ...] (one per attempt), `verify` [[start,
+    end, ok], ...], `first_read` [asked, got], `deleted`; per output shard the time it was
+    complete; the phases [start, end]; the compute thread's busy and read-waiting seconds.
+    Times in seconds from `t0`."""
+    def rel(t: float) -> float:
+        return round(t - t0, 3)
+
+    source: dict[str, dict] = defaultdict(dict)
+    out: dict[str, float] = {}
+    phases: dict[str, list[float]] = {}
+    busy = {"compute": 0.0, "wait-read": 0.0}
+    for event, info in kept:
+        start, end = rel(info["start"]), rel(info["end"])
+        if event == "download":
+            source[info["shard"]].setdefault("download", []).append([start, end])
+        elif event == "verify":
+            source[info["shard"]].setdefault("verify", []).append([start, end, info["ok"]])
+        elif event == "source-wait":
+            source[info["shard"]]["first_read"] = [start, end]
+        elif event == "source-deleted":
+            source[info["shard"]]["deleted"] = end
+        elif event == "fsync":
+            out[info["shard"]] = end
+        elif event == "phase":
+            phases[info["name"]] = [start, end]
+        else:
+            busy[event] += info["end"] - info["start"]
+    return {"source": dict(sorted(source.items())), "output_complete": dict(sorted(out.items())),
+            "phases": phases, "compute_busy_s": round(busy["compute"], 2),
+            "compute_waited_for_reads_s": round(busy["wait-read"], 2)}
+
+
+def kconvert_args(events_out: Path, argv: list[str]) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "--child", str(events_out), "--",
+            *argv]
+
+
+def timed(args: list[str], env: dict, sample: Path | None = None,
+          events_out: Path | None = None) -> dict:
     """A child process, wall-timed from here; with `sample`, the peak bytes of shards under
-    that directory while it runs."""
+    that directory while it runs; with `events_out`, the timeline the child wrote there."""
     peak, stop = [0], threading.Event()
 
     def sampler() -> None:
@@ -110,11 +219,18 @@ def timed(args: list[str], env: dict, sample: Path | None = None) -> dict:
     t = time.perf_counter()
     if watcher:
         watcher.start()
-    done = subprocess.run(args, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t
+    try:
+        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=RUN_LIMIT_S)
+        wall = time.perf_counter() - t
+    except subprocess.TimeoutExpired as exc:  # the child wrote its timeline when it was ended
+        wall = time.perf_counter() - t
+        done = subprocess.CompletedProcess(args, -9, exc.stdout or "", exc.stderr or "")
     stop.set()
     if watcher:
         watcher.join()
+    if isinstance(done.stdout, bytes):
+        done.stdout, done.stderr = done.stdout.decode(errors="replace"), \
+            done.stderr.decode(errors="replace")
     out = {"wall_s": round(wall, 2), "rc": done.returncode, "page_cache_dropped": cold}
     if sample:
         out["peak_source_bytes"] = peak[0]
@@ -125,6 +241,8 @@ def timed(args: list[str], env: dict, sample: Path | None = None) -> dict:
         out["timings"] = summary.get("timings")
     except (ValueError, IndexError):
         pass
+    if events_out is not None and events_out.is_file():
+        out["timeline"] = json.loads(events_out.read_text())
     return out
 
 
@@ -133,6 +251,8 @@ def tensor_hashes(out: Path) -> dict:
 
 
 def main() -> None:
+    if len(sys.argv) > 3 and sys.argv[1] == "--child" and sys.argv[3] == "--":
+        child(Path(sys.argv[2]), sys.argv[4:])
     if len(sys.argv) != 2:
         raise SystemExit(__doc__)
     result = Path(sys.argv[1]).resolve()
@@ -149,7 +269,7 @@ def main() -> None:
         RES["server_start_s"] = round(time.perf_counter() - t, 1)  # hashing every file
         env = env_with(HF_ENDPOINT=hub.url, HF_HUB_DISABLE_PROGRESS_BARS=1,
                        HF_HUB_DISABLE_TELEMETRY=1)
-        kc = [sys.executable, "-m", "kconvert.cli", "int4-to-nvfp4"]
+        kc = ["int4-to-nvfp4"]
         dl, local_out, stream_out = ROOT / "download", ROOT / "out-local", ROOT / "out-stream"
         for d in (dl, local_out, stream_out, ROOT / "hf-cache"):
             shutil.rmtree(d, ignore_errors=True)
@@ -160,21 +280,30 @@ def main() -> None:
             REPO, str(dl)], env)
         log("download alone", RES["download"])
         save(result)
-        RES["local"] = timed([*kc, str(dl), str(local_out), "--device", device, "--quiet",
-                              "--json"], env)
-        log("local conversion alone", RES["local"])
+        RES["local"] = timed(kconvert_args(ROOT / "events-local.json", [
+            *kc, str(dl), str(local_out), "--device", device, "--quiet", "--json"]), env,
+            events_out=ROOT / "events-local.json")
+        log("local conversion alone", {k: v for k, v in RES["local"].items() if k != "timeline"})
         local_hashes = tensor_hashes(local_out) if RES["local"]["rc"] == 0 else None
         shutil.rmtree(dl, ignore_errors=True)
         shutil.rmtree(local_out, ignore_errors=True)
         save(result)
-        RES["streamed"] = timed([*kc, REPO, str(stream_out), "--stream", "--stream-window",
-                                 str(WINDOW), "--device", device, "--quiet", "--json",
-                                 "--cache-dir", str(ROOT / "hf-cache")], env,
-                                sample=stream_out / ".kconvert" / "source")
-        log("streamed conversion", RES["streamed"])
-        if RES["streamed"]["rc"] == 0 and local_hashes is not None:
-            RES["same_tensors_as_local"] = tensor_hashes(stream_out) == local_hashes
-        shutil.rmtree(stream_out, ignore_errors=True)
+        for n, downloads in enumerate(DOWNLOADS):
+            key = "streamed" if n == 0 else f"streamed_downloads_{downloads}"
+            RES[key] = timed(kconvert_args(ROOT / "events-stream.json", [
+                *kc, REPO, str(stream_out), "--stream", "--stream-window", str(WINDOW),
+                "--device", device, "--quiet", "--json", "--cache-dir", str(ROOT / "hf-cache")]),
+                env_with(HF_ENDPOINT=hub.url, HF_HUB_DISABLE_PROGRESS_BARS=1,
+                         HF_HUB_DISABLE_TELEMETRY=1, STREAM_DOWNLOADS=downloads),
+                sample=stream_out / ".kconvert" / "source",
+                events_out=ROOT / "events-stream.json")
+            RES[key]["downloads_at_once"] = downloads
+            log(key, {k: v for k, v in RES[key].items() if k != "timeline"})
+            if RES[key]["rc"] == 0 and local_hashes is not None:
+                RES[key]["same_tensors_as_local"] = tensor_hashes(stream_out) == local_hashes
+            shutil.rmtree(stream_out, ignore_errors=True)
+            save(result)
+        RES["same_tensors_as_local"] = RES["streamed"].get("same_tensors_as_local")
     walls = [RES[k]["wall_s"] for k in ("download", "local")]
     bound = sum(sorted(sizes, reverse=True)[:WINDOW])
     RES["ratio"] = {
@@ -186,8 +315,37 @@ def main() -> None:
         "window_bound_bytes": bound,
         "peak_ok": (RES["streamed"].get("peak_source_bytes") or 0) <= bound,
     }
+    RES["where_time_goes"] = where_time_goes(sum(sizes))
     save(result)
     log("result", RES["ratio"], "same tensors:", RES.get("same_tensors_as_local"))
+    log("where the time goes", RES["where_time_goes"])
+    for name, times in RES["streamed"].get("timeline", {}).get("source", {}).items():
+        log(name, times, "output complete:",
+            RES["streamed"]["timeline"]["output_complete"].get(name))
+
+
+def where_time_goes(nbytes: int) -> dict:
+    """From the timelines: how fast the streamed run's downloads went against the download
+    alone, the hashing left after them, how long its compute thread waited for reads (for
+    shards, in a streamed run) and how busy it was against the local run's."""
+    out: dict = {"download_alone_gb_s": round(nbytes / RES["download"]["wall_s"] / 1e9, 3),
+                 "local_compute_busy_s": RES["local"].get("timeline", {}).get("compute_busy_s")}
+    for key in [k for k in RES if k.startswith("streamed")]:
+        line = RES[key].get("timeline")
+        if not line or not line["source"]:
+            continue
+        shards = line["source"].values()
+        starts = [d[0] for v in shards for d in v.get("download", [])]
+        ends = [d[1] for v in shards for d in v.get("download", [])]
+        out[key] = {
+            "download_gb_s": round(nbytes / (max(ends) - min(starts)) / 1e9, 3),
+            "first_download_start_s": min(starts), "last_download_end_s": max(ends),
+            "verify_after_download_s": round(sum(x[1] - x[0] for v in shards
+                                                 for x in v.get("verify", [])), 2),
+            "compute_waited_for_reads_s": line["compute_waited_for_reads_s"],
+            "compute_busy_s": line["compute_busy_s"],
+            "execute_s": [round(x, 2) for x in line["phases"].get("execute", [])]}
+    return out
 
 
 if __name__ == "__main__":

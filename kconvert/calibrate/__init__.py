@@ -60,7 +60,10 @@ def calibrate_to(src: str, data: str, output: str, *, samples: int = REAP_SAMPLE
     (kconvert.calibrate(...)): the statistics, also written to OUTPUT (stats.safetensors,
     stats.json, act_stats.json). `gpu_memory` ('40GiB' or bytes) is the GPU memory budget
     (kconvert.gpu_budget; default: what the card has free less a safety margin)."""
-    from kconvert.calibrate.run import run_calibration
+    from kconvert.calibrate.startup import phase
+
+    with phase("imports"):
+        from kconvert.calibrate.run import run_calibration
 
     return run_calibration(src, data, output, samples, seq_len, batch_size, seed, device,
                            dtype, tokenizer, revision, overwrite,

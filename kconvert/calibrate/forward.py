@@ -31,8 +31,11 @@ GROUP_STAT_ROWS = 1 << 15
 
 def model_config(ckpt: Checkpoint):
     """transformers' DeepseekV3Config from the checkpoint's text config ("kimi_k2" read as
-    "deepseek_v3", the architecture it is), attention through SDPA."""
-    from transformers import DeepseekV3Config
+    "deepseek_v3", the architecture it is), attention through SDPA. transformers' DeepSeek-V3
+    modules (seconds to import) are imported here, before the layers need them, so that the
+    import runs while the device starts (kconvert.calibrate.startup)."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3  # noqa: F401
+    from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
 
     text = copy.deepcopy(ckpt.text_config)
     for key in ("model_type", "quantization_config", "auto_map", "architectures"):
@@ -284,10 +287,12 @@ def embed(ckpt: Checkpoint, ids: torch.Tensor, dtype: torch.dtype,
           device: torch.device | str = "cpu") -> torch.Tensor:
     """Embedding rows of `ids` (PAD_ID -> zeros) on `device`, reading only the rows that are
     used: only those rows and the ids travel there, and the gather runs there."""
-    names = [n for n in ckpt.weight_map if parse_name(n).role is Role.EMBEDDING]
+    # (only names that can be the embedding are parsed: a full-size checkpoint has 208,215)
+    names = [n for n in ckpt.weight_map
+             if "embed_tokens" in n and parse_name(n).role is Role.EMBEDDING]
     if len(names) != 1:
         raise KconvertError(f"expected one embed_tokens tensor, found {names}")
-    info = ckpt.tensors[names[0]]
+    info = ckpt.tensor(names[0])
     if info.dtype not in ("BF16", "F16", "F32") or len(info.shape) != 2:
         raise KconvertError(f"embedding is {info.dtype}{list(info.shape)}; a float matrix is "
                             "needed", file=info.file.name, tensor=info.name)
@@ -361,6 +366,8 @@ def load_head(ckpt: Checkpoint, cfg, device: torch.device, dtype: torch.dtype) -
 
     found: dict[Role, list[str]] = {Role.NORM: [], Role.LM_HEAD: []}
     for name in ckpt.weight_map:
+        if "norm" not in name and "lm_head" not in name:  # neither role: not parsed
+            continue
         tn = parse_name(name)
         if tn.layer is None and tn.role in found:
             found[tn.role].append(name)
@@ -370,7 +377,7 @@ def load_head(ckpt: Checkpoint, cfg, device: torch.device, dtype: torch.dtype) -
         if len(found[role]) != 1:
             raise KconvertError(f"expected one {role} tensor of the language model, found "
                                 f"{found[role]}")
-        info = ckpt.tensors[found[role][0]]
+        info = ckpt.tensor(found[role][0])
         if info.dtype not in ("BF16", "F16", "F32") or tuple(info.shape) != shape:
             raise KconvertError(f"{role} is {info.dtype}{list(info.shape)}; a float tensor of "
                                 f"shape {list(shape)} is needed", file=info.file.name,

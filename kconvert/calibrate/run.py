@@ -20,6 +20,12 @@ from kconvert.calibrate.forward import (
 )
 from kconvert.calibrate.load import build_layer, read_layer, tensors_by_layer
 from kconvert.calibrate.prefetch import LayerPrefetcher
+from kconvert.calibrate.startup import (
+    device_ready,
+    model_code_and_device,
+    phase,
+    start_device,
+)
 from kconvert.calibrate.stats import (
     GATE_WEIGHT,
     META_FILE,
@@ -91,6 +97,13 @@ def measure_stats(
         raise KconvertError("REAP router repair fits on one process's tokens; run --repair "
                             "without torchrun")
     say = progress if progress is not None and distributed.is_main() else (lambda _msg: None)
+    with phase("model code"):
+        cfg = model_config(ckpt)
+    n_layers = cfg.num_hidden_layers
+    layer_tensors = tensors_by_layer(ckpt, n_layers)
+
+    t0 = time.perf_counter()
+    device_ready(device)  # the plan's default budget waits for the device: after the imports
     if device.type == "cuda":
         if gpu_plan is None:
             gpu_plan = forward_plan(ckpt, input_ids.shape, batch_size, dtype, device,
@@ -110,20 +123,16 @@ def measure_stats(
     n_seq, seq_len = local_ids.shape
     all_valid = bool(local_valid.all())
     n_real = int(local_valid.sum())
-    cfg = model_config(ckpt)
-    n_layers = cfg.num_hidden_layers
-    layer_tensors = tensors_by_layer(ckpt, n_layers)
-
-    t0 = time.perf_counter()
     if device.type == "cuda" and hidden_on_device is None:
         hidden_on_device = gpu_plan.hidden_on_device
     on_device = device.type == "cuda" and hidden_on_device
-    hidden = embed(ckpt, torch.where(local_valid, local_ids, PAD_ID), dtype,
-                   device if on_device else "cpu")
-    if device.type == "cuda" and not on_device:
-        hidden = hidden.pin_memory()
-    positions, pos_emb = position_embeddings(cfg, seq_len, device, dtype)
-    valid_dev = local_valid.to(device)
+    with phase("embedding"):
+        hidden = embed(ckpt, torch.where(local_valid, local_ids, PAD_ID), dtype,
+                       device if on_device else "cpu")
+        if device.type == "cuda" and not on_device:
+            hidden = hidden.pin_memory()
+        positions, pos_emb = position_embeddings(cfg, seq_len, device, dtype)
+        valid_dev = local_valid.to(device)
     ctx = ForwardContext()
     prefetcher = LayerPrefetcher(
         read=lambda layer: read_layer(ckpt, cfg, layer, layer_tensors[layer], dtype, device),
@@ -251,13 +260,17 @@ def run_calibration(src: str, data: str, out: str, samples: int, seq_len: int, b
     if (out_dir / META_FILE).exists() and not overwrite:
         raise KconvertError("the directory already holds statistics; pass --overwrite",
                             file=str(out_dir))
-    ckpt = open_checkpoint(src, revision)
+    dev = pick_device(device)
+    start_device(dev)  # CUDA starts while the checkpoint, the data and transformers load
+    with phase("open checkpoint"):
+        ckpt = open_checkpoint(src, revision)
     try:
-        ids = load_calibration_data(data, tokenizer or ckpt.root, samples, seq_len, seed)
+        with phase("data"):
+            ids = load_calibration_data(data, tokenizer or ckpt.root, samples, seq_len, seed)
         if ids.shape[0] < samples:
             progress(f"note: the data gives {_plural(ids.shape[0], 'sequence')} of {seq_len} "
                      f"tokens, fewer than --samples {samples}")
-        dev = pick_device(device)
+        model_code_and_device(dev)  # what the budget waits for, after the overlapped imports
         budget = resolve(dev, gpu_memory)
         plan = (forward_plan(ckpt, ids.shape, batch_size, getattr(torch, dtype), dev, budget,
                              "calibrate") if budget is not None else None)
@@ -268,7 +281,8 @@ def run_calibration(src: str, data: str, out: str, samples: int, seq_len: int, b
                 gpu_plan=plan)
     finally:
         ckpt.close()
-    save_stats(stats, out_dir)
+    with phase("write"):
+        save_stats(stats, out_dir)
     progress(f"wrote {out_dir}: {_plural(stats.meta['tokens'], 'token')}, "
              f"{_plural(len(stats.moe_layers), 'MoE layer')}, {stats.meta['seconds']:.1f} s")
     return stats

@@ -5,9 +5,18 @@ Only click is imported at start-up, so `kconvert --help` answers at once; each c
 what it runs (torch and compressed-tensors take seconds). Every command reports errors the same
 way (`KconvertCommand`): a usage error exits 2 (click's message), bad input is one line and
 exit 1, an internal error keeps its traceback, says it is a bug, and exits 3.
+
+`run` is the program (`kconvert`, `python -m kconvert`): the command, then an exit without the
+interpreter's teardown, which takes a second or two once torch and transformers are imported
+(their modules and objects freed one by one) and changes nothing a finished command wrote.
 """
 
 from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
 
 import click
 
@@ -36,3 +45,32 @@ def main() -> None:
 for command in (int4_to_nvfp4, int4_to_mxfp4, quantize, dequant, reap, sparsify, densify,
                 run_recipe, calibrate_cmd, eval_cmd, audit, inspect_cmd):
     main.add_command(command)
+
+
+def run() -> None:
+    """`kconvert`: the command line, then `exit_now` with its exit status."""
+    try:
+        main()  # click's standalone mode always ends in SystemExit
+    except SystemExit as exc:
+        exit_now(exc.code)
+
+
+def exit_now(code: int | str | None) -> None:
+    """Exit with `code` as sys.exit would, skipping the interpreter's teardown: the exit
+    handlers run (logging's flush, torch.distributed's shutdown) and stdout and stderr are
+    flushed first. While a thread that the interpreter would wait for still runs, the
+    ordinary exit is taken instead."""
+    others = [t for t in threading.enumerate()
+              if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+    if others:
+        sys.exit(code)
+    if isinstance(code, str):  # sys.exit's message
+        print(code, file=sys.stderr)
+    status = 0 if code is None else code if isinstance(code, int) else 1
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (`| head`) or a closed stream
+            status = status or 1
+    os._exit(status)

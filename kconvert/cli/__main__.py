@@ -1,8 +1,8 @@
 """`python -m kconvert.cli`: the command line."""
 
-from kconvert.cli import main
+from kconvert.cli import run
 
-main()
+run()
 
 
 

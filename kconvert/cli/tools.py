@@ -77,8 +77,11 @@ def eval_cmd(src, candidates, data, out, samples, seq_len, batch_size, seed, dev
     Per decoder layer: accumulated and local relative error of the hidden states; at the end:
     KL(SRC || CANDIDATE), top-1/top-5 agreement and both models' NLL and perplexity.
     """
+    from kconvert.calibrate.startup import phase
+
     # what kconvert.api's evaluate_candidates runs, without importing the rest of the API
-    from kconvert.evaluate.run import run_eval
+    with phase("imports"):
+        from kconvert.evaluate.run import run_eval
 
     run_eval(src, list(candidates), data, out, samples, seq_len, batch_size, seed, device, dtype,
              tokenizer, quiet, echo=click.echo, gpu_memory=gpu_memory)

@@ -22,6 +22,12 @@ from kconvert.calibrate.forward import (
 )
 from kconvert.calibrate.load import build_layer, read_layer, tensors_by_layer
 from kconvert.calibrate.prefetch import LayerPrefetcher
+from kconvert.calibrate.startup import (
+    device_ready,
+    model_code_and_device,
+    phase,
+    start_device,
+)
 from kconvert.errors import KconvertError, UsageError
 from kconvert.evaluate import activations
 from kconvert.evaluate.metrics import LOGIT_ELEMS, LayerErrors, LogitsComparison, NextToken
@@ -69,11 +75,6 @@ def evaluate(source: Checkpoint, candidates: list[Checkpoint], input_ids: torch.
     if batch_size < 1:
         raise KconvertError(f"batch size {batch_size} must be positive")
     labels = labels or [str(c.root) for c in candidates]
-    if device.type == "cuda":
-        if gpu_plan is None:
-            gpu_plan = forward_plan(source, input_ids.shape, batch_size, dtype, device, None,
-                                    "eval", models=1 + len(candidates))
-        batch_size = min(batch_size, gpu_plan.batch_size)
     valid = input_ids != PAD_ID
     targets = torch.cat([input_ids[:, 1:], torch.full_like(input_ids[:, :1], PAD_ID)], dim=1)
     scored = valid & (targets != PAD_ID)
@@ -84,7 +85,8 @@ def evaluate(source: Checkpoint, candidates: list[Checkpoint], input_ids: torch.
     models = [source, *candidates]
     # Dimensions first: a candidate of another vocabulary would otherwise fail in its
     # embedding, on token ids that are not the problem.
-    cfgs = [_config(label, ckpt) for label, ckpt in zip(names, models, strict=True)]
+    with phase("model code"):
+        cfgs = [_config(label, ckpt) for label, ckpt in zip(names, models, strict=True)]
     for label, ckpt, cfg in zip(labels, candidates, cfgs[1:], strict=True):
         for key in SAME_DIMS:
             if getattr(cfg, key) != getattr(cfgs[0], key):
@@ -93,9 +95,16 @@ def evaluate(source: Checkpoint, candidates: list[Checkpoint], input_ids: torch.
                                     f"{getattr(cfgs[0], key)}; only models of the same "
                                     "architecture can be compared",
                                     file=str(ckpt.root / "config.json"))
+    device_ready(device)  # the plan's default budget waits for the device: after the imports
+    if device.type == "cuda":
+        if gpu_plan is None:
+            gpu_plan = forward_plan(source, input_ids.shape, batch_size, dtype, device, None,
+                                    "eval", models=1 + len(candidates))
+        batch_size = min(batch_size, gpu_plan.batch_size)
     where = device if gpu_plan is None or gpu_plan.hidden_on_device else torch.device("cpu")
-    streams = [_stream(label, ckpt, cfg, input_ids, valid, device, dtype, where)
-               for label, ckpt, cfg in zip(names, models, cfgs, strict=True)]
+    with phase("embedding"):
+        streams = [_stream(label, ckpt, cfg, input_ids, valid, device, dtype, where)
+                   for label, ckpt, cfg in zip(names, models, cfgs, strict=True)]
     src, cands = streams[0], streams[1:]
     src_out = torch.empty_like(src.hidden)
     valid_dev = valid.to(device)
@@ -264,15 +273,21 @@ def run_eval(src: str, candidates: list[str], data: str, out: str | None, sample
         raise UsageError("eval runs in one process: run it without torchrun")
     if not Path(data).read_text().strip():
         raise KconvertError("the eval data is empty", file=str(data))
+    dev = pick_device(device)
+    start_device(dev)  # CUDA starts while the checkpoints, the data and transformers load
     opened: list[Checkpoint] = []
     try:
-        for path in [src, *candidates]:
-            opened.append(open_checkpoint(path))
-        ids = load_calibration_data(data, tokenizer or opened[0].root, samples, seq_len, seed)
+        with phase("open checkpoint"):
+            for path in [src, *candidates]:
+                opened.append(open_checkpoint(path))
+        with phase("data"):
+            ids = load_calibration_data(data, tokenizer or opened[0].root, samples, seq_len,
+                                        seed)
         if ids.shape[0] < samples and not quiet:
             echo(f"note: the data gives {ids.shape[0]} sequence(s) of {seq_len} tokens, "
                  f"fewer than --samples {samples}")
-        dev, compute = pick_device(device), getattr(torch, dtype)
+        compute = getattr(torch, dtype)
+        model_code_and_device(dev)  # what the budget waits for, after the overlapped imports
         budget = resolve(dev, gpu_memory)
         plan = (forward_plan(opened[0], ids.shape, batch_size, compute, dev, budget, "eval",
                              models=len(opened)) if budget is not None else None)
@@ -288,6 +303,7 @@ def run_eval(src: str, candidates: list[str], data: str, out: str | None, sample
             ckpt.close()
     echo(render_table(report))
     if out is not None:
-        save_report(report, Path(out))
+        with phase("write"):
+            save_report(report, Path(out))
         echo(f"wrote {Path(out) / 'eval.json'} and {Path(out) / 'eval.png'}")
     return report

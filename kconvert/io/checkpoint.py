@@ -64,6 +64,10 @@ class Checkpoint:
             name: self.readers[file].tensors[name] for name, file in self.weight_map.items()
         }
 
+    def tensor(self, name: str) -> TensorInfo:
+        """One tensor's info, without building `tensors` (a dict of every tensor)."""
+        return self.readers[self.weight_map[name]].tensors[name]
+
     def reader_for(self, info: TensorInfo) -> ShardReader:
         return self.readers[info.file.name]
 

@@ -8,21 +8,26 @@ window (a few shards), never the model.
 - A shard already in the user's Hugging Face cache is read there and never deleted, nor
   counted in the window. Every other shard is fetched with huggingface_hub's `hf_hub_download`
   into `<output>/.kconvert/source/` (a directory kconvert owns; only files there are deleted),
-  which retries a dropped connection with a range request and checks the size.
+  which retries a dropped connection with a range request and checks the size. The downloads
+  run in worker processes (kconvert.io.download_worker), DOWNLOADS shards at once in the
+  order the run reads them, so that they neither wait for nor slow down the engine's threads.
 - huggingface_hub does not check a downloaded file's content against the Hub's hash
   (docs/hub.md §3), so that is done here: sha256 against the LFS oid the Hub lists (git's
-  blob id for a non-LFS file), in a thread of its own so that the next download goes on
-  meanwhile. A shard that does not match is downloaded again (ATTEMPTS in all), then
-  refused, naming the file; no item reads it.
+  blob id for a non-LFS file), computed by the worker as the bytes land. A shard that does
+  not match is downloaded again (ATTEMPTS downloads in all), then refused, naming the file;
+  no item reads it.
 - `--resume`: downloads already complete in `source/` are verified and reused; only shards that
   unfinished output shards read are fetched.
 """
 
 from __future__ import annotations
 
-import hashlib
+import json
 import logging
+import queue
 import shutil
+import subprocess
+import sys
 import threading
 from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from kconvert import events
 from kconvert.errors import KconvertError
 from kconvert.io.checkpoint import Checkpoint, checked, download
 from kconvert.io.remote import HeaderOnlyShard, open_headers
@@ -42,7 +48,10 @@ log = logging.getLogger(__name__)
 
 SOURCE_DIR = "source"  # under the run state directory (.kconvert/)
 ATTEMPTS = 3  # downloads of one shard before it is refused
-HASH_CHUNK = 16 << 20
+# Shards downloaded at once, each by a worker process (kconvert.io.download_worker): one plain
+# HTTP download is a Python loop that one core bounds (well below 1 GB/s).
+DOWNLOADS = 2
+WORKER = str(Path(__file__).with_name("download_worker.py"))
 
 
 @dataclass(frozen=True)
@@ -67,26 +76,69 @@ def remote_files(repo: str, commit: str, token: str | None) -> dict[str, RemoteF
         raise KconvertError(f"could not list the files of {repo}@{commit}: {exc}") from exc
 
 
-def content_matches(path: Path, remote: RemoteFile) -> tuple[bool, str]:
-    """(whether the file's bytes are the ones the Hub lists, the digest found)."""
-    if remote.sha256 is not None:
-        digest = hashlib.sha256()
-    else:
-        digest = hashlib.sha1(b"blob %d\0" % path.stat().st_size)
-    with path.open("rb") as fh:
-        while block := fh.read(HASH_CHUNK):
-            digest.update(block)
-    found = digest.hexdigest()
-    return found == (remote.sha256 or remote.blob_id), found
-
-
 def window_bytes(sizes: Collection[int], window: int) -> int:
     """The most source bytes `window` shards of these sizes can hold on disk."""
     return sum(sorted(sizes, reverse=True)[:window])
 
 
+def hub_settings() -> dict:
+    """huggingface_hub's settings as this process has them (endpoint, timeouts, chunk size,
+    offline mode: from the environment or set in code), for a worker process to take."""
+    from huggingface_hub import constants
+
+    return {k: v for k, v in vars(constants).items()
+            if k.isupper() and (v is None or isinstance(v, str | int | float))}
+
+
+class DownloadWorker:
+    """A kconvert.io.download_worker process, started on first use: one download at a time."""
+
+    def __init__(self, settings: dict):
+        self.settings = settings
+        self.proc: subprocess.Popen | None = None
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def start(self) -> None:
+        """Start the process (again, if it ended), unless the worker was closed."""
+        with self.lock:
+            if self.closed:
+                raise OSError("the downloads were stopped")
+            if self.proc is None or self.proc.poll() is not None:
+                # -P: the worker's folder (kconvert/io) is not put on its import path.
+                self.proc = subprocess.Popen([sys.executable, "-P", WORKER],
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                             text=True)
+                self._send(self.settings)
+
+    def run(self, job: dict) -> dict:
+        """The worker's answer to `job` (a dict with `error` if it failed or died)."""
+        try:
+            self.start()
+            self._send(job)
+            line = self.proc.stdout.readline()
+        except OSError as exc:  # a pipe to a worker that ended
+            return {"error": f"the download process failed: {exc}"}
+        if not line:
+            return {"error": f"the download process ended (exit status {self.proc.wait()})"}
+        return json.loads(line)
+
+    def _send(self, message: dict) -> None:
+        self.proc.stdin.write(json.dumps(message) + "\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        """End the process now, mid-download or not (what it downloads is not wanted)."""
+        with self.lock:
+            self.closed = True
+            if self.proc is not None and self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+
+
 class ShardStream:
-    """Downloads the shards in the order the run reads them, at most `window` on disk."""
+    """Downloads the shards in the order the run reads them, DOWNLOADS at once, at most
+    `window` on disk (those being downloaded count)."""
 
     def __init__(self, repo: str, commit: str, token: str | None, root: Path,
                  names: list[str], window: int):
@@ -96,6 +148,7 @@ class ShardStream:
         self.cond = threading.Condition()
         self.ready: dict[str, Path] = {}
         self.held: set[str] = set()  # downloading, downloaded or being read
+        self.fetching = 0  # downloads in progress
         self.failed: dict[str, KconvertError] = {}
         self.stopped = False
         self.readers: dict[str, set[str]] = {}
@@ -103,7 +156,7 @@ class ShardStream:
         self.expected_shapes: dict[str, tuple[int, ...]] = {}
         self.peak_bytes = 0  # the most downloaded source bytes held at once
         self.thread: threading.Thread | None = None
-        self.hasher = ThreadPoolExecutor(1, thread_name_prefix="kconvert-verify")
+        self.workers: list[DownloadWorker] = []
 
     @cached_property
     def files(self) -> dict[str, RemoteFile]:
@@ -127,70 +180,105 @@ class ShardStream:
             partial.unlink()
         log.info("streaming %d shard(s) of %s@%s into %s, %d at most on disk",
                  len(streamed), self.repo, self.commit, where, window)
+        settings = {"constants": hub_settings(), "repo": self.repo, "commit": self.commit,
+                    "token": self.token, "where": str(where)}
+        self.workers = [DownloadWorker(settings) for _ in range(min(DOWNLOADS, len(streamed)))]
+        for worker in self.workers:  # now, with this thread's CPU mask (see engine.execute)
+            worker.start()
         self.thread = threading.Thread(target=self._fetch_all, args=(streamed,),
                                        name="kconvert-download", daemon=True)
         self.thread.start()
 
     def _fetch_all(self, names: list[str]) -> None:
-        for name in names:
-            with self.cond:
-                self.cond.wait_for(lambda: self.stopped or len(self.held) < self.window)
+        """Start each download in order once the window and a worker have room for it."""
+        try:
+            self.files  # noqa: B018 (listed once, before the downloads that read it)
+        except KconvertError as exc:
+            for name in names:
+                self._fail(name, exc)
+            return
+        idle: queue.SimpleQueue[DownloadWorker] = queue.SimpleQueue()
+        for worker in self.workers:
+            idle.put(worker)
+        with ThreadPoolExecutor(max(len(self.workers), 1),
+                                thread_name_prefix="kconvert-download") as pool:
+            for name in names:
+                with self.cond:
+                    self.cond.wait_for(lambda: self.stopped or (
+                        len(self.held) < self.window and self.fetching < len(self.workers)))
+                    if self.stopped:
+                        return
+                    self.held.add(name)
+                    self.fetching += 1
+                pool.submit(self._fetch, name, idle)
+
+    def _fetch(self, name: str, idle: queue.SimpleQueue) -> None:
+        """Download `name` and check it against the Hub's hash, ATTEMPTS times at most; then
+        it is ready, or the run fails naming it."""
+        try:
+            remote = self.files.get(name)
+            if remote is None:
+                self._fail(name, KconvertError(f"the Hub lists no {name} in {self.repo}@"
+                                               f"{self.commit}", file=name))
+                return
+            expected = remote.sha256 or remote.blob_id
+            job = {"name": name, "size": remote.size, "etag": expected,
+                   "kind": "sha256" if remote.sha256 else "git-blob"}
+            error, found = "", ""
+            for attempt in range(1, ATTEMPTS + 1):
+                worker = idle.get()
+                try:
+                    if self.stopped:
+                        return
+                    log.info("downloading %s", name)
+                    got = worker.run(job)
+                finally:
+                    idle.put(worker)
                 if self.stopped:
                     return
-                self.held.add(name)
-            path = self._download(name)
-            with self.cond:
-                if path is None or self.stopped:
+                if "error" in got:
+                    log.warning("download %d of %s failed: %s", attempt, name, got["error"])
+                    error, found = got["error"], ""
+                    continue
+                ok = got["digest"] == expected
+                events.record("download", got["start"], got["downloaded"], shard=name,
+                              attempt=attempt, nbytes=remote.size)
+                events.record("verify", got["downloaded"], got["hashed"], shard=name, ok=ok,
+                              followed=got["followed"])
+                if ok:
+                    self._ready(name, Path(got["path"]))
                     return
-                self.hasher.submit(self._verify, name, path, 1)
-
-    def _download(self, name: str) -> Path | None:
-        """The shard downloaded into `where` (huggingface_hub resumes a dropped connection
-        with a range request); None once ATTEMPTS calls failed (recorded in `failed`)."""
-        from huggingface_hub import hf_hub_download
-
-        for attempt in range(1, ATTEMPTS + 1):
-            try:
-                log.info("downloading %s", name)
-                return Path(hf_hub_download(self.repo, name, revision=self.commit,
-                                            token=self.token, local_dir=self.where))
-            except Exception as exc:  # network or disk: tried again, then reported
-                log.warning("download %d of %s failed: %s", attempt, name, exc)
-                last = exc
-        self._fail(name, KconvertError(f"shard could not be downloaded from "
-                                       f"{self.repo}@{self.commit} in {ATTEMPTS} attempts: "
-                                       f"{last}", file=name))
-        return None
-
-    def _verify(self, name: str, path: Path, attempt: int) -> None:
-        """Check the download against the Hub's hash; download again on a mismatch."""
-        remote = self.files.get(name)
-        if remote is None:
-            self._fail(name, KconvertError(f"the Hub lists no {name} in {self.repo}@"
-                                           f"{self.commit}", file=name))
-            return
-        ok, found = content_matches(path, remote)
-        if ok:
+                Path(got["path"]).unlink(missing_ok=True)
+                found = got["digest"]
+                log.warning("download %d of %s has sha %s, the Hub lists %s", attempt, name,
+                            found, expected)
+            self._fail(name, self._refusal(name, remote, found, error))
+        except BaseException as exc:  # a bug here must not leave a reader waiting forever
+            self._fail(name, KconvertError(f"downloading the shard failed: {exc}", file=name))
+            raise
+        finally:
             with self.cond:
-                self.ready[name] = path
-                held = sum(self.files[n].size for n in self.held if n in self.files)
-                self.peak_bytes = max(self.peak_bytes, held)
+                self.fetching -= 1
                 self.cond.notify_all()
-            return
-        path.unlink(missing_ok=True)
-        expected = remote.sha256 or remote.blob_id
-        log.warning("download %d of %s has sha %s, the Hub lists %s", attempt, name, found,
-                    expected)
-        if attempt < ATTEMPTS and not self.stopped:
-            again = self._download(name)
-            if again is not None:
-                self._verify(name, again, attempt + 1)
-            return
+
+    def _refusal(self, name: str, remote: RemoteFile, found: str, error: str) -> KconvertError:
+        """Why the shard was refused, after ATTEMPTS downloads: the last one's failure."""
+        if not found:
+            return KconvertError(f"shard could not be downloaded from {self.repo}@{self.commit} "
+                                 f"in {ATTEMPTS} attempts: {error}", file=name)
         kind = "sha256" if remote.sha256 else "git blob id"
-        self._fail(name, KconvertError(
-            f"downloaded shard does not match the Hub's {kind} {expected} (got {found}) in "
-            f"{attempt} downloads; it was not converted and was deleted: check the network or "
-            "disk, then run again with --resume", file=f"{self.repo}@{self.commit}/{name}"))
+        return KconvertError(
+            f"downloaded shard does not match the Hub's {kind} {remote.sha256 or remote.blob_id} "
+            f"(got {found}) in {ATTEMPTS} downloads; it was not converted and was deleted: check "
+            "the network or disk, then run again with --resume",
+            file=f"{self.repo}@{self.commit}/{name}")
+
+    def _ready(self, name: str, path: Path) -> None:
+        with self.cond:
+            self.ready[name] = path
+            held = sum(self.files[n].size for n in self.held if n in self.files)
+            self.peak_bytes = max(self.peak_bytes, held)
+            self.cond.notify_all()
 
     def _fail(self, name: str, error: KconvertError) -> None:
         with self.cond:
@@ -220,7 +308,8 @@ class ShardStream:
                 reader.release()
             path = self.ready.get(name)
             if path is not None and self.where is not None and self.where in path.parents:
-                path.unlink(missing_ok=True)  # only kconvert's own downloads
+                with events.span("source-deleted", shard=name):
+                    path.unlink(missing_ok=True)  # only kconvert's own downloads
                 log.info("deleted the download of %s", name)
             with self.cond:
                 self.held.discard(name)
@@ -228,22 +317,24 @@ class ShardStream:
                 self.cond.notify_all()
 
     def stop(self) -> None:
-        """No more reads: end the downloads (one in flight finishes in the background)."""
+        """No more reads: end the downloads, in progress or not."""
         with self.cond:
             self.stopped = True
             self.cond.notify_all()
+        for worker in self.workers:
+            worker.close()
 
     def finish(self) -> None:
         """The run is complete: remove the download directory (kconvert's own)."""
         self.stop()
-        self.hasher.shutdown(wait=True)
+        if self.thread is not None:
+            self.thread.join()
         log.info("at most %d bytes of downloaded shards were on disk at once", self.peak_bytes)
         if self.where is not None:
             shutil.rmtree(self.where, ignore_errors=True)
 
     def close(self) -> None:
         self.stop()
-        self.hasher.shutdown(wait=False, cancel_futures=True)
 
 
 class StreamedShard:
@@ -259,7 +350,9 @@ class StreamedShard:
     def _open(self) -> ShardReader:
         with self.lock:
             if self.reader is None:
-                reader = ShardReader(self.stream.wait(self.path.name))
+                with events.span("source-wait", shard=self.path.name):
+                    where = self.stream.wait(self.path.name)
+                reader = ShardReader(where)
                 try:
                     self._check(reader)
                 except KconvertError:

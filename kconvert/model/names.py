@@ -27,8 +27,8 @@ class Role(StrEnum):
     OTHER = "other"
 
 
-# Parameter suffixes of a quantized or dense linear, longest first so that `weight_scale_2`
-# is not read as `weight_scale` + junk. A name ending in one of these splits into module + param.
+# Parameter suffixes of a quantized or dense linear (no dots in any). A name whose last
+# component is one of these splits into module + param.
 PARAM_SUFFIXES = (
     "weight_global_scale",
     "input_global_scale",
@@ -102,12 +102,14 @@ class TensorName:
 
 
 def split_param(name: str) -> tuple[str, str]:
-    """('a.b.weight_scale_2') -> ('a.b', 'weight_scale_2'); unknown suffix -> (name, '')."""
-    for suffix in PARAM_SUFFIXES:
-        if name.endswith("." + suffix):
-            return name[: -len(suffix) - 1], suffix
-    if name.endswith(".e_score_correction_bias"):
-        return name[: -len(".e_score_correction_bias")], "e_score_correction_bias"
+    """('a.b.weight_scale_2') -> ('a.b', 'weight_scale_2'); unknown suffix -> (name, '').
+
+    A suffix holds no dot, so it is the name's last component or nothing: one split and one
+    lookup per name (a full-size checkpoint has 208,215; trying every suffix was a third of
+    parse_name's time)."""
+    module, dot, last = name.rpartition(".")
+    if dot and (last in PARAM_SUFFIXES or last == "e_score_correction_bias"):
+        return module, last
     return name, ""
 
 

@@ -196,8 +196,9 @@ def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
     def make(ckpt: Checkpoint) -> Prune:
         from kconvert.calibrate.data import load_calibration_data
         from kconvert.calibrate.run import measure_stats
+        from kconvert.calibrate.startup import model_code_and_device, phase, start_device
         from kconvert.calibrate.stats import save_stats
-        from kconvert.gpu_budget import forward_plan, resolve
+        from kconvert.gpu_budget import enforced, forward_plan, resolve
         from kconvert.pruning.reap import (
             check_plan_keep,
             keep_count,
@@ -218,20 +219,25 @@ def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
             scores = scores_from_stats(stats)
         else:
             samples, seq_len, batch_size, seed = calibration_run(options, REAP_SAMPLES)
-            ids = load_calibration_data(data, ckpt.root, samples, seq_len, seed)
+            start_device(device)  # CUDA starts while the data and transformers load
+            with phase("data"):
+                ids = load_calibration_data(data, ckpt.root, samples, seq_len, seed)
+            model_code_and_device(device)  # what the budget waits for, after those
             budget = resolve(device, options.get("gpu_memory"))
             refit = repair != "none" or compensate != "none"
             gpu = None if budget is None else forward_plan(
                 ckpt, ids.shape, batch_size, torch.bfloat16, device, budget,
                 "REAP's calibration", repair=refit)
-            if refit:
-                scratch = spill_directory(options.get("dst")) if compensate != "none" else None
-                fixer = RouterRepair(ckpt, ids, RepairSettings(repair, keep, criterion,
-                                                               compensate=compensate), device,
-                                     batch_size=batch_size if gpu is None else gpu.batch_size,
-                                     spill=Path(scratch.name) if scratch else None)
-            measured = measure_stats(ckpt, ids, device, batch_size, on_weights=fixer,
-                                     gpu_plan=gpu)
+            with enforced(device, budget, "REAP's calibration", "--batch-size --samples"):
+                if refit:
+                    scratch = (spill_directory(options.get("dst")) if compensate != "none"
+                               else None)
+                    fixer = RouterRepair(
+                        ckpt, ids, RepairSettings(repair, keep, criterion, compensate=compensate),
+                        device, batch_size=batch_size if gpu is None else gpu.batch_size,
+                        spill=Path(scratch.name) if scratch else None)
+                measured = measure_stats(ckpt, ids, device, batch_size, on_weights=fixer,
+                                         gpu_plan=gpu)
             if options.get("save_stats"):
                 save_stats(measured, options["save_stats"])
             scores = scores_of(measured)

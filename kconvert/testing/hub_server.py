@@ -21,8 +21,9 @@ Faults, for tests (`LocalHub.fault(path, ...)`): a download of the file (a GET, 
 read from byte 0 such as a header read) drops its connection after some bytes, serves one
 byte wrong, or stalls before its first byte, each for a given number of requests. `rate`
 throttles the response bodies, all of them together (one link), to that many bytes per
-second. Every request is recorded
-(`requests`), with the byte range asked for.
+second: a body goes out in blocks of about 10 ms of the link, each sent when the link has
+carried the blocks before it and itself, so that even a small file takes its time. Every
+request is recorded (`requests`), with the byte range asked for.
 """
 
 from __future__ import annotations
@@ -295,11 +296,12 @@ def _handler(hub: LocalHub) -> type[BaseHTTPRequestHandler]:
             limit = end - start
             if fault is not None and fault.drop_after is not None:
                 limit = min(limit, fault.drop_after)
-            buf = bytearray(CHUNK)
+            step = CHUNK if not hub.rate else int(min(CHUNK, max(64 << 10, hub.rate / 100)))
+            buf = bytearray(step)
             with path.open("rb") as fh:
                 fh.seek(start)
                 while sent < limit:
-                    n = fh.readinto(memoryview(buf)[:min(CHUNK, limit - sent)])
+                    n = fh.readinto(memoryview(buf)[:min(step, limit - sent)])
                     if not n:
                         break
                     block = memoryview(buf)[:n]
@@ -307,13 +309,13 @@ def _handler(hub: LocalHub) -> type[BaseHTTPRequestHandler]:
                             start + sent <= fault.wrong_byte < start + sent + n:
                         block = bytearray(block)
                         block[fault.wrong_byte - start - sent] ^= 0xFF
+                    hub.throttle(n)
                     try:
                         self.wfile.write(block)
                     except OSError:  # the client went away
                         self.close_connection = True
                         return
                     sent += n
-                    hub.throttle(n)
             if sent < end - start:  # a dropped connection: cut it, the body incomplete
                 self.wfile.flush()
                 self.connection.shutdown(socket.SHUT_RDWR)

@@ -7,6 +7,7 @@ same files as a local directory."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 import kconvert
 from helpers import CLI, INDEX, MANIFEST, snapshot
+from kconvert import events
 from kconvert.engine.source_order import source_order
 from kconvert.engine.work import build_work_plan
 from kconvert.errors import KconvertError, UsageError
@@ -172,6 +174,36 @@ def test_streamed_run_is_the_local_run_with_the_window_on_disk(hub, sources, loc
         assert len(downloads(hub, shard(i))) == 1
 
 
+@pytest.fixture
+def seen():
+    """The timing events of the test's runs (kconvert.events), in order."""
+    got: list[tuple[str, dict]] = []
+    unsubscribe = events.subscribe(lambda e, info: got.append((e, info)), timings=True)
+    yield got
+    unsubscribe()
+
+
+def test_downloads_run_ahead_of_the_conversion(hub, local, tmp_path, seen, monkeypatch):
+    """From the run's own events: the conversion starts on shard 1 while later shards are
+    still downloading, each next shard's download starts before the shard before it is
+    converted, and every shard is hashed as it downloads (not read again after). The link is
+    slowed to ~0.3 s a shard, so that the worker sees each download in progress even on a
+    busy machine (one that ends before it looks is hashed again, and the test says so)."""
+    monkeypatch.setattr(hub, "rate", 1e6)
+    streamed(REPO, tmp_path / "out", stream_window=LAYERS + 2)
+    assert without_manifest(tmp_path / "out") == local[REPO]
+    downloads = {i["shard"]: i for e, i in seen if e == "download"}
+    verified = {i["shard"]: i for e, i in seen if e == "verify"}
+    complete = {i["shard"]: i["end"] for e, i in seen if e == "fsync"}
+    names = [shard(i) for i in range(1, LAYERS + 3)]
+    assert sorted(downloads) == sorted(verified) == names
+    assert all(v["ok"] and v["followed"] for v in verified.values())
+    first_compute = min(i["start"] for e, i in seen if e == "compute")
+    assert first_compute < max(d["end"] for d in downloads.values())
+    for before, after in itertools.pairwise(names):
+        assert downloads[after]["start"] < complete[before]
+
+
 def test_parameters_and_fused_sets_across_shards(hub, local, tmp_path):
     """Modules and fused sets whose parameters lie in two shards: both shards are on disk
     when they are converted (a window of 1 is raised to the 2 the plan needs, and said)."""
@@ -200,13 +232,16 @@ def test_source_order_follows_the_shards(sources):
             ckpt.close()
 
 
-def test_dropped_connection_resumes_with_a_range_request(hub, local, tmp_path):
+def test_dropped_connection_resumes_with_a_range_request(hub, local, tmp_path, seen):
     hub.fault(shard(3), drop_after=100_000)
     streamed(REPO, tmp_path / "out")
     assert without_manifest(tmp_path / "out") == local[REPO]
     gets = [r.start for r in hub.gets(shard(3))]
     # The header read (range from 0), the cut download, then its rest from where it was cut.
     assert gets[0] == 0 and gets[1] is None and len(gets) == 3 and 0 < gets[2] <= 100_000
+    # A download that huggingface_hub resumed is hashed again from disk, not as it landed.
+    verified = {i["shard"]: i for e, i in seen if e == "verify"}
+    assert verified[shard(3)]["ok"] and not verified[shard(3)]["followed"]
 
 
 def test_stalled_download_times_out_and_resumes(hub, local, tmp_path, monkeypatch):

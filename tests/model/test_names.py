@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from safetensors import safe_open
 
-from conftest import ROOT
+from conftest import BUNDLED, ROOT
 from kconvert.manifest import Manifest
-from kconvert.model.names import Role, parse_name
+from kconvert.model.names import PARAM_SUFFIXES, Role, parse_name, split_param
 
 
 @pytest.mark.parametrize(
@@ -68,3 +69,26 @@ def test_committed_manifest_schema_is_current():
     committed = json.loads((ROOT / "manifests" / "manifest.schema.json").read_text())
     assert committed == Manifest.model_json_schema(), (
         "regenerate: python -m kconvert.manifest > manifests/manifest.schema.json")
+
+
+def _split_by_trying_every_suffix(name: str) -> tuple[str, str]:
+    """split_param's definition, spelled the slow way: the first (longest) suffix the name
+    ends with after a dot."""
+    for suffix in (*PARAM_SUFFIXES, "e_score_correction_bias"):
+        if name.endswith("." + suffix):
+            return name[: -len(suffix) - 1], suffix
+    return name, ""
+
+
+def test_split_param_is_the_suffix_definition():
+    names = []
+    for shard in sorted(BUNDLED.glob("*.safetensors")):  # the spellings of a real checkpoint
+        with safe_open(str(shard), "pt") as f:
+            names += list(f.keys())
+    names += [f"{stem}{sep}{suffix}{tail}" for stem in ("", "a", "a.b", "model.layers.1.mlp")
+              for sep in (".", "_", "")
+              for suffix in (*PARAM_SUFFIXES, "e_score_correction_bias", "scale_2", "weight.")
+              for tail in ("", ".x", "_2")]
+    assert len(names) > 900
+    for name in names:
+        assert split_param(name) == _split_by_trying_every_suffix(name), name
