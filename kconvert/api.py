@@ -84,7 +84,8 @@ class ConversionResult:
 
 
 def run_recipe(recipe: str, src: str, dst: str, *, revision: str | None = None,
-               device: str = "auto", resume: bool = False, overwrite: bool = False,
+               device: str = "auto", gpu_memory: str | int | None = None,
+               resume: bool = False, overwrite: bool = False,
                dry_run: bool = False, quiet: bool = True, readers: int = 4,
                trust_complete: bool = False, token: str | None = None,
                cache_dir: str | None = None, stream: bool = False,
@@ -94,7 +95,8 @@ def run_recipe(recipe: str, src: str, dst: str, *, revision: str | None = None,
     directory or Hub repo id: only its index's shards and its non-weight files are downloaded,
     with `token` into `cache_dir`; a dry run fetches config, index and headers; `stream`:
     the shards are fetched `stream_window` at a time during the run and deleted once converted)
-    into DST.
+    into DST. `gpu_memory` ('40GiB', or bytes) is the GPU memory budget of every step on a GPU
+    (kconvert.gpu_budget; default: what the card has free less a safety margin).
     `options` are the stage options by name (`format`,
     `block_scale`, `targets`, `act_stats`, `dtype`, `keep`, `prune_ratio`, `criterion`,
     `plan`, `stats`, `data`, `samples`, `seq_len`, `batch_size`, `seed`, `save_stats`,
@@ -116,9 +118,10 @@ def run_recipe(recipe: str, src: str, dst: str, *, revision: str | None = None,
             timings[info["name"]] = timings.get(info["name"], 0.0) + seconds
             log.info("%s took %.2f s", info["name"], seconds)
 
-    run = RunControl(device=device, resume=resume, overwrite=overwrite, dry_run=dry_run,
-                     quiet=quiet, readers=readers, trust_complete=trust_complete, token=token,
-                     cache_dir=cache_dir, stream=stream, stream_window=stream_window)
+    run = RunControl(device=device, gpu_memory=gpu_memory, resume=resume, overwrite=overwrite,
+                     dry_run=dry_run, quiet=quiet, readers=readers,
+                     trust_complete=trust_complete, token=token, cache_dir=cache_dir,
+                     stream=stream, stream_window=stream_window)
     start = time.perf_counter()
     unsubscribe = events.subscribe(timed, timings=True)
     try:
@@ -178,14 +181,16 @@ def evaluate_candidates(src: str, candidates: list[str], data: str, out: str | N
          samples: int = EVAL_SAMPLES, seq_len: int = SEQ_LEN, batch_size: int = BATCH_SIZE,
          seed: int = SEED,
          device: str = "auto", dtype: str = "bfloat16", tokenizer: str | None = None,
-         quiet: bool = True, echo: Callable[[str], None] = print) -> EvalReport:
+         quiet: bool = True, echo: Callable[[str], None] = print,
+         gpu_memory: str | int | None = None) -> EvalReport:
     """`kconvert eval`: SRC against each candidate on the JSONL `data`, layer by layer;
     returns the report (`eval.json`'s contents) and writes eval.json and eval.png to `out`
-    when it is given. The table goes to `echo` unless `quiet`."""
+    when it is given. The table goes to `echo` unless `quiet`. `gpu_memory` as in
+    `run_recipe`."""
     from kconvert.evaluate.run import run_eval
 
     return run_eval(src, list(candidates), data, out, samples, seq_len, batch_size, seed,
-                    device, dtype, tokenizer, quiet, echo=echo)
+                    device, dtype, tokenizer, quiet, echo=echo, gpu_memory=gpu_memory)
 
 
 def size_report(src: str, *, as_format: str | None = None, keep: int | None = None,
@@ -193,15 +198,18 @@ def size_report(src: str, *, as_format: str | None = None, keep: int | None = No
             gpus: int | None = None, gpu_mem: float | None = None, mem_util: float = 0.9,
             tp: int | None = None, ep: int | None = None, pp: int | None = None,
             context: int | None = None, kv_dtype: str = "bf16", revision: str | None = None,
-            token: str | None = None, cache_dir: str | None = None) -> InspectReport:
+            token: str | None = None, cache_dir: str | None = None,
+            gpu_memory: str | int | None = None) -> InspectReport:
     """`kconvert inspect`: bytes of SRC by component, of the output `as_format` / `keep` /
     `p48` would write (planned by the converter itself), per GPU under TP/EP/PP, the MLA KV
     cache per token and the longest context beside the weights in `gpu_mem` GiB per GPU.
-    Reads headers and config.json only. `report.to_json()` has the `--json` keys."""
+    Reads headers and config.json only; also plans each GPU command's memory on the model's
+    shapes for `gpu_memory` (kconvert.gpu_budget). `report.to_json()` has the `--json`
+    keys."""
     return inspect_checkpoint(
         src, Options(as_format, keep, p48, targets, format), gpus=gpus, gpu_mem=gpu_mem,
         mem_util=mem_util, tp=tp, ep=ep, pp=pp, context=context, kv_dtype=kv_dtype,
-        revision=revision, token=token, cache_dir=cache_dir)
+        revision=revision, token=token, cache_dir=cache_dir, gpu_memory=gpu_memory)
 
 
 # The commands' names, as the API names them (kconvert.eval, kconvert.inspect): bound last, so

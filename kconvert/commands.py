@@ -50,7 +50,8 @@ def run_conversion(recipe_name: str, src: str, dst: str, options: Mapping[str, o
                 if any(k in kind.settings for kind in KINDS.values())}
     # Through the module, so that a test can stand in for convert.convert.
     return convert.convert(src, dst, recipe, settings, run, revision=revision, echo=echo,
-                           prepare=preparer(recipe, {**given, "dst": str(dst)}, run.device))
+                           prepare=preparer(recipe, {**given, "dst": str(dst),
+                                                     "gpu_memory": run.gpu_memory}, run.device))
 
 
 def check_run_control(run: convert.RunControl) -> None:

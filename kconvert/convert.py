@@ -15,7 +15,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -29,6 +29,7 @@ from kconvert.engine.execute import execute
 from kconvert.engine.source_order import hub_disk, start_stream
 from kconvert.engine.stage import Stage
 from kconvert.engine.work import (
+    TransformItem,
     WorkPlan,
     build_work_plan,
     header_shape_values,
@@ -40,6 +41,8 @@ from kconvert.formats import nvfp4
 from kconvert.formats.dense import DenseCodec
 from kconvert.formats.nvfp4_modelopt import HF_QUANT_CONFIG
 from kconvert.formats.quant_config import output_config, rewrite_config
+from kconvert.gpu_budget import enforced, planning_budget, resolve
+from kconvert.gpu_plan import GpuPlan, gib, plan_gpu
 from kconvert.io import lock, output_dir
 from kconvert.io.checkpoint import (
     GENERATED_FILES,
@@ -83,6 +86,7 @@ class RunControl:
     cache_dir: str | None = None  # Hugging Face cache [default: huggingface_hub's]
     stream: bool = False  # a repo id's shards fetched during the run (kconvert.io.stream)
     stream_window: int = STREAM_WINDOW  # with `stream`: shards on disk at once
+    gpu_memory: str | int | None = None  # GPU memory budget [default: gpu_budget.resolve's]
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, torch.device):
@@ -111,13 +115,23 @@ def convert(src: str, dst: str, recipe: Recipe, settings: Mapping[str, object],
     StageKind.input_type), e.g. {"prune": the Prune stage of a plan checked against it}.
     """
     ckpt = open_source(src, revision, run)
+    device = run.device
     log.info("opened %s: %d shard(s), %d tensors, recipe %s", ckpt.root, len(ckpt.shards),
              len(ckpt.weight_map), recipe.name)
     if "repo" in ckpt.identity and distributed.is_main():
         echo(f"{src}@{ckpt.identity['revision']}: files in {ckpt.root}")
     try:
+        # What a stage prepares on the GPU (REAP's calibration) plans and caps itself within
+        # the same --gpu-memory; the conversion's budget is resolved after it, so the GPU is
+        # not waited for before that calibration's data and imports (calibrate.startup).
         inputs = prepare(ckpt) if prepare is not None else {}
-        return _convert(ckpt, Path(dst), recipe, settings, inputs, run, echo)
+        budget = resolve(device, run.gpu_memory)
+        if budget is not None:  # resolved once for the conversion's steps
+            run = replace(run, gpu_memory=budget)
+        with enforced(device, budget, recipe.name, "--batch-size --samples"
+                      if "sparsify" in recipe.kinds or settings.get("method") == "gptq"
+                      else ""):
+            return _convert(ckpt, Path(dst), recipe, settings, inputs, run, echo)
     finally:
         ckpt.close()
 
@@ -146,11 +160,16 @@ def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, settings: Mapping[str,
     distributed.from_main(lambda: output_dir.check_dst(ckpt.root, dst, run.resume,
                                                        run.overwrite, run.dry_run))
     dst = output_dir.resolve_dst(dst)
-    stages, device, plan = distributed.agree(lambda: _prepare_run(ckpt, recipe, settings,
-                                                                  inputs, run, say))
+    stages, device, plan, gpu = distributed.agree(lambda: _prepare_run(ckpt, recipe, settings,
+                                                                       inputs, run, say))
     if run.dry_run:
         if main:
             print_dry_run(plan, echo)
+            for line in gpu.lines(recipe.name) if gpu is not None else ():
+                echo(line)
+            if device.type != "cuda":
+                echo(f"(planned for a {gib(gpu.budget)} budget: --gpu-memory, else an 80 GB "
+                     "H100's default; this run's device has no GPU)")
             disk = hub_disk(plan, run.stream_window, run.token)
             for line in disk.lines() if disk is not None else []:
                 echo(line)
@@ -205,25 +224,36 @@ def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, settings: Mapping[str,
 
 def _prepare_run(ckpt: Checkpoint, recipe: Recipe, settings: Mapping[str, object],
                  inputs: Mapping[str, object], run: RunControl, say
-                 ) -> tuple[list, torch.device, WorkPlan]:
-    """The stages, the device and the work plan, after the checks of the source."""
+                 ) -> tuple[list, torch.device, WorkPlan, GpuPlan | None]:
+    """The stages, the device, the work plan and the GPU memory plan, after the checks of
+    the source."""
     stages = build_stages(recipe, settings, inputs)
     if distributed.world() > 1 and any(s.ordered_layers for s in stages):
         raise KconvertError("--method sparsegpt and --method gptq stream their calibration "
                             "layer by layer beside the conversion and do not run across "
                             "ranks; run them without torchrun")
     device = run.device
-    # GPU items of 2^28 decoded elements (~18 Kimi expert matrices): large enough to keep
-    # the GPU busy, small enough that prefetch + queued results stay within ~4 GB of host RAM.
-    # On a CPU, items of 2^24 elements (~one expert matrix; the fused kernel is per row anyway)
-    # keep the decode temporaries to ~200 MB (measured in tests/test_robustness.py).
-    work_elems = 1 << 28 if device.type == "cuda" else 1 << 24
-    work_elems = max([work_elems] + [n for s in stages if (n := s.work_elems(device))])
+    # GPU items of up to 2^28 decoded elements (~18 Kimi expert matrices; fewer where the GPU
+    # memory plan says so): large enough to keep the GPU busy, small enough that prefetch +
+    # queued results stay within ~4 GB of host RAM. On a CPU, items of 2^24 elements (~one
+    # expert matrix; the fused kernel is per row anyway) keep the decode temporaries to
+    # ~200 MB (measured in tests/test_robustness.py).
+    gpu = None
+    if device.type == "cuda" or run.dry_run:
+        gpu = plan_gpu(ckpt, stages, planning_budget(device, run.gpu_memory), recipe.name)
+    if device.type == "cuda":
+        work_elems = gpu.work_elems
+    else:
+        work_elems = max([1 << 24] + [n for s in stages if (n := s.work_elems(device))])
     # Shards not on disk yet (a dry run's or a streamed run's): INT4 shapes from the headers.
     header_only = any(isinstance(r, HeaderOnlyShard | StreamedShard)
                       for r in ckpt.readers.values())
     plan = build_work_plan(ckpt, stages, work_elems,
                            header_shape_values(ckpt) if header_only else None)
+    largest = max((sum(m.shape[0] * m.shape[1] for fused in item.sets for m in fused)
+                    for item in plan.items if isinstance(item, TransformItem)), default=0)
+    if gpu is not None and largest > (gpu.work_elems or 0):  # a fused set beyond the item size
+        gpu = plan_gpu(ckpt, stages, gpu.budget, recipe.name, largest)
     log.info("planned on %s: %d modules, %d work items, %d output shard(s), %d tensors",
              device, len(plan.modules), len(plan.items), len(plan.shard_entries),
              len(plan.outputs))
@@ -233,7 +263,7 @@ def _prepare_run(ckpt: Checkpoint, recipe: Recipe, settings: Mapping[str, object
                                           for m in plan.modules):
         raise KconvertError(f"{recipe.name} needs a source with {recipe.requires_source} modules "
                             "and this one has none", file=str(ckpt.root / "config.json"))
-    return stages, device, plan
+    return stages, device, plan, gpu
 
 
 def _planned(ckpt: Checkpoint, plan: WorkPlan, run: RunControl) -> Planned:

@@ -54,3 +54,33 @@ def calibration_run(options: dict, samples: int) -> tuple[int, int, int, int]:
     the defaults where not given (`samples`: the stage's own)."""
     return (options.get("samples") or samples, options.get("seq_len") or SEQ_LEN,
             options.get("batch_size") or BATCH_SIZE, options.get("seed", SEED))
+
+# --gpu-memory when it is not given: the memory free on the card when the command starts, less
+# a safety margin of GPU_MEMORY_MARGIN_FRACTION of the card (at least GPU_MEMORY_MARGIN_MIN)
+# for what torch's allocator does not count (the CUDA context, cuBLAS/cuDNN/Triton workspaces),
+# its fragmentation, and other processes on the card (4 GiB of an 80 GB H100, 7 GiB of an H200).
+GPU_MEMORY_MARGIN_FRACTION = 0.05
+GPU_MEMORY_MARGIN_MIN = 2 << 30
+GPU_MEMORY_HELP = ("GPU memory the command may use, e.g. 40GiB (GiB/MiB binary, GB/MB "
+                   "decimal) [default: what the card has free, less 5% of it (at least 2 GiB)]. "
+                   "Micro-batches and OBS batches shrink to fit; a command that cannot fit "
+                   "says so before it starts.")
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'40GiB', '40G' -> 40 * 2^30; '40GB' -> 40 * 10^9; '512MiB', '1.5TiB'; a bare number is
+    bytes. Raises ValueError on anything else or on less than 1 MiB."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?)b?)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"{text!r} is not a size such as 40GiB or 512MiB")
+    prefix, binary = (m.group(2) or "").lower(), m.group(3)
+    decimal = prefix and not binary and text.strip().lower().endswith("b")
+    unit = 10 ** (3 * " kmgt".index(prefix)) if decimal else _UNITS[prefix]
+    value = int(float(m.group(1)) * unit)
+    if value < 1 << 20:
+        raise ValueError(f"{text!r} is less than 1 MiB")
+    return value

@@ -151,6 +151,14 @@ def make_checkpoint(src: Path) -> None:
     (src / "config.json").write_text(json.dumps(config, indent=1))
 
 
+def ensure_checkpoint(src: Path) -> None:
+    """The set in `src`, made unless it is there with these DIMS and MOE_LAYERS."""
+    stamp, made = src.with_suffix(".dims"), f"{os.environ.get('DIMS', '')};{MOE_LAYERS}"
+    if not (src / "config.json").exists() or not stamp.exists() or stamp.read_text() != made:
+        make_checkpoint(src)
+        stamp.write_text(made)
+
+
 # A -v line of kconvert.calibrate.prefetch:
 # "<label>/<n>: read R s, compute C s, overlap O s, wall W s".
 LAYER_LINE = re.compile(r"INFO: (?P<label>.+?)/\d+: read (?P<read>[\d.]+) s, compute "
@@ -287,12 +295,8 @@ def floor() -> list[dict]:
 def main() -> None:
     out_json = Path(sys.argv[1]) if len(sys.argv) > 1 else OUT / "bench_calibrate_cli.json"
     src, data = ROOT / "calib-src", ROOT / f"ids-{SEQS}x{SEQ}.jsonl"
-    dims = os.environ.get("DIMS", "")
     t0 = time.perf_counter()
-    stamp, made = ROOT / "calib-src.dims", f"{dims};{MOE_LAYERS}"
-    if not (src / "config.json").exists() or not stamp.exists() or stamp.read_text() != made:
-        make_checkpoint(src)
-        stamp.write_text(made)
+    ensure_checkpoint(src)
     if not data.exists():
         make_data(data)
     res: dict = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",

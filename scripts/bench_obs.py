@@ -7,7 +7,8 @@ and SparseGPT side by side, the fused Triton in-block loop against the torch loo
 Parts (PARTS=stage,kernel,e2e by default; a JSON line each on stdout, all in --json):
   stage   384 synthetic experts (gate+up as one [4096, 7168] matrix sharing a 7168^2 Hessian,
           down [7168, 2048] with a 2048^2 one), TOKENS (2800) random routed tokens per expert,
-          in batches sized as the stages size them (obs.experts_per_batch of obs.batch_budget):
+          in batches sized as the commands size them (obs.experts_per_batch of the OBS share
+          of their GPU memory plan at the default budget, `obs_share`):
           rtn       the NVFP4 encode alone (mse block scales)
           gptq      Hessians X^T X + U = chol(H^-1) + the OBS loop without a mask + the
                     comparison with RTN on the same H + the encode
@@ -151,6 +152,24 @@ def warm(dev: torch.device, kernels: list[str]) -> None:
     sync(dev)
 
 
+def obs_share(dev: torch.device, method: str) -> int | None:
+    """The OBS batches' share of the GPU memory plan that `kconvert sparsify --method sparsegpt`
+    (or `quantize --method gptq`) makes at its defaults for a full-size Kimi-K2 layer on this
+    card (kconvert.gpu_plan), so that the stage's batches are the command's; None on a CPU."""
+    if dev.type != "cuda":
+        return None
+    from kconvert.gpu_budget import resolve
+    from kconvert.gpu_plan import Forward, Shapes, plan_conversion
+    from kconvert.options import BATCH_SIZE, SEQ_LEN, SPARSEGPT_SAMPLES
+    from kconvert.testing.fixtures import k2_config
+    from kconvert.testing.header_only import KIMI_K2_THINKING
+
+    s = Shapes.from_config(k2_config(KIMI_K2_THINKING, quantized=True))
+    work = obs.gpu_work(s, Forward(SPARSEGPT_SAMPLES, SEQ_LEN, BATCH_SIZE, capture=True),
+                        shared=False, against_rtn=method == "gptq")
+    return plan_conversion(s, resolve(dev, None), method, s.expert_set(), work).obs_bytes
+
+
 def stage_part(dev: torch.device, method: str, experts: int, dims, tokens: int, kernel: str
                ) -> dict:
     """All `experts` of a layer, gate+up then down, in batches; seconds per phase."""
@@ -161,9 +180,9 @@ def stage_part(dev: torch.device, method: str, experts: int, dims, tokens: int, 
         torch.cuda.reset_peak_memory_stats()
     batches = {}
     seconds = 0.0
+    share = obs_share(dev, method)
     for name, rows, k in (("gate_up", 2 * inter, hidden), ("down", hidden, inter)):
-        step = obs.experts_per_batch(rows, k, obs.batch_budget(dev), tokens,
-                                     against_rtn=method == "gptq")
+        step = obs.experts_per_batch(rows, k, share, against_rtn=method == "gptq")
         batches[name] = step
         for start in range(0, experts, step):
             w, x = problem(dev, min(step, experts - start), rows, k, tokens, gen)

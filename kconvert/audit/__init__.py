@@ -30,13 +30,19 @@ from kconvert.callable_package import callable_package
 
 def audit(ckpt: str, *, source: str | None = None, plan: str | None = None,
           device: str = "auto", revision: str | None = None, max_rel_mse: float | None = None,
-          chunk_mb: int = CHUNK >> 20, progress: bool = False) -> Report:
+          chunk_mb: int = CHUNK >> 20, progress: bool = False,
+          gpu_memory: str | int | None = None) -> Report:
     """`kconvert audit CKPT` in the Python API (kconvert.audit(...)): the report
     (`report.passed`, `report.render()`, `report.to_json()`); a failed check is in the report,
-    not an exception."""
-    # Through the module, so that a test can stand in for auditor.run_audit.
-    return auditor.run_audit(ckpt, source, plan, device, revision, progress=progress,
-                             max_rel_mse=max_rel_mse, chunk=chunk_mb << 20)
+    not an exception. `gpu_memory` caps its GPU memory (kconvert.gpu_budget)."""
+    from kconvert.devices import pick_device
+    from kconvert.gpu_budget import enforced, resolve
+
+    dev = pick_device(device)
+    with enforced(dev, resolve(dev, gpu_memory), "audit", "--chunk-mb"):
+        # Through the module, so that a test can stand in for auditor.run_audit.
+        return auditor.run_audit(ckpt, source, plan, device, revision, progress=progress,
+                                 max_rel_mse=max_rel_mse, chunk=chunk_mb << 20)
 
 
 callable_package(__name__, audit)

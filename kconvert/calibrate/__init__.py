@@ -54,10 +54,12 @@ def calibrate_to(src: str, data: str, output: str, *, samples: int = REAP_SAMPLE
                  seq_len: int = SEQ_LEN, batch_size: int = BATCH_SIZE, seed: int = SEED,
                  device: str = "auto", dtype: str = "bfloat16", tokenizer: str | None = None,
                  revision: str | None = None, overwrite: bool = False,
-                 progress: Callable[[str], None] | None = None) -> CalibrationStats:
+                 progress: Callable[[str], None] | None = None,
+                 gpu_memory: str | int | None = None) -> CalibrationStats:
     """`kconvert calibrate SRC --data FILE -o OUTPUT` in the Python API
     (kconvert.calibrate(...)): the statistics, also written to OUTPUT (stats.safetensors,
-    stats.json, act_stats.json)."""
+    stats.json, act_stats.json). `gpu_memory` ('40GiB' or bytes) is the GPU memory budget
+    (kconvert.gpu_budget; default: what the card has free less a safety margin)."""
     from kconvert.calibrate.startup import phase
 
     with phase("imports"):
@@ -65,7 +67,8 @@ def calibrate_to(src: str, data: str, output: str, *, samples: int = REAP_SAMPLE
 
     return run_calibration(src, data, output, samples, seq_len, batch_size, seed, device,
                            dtype, tokenizer, revision, overwrite,
-                           progress=progress or (lambda _message: None))
+                           progress=progress or (lambda _message: None),
+                           gpu_memory=gpu_memory)
 
 
 callable_package(__name__, calibrate_to)

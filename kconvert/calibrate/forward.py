@@ -148,7 +148,11 @@ class MoEBlock(nn.Module):
         self.sq_down = torch.zeros(n, inter, **f64)
         # With `capture`, the real rows of every batch's input and their top-k expert ids are
         # kept (SparseGPT builds each expert's Hessian from them); `captured()` joins them.
+        # With `capture_rows` (the layer's real tokens, when known) they are written into one
+        # buffer as they come, so joining them never holds two copies (GPU memory plan).
         self.capture = False
+        self.capture_rows = 0
+        self._filled = 0
         # Without `collect`, the block only computes its output (no REAP/activation sums).
         self.collect = True
         self._inputs: list[torch.Tensor] = []
@@ -165,8 +169,7 @@ class MoEBlock(nn.Module):
         _, topk_weights, topk_indices = self.gate(x)
         if self.capture:
             real = self.ctx.valid.reshape(-1) if self.ctx.valid is not None else slice(None)
-            self._inputs.append(x[real])
-            self._indices.append(topk_indices[real])
+            self._keep(x[real], topk_indices[real])
         routed = self._routed(x, topk_indices, topk_weights)
         return routed.to(x.dtype).reshape(shape) + self.shared_experts(hidden_states)
 
@@ -207,8 +210,26 @@ class MoEBlock(nn.Module):
         _accumulate_groups(a, counts, self.amax_down, self.sq_down)
         return out
 
+    def _keep(self, x: torch.Tensor, indices: torch.Tensor) -> None:
+        if not self.capture_rows:
+            self._inputs.append(x)
+            self._indices.append(indices)
+            return
+        if not self._inputs:
+            self._inputs = [x.new_empty(self.capture_rows, x.shape[1])]
+            self._indices = [indices.new_empty(self.capture_rows, indices.shape[1])]
+        end = self._filled + x.shape[0]
+        if end > self.capture_rows:
+            raise KconvertError(f"the MoE layer saw more than the {self.capture_rows} real "
+                                "tokens it was given")
+        self._inputs[0][self._filled:end] = x
+        self._indices[0][self._filled:end] = indices
+        self._filled = end
+
     def captured(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs [tokens, hidden], top-k expert ids [tokens, k]) of every real token."""
+        if self.capture_rows:
+            return self._inputs[0][:self._filled], self._indices[0][:self._filled]
         if len(self._inputs) > 1:  # joined once; later calls reuse the joined tensors
             self._inputs, self._indices = [torch.cat(self._inputs)], [torch.cat(self._indices)]
         return self._inputs[0], self._indices[0]

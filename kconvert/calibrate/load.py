@@ -23,6 +23,7 @@ from kconvert.calibrate.forward import (
 from kconvert.errors import KconvertError
 from kconvert.formats import Codec
 from kconvert.formats.linear import ModuleWork, group_modules
+from kconvert.gpu_plan import DECODE_BYTES_PER_ELEM, DECODE_ELEMS
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.shards import TensorInfo
 from kconvert.model.names import Role, parse_name
@@ -31,8 +32,10 @@ from kconvert.model.names import Role, parse_name
 KV_SCALES = {"k_scale", "v_scale"}
 
 
-# Decoded fp32 elements per batch of routed experts while a layer's weights are decoded.
-DECODE_ELEMS = {"cuda": 1 << 28, "cpu": 1 << 24}
+def decode_bytes(device: torch.device) -> int:
+    """Device bytes a layer's decode holds at once beside the layer (one batch of routed
+    experts: DECODE_ELEMS decoded elements; the GPU memory plan counts them)."""
+    return DECODE_ELEMS.get(device.type, DECODE_ELEMS["cpu"]) * DECODE_BYTES_PER_ELEM
 
 
 # Threads reading a layer's routed experts: several reads in flight keep an NVMe queue busy

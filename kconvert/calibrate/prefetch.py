@@ -6,10 +6,10 @@ Bounded: at most one layer ahead. The thread starts on layer L+1 when the loop t
 and on L+2 only when the loop asks for L+1 (after it has let go of L). Where the layer lands:
 its raw bytes always go to host memory (pinned for a GPU); on a GPU they are copied to the
 device, and the layer decoded there, only while the layer fits in the device budget
-(`device_bytes`, default: the free device memory less a reserve for the forward); what was not
-done ahead is done when the loop asks for the layer. Errors in a prefetched layer (a short
-file, a tensor of the wrong shape or dtype, ...) are raised when the loop asks for that layer,
-as the KconvertError that names its file and tensor.
+(`device_bytes`: what the command's GPU memory plan leaves, kconvert.gpu_plan; its decode
+temporaries counted); what was not done ahead is done when the loop asks for the layer.
+Errors in a prefetched layer (a short file, a tensor of the wrong shape or dtype, ...) are
+raised when the loop asks for that layer, as the KconvertError that names its file and tensor.
 
 With -v each layer logs its read seconds (reading and decoding, wherever done), compute seconds
 and how much of the read was hidden behind the previous layer's compute (overlap); the run's
@@ -27,7 +27,7 @@ from typing import Generic, TypeVar
 
 import torch
 
-from kconvert.calibrate.load import LayerBytes
+from kconvert.calibrate.load import LayerBytes, decode_bytes
 from kconvert.io.readahead import read_ahead
 
 log = logging.getLogger(__name__)
@@ -40,11 +40,6 @@ T = TypeVar("T")
 
 # Decoder layers of the full Kimi-K2 family model, for the projection at the run's end.
 FULL_MODEL_LAYERS = 61
-
-
-# Device memory left to the running layer's forward when deciding to decode the next layer
-# ahead on the GPU: the larger of these bytes and this fraction of the device's memory.
-FORWARD_RESERVE = (4 << 30, 0.1)
 
 
 @dataclass
@@ -88,7 +83,9 @@ class LayerPrefetcher(Generic[J, T]):
     `read(job)` reads a layer's bytes to host memory; `build(job, raw)` decodes them on the
     device into the layer the loop computes. `ahead` False loads each layer only when the loop
     asks for it (no thread). `device_bytes` bounds the device memory the next layer may take
-    while the current one runs (None: the free memory less FORWARD_RESERVE)."""
+    while the current one runs: on a GPU what the command's GPU memory plan leaves
+    (GpuPlan.prefetch_bytes; None: nothing, its bytes wait in pinned host memory), on a CPU
+    the decoded layer's bytes (None: unbounded)."""
 
     read: Callable[[J], LayerBytes]
     build: Callable[[J, LayerBytes], T]
@@ -139,18 +136,16 @@ class LayerPrefetcher(Generic[J, T]):
             return _Ahead(raw, built, time.perf_counter() - t0)
         built = None
         with torch.cuda.stream(stream):
-            if raw.nbytes <= self._budget():
+            if raw.nbytes <= self._budget(0):
                 raw = raw.to(self.device)
-                if raw.decoded_nbytes <= self._budget():
+                if raw.decoded_nbytes + decode_bytes(self.device) <= self._budget(raw.nbytes):
                     built = self.build(job, raw)
             stream.synchronize()
         return _Ahead(raw, built, time.perf_counter() - t0)
 
-    def _budget(self) -> int:
-        if self.device_bytes is not None:
-            return self.device_bytes
-        free, total = torch.cuda.mem_get_info(self.device)
-        return free - max(FORWARD_RESERVE[0], int(FORWARD_RESERVE[1] * total))
+    def _budget(self, held: int) -> int:
+        """GPU bytes the next layer may still take, `held` of them already on the device."""
+        return (self.device_bytes or 0) - held
 
     def _timing(self, label: str, raw: LayerBytes | None, read_s: float, wait_s: float
                 ) -> LayerTiming:

@@ -20,7 +20,12 @@ from kconvert.calibrate.forward import (
 )
 from kconvert.calibrate.load import build_layer, read_layer, tensors_by_layer
 from kconvert.calibrate.prefetch import LayerPrefetcher
-from kconvert.calibrate.startup import device_ready, phase, start_device
+from kconvert.calibrate.startup import (
+    device_ready,
+    model_code_and_device,
+    phase,
+    start_device,
+)
 from kconvert.calibrate.stats import (
     GATE_WEIGHT,
     META_FILE,
@@ -31,6 +36,8 @@ from kconvert.calibrate.stats import (
     stats_key,
 )
 from kconvert.errors import KconvertError
+from kconvert.gpu_budget import enforced, forward_plan, resolve
+from kconvert.gpu_plan import GpuPlan, gib
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.model.names import Role, parse_name
 from kconvert.version import __version__
@@ -53,16 +60,18 @@ def measure_stats(
     progress: Callable[[str], None] | None = None,
     prefetch: bool = True,
     prefetch_bytes: int | None = None,
+    gpu_plan: GpuPlan | None = None,
 ) -> CalibrationStats:
     """One layer-streamed pass over `input_ids` [num_seqs, seq_len]; see the module docstring.
 
     `attention_mask` (1 real, 0 padding) is optional: PAD_ID entries of `input_ids` are
     padding too. Positions are 0..seq_len-1 in every sequence. `batch_size` sequences run
-    through a layer at a time; the hidden states of all tokens are kept in `dtype` on the
-    device (`hidden_on_device` None: when they take at most a third of its free memory) or
-    else in CPU memory. `on_layer(L, hidden)` sees layer L's output hidden states [num_seqs,
-    seq_len, hidden] (for tests and debugging); `on_moe(L, moe)` sees MoE layer L after its
-    forward, weights still loaded and inputs captured (`moe.expert_inputs(e)`: SparseGPT's
+    through a layer at a time, fewer on a GPU where `gpu_plan` (kconvert.gpu_plan; None:
+    planned here on the default budget) lowers the micro-batch; the hidden states of all
+    tokens are kept in `dtype` on the device (`hidden_on_device` None: where the plan puts
+    them) or else in CPU memory. `on_layer(L, hidden)` sees layer L's output hidden states
+    [num_seqs, seq_len, hidden] (for tests and debugging); `on_moe(L, moe)` sees MoE layer L
+    after its forward, weights still loaded and inputs captured (`moe.expert_inputs(e)`: SparseGPT's
     Hessians); with `rerun_moe`, each MoE layer then runs again on the same inputs with the
     weights `on_moe` left in it, and that run's outputs go on to the next layer (SparseGPT's
     sequential Hessians; the statistics are the first run's); `on_weights(L, module)` sees
@@ -87,23 +96,35 @@ def measure_stats(
     if on_weights is not None and distributed.world() > 1:
         raise KconvertError("REAP router repair fits on one process's tokens; run --repair "
                             "without torchrun")
+    say = progress if progress is not None and distributed.is_main() else (lambda _msg: None)
+    with phase("model code"):
+        cfg = model_config(ckpt)
+    n_layers = cfg.num_hidden_layers
+    layer_tensors = tensors_by_layer(ckpt, n_layers)
+
+    t0 = time.perf_counter()
+    device_ready(device)  # the plan's default budget waits for the device: after the imports
+    if device.type == "cuda":
+        if gpu_plan is None:
+            gpu_plan = forward_plan(ckpt, input_ids.shape, batch_size, dtype, device,
+                                    resolve(device, None), "calibration",
+                                    capture=on_moe is not None, rerun=rerun_moe,
+                                    repair=on_weights is not None)
+        # every rank deals the batches alike: the smallest micro-batch any rank's plan allows
+        planned = min(distributed.all_gather_object(gpu_plan.batch_size))
+        if planned < batch_size:
+            say(f"note: {batch_size} sequences per step lowered to {planned} to fit the GPU "
+                f"memory budget of {gib(gpu_plan.budget)} (--gpu-memory)")
+            batch_size = planned
     # Data-parallel: this rank runs whole batches of the one-process run (the same batches,
     # so the same arithmetic); the statistics are reduced over ranks after each layer.
     mine = distributed.own_batches(input_ids.shape[0], batch_size)
     local_ids, local_valid = input_ids[mine], valid[mine]
     n_seq, seq_len = local_ids.shape
     all_valid = bool(local_valid.all())
-    with phase("model code"):
-        cfg = model_config(ckpt)
-    n_layers = cfg.num_hidden_layers
-    layer_tensors = tensors_by_layer(ckpt, n_layers)
-    say = progress if progress is not None and distributed.is_main() else (lambda _msg: None)
-
-    t0 = time.perf_counter()
-    device_ready(device)
+    n_real = int(local_valid.sum())
     if device.type == "cuda" and hidden_on_device is None:
-        size = n_seq * seq_len * cfg.hidden_size * torch.empty((), dtype=dtype).element_size()
-        hidden_on_device = size * 3 <= torch.cuda.mem_get_info(device)[0]
+        hidden_on_device = gpu_plan.hidden_on_device
     on_device = device.type == "cuda" and hidden_on_device
     with phase("embedding"):
         hidden = embed(ckpt, torch.where(local_valid, local_ids, PAD_ID), dtype,
@@ -116,7 +137,9 @@ def measure_stats(
     prefetcher = LayerPrefetcher(
         read=lambda layer: read_layer(ckpt, cfg, layer, layer_tensors[layer], dtype, device),
         build=lambda _layer, raw: build_layer(raw, cfg, ctx, device, dtype),
-        device=device, ahead=prefetch, device_bytes=prefetch_bytes)
+        device=device, ahead=prefetch,
+        device_bytes=(prefetch_bytes if prefetch_bytes is not None or gpu_plan is None
+                      else gpu_plan.prefetch_bytes))
 
     tensors: dict[str, torch.Tensor] = {}
     modules: dict[str, str] = {}
@@ -124,6 +147,7 @@ def measure_stats(
         t_loaded = time.perf_counter()
         if loaded.moe is not None:
             loaded.moe.capture = on_moe is not None
+            loaded.moe.capture_rows = n_real
         rerun = rerun_moe and loaded.moe is not None
         layer_input = hidden.clone() if rerun else None
 
@@ -223,7 +247,8 @@ def measure_stats(
 def run_calibration(src: str, data: str, out: str, samples: int, seq_len: int, batch_size: int,
                     seed: int, device: str, dtype: str, tokenizer: str | None,
                     revision: str | None, overwrite: bool,
-                    progress: Callable[[str], None]) -> CalibrationStats:
+                    progress: Callable[[str], None],
+                    gpu_memory: str | int | None = None) -> CalibrationStats:
     """`kconvert calibrate`: calibrate SRC on the JSONL `data` and write the statistics to
     `out`; `progress` gets the notes, per-layer lines and the closing summary."""
     from kconvert.devices import pick_device
@@ -245,9 +270,15 @@ def run_calibration(src: str, data: str, out: str, samples: int, seq_len: int, b
         if ids.shape[0] < samples:
             progress(f"note: the data gives {_plural(ids.shape[0], 'sequence')} of {seq_len} "
                      f"tokens, fewer than --samples {samples}")
-        stats = measure_stats(
-            ckpt, ids, dev, batch_size, dtype=getattr(torch, dtype),
-            meta={"seed": seed, "data": str(Path(data).resolve())}, progress=progress)
+        model_code_and_device(dev)  # what the budget waits for, after the overlapped imports
+        budget = resolve(dev, gpu_memory)
+        plan = (forward_plan(ckpt, ids.shape, batch_size, getattr(torch, dtype), dev, budget,
+                             "calibrate") if budget is not None else None)
+        with enforced(dev, budget, "calibrate", "--batch-size --samples"):
+            stats = measure_stats(
+                ckpt, ids, dev, batch_size, dtype=getattr(torch, dtype),
+                meta={"seed": seed, "data": str(Path(data).resolve())}, progress=progress,
+                gpu_plan=plan)
     finally:
         ckpt.close()
     with phase("write"):

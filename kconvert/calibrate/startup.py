@@ -84,3 +84,16 @@ def device_ready(device: torch.device) -> None:
     with phase("CUDA start"):
         torch.cuda.init()
         torch.empty(0, device=device)
+
+
+def model_code_and_device(device: torch.device) -> None:
+    """On a GPU: transformers' DeepSeek-V3 modules imported (phase "model code") while CUDA
+    starts on its thread, then the device ready (phase "CUDA start"): what a command does
+    before the first step that waits for the device (its GPU memory budget,
+    kconvert.gpu_budget.resolve), so that the two still overlap. The forward's own "model
+    code" phase then takes no time. Nothing on a CPU (no budget waits there)."""
+    if device.type != "cuda":
+        return
+    with phase("model code"):
+        from transformers.models.deepseek_v3 import modeling_deepseek_v3  # noqa: F401
+    device_ready(device)

@@ -23,9 +23,11 @@ from kconvert.errors import KconvertError, UsageError
 from kconvert.options import (
     BATCH_SIZE,
     BLOCK_SCALE_RULES,
+    GPU_MEMORY_HELP,
     SEED,
     SEQ_LEN,
     SPARSEGPT_SAMPLES,
+    parse_size,
 )
 from kconvert.version import __version__
 
@@ -87,6 +89,21 @@ def _os_error_message(exc: OSError, ctx: click.Context) -> str:
             + f"; {advice.format(resume=resume)}")
 
 
+def _is_cuda_oom(exc: BaseException) -> bool:
+    """torch.OutOfMemoryError, known without importing torch (a command that never imported it
+    cannot have raised it)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(exc, torch.OutOfMemoryError)
+
+
+def _cuda_oom_message(exc: BaseException, ctx: click.Context) -> str:
+    from kconvert.gpu_budget import oom_message
+
+    lower = " ".join(f"--{p.replace('_', '-')}" for p in ("batch_size", "samples")
+                     if p in ctx.params)
+    return oom_message(str(exc), ctx.info_name or "the command", None, lower)
+
+
 def _log_verbosely(_ctx, _param, verbose: int) -> int:
     """-v: the steps of a run (`kconvert` loggers at INFO) on stderr; -vv: DEBUG too.
     Without it the `kconvert` loggers stay silent, so the default output does not change."""
@@ -100,9 +117,10 @@ def _log_verbosely(_ctx, _param, verbose: int) -> int:
 
 
 class KconvertCommand(click.Command):
-    """A command whose errors reach the user as one line: KconvertError and OSError exit 1
-    without a traceback (a UsageError: click's usage message, exit 2); anything else is a bug,
-    reported as one, exit 3. Every command takes -v/--verbose (logging)."""
+    """A command whose errors reach the user as one line: KconvertError, OSError and a CUDA
+    out-of-memory error exit 1 without a traceback (a UsageError: click's usage message,
+    exit 2); anything else is a bug, reported as one, exit 3. Every command takes
+    -v/--verbose (logging)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -126,7 +144,10 @@ class KconvertCommand(click.Command):
                 raise
             click.echo(f"kconvert: error: {_os_error_message(exc, ctx)}", err=True)
             ctx.exit(EXIT_BAD_INPUT)
-        except Exception:
+        except Exception as exc:
+            if _is_cuda_oom(exc):  # outside a planned step: still the user's to lower
+                click.echo(f"kconvert: error: {_cuda_oom_message(exc, ctx)}", err=True)
+                ctx.exit(EXIT_BAD_INPUT)
             traceback.print_exc()
             click.echo(BUG_REPORT.format(version=__version__), err=True)
             ctx.exit(EXIT_BUG)
@@ -152,6 +173,21 @@ def device_option(help_text: str = "auto | cpu | cuda | cuda:N"):
                         help=help_text)
 
 
+def _gpu_memory(_ctx, _param, value: str | None) -> str | None:
+    if value is not None:
+        try:
+            parse_size(value)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from exc
+    return value
+
+
+def gpu_memory_option(help_text: str = GPU_MEMORY_HELP):
+    """--gpu-memory SIZE: every command that may run on a GPU takes it."""
+    return click.option("--gpu-memory", default=None, metavar="SIZE", callback=_gpu_memory,
+                        help=help_text)
+
+
 def apply_options(options: list) -> Callable:
     def decorate(f):
         for option in reversed(options):
@@ -172,6 +208,7 @@ RUN_OPTIONS = [
     click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
                  help="Hugging Face cache directory [default: huggingface_hub's]."),
     device_option(),
+    gpu_memory_option(),
     click.option("--resume", is_flag=True,
                  help="Continue an interrupted run into DST (finished shards are re-hashed "
                       "and kept if unchanged)."),
@@ -201,8 +238,8 @@ RUN_OPTIONS = [
 
 # The destinations of RUN_OPTIONS: kconvert.convert.RunControl's fields and --revision (and
 # --json, which the command line itself handles).
-RUN_CONTROL_OPTIONS = ("revision", "token", "cache_dir", "device", "resume", "trust_complete",
-                       "overwrite", "dry_run", "quiet", "readers", "stream",
+RUN_CONTROL_OPTIONS = ("revision", "token", "cache_dir", "device", "gpu_memory", "resume",
+                       "trust_complete", "overwrite", "dry_run", "quiet", "readers", "stream",
                        "stream_window")
 
 

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from kconvert.cli.base import FORMATS, KconvertCommand
+from kconvert.cli.base import FORMATS, KconvertCommand, gpu_memory_option
 
 AS_FORMATS = ("nvfp4", "int4", "bf16")  # kconvert.sizing.predict.AS_FORMATS
 P48_STORAGES = ("pair-bitmask", "dense")  # kconvert.sizing.predict.P48_STORAGES
@@ -42,6 +42,8 @@ KV_DTYPES = ("bf16", "fp16", "fp8")  # kconvert.sizing.deploy.KV_DTYPE_BYTES
               help="Tokens of context to check against the memory left.")
 @click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="bf16", show_default=True,
               help="KV-cache element type.")
+@gpu_memory_option("Plan each GPU command's memory for this budget, e.g. 40GiB [default: "
+                   "this machine's GPU's default budget, else an 80 GB H100's].")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--revision", default=None, help="Hub revision when SRC is a repo id.")
 @click.option("--token", envvar="HF_TOKEN", default=None,
@@ -49,7 +51,7 @@ KV_DTYPES = ("bf16", "fp16", "fp8")  # kconvert.sizing.deploy.KV_DTYPE_BYTES
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
               help="Hugging Face cache directory [default: huggingface_hub's].")
 def inspect_cmd(src, as_format, keep, p48, targets, format, gpus, gpu_mem, mem_util, tp, ep,
-                pp, context, kv_dtype, as_json, revision, token, cache_dir):
+                pp, context, kv_dtype, gpu_memory, as_json, revision, token, cache_dir):
     """Sizes of SRC by component, of the output an option would write, per GPU, and the KV
     cache, from safetensors headers and config.json alone (no tensor data is read; a Hub repo
     id downloads only config.json and the index)."""
@@ -58,5 +60,5 @@ def inspect_cmd(src, as_format, keep, p48, targets, format, gpus, gpu_mem, mem_u
     report = size_report(src, as_format=as_format, keep=keep, p48=p48, targets=targets,
                          format=format, gpus=gpus, gpu_mem=gpu_mem, mem_util=mem_util, tp=tp,
                          ep=ep, pp=pp, context=context, kv_dtype=kv_dtype, revision=revision,
-                         token=token, cache_dir=cache_dir)
+                         token=token, cache_dir=cache_dir, gpu_memory=gpu_memory)
     click.echo(json.dumps(report.to_json(), indent=1) if as_json else report.render())

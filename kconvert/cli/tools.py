@@ -13,6 +13,7 @@ from kconvert.cli.base import (
     apply_options,
     device_option,
     echo_unless_quiet,
+    gpu_memory_option,
 )
 from kconvert.options import BATCH_SIZE, EVAL_SAMPLES, REAP_SAMPLES, SEED, SEQ_LEN
 
@@ -26,6 +27,7 @@ FORWARD_OPTIONS = [
     click.option("--seed", default=SEED, show_default=True,
                  help="Order in which data lines are used."),
     device_option(),
+    gpu_memory_option(),
     click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
                  show_default=True, help="Compute dtype of weights and hidden states."),
     click.option("--tokenizer", default=None,
@@ -45,15 +47,15 @@ FORWARD_OPTIONS = [
 @click.option("--revision", default=None, help="Hub revision when SRC is a repo id.")
 @click.option("--overwrite", is_flag=True, help="Replace statistics already in the directory.")
 @click.option("--quiet", is_flag=True, help="No per-layer progress.")
-def calibrate_cmd(src, data, out, samples, seq_len, batch_size, seed, device, dtype, tokenizer,
-                  revision, overwrite, quiet):
+def calibrate_cmd(src, data, out, samples, seq_len, batch_size, seed, device, gpu_memory, dtype,
+                  tokenizer, revision, overwrite, quiet):
     """Layer-streamed calibration of SRC: REAP saliency, expert counts, activation stats."""
     # kconvert.api's calibrate, without importing the rest of the API (audit, convert, sizing)
     from kconvert.calibrate import calibrate_to as calibrate
 
     calibrate(src, data, out, samples=samples, seq_len=seq_len, batch_size=batch_size,
-              seed=seed, device=device, dtype=dtype, tokenizer=tokenizer, revision=revision,
-              overwrite=overwrite, progress=echo_unless_quiet(quiet))
+              seed=seed, device=device, gpu_memory=gpu_memory, dtype=dtype, tokenizer=tokenizer,
+              revision=revision, overwrite=overwrite, progress=echo_unless_quiet(quiet))
 
 
 @click.command("eval", cls=KconvertCommand)
@@ -68,8 +70,8 @@ def calibrate_cmd(src, data, out, samples, seq_len, batch_size, seed, device, dt
               help="Sequences to evaluate on.")
 @apply_options(FORWARD_OPTIONS)
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def eval_cmd(src, candidates, data, out, samples, seq_len, batch_size, seed, device, dtype,
-             tokenizer, quiet):
+def eval_cmd(src, candidates, data, out, samples, seq_len, batch_size, seed, device, gpu_memory,
+             dtype, tokenizer, quiet):
     """Compare each CANDIDATE with SRC on the same tokens, layer by layer.
 
     Per decoder layer: accumulated and local relative error of the hidden states; at the end:
@@ -82,7 +84,7 @@ def eval_cmd(src, candidates, data, out, samples, seq_len, batch_size, seed, dev
         from kconvert.evaluate.run import run_eval
 
     run_eval(src, list(candidates), data, out, samples, seq_len, batch_size, seed, device, dtype,
-             tokenizer, quiet, echo=click.echo)
+             tokenizer, quiet, echo=click.echo, gpu_memory=gpu_memory)
 
 
 @click.command("audit", cls=KconvertCommand)
@@ -95,6 +97,7 @@ def eval_cmd(src, candidates, data, out, samples, seq_len, batch_size, seed, dev
                    "else inferred from router rows.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @device_option("Where decodes are compared: auto | cpu | cuda | cuda:N")
+@gpu_memory_option()
 @click.option("--revision", default=None, help="Hub revision when --source is a repo id.")
 @click.option("--max-rel-mse", type=float, default=None,
               help="Bound on a re-encoded module's relative MSE against the source decode "
@@ -103,7 +106,8 @@ def eval_cmd(src, candidates, data, out, samples, seq_len, batch_size, seed, dev
               show_default=True, help="Bytes read per piece of a large tensor; pieces in "
                                       "flight hold about 8x this.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def audit(ckpt, source, plan_path, as_json, device, revision, max_rel_mse, chunk_mb, quiet):
+def audit(ckpt, source, plan_path, as_json, device, gpu_memory, revision, max_rel_mse, chunk_mb,
+          quiet):
     """Check that CKPT is what its config, manifest and plan say; exit 0 only if all pass.
 
     Exit status: 0 every check passed, 1 some check failed or the audit could not run, 2 a
@@ -114,7 +118,8 @@ def audit(ckpt, source, plan_path, as_json, device, revision, max_rel_mse, chunk
     if revision is not None and source is None:
         raise click.UsageError("--revision applies only with --source (a Hub repo id)")
     report = run_audit(ckpt, source=source, plan=plan_path, device=device, revision=revision,
-                       max_rel_mse=max_rel_mse, chunk_mb=chunk_mb, progress=not quiet)
+                       max_rel_mse=max_rel_mse, chunk_mb=chunk_mb, progress=not quiet,
+                       gpu_memory=gpu_memory)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=1, default=str))
     else:

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from kconvert import events
+from kconvert import events, gpu_plan
 from kconvert.engine.compute import compute_item, read_item
 from kconvert.engine.sink import ShardSink
 from kconvert.engine.work import Item, WorkPlan
@@ -86,7 +86,7 @@ def _execute(plan: WorkPlan, dst: Path, device: torch.device, done: dict[str, di
     if skipped:
         progress(skipped)
     pin = device.type == "cuda"
-    chunk_elems = 1 << 27 if device.type == "cuda" else 1 << 22
+    chunk_elems = gpu_plan.ENCODE_CHUNK_ELEMS if device.type == "cuda" else 1 << 22
     results: queue.Queue = queue.Queue(maxsize=RESULT_QUEUE)
     failure: list[BaseException] = []
 

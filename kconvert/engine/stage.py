@@ -6,11 +6,16 @@ hooks, never a kind.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from pydantic import BaseModel, ConfigDict
 
 from kconvert.formats.linear import ModuleWork
 from kconvert.model.names import TensorName
+
+if TYPE_CHECKING:
+    from kconvert.gpu_plan import GpuPlan, GpuWork, Shapes
 
 
 class StageRecord(BaseModel):
@@ -69,6 +74,14 @@ class Stage:
         """Release what the stage holds for the run (threads, open files)."""
 
     def work_elems(self, device: torch.device) -> int | None:
-        """Decoded elements per transform item the stage wants on `device`,
-        or None for the engine's own size."""
+        """Decoded elements per transform item the stage wants on a CPU, or None for the
+        engine's own size (on a GPU the command's memory plan sizes items)."""
         return None
+
+    def gpu_work(self, shapes: Shapes) -> GpuWork | None:
+        """What the stage runs on the GPU beside the engine's encode (a calibration forward,
+        OBS batches), for the command's memory plan; None: nothing."""
+        return None
+
+    def use_gpu_plan(self, plan: GpuPlan) -> None:
+        """Take the command's GPU memory plan (its micro-batch, OBS share) before the run."""

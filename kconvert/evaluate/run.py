@@ -22,11 +22,18 @@ from kconvert.calibrate.forward import (
 )
 from kconvert.calibrate.load import build_layer, read_layer, tensors_by_layer
 from kconvert.calibrate.prefetch import LayerPrefetcher
-from kconvert.calibrate.startup import device_ready, phase, start_device
+from kconvert.calibrate.startup import (
+    device_ready,
+    model_code_and_device,
+    phase,
+    start_device,
+)
 from kconvert.errors import KconvertError, UsageError
 from kconvert.evaluate import activations
 from kconvert.evaluate.metrics import LOGIT_ELEMS, LayerErrors, LogitsComparison, NextToken
 from kconvert.evaluate.report import CandidateResult, EvalReport, render_table, save_report
+from kconvert.gpu_budget import enforced, forward_plan, resolve
+from kconvert.gpu_plan import GpuPlan, gib
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.version import __version__
 
@@ -49,13 +56,15 @@ class Stream:
 def evaluate(source: Checkpoint, candidates: list[Checkpoint], input_ids: torch.Tensor,
              device: str | torch.device = "cpu", batch_size: int = 8, *,
              dtype: torch.dtype = torch.bfloat16, labels: list[str] | None = None,
-             quiet: bool = True, meta: dict | None = None) -> EvalReport:
+             quiet: bool = True, meta: dict | None = None, gpu_plan: GpuPlan | None = None
+             ) -> EvalReport:
     """Compare every candidate with the source on `input_ids` [num_seqs, seq_len] (PAD_ID:
     padding, never measured). One decoder layer of one checkpoint is loaded at a time: the
     source's layer L runs on its stream, then each candidate's layer L runs on the candidate's
     own stream (accumulated error) and on the source's input to L (local error). Hidden
-    states stay on the device when they fit in a third of its free memory, else in pinned
-    host memory, and stream through the device `batch_size` sequences at a time."""
+    states stay on the device where `gpu_plan` (kconvert.gpu_budget; None: planned here on
+    the default budget) puts them, else in pinned host memory, and stream through the device
+    `batch_size` sequences at a time (fewer where the plan lowers it)."""
     from tqdm import tqdm
 
     device = torch.device(device)
@@ -86,8 +95,13 @@ def evaluate(source: Checkpoint, candidates: list[Checkpoint], input_ids: torch.
                                     f"{getattr(cfgs[0], key)}; only models of the same "
                                     "architecture can be compared",
                                     file=str(ckpt.root / "config.json"))
-    device_ready(device)
-    where = _hidden_device(cfgs[0].hidden_size, len(models), input_ids.shape, device, dtype)
+    device_ready(device)  # the plan's default budget waits for the device: after the imports
+    if device.type == "cuda":
+        if gpu_plan is None:
+            gpu_plan = forward_plan(source, input_ids.shape, batch_size, dtype, device, None,
+                                    "eval", models=1 + len(candidates))
+        batch_size = min(batch_size, gpu_plan.batch_size)
+    where = device if gpu_plan is None or gpu_plan.hidden_on_device else torch.device("cpu")
     with phase("embedding"):
         streams = [_stream(label, ckpt, cfg, input_ids, valid, device, dtype, where)
                    for label, ckpt, cfg in zip(names, models, cfgs, strict=True)]
@@ -105,7 +119,7 @@ def evaluate(source: Checkpoint, candidates: list[Checkpoint], input_ids: torch.
                                    streams[job[0]].layers[job[1]], dtype, device),
         build=lambda job, raw: _labelled(streams[job[0]], _build, streams[job[0]], job[1], raw,
                                          ctx, device, dtype),
-        device=device)
+        device=device, device_bytes=None if gpu_plan is None else gpu_plan.prefetch_bytes)
     # Source layer L, then each candidate's layer L: the next one read while one computes.
     jobs = [(i, layer) for layer in range(n_layers) for i in range(len(streams))]
     bar = tqdm(total=n_layers + 1, desc="eval", unit="layer", disable=quiet)
@@ -194,17 +208,6 @@ def _stream(label: str, ckpt: Checkpoint, cfg, ids: torch.Tensor, valid: torch.T
                   position_embeddings(cfg, ids.shape[1], device, dtype))
 
 
-def _hidden_device(hidden_size: int, models: int, shape: torch.Size, device: torch.device,
-                   dtype: torch.dtype) -> torch.device:
-    """Where the hidden states live: on the device when they (one per model, plus the
-    source's next layer) take at most a third of its free memory, else in host memory."""
-    if device.type != "cuda":
-        return device
-    need = (models + 1) * shape[0] * shape[1] * hidden_size * torch.empty(
-        (), dtype=dtype).element_size()
-    return device if need * 3 <= torch.cuda.mem_get_info(device)[0] else torch.device("cpu")
-
-
 def _labelled(stream: Stream, step, *args, **kwargs):
     """A loading step of one of the models, its errors saying which model."""
     try:
@@ -257,7 +260,8 @@ def _compare_logits(streams: list[Stream], batches: list[slice], valid: torch.Te
 
 def run_eval(src: str, candidates: list[str], data: str, out: str | None, samples: int,
              seq_len: int, batch_size: int, seed: int, device: str, dtype: str,
-             tokenizer: str | None, quiet: bool, echo: Callable[[str], None]) -> EvalReport:
+             tokenizer: str | None, quiet: bool, echo: Callable[[str], None],
+             gpu_memory: str | int | None = None) -> EvalReport:
     """`kconvert eval`: SRC against each candidate on the JSONL `data`; the table goes to
     `echo`, eval.json and eval.png to `out` when it is given."""
     from kconvert import distributed
@@ -282,9 +286,18 @@ def run_eval(src: str, candidates: list[str], data: str, out: str | None, sample
         if ids.shape[0] < samples and not quiet:
             echo(f"note: the data gives {ids.shape[0]} sequence(s) of {seq_len} tokens, "
                  f"fewer than --samples {samples}")
-        report = evaluate(opened[0], opened[1:], ids, dev, batch_size,
-                          dtype=getattr(torch, dtype), labels=list(candidates), quiet=quiet,
-                          meta={"source": src, "data": str(Path(data).resolve())})
+        compute = getattr(torch, dtype)
+        model_code_and_device(dev)  # what the budget waits for, after the overlapped imports
+        budget = resolve(dev, gpu_memory)
+        plan = (forward_plan(opened[0], ids.shape, batch_size, compute, dev, budget, "eval",
+                             models=len(opened)) if budget is not None else None)
+        if plan is not None and plan.batch_size < batch_size and not quiet:
+            echo(f"note: --batch-size {batch_size} lowered to {plan.batch_size} to fit the GPU "
+                 f"memory budget of {gib(budget)} (--gpu-memory)")
+        with enforced(dev, budget, "eval", "--batch-size --samples"):
+            report = evaluate(opened[0], opened[1:], ids, dev, batch_size, dtype=compute,
+                              labels=list(candidates), quiet=quiet, gpu_plan=plan,
+                              meta={"source": src, "data": str(Path(data).resolve())})
     finally:
         for ckpt in opened:
             ckpt.close()

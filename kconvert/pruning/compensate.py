@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kconvert import gpu_budget
+
 
 @dataclass(frozen=True)
 class Routing:
@@ -99,16 +101,16 @@ def solve(features: torch.Tensor, target: torch.Tensor, start: torch.Tensor,
 
 def fit(pieces: Block, target: torch.Tensor, which: str, ridge: float, sweeps: int) -> Block:
     """`pieces` with its matrices re-fitted to `target` [T, hidden] (module docstring); the
-    re-fitted ones stay fp32 on the features' device where they fit in what the GPU has free
-    (with a quarter to spare), else they go to the host (see Block): the host round trips
-    of a Kimi layer's 193 matrices, per sweep and ridge, cost minutes on an H100."""
+    re-fitted ones stay fp32 on the features' device where they fit in what the command's GPU
+    memory budget leaves (gpu_budget.room, with a quarter to spare), else they go to the host
+    (see Block): the host round trips of a Kimi layer's 193 matrices, per sweep and ridge,
+    cost minutes on an H100."""
     fitted = Block(pieces.rows, pieces.features, list(pieces.weights))
     residual = target.float() - pieces.output(target.shape[0], target.shape[1])
     count = 1 if which == "shared" else len(fitted.weights)
     device = target.device
     need = 4 * sum(w.numel() for w in pieces.weights[:count])
-    home = device if (device.type == "cpu"
-                      or need * 5 // 4 < torch.cuda.mem_get_info(device)[0]) else "cpu"
+    home = device if device.type == "cpu" or need * 5 // 4 < gpu_budget.room(device) else "cpu"
     for _ in range(sweeps if count > 1 else 1):
         for b in range(count):
             rows, a = pieces.rows[b], pieces.features[b]

@@ -66,6 +66,9 @@ class InspectReport:
     fit: Fit
     warnings: list[str] = field(default_factory=list)
     hub_disk: HubDisk | None = None  # a Hub repo id: the disk of a streamed vs a cached run
+    # GPU memory each GPU command plans on this model at its defaults (gpu_budget)
+    gpu_budget: int | None = None
+    gpu_plans: dict[str, dict] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         fit = self.fit
@@ -96,6 +99,9 @@ class InspectReport:
             "max_context_tokens": fit.max_context_tokens,
             "max_position_embeddings": self.max_position_embeddings,
             "context": context,
+            "gpu_memory": {"budget": self.gpu_budget, "commands": {
+                name: {k: v for k, v in plan.items() if k != "lines"}
+                for name, plan in self.gpu_plans.items()}},
             "warnings": self.warnings,
             "disk_from_hub": self.hub_disk.to_json() if self.hub_disk is not None else None,
         }
@@ -136,6 +142,11 @@ class InspectReport:
                          f" of KV cache per GPU{verdict}")
         if self.hub_disk is not None:
             lines += self.hub_disk.lines()
+        if self.gpu_plans:
+            lines.append(f"GPU memory of each command at its defaults, on one GPU with a "
+                         f"{self.gpu_budget / GIB:.1f} GiB budget (--gpu-memory):")
+            for name, plan in self.gpu_plans.items():
+                lines += plan["lines"] if plan["fits"] else [f"{name}: {plan['error']}"]
         lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
@@ -145,9 +156,16 @@ def inspect_checkpoint(src: str, options: Options, *, gpus: int | None = None,
                        tp: int | None = None, ep: int | None = None, pp: int | None = None,
                        context: int | None = None, kv_dtype: str = "bf16",
                        revision: str | None = None, token: str | None = None,
-                       cache_dir: str | None = None, window: int = STREAM_WINDOW) -> InspectReport:
-    """Inspect SRC (a directory or Hub repo id) from its headers and config alone."""
+                       cache_dir: str | None = None, window: int = STREAM_WINDOW,
+                       gpu_memory: str | int | None = None) -> InspectReport:
+    """Inspect SRC (a directory or Hub repo id) from its headers and config alone; the GPU
+    memory plans are for `gpu_memory` (default: this machine's first GPU's default budget,
+    else an 80 GB H100's)."""
+    import torch
+
+    from kconvert.gpu_budget import planning_budget
     from kconvert.io.remote import open_headers
+    from kconvert.sizing.gpu_memory import command_plans
 
     par = Parallelism.resolve(gpus, tp, ep, pp)
     ckpt = open_headers(src, revision, token=token, cache_dir=cache_dir)
@@ -160,6 +178,8 @@ def inspect_checkpoint(src: str, options: Options, *, gpus: int | None = None,
                   [len(r) for r in stage_layers(num_layers, par.pp)],
                   None if gpu_mem is None else int(gpu_mem * mem_util * GIB), context)
         source = [(parse_name(n), i.nbytes) for n, i in ckpt.tensors.items()]
+        budget = planning_budget(torch.device("cuda" if torch.cuda.is_available() else "cpu"),
+                                 gpu_memory)
         warnings = []
         if context and text.get("max_position_embeddings") and \
                 context > text["max_position_embeddings"]:
@@ -173,6 +193,7 @@ def inspect_checkpoint(src: str, options: Options, *, gpus: int | None = None,
             output_components=prediction.components, output_tensors=len(prediction.tensors),
             num_layers=num_layers, max_position_embeddings=text.get("max_position_embeddings"),
             kv_bytes_per_token=per_layer * num_layers, fit=fit, warnings=warnings,
-            hub_disk=hub_disk(prediction.plan, window, token))
+            hub_disk=hub_disk(prediction.plan, window, token),
+            gpu_budget=budget, gpu_plans=command_plans(text, budget))
     finally:
         ckpt.close()

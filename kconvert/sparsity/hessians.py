@@ -23,7 +23,9 @@ import torch
 
 from kconvert.calibrate.data import load_calibration_data
 from kconvert.errors import KconvertError
+from kconvert.gpu_plan import Forward, GpuPlan, GpuWork, Shapes
 from kconvert.io.checkpoint import Checkpoint
+from kconvert.sparsity.obs import gpu_work
 
 
 class _Closed(Exception):
@@ -54,7 +56,11 @@ class CalibrationHessians:
     def __init__(self, ckpt: Checkpoint, input_ids: torch.Tensor, device: torch.device,
                  batch_size: int, dtype: torch.dtype = torch.bfloat16):
         self._args = (ckpt, input_ids, device, batch_size, dtype)
+        self.input_ids, self.batch_size, self.dtype = input_ids, batch_size, dtype
         self.sequential = False
+        # The command's GPU memory plan (kconvert.gpu_plan), set before the first layer is
+        # asked for: the forward's micro-batch, where its hidden states live, the OBS share.
+        self.gpu_plan: GpuPlan | None = None
         self._replaced: set[tuple[int, int]] = set()  # (layer, expert): gate/up replaced
         self._handoffs: queue.Queue = queue.Queue(maxsize=1)
         self._release = threading.Event()
@@ -78,12 +84,29 @@ class CalibrationHessians:
 
         try:
             measure_stats(ckpt, ids, device, batch_size, dtype=dtype, on_moe=hand_over,
-                          rerun_moe=self.sequential)
+                          rerun_moe=self.sequential, gpu_plan=self.gpu_plan)
             self._handoffs.put(None)
         except _Closed:
             pass
         except BaseException as exc:  # surfaced to the engine's thread in `_layer`
             self._handoffs.put(exc)
+
+    def gpu_work(self, shapes: Shapes, *, shared: bool, against_rtn: bool) -> GpuWork:
+        """This calibration forward (its inputs captured for the Hessians) and the OBS batches
+        beside it, for the command's GPU memory plan (obs.gpu_work)."""
+        return gpu_work(shapes, Forward(*self.input_ids.shape, self.batch_size,
+                                        self.dtype.itemsize, capture=True,
+                                        rerun=self.sequential),
+                        shared=shared, against_rtn=against_rtn)
+
+    def obs_budget(self, device: torch.device) -> int | None:
+        """Bytes one OBS batch may take on `device`: the plan's OBS share on a GPU (a plan is
+        made for every GPU run, kconvert.convert), None on a CPU (obs.CPU_BATCH matrices)."""
+        if device.type != "cuda":
+            return None
+        if self.gpu_plan is None:
+            raise KconvertError("the OBS engine ran on a GPU without a GPU memory plan")
+        return self.gpu_plan.obs_bytes
 
     def moe_layer(self, layer: int):
         """The calibration pass's MoE block of `layer` (weights loaded, inputs captured)."""

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from kconvert.formats import nvfp4
+from kconvert.gpu_plan import Forward, GpuWork, Obs, Shapes
 from kconvert.model.names import TensorName
 
 BLOCKSIZE = 128  # columns per lazy-update block (else one NVFP4 block, for small K)
@@ -44,8 +45,13 @@ PERCDAMP = 0.1  # damping, as a fraction of the mean Hessian diagonal (p48.md)
 PRECISIONS = ("fp32", "tf32", "bf16")
 
 
-# Matrices per OBS batch on a CPU (a GPU's batch is sized from a byte budget).
+# Matrices per OBS batch on a CPU (a GPU's batch is sized from the OBS share of the command's
+# GPU memory plan, kconvert.gpu_plan).
 CPU_BATCH = 8
+
+# Decoded elements per OBS transform item on a CPU (batches are CPU_BATCH matrices, so items
+# are large; on a GPU the command's memory plan sizes items, kconvert.gpu_plan).
+CPU_WORK_ELEMS = 1 << 26
 
 
 # The in-block column loop: "torch" (any device), "triton" (CUDA, or Triton's interpreter with
@@ -81,17 +87,6 @@ def prepare_inverse(h: torch.Tensor, percdamp: float = PERCDAMP) -> torch.Tensor
     return torch.linalg.solve_triangular(lower, eye.expand_as(lower), upper=False).flip(-2, -1)
 
 
-def batch_budget(device: torch.device) -> int | None:
-    """Bytes one OBS batch may use on `device` when no budget is given: half of the GPU
-    memory free now (torch's cache counts as free: it holds what earlier batches freed);
-    None on a CPU (CPU_BATCH matrices per batch)."""
-    if device.type != "cuda":
-        return None
-    free = (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
-            - torch.cuda.memory_allocated(device))
-    return free // 2
-
-
 def experts_per_batch(rows: int, k: int, budget: int | None, tokens: int = 0,
                       against_rtn: bool = False) -> int:
     """How many Hessian-sharing matrices [rows, k] one OBS batch takes within `budget` bytes
@@ -106,6 +101,20 @@ def batch_bytes(rows: int, k: int, tokens: int = 0, against_rtn: bool = False) -
     their temporaries, the weights, their copy and the result, the routed inputs, and with
     `against_rtn` RTN's values, the difference and its product with H."""
     return 4 * (4 * k * k + (7 if against_rtn else 4) * rows * k + tokens * k)
+
+
+def gpu_work(shapes: Shapes, forward: Forward, *, shared: bool, against_rtn: bool) -> GpuWork:
+    """What the OBS engine runs on the GPU beside a conversion, for the command's memory plan
+    (kconvert.gpu_plan): the calibration `forward` that captures the Hessians' inputs, and the
+    OBS batches. An expert's gate and up share a Hessian and solve as one [2 * moe_inter,
+    hidden] matrix, the largest shape of a batch; with `shared` the shared experts are solved
+    too (their Hessians from every token), with `against_rtn` each result is compared with
+    RTN's (`batch_bytes`)."""
+    n_shared = shapes.shared if shared else 0
+    rows = 2 * shapes.moe_inter * max(1, n_shared)
+    return GpuWork(forward, Obs(batch_bytes(rows, shapes.hidden, against_rtn=against_rtn),
+                                shapes.experts + n_shared, shapes.hidden,
+                                every_token=n_shared > 0))
 
 
 @contextlib.contextmanager
@@ -248,15 +257,6 @@ class Member:
 def members_of(names: Sequence[TensorName]) -> list[Member]:
     """The Members of the linears named `names` (parsed names of their weights)."""
     return [Member(tn.layer, tn.expert, tn.proj) for tn in names]
-
-
-def work_elems(device: torch.device) -> int:
-    """Decoded elements per OBS transform item: batches are sized by `experts_per_batch`, so
-    items are large: on a GPU a 32nd of the free bytes (the fp32 weights and their result; the
-    rest is left for the calibration layer and the Hessians), on a CPU 2^26."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0] // 32
-    return 1 << 26
 
 
 @dataclass(frozen=True)

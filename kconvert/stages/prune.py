@@ -174,8 +174,9 @@ def prune_stage(plan: PrunePlan, ckpt: Checkpoint,
 def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
             ) -> Callable[[Checkpoint], Prune]:
     """The Prune stage from --plan, or a plan from --stats or --data (REAP calibration, with
-    router repair in the same pass when --repair or the recipe asks for it). The options are
-    checked now, before the source is opened."""
+    router repair in the same pass when --repair or the recipe asks for it, its micro-batch
+    within the run's GPU memory budget, `options["gpu_memory"]`). The options are checked
+    now, before the source is opened."""
     plan, stats, data = options.get("plan"), options.get("stats"), options.get("data")
     if sum(x is not None for x in (plan, stats, data)) > 1:
         raise UsageError("give only one of --plan, --stats and --data")
@@ -195,8 +196,9 @@ def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
     def make(ckpt: Checkpoint) -> Prune:
         from kconvert.calibrate.data import load_calibration_data
         from kconvert.calibrate.run import measure_stats
-        from kconvert.calibrate.startup import phase, start_device
+        from kconvert.calibrate.startup import model_code_and_device, phase, start_device
         from kconvert.calibrate.stats import save_stats
+        from kconvert.gpu_budget import enforced, forward_plan, resolve
         from kconvert.pruning.reap import (
             check_plan_keep,
             keep_count,
@@ -220,13 +222,22 @@ def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
             start_device(device)  # CUDA starts while the data and transformers load
             with phase("data"):
                 ids = load_calibration_data(data, ckpt.root, samples, seq_len, seed)
-            if repair != "none" or compensate != "none":
-                scratch = spill_directory(options.get("dst")) if compensate != "none" else None
-                fixer = RouterRepair(ckpt, ids, RepairSettings(repair, keep, criterion,
-                                                               compensate=compensate), device,
-                                     batch_size=batch_size,
-                                     spill=Path(scratch.name) if scratch else None)
-            measured = measure_stats(ckpt, ids, device, batch_size, on_weights=fixer)
+            model_code_and_device(device)  # what the budget waits for, after those
+            budget = resolve(device, options.get("gpu_memory"))
+            refit = repair != "none" or compensate != "none"
+            gpu = None if budget is None else forward_plan(
+                ckpt, ids.shape, batch_size, torch.bfloat16, device, budget,
+                "REAP's calibration", repair=refit)
+            with enforced(device, budget, "REAP's calibration", "--batch-size --samples"):
+                if refit:
+                    scratch = (spill_directory(options.get("dst")) if compensate != "none"
+                               else None)
+                    fixer = RouterRepair(
+                        ckpt, ids, RepairSettings(repair, keep, criterion, compensate=compensate),
+                        device, batch_size=batch_size if gpu is None else gpu.batch_size,
+                        spill=Path(scratch.name) if scratch else None)
+                measured = measure_stats(ckpt, ids, device, batch_size, on_weights=fixer,
+                                         gpu_plan=gpu)
             if options.get("save_stats"):
                 save_stats(measured, options["save_stats"])
             scores = scores_of(measured)

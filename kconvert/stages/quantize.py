@@ -18,6 +18,7 @@ from kconvert.engine.stage import Stage, StageRecord
 from kconvert.errors import KconvertError, UsageError
 from kconvert.formats import OUTPUT_CODECS, DenseCodec, Nvfp4PairBitmaskCodec
 from kconvert.formats.linear import ModuleWork
+from kconvert.gpu_plan import GpuPlan, GpuWork, Shapes
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.model.names import TARGET_ROLES, Role
 from kconvert.options import (
@@ -131,7 +132,20 @@ class Quantize(Stage):
             self.calibration.hessians.close()
 
     def work_elems(self, device: torch.device) -> int | None:
-        return obs.work_elems(device) if self.method == "gptq" else None
+        """GPTQ's items on a CPU, sized as the OBS engine's (on a GPU the command's memory
+        plan sizes them, from `gpu_work`)."""
+        return obs.CPU_WORK_ELEMS if self.method == "gptq" else None
+
+    def gpu_work(self, shapes: Shapes) -> GpuWork | None:
+        """GPTQ's calibration forward beside the engine and its OBS batches."""
+        if self.method != "gptq":
+            return None
+        return self.calibration.hessians.gpu_work(
+            shapes, shared=Role.SHARED_EXPERT in self.gptq_roles, against_rtn=True)
+
+    def use_gpu_plan(self, plan: GpuPlan) -> None:
+        if self.calibration is not None:
+            self.calibration.hessians.gpu_plan = plan
 
     def transform(self, modules, w, gs, scale_rule, local_dtype, arithmetic):
         """GPTQ on the decoded target weights w [B, M, K], per matrix kept only where it beats
@@ -141,7 +155,7 @@ class Quantize(Stage):
             w, gs, obs.members_of([m.tn for m in modules]),
             lambda mb: hessians.hessian(mb.layer, mb.expert, mb.proj), modules[0].group_size,
             scale_rule, local_dtype, arithmetic, against_rtn=True,
-            budget=obs.batch_budget(w.device))
+            budget=hessians.obs_budget(w.device))
         return out, codes, [asdict(c) for c in choices]
 
     def claim(self, m: ModuleWork) -> None:
@@ -249,8 +263,8 @@ def check_method_format(method: str, fmt: str) -> None:
 def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
             ) -> Callable[[Checkpoint], Calibration] | None:
     """GPTQ's calibration from --data when the run's quantize method is gptq (a recipe without
-    a sparsify stage: with one, --method is the sparsify method); None otherwise (without
-    --data the stage itself refuses gptq)."""
+    a sparsify stage: with one, --method is the sparsify method); None otherwise. gptq without
+    --data is a usage error."""
     kinds = [s["stage"] for s in stages]
     if "sparsify" in kinds:
         return None
@@ -262,8 +276,10 @@ def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
     data = options.get("data")
     if data is not None and method != "gptq" and "prune" not in kinds:
         raise UsageError(f"--data serves --method gptq; this run's quantize method is {method}")
-    if method != "gptq" or data is None:
+    if method != "gptq":
         return None
+    if data is None:
+        raise UsageError("--method gptq needs calibration data: --data FILE")
 
     def make(ckpt: Checkpoint) -> Calibration:
         samples, seq_len, batch_size, seed = calibration_run(options, SPARSEGPT_SAMPLES)

@@ -26,6 +26,7 @@ from kconvert.calibrate.stats import META_FILE, STATS_FILE
 from kconvert.engine.stage import Stage, StageRecord
 from kconvert.errors import KconvertError, UsageError
 from kconvert.formats.linear import ModuleWork
+from kconvert.gpu_plan import GpuPlan, GpuWork, Shapes
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.files import hash_file
 from kconvert.model.names import Role
@@ -150,8 +151,19 @@ class Sparsify(Stage):
             self.calibration.hessians.close()
 
     def work_elems(self, device: torch.device) -> int | None:
-        """SparseGPT's items, sized as the OBS engine's."""
-        return obs.work_elems(device) if self.method == "sparsegpt" else None
+        """SparseGPT's items on a CPU, sized as the OBS engine's (on a GPU the command's memory
+        plan sizes them, from `gpu_work`)."""
+        return obs.CPU_WORK_ELEMS if self.method == "sparsegpt" else None
+
+    def gpu_work(self, shapes: Shapes) -> GpuWork | None:
+        """SparseGPT's calibration forward beside the engine and its OBS batches."""
+        if self.method != "sparsegpt":
+            return None
+        return self.calibration.hessians.gpu_work(shapes, shared=False, against_rtn=False)
+
+    def use_gpu_plan(self, plan: GpuPlan) -> None:
+        if self.calibration is not None:
+            self.calibration.hessians.gpu_plan = plan
 
     @property
     def norms(self) -> WandaNorms:
@@ -177,7 +189,7 @@ class Sparsify(Stage):
             w, gs, obs.members_of([m.tn for m in modules]),
             lambda mb: hessians.hessian(mb.layer, mb.expert, mb.proj),
             self.group_size, scale_rule, local_dtype, arithmetic, mask=sparsegpt.p48_mask,
-            budget=obs.batch_budget(w.device), written=written)
+            budget=hessians.obs_budget(w.device), written=written)
         return out, codes
 
 
@@ -202,8 +214,8 @@ def build(settings: dict, calibration: Calibration | None) -> Sparsify:
 def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
             ) -> Callable[[Checkpoint], Calibration] | None:
     """SparseGPT's calibration from --data when the run's sparsify method is sparsegpt; None
-    otherwise (without --data the stage itself refuses sparsegpt, as it refuses wanda without
-    --stats)."""
+    otherwise. sparsegpt without --data is a usage error (wanda without --stats is refused by
+    the stage itself)."""
     recipe_methods = [s.get("method", "magnitude") for s in stages if s["stage"] == "sparsify"]
     method = options.get("method") or next(iter(recipe_methods), None)
     data, stats = options.get("data"), options.get("stats")
@@ -212,8 +224,10 @@ def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
             if value is not None and method != user:
                 raise UsageError(f"--{option} serves --method {user}; this run's sparsify "
                                  f"method is {method}")
-    if method != "sparsegpt" or data is None:
+    if method != "sparsegpt":
         return None
+    if data is None:
+        raise UsageError("--method sparsegpt needs calibration data: --data FILE")
 
     def make(ckpt: Checkpoint) -> Calibration:
         samples, seq_len, batch_size, seed = calibration_run(options, SPARSEGPT_SAMPLES)

@@ -156,8 +156,10 @@ def test_quantize_gptq_shared_expert_and_usage(tmp_path):
     assert code == 0, out
     code, out = _run("quantize", str(TINY_MOE), str(tmp_path / "a"), "--data", str(data))
     assert code == 2 and "--data serves --method gptq" in out
-    code, out = _run("quantize", str(TINY_MOE), str(tmp_path / "b"), "--method", "gptq")
-    assert code == 1 and "--method gptq needs calibration data" in out
+    for command, src in (("quantize", TINY_MOE), ("int4-to-nvfp4", BUNDLED)):
+        code, out = _run(command, str(src), str(tmp_path / "b"), "--method", "gptq")
+        assert code == 2 and "--method gptq needs calibration data" in out, out
+        assert not (tmp_path / "b").exists()
     code, out = _run("run", "quantize", str(TINY_MOE), str(tmp_path / "c"), "--method",
                      "sparsegpt")
     assert code == 2 and "is a sparsify method" in out

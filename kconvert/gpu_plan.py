@@ -1,0 +1,410 @@
+"""The GPU memory plan of a command, from shapes (docs/gpu-memory.md; the budget it is made
+for, and its enforcement: kconvert.gpu_budget).
+
+A command's GPU work is split into what stays resident through a layer (the decoded weights of
+one decoder layer, the hidden states of every calibration token when they are kept on the
+device, SparseGPT's captured layer inputs) and phases that never overlap: the layer-streamed
+forward of a micro-batch, the OBS batches (SparseGPT's Hessians, factors and weights), the
+engine's encode of one work item, eval's logits. The plan is the largest forward micro-batch
+and OBS batch whose peak, resident plus the largest phase, fits the budget: the forward
+micro-batch (--batch-size) is halved, the hidden states move to pinned host memory and the
+OBS batch shrinks to one expert before a plan is refused; a refusal says how much the least
+plan needs and which option lowers it, before anything runs.
+
+The figures are upper estimates of what torch's caching allocator reserves; the terms below
+say where each comes from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kconvert.errors import KconvertError
+
+# Decoded fp32 elements per batch of routed experts while a layer's weights are decoded
+# (kconvert.calibrate.load), and what that decode holds per element: the fp32 decode, its
+# copy in the compute dtype and the packed source bytes.
+DECODE_ELEMS = {"cuda": 1 << 28, "cpu": 1 << 24}
+DECODE_BYTES_PER_ELEM = 4 + 2 + 1
+
+# Bytes per token of one decoder layer's forward, in units of the compute dtype's element,
+# beyond the terms counted exactly: residual stream copies (input, norm, attention output,
+# residual sum, MLP output, the batch's copy from the host).
+RESIDUAL_COPIES = 6
+
+# Attention scores per (sequence, head, query, key): SDPA's math path holds the scores, the
+# masked scores and the probabilities in the compute dtype (the fused kernels hold far less;
+# which one runs depends on the head sizes, the mask and the build, so the plan assumes the
+# largest).
+SCORE_BYTES = 6
+
+# The engine's encode of a work item of E decoded elements: the fp32 decode, the transform's
+# result, the decode of the encoded result and its error (4 fp32 copies), the packed source.
+ENCODE_BYTES_PER_ELEM = 4 * 4 + 2
+# ... plus the NVFP4 encoder's temporaries over one chunk of its rows (kconvert.engine.execute's
+# chunk_elems on a GPU, 16 bytes each: scale candidates, rounded values, errors).
+ENCODE_CHUNK_ELEMS = 1 << 27
+ENCODE_CHUNK_BYTES = ENCODE_CHUNK_ELEMS * 16
+# The engine's item size on a GPU when the budget allows it (kconvert.convert).
+WORK_ELEMS = 1 << 28
+
+# OBS batches of this many experts keep the GPU busy: a plan gives them that many before it
+# keeps a larger forward micro-batch (and otherwise as many as fit, at least one).
+OBS_BATCH = 8
+
+# A routed expert's share of the tokens is planned at HOT_EXPERT times the mean (the Hessian
+# of the busiest expert is built from its routed inputs in fp32).
+HOT_EXPERT = 8
+
+# eval's logits phase: a chunk of LOGIT_ELEMS logits (kconvert.evaluate.metrics, on a GPU) for
+# the source and a candidate and their log-softmaxes, in fp32.
+LOGIT_ELEMS = 1 << 28
+
+# What a plan made without a GPU assumes: an 80 GB H100 (79.2 GiB, about 0.5 GiB of it taken
+# by the CUDA context), less the margin.
+REFERENCE_CARD = 85_031_714_816
+REFERENCE_FREE = REFERENCE_CARD - (1 << 29)
+
+# Tokens REAP's router repair carries in its own stream (kconvert.pruning.repair.RepairSettings).
+REPAIR_TOKENS = 32768
+
+# Small tensors a run keeps (rope tables, statistics accumulators, router scores, cuBLAS
+# workspaces).
+OVERHEAD = 512 << 20
+
+
+class GpuMemoryError(KconvertError):
+    """A GPU command that does not fit its GPU memory budget, or ran out of GPU memory."""
+
+
+def gib(n: int) -> str:
+    """Bytes in GiB (MiB below 1 GiB), the units of torch's and nvidia-smi's figures."""
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """What the plan needs of the model config (DeepSeek-V3 / Kimi-K2 text config)."""
+
+    hidden: int
+    moe_inter: int
+    dense_inter: int
+    experts: int
+    shared: int
+    top_k: int
+    heads: int
+    q_lora: int
+    kv_lora: int
+    qk_nope: int
+    qk_rope: int
+    v_head: int
+    vocab: int
+    dense_layers: int
+    layers: int
+
+    @classmethod
+    def from_config(cls, text: dict) -> Shapes:
+        return cls(hidden=text["hidden_size"], moe_inter=text.get("moe_intermediate_size") or 0,
+                   dense_inter=text["intermediate_size"],
+                   experts=text.get("n_routed_experts") or 0,
+                   shared=text.get("n_shared_experts") or 0,
+                   top_k=text.get("num_experts_per_tok") or 0,
+                   heads=text["num_attention_heads"],
+                   q_lora=text.get("q_lora_rank") or 0, kv_lora=text["kv_lora_rank"],
+                   qk_nope=text["qk_nope_head_dim"], qk_rope=text["qk_rope_head_dim"],
+                   v_head=text["v_head_dim"], vocab=text["vocab_size"],
+                   dense_layers=min(text.get("first_k_dense_replace", 0),
+                                    text["num_hidden_layers"]),
+                   layers=text["num_hidden_layers"])
+
+    @property
+    def qk(self) -> int:
+        return self.qk_nope + self.qk_rope
+
+    def attention_elems(self) -> int:
+        h, q_in = self.hidden, self.q_lora or self.hidden
+        return (h * self.q_lora + q_in * self.heads * self.qk
+                + h * (self.kv_lora + self.qk_rope)
+                + self.kv_lora * self.heads * (self.qk_nope + self.v_head)
+                + self.heads * self.v_head * h)
+
+    def expert_elems(self) -> int:
+        """gate, up and down of one routed expert."""
+        return 3 * self.hidden * self.moe_inter
+
+    @property
+    def has_moe(self) -> bool:
+        return self.experts > 0 and self.layers > self.dense_layers
+
+    def expert_set(self) -> int:
+        """Decoded elements of a routed expert's gate and up (one fused set)."""
+        return 2 * self.hidden * self.moe_inter
+
+    def layer_elems(self) -> int:
+        """Decoded weight elements of the largest decoder layer (an MoE layer when there is
+        one: routed and shared experts, router, attention)."""
+        dense = 3 * self.hidden * self.dense_inter
+        moe = ((self.experts + self.shared) * self.expert_elems()
+               + self.experts * self.hidden)
+        return self.attention_elems() + (moe if self.has_moe else dense)
+
+
+@dataclass(frozen=True)
+class Forward:
+    """A layer-streamed forward (kconvert.calibrate, kconvert.evaluate, REAP's repair)."""
+
+    sequences: int
+    seq_len: int
+    batch_size: int  # the micro-batch asked for (--batch-size)
+    dtype_bytes: int = 2
+    models: int = 0  # eval: source and candidates (hidden states each, outputs compared)
+    capture: bool = False  # SparseGPT/GPTQ keep the MoE layer's inputs for the Hessians
+    rerun: bool = False  # "sequential" Hessians: the layer input is kept to run it again
+    repair_tokens: int = 0  # REAP router repair: tokens of its second stream
+
+    def tokens(self) -> int:
+        return self.sequences * self.seq_len
+
+
+@dataclass(frozen=True)
+class Obs:
+    """Batches of Hessian-sharing matrices solved together (SparseGPT, GPTQ): the bytes of
+    one matrix of the largest shape (`bytes_per_matrix`: Hessian, factor and temporaries,
+    weights and result, kconvert.sparsity.obs.batch_bytes), and the matrices there are."""
+
+    bytes_per_matrix: int
+    matrices: int
+    k: int  # input dimension of that matrix (its routed inputs are taken in fp32)
+    every_token: bool = False  # a matrix's Hessian is built from every token (shared expert)
+
+
+@dataclass(frozen=True)
+class GpuWork:
+    """What a stage runs on the GPU beside the engine's encode (Stage.gpu_work)."""
+
+    forward: Forward
+    obs: Obs
+
+
+@dataclass
+class Footprint:
+    """Bytes by part: `resident` through a layer, plus the largest of the `phases`."""
+
+    resident: dict[str, int] = field(default_factory=dict)
+    phases: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def peak(self) -> int:
+        return sum(self.resident.values()) + max(
+            (sum(p.values()) for p in self.phases.values()), default=0)
+
+    def lines(self) -> list[str]:
+        out = [f"  {name}: {gib(n)}" for name, n in self.resident.items() if n]
+        for phase, parts in self.phases.items():
+            detail = ", ".join(f"{k} {gib(v)}" for k, v in parts.items() if v)
+            out.append(f"  while {phase}: {gib(sum(parts.values()))} ({detail})")
+        return out
+
+
+@dataclass(frozen=True)
+class GpuPlan:
+    """What a command may hold on the GPU: its micro-batch, where the hidden states live, the
+    OBS batch, the engine's item size, and the footprint they add up to."""
+
+    budget: int
+    batch_size: int = 0
+    hidden_on_device: bool = True
+    obs_bytes: int = 0  # the OBS batches' share (kconvert.sparsity's batch sizing reads it)
+    obs_matrices: int = 0  # matrices of the largest shape per OBS batch
+    work_elems: int | None = None
+    footprint: Footprint = field(default_factory=Footprint)
+
+    @property
+    def prefetch_bytes(self) -> int:
+        """What the layer prefetcher may put on the device ahead of the loop
+        (kconvert.calibrate.prefetch): the budget the plan leaves."""
+        return max(0, self.budget - self.footprint.peak)
+
+    def lines(self, what: str) -> list[str]:
+        head = (f"GPU memory for {what}: {gib(self.footprint.peak)} planned of a "
+                f"{gib(self.budget)} budget")
+        knobs = []
+        if self.batch_size:
+            knobs.append(f"forward micro-batch {self.batch_size} sequence(s), hidden states "
+                         f"{'on the GPU' if self.hidden_on_device else 'in host memory'}")
+        if self.obs_matrices:
+            knobs.append(f"{self.obs_matrices} expert matrices per OBS batch")
+        if self.work_elems:
+            knobs.append(f"work items of up to {self.work_elems / 1e6:.1f}M elements")
+        return [head + (f" ({'; '.join(knobs)})" if knobs else ""), *self.footprint.lines()]
+
+
+def _activations(s: Shapes, fw: Forward, batch: int) -> int:
+    """One micro-batch of `batch` sequences through one decoder layer (the largest kind)."""
+    t, d = batch * fw.seq_len, fw.dtype_bytes
+    per_token = (RESIDUAL_COPIES * s.hidden * d
+                 + 2 * s.heads * (3 * s.qk + 2 * s.v_head + s.qk_nope) * d  # q, k, v + copies
+                 + (s.q_lora + s.kv_lora + s.qk_rope) * d)
+    if s.has_moe:
+        per_token += (3 * 4 * s.experts  # router logits, scores, biased scores (fp32)
+                      + s.top_k * (s.hidden * d + 4 * 8 + 4)  # gathered routed inputs, ids
+                      + 4 * s.hidden  # routed output (fp32)
+                      + 2 * 2 * s.moe_inter * max(s.shared, 1) * d  # shared expert
+                      + (4 * s.moe_inter + s.hidden) * d)  # one expert's, worst case
+    else:
+        per_token += 3 * s.dense_inter * d
+    if fw.models:  # eval: the local and accumulated outputs, their errors in fp32
+        per_token += s.hidden * (2 * d + 3 * 4)
+    scores = batch * s.heads * fw.seq_len * fw.seq_len * SCORE_BYTES
+    return t * per_token + scores
+
+
+def forward_footprint(s: Shapes, fw: Forward, batch: int, hidden_on_device: bool
+                      ) -> Footprint:
+    """The forward's footprint at micro-batch `batch` (kconvert.calibrate.forward's terms).
+
+    The layer's weights stay resident (SparseGPT holds them through its OBS batches) except
+    in eval, whose logits come after the last layer is freed."""
+    d, tokens = fw.dtype_bytes, fw.tokens()
+    weights = {"layer weights": s.layer_elems() * d}
+    sets = fw.models + 1 if fw.models else 1 + fw.rerun  # eval: + the source's next layer
+    resident = {"overhead": OVERHEAD,
+                "hidden states": tokens * s.hidden * d * sets if hidden_on_device else 0}
+    if not fw.models:
+        resident.update(weights)
+    if fw.capture:
+        resident["captured layer inputs"] = tokens * (s.hidden * d + s.top_k * 8)
+    if fw.repair_tokens:
+        resident["repair stream"] = fw.repair_tokens * s.hidden * (d + 4 * 4)
+    layer = weights if fw.models else {}
+    decode = min(DECODE_ELEMS["cuda"], s.layer_elems()) * DECODE_BYTES_PER_ELEM
+    phases = {"decoding a layer": {**layer, "decode": decode},
+              "running a micro-batch": {**layer, "activations": _activations(s, fw, batch)}}
+    if fw.models:
+        logits = 4 * 4 * min(LOGIT_ELEMS, batch * fw.seq_len * s.vocab)
+        phases["computing logits"] = {"lm_heads": fw.models * s.vocab * s.hidden * d,
+                                      "logits": logits}
+    return Footprint(resident, phases)
+
+
+def _batches(asked: int) -> list[int]:
+    """The micro-batches tried, largest first: asked, then halved down to 1."""
+    out = [asked]
+    while out[-1] > 1:
+        out.append(out[-1] // 2)
+    return out
+
+
+def plan_forward(s: Shapes, fw: Forward, budget: int, what: str) -> GpuPlan:
+    """The largest micro-batch (hidden states on the GPU first) whose forward fits."""
+    for batch in _batches(fw.batch_size):
+        for on_device in (True, False):
+            fp = forward_footprint(s, fw, batch, on_device)
+            if fp.peak <= budget:
+                return GpuPlan(budget, batch, on_device, footprint=fp)
+    least = forward_footprint(s, fw, 1, False)
+    raise _too_small(what, least, budget, "--samples" if fw.capture else "")
+
+
+def _encode_bytes(work_elems: int) -> int:
+    return work_elems * ENCODE_BYTES_PER_ELEM + min(ENCODE_CHUNK_BYTES, 16 * work_elems)
+
+
+def _encode_footprint(elems: int) -> Footprint:
+    return Footprint({"overhead": OVERHEAD},
+                     {"encoding a work item": {"work item": _encode_bytes(elems)}})
+
+
+def plan_conversion(s: Shapes, budget: int, what: str, min_item_elems: int,
+                    work: GpuWork | None = None) -> GpuPlan:
+    """A conversion's plan: the engine's work items (at most WORK_ELEMS decoded elements, at
+    least `min_item_elems`, the largest fused set) and, for a stage that solves OBS batches
+    on calibration inputs (`work`: GPTQ, SparseGPT), the forward beside the engine and the
+    OBS batch.
+
+    The OBS engine's calibration hands over one MoE layer at a time, weights loaded and
+    inputs captured, and waits while the engine solves it: the forward's micro-batch, the OBS
+    batch and the encode never run at once, but the layer's weights, captured inputs and
+    hidden states stay resident through all three, and the engine holds its current item
+    while the next layer runs forward."""
+    if work is None:
+        fit = (budget - OVERHEAD - ENCODE_CHUNK_BYTES) // ENCODE_BYTES_PER_ELEM
+        elems = max(min(WORK_ELEMS, s.layer_elems(), fit), min_item_elems)
+        fp = _encode_footprint(elems)
+        if fp.peak > budget:
+            raise _too_small(what, fp, budget, "")
+        return GpuPlan(budget, work_elems=elems, footprint=fp)
+    forward, obs = work.forward, work.obs
+    per_expert_elems = s.expert_elems()
+    hot = forward.tokens() if obs.every_token else min(
+        forward.tokens(), HOT_EXPERT * forward.tokens() * s.top_k // max(s.experts, 1))
+
+    def footprint(batch: int, on_device: bool, n: int) -> Footprint:
+        fp = forward_footprint(s, forward, batch, on_device)
+        item = max(n * per_expert_elems, min_item_elems)
+        held = item * (4 + 2)  # the item's fp32 decode and its source bytes
+        fp.phases["decoding a layer"]["engine's current item"] = held
+        fp.phases["running a micro-batch"]["engine's current item"] = held
+        fp.phases["solving an OBS batch"] = {
+            "OBS batch": n * obs.bytes_per_matrix, "busiest expert's inputs": hot * obs.k * 6,
+            "engine's item and result": held + 4 * item}
+        fp.phases["encoding a work item"] = {"work item": _encode_bytes(item)}
+        return fp
+
+    def most(batch: int, on_device: bool) -> int:
+        """The most matrices per OBS batch that fit beside this forward (0: not one)."""
+        if footprint(batch, on_device, 1).peak > budget:
+            return 0
+        lo, hi = 1, obs.matrices
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if footprint(batch, on_device, mid).peak <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    # largest micro-batch first, hidden states on the GPU before the host
+    shapes = [(batch, on_device) for batch in _batches(forward.batch_size)
+              for on_device in (True, False)]
+    fits = {shape: most(*shape) for shape in shapes}
+    # OBS_BATCH matrices at the largest micro-batch that leaves room for them, else the most
+    # matrices at any micro-batch (the OBS batches, not the forward, take a small budget's time)
+    batch, on_device = next((sh for sh in shapes if fits[sh] >= min(OBS_BATCH, obs.matrices)),
+                            max(shapes, key=lambda sh: fits[sh]))
+    n = fits[(batch, on_device)]
+    if not n:
+        raise _too_small(what, footprint(1, False, 1), budget, "--samples")
+    return GpuPlan(budget, batch, on_device, obs_bytes=n * obs.bytes_per_matrix,
+                   obs_matrices=n, work_elems=max(n * per_expert_elems, min_item_elems),
+                   footprint=footprint(batch, on_device, n))
+
+
+def plan_gpu(ckpt, stages: list, budget: int, what: str, largest_item: int | None = None
+             ) -> GpuPlan:
+    """The GPU memory plan of a conversion of `ckpt` by `stages` (handed to each stage);
+    `largest_item`: the decoded elements of the largest work item once the items are built
+    (a fused set larger than the plan's item size is an item of its own), else a routed
+    expert's gate and up."""
+    shapes = Shapes.from_config(ckpt.text_config)
+    works = [w for s in stages if (w := s.gpu_work(shapes)) is not None]
+    if len(works) > 1:
+        raise KconvertError("a recipe may have one stage that runs a calibration forward "
+                            "beside the conversion")
+    plan = plan_conversion(shapes, budget, what, largest_item or shapes.expert_set(),
+                           works[0] if works else None)
+    for stage in stages:
+        stage.use_gpu_plan(plan)
+    return plan
+
+
+def _too_small(what: str, least: Footprint, budget: int, lower: str) -> GpuMemoryError:
+    """The refusal of a plan: what the least plan needs, its largest parts, what lowers it."""
+    parts = {**least.resident, **max(least.phases.values(), key=lambda p: sum(p.values()),
+                                     default={})}
+    big = sorted(((n, k) for k, n in parts.items() if n), reverse=True)[:3]
+    return GpuMemoryError(
+        f"{what} needs at least {gib(least.peak)} of GPU memory ("
+        + ", ".join(f"{k} {gib(n)}" for n, k in big)
+        + f"), more than its {gib(budget)} budget; raise --gpu-memory"
+        + (f", lower {lower}" if lower else "") + " or run on the CPU (--device cpu)")

@@ -1,0 +1,53 @@
+"""`kconvert inspect`'s GPU memory section: each GPU command's plan (kconvert.gpu_budget) at
+its default options on the checkpoint's shapes."""
+
+from __future__ import annotations
+
+from kconvert.gpu_plan import (
+    REPAIR_TOKENS,
+    Forward,
+    GpuMemoryError,
+    Shapes,
+    plan_conversion,
+    plan_forward,
+)
+from kconvert.options import BATCH_SIZE, EVAL_SAMPLES, REAP_SAMPLES, SEQ_LEN, SPARSEGPT_SAMPLES
+from kconvert.sparsity import obs
+
+
+def command_plans(text_config: dict, budget: int) -> dict[str, dict]:
+    """Each GPU command's plan at its default options on a model of `text_config` (what
+    `kconvert inspect` shows): peak bytes, micro-batch, hidden states' place, OBS batch, work
+    item size; or the refusal."""
+    s = Shapes.from_config(text_config)
+    least = s.expert_set()
+    obs_forward = Forward(SPARSEGPT_SAMPLES, SEQ_LEN, BATCH_SIZE, capture=True)
+    makers = {
+        "calibrate": lambda: plan_forward(s, Forward(REAP_SAMPLES, SEQ_LEN, BATCH_SIZE), budget,
+                                          "calibrate"),
+        "eval": lambda: plan_forward(s, Forward(EVAL_SAMPLES, SEQ_LEN, BATCH_SIZE, models=2),
+                                     budget, "eval"),
+        "reap --data --repair router": lambda: plan_forward(
+            s, Forward(REAP_SAMPLES, SEQ_LEN, BATCH_SIZE, repair_tokens=REPAIR_TOKENS),
+            budget, "reap"),
+        "sparsify --method sparsegpt": lambda: plan_conversion(
+            s, budget, "sparsify", least, obs.gpu_work(s, obs_forward, shared=False,
+                                                       against_rtn=False)),
+        "quantize --method gptq": lambda: plan_conversion(
+            s, budget, "quantize", least, obs.gpu_work(s, obs_forward, shared=False,
+                                                       against_rtn=True)),
+        "quantize": lambda: plan_conversion(s, budget, "quantize", least),
+    }
+    out = {}
+    for name, make in makers.items():
+        try:
+            plan = make()
+        except GpuMemoryError as exc:
+            out[name] = {"fits": False, "error": str(exc)}
+            continue
+        out[name] = {"fits": True, "peak_bytes": plan.footprint.peak,
+                     "batch_size": plan.batch_size or None,
+                     "hidden_on_device": plan.hidden_on_device if plan.batch_size else None,
+                     "obs_matrices": plan.obs_matrices or None, "work_elems": plan.work_elems,
+                     "lines": plan.lines(name)}
+    return out
