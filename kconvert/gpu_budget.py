@@ -148,13 +148,14 @@ def _capped(device: torch.device, budget: int | None) -> Iterator[None]:
     if device.type != "cuda" or budget is None:
         yield
         return
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
-    _CAPS[_index(device)] = budget
+    index = _index(device)  # the cap needs an index: "cuda" alone names none
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), index)
+    _CAPS[index] = budget
     try:
         yield
     finally:
-        _CAPS.pop(_index(device), None)
+        _CAPS.pop(index, None)
         log.info("GPU memory: peak %s reserved of a %s budget",
                  gib(torch.cuda.max_memory_reserved(device)), gib(budget))
         torch.cuda.empty_cache()
