@@ -159,7 +159,7 @@ def _capped(device: torch.device, budget: int | None) -> Iterator[None]:
         log.info("GPU memory: peak %s reserved of a %s budget",
                  gib(torch.cuda.max_memory_reserved(device)), gib(budget))
         torch.cuda.empty_cache()
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.set_per_process_memory_fraction(1.0, index)
 
 
 def oom_message(allocator: str, what: str, budget: int | None, lower: str = "") -> str:

@@ -353,3 +353,29 @@ def test_each_rank_plans_for_the_hidden_states_of_its_own_batches(monkeypatch):
     assert not plan().hidden_on_device
     monkeypatch.setattr(distributed, "world", lambda: 2)
     assert plan().hidden_on_device and plan().batch_size == 8
+
+
+def test_the_cap_names_the_card_by_index_for_a_bare_cuda_device(monkeypatch):
+    """`--device cuda` (no index) is the usual device: torch's per-process cap refuses it, so
+    the cap, its release and the card's size must get the current card's index (a GPU-only
+    path, checked here with torch.cuda's calls recorded instead of made)."""
+    calls = []
+
+    def needs_index(name):
+        def call(*args):
+            device = args[-1]
+            assert isinstance(device, int), f"{name} got {device!r}"
+            calls.append((name, *args))
+            return type("P", (), {"total_memory": 80 << 30})()
+        return call
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    for name in ("set_per_process_memory_fraction", "get_device_properties"):
+        monkeypatch.setattr(torch.cuda, name, needs_index(name))
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *_: 1 << 30)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    with gpu_budget.enforced(torch.device("cuda"), 40 << 30, "calibrate"):
+        pass
+    assert [c[0] for c in calls] == ["get_device_properties", "set_per_process_memory_fraction",
+                                     "set_per_process_memory_fraction"]
+    assert calls[1][1] == 0.5 and calls[2][1] == 1.0
