@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kconvert.errors import KconvertError
 from kconvert.formats.nvfp4 import E2M1, block_sum, cut_points, decode_steps, pack_codes
 
 BLOCK = 32
@@ -169,3 +170,19 @@ def fake_quantize(x: torch.Tensor) -> torch.Tensor:
 __all__ = ["BIAS", "BLOCK", "COMPRESSED_TENSORS", "EMAX_ELEM", "MAX_CODE", "MSE_CODE_OFFSETS",
            "NAN_CODE", "QUARK", "RULES", "Flavour", "MxQuantized", "amax_codes", "dequantize",
            "fake_quantize", "quantize", "steps"]
+
+
+def declared_dynamic(name: str, spec: dict | None, dynamic: dict, label: str) -> bool:
+    """Whether a config's activation `spec` for module `name` (its `label`, e.g. Quark's
+    input_tensors) declares MXFP4's dynamic form, whose keys and values `dynamic` gives:
+    False when it declares none; a form kconvert cannot run as served is an error, never a
+    module silently left unquantized."""
+    if not spec:
+        return False
+    said = {k: spec.get(k) for k in dynamic}
+    if said != dynamic:
+        raise KconvertError(f"{name}: the quantization_config gives its MXFP4 weights {label} "
+                            f"{said}, not MXFP4's dynamic form {dynamic}; kconvert cannot run "
+                            "them as served", file="config.json")
+    return True
+

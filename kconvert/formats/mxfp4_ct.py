@@ -7,7 +7,6 @@ from typing import ClassVar
 
 import torch
 
-from kconvert.errors import KconvertError
 from kconvert.formats import mxfp4
 from kconvert.formats.base import Codec, ParamRules, ParamSpec
 from kconvert.formats.ct_config import QUANT_METHOD, scheme_for, weight_problems
@@ -54,16 +53,8 @@ class Mxfp4Codec(Codec):
     @classmethod
     def declares_dynamic_input(cls, qconfig, name):
         group, _ = scheme_for(qconfig, name, linear=True)
-        acts = (group or {}).get("input_activations")
-        if not acts:
-            return False
-        said = {k: acts.get(k) for k in DYNAMIC_INPUT}
-        if said != DYNAMIC_INPUT:
-            raise KconvertError(f"{name}: the quantization_config gives its MXFP4 weights input "
-                                f"activations {said}, not MXFP4's dynamic form "
-                                f"{DYNAMIC_INPUT}; kconvert cannot run them as served",
-                                file="config.json")
-        return True
+        return mxfp4.declared_dynamic(name, (group or {}).get("input_activations"),
+                                      DYNAMIC_INPUT, "input activations")
 
     @classmethod
     def logical_shape(cls, infos, shape_value):

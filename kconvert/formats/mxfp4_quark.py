@@ -12,7 +12,6 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Mapping
 
-from kconvert.errors import KconvertError
 from kconvert.formats import mxfp4
 from kconvert.formats.base import Codec, OutputModule
 from kconvert.formats.dense import DenseCodec
@@ -63,16 +62,8 @@ class QuarkMxfp4Codec(Mxfp4Codec):
     def declares_dynamic_input(cls, qconfig, name):
         if excluded(qconfig, name):
             return False
-        spec = module_config(qconfig, name).get("input_tensors")
-        if not spec:
-            return False
-        said = {k: spec.get(k) for k in DYNAMIC_INPUT}
-        if said != DYNAMIC_INPUT:
-            raise KconvertError(f"{name}: the quantization_config gives its MXFP4 weights "
-                                f"input_tensors {said}, not MXFP4's dynamic form "
-                                f"{DYNAMIC_INPUT}; kconvert cannot run them as served",
-                                file="config.json")
-        return True
+        return mxfp4.declared_dynamic(name, module_config(qconfig, name).get("input_tensors"),
+                                      DYNAMIC_INPUT, "input_tensors")
 
 
 def module_config(qconfig: dict, name: str) -> dict:
