@@ -48,8 +48,12 @@ class ObsEntry(BaseModel):
         description="what was written: GPTQ's result, or round-to-nearest where GPTQ's output "
                     "error was not smaller")
     gptq_error: float = Field(description="tr(dW H dW^T) of GPTQ's result, H = X^T X of the "
-                                          "calibration tokens")
+                                          "tokens `judged_on` names")
     rtn_error: float = Field(description="tr(dW H dW^T) of round-to-nearest on the same H")
+    judged_on: Literal["held-out", "calibration"] = Field(
+        default="calibration",
+        description="held-out: every 8th token routed to the matrix, left out of GPTQ's fit; "
+                    "calibration: all its tokens (too few to hold any out)")
 
 
 class SourceEntry(BaseModel):

@@ -37,6 +37,14 @@ from kconvert.gpu_plan import Forward, GpuWork, Obs, Shapes
 from kconvert.model.names import TensorName
 
 BLOCKSIZE = 128  # columns per lazy-update block (else one NVFP4 block, for small K)
+
+# GPTQ is judged against RTN on tokens its fit did not see: every HELDOUT_EVERY-th token routed
+# to a matrix is held out of its Hessian, where that leaves at least HELDOUT_MIN of them (else
+# both are judged on the calibration tokens, and the manifest says so). On the calibration
+# tokens alone GPTQ always looks better; held out, an expert with fewer routed tokens than
+# inputs can be worse (docs/obs.md).
+HELDOUT_EVERY = 8
+HELDOUT_MIN = 128
 PERCDAMP = 0.1  # damping, as a fraction of the mean Hessian diagonal (p48.md)
 
 
@@ -99,8 +107,9 @@ def experts_per_batch(rows: int, k: int, budget: int | None, tokens: int = 0,
 def batch_bytes(rows: int, k: int, tokens: int = 0, against_rtn: bool = False) -> int:
     """Device bytes one matrix [rows, k] of an OBS batch needs: the Hessian, its factor and
     their temporaries, the weights, their copy and the result, the routed inputs, and with
-    `against_rtn` RTN's values, the difference and its product with H."""
-    return 4 * (4 * k * k + (7 if against_rtn else 4) * rows * k + tokens * k)
+    `against_rtn` the held-out Hessian, RTN's values, the difference and its product with H."""
+    return 4 * ((5 if against_rtn else 4) * k * k + (7 if against_rtn else 4) * rows * k
+                + tokens * k)
 
 
 def gpu_work(shapes: Shapes, forward: Forward, *, shared: bool, against_rtn: bool) -> GpuWork:
@@ -261,12 +270,14 @@ def members_of(names: Sequence[TensorName]) -> list[Member]:
 
 @dataclass(frozen=True)
 class Choice:
-    """GPTQ against RTN for one matrix: both output errors on the same Hessian, and which was
-    written ("gptq" only when strictly better)."""
+    """GPTQ against RTN for one matrix: both output errors on the same Hessian (that of the
+    held-out tokens where the matrix has HELDOUT_MIN of them, else the calibration tokens'),
+    and which was written ("gptq" only when strictly better)."""
 
     method: str
     gptq_error: float
     rtn_error: float
+    judged_on: str = "calibration"  # "held-out": tokens the GPTQ fit did not see
 
 
 def quantize_batches(w: torch.Tensor, gs: torch.Tensor, members: Sequence[Member],
@@ -274,13 +285,15 @@ def quantize_batches(w: torch.Tensor, gs: torch.Tensor, members: Sequence[Member
                      local_dtype: torch.dtype, arithmetic: str, *, mask: MaskRule | None = None,
                      against_rtn: bool = False, budget: int | None = None,
                      written: Callable[[int, torch.Tensor], None] | None = None,
+                     judge: Callable[[Member], torch.Tensor | None] | None = None,
                      ) -> tuple[torch.Tensor, torch.Tensor, list[Choice] | None]:
     """OBS-quantize w [B, M, K] (B matrices, per-matrix global scales gs [B]), batching the
     Hessian-sharing groups of `members` (one per matrix) `experts_per_batch(budget)` at a time.
 
-    With `against_rtn`, each matrix's result is compared with round-to-nearest on the same
-    Hessian and the better is kept (RTN's values and codes are the encoder's own, so an RTN
-    choice gives exactly the bytes of a run without OBS); the choices come back per matrix.
+    With `against_rtn`, each matrix's result is compared with round-to-nearest and the better
+    is kept (RTN's values and codes are the encoder's own, so an RTN choice gives exactly the
+    bytes of a run without OBS); the choices come back per matrix. The comparison is on the
+    Hessian `judge` gives (held-out tokens), or on the fitted one where it gives None.
     `written(i, w_hat_i)` sees each matrix's result as soon as its batch is done (SparseGPT's
     sequential Hessians). Returns (weights [B, M, K], block codes uint8 [B, M, K/group_size],
     choices or None).
@@ -309,9 +322,13 @@ def quantize_batches(w: torch.Tensor, gs: torch.Tensor, members: Sequence[Member
                                     arithmetic, mask=mask)
         del u
         if against_rtn:
-            w_hat, codes = keep_better_than_rtn(target, w_hat, codes, h, row_gs, per,
+            held = [None if judge is None else judge(members[groups[i][0]]) for i in batch]
+            judged = torch.stack([h[n] if o is None else o.to(w.device)
+                                  for n, o in enumerate(held)])
+            w_hat, codes = keep_better_than_rtn(target, w_hat, codes, judged, row_gs, per,
                                                 group_size, rule, local_dtype, arithmetic, rows,
-                                                choices)
+                                                choices, [o is not None for o in held])
+            del judged
         del h
         out[idx] = w_hat.reshape(-1, m, k)
         out_codes[idx] = codes.reshape(-1, m, k // group_size)
@@ -325,10 +342,12 @@ def quantize_batches(w: torch.Tensor, gs: torch.Tensor, members: Sequence[Member
 def keep_better_than_rtn(target: torch.Tensor, w_hat: torch.Tensor, codes: torch.Tensor,
                          h: torch.Tensor, row_gs: torch.Tensor, per: int, group_size: int,
                          rule: str, local_dtype: torch.dtype, arithmetic: str, rows: list[int],
-                         choices: list[Choice | None]) -> tuple[torch.Tensor, torch.Tensor]:
+                         choices: list[Choice | None], held_out: list[bool] | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per matrix (`per` matrices of equal rows share each batch entry of target [nb, r, k]),
     the OBS result (w_hat, codes) or RTN's, whichever has the smaller output error on h; each
-    matrix's Choice goes to choices[rows[...]]."""
+    matrix's Choice goes to choices[rows[...]], saying whether entry's h was of held-out
+    tokens (`held_out`, per batch entry)."""
     nb, r, k = target.shape
     blocks = target.reshape(nb * r, -1, group_size)
     rtn_codes = nvfp4.choose_block_codes(blocks, row_gs.reshape(-1, 1), rule, local_dtype,
@@ -339,9 +358,11 @@ def keep_better_than_rtn(target: torch.Tensor, w_hat: torch.Tensor, codes: torch
     obs_err = output_error(target, w_hat, h).reshape(nb, per, m).sum(-1)
     rtn_err = output_error(target, rtn, h).reshape(nb, per, m).sum(-1)
     better = (obs_err < rtn_err).repeat_interleave(m, dim=1)  # [nb, r]
-    for j, o, e in zip(rows, obs_err.reshape(-1).tolist(), rtn_err.reshape(-1).tolist(),
-                       strict=True):
-        choices[j] = Choice("gptq" if o < e else "rtn", o, e)
+    on = [("held-out" if held_out and held_out[n] else "calibration")
+          for n in range(nb) for _ in range(per)]
+    for j, o, e, where in zip(rows, obs_err.reshape(-1).tolist(), rtn_err.reshape(-1).tolist(),
+                              on, strict=True):
+        choices[j] = Choice("gptq" if o < e else "rtn", o, e, where)
     # RTN's matrices go to the encoder as the target itself with RTN's codes: the encoder
     # rounds them exactly as an RTN run does (same nibbles, negative zeros included).
     return (torch.where(better[..., None], w_hat, target),

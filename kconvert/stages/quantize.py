@@ -149,13 +149,14 @@ class Quantize(Stage):
 
     def transform(self, modules, w, gs, scale_rule, local_dtype, arithmetic):
         """GPTQ on the decoded target weights w [B, M, K], per matrix kept only where it beats
-        RTN on the same Hessian; the choices go to the manifest (`obs`)."""
+        RTN on held-out tokens (obs.HELDOUT_EVERY); the choices go to the manifest (`obs`)."""
         hessians = self.calibration.hessians
         out, codes, choices = obs.quantize_batches(
             w, gs, obs.members_of([m.tn for m in modules]),
-            lambda mb: hessians.hessian(mb.layer, mb.expert, mb.proj), modules[0].group_size,
-            scale_rule, local_dtype, arithmetic, against_rtn=True,
-            budget=hessians.obs_budget(w.device))
+            lambda mb: hessians.split_hessians(mb.layer, mb.expert, mb.proj).fit,
+            modules[0].group_size, scale_rule, local_dtype, arithmetic, against_rtn=True,
+            budget=hessians.obs_budget(w.device),
+            judge=lambda mb: hessians.split_hessians(mb.layer, mb.expert, mb.proj).held_out)
         return out, codes, [asdict(c) for c in choices]
 
     def claim(self, m: ModuleWork) -> None:

@@ -92,6 +92,31 @@ def test_gptq_kept_only_where_it_beats_rtn():
     assert torch.equal(got.block_scales.view(torch.uint8), rtn.block_scales.view(torch.uint8))
 
 
+def test_gptq_judged_on_held_out_tokens():
+    """The comparison with RTN is on the held-out tokens' Hessian where one is given: GPTQ fitted
+    to correlated inputs beats RTN on them (above), but judged on held-out tokens whose
+    Hessian is diagonal it loses, so RTN is written, with both errors the true ones on the
+    held-out Hessian; a matrix with no held-out Hessian is judged on its calibration one."""
+    w, h, gs = _problem(3, 16, 128, 400, seed=5, arithmetic="compressed-tensors")
+    held = torch.diag_embed(h.diagonal(dim1=-2, dim2=-1))
+    members = [obs.Member(0, e, "gate_proj") for e in range(3)]
+    out, codes, choices = obs.quantize_batches(
+        w, gs, members, lambda mb: h[mb.expert], 16, "mse", torch.float32,
+        "compressed-tensors", against_rtn=True,
+        judge=lambda mb: None if mb.expert == 2 else held[mb.expert])
+    assert [(c.method, c.judged_on) for c in choices] == [
+        ("rtn", "held-out"), ("rtn", "held-out"), ("gptq", "calibration")]
+    rtn = nvfp4.fake_quantize(w.reshape(48, -1, 16), nvfp4.choose_block_codes(
+        w.reshape(48, -1, 16), gs.repeat_interleave(16).reshape(-1, 1), "mse", torch.float32,
+        "compressed-tensors"), gs.repeat_interleave(16).reshape(-1, 1),
+        "compressed-tensors").reshape(w.shape)
+    for i in range(2):
+        assert torch.equal(out[i], w[i])  # RTN: the encoder rounds the target itself
+        assert choices[i].rtn_error == pytest.approx(float(obs.output_error(
+            w[i:i + 1], rtn[i:i + 1], held[i:i + 1]).sum()), rel=1e-6)
+        assert choices[i].rtn_error <= choices[i].gptq_error
+
+
 def _data(tmp_path, vocab: int):
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"input_ids": [(7 * i + j) % vocab for j in range(16)]})
@@ -150,6 +175,8 @@ def test_quantize_gptq_shared_expert_and_usage(tmp_path):
     assert man["options"]["quantize"]["gptq_targets"] == ["routed_expert", "shared_expert"]
     assert any(".shared_experts." in m for m in man["obs"])
     assert not any(".self_attn." in m for m in man["obs"])
+    # 64 tokens: too few to hold any out (obs.HELDOUT_MIN), and the manifest says so
+    assert {c["judged_on"] for c in man["obs"].values()} == {"calibration"}
     assert all(c["gptq_error"] < c["rtn_error"] or c["method"] == "rtn"
                for c in man["obs"].values())
     code, out = _run("audit", str(dst), "--source", str(TINY_MOE))
@@ -176,3 +203,22 @@ def test_gptq_is_nvfp4_only(tmp_path):
     assert not dst.exists() or not any(dst.iterdir())
     code, out = _run("int4-to-mxfp4", str(BUNDLED), str(dst), "--method", "gptq")
     assert code == 2 and "--method" in out
+
+
+def test_quantize_gptq_holds_tokens_out_where_there_are_enough(tmp_path):
+    """2,048 calibration tokens: the shared expert (every token) holds 256 out and is judged on
+    them; a routed expert's ~340 tokens leave too few (obs.HELDOUT_MIN) and are judged on all."""
+    vocab = json.loads((TINY_MOE / "config.json").read_text())["vocab_size"]
+    data = tmp_path / "d.jsonl"
+    g = torch.Generator().manual_seed(0)
+    data.write_text("".join(json.dumps({"input_ids": torch.randint(0, vocab, (64,), generator=g)
+                                        .tolist()}) + "\n" for _ in range(32)))
+    dst = tmp_path / "q"
+    code, out = _run("quantize", str(TINY_MOE), str(dst), "--method", "gptq", "--data",
+                     str(data), "--seq-len", "64", "--samples", "32", "--targets",
+                     "experts,shared_experts")
+    assert code == 0, out
+    judged = {m: c["judged_on"] for m, c in json.loads(
+        (dst / "kconvert-manifest.json").read_text())["obs"].items()}
+    assert {j for m, j in judged.items() if ".shared_experts." in m} == {"held-out"}
+    assert {j for m, j in judged.items() if ".experts." in m} == {"calibration"}
