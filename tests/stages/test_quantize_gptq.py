@@ -100,7 +100,7 @@ def test_gptq_judged_on_held_out_tokens():
     w, h, gs = _problem(3, 16, 128, 400, seed=5, arithmetic="compressed-tensors")
     held = torch.diag_embed(h.diagonal(dim1=-2, dim2=-1))
     members = [obs.Member(0, e, "gate_proj") for e in range(3)]
-    out, codes, choices = obs.quantize_batches(
+    out, _codes, choices = obs.quantize_batches(
         w, gs, members, lambda mb: h[mb.expert], 16, "mse", torch.float32,
         "compressed-tensors", against_rtn=True,
         judge=lambda mb: None if mb.expert == 2 else held[mb.expert])
