@@ -85,8 +85,8 @@ def main() -> None:
         for w, proj in ((gu, "gate_proj"), (down, "down_proj")):
             out, codes, ch = obs.quantize_batches(
                 w, nvfp4.tensor_scale(w.abs().amax((1, 2))), [obs.Member(1, e, proj)],
-                lambda mb, hess=hess: hess[mb.proj], 16, "mse", torch.float32, "compressed-tensors",
-                against_rtn=True)
+                lambda mb, hess=hess: obs.HessianSplit(hess[mb.proj], None), 16, "mse",
+                torch.float32, "compressed-tensors", against_rtn=True)
             gptq.append(decoded(out, codes))
             choices.append({"expert": e, "proj": "gate_up" if proj == "gate_proj" else "down",
                             **ch[0].__dict__})

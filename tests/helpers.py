@@ -162,3 +162,35 @@ def kimi_moe_block(x: torch.Tensor, t: dict[str, torch.Tensor], layer: int, cfg:
             e = int(chosen[i, j])
             out[i] += g[i, j] * mlp(f"{p}experts.{e}.", x[i:i + 1])[0]
     return out
+
+
+def obs_problem(b: int, m: int, k: int, tokens: int, seed: int, arithmetic: str
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An OBS test problem: weights [b, m, k], a Hessian per matrix from correlated inputs with
+    uneven column scales (one column no token touched), and each matrix's NVFP4 global scale
+    [b]."""
+    from kconvert.formats import nvfp4
+
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(k, k, generator=g) / k ** 0.5 + torch.eye(k)
+    x = torch.randn(b, tokens, k, generator=g) @ mix * torch.rand(k, generator=g) * 3
+    h = x.transpose(1, 2) @ x
+    h[0, :, 3] = h[0, 3, :] = 0.0
+    w = torch.randn(b, m, k, generator=g) * k ** -0.5
+    return w, h, nvfp4.tensor_scale(w.abs().amax((1, 2)), arithmetic)
+
+
+def eval_logits(src: Path, candidates: list[Path], ids: torch.Tensor) -> list:
+    """kconvert.evaluate of `candidates` against `src` on the CPU in fp32 (batches of 2): each
+    candidate's logits comparison (its KL mean, top-1, ...)."""
+    from kconvert.evaluate.run import evaluate
+    from kconvert.io.checkpoint import open_checkpoint
+
+    opened = [open_checkpoint(str(p)) for p in (src, *candidates)]
+    try:
+        report = evaluate(opened[0], opened[1:], ids, "cpu", 2, dtype=torch.float32)
+    finally:
+        for ckpt in opened:
+            ckpt.close()
+    return [c.logits for c in report.candidates]
+

@@ -18,7 +18,6 @@ import queue
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
@@ -26,7 +25,7 @@ from kconvert.calibrate.data import load_calibration_data
 from kconvert.errors import KconvertError
 from kconvert.gpu_plan import Forward, GpuPlan, GpuWork, Shapes
 from kconvert.io.checkpoint import Checkpoint
-from kconvert.sparsity.obs import HELDOUT_EVERY, HELDOUT_MIN, gpu_work
+from kconvert.sparsity.obs import HELDOUT_EVERY, HELDOUT_MIN, HessianSplit, gpu_work
 
 
 class _Closed(Exception):
@@ -37,13 +36,6 @@ class _Closed(Exception):
 class _Handoff:
     layer: int
     moe: object  # calibrate.MoEBlock, weights loaded and inputs captured
-
-
-class HessianSplit(NamedTuple):
-    """A matrix's Hessian from the tokens its fit sees, and from those held out (or None)."""
-
-    fit: torch.Tensor
-    held_out: torch.Tensor | None
 
 
 class CalibrationHessians:
@@ -70,7 +62,6 @@ class CalibrationHessians:
         # asked for: the forward's micro-batch, where its hidden states live, the OBS share.
         self.gpu_plan: GpuPlan | None = None
         self._replaced: set[tuple[int, int]] = set()  # (layer, expert): gate/up replaced
-        self._split: tuple[tuple, HessianSplit] | None = None  # the last split_hessians
         self._handoffs: queue.Queue = queue.Queue(maxsize=1)
         self._release = threading.Event()
         self._thread: threading.Thread | None = None
@@ -150,22 +141,16 @@ class CalibrationHessians:
         return x.T @ x
 
     def split_hessians(self, layer: int, expert: int | None, proj: str) -> HessianSplit:
-        """`hessian`'s X^T X split in two: the fit's, without every obs.HELDOUT_EVERY-th token,
-        and the held-out tokens' (None, and the fit's over every token, where fewer than
-        obs.HELDOUT_MIN would be held out). The last split is kept, since GPTQ asks for the
-        fit's and then the held-out one of the same matrix."""
-        key = (layer, expert, proj)
-        if self._split is None or self._split[0] != key:
-            x = self.inputs(layer, expert, proj)
-            held = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
-            held[HELDOUT_EVERY - 1::HELDOUT_EVERY] = True
-            if int(held.sum()) < HELDOUT_MIN:
-                split = HessianSplit(x.T @ x, None)
-            else:
-                fit, out = x[~held], x[held]
-                split = HessianSplit(fit.T @ fit, out.T @ out)
-            self._split = (key, split)
-        return self._split[1]
+        """`hessian`'s X^T X split in two: the fit's, without every HELDOUT_EVERY-th token, and
+        the held-out tokens' (None, and the fit's over every token, where fewer than
+        HELDOUT_MIN would be held out)."""
+        x = self.inputs(layer, expert, proj)
+        held = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+        held[HELDOUT_EVERY - 1::HELDOUT_EVERY] = True
+        if int(held.sum()) < HELDOUT_MIN:
+            return HessianSplit(x.T @ x, None)
+        fit, out = x[~held], x[held]
+        return HessianSplit(fit.T @ fit, out.T @ out)
 
     def inputs(self, layer: int, expert: int | None, proj: str) -> torch.Tensor:
         """X [tokens, in] (fp32, on the device) of `hessian`."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -248,6 +249,14 @@ def output_error(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor) -> torch
         return (torch.bmm(d, h.float()) * d).sum(-1, dtype=torch.float64)
 
 
+class HessianSplit(NamedTuple):
+    """A matrix's Hessian from the tokens its fit sees, and from those held out of it (None
+    where none are: then both the fit and the comparison with RTN use `fit`)."""
+
+    fit: torch.Tensor
+    held_out: torch.Tensor | None
+
+
 @dataclass(frozen=True)
 class Member:
     """One matrix of a transform item and the Hessian it is quantized under (`expert` None: the
@@ -281,11 +290,10 @@ class Choice:
 
 
 def quantize_batches(w: torch.Tensor, gs: torch.Tensor, members: Sequence[Member],
-                     hessian: Callable[[Member], torch.Tensor], group_size: int, rule: str,
+                     hessian: Callable[[Member], HessianSplit], group_size: int, rule: str,
                      local_dtype: torch.dtype, arithmetic: str, *, mask: MaskRule | None = None,
                      against_rtn: bool = False, budget: int | None = None,
                      written: Callable[[int, torch.Tensor], None] | None = None,
-                     judge: Callable[[Member], torch.Tensor | None] | None = None,
                      ) -> tuple[torch.Tensor, torch.Tensor, list[Choice] | None]:
     """OBS-quantize w [B, M, K] (B matrices, per-matrix global scales gs [B]), batching the
     Hessian-sharing groups of `members` (one per matrix) `experts_per_batch(budget)` at a time.
@@ -293,7 +301,7 @@ def quantize_batches(w: torch.Tensor, gs: torch.Tensor, members: Sequence[Member
     With `against_rtn`, each matrix's result is compared with round-to-nearest and the better
     is kept (RTN's values and codes are the encoder's own, so an RTN choice gives exactly the
     bytes of a run without OBS); the choices come back per matrix. The comparison is on the
-    Hessian `judge` gives (held-out tokens), or on the fitted one where it gives None.
+    held-out tokens' Hessian where `hessian` gives one, else on the fitted one.
     `written(i, w_hat_i)` sees each matrix's result as soon as its batch is done (SparseGPT's
     sequential Hessians). Returns (weights [B, M, K], block codes uint8 [B, M, K/group_size],
     choices or None).
@@ -312,7 +320,13 @@ def quantize_batches(w: torch.Tensor, gs: torch.Tensor, members: Sequence[Member
     step = experts_per_batch(per * m, k, budget, against_rtn=against_rtn)
     for start in range(0, len(order), step):
         batch = range(start, min(start + step, len(order)))
-        h = torch.stack([hessian(members[groups[i][0]]).to(w.device) for i in batch])
+        fits, held = [], []
+        for i in batch:
+            split = hessian(members[groups[i][0]])
+            fits.append(split.fit.to(w.device))
+            held.append(split.held_out)
+        h = torch.stack(fits)
+        del fits, split
         u = prepare_inverse(h)
         rows = [j for i in batch for j in groups[i]]
         idx = torch.tensor(rows, device=w.device)
@@ -322,14 +336,13 @@ def quantize_batches(w: torch.Tensor, gs: torch.Tensor, members: Sequence[Member
                                     arithmetic, mask=mask)
         del u
         if against_rtn:
-            held = [None if judge is None else judge(members[groups[i][0]]) for i in batch]
             judged = torch.stack([h[n] if o is None else o.to(w.device)
                                   for n, o in enumerate(held)])
             w_hat, codes = keep_better_than_rtn(target, w_hat, codes, judged, row_gs, per,
                                                 group_size, rule, local_dtype, arithmetic, rows,
                                                 choices, [o is not None for o in held])
             del judged
-        del h
+        del h, held
         out[idx] = w_hat.reshape(-1, m, k)
         out_codes[idx] = codes.reshape(-1, m, k // group_size)
         del w_hat

@@ -153,10 +153,9 @@ class Quantize(Stage):
         hessians = self.calibration.hessians
         out, codes, choices = obs.quantize_batches(
             w, gs, obs.members_of([m.tn for m in modules]),
-            lambda mb: hessians.split_hessians(mb.layer, mb.expert, mb.proj).fit,
+            lambda mb: hessians.split_hessians(mb.layer, mb.expert, mb.proj),
             modules[0].group_size, scale_rule, local_dtype, arithmetic, against_rtn=True,
-            budget=hessians.obs_budget(w.device),
-            judge=lambda mb: hessians.split_hessians(mb.layer, mb.expert, mb.proj).held_out)
+            budget=hessians.obs_budget(w.device))
         return out, codes, [asdict(c) for c in choices]
 
     def claim(self, m: ModuleWork) -> None:

@@ -187,7 +187,7 @@ class Sparsify(Stage):
                 hessians.replace(tn.layer, tn.expert, tn.proj, w_hat)
         out, codes, _ = obs.quantize_batches(
             w, gs, obs.members_of([m.tn for m in modules]),
-            lambda mb: hessians.hessian(mb.layer, mb.expert, mb.proj),
+            lambda mb: obs.HessianSplit(hessians.hessian(mb.layer, mb.expert, mb.proj), None),
             self.group_size, scale_rule, local_dtype, arithmetic, mask=sparsegpt.p48_mask,
             budget=hessians.obs_budget(w.device), written=written)
         return out, codes

@@ -18,6 +18,7 @@ import torch
 from click.testing import CliRunner
 
 from conftest import BUNDLED, ROOT
+from helpers import obs_problem
 from kconvert.cli import main
 from kconvert.formats import nvfp4
 from kconvert.sparsity import obs
@@ -26,25 +27,13 @@ from oracles import raw_tensors, sparsegpt_inverse_reference, sparsegpt_per_colu
 TINY_MOE = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
 
 
-def _problem(b: int, m: int, k: int, tokens: int, seed: int, arithmetic: str):
-    """Weights, a Hessian from correlated inputs with uneven column scales, row scales."""
-    g = torch.Generator().manual_seed(seed)
-    mix = torch.randn(k, k, generator=g) / k ** 0.5 + torch.eye(k)
-    x = torch.randn(b, tokens, k, generator=g) @ mix * torch.rand(k, generator=g) * 3
-    h = x.transpose(1, 2) @ x
-    h[0, :, 3] = h[0, 3, :] = 0.0  # a column no token touched
-    w = torch.randn(b, m, k, generator=g) * k ** -0.5
-    gs = nvfp4.tensor_scale(w.abs().amax((1, 2)), arithmetic)
-    return w, h, gs
-
-
 @pytest.mark.parametrize("shape,group,rule,arithmetic", [
     ((2, 32, 256, 600), 16, "mse", "compressed-tensors"),  # two lazy blocks of 128
     ((2, 24, 96, 300), 32, "amax", "modelopt"),  # K < 128: lazy block = scale block
 ])
 def test_gptq_loop_matches_the_per_column_loop(shape, group, rule, arithmetic):
     b, m, k, tokens = shape
-    w, h, gs = _problem(b, m, k, tokens, seed=k, arithmetic=arithmetic)
+    w, h, gs = obs_problem(b, m, k, tokens, seed=k, arithmetic=arithmetic)
     row_gs = gs.repeat_interleave(m).reshape(b, m)
     ref_w, ref_codes = sparsegpt_per_column(w, sparsegpt_inverse_reference(h), row_gs, group,
                                             rule, arithmetic, prune=False)
@@ -67,15 +56,15 @@ def test_gptq_loop_matches_the_per_column_loop(shape, group, rule, arithmetic):
 
 def _batches(w, h, gs):
     members = [obs.Member(0, e, "gate_proj") for e in range(w.shape[0])]
-    return obs.quantize_batches(w, gs, members, lambda mb: h[mb.expert], 16, "mse",
-                                torch.float32, "compressed-tensors", against_rtn=True)
+    return obs.quantize_batches(w, gs, members, lambda mb: obs.HessianSplit(h[mb.expert], None),
+                                16, "mse", torch.float32, "compressed-tensors", against_rtn=True)
 
 
 def test_gptq_kept_only_where_it_beats_rtn():
     """Correlated inputs: GPTQ wins and its recorded errors are the true ones. A diagonal
     Hessian leaves GPTQ nothing to compensate (its result is RTN's, a tie): RTN is kept, and
     its values and codes are exactly the encoder's RTN."""
-    w, h, gs = _problem(3, 16, 128, 400, seed=5, arithmetic="compressed-tensors")
+    w, h, gs = obs_problem(3, 16, 128, 400, seed=5, arithmetic="compressed-tensors")
     out, codes, choices = _batches(w, h, gs)
     assert [c.method for c in choices] == ["gptq"] * 3
     for i, c in enumerate(choices):
@@ -97,13 +86,13 @@ def test_gptq_judged_on_held_out_tokens():
     to correlated inputs beats RTN on them (above), but judged on held-out tokens whose
     Hessian is diagonal it loses, so RTN is written, with both errors the true ones on the
     held-out Hessian; a matrix with no held-out Hessian is judged on its calibration one."""
-    w, h, gs = _problem(3, 16, 128, 400, seed=5, arithmetic="compressed-tensors")
+    w, h, gs = obs_problem(3, 16, 128, 400, seed=5, arithmetic="compressed-tensors")
     held = torch.diag_embed(h.diagonal(dim1=-2, dim2=-1))
     members = [obs.Member(0, e, "gate_proj") for e in range(3)]
     out, _codes, choices = obs.quantize_batches(
-        w, gs, members, lambda mb: h[mb.expert], 16, "mse", torch.float32,
-        "compressed-tensors", against_rtn=True,
-        judge=lambda mb: None if mb.expert == 2 else held[mb.expert])
+        w, gs, members,
+        lambda mb: obs.HessianSplit(h[mb.expert], None if mb.expert == 2 else held[mb.expert]),
+        16, "mse", torch.float32, "compressed-tensors", against_rtn=True)
     assert [(c.method, c.judged_on) for c in choices] == [
         ("rtn", "held-out"), ("rtn", "held-out"), ("gptq", "calibration")]
     rtn = nvfp4.fake_quantize(w.reshape(48, -1, 16), nvfp4.choose_block_codes(

@@ -20,6 +20,7 @@ from click.testing import CliRunner
 from nvfp4_reference import sparsegpt_inverse, sparsegpt_p48_nvfp4
 
 from conftest import BUNDLED, ROOT
+from helpers import obs_problem
 from kconvert import options
 from kconvert.cli import base as cli
 from kconvert.cli import main
@@ -35,15 +36,9 @@ TINY_MOE = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
 
 
 def _problem(b: int, m: int, k: int, tokens: int, seed: int, arithmetic: str):
-    """Weights, a Hessian from correlated inputs with uneven column scales, row scales."""
-    g = torch.Generator().manual_seed(seed)
-    mix = torch.randn(k, k, generator=g) / k ** 0.5 + torch.eye(k)
-    x = torch.randn(b, tokens, k, generator=g) @ mix * torch.rand(k, generator=g) * 3
-    h = x.transpose(1, 2) @ x
-    h[0, :, 3] = h[0, 3, :] = 0.0  # a column no token touched
-    w = torch.randn(b, m, k, generator=g) * k ** -0.5
-    gs = nvfp4.tensor_scale(w.abs().amax((1, 2)), arithmetic).repeat_interleave(m).reshape(b, m)
-    return w, h, gs
+    """helpers.obs_problem with its global scales per row [b, m]."""
+    w, h, gs = obs_problem(b, m, k, tokens, seed, arithmetic)
+    return w, h, gs.repeat_interleave(m).reshape(b, m)
 
 
 def _relative_error(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor) -> float:
