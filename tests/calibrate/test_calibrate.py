@@ -40,15 +40,6 @@ MOE_LAYERS = (1, 2)
 PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread is faster (and kinder to a shared CPU)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _tensors(d: Path) -> dict[str, torch.Tensor]:
     out = {}
     for f in sorted(d.glob("*.safetensors")):

@@ -29,14 +29,6 @@ from oracles import per_expert_routed
 TRAINED = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _ids(n: int = 3, seq: int = 24) -> torch.Tensor:
     return torch.randint(0, 250, (n, seq), generator=torch.Generator().manual_seed(0))
 

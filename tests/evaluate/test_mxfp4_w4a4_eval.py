@@ -24,12 +24,12 @@ from quark.torch.quantization.file2file_quantization import quantize_model_per_s
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 
 from conftest import BUNDLED, ROOT
+from helpers import eval_logits
 from kconvert.calibrate.forward import ForwardContext, model_config
 from kconvert.calibrate.load import build_layer, read_layer, tensors_by_layer
 from kconvert.convert import RunControl, convert
 from kconvert.errors import KconvertError
 from kconvert.evaluate import activations
-from kconvert.evaluate.run import evaluate
 from kconvert.formats import Mxfp4Codec, QuarkMxfp4Codec, mxfp4
 from kconvert.io.checkpoint import open_checkpoint
 from kconvert.recipes import load_recipe
@@ -206,12 +206,6 @@ def test_declared_inputs_are_quantized_as_the_oracle_does(twins, fmt, oracle):
 
 def test_w4a4_eval_differs_from_its_w4a16_twin(twins):
     ids = heldout_ids(2 * 64, seed=5, window=64).reshape(2, 64)
-    names = [twins["mxfp4-pack-quantized", "none"], twins["mxfp4-pack-quantized", "dynamic"]]
-    opened = [open_checkpoint(str(p)) for p in (SRC, *names)]
-    try:
-        report = evaluate(opened[0], opened[1:], ids, "cpu", 2, dtype=torch.float32)
-    finally:
-        for ckpt in opened:
-            ckpt.close()
-    w4a16, w4a4 = (c.logits for c in report.candidates)
+    w4a16, w4a4 = eval_logits(SRC, [twins["mxfp4-pack-quantized", "none"],
+                                     twins["mxfp4-pack-quantized", "dynamic"]], ids)
     assert w4a4.kl_mean > w4a16.kl_mean > 0

@@ -19,11 +19,11 @@ from nvfp4_reference import fp8_value, round_e2m1
 from safetensors import safe_open
 
 from conftest import ROOT
+from helpers import eval_logits
 from kconvert.calibrate.forward import ForwardContext, model_config
 from kconvert.calibrate.load import build_layer, read_layer, tensors_by_layer
 from kconvert.convert import RunControl, convert
 from kconvert.evaluate import activations
-from kconvert.evaluate.run import evaluate
 from kconvert.io.checkpoint import open_checkpoint
 from kconvert.recipes import load_recipe
 from kconvert.testing.tiny_moe import heldout_ids
@@ -147,12 +147,6 @@ def test_routed_experts_see_their_inputs_quantized_with_the_stored_scales(twins,
 
 def test_w4a4_eval_differs_from_its_w4a16_twin(twins):
     ids = heldout_ids(2 * 64, seed=5, window=64).reshape(2, 64)
-    names = [twins["compressed-tensors", "w4a16"], twins["compressed-tensors", "w4a4"]]
-    opened = [open_checkpoint(str(p)) for p in (SRC, *names)]
-    try:
-        report = evaluate(opened[0], opened[1:], ids, "cpu", 2, dtype=torch.float32)
-    finally:
-        for ckpt in opened:
-            ckpt.close()
-    w4a16, w4a4 = (c.logits for c in report.candidates)
+    w4a16, w4a4 = eval_logits(SRC, [twins["compressed-tensors", "w4a16"],
+                                     twins["compressed-tensors", "w4a4"]], ids)
     assert w4a4.kl_mean > w4a16.kl_mean > 0
