@@ -85,6 +85,14 @@ def run(ranks: int, args: list[str], drop: bool = False) -> dict:
     return res
 
 
+def past_deadline(res: dict, what: str) -> bool:
+    """True (and `what` recorded as skipped) once DEADLINE_S has passed."""
+    if time.perf_counter() <= DEADLINE:
+        return False
+    res.setdefault("skipped", []).append(what)
+    return True
+
+
 def stats_difference(a: Path, b: Path) -> dict:
     from safetensors.torch import load_file
 
@@ -114,8 +122,7 @@ def part_calibrate(res: dict, src: Path) -> None:
                   "--batch-size", str(calib.BATCH), "--device", DEV, "-v"]
         runs = {}
         for ranks in (1, RANKS):
-            if time.perf_counter() > DEADLINE:
-                res.setdefault("skipped", []).append(f"calibrate {label} {ranks} ranks")
+            if past_deadline(res, f"calibrate {label} {ranks} ranks"):
                 continue
             out = ROOT / f"stats-{label}-{ranks}"
             runs[ranks] = run(ranks, ["calibrate", str(src), "-o", str(out), "--overwrite",
@@ -136,8 +143,7 @@ def part_reap(res: dict, src: Path) -> None:
     data = ROOT / f"ids-{seqs}x{calib.SEQ}.jsonl"
     plans = {}
     for ranks in (1, RANKS):
-        if time.perf_counter() > DEADLINE:
-            res.setdefault("skipped", []).append(f"reap {ranks} ranks")
+        if past_deadline(res, f"reap {ranks} ranks"):
             continue
         dst = ROOT / f"reap-{ranks}"
         r = run(ranks, ["reap", str(src), str(dst), "--keep", str(calib.E // 2), "--overwrite",
@@ -165,8 +171,7 @@ def part_convert(res: dict) -> None:
         os.environ["SHARDS"]), "source_bytes": src_bytes, "runs": []}
     outs = {}
     for ranks in (1, RANKS):
-        if time.perf_counter() > DEADLINE:
-            res.setdefault("skipped", []).append(f"int4-to-nvfp4 {ranks} ranks")
+        if past_deadline(res, f"int4-to-nvfp4 {ranks} ranks"):
             continue
         dst = ROOT / f"convert-{ranks}"
         subprocess.run(["rm", "-rf", str(dst)], check=False)
