@@ -13,11 +13,15 @@ Parts (PARTS=stage,kernel,e2e by default; a JSON line each on stdout, all in --j
           gptq      Hessians X^T X + U = chol(H^-1) + the OBS loop without a mask + the
                     comparison with RTN on the same H + the encode
           sparsegpt the same with the p48 mask
-          with the Triton in-block kernel (KERNEL, default auto: Triton on CUDA); OBS stage
-          seconds, per phase (hessian, inverse, loop, rtn_compare, encode), peak GPU memory.
-  kernel  one gate+up batch (KERNEL_EXPERTS, 16) through the loop with the torch column loop
-          and with the Triton kernel, for gptq and sparsegpt: loop seconds of each, and how
-          many block codes and W-hat values differ (0 expected: docs/obs.md).
+          with the Triton scale-block kernel (KERNEL, default auto: Triton on CUDA: mask,
+          block scale and column loop in one launch per scale block) and, on CUDA, the Triton
+          block-scale choice in the RTN comparison and the RTN encode; OBS stage seconds, per
+          phase (hessian, inverse, loop, rtn_compare, encode), peak GPU memory.
+  kernel  one gate+up batch (KERNEL_EXPERTS, 16) through the loop with the torch path and
+          with the Triton kernel, for gptq and sparsegpt: loop seconds of each, and how many
+          block codes and W-hat values differ (0 expected: docs/obs.md); and the batch's RTN
+          block-scale codes (mse) by torch and by Triton (kconvert.formats.nvfp4_triton):
+          seconds of each and codes differing (0 expected).
   e2e     `kconvert int4-to-nvfp4 --method rtn`, `--method gptq --data` and `kconvert sparsify
           --method sparsegpt --data` on bench_calibrate's full-size one-MoE-layer INT4
           checkpoint (SEQS x SEQ random tokens, 16 x 2048 by default), each audited
@@ -142,13 +146,15 @@ def run_batch(ph: Phases, method: str, w: torch.Tensor, x: torch.Tensor, kernel:
 
 
 def warm(dev: torch.device, kernels: list[str]) -> None:
-    """Compile the Triton kernel (each mask variant) outside the timed parts."""
+    """Compile the Triton kernels (each mask variant, the block-scale choice) outside the timed
+    parts."""
     w = torch.randn(1, 8, 64, device=dev)
     u = torch.eye(64, device=dev)[None]
     gs = torch.ones(1, 8, device=dev)
     for mask in METHODS.values():
         for k in kernels:
             obs.obs_quantize(w, u, gs, 16, "mse", mask=mask, kernel=k)
+    nvfp4.quantize(w, w.abs().amax((1, 2)), "mse", group_size=16)
     sync(dev)
 
 
@@ -217,6 +223,16 @@ def kernel_part(dev: torch.device, dims, tokens: int, e: int) -> dict:
             "codes_differing": int((got["torch"][1] != got["triton"][1]).sum()),
             "codes": got["torch"][1].numel(),
             "values_differing": int((got["torch"][0] != got["triton"][0]).sum())}
+    w, _ = problem(dev, e, 2 * inter, hidden, 1, torch.Generator(device=dev).manual_seed(1))
+    blocks = w.reshape(-1, hidden // 16, 16)
+    gs = nvfp4.tensor_scale(w.abs().amax((1, 2))).repeat_interleave(2 * inter)[:, None]
+    ph = Phases(dev)
+    codes = {k: ph(k, nvfp4.choose_block_codes, blocks, gs, "mse", kernel=k)
+             for k in ("torch", "triton")}
+    out["rtn_block_codes"] = {"torch_s": round(ph.s["torch"], 3),
+                              "triton_s": round(ph.s["triton"], 3),
+                              "codes_differing": int((codes["torch"] != codes["triton"]).sum()),
+                              "codes": codes["torch"].numel()}
     return {"experts": e, **out}
 
 

@@ -17,6 +17,7 @@ source. Every reduction that decides a byte is done in a fixed order, so CPU and
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,9 +35,13 @@ from kconvert.formats.nvfp4_grid import (
     FP8_VALUES,
     GLOBAL_NUMERATOR,
     MSE_CODE_OFFSETS,
+    TRITON_LOCAL_DTYPES,
     ZERO_BLOCK_SCALE,
     ZERO_CODE,
+    block_sum,
     cut_points,
+    pack_codes,
+    unpack_codes,
 )
 
 # How the two NVFP4 flavours compute their scales (docs/formats.md §2). The bytes mean the same
@@ -110,13 +115,6 @@ def _check_rule(rule: str) -> None:
         raise ValueError(f"the block-scale rule must be 'amax' or 'mse', not {rule!r}")
 
 
-def block_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dim (16 or 32) as a fixed pairwise tree: the same bits on every device."""
-    while x.shape[-1] > 1:
-        x = x[..., 0::2] + x[..., 1::2]
-    return x[..., 0]
-
-
 def block_step(d: torch.Tensor, gs: torch.Tensor, arithmetic: str = "compressed-tensors"
                ) -> torch.Tensor:
     """Element step [..., nb, 1] of FP8 block scales d [..., nb] (uint8 codes or
@@ -184,8 +182,8 @@ def _values(nibbles: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
 
 def _choose(blocks: torch.Tensor, gs: torch.Tensor, rule: str, local_dtype: torch.dtype,
             cuts: torch.Tensor, lut: torch.Tensor, arithmetic: str = "compressed-tensors"
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(block scale codes [N, nb], each block's squared error under its code) by `rule`."""
+            ) -> torch.Tensor:
+    """Block scale codes [N, nb] by `rule`."""
     mag = blocks.abs()
     d = _amax_block_scale(blocks, gs, local_dtype, arithmetic)
     err = _block_error(mag, d, gs, cuts, lut, arithmetic)
@@ -197,24 +195,39 @@ def _choose(blocks: torch.Tensor, gs: torch.Tensor, rule: str, local_dtype: torc
             better = cand < err  # strict: ties keep the earlier (amax-nearer) code
             err = torch.where(better, cand, err)
             d = torch.where(better, code, d)
-    return d, err
+    return d
+
+
+# Who chooses block scales, same codes either way: "torch", "triton" (nvfp4_triton: CUDA, or
+# TRITON_INTERPRET=1), "auto" (triton on CUDA when it imports and takes the local dtype).
+CHOOSERS = ("auto", "torch", "triton")
 
 
 def choose_block_codes(blocks: torch.Tensor, gs: torch.Tensor, rule: str,
                        local_dtype: torch.dtype = torch.float32,
-                       arithmetic: str = "compressed-tensors") -> torch.Tensor:
+                       arithmetic: str = "compressed-tensors", kernel: str = "auto"
+                       ) -> torch.Tensor:
     """The FP8 block scale codes `quantize` picks for blocks [N, nb, block] (fp32).
 
     gs [N, 1]: each row's per-tensor scale (`tensor_scale` of its amax); rule: "amax" or
-    "mse", as quantize's `scale_rule`; local_dtype and arithmetic: as quantize's. Returns uint8
-    codes [N, nb] (bits of float8_e4m3fn, always 1..0x7E for finite input), on the blocks'
-    device.
+    "mse", as quantize's `scale_rule`; local_dtype and arithmetic: as quantize's; kernel: who
+    computes them (CHOOSERS). Returns uint8 codes [N, nb] (bits of float8_e4m3fn, always
+    1..0x7E for finite input), on the blocks' device.
     """
     _check_rule(rule)
+    _check_arithmetic(arithmetic)
+    if kernel not in CHOOSERS:
+        raise ValueError(f"kernel must be one of {CHOOSERS}, not {kernel!r}")
     device = blocks.device
+    if kernel == "triton" or (kernel == "auto" and device.type == "cuda"
+                              and local_dtype in TRITON_LOCAL_DTYPES
+                              and importlib.util.find_spec("triton") is not None):
+        from kconvert.formats import nvfp4_triton
+
+        return nvfp4_triton.choose_block_codes(blocks, gs, rule, local_dtype, arithmetic)
     lut = torch.tensor(E2M1, dtype=torch.float32, device=device)
     return _choose(blocks.float(), gs.float(), rule, local_dtype, cut_points(device), lut,
-                   arithmetic)[0]
+                   arithmetic)
 
 
 def fake_quantize(blocks: torch.Tensor, codes: torch.Tensor, gs: torch.Tensor,
@@ -315,10 +328,8 @@ def quantize(
                                      out.ref[sl].numpy())
             continue
         if block_codes is None:
-            d, err = _choose(blocks, gsi, scale_rule, local_dtype, cuts, lut, arithmetic)
-            codes.copy_(d)
-        else:
-            err = _block_error(blocks.abs(), codes, gsi, cuts, lut, arithmetic)
+            codes.copy_(choose_block_codes(blocks, gsi, scale_rule, local_dtype, arithmetic))
+        err = _block_error(blocks.abs(), codes, gsi, cuts, lut, arithmetic)
         out.packed[sl] = pack_codes(_nibbles(blocks, codes, gsi, cuts, arithmetic).flatten(-2))
         out.err[sl] = err.sum(-1, dtype=torch.float64)
         out.ref[sl] = blocks.double().square().sum((-1, -2))
@@ -458,16 +469,6 @@ def cpu_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(torch_before)
 
 
-def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., K/2] -> nibble codes uint8 [..., K] (low nibble = even element)."""
-    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
-
-
-def pack_codes(codes: torch.Tensor) -> torch.Tensor:
-    """Nibble codes uint8 [..., K] -> uint8 [..., K/2]; inverse of unpack_codes."""
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
-
-
 def dequantize(packed: torch.Tensor, block_scales: torch.Tensor, gs: torch.Tensor,
                arithmetic: str = "compressed-tensors") -> torch.Tensor:
     """fp32 [B, M, K] from packed [B, M, K/2], block scales [B, M, K/block] (float8_e4m3fn;
@@ -488,7 +489,8 @@ def decode_steps(packed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     return _values(nibbles, step.unsqueeze(-1)).reshape(b, m, k)
 
 
-__all__ = ["BLOCK", "BLOCK_SIZES", "E2M1", "FP4_MAX", "FP8_MAX", "FP8_VALUES", "GLOBAL_NUMERATOR",
+__all__ = ["BLOCK", "BLOCK_SIZES", "CHOOSERS", "E2M1", "FP4_MAX", "FP8_MAX", "FP8_VALUES",
+           "GLOBAL_NUMERATOR",
            "MSE_CODE_OFFSETS", "ZERO_BLOCK_SCALE", "ZERO_CODE", "Quantized", "block_sum",
            "choose_block_codes", "cpu_threads", "cut_points", "decode_steps", "dequantize",
            "fake_quantize", "global_scale", "int4_amax", "pack_codes", "quantize",

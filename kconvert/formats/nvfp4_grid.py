@@ -22,6 +22,9 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # the exhaustive search over all 126 codes exactly (0.603x the amax rule's error), and Gaussian
 # BF16 weights likewise (0.731x).
 MSE_CODE_OFFSETS = (0, -2, -1, 1, 2, 3, 4, 5, 6, 7)
+# The local dtypes (compressed-tensors' `block_amax / 6`) the Triton block-scale choice
+# reproduces (kconvert.formats.nvfp4_triton); another source dtype's blocks take torch's.
+TRITON_LOCAL_DTYPES = (torch.float32, torch.bfloat16)
 # Cut points of E2M1 rounding on |y|: a value is counted past a cut point when strictly
 # greater; the cut points that round up on a tie (0.75, 1.75, 3.5) are moved one ulp down so
 # that bucketize reproduces compressed-tensors' ties-to-even.
@@ -33,3 +36,20 @@ def cut_points(device: torch.device) -> torch.Tensor:
     cuts = torch.tensor(CUTS, dtype=torch.float32, device=device)
     down = torch.nextafter(cuts, torch.zeros_like(cuts))
     return torch.where(torch.isin(cuts, torch.tensor(TIE_UP, device=device)), down, cuts)
+
+
+def block_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim (16 or 32) as a fixed pairwise tree: the same bits on every device."""
+    while x.shape[-1] > 1:
+        x = x[..., 0::2] + x[..., 1::2]
+    return x[..., 0]
+
+
+def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/2] -> nibble codes uint8 [..., K] (low nibble = even element)."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Nibble codes uint8 [..., K] -> uint8 [..., K/2]; inverse of unpack_codes."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)

@@ -12,8 +12,9 @@ The propagation is blocked three ways (GPTQ's lazy batch updates, one level deep
 almost all of the arithmetic is large batched matrix products and the per-column work touches
 only one scale block's columns:
   inside a scale block   rank-1 updates of the block's own later columns (G columns): the
-                         column loop, a fused Triton kernel on a GPU (obs_kernel), torch on a
-                         CPU and as the kernel's oracle
+                         column loop, in one fused Triton kernel with the block's mask and
+                         scale choice on a GPU (obs_kernel), torch on a CPU and as the
+                         kernel's oracle
   end of a scale block   one batched product for the rest of its BLOCKSIZE-column lazy block
   end of a lazy block    one batched product for every later column
 Every entry gets the same updates as in the plain per-column loop (each column's error times
@@ -27,6 +28,7 @@ so the encoder writes exactly the values this loop optimised.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -63,13 +65,16 @@ CPU_BATCH = 8
 CPU_WORK_ELEMS = 1 << 26
 
 
-# The in-block column loop: "torch" (any device), "triton" (CUDA, or Triton's interpreter with
-# TRITON_INTERPRET=1), or "auto" (triton on CUDA when it imports, else torch).
+# The work on one scale block (mask, block scale, column loop): "torch" (any device), "triton"
+# (CUDA, or Triton's interpreter with TRITON_INTERPRET=1), or "auto" (triton on CUDA when it
+# imports and does the run's mask, block-scale local dtype and block size, else torch).
 KERNELS = ("auto", "torch", "triton")
 
 
 # (error-updated weights of one scale block [B, M, G], diagonal of its U [B, G]) -> entries
-# kept [B, M, G] (bool), chosen before the block's scale; None: no mask (GPTQ).
+# kept [B, M, G] (bool), chosen before the block's scale; None: no mask (GPTQ). A rule the
+# Triton kernel also implements carries its name there in an attribute `fused`
+# (obs_kernel.FUSED_MASKS; sparsegpt.p48_mask: "p48").
 MaskRule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -182,16 +187,47 @@ def column_loop(wg: torch.Tensor, ug: torch.Tensor, keep: torch.Tensor | None,
         eg[:, :, j] = e
 
 
-def _column_loop_for(kernel: str, device: torch.device):
+def scale_block(wg: torch.Tensor, ug: torch.Tensor, gs: torch.Tensor, mask: MaskRule | None,
+                rule: str, local_dtype: torch.dtype, arithmetic: str, eg: torch.Tensor
+                ) -> torch.Tensor:
+    """One scale block wg [B, M, G] (a view of the weights, updated in place) in torch: its
+    mask, if any, on the error-updated weights; its FP8 block-scale codes by `rule` on them
+    (after the mask: the rule the encoder uses) and the rows' global scales gs [B, M]; then
+    `column_loop`. ug [B, G, G] is the block's part of U, eg [B, M, G] takes the scaled
+    errors. Returns the codes uint8 [B, M]."""
+    b, m, _ = wg.shape
+    keep = None if mask is None else mask(wg, ug.diagonal(dim1=-2, dim2=-1))
+    blocks = wg if keep is None else torch.where(keep, wg, 0.0)
+    codes = nvfp4.choose_block_codes(blocks.reshape(b * m, 1, -1), gs.reshape(b * m, 1), rule,
+                                     local_dtype, arithmetic, kernel="torch").reshape(b, m)
+    column_loop(wg, ug, keep, nvfp4.block_step(codes, gs, arithmetic)[..., 0], eg)
+    return codes
+
+
+def _scale_block_for(kernel: str, device: torch.device, mask: MaskRule | None,
+                     local_dtype: torch.dtype, group_size: int):
+    """The scale-block step `kernel` names: (wg, ug, gs, rule, local_dtype, arithmetic, eg) ->
+    codes, as `scale_block` with the run's mask bound."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, not {kernel!r}")
+
+    def torch_block(wg, ug, gs, rule, local_dtype, arithmetic, eg):
+        return scale_block(wg, ug, gs, mask, rule, local_dtype, arithmetic, eg)
+
     if kernel == "torch" or (kernel == "auto" and device.type != "cuda"):
-        return column_loop
+        return torch_block
+    if kernel == "auto" and importlib.util.find_spec("triton") is None:
+        return torch_block
     from kconvert.sparsity import obs_kernel
 
-    if kernel == "auto" and not obs_kernel.available():
-        return column_loop
-    return obs_kernel.column_loop
+    fused = None if mask is None else getattr(mask, "fused", "")
+    if kernel == "auto" and not obs_kernel.supports(fused, local_dtype, group_size):
+        return torch_block
+
+    def triton_block(wg, ug, gs, rule, local_dtype, arithmetic, eg):
+        return obs_kernel.scale_block(wg, ug, gs, fused, rule, local_dtype, arithmetic, eg)
+
+    return triton_block
 
 
 def obs_quantize(w: torch.Tensor, u: torch.Tensor, gs: torch.Tensor, group_size: int,
@@ -210,28 +246,20 @@ def obs_quantize(w: torch.Tensor, u: torch.Tensor, gs: torch.Tensor, group_size:
     b, m, k = w.shape
     if k % group_size:
         raise ValueError(f"input dimension {k} is not a multiple of the block size {group_size}")
-    loop = _column_loop_for(kernel, w.device)
+    block = _scale_block_for(kernel, w.device, mask, local_dtype, group_size)
     lazy = BLOCKSIZE if k % BLOCKSIZE == 0 else group_size
     w = w.float().clone()
     gs = gs.float()
     codes = torch.empty(b, m, k // group_size, dtype=torch.uint8, device=w.device)
-    row_gs = gs.reshape(b * m, 1)
     err = torch.empty(b, m, lazy, dtype=torch.float32, device=w.device)
     with _matmul_precision(precision, w.device):
         for i1 in range(0, k, lazy):
             i2 = i1 + lazy
             for j0 in range(i1, i2, group_size):
                 j1 = j0 + group_size
-                wg = w[:, :, j0:j1]  # a view: updated in place
-                ug = u[:, j0:j1, j0:j1]
-                keep = None if mask is None else mask(wg, ug.diagonal(dim1=-2, dim2=-1))
-                blocks = wg if keep is None else torch.where(keep, wg, 0.0)
-                c = nvfp4.choose_block_codes(blocks.reshape(b * m, 1, -1), row_gs, rule,
-                                             local_dtype, arithmetic).reshape(b, m)
-                codes[:, :, j0 // group_size] = c
-                step = nvfp4.block_step(c, gs, arithmetic)[..., 0]
                 eg = err[:, :, j0 - i1:j1 - i1]
-                loop(wg, ug, keep, step, eg)
+                codes[:, :, j0 // group_size] = block(w[:, :, j0:j1], u[:, j0:j1, j0:j1], gs,
+                                                      rule, local_dtype, arithmetic, eg)
                 if j1 < i2:
                     _subtract_product(w[:, :, j1:i2], eg, u[:, j0:j1, j1:i2], precision)
             if i2 < k:

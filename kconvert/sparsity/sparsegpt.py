@@ -24,6 +24,9 @@ def p48_mask(wg: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return p48.top2_pairs(score[..., 0::2] + score[..., 1::2]).repeat_interleave(2, -1)
 
 
+p48_mask.fused = "p48"  # type: ignore[attr-defined]  # the OBS kernel's own copy (obs.MaskRule)
+
+
 def prune_quantize(w: torch.Tensor, u: torch.Tensor, gs: torch.Tensor, group_size: int, rule: str,
                    local_dtype: torch.dtype = torch.float32,
                    arithmetic: str = "compressed-tensors",

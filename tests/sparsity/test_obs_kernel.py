@@ -1,7 +1,8 @@
-"""The fused Triton in-block loop (kconvert.sparsity.obs_kernel) against the torch loop it
-replaces on a GPU, run on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1): the
-same W-hat and block codes, bit for bit, with and without SparseGPT's mask, for 16- and
-32-column scale blocks and a row count that leaves a partial row tile."""
+"""The fused Triton scale-block kernel (kconvert.sparsity.obs_kernel: mask, block scale and
+column loop in one launch) against the torch path it replaces on a GPU, run on CPU tensors
+through Triton's interpreter (TRITON_INTERPRET=1): the same W-hat and block codes, bit for
+bit, with and without SparseGPT's mask, both block-scale rules, both arithmetics, fp32 and bf16
+local dtypes, 16- and 32-column scale blocks and a row count that leaves a partial row tile."""
 
 from __future__ import annotations
 
@@ -19,16 +20,39 @@ if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
                 allow_module_level=True)
 
 
-@pytest.mark.parametrize("group,mask", [(16, None), (32, sparsegpt.p48_mask),
-                                        (16, sparsegpt.p48_mask)])
-def test_kernel_gives_the_torch_loops_bits(group, mask):
+@pytest.mark.parametrize("group,mask,rule,local,arithmetic", [
+    (16, None, "mse", torch.float32, "compressed-tensors"),
+    (32, sparsegpt.p48_mask, "mse", torch.float32, "compressed-tensors"),
+    (16, sparsegpt.p48_mask, "mse", torch.float32, "compressed-tensors"),
+    (16, None, "amax", torch.bfloat16, "compressed-tensors"),
+    (16, sparsegpt.p48_mask, "mse", torch.float32, "modelopt")])
+def test_kernel_gives_the_torch_loops_bits(group, mask, rule, local, arithmetic):
+    """Mask, block-scale codes (chosen inside the kernel) and W-hat: the torch path's."""
     g = torch.Generator().manual_seed(group)
     b, m, k = 2, 70, 64  # 70 rows: one full tile of 64 and a partial one
     x = torch.randn(b, 200, k, generator=g) @ (torch.randn(k, k, generator=g) / 8 + torch.eye(k))
     u = obs.prepare_inverse(x.transpose(1, 2) @ x)
     w = torch.randn(b, m, k, generator=g) / 8
-    gs = nvfp4.tensor_scale(w.abs().amax((1, 2))).repeat_interleave(m).reshape(b, m)
-    ref = obs.obs_quantize(w, u, gs, group, "mse", mask=mask, kernel="torch")
-    got = obs.obs_quantize(w, u, gs, group, "mse", mask=mask, kernel="triton")
+    gs = nvfp4.tensor_scale(w.abs().amax((1, 2)), arithmetic).repeat_interleave(m).reshape(b, m)
+    ref = obs.obs_quantize(w, u, gs, group, rule, local, arithmetic, mask=mask, kernel="torch")
+    got = obs.obs_quantize(w, u, gs, group, rule, local, arithmetic, mask=mask, kernel="triton")
     assert torch.equal(got[1], ref[1])
+    assert torch.equal(got[0], ref[0])
+    if mask is not None:  # pruned entries are +0, two pairs of every chunk of 8 kept
+        assert ((got[0].reshape(b, m, -1, 8) != 0).sum(-1) <= 4).all()
+
+
+def test_a_mask_the_kernel_does_not_implement_is_refused():
+    """kernel="triton" with a mask rule the kernel has no copy of is an error (never silently
+    another rule); "auto" takes the torch path for it."""
+    w, u = torch.randn(1, 8, 32) / 8, torch.eye(32)[None]
+    gs = torch.ones(1, 8)
+
+    def halves(wg, d):
+        return torch.ones_like(wg, dtype=torch.bool)
+
+    with pytest.raises(ValueError, match="masks"):
+        obs.obs_quantize(w, u, gs, 16, "mse", mask=halves, kernel="triton")
+    ref = obs.obs_quantize(w, u, gs, 16, "mse", mask=halves, kernel="torch")
+    got = obs.obs_quantize(w, u, gs, 16, "mse", mask=halves, kernel="auto")
     assert torch.equal(got[0], ref[0])

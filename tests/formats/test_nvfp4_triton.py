@@ -1,0 +1,85 @@
+"""The Triton block-scale choice (kconvert.formats.nvfp4_triton), run on CPU tensors through
+Triton's interpreter (TRITON_INTERPRET=1): its FP8 and bf16 rounding equal torch's casts on
+every FP8 code, every tie between neighbours and one ulp either side; its codes equal the torch
+path's bit for bit for both rules, both arithmetics, fp32 and bf16 local dtypes, 16- and
+32-element blocks, zero, negative-zero and tiny blocks, and the independent reference written
+from formats.md (tests/nvfp4_reference.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from nvfp4_reference import best_code, block_errors
+
+from kconvert.formats import nvfp4, nvfp4_triton
+
+if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+    pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1 (tests/conftest.py sets it)",
+                allow_module_level=True)
+
+
+@triton.jit
+def _casts(x_ptr, fp8_ptr, bf16_ptr, n, R: tl.constexpr):
+    i = tl.program_id(0) * R + tl.arange(0, R)
+    x = tl.load(x_ptr + i, mask=i < n, other=0.0)
+    tl.store(fp8_ptr + i, nvfp4_triton.fp8_code(tl.minimum(x, 448.0)), mask=i < n)
+    tl.store(bf16_ptr + i, nvfp4_triton.bf16_round(x), mask=i < n)
+
+
+def test_fp8_and_bf16_rounding_equal_torch_casts():
+    values = nvfp4.FP8_VALUES[:127]
+    pts = torch.cat([values, (values[:-1] + values[1:]) / 2])  # codes and exact ties
+    pts = torch.cat([pts, torch.nextafter(pts, torch.tensor(0.0)),
+                     torch.nextafter(pts, torch.tensor(1e9)),
+                     torch.rand(4000, generator=torch.Generator().manual_seed(0)) * 500,
+                     torch.tensor([2.0**-12, 448.5, 1e30, float("inf")])])
+    fp8 = torch.empty_like(pts, dtype=torch.int32)
+    bf16 = torch.empty_like(pts)
+    _casts[(triton.cdiv(pts.numel(), 1024),)](pts, fp8, bf16, pts.numel(), R=1024)
+    assert torch.equal(fp8, pts.clamp(max=nvfp4.FP8_MAX).to(torch.float8_e4m3fn)
+                       .view(torch.uint8).int())
+    # bf16 ties: values halfway between two bf16 numbers, both parities
+    ties = (torch.arange(1, 200, dtype=torch.int32) << 16 | 0x8000).view(torch.float32)
+    bf16_ties = torch.empty_like(ties)
+    _casts[(1,)](ties, torch.empty_like(ties, dtype=torch.int32), bf16_ties, ties.numel(), R=256)
+    assert torch.equal(bf16, pts.bfloat16().float())
+    assert torch.equal(bf16_ties, ties.bfloat16().float())
+
+
+def _blocks(group: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(40, 5, group, generator=g) * torch.logspace(-14, 3, 40)[:, None, None]
+    x[3, 2] = 0.0
+    x[4, 1] = -0.0
+    x[5, 0, :3] = 0.0  # a block with zeros among its values
+    return x
+
+
+@pytest.mark.parametrize("group", [16, 32])
+@pytest.mark.parametrize("rule", ["amax", "mse"])
+@pytest.mark.parametrize("arithmetic,local", [("compressed-tensors", torch.float32),
+                                              ("compressed-tensors", torch.bfloat16),
+                                              ("modelopt", torch.float32)])
+def test_codes_equal_the_torch_path(group, rule, arithmetic, local):
+    x = _blocks(group, group + len(rule))
+    gs = nvfp4.tensor_scale(x.abs().amax((1, 2)), arithmetic)[:, None]
+    gs[6] = 1.0  # an all-tiny row under a unit scale: subnormal FP8 codes
+    ref = nvfp4.choose_block_codes(x, gs, rule, local, arithmetic, kernel="torch")
+    got = nvfp4.choose_block_codes(x, gs, rule, local, arithmetic, kernel="triton")
+    assert torch.equal(got, ref)
+    if local == torch.float32:  # the reference computes the amax rule in fp32
+        # the reference's error, not its code: blocks that round to 0 tie on every code
+        mag, row_gs = x.abs(), gs[:, 0]
+        want = best_code(mag, row_gs, rule, arithmetic)
+        assert torch.equal(block_errors(mag, row_gs, got.long()[..., None], arithmetic),
+                           block_errors(mag, row_gs, want[..., None], arithmetic))
+
+
+def test_the_triton_chooser_refuses_a_local_dtype_it_does_not_reproduce():
+    x = _blocks(16, 0)
+    with pytest.raises(ValueError, match="local dtypes"):
+        nvfp4.choose_block_codes(x, torch.ones(40, 1), "mse", torch.float16, kernel="triton")
