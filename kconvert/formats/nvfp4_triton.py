@@ -45,6 +45,13 @@ def constants(device: torch.device) -> tuple[list[float], torch.Tensor]:
             torch.tensor(MSE_CODE_OFFSETS, dtype=torch.int32, device=device))
 
 
+def rule_flags(rule: str, local_dtype: torch.dtype, arithmetic: str) -> dict:
+    """The constexpr arguments of `choose_codes` for a block-scale rule, local dtype and
+    arithmetic (nvfp4.ARITHMETIC)."""
+    return {"N_OFF": len(MSE_CODE_OFFSETS), "MSE": rule == "mse",
+            "BF16_LOCAL": local_dtype == torch.bfloat16, "MODELOPT": arithmetic == "modelopt"}
+
+
 @triton.jit
 def fp8_value(code):
     """fp32 value of positive FP8 e4m3 codes (int32, 0..0x7E): exact."""
@@ -182,12 +189,10 @@ def choose_block_codes(blocks: torch.Tensor, gs: torch.Tensor, rule: str,
     cuts, offs = constants(blocks.device)
     grid = (triton.cdiv(n * nb, BLOCKS_PER_PROGRAM),)
     _choose_kernel[grid](x, gs.float().reshape(n).contiguous(), offs, out, n * nb, nb, *cuts,
-                         N_OFF=len(MSE_CODE_OFFSETS), MSE=rule == "mse",
-                         BF16_LOCAL=local_dtype == torch.bfloat16,
-                         MODELOPT=arithmetic == "modelopt", R=BLOCKS_PER_PROGRAM, G=g,
+                         R=BLOCKS_PER_PROGRAM, G=g, **rule_flags(rule, local_dtype, arithmetic),
                          **launch_options())
     return out
 
 
 __all__ = ["BLOCKS_PER_PROGRAM", "LOCAL_DTYPES", "ZERO", "block_step", "choose_block_codes",
-           "choose_codes", "constants", "grid_value", "launch_options"]
+           "choose_codes", "constants", "grid_value", "launch_options", "rule_flags"]

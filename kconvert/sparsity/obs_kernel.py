@@ -122,6 +122,5 @@ def scale_block(wg: torch.Tensor, ug: torch.Tensor, gs: torch.Tensor, mask: str 
     scale_block_kernel[(b, triton.cdiv(m, BLOCK_M))](
         wg, ug, gs, codes, eg, offs, m, *wg.stride(), *ug.stride(), *gs.stride(),
         *codes.stride(), *eg.stride(), *cuts, G=g, BLOCK=BLOCK_M, P48=mask == "p48",
-        N_OFF=len(offs), MSE=rule == "mse", BF16_LOCAL=local_dtype == torch.bfloat16,
-        MODELOPT=arithmetic == "modelopt", **q.launch_options())
+        **q.rule_flags(rule, local_dtype, arithmetic), **q.launch_options())
     return codes
