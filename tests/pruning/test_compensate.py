@@ -41,13 +41,18 @@ RUNS = {  # name -> (fixture, keep, flags)
     "msan+bias+shared-again": ("trained", 12, ["--criterion", "msan", "--repair", "bias",
                                                "--compensate", "shared"]),
     "96-down": ("96", 48, ["--repair", "router", "--compensate", "down"]),
+    # 192 fit tokens: 32 per kept expert on average, as many as its inputs, so the solver's
+    # token form (fewer tokens than inputs, as on Kimi) and its input form both run
+    "96-few": ("96", 48, ["--samples", "4", "--compensate", "down"]),
+    "96-few-again": ("96", 48, ["--samples", "4", "--compensate", "down"]),
 }
 
 
 def _reap(src: Path, dst: Path, data: Path, keep: int, *extra: str):
+    samples = [] if "--samples" in extra else ["--samples", "12"]
     return CliRunner().invoke(main, ["reap", str(src), str(dst), "--data", str(data), "--keep",
-                                     str(keep), "--samples", "12", "--seq-len", str(SEQ),
-                                     "--quiet", *extra])
+                                     str(keep), *samples, "--seq-len", str(SEQ), "--quiet",
+                                     *extra])
 
 
 def _tensors(d: Path) -> dict[str, torch.Tensor]:
@@ -97,7 +102,8 @@ def test_output_loads_in_transformers_and_blocks_route_as_written(made, run):
         torch.testing.assert_close(got, kimi_moe_block(x, t, layer, cfg), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("run", ["down", "router+down", "msan+bias+shared", "96-down"])
+@pytest.mark.parametrize("run", ["down", "router+down", "msan+bias+shared", "96-down",
+                                 "96-few"])
 def test_refit_matrices_are_recorded_and_the_rest_is_the_source(made, run):
     fixture, _, flags = RUNS[run]
     plan = load_plan(made[run] / PLAN_FILE)
@@ -130,7 +136,7 @@ def test_refit_matrices_are_recorded_and_the_rest_is_the_source(made, run):
     assert applied, "no layer's compensation lowered its held-out error"
 
 
-@pytest.mark.parametrize("run", ["router+down", "msan+bias+shared"])
+@pytest.mark.parametrize("run", ["router+down", "msan+bias+shared", "96-few"])
 def test_same_command_twice_writes_the_same_bytes(made, run):
     """Together the two commands use every option (router repair had written different rows
     on every run: its fit's backward summed through indexing in a varying order)."""
