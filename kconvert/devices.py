@@ -1,6 +1,12 @@
-"""Where compute runs: `--device auto | cpu | cuda | cuda:N` as a torch device."""
+"""Where compute runs: `--device auto | cpu | cuda | cuda:N` as a torch device; and how long
+phases take there (`Stopwatch`)."""
 
 from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,3 +31,25 @@ def pick_device(spec: str) -> torch.device:
             raise KconvertError(f"--device {spec}: this machine has "
                                 f"{torch.cuda.device_count()} CUDA device(s)")
     return device
+
+
+@dataclass
+class Stopwatch:
+    """Seconds per phase. Each boundary waits for the device's queued work, so a phase is
+    charged for its own kernels (CUDA runs them after the host has moved on)."""
+
+    device: torch.device
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = self._now()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + self._now() - start

@@ -5,11 +5,15 @@ Builds scripts/bench_calibrate.py's checkpoint (layer 0 dense, layer 1 MoE with 
 experts, real Kimi-K2 shapes), runs `kconvert.calibrate.calibrate` on SEQS x SEQ tokens once
 alone and once with `RouterRepair` (keep KEEP, router repair METHOD, compensation COMPENSATE)
 in the same pass, and reports the
-repair hook's seconds per layer (the MoE layer's is the number to read), the calibration
-seconds per layer of both runs, and peak GPU memory and host RSS of each run. One JSON line on
-stdout and in $OUT/bench_repair.json.
+repair hook's seconds per layer (the MoE layer's is the number to read) and where the MoE
+layer's seconds went (`phases`, RouterRepair.seconds: the unpruned target; router repair's
+candidates, Adam fit and guard; compensation's setup (features, source outputs, Gram
+matrices), Cholesky factors, Gauss-Seidel solves, held-out ridge choice, encode of the chosen
+ridge's matrices, guard and write-back; the output; `other` is the hook's rest: the layer's
+attention on the repair stream), the calibration seconds per layer of both runs, and peak GPU
+memory and host RSS of each run. One JSON line on stdout and in $OUT/bench_repair.json.
 
-    ROOT=/tmp/kbench OUT=$OUT python scripts/bench_repair.py          # H200: ~2-3 minutes
+    ROOT=/tmp/kbench OUT=$OUT python3 scripts/bench_repair.py         # H100: ~2 minutes
     python scripts/bench_repair.py --tiny                              # CPU smoke, tiny dims
 
 Env: ROOT, OUT, SEQS (256), SEQ (2048), BATCH (8) as bench_calibrate; KEEP (192), METHOD
@@ -97,7 +101,10 @@ def main() -> None:
         res["with_repair"] = _calibrate(ckpt, ids, timed)
     finally:
         ckpt.close()
-    res.update({"repair_s_per_layer": hook_s, "repair_moe_layer_s": hook_s[-1]})
+    phases = {k: round(v, 2) for k, v in repair.seconds[1].items()}
+    phases["other"] = round(hook_s[-1] - sum(repair.seconds[1].values()), 2)
+    res.update({"repair_s_per_layer": hook_s, "repair_moe_layer_s": hook_s[-1],
+                "phases": phases})
     for name, recs in (("router", repair.records), ("compensation", repair.compensations)):
         if 1 in recs:
             rec = recs[1]
@@ -105,8 +112,11 @@ def main() -> None:
                          "fit_mse": [rec.fit_mse_before, rec.fit_mse_after],
                          "heldout_mse": [rec.heldout_mse_before, rec.heldout_mse_after],
                          "applied": rec.applied}
+            if name == "compensation":
+                res[name]["ridge"] = rec.ridge
     line = json.dumps(res)
     print(line)
+    print(f"MoE layer repair {hook_s[-1]} s: " + ", ".join(f"{k} {v}" for k, v in phases.items()))
     (bc.OUT / "bench_repair.json").write_text(line + "\n")
 
 

@@ -6,10 +6,17 @@ intermediate activations a_j = act(gate_j x) * up_j x, weighted by the pruned mo
 renormalised routing g'_j, plus the shared expert's down_proj W_s on its activations a_s.
 `y` is linear in every down_proj, so re-fitting them to the unpruned block's output on the
 calibration tokens is a least-squares problem: ridge regression (pulled toward the source
-matrix, not toward zero) with float64 normal equations. The shared expert (every token) and
-then each kept expert in ascending id (its routed tokens) are solved in turn on the residual
-the others leave, `sweeps` times (block Gauss-Seidel); everything is in a fixed order, so the
-result does not depend on thread counts.
+matrix, not toward zero) in float64. The shared expert (every token) and then each kept expert
+in ascending id (its routed tokens) are solved in turn on the residual the others leave,
+`sweeps` times (block Gauss-Seidel); everything is in a fixed order, so the result does not
+depend on thread counts.
+
+Each matrix's system is solved in the smaller of two equal forms (`Normal`): over its inputs
+(A^T A + lam I) X = A^T R, or, when it sees fewer tokens than it has inputs (a Kimi expert
+sees about 1000 fit tokens and has 2048 inputs), over its tokens (A A^T + lam I) Y = R with
+X = A^T Y. The Gram matrix is formed once for every ridge and sweep, its Cholesky factor once
+per ridge; the unknown is the offset from the source matrix, so the first sweep needs no
+product with it, and in the token form the residual a solve leaves is lam Y.
 
 `which` picks the matrices: "shared" (the shared expert's down_proj only) or "down" (the
 shared expert's and every kept expert's down_proj).
@@ -17,12 +24,13 @@ shared expert's and every kept expert's down_proj).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from kconvert import gpu_budget
+from kconvert.devices import Stopwatch
 
 
 @dataclass(frozen=True)
@@ -51,23 +59,26 @@ def shared_activations(shared: nn.Module, x: torch.Tensor) -> torch.Tensor:
 @dataclass
 class Block:
     """The linear pieces of a pruned block on a set of tokens: per fitted matrix its token rows
-    and features (gate-weighted activations), and the current matrices in whatever dtype and
-    place they are held (the layer's own tensors, fitted ones on the host): each is used in
-    fp32 on the features' device one at a time, since fp32 copies of a Kimi layer's 193
-    down_proj matrices alone take 11 GB of GPU memory."""
+    and features (gate-weighted activations), and its source matrix as the layer holds it
+    (each is used in fp32 on the features' device one at a time, since fp32 copies of a Kimi
+    layer's 193 down_proj matrices alone take 11 GB of GPU memory)."""
 
     rows: list[torch.Tensor]  # token indices the matrix sees
     features: list[torch.Tensor]  # [n_rows, inter] fp32
     weights: list[torch.Tensor]  # [hidden, inter]
 
     def weight(self, b: int) -> torch.Tensor:
-        """Matrix b in fp32 on the features' device."""
+        """Source matrix b in fp32 on the features' device."""
         return self.weights[b].to(self.features[b].device, torch.float32)
 
-    def output(self, n_tokens: int, hidden: int) -> torch.Tensor:
+    def output(self, n_tokens: int, hidden: int,
+               weight: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
+        """The block's output [n_tokens, hidden] fp32 with matrix b = weight(b) (default: the
+        source matrices)."""
+        weight = weight or self.weight
         out = torch.zeros(n_tokens, hidden, dtype=torch.float32, device=self.features[0].device)
         for b, (rows, a) in enumerate(zip(self.rows, self.features, strict=True)):
-            out[rows] += a @ self.weight(b).T  # a token reaches each matrix at most once
+            out[rows] += a @ weight(b).T  # a token reaches each matrix at most once
         return out
 
 
@@ -75,7 +86,7 @@ def block(moe, kept: list[int], routing: Routing, x: torch.Tensor,
           down: list[torch.Tensor], shared_down: torch.Tensor) -> Block:
     """The pieces of the pruned block on x [T, hidden]: the shared expert first, then kept
     expert i (source id kept[i]) on its routed tokens with features g'_i a_i; `down` and
-    `shared_down` the matrices to start from."""
+    `shared_down` the source matrices."""
     t = x.shape[0]
     rows = [torch.arange(t, device=x.device)]
     feats = [shared_activations(moe.shared_experts, x)]
@@ -87,37 +98,100 @@ def block(moe, kept: list[int], routing: Routing, x: torch.Tensor,
     return Block(rows, feats, [shared_down, *down])
 
 
-def solve(features: torch.Tensor, target: torch.Tensor, start: torch.Tensor,
-          ridge: float) -> torch.Tensor:
-    """argmin_W |target - features W^T|^2 + lam |W - start|^2, lam = ridge x mean diagonal of
-    features^T features; float64 normal equations, Cholesky (fp32 result)."""
-    a = features.double()
-    gram = a.T @ a
-    lam = ridge * float(gram.diagonal().mean().clamp(min=1e-30))
-    gram.diagonal().add_(lam)
-    rhs = a.T @ target.double() + lam * start.double().T
-    return torch.cholesky_solve(rhs, torch.linalg.cholesky(gram)).T.float()
+@dataclass(frozen=True)
+class Normal:
+    """The ridge-independent part of one matrix's normal equations (module docstring): the
+    Gram matrix in float64, over the tokens (`dual`: A A^T [n, n], when n < inputs) or over
+    the inputs (A^T A [inter, inter]), and `scale`, the mean diagonal of A^T A (the ridge is
+    relative to it)."""
+
+    gram: torch.Tensor
+    scale: float
+    dual: bool
+
+    @classmethod
+    def of(cls, features: torch.Tensor) -> Normal:
+        a = features.double()
+        dual = a.shape[0] < a.shape[1]
+        gram = a @ a.T if dual else a.T @ a
+        # trace(A A^T) = trace(A^T A): the same scale in both forms
+        scale = float(gram.diagonal().sum()) / a.shape[1]
+        return cls(gram, max(scale, 1e-30), dual)
+
+    def factor(self, ridge: float) -> torch.Tensor:
+        """Cholesky factor of gram + ridge x scale x I."""
+        g = self.gram.clone()
+        g.diagonal().add_(ridge * self.scale)
+        return torch.linalg.cholesky(g)
 
 
-def fit(pieces: Block, target: torch.Tensor, which: str, ridge: float, sweeps: int) -> Block:
-    """`pieces` with its matrices re-fitted to `target` [T, hidden] (module docstring); the
-    re-fitted ones stay fp32 on the features' device where they fit in what the command's GPU
-    memory budget leaves (gpu_budget.room, with a quarter to spare), else they go to the host
-    (see Block): the host round trips of a Kimi layer's 193 matrices, per sweep and ridge,
-    cost minutes on an H100."""
-    fitted = Block(pieces.rows, pieces.features, list(pieces.weights))
-    residual = target.float() - pieces.output(target.shape[0], target.shape[1])
-    count = 1 if which == "shared" else len(fitted.weights)
-    device = target.device
-    need = 4 * sum(w.numel() for w in pieces.weights[:count])
-    home = device if device.type == "cpu" or need * 5 // 4 < gpu_budget.room(device) else "cpu"
-    for _ in range(sweeps if count > 1 else 1):
-        for b in range(count):
-            rows, a = pieces.rows[b], pieces.features[b]
-            if a.shape[0] == 0:
+class Refit:
+    """The re-fit of the first `count` matrices of a block (`fit` tokens, `target` their
+    unpruned output) and its judge (`held`: the held-out tokens' pieces, same matrices).
+
+    `solve(ridge, sweeps)` gives the offsets from the source matrices (per matrix X [inter,
+    hidden] or, in the token form, Y [n, hidden], fp32; None for a matrix that sees no token);
+    `matrix` and `held_output` read them."""
+
+    def __init__(self, fit: Block, target: torch.Tensor, held: Block, n_held: int, count: int,
+                 watch: Stopwatch):
+        self.fit, self.held, self.count, self.watch = fit, held, count, watch
+        hidden = target.shape[1]
+        with watch.phase("compensation setup"):
+            self.fit_before = fit.output(target.shape[0], hidden)
+            self.held_before = held.output(n_held, hidden)
+            self.residual = target.float() - self.fit_before
+            self.normals = [Normal.of(a) if a.shape[0] else None
+                            for a in fit.features[:count]]
+            # held-out features times A^T, once: the held-out output of a token-form offset Y
+            # is then one product with Y per ridge
+            self.cross = [held.features[b] @ fit.features[b].T if eq is not None and eq.dual
+                          else None for b, eq in enumerate(self.normals)]
+
+    def solve(self, ridge: float, sweeps: int) -> list[torch.Tensor | None]:
+        with self.watch.phase("compensation factor"):
+            factors = [eq.factor(ridge) if eq is not None else None for eq in self.normals]
+        with self.watch.phase("compensation solve"):
+            residual = self.residual.clone()
+            offsets: list[torch.Tensor | None] = [None] * self.count
+            for _ in range(sweeps if self.count > 1 else 1):
+                for b, (eq, factor) in enumerate(zip(self.normals, factors, strict=True)):
+                    if eq is None:
+                        continue
+                    rows, old = self.fit.rows[b], offsets[b]
+                    r = residual[rows].double()
+                    if eq.dual:
+                        goal = r if old is None else r + eq.gram @ old.double()
+                        y = torch.cholesky_solve(goal, factor)
+                        # (G + lam) Y = goal: what the matrix leaves of goal is lam Y
+                        residual[rows] = (ridge * eq.scale * y).float()
+                        offsets[b] = y.float()
+                    else:
+                        a = self.fit.features[b].double()
+                        rhs = a.T @ r
+                        if old is not None:
+                            rhs += eq.gram @ old.double()
+                        x = torch.cholesky_solve(rhs, factor)
+                        change = x if old is None else x - old.double()
+                        residual[rows] = (r - a @ change).float()
+                        offsets[b] = x.float()
+        return offsets
+
+    def matrix(self, offsets: list[torch.Tensor | None], b: int) -> torch.Tensor:
+        """Matrix b re-fitted [hidden, inter], fp32 on the features' device."""
+        source, off = self.fit.weight(b), offsets[b]
+        if off is None:
+            return source
+        if self.normals[b].dual:
+            off = (self.fit.features[b].double().T @ off.double()).float()
+        return source + off.T
+
+    def held_output(self, offsets: list[torch.Tensor | None]) -> torch.Tensor:
+        """The block's output on the held-out tokens with the re-fitted matrices."""
+        out = self.held_before.clone()
+        for b, off in enumerate(offsets):
+            if off is None or self.held.rows[b].shape[0] == 0:
                 continue
-            goal = residual[rows] + a @ fitted.weight(b).T
-            solved = solve(a, goal, pieces.weight(b), ridge)
-            residual[rows] = goal - a @ solved.T
-            fitted.weights[b] = solved.to(home)
-    return fitted
+            by = self.cross[b] if self.normals[b].dual else self.held.features[b]
+            out[self.held.rows[b]] += by @ off
+        return out

@@ -13,7 +13,7 @@ layer that share a codec are encoded in batches on the device.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -106,33 +106,36 @@ def block_scale_rule(ckpt: Checkpoint) -> str:
     return (options.get("quantize") or {}).get("block_scale") or DEFAULT_BLOCK_SCALE
 
 
-def encode(ckpt: Checkpoint, linears: Sequence[SourceLinear], weights: Sequence[torch.Tensor],
-           rule: str | None, device: torch.device) -> list[dict[str, torch.Tensor]]:
-    """Each fp32 matrix [out, in] as its source module stores it (parameter -> host tensor):
-    same-format matrices are encoded together on `device`, ENCODE_BATCH at a time."""
+def encode(ckpt: Checkpoint, linears: Sequence[SourceLinear],
+           weight: Callable[[int], torch.Tensor], rule: str | None, device: torch.device
+           ) -> list[dict[str, torch.Tensor]]:
+    """Each fp32 matrix [out, in] `weight(i)` as its source module `linears[i]` stores it
+    (parameter -> tensor: the encoder's on `device`, the source's unchanged ones on the host):
+    same-format matrices are encoded together on `device`, ENCODE_BATCH at a time, each
+    matrix made when its batch is (a Kimi layer's 193 in fp32 would take 11 GB)."""
     out: list[dict[str, torch.Tensor] | None] = [None] * len(linears)
     batches: dict[tuple, list[int]] = {}
-    for i, (lin, w) in enumerate(zip(linears, weights, strict=True)):
-        dtypes = tuple((p, info.dtype) for p, info in sorted(lin.params.items()))
-        batches.setdefault((lin.codec, tuple(w.shape), dtypes), []).append(i)
-    for (codec, _, _), members in batches.items():
+    for i, lin in enumerate(linears):
+        stored = tuple((p, info.dtype, tuple(info.shape)) for p, info in sorted(lin.params.items()))
+        batches.setdefault((lin.codec, stored), []).append(i)
+    for (codec, _), members in batches.items():
         for start in range(0, len(members), ENCODE_BATCH):
             chunk = members[start:start + ENCODE_BATCH]
-            w = torch.stack([weights[i].to(device, torch.float32) for i in chunk])
+            w = torch.stack([weight(i).to(device, torch.float32) for i in chunk])
             for i, params in zip(chunk, _encode_batch(codec, linears[chunk[0]], w, rule),
                                  strict=True):
-                out[i] = _as_stored(ckpt, linears[i], {p: t.cpu() for p, t in params.items()})
+                out[i] = _as_stored(ckpt, linears[i], params)
     return out  # type: ignore[return-value]
 
 
 def decode(lin: SourceLinear, params: dict[str, torch.Tensor], device: torch.device
            ) -> torch.Tensor:
-    """The matrix [out, in] that `params` (as `encode` wrote them) hold, on the host: a dense
-    one as written, a quantized one decoded on `device` to fp32 (exact)."""
+    """The matrix [out, in] that `params` (as `encode` wrote them) hold, fp32 on `device`
+    (a quantized one decoded exactly)."""
     if not lin.quantized:
-        return params["weight"]
+        return params["weight"].to(device, torch.float32)
     batch = {p: params[p].unsqueeze(0).to(device) for p in lin.codec.params}
-    return lin.codec.decode(batch, None)[0].cpu()
+    return lin.codec.decode(batch, None)[0]
 
 
 def _encode_batch(codec: type[Codec], lin: SourceLinear, w: torch.Tensor, rule: str

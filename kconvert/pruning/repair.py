@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,15 +38,17 @@ from torch import nn
 
 from kconvert.calibrate.data import PAD_ID
 from kconvert.calibrate.forward import MoEBlock, embed, model_config, padding_aware_mask
+from kconvert.devices import Stopwatch
 from kconvert.errors import KconvertError
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.model.names import Role, parse_name
 from kconvert.options import COMPENSATIONS, REPAIRS
 from kconvert.pruning import recode
-from kconvert.pruning.compensate import Block, Routing, block
-from kconvert.pruning.compensate import fit as compensate_fit
+from kconvert.pruning.compensate import Refit, Routing, block
 from kconvert.pruning.plan import LayerCompensation, LayerRepair, PrunePlan
 from kconvert.pruning.reap import CRITERIA, keep_ids, row_hashes, tensor_hash, with_means
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -224,6 +228,8 @@ class RouterRepair:
     records: dict[int, LayerRepair] = field(default_factory=dict)
     compensations: dict[int, LayerCompensation] = field(default_factory=dict)
     matrices: dict[str, torch.Tensor] = field(default_factory=dict)  # output name -> written
+    # per layer, seconds per phase of its repair (kconvert.devices.Stopwatch; -v logs them)
+    seconds: dict[int, dict[str, float]] = field(default_factory=dict)
     # Where each layer's re-fitted matrices go (one file per layer, memory-mapped back), so
     # host memory does not grow with the layers; None: held in memory.
     spill: Path | None = None
@@ -314,38 +320,51 @@ class RouterRepair:
             raise KconvertError(f"e_score_correction_bias is {b_info.dtype}; repair writes F32",
                                 tensor=b_info.name)
 
-        target = routed_output(moe, moe.gate, x)
+        watch = Stopwatch(x.device)
+        with watch.phase("target"):
+            target = routed_output(moe, moe.gate, x)
         n_fit = int(self.valid[:self.n_fit].sum())
         w_out, b_out = w_src, b_src
         if s.method != "none":
-            w_out, b_out = self._fit_router(layer, moe, x, target, n_fit, kept, w_src, b_src)
+            w_out, b_out = self._fit_router(layer, moe, x, target, n_fit, kept, w_src, b_src,
+                                            watch)
             self.rows[layer] = (w_out.cpu(), b_out.float().cpu())
         written = pruned_router(self.cfg, w_out.float(), b_out)
         if s.compensate != "none":
-            shared = moe.shared_experts(x).float()
-            self._compensate(layer, moe, x, target + shared, n_fit, written)
-        return routed_output(moe, written, x, kept) + moe.shared_experts(x).float()
+            with watch.phase("compensation setup"):
+                shared = moe.shared_experts(x).float()
+            self._compensate(layer, moe, x, target + shared, n_fit, written, watch)
+        with watch.phase("output"):
+            out = routed_output(moe, written, x, kept) + moe.shared_experts(x).float()
+        self.seconds[layer] = watch.seconds
+        log.info("layer %d repair: %s", layer,
+                 ", ".join(f"{k} {v:.2f} s" for k, v in watch.seconds.items()))
+        return out
 
     def _fit_router(self, layer: int, moe: MoEBlock, x: torch.Tensor, target: torch.Tensor,
-                    n_fit: int, kept: torch.Tensor, w_src: torch.Tensor, b_src: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    n_fit: int, kept: torch.Tensor, w_src: torch.Tensor, b_src: torch.Tensor,
+                    watch: Stopwatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The router rows to write (fitted, or the source's when the guard refuses them)."""
         s = self.settings
-        before = pruned_router(self.cfg, w_src.float(), b_src)
-        pruned = routed_output(moe, before, x, kept)
-        fit_before, held_before = mse(pruned[:n_fit], target[:n_fit]), mse(pruned[n_fit:],
-                                                                             target[n_fit:])
+        with watch.phase("router guard"):
+            before = pruned_router(self.cfg, w_src.float(), b_src)
+            pruned = routed_output(moe, before, x, kept)
+            fit_before, held_before = (mse(pruned[:n_fit], target[:n_fit]),
+                                       mse(pruned[n_fit:], target[n_fit:]))
         xs = x[:n_fit]
-        c = min(s.keep, s.candidates * self.cfg.num_experts_per_tok)
-        choice = (xs.float() @ w_src.float().T).sigmoid() + b_src
-        cand = Candidates.measure(moe, xs, target[:n_fit], choice.topk(c, dim=-1).indices, kept)
-        with torch.enable_grad(), deterministic():
+        with watch.phase("router candidates"):
+            c = min(s.keep, s.candidates * self.cfg.num_experts_per_tok)
+            choice = (xs.float() @ w_src.float().T).sigmoid() + b_src
+            cand = Candidates.measure(moe, xs, target[:n_fit], choice.topk(c, dim=-1).indices,
+                                      kept)
+        with watch.phase("router fit"), torch.enable_grad(), deterministic():
             w_fit, b_fit = fit(xs, w_src.float(), b_src, cand, self.cfg, s)
-        w_new = w_fit.to(w_src.dtype) if s.method == "router" else w_src
-        after = pruned_router(self.cfg, w_new.float(), b_fit)
-        repaired = routed_output(moe, after, x, kept)
-        fit_after, held_after = mse(repaired[:n_fit], target[:n_fit]), mse(repaired[n_fit:],
-                                                                            target[n_fit:])
+        with watch.phase("router guard"):
+            w_new = w_fit.to(w_src.dtype) if s.method == "router" else w_src
+            after = pruned_router(self.cfg, w_new.float(), b_fit)
+            repaired = routed_output(moe, after, x, kept)
+            fit_after, held_after = (mse(repaired[:n_fit], target[:n_fit]),
+                                     mse(repaired[n_fit:], target[n_fit:]))
         applied = held_after < held_before
         w_out, b_out = (w_new, b_fit) if applied else (w_src, b_src)
         self.records[layer] = LayerRepair(
@@ -356,11 +375,12 @@ class RouterRepair:
         return w_out, b_out
 
     def _compensate(self, layer: int, moe: MoEBlock, x: torch.Tensor, target: torch.Tensor,
-                    n_fit: int, router: nn.Module) -> None:
+                    n_fit: int, router: nn.Module, watch: Stopwatch) -> None:
         """Re-fit the layer's down_proj matrices (kconvert.pruning.compensate) on the fit
-        tokens; when the held-out error falls, write them into `moe` (encoded in the source's
-        format and decoded again, so the stream moves on with what is written) and keep their
-        encoded parameters for the output."""
+        tokens at each ridge, take the ridge with the lowest held-out error, and encode its
+        matrices in the source's format; when their held-out error as written (decoded again)
+        is below the source matrices', write them into `moe` (the stream moves on with what
+        is written) and keep their encoded parameters for the output."""
         s, keep = self.settings, self.kept[layer]
         sources = self.down_sources(layer, keep)
         w, ids = route(router, x)
@@ -368,47 +388,51 @@ class RouterRepair:
                                                                        slice(n_fit, None)))
         down = [moe.experts.down[e] for e in keep]
         shared_down = moe.shared_experts.down_proj.weight
-        pieces = block(moe, keep, fitted_on, x[:n_fit], down, shared_down)
-        held = block(moe, keep, held_on, x[n_fit:], down, shared_down)
+        with watch.phase("compensation setup"):
+            pieces = block(moe, keep, fitted_on, x[:n_fit], down, shared_down)
+            held = block(moe, keep, held_on, x[n_fit:], down, shared_down)
         count = 1 if s.compensate == "shared" else len(sources)
         dims, n_held = target.shape[1], x.shape[0] - n_fit
-
-        def as_written(ridge: float) -> tuple[float, list[dict[str, torch.Tensor]],
-                                              list[torch.Tensor]]:
-            """(held-out error, encoded parameters, their decode) of one ridge's matrices."""
-            solved = compensate_fit(pieces, target[:n_fit], s.compensate, ridge, s.sweeps)
-            encoded = recode.encode(self.ckpt, sources[:count], solved.weights[:count],
-                                    self.block_scale, x.device)
-            written = [recode.decode(lin, params, x.device) for lin, params
-                       in zip(sources, encoded, strict=False)]
-            after = Block(held.rows, held.features, [*written, *held.weights[count:]])
-            return mse(after.output(n_held, dims), target[n_fit:]), encoded, written
-
-        # the ridge is chosen per layer by the held-out error (ties: the smaller ridge); only
-        # the best so far is held (a Kimi layer's matrices are GBs on the host per ridge)
+        refit = Refit(pieces, target[:n_fit], held, n_held, count, watch)
+        before = {"fit_mse_before": mse(refit.fit_before, target[:n_fit]),
+                  "heldout_mse_before": mse(refit.held_before, target[n_fit:])}
+        # the ridge is chosen per layer by the held-out error of the re-fitted matrices
+        # (ties: the smaller ridge); only the best offsets so far are held
         best = None
         for ridge in s.ridges:
-            got = (*as_written(ridge), ridge)
-            if best is None or (got[0], got[3]) < (best[0], best[3]):
+            offsets = refit.solve(ridge, s.sweeps)
+            with watch.phase("compensation choice"):
+                got = (mse(refit.held_output(offsets), target[n_fit:]), ridge, offsets)
+            if best is None or got[:2] < best[:2]:
                 best = got
-        held_after, encoded, written, ridge = best
-        fit_after = Block(pieces.rows, pieces.features, [*written, *pieces.weights[count:]])
-        errors = {
-            "fit_mse_before": mse(pieces.output(n_fit, dims), target[:n_fit]),
-            "fit_mse_after": mse(fit_after.output(n_fit, dims), target[:n_fit]),
-            "heldout_mse_before": mse(held.output(n_held, dims), target[n_fit:]),
-            "heldout_mse_after": held_after}
-        applied = errors["heldout_mse_after"] < errors["heldout_mse_before"]
-        hashes, kept = {}, {}
-        if applied:
-            for i, (lin, params, m) in enumerate(zip(sources, encoded, written, strict=False)):
-                for param, t in params.items():
-                    name = output_name(f"{lin.module}.{param}", i - 1)
-                    kept[name] = t.cpu()
-                    hashes[name] = tensor_hash(kept[name])
-                into = shared_down if i == 0 else moe.experts.down[keep[i - 1]]
-                into.copy_(m.to(into.dtype))
-            self.matrices.update(self._spilled(layer, kept))
+            del offsets, got
+        _, ridge, offsets = best
+        with watch.phase("compensation encode"):
+            encoded = recode.encode(self.ckpt, sources[:count],
+                                    functools.partial(refit.matrix, offsets), self.block_scale,
+                                    x.device)
+        del best, offsets, refit
+
+        def written(b: int) -> torch.Tensor:
+            return recode.decode(sources[b], encoded[b], x.device) if b < count \
+                else pieces.weight(b)
+
+        with watch.phase("compensation guard"):
+            errors = {
+                **before,
+                "fit_mse_after": mse(pieces.output(n_fit, dims, written), target[:n_fit]),
+                "heldout_mse_after": mse(held.output(n_held, dims, written), target[n_fit:])}
+            applied = errors["heldout_mse_after"] < errors["heldout_mse_before"]
+            hashes, kept = {}, {}
+            if applied:
+                for i, (lin, params) in enumerate(zip(sources, encoded, strict=False)):
+                    for param, t in params.items():
+                        name = output_name(f"{lin.module}.{param}", i - 1)
+                        kept[name] = t.cpu()
+                        hashes[name] = tensor_hash(kept[name])
+                    into = shared_down if i == 0 else moe.experts.down[keep[i - 1]]
+                    into.copy_(written(i).to(into.dtype))
+                self.matrices.update(self._spilled(layer, kept))
         ruled = any(lin.uses_block_scale_rule for lin in sources[:count])
         self.compensations[layer] = LayerCompensation(
             method=s.compensate, applied=applied, fit_tokens=n_fit,
