@@ -19,8 +19,8 @@ equals plain REAP: it is reported (the guard's figures) but cannot be ablated.
     PYTHONPATH=$PWD python scripts/guard_kl.py --out scripts/results/guard_kl_tiny_moe
         [--fixtures trained 96] [--configs bias router down router+down]
 
-Writes the --out path with .json (every figure) and .md (the table). CPU, about 10 minutes per fixture on 2
-cores.
+Writes the --out path with .json (every figure) and .md (the table). CPU, about 10 minutes
+per fixture on 2 cores.
 """
 
 from __future__ import annotations
