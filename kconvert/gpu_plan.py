@@ -48,6 +48,20 @@ ENCODE_CHUNK_BYTES = ENCODE_CHUNK_ELEMS * 16
 # The engine's item size on a GPU when the budget allows it (kconvert.convert).
 WORK_ELEMS = 1 << 28
 
+# Rows per step of an input Gram's accumulation (kconvert.calibrate.forward.InputGram): its
+# fp32 copy of those rows and the copy of the rows that go to one of its two sums.
+GRAM_ROWS = 1 << 12
+
+
+def gram_bytes(widths: list[int], held_out: bool) -> int:
+    """Device bytes of the input Grams of linears of input `widths` (one per fused set): an
+    fp32 [in, in] sum each, two with `held_out`, and one accumulation step's rows."""
+    if not widths:
+        return 0
+    return 4 * ((2 if held_out else 1) * sum(w * w for w in widths)
+                + 2 * GRAM_ROWS * max(widths))
+
+
 # OBS batches of this many experts keep the GPU busy: a plan gives them that many before it
 # keeps a larger forward micro-batch (and otherwise as many as fit, at least one).
 OBS_BATCH = 8
@@ -128,6 +142,29 @@ class Shapes:
                 + self.kv_lora * self.heads * (self.qk_nope + self.v_head)
                 + self.heads * self.v_head * h)
 
+    def attention_inputs(self) -> list[int]:
+        """Input widths of an MLA attention's fused sets (linears that see one input): q_a
+        with kv_a (or q_proj, and kv_a alone), q_b, kv_b, o."""
+        q = [self.hidden] if self.q_lora else [self.hidden, self.hidden]
+        return [*q, *([self.q_lora] if self.q_lora else []), self.kv_lora,
+                self.heads * self.v_head]
+
+    def attention_matrices(self) -> list[tuple[int, int]]:
+        """(rows, in) of an MLA attention's linears."""
+        q_in = self.q_lora or self.hidden
+        return [*([(self.q_lora, self.hidden)] if self.q_lora else []),
+                (self.heads * self.qk, q_in), (self.kv_lora + self.qk_rope, self.hidden),
+                (self.heads * (self.qk_nope + self.v_head), self.kv_lora),
+                (self.hidden, self.heads * self.v_head)]
+
+    def dense_inputs(self) -> list[int]:
+        """Input widths of a dense MLP's fused sets: gate with up, down."""
+        return [self.hidden, self.dense_inter]
+
+    def dense_matrices(self) -> list[tuple[int, int]]:
+        """(rows, in) of a dense MLP's matrices: gate and up as one (one input), down."""
+        return [(2 * self.dense_inter, self.hidden), (self.hidden, self.dense_inter)]
+
     def expert_elems(self) -> int:
         """gate, up and down of one routed expert."""
         return 3 * self.hidden * self.moe_inter
@@ -161,6 +198,7 @@ class Forward:
     capture: bool = False  # SparseGPT/GPTQ keep the MoE layer's inputs for the Hessians
     rerun: bool = False  # "sequential" Hessians: the layer input is kept to run it again
     repair_tokens: int = 0  # REAP router repair: tokens of its second stream
+    gram_bytes: int = 0  # input Grams of a layer's targeted linears (GPTQ: attention, dense)
 
     def tokens(self) -> int:
         return self.sequences * self.seq_len
@@ -176,6 +214,12 @@ class Obs:
     matrices: int
     k: int  # input dimension of that matrix (its routed inputs are taken in fp32)
     every_token: bool = False  # a matrix's Hessian is built from every token (shared expert)
+    least_bytes: int = 0  # one matrix of the largest targeted shape: a batch holds at least it
+
+    def batch(self, n: int) -> int:
+        """Bytes of an OBS batch of `n` matrices of `bytes_per_matrix` (at least one of the
+        largest targeted shape)."""
+        return max(n * self.bytes_per_matrix, self.least_bytes)
 
 
 @dataclass(frozen=True)
@@ -276,6 +320,8 @@ def forward_footprint(s: Shapes, fw: Forward, batch: int, hidden_on_device: bool
         resident["captured layer inputs"] = tokens * (s.hidden * d + s.top_k * 8)
     if fw.repair_tokens:
         resident["repair stream"] = fw.repair_tokens * s.hidden * (d + 4 * 4)
+    if fw.gram_bytes:
+        resident["input Grams"] = fw.gram_bytes
     layer = weights if fw.models else {}
     decode = min(DECODE_ELEMS["cuda"], s.layer_elems()) * DECODE_BYTES_PER_ELEM
     phases = {"decoding a layer": {**layer, "decode": decode},
@@ -346,7 +392,7 @@ def plan_conversion(s: Shapes, budget: int, what: str, min_item_elems: int,
         fp.phases["decoding a layer"]["engine's current item"] = held
         fp.phases["running a micro-batch"]["engine's current item"] = held
         fp.phases["solving an OBS batch"] = {
-            "OBS batch": n * obs.bytes_per_matrix, "busiest expert's inputs": hot * obs.k * 6,
+            "OBS batch": obs.batch(n), "busiest expert's inputs": hot * obs.k * 6,
             "engine's item and result": held + 4 * item}
         fp.phases["encoding a work item"] = {"work item": _encode_bytes(item)}
         return fp
@@ -375,7 +421,7 @@ def plan_conversion(s: Shapes, budget: int, what: str, min_item_elems: int,
     n = fits[(batch, on_device)]
     if not n:
         raise _too_small(what, footprint(1, False, 1), budget, "--samples")
-    return GpuPlan(budget, batch, on_device, obs_bytes=n * obs.bytes_per_matrix,
+    return GpuPlan(budget, batch, on_device, obs_bytes=obs.batch(n),
                    obs_matrices=n, work_elems=max(n * per_expert_elems, min_item_elems),
                    footprint=footprint(batch, on_device, n))
 

@@ -59,6 +59,11 @@ KEEPS = {"75%": 18, "50%": 12, "25%": 6}
 # `--only obs`: the OBS engine's comparison (RTN amax and mse, GPTQ mse, p48 magnitude and
 # SparseGPT).
 OBS_NAMES = ("nvfp4-amax", "nvfp4-mse", "gptq-mse", "p48-magnitude", "p48-sparsegpt")
+# `--only linears`: GPTQ against RTN (mse) where attention, and the dense MLP and shared expert,
+# are targeted too (their Hessians the input Grams the calibration forward collects).
+LINEAR_TARGETS = {"attn": "experts,attention",
+                  "all": "experts,shared_experts,dense_mlp,attention"}
+LINEAR_NAMES = tuple(f"{m}-mse-{t}" for t in LINEAR_TARGETS for m in ("nvfp4", "gptq"))
 
 
 def only_names(spec: str | None) -> set[str] | None:
@@ -66,7 +71,8 @@ def only_names(spec: str | None) -> set[str] | None:
     if not spec:
         return None
     names = {n.strip() for n in spec.split(",") if n.strip()}
-    return (names - {"obs"}) | (set(OBS_NAMES) if "obs" in names else set())
+    return ((names - {"obs", "linears"}) | (set(OBS_NAMES) if "obs" in names else set())
+            | (set(LINEAR_NAMES) if "linears" in names else set()))
 
 
 def build(tmp: Path, calib: torch.Tensor, draws: int, only: set[str] | None = None
@@ -102,6 +108,12 @@ def build(tmp: Path, calib: torch.Tensor, draws: int, only: set[str] | None = No
             {"block_scale": rule})
     run("gptq-mse", "quantize", "NVFP4 W4A16 experts by GPTQ (mse block scales), RTN where "
         "GPTQ is not better", {"method": "gptq"}, lambda ck: {"quantize": calibration(ck)})
+    for tag, targets in LINEAR_TARGETS.items():
+        run(f"nvfp4-mse-{tag}", "quantize", f"NVFP4 W4A16 {targets}, mse block scales",
+            {"targets": targets})
+        run(f"gptq-mse-{tag}", "quantize", f"NVFP4 W4A16 {targets} by GPTQ (mse block "
+            "scales), RTN where GPTQ is not better", {"method": "gptq", "targets": targets},
+            lambda ck: {"quantize": calibration(ck)})
     run("w4a4", "quantize", "NVFP4 W4A4 experts (mse block scales, calibrated input amax)",
         {"act_stats": str(tmp / "stats" / ACT_FILE)})
     for pct, keep in KEEPS.items():
@@ -183,6 +195,11 @@ def orderings(kl: dict[str, float], draws: int) -> list[str]:
         ratio = kl["gptq-mse"] / kl["nvfp4-mse"]
         lines.append(f"- gptq-mse KL / rtn-mse KL = {ratio:.3f} (issue 26 asks <= 0.7): "
                      f"**{'holds' if ratio <= 0.7 else 'fails'}**")
+    for tag, targets in LINEAR_TARGETS.items():
+        gptq, rtn = kl[f"gptq-mse-{tag}"], kl[f"nvfp4-mse-{tag}"]
+        lines.append(check(f"gptq {targets}", "rtn (mse), same targets", gptq, rtn))
+        if gptq is not None and rtn is not None:
+            lines.append(f"- gptq-mse-{tag} KL / nvfp4-mse-{tag} KL = {gptq / rtn:.3f}")
     for pct in KEEPS:
         draws_kl = [kl[f"reap-random{d}-{pct}"] for d in range(draws)]
         rand = None if None in draws_kl else statistics.mean(draws_kl)

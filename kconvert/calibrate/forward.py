@@ -19,6 +19,7 @@ from torch import nn
 
 from kconvert.calibrate.data import PAD_ID
 from kconvert.errors import KconvertError
+from kconvert.gpu_plan import GRAM_ROWS
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.model.names import Role, parse_name
 
@@ -62,6 +63,39 @@ class LinearStats:
     def add(self, x: torch.Tensor) -> None:
         if x.shape[0]:
             _accumulate(x, self.amax, self.sq)
+
+
+class InputGram:
+    """X^T X of the real input rows one linear sees (its OBS Hessian, kconvert.sparsity),
+    accumulated on the device in fp32, batch by batch in row order: with `held_every` n > 0
+    every n-th row (rows n-1, 2n-1, ... counted over the whole pass) goes to `held` instead of
+    `fit` (the rows GPTQ's comparison with RTN is judged on); with 0, `held` is None."""
+
+    def __init__(self, n_in: int, device: torch.device, held_every: int = 0):
+        self.n_in, self.device = n_in, device
+        self.held_every, self.rows = held_every, 0
+        # allocated at the first rows (during the layer's forward, not when a prefetched
+        # layer is built ahead of it)
+        self.fit: torch.Tensor | None = None
+        self.held: torch.Tensor | None = None
+
+    def add(self, x: torch.Tensor) -> None:
+        if self.fit is None:
+            self.fit = torch.zeros(self.n_in, self.n_in, dtype=torch.float32, device=self.device)
+            if self.held_every:
+                self.held = torch.zeros_like(self.fit)
+        for start in range(0, x.shape[0], GRAM_ROWS):
+            chunk = x[start:start + GRAM_ROWS].float()
+            n, first = chunk.shape[0], self.rows
+            self.rows += n
+            if self.held is None:
+                self.fit.addmm_(chunk.T, chunk)
+                continue
+            every = self.held_every
+            held = torch.zeros(n, dtype=torch.bool, device=chunk.device)
+            held[(every - 1 - first) % every::every] = True
+            for acc, rows in ((self.fit, chunk[~held]), (self.held, chunk[held])):
+                acc.addmm_(rows.T, rows)
 
 
 def _accumulate(x: torch.Tensor, amax: torch.Tensor, sq: torch.Tensor) -> None:
@@ -270,6 +304,9 @@ class Layer:
     moe: MoEBlock | None
     linear_stats: dict[str, LinearStats]  # checkpoint module -> accumulator (non-expert)
     hooks: list = field(default_factory=list)
+    # fused set (kconvert.model.names: linears that see one input) -> its input Gram, for the
+    # linears whose Hessians were asked for (build_layer's `grams`)
+    grams: dict[str, InputGram] = field(default_factory=dict)
 
     def stat_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(sums, maxima): the accumulators of the layer's statistics (reduced over ranks)."""

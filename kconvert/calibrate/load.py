@@ -6,6 +6,7 @@ the second where memory allows, for layer L+1 while layer L computes."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -16,6 +17,7 @@ from kconvert.calibrate.forward import (
     PROJS,
     Experts,
     ForwardContext,
+    InputGram,
     Layer,
     LinearStats,
     MoEBlock,
@@ -178,9 +180,12 @@ def _read_experts(ckpt: Checkpoint, cfg, modules: list[ModuleWork], layer: int,
 
 
 def build_layer(raw: LayerBytes, cfg, ctx: ForwardContext, device: torch.device,
-                dtype: torch.dtype, stats: bool = True) -> Layer:
+                dtype: torch.dtype, stats: bool = True, grams: Collection[Role] = (),
+                held_every: int = 0) -> Layer:
     """transformers' decoder layer holding exactly the layer's tensors, decoded on `device`;
-    with `stats` False it computes the forward alone (no calibration statistics)."""
+    with `stats` False it computes the forward alone (no calibration statistics). The linears
+    of the roles in `grams` (transformers' nn.Linear modules: attention, dense MLP) accumulate
+    their input Gram (`InputGram`, `held_every`), one per fused set: its linears see one input."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
 
     layer, prefix = raw.layer, raw.prefix
@@ -214,7 +219,14 @@ def build_layer(raw: LayerBytes, cfg, ctx: ForwardContext, device: torch.device,
             acc = linear_stats[prefix + rel] = LinearStats(sub.in_features, device)
             hooks.append(sub.register_forward_pre_hook(
                 lambda _mod, args, acc=acc: acc.add(ctx.real_rows(args[0]))))
-    return Layer(module, moe, linear_stats, hooks)
+    input_grams: dict[str, InputGram] = {}
+    for rel, sub in module.named_modules() if grams else ():
+        tn = parse_name(f"{prefix}{rel}.weight")
+        if isinstance(sub, nn.Linear) and tn.role in grams and tn.fused_set not in input_grams:
+            gram = input_grams[tn.fused_set] = InputGram(sub.in_features, device, held_every)
+            hooks.append(sub.register_forward_pre_hook(
+                lambda _mod, args, gram=gram: gram.add(ctx.real_rows(args[0]))))
+    return Layer(module, moe, linear_stats, hooks, input_grams)
 
 
 def _decode_experts(raw: LayerBytes, cfg, device: torch.device, dtype: torch.dtype) -> Experts:

@@ -12,6 +12,7 @@ from kconvert import distributed
 from kconvert.calibrate.data import PAD_ID, load_calibration_data
 from kconvert.calibrate.forward import (
     ForwardContext,
+    InputGram,
     MoEBlock,
     embed,
     model_config,
@@ -54,7 +55,9 @@ def measure_stats(
     hidden_on_device: bool | None = None,
     meta: dict | None = None,
     on_layer: Callable[[int, torch.Tensor], None] | None = None,
-    on_moe: Callable[[int, MoEBlock], None] | None = None,
+    on_captured: Callable[[int, MoEBlock | None, dict[str, InputGram]], None] | None = None,
+    grams: frozenset[Role] = frozenset(),
+    held_every: int = 0,
     rerun_moe: bool = False,
     on_weights: Callable[[int, torch.nn.Module], None] | None = None,
     progress: Callable[[str], None] | None = None,
@@ -70,11 +73,15 @@ def measure_stats(
     planned here on the default budget) lowers the micro-batch; the hidden states of all
     tokens are kept in `dtype` on the device (`hidden_on_device` None: where the plan puts
     them) or else in CPU memory. `on_layer(L, hidden)` sees layer L's output hidden states
-    [num_seqs, seq_len, hidden] (for tests and debugging); `on_moe(L, moe)` sees MoE layer L
-    after its forward, weights still loaded and inputs captured (`moe.expert_inputs(e)`: SparseGPT's
-    Hessians); with `rerun_moe`, each MoE layer then runs again on the same inputs with the
-    weights `on_moe` left in it, and that run's outputs go on to the next layer (SparseGPT's
-    sequential Hessians; the statistics are the first run's); `on_weights(L, module)` sees
+    [num_seqs, seq_len, hidden] (for tests and debugging); `on_captured(L, moe, grams)` sees
+    layer L after its forward, weights still loaded: its MoE block (None in a dense layer) with
+    its inputs captured (`moe.expert_inputs(e)`: the OBS engine's expert Hessians), and the
+    input Grams of the linears of the roles in `grams` (attention, dense MLP: fused set ->
+    forward.InputGram, every `held_every`-th real row held apart when > 0); it is called for
+    every MoE layer and every layer with such linears. With `rerun_moe`, each MoE layer then
+    runs again on the same inputs with the weights `on_captured` left in it, and that run's
+    outputs go on to the next layer (SparseGPT's sequential Hessians; the statistics are the
+    first run's); `on_weights(L, module)` sees
     transformers' decoder layer L with its weights loaded after its statistics were taken,
     hooks removed (a second stream may run it: REAP router repair); `meta` is merged into the
     recorded meta. `prefetch` and `prefetch_bytes`: the layer prefetcher's `ahead` and
@@ -90,7 +97,7 @@ def measure_stats(
         if attention_mask.shape != input_ids.shape:
             raise KconvertError("attention_mask must have the shape of input_ids")
         valid &= attention_mask.bool()
-    if on_moe is not None and distributed.world() > 1:
+    if on_captured is not None and distributed.world() > 1:
         raise KconvertError("SparseGPT's calibration inputs are not shared across ranks; run "
                             "it without torchrun")
     if on_weights is not None and distributed.world() > 1:
@@ -108,7 +115,7 @@ def measure_stats(
         if gpu_plan is None:
             gpu_plan = forward_plan(ckpt, input_ids.shape, batch_size, dtype, device,
                                     resolve(device, None), "calibration",
-                                    capture=on_moe is not None, rerun=rerun_moe,
+                                    capture=on_captured is not None, rerun=rerun_moe,
                                     repair=on_weights is not None)
         # every rank deals the batches alike: the smallest micro-batch any rank's plan allows
         planned = min(distributed.all_gather_object(gpu_plan.batch_size))
@@ -136,7 +143,8 @@ def measure_stats(
     ctx = ForwardContext()
     prefetcher = LayerPrefetcher(
         read=lambda layer: read_layer(ckpt, cfg, layer, layer_tensors[layer], dtype, device),
-        build=lambda _layer, raw: build_layer(raw, cfg, ctx, device, dtype),
+        build=lambda _layer, raw: build_layer(raw, cfg, ctx, device, dtype, grams=grams,
+                                              held_every=held_every),
         device=device, ahead=prefetch,
         device_bytes=(prefetch_bytes if prefetch_bytes is not None or gpu_plan is None
                       else gpu_plan.prefetch_bytes))
@@ -146,7 +154,7 @@ def measure_stats(
     for layer, loaded, timing in prefetcher.layers(range(n_layers), lambda L: f"layer {L}"):
         t_loaded = time.perf_counter()
         if loaded.moe is not None:
-            loaded.moe.capture = on_moe is not None
+            loaded.moe.capture = on_captured is not None
             loaded.moe.capture_rows = n_real
         rerun = rerun_moe and loaded.moe is not None
         layer_input = hidden.clone() if rerun else None
@@ -180,9 +188,9 @@ def measure_stats(
             modules[key] = module
             tensors[f"{key}.input_amax"] = acc.amax.cpu()
             tensors[f"{key}.input_sq_sum"] = acc.sq.float().cpu()
+        if on_captured is not None and (loaded.moe is not None or loaded.grams):
+            on_captured(layer, loaded.moe, loaded.grams)
         if loaded.moe is not None:
-            if on_moe is not None:
-                on_moe(layer, loaded.moe)
             # (copied when the layer runs again: on a CPU .cpu() returns the same tensors)
             tensors.update({k: v.clone() if rerun else v
                             for k, v in loaded.moe.results(layer).items()})

@@ -2,9 +2,13 @@
 the OBS engine (kconvert.sparsity.obs: GPTQ and SparseGPT).
 
 `CalibrationHessians` runs the calibration forward on a thread beside the conversion and hands
-over one MoE layer at a time (its captured inputs and decoded weights), so no Hessian is ever
-stored: a layer's are built on demand from its tokens and freed after use: a routed expert's
-from the tokens routed to it, the shared expert's from every token of the layer. With
+over one layer at a time (its captured MoE inputs and decoded weights, and the input Grams of
+its targeted attention and dense MLP linears), so no expert Hessian is ever stored: a layer's
+are built on demand from its tokens and freed after use: a routed expert's from the tokens
+routed to it, the shared expert's from every token of the layer. The attention and dense MLP
+linears' Hessians are their input Grams X^T X, accumulated by forward pre-hooks on
+transformers' modules during the forward (kconvert.calibrate.forward.InputGram: in_features^2
+fp32 per fused set, however many tokens), and freed with the layer. With
 `sequential` the compressed experts are written back into the handed-over layer and the layer
 is run again, so every later layer's inputs are those of the already-compressed model (the
 SparseGPT paper's order); otherwise they are the unchanged source's.
@@ -21,10 +25,11 @@ from pathlib import Path
 
 import torch
 
-from kconvert.calibrate.data import load_calibration_data
+from kconvert.calibrate.data import PAD_ID, load_calibration_data
 from kconvert.errors import KconvertError
 from kconvert.gpu_plan import Forward, GpuPlan, GpuWork, Shapes
 from kconvert.io.checkpoint import Checkpoint
+from kconvert.model.names import Role
 from kconvert.sparsity.obs import HELDOUT_EVERY, HELDOUT_MIN, HessianSplit, gpu_work
 
 
@@ -35,16 +40,18 @@ class _Closed(Exception):
 @dataclass
 class _Handoff:
     layer: int
-    moe: object  # calibrate.MoEBlock, weights loaded and inputs captured
+    moe: object | None  # calibrate.MoEBlock, weights loaded and inputs captured; None: dense
+    grams: dict  # fused set -> calibrate.forward.InputGram of the `gram_roles` linears
 
 
 class CalibrationHessians:
-    """Per-expert input Hessians from a layer-streamed calibration pass run beside the engine.
+    """Per-matrix input Hessians from a layer-streamed calibration pass run beside the engine.
 
-    The pass (kconvert.calibrate.calibrate with `on_moe`) runs on its own thread and stops
-    after each MoE layer until the engine has asked for a later layer, so only one layer's
-    weights and inputs are held at a time. Layers must be asked for in ascending order (the
-    engine orders transform items by layer when this source is used).
+    The pass (kconvert.calibrate.calibrate with `on_captured`) runs on its own thread and stops
+    after each MoE layer (and each layer with `gram_roles` linears) until the engine has asked
+    for a later layer, so only one layer's weights, inputs and Grams are held at a time.
+    Layers must be asked for in ascending order (the engine orders transform items by layer
+    when this source is used).
 
     With `sequential` (set before the first layer is asked for), `replace` writes compressed
     weights into the handed-over layer, and the pass runs that layer again before the next, so
@@ -58,6 +65,9 @@ class CalibrationHessians:
         self._args = (ckpt, input_ids, device, batch_size, dtype)
         self.input_ids, self.batch_size, self.dtype = input_ids, batch_size, dtype
         self.sequential = False
+        # Roles whose linears' Hessians are input Grams collected during the forward
+        # (attention, dense MLP), set before the first layer is asked for.
+        self.gram_roles: frozenset[Role] = frozenset()
         # The command's GPU memory plan (kconvert.gpu_plan), set before the first layer is
         # asked for: the forward's micro-batch, where its hidden states live, the OBS share.
         self.gpu_plan: GpuPlan | None = None
@@ -75,15 +85,16 @@ class CalibrationHessians:
 
         ckpt, ids, device, batch_size, dtype = self._args
 
-        def hand_over(layer: int, moe) -> None:
-            self._handoffs.put(_Handoff(layer, moe))
+        def hand_over(layer: int, moe, grams: dict) -> None:
+            self._handoffs.put(_Handoff(layer, moe, grams))
             self._release.wait()
             self._release.clear()
             if self._closed:
                 raise _Closed
 
         try:
-            measure_stats(ckpt, ids, device, batch_size, dtype=dtype, on_moe=hand_over,
+            measure_stats(ckpt, ids, device, batch_size, dtype=dtype, on_captured=hand_over,
+                          grams=self.gram_roles, held_every=self.held_every,
                           rerun_moe=self.sequential, gpu_plan=self.gpu_plan)
             self._handoffs.put(None)
         except _Closed:
@@ -97,7 +108,8 @@ class CalibrationHessians:
         return gpu_work(shapes, Forward(*self.input_ids.shape, self.batch_size,
                                         self.dtype.itemsize, capture=True,
                                         rerun=self.sequential),
-                        shared=shared, against_rtn=against_rtn)
+                        shared=shared, against_rtn=against_rtn, linears=self.gram_roles,
+                        held_out=self.held_every > 0)
 
     def obs_budget(self, device: torch.device) -> int | None:
         """Bytes one OBS batch may take on `device`: the plan's OBS share on a GPU (a plan is
@@ -108,15 +120,38 @@ class CalibrationHessians:
             raise KconvertError("the OBS engine ran on a GPU without a GPU memory plan")
         return self.gpu_plan.obs_bytes
 
+    @property
+    def held_every(self) -> int:
+        """HELDOUT_EVERY where the pass's real tokens leave HELDOUT_MIN held out of a matrix
+        that sees every token (the Grams' split, as `split_hessians`'), else 0."""
+        tokens = int((self.input_ids != PAD_ID).sum())
+        return HELDOUT_EVERY if tokens // HELDOUT_EVERY >= HELDOUT_MIN else 0
+
     def moe_layer(self, layer: int):
         """The calibration pass's MoE block of `layer` (weights loaded, inputs captured)."""
+        moe = self._layer(layer).moe
+        if moe is None:
+            raise KconvertError(f"the OBS engine asked for layer {layer}'s experts; it is dense")
+        return moe
+
+    def linear_hessians(self, layer: int, fused_set: str) -> HessianSplit:
+        """The input Gram of the linears of `fused_set` in `layer` (a `gram_roles` role), split
+        as `split_hessians`' (fit, held-out rows; held-out None where too few are held out)."""
+        gram = self._layer(layer).grams.get(fused_set)
+        if gram is None or gram.fit is None:
+            raise KconvertError(f"the calibration pass collected no input Hessian for "
+                                f"{fused_set}")
+        return HessianSplit(gram.fit, gram.held)
+
+    def _layer(self, layer: int) -> _Handoff:
+        """The calibration pass's hand-over of `layer`, after its forward."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="kconvert-calibrate",
                                             daemon=True)
             self._thread.start()
         while self._current is None or self._current.layer < layer:
             if self._done:
-                raise KconvertError(f"calibration produced no MoE layer {layer}")
+                raise KconvertError(f"calibration handed over no layer {layer}")
             if self._current is not None:
                 self._current = None
                 self._release.set()  # calibration may free this layer and go on
@@ -129,9 +164,9 @@ class CalibrationHessians:
                 continue
             self._current = got
         if self._current.layer != layer:
-            raise KconvertError(f"the OBS engine needs MoE layers in ascending order; layer "
+            raise KconvertError(f"the OBS engine needs layers in ascending order; layer "
                                 f"{layer} was asked for after layer {self._current.layer}")
-        return self._current.moe
+        return self._current
 
     def hessian(self, layer: int, expert: int | None, proj: str) -> torch.Tensor:
         """X^T X [in, in] (fp32, on the device) over the tokens routed to the source expert

@@ -29,15 +29,15 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
 
 from kconvert.formats import nvfp4
-from kconvert.gpu_plan import Forward, GpuWork, Obs, Shapes
-from kconvert.model.names import TensorName
+from kconvert.gpu_plan import Forward, GpuWork, Obs, Shapes, gram_bytes
+from kconvert.model.names import Role, TensorName
 
 BLOCKSIZE = 128  # columns per lazy-update block (else one NVFP4 block, for small K)
 
@@ -118,18 +118,31 @@ def batch_bytes(rows: int, k: int, tokens: int = 0, against_rtn: bool = False) -
                 + tokens * k)
 
 
-def gpu_work(shapes: Shapes, forward: Forward, *, shared: bool, against_rtn: bool) -> GpuWork:
+def gpu_work(shapes: Shapes, forward: Forward, *, shared: bool, against_rtn: bool,
+             linears: Collection[Role] = (), held_out: bool = False) -> GpuWork:
     """What the OBS engine runs on the GPU beside a conversion, for the command's memory plan
     (kconvert.gpu_plan): the calibration `forward` that captures the Hessians' inputs, and the
     OBS batches. An expert's gate and up share a Hessian and solve as one [2 * moe_inter,
-    hidden] matrix, the largest shape of a batch; with `shared` the shared experts are solved
-    too (their Hessians from every token), with `against_rtn` each result is compared with
-    RTN's (`batch_bytes`)."""
+    hidden] matrix, the largest shape of an expert batch; with `shared` the shared experts are
+    solved too (their Hessians from every token), with `against_rtn` each result is compared
+    with RTN's (`batch_bytes`). `linears`: the attention and dense MLP roles solved too, their
+    Hessians the input Grams the forward collects (two per fused set with `held_out`), held
+    while their layer is solved; a batch holds at least one of the largest such matrix."""
     n_shared = shapes.shared if shared else 0
     rows = 2 * shapes.moe_inter * max(1, n_shared)
-    return GpuWork(forward, Obs(batch_bytes(rows, shapes.hidden, against_rtn=against_rtn),
-                                shapes.experts + n_shared, shapes.hidden,
-                                every_token=n_shared > 0))
+    widths, matrices = [], []
+    if Role.ATTENTION in linears:
+        widths += shapes.attention_inputs()
+        matrices += shapes.attention_matrices()
+    # the dense MLP's Grams sit beside attention's in the first layers (the largest layer)
+    if Role.DENSE_MLP in linears and shapes.dense_layers:
+        widths += shapes.dense_inputs()
+        matrices += shapes.dense_matrices()
+    least = max((batch_bytes(r, k, against_rtn=against_rtn) for r, k in matrices), default=0)
+    return GpuWork(replace(forward, gram_bytes=gram_bytes(widths, held_out)),
+                   Obs(batch_bytes(rows, shapes.hidden, against_rtn=against_rtn),
+                       shapes.experts + n_shared, shapes.hidden, every_token=n_shared > 0,
+                       least_bytes=least))
 
 
 @contextlib.contextmanager
@@ -288,21 +301,32 @@ class HessianSplit(NamedTuple):
 @dataclass(frozen=True)
 class Member:
     """One matrix of a transform item and the Hessian it is quantized under (`expert` None: the
-    shared expert's). Matrices with the same `key` (an expert's gate and up see the same
-    inputs) run as one [rows, in] matrix: one Hessian, one factor, one loop."""
+    shared expert's, or a linear's input Gram where `inputs` names its fused set: attention,
+    dense MLP). Matrices with the same `key` (an expert's gate and up, or a fused set's
+    members, see the same inputs) run as one [rows, in] matrix: one Hessian, one factor, one
+    loop."""
 
     layer: int
     expert: int | None
-    proj: str  # gate_proj | up_proj | down_proj
+    proj: str  # gate_proj | up_proj | down_proj, or an attention projection
+    inputs: str | None = None  # the fused set of a linear whose Hessian is its input Gram
 
     @property
     def key(self) -> tuple:
+        if self.inputs is not None:
+            return (self.inputs,)
         return self.layer, self.expert, self.proj == "down_proj"
+
+
+# Roles whose Hessians come from the MoE block's captured inputs (a routed expert's tokens,
+# every token for the shared expert); every other targeted linear's is its input Gram.
+EXPERT_ROLES = (Role.ROUTED_EXPERT, Role.SHARED_EXPERT)
 
 
 def members_of(names: Sequence[TensorName]) -> list[Member]:
     """The Members of the linears named `names` (parsed names of their weights)."""
-    return [Member(tn.layer, tn.expert, tn.proj) for tn in names]
+    return [Member(tn.layer, tn.expert, tn.proj,
+                   None if tn.role in EXPERT_ROLES else tn.fused_set) for tn in names]
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The `quantize` stage: targeted modules become NVFP4 or MXFP4 in the chosen on-disk format.
 NVFP4 by round-to-nearest (`rtn`) or by the OBS engine's GPTQ (`gptq`, kconvert.sparsity.obs),
-which is kept per matrix only where its output error on the calibration Hessian is below RTN's;
-MXFP4 by round-to-nearest only."""
+which is kept per matrix only where its output error on held-out calibration tokens is below
+RTN's; MXFP4 by round-to-nearest only."""
 
 from __future__ import annotations
 
@@ -33,9 +33,11 @@ from kconvert.sparsity import obs
 from kconvert.sparsity.hessians import Calibration
 from kconvert.stages.base import CALIBRATION_OPTIONS, StageKind
 
-# The roles GPTQ has Hessians for (the layer-streamed calibration's MoE blocks); other
-# targeted roles are quantized by RTN in a gptq run (recorded as `gptq_targets`).
-GPTQ_ROLES = (Role.ROUTED_EXPERT, Role.SHARED_EXPERT)
+# The roles GPTQ has Hessians for, all from the layer-streamed calibration: the experts' from
+# the MoE block's captured inputs, attention's and the dense MLP's from the input Grams the
+# forward collects (obs.EXPERT_ROLES and the rest). A targeted router (MXFP4 only, where gptq
+# is refused) is not among them; the manifest records them as `gptq_targets`.
+GPTQ_ROLES = (Role.ROUTED_EXPERT, Role.SHARED_EXPERT, Role.DENSE_MLP, Role.ATTENTION)
 
 
 class QuantizeRecord(StageRecord):
@@ -92,6 +94,9 @@ class Quantize(Stage):
                                 f"{QUANTIZE_METHODS}")
         if self.method == "gptq" and self.calibration is None:
             raise KconvertError("--method gptq needs calibration data: --data FILE")
+        if self.method == "gptq":
+            self.calibration.hessians.gram_roles = frozenset(
+                r for r in self.gptq_roles if r not in obs.EXPERT_ROLES)
 
     @property
     def ordered_layers(self) -> bool:
@@ -151,9 +156,14 @@ class Quantize(Stage):
         """GPTQ on the decoded target weights w [B, M, K], per matrix kept only where it beats
         RTN on held-out tokens (obs.HELDOUT_EVERY); the choices go to the manifest (`obs`)."""
         hessians = self.calibration.hessians
+
+        def split(mb: obs.Member) -> obs.HessianSplit:
+            if mb.inputs is not None:
+                return hessians.linear_hessians(mb.layer, mb.inputs)
+            return hessians.split_hessians(mb.layer, mb.expert, mb.proj)
+
         out, codes, choices = obs.quantize_batches(
-            w, gs, obs.members_of([m.tn for m in modules]),
-            lambda mb: hessians.split_hessians(mb.layer, mb.expert, mb.proj),
+            w, gs, obs.members_of([m.tn for m in modules]), split,
             modules[0].group_size, scale_rule, local_dtype, arithmetic, against_rtn=True,
             budget=hessians.obs_budget(w.device))
         return out, codes, [asdict(c) for c in choices]

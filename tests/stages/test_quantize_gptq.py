@@ -151,7 +151,8 @@ def test_int4_to_nvfp4_gptq_end_to_end(tmp_path):
 
 def test_quantize_gptq_shared_expert_and_usage(tmp_path):
     """A BF16 source with shared experts and attention targeted: GPTQ on routed and shared
-    experts (Hessians from every token for the shared one), attention by RTN, as recorded;
+    experts (Hessians from every token for the shared one) and attention (its input Grams),
+    as recorded;
     --data without gptq, gptq without --data and a sparsify method are refused."""
     vocab = json.loads((TINY_MOE / "config.json").read_text())["vocab_size"]
     data = _data(tmp_path, vocab)
@@ -161,9 +162,11 @@ def test_quantize_gptq_shared_expert_and_usage(tmp_path):
                      "experts,shared_experts,attention")
     assert code == 0, out
     man = json.loads((dst / "kconvert-manifest.json").read_text())
-    assert man["options"]["quantize"]["gptq_targets"] == ["routed_expert", "shared_expert"]
+    assert man["options"]["quantize"]["gptq_targets"] == ["attention", "routed_expert",
+                                                          "shared_expert"]
     assert any(".shared_experts." in m for m in man["obs"])
-    assert not any(".self_attn." in m for m in man["obs"])
+    assert any(".self_attn." in m for m in man["obs"])
+    assert not any(".layers.0.mlp." in m for m in man["obs"])  # the dense MLP: not targeted
     # 64 tokens: too few to hold any out (obs.HELDOUT_MIN), and the manifest says so
     assert {c["judged_on"] for c in man["obs"].values()} == {"calibration"}
     assert all(c["gptq_error"] < c["rtn_error"] or c["method"] == "rtn"
