@@ -33,6 +33,8 @@ and for conversions whether DST holds a manifest. The JSON is rewritten after ev
 run that would start too close to DEADLINE_S (510 s after the start) is skipped and recorded,
 and the same command line on the same (still held) machine runs only what is missing (the
 set and ROOT/bench_gpu_memory.state.json are still there), writing every run to the JSON.
+`COMMANDS=gptq-linears` runs int4-to-nvfp4 --method gptq --targets experts,attention,dense_mlp
+(the attention and dense-MLP Hessians from forward hooks), only when named.
 Env: ROOT, SEQS, SEQ, OBS_SAMPLES, BUDGETS (default,40GiB), COMMANDS, HOG_GIB, DEADLINE_S,
 TIMEOUT (per run, 300 s).
 """
@@ -56,7 +58,7 @@ sys.path.insert(0, str(HERE.parent))
 GIB = 1 << 30
 # Rough seconds of each run on one H100 (a run is skipped when less than this is left).
 EXPECT_S = {"calibrate": 35, "eval": 40, "reap": 45, "sparsify": 90, "gptq": 110,
-            "oom-refused": 20, "oom-runtime": 30}
+            "gptq-linears": 120, "oom-refused": 20, "oom-runtime": 30}
 
 
 def child(peak_file: str, hog_bytes: int, argv: list[str]) -> None:
@@ -183,13 +185,16 @@ def main() -> None:
     d = ["--data", str(data), "--seq-len", str(seq)]
     obs_d = [*d, "--samples", str(obs_samples)]
     out_dir = root / "gpu-memory-out"
-    dsts = {name: out_dir / name for name in ("reap", "sparsify", "gptq", "oom")}
+    dsts = {name: out_dir / name for name in ("reap", "sparsify", "gptq", "gptq-linears", "oom")}
     # the OBS commands first: the longest runs, and the ones an 80 GB card ran out of before
     commands = {
         "sparsify": ["sparsify", str(src), str(dsts["sparsify"]), "--pattern", "p48",
                      "--method", "sparsegpt", *obs_d, "--quiet"],
         "gptq": ["int4-to-nvfp4", str(src), str(dsts["gptq"]), "--method", "gptq", *obs_d,
                  "--quiet"],
+        # GPTQ of every targeted Linear: attention and dense-MLP Hessians from forward hooks
+        "gptq-linears": ["int4-to-nvfp4", str(src), str(dsts["gptq-linears"]), "--method",
+                         "gptq", "--targets", "experts,attention,dense_mlp", *obs_d, "--quiet"],
         "calibrate": ["calibrate", str(src), *d, "-o", str(out_dir / "stats"), "--overwrite"],
         "eval": ["eval", str(src), str(src), *d, "--quiet"],
         "reap": ["reap", str(src), str(dsts["reap"]), *d, "--prune-ratio", "0.5", "--quiet"],
@@ -197,6 +202,8 @@ def main() -> None:
     wanted = os.environ.get("COMMANDS")
     if wanted:
         commands = {k: v for k, v in commands.items() if k in wanted.split(",")}
+    else:
+        del commands["gptq-linears"]  # beyond issue 26's five: asked for by name
     budgets = os.environ.get("BUDGETS", "default,40GiB").split(",")
     least = least_budget(src, obs_samples, seq)
     oom = ["sparsify", str(src), str(dsts["oom"]), "--pattern", "p48", "--method", "sparsegpt",
