@@ -4,6 +4,8 @@ and SparseGPT side by side, the fused Triton in-block loop against the torch loo
     python3 scripts/bench_obs.py --json /tmp/kbench-out/bench_obs.json       # H100, ~5 min
     python3 scripts/bench_obs.py --tiny --json /tmp/bench_obs_tiny.json      # CPU check, ~1 min
 
+    PARTS=inverse,encode python3 scripts/bench_obs.py --json /tmp/kbench-out/inv.json  # ~1 min
+
 Parts (PARTS=stage,kernel,e2e by default; a JSON line each on stdout, all in --json):
   stage   384 synthetic experts (gate+up as one [4096, 7168] matrix sharing a 7168^2 Hessian,
           down [7168, 2048] with a 2048^2 one), TOKENS (2800) random routed tokens per expert,
@@ -15,20 +17,35 @@ Parts (PARTS=stage,kernel,e2e by default; a JSON line each on stdout, all in --j
           sparsegpt the same with the p48 mask
           with the Triton scale-block kernel (KERNEL, default auto: Triton on CUDA: mask,
           block scale and column loop in one launch per scale block) and, on CUDA, the Triton
-          block-scale choice in the RTN comparison and the RTN encode; OBS stage seconds, per
-          phase (hessian, inverse, loop, rtn_compare, encode), peak GPU memory.
+          block-scale choice in the RTN comparison and the RTN encode, and the encoder's chunk
+          as the engine sizes it (gpu_plan.ENCODE_CHUNK_ELEMS on a GPU); OBS stage seconds,
+          per phase (hessian, inverse, loop, rtn_compare, encode), peak GPU memory.
   kernel  one gate+up batch (KERNEL_EXPERTS, 16) through the loop with the torch path and
           with the Triton kernel, for gptq and sparsegpt: loop seconds of each, and how many
           block codes and W-hat values differ (0 expected: docs/obs.md); and the batch's RTN
           block-scale codes (mse) by torch and by Triton (kconvert.formats.nvfp4_triton):
           seconds of each and codes differing (0 expected).
+  inverse one gate+up batch and one down batch (KERNEL_EXPERTS each): seconds of the damped
+          Cholesky alone (batched as prepare_inverse runs it, and looped per expert), of
+          prepare_inverse with the triangular inverse by one solve_triangular (leaf = K: the
+          inverse before the blocked one, bit for bit) and blocked (each leaf of LEAVES, the
+          default marked), U's relative difference (Frobenius, worst expert), and GPTQ and
+          SparseGPT under both U: block codes and W-hat values differing, output error
+          tr(dW H dW^T) of each (fp32, TF32 off), on the gate+up batch.
+  encode  one gate+up batch: the encode of given codes (stage's `encode`) with the engine's
+          chunk and with the old default 1<<22 (seconds, bytes equal), and the RTN
+          comparison's pieces (stage's `rtn_compare`): block-scale choice, fake_quantize, the
+          two output errors.
   e2e     `kconvert int4-to-nvfp4 --method rtn`, `--method gptq --data` and `kconvert sparsify
           --method sparsegpt --data` on bench_calibrate's full-size one-MoE-layer INT4
           checkpoint (SEQS x SEQ random tokens, 16 x 2048 by default), each audited
           (`kconvert audit --source`); wall seconds, GPU peak memory (nvidia-smi) and mean
           utilisation; a failed run is recorded (its exit code and last line), not fatal.
 --tiny: a few small experts on the CPU, and e2e on the tiny k2-int4-kimi fixture.
-Env: ROOT (scratch, /tmp/kbench), TOKENS, KERNEL, KERNEL_EXPERTS, SEQS, SEQ, PARTS.
+Env: ROOT (scratch, /tmp/kbench), TOKENS, KERNEL, KERNEL_EXPERTS, SEQS, SEQ, PARTS, LEAVES
+(comma-separated leaf sizes for part inverse, default 64,128,256,512).
+Matrix products in fp32 except obs.output_error's, which runs on TF32 by design (the process
+keeps torch.backends.cuda.matmul.allow_tf32 off; prepare_inverse forces it off).
 """
 
 from __future__ import annotations
@@ -50,11 +67,17 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
+from kconvert import gpu_plan  # noqa: E402
 from kconvert.formats import nvfp4  # noqa: E402
-from kconvert.sparsity import obs, sparsegpt  # noqa: E402
+from kconvert.sparsity import obs, sparsegpt, triangular  # noqa: E402
 
 ROOT = Path(os.environ.get("ROOT", "/tmp/kbench"))
 METHODS = {"gptq": None, "sparsegpt": sparsegpt.p48_mask}
+
+
+def encode_chunk(dev: torch.device) -> int:
+    """The encoder's chunk as the engine sizes it (kconvert.engine.execute)."""
+    return gpu_plan.ENCODE_CHUNK_ELEMS if dev.type == "cuda" else 1 << 22
 
 
 class GpuSampler:
@@ -129,7 +152,7 @@ def run_batch(ph: Phases, method: str, w: torch.Tensor, x: torch.Tensor, kernel:
     amax = w.abs().amax((1, 2))
     gs = nvfp4.tensor_scale(amax).repeat_interleave(rows).reshape(e, rows)
     if method == "rtn":
-        ph("encode", nvfp4.quantize, w, amax, "mse", group_size=16)
+        ph("encode", nvfp4.quantize, w, amax, "mse", encode_chunk(w.device), group_size=16)
         return w, torch.empty(0)
     h = ph("hessian", lambda x: torch.stack([xi.float().T @ xi.float() for xi in x]), x)
     u = ph("inverse", obs.prepare_inverse, h)
@@ -141,7 +164,8 @@ def run_batch(ph: Phases, method: str, w: torch.Tensor, x: torch.Tensor, kernel:
                           16, "mse", torch.float32, "compressed-tensors", list(range(e)),
                           [None] * e)
     del h
-    ph("encode", nvfp4.quantize, w_hat, amax, "mse", group_size=16, block_codes=codes)
+    ph("encode", nvfp4.quantize, w_hat, amax, "mse", encode_chunk(w.device), group_size=16,
+       block_codes=codes)
     return w_hat, codes
 
 
@@ -236,6 +260,105 @@ def kernel_part(dev: torch.device, dims, tokens: int, e: int) -> dict:
     return {"experts": e, **out}
 
 
+def timed(dev: torch.device, fn, *args, **kw) -> tuple[float, object]:
+    """(seconds, result) of one call, the device synchronised before and after."""
+    sync(dev)
+    t0 = time.perf_counter()
+    out = fn(*args, **kw)
+    sync(dev)
+    return round(time.perf_counter() - t0, 3), out
+
+
+def hessians(x: torch.Tensor) -> torch.Tensor:
+    return torch.stack([xi.float().T @ xi.float() for xi in x])
+
+
+def fp32_error(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor) -> float:
+    """tr(dW H dW^T) summed over the batch, fp32 products (TF32 off)."""
+    d = w_hat - w
+    return float((torch.bmm(d, h) * d).sum(dtype=torch.float64))
+
+
+def inverse_part(dev: torch.device, dims, tokens: int, e: int, leaves: list[int]) -> dict:
+    """The blocked triangular inverse against one solve_triangular, same run, same batches."""
+    hidden, inter = dims
+    out: dict = {"experts": e, "default_leaf": triangular.LEAF,
+                 "product_leaf": triangular.PRODUCT_LEAF}
+    obs.prepare_inverse(torch.eye(256, device=dev)[None].repeat(2, 1, 1) * 2)  # handles
+    for name, rows, k in (("gate_up", 2 * inter, hidden), ("down", hidden, inter)):
+        w, x = problem(dev, e, rows, k, tokens, torch.Generator(device=dev).manual_seed(2))
+        h = hessians(x)
+        del x
+        got: dict = {"k": k}
+        damped = h.clone()
+        diag = damped.diagonal(dim1=-2, dim2=-1)
+        diag.masked_fill_(diag == 0, 1.0)
+        diag += obs.PERCDAMP * diag.mean(-1, keepdim=True)
+        damped = damped.flip(-2, -1)
+        got["cholesky_s"] = timed(dev, torch.linalg.cholesky_ex, damped)[0]
+        got["cholesky_looped_s"] = timed(
+            dev, lambda d: [torch.linalg.cholesky_ex(di) for di in d], damped)[0]
+        del damped
+        got["solve_s"], u_old = timed(dev, obs.prepare_inverse, h, leaf=k)
+        for leaf in leaves:
+            got[f"blocked_leaf{leaf}_s"], u = timed(dev, obs.prepare_inverse, h, leaf=leaf)
+            if leaf == triangular.LEAF:
+                u_new = u
+            del u
+        got["u_rel_diff"] = float(((u_new - u_old).norm(dim=(1, 2))
+                                   / u_old.norm(dim=(1, 2))).max())
+        got["u_new_upper"] = bool(torch.equal(u_new, u_new.triu())
+                                  and (u_new.diagonal(dim1=-2, dim2=-1) > 0).all())
+        if name == "gate_up":
+            amax = w.abs().amax((1, 2))
+            gs = nvfp4.tensor_scale(amax).repeat_interleave(rows).reshape(e, rows)
+            for method, mask in METHODS.items():
+                old = obs.obs_quantize(w, u_old, gs, 16, "mse", mask=mask)
+                new = obs.obs_quantize(w, u_new, gs, 16, "mse", mask=mask)
+                got[method] = {"codes_differing": int((old[1] != new[1]).sum()),
+                               "codes": old[1].numel(),
+                               "values_differing": int((old[0] != new[0]).sum()),
+                               "error_solve": fp32_error(w, old[0], h),
+                               "error_blocked": fp32_error(w, new[0], h)}
+                del old, new
+        out[name] = got
+        del w, h, u_old, u_new
+    return out
+
+
+def encode_part(dev: torch.device, dims, tokens: int, e: int) -> dict:
+    """Where stage's encode and rtn_compare go, on one gate+up batch."""
+    hidden, inter = dims
+    rows = 2 * inter
+    w, x = problem(dev, e, rows, hidden, tokens, torch.Generator(device=dev).manual_seed(3))
+    h = hessians(x)
+    del x
+    amax = w.abs().amax((1, 2))
+    gs = nvfp4.tensor_scale(amax).repeat_interleave(rows).reshape(e, rows)
+    blocks = w.reshape(e * rows, -1, 16)
+    out: dict = {"experts": e}
+    out["choose_codes_s"], codes = timed(dev, nvfp4.choose_block_codes, blocks,
+                                         gs.reshape(-1, 1), "mse")
+    codes = codes.reshape(e, rows, -1)
+    got = {}
+    for chunk in sorted({1 << 22, encode_chunk(dev)}):
+        out[f"encode_chunk{chunk}_s"], got[chunk] = timed(
+            dev, nvfp4.quantize, w, amax, "mse", chunk, group_size=16, block_codes=codes)
+    first, *rest = got.values()
+    out["encode_bytes_equal"] = all(torch.equal(first.packed, q.packed)
+                                    and torch.equal(first.block_scales.view(torch.uint8),
+                                                    q.block_scales.view(torch.uint8))
+                                    for q in rest)
+    del got, first, rest
+    out["fake_quantize_s"], rtn = timed(dev, nvfp4.fake_quantize, blocks,
+                                        codes.reshape(e * rows, -1), gs.reshape(-1, 1))
+    out["output_error_s"] = timed(dev, obs.output_error, w, rtn.reshape(w.shape), h)[0]
+    out["rtn_compare_s"] = timed(dev, obs.keep_better_than_rtn, w, w.clone(), codes, h, gs, 1,
+                                 16, "mse", torch.float32, "compressed-tensors",
+                                 list(range(e)), [None] * e)[0]
+    return out
+
+
 def cli(*args: str) -> tuple[float, int, str]:
     """(wall seconds, exit code, last line of output) of one kconvert command."""
     t0 = time.perf_counter()
@@ -302,6 +425,7 @@ def main() -> None:
     ap.add_argument("--json", required=True, help="where to write the results")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 products (torch's default, stated)
     if dev.type == "cpu":
         torch.set_num_threads(1)  # a check, not a benchmark: no thread contention
         nvfp4.warm_cpu_kernels()  # numba's compile is not the encode's time
@@ -317,6 +441,7 @@ def main() -> None:
     t0 = time.perf_counter()
     warm(dev, ["torch", kernel] + (["triton"] if triton_ok else []))
     res["warm_s"] = round(time.perf_counter() - t0, 1)
+    extra_experts = int(os.environ.get("KERNEL_EXPERTS", 2 if args.tiny else 16))
     if "stage" in parts:
         res["stage"] = {}
         for method in ("rtn", "gptq", "sparsegpt"):
@@ -326,10 +451,18 @@ def main() -> None:
             print("stage", method, res["stage"][method], flush=True)
     if "kernel" in parts and triton_ok:
         with torch.no_grad():
-            res["kernel"] = kernel_part(dev, dims, tokens,
-                                        int(os.environ.get("KERNEL_EXPERTS", 2 if args.tiny
-                                                           else 16)))
+            res["kernel"] = kernel_part(dev, dims, tokens, extra_experts)
         print("kernel", res["kernel"], flush=True)
+    if "inverse" in parts:
+        leaves = [int(v) for v in os.environ.get("LEAVES", "64,128,256,512").split(",")]
+        with torch.no_grad():
+            res["inverse"] = inverse_part(dev, dims, tokens, extra_experts,
+                                          sorted(set(leaves) | {triangular.LEAF}))
+        print("inverse", res["inverse"], flush=True)
+    if "encode" in parts:
+        with torch.no_grad():
+            res["encode"] = encode_part(dev, dims, tokens, extra_experts)
+        print("encode", res["encode"], flush=True)
     if "e2e" in parts:
         res["e2e"] = e2e_part(args.tiny, dev.type)
     res["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)

@@ -258,6 +258,19 @@ def sparsegpt_inverse_reference(h: torch.Tensor, percdamp: float = SPARSEGPT_PER
     return torch.linalg.cholesky(inverse, upper=True)
 
 
+def inverse_by_solve(h: torch.Tensor, percdamp: float = SPARSEGPT_PERCDAMP) -> torch.Tensor:
+    """obs.prepare_inverse as it was before its blocked triangular inverse: the same damping
+    and flipped Cholesky, then one solve_triangular against the identity (every column a full
+    right-hand side). The oracle the blocked inverse is held to."""
+    h = h.float().clone()
+    diag = h.diagonal(dim1=-2, dim2=-1)
+    diag.masked_fill_(diag == 0, 1.0)
+    diag += percdamp * diag.mean(-1, keepdim=True)
+    lower = torch.linalg.cholesky(h.flip(-2, -1))
+    eye = torch.eye(lower.shape[-1], dtype=lower.dtype).expand_as(lower)
+    return torch.linalg.solve_triangular(lower, eye, upper=False).flip(-2, -1)
+
+
 def sparsegpt_per_column(w: torch.Tensor, u: torch.Tensor, gs: torch.Tensor, group_size: int,
                          rule: str, arithmetic: str = "compressed-tensors", blocksize: int = 128,
                          prune: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

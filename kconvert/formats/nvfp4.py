@@ -163,14 +163,16 @@ def _block_error(
     return block_sum(err * err)
 
 
-def _nibbles(blocks: torch.Tensor, d: torch.Tensor, gs: torch.Tensor, cuts: torch.Tensor,
-             arithmetic: str = "compressed-tensors") -> torch.Tensor:
-    """E2M1 nibbles (sign << 3 | code) of blocks [N, nb, block] under block scale codes d."""
-    y = blocks / block_step(d, gs, arithmetic)
-    idx = torch.bucketize(y.abs(), cuts, out_int32=True).to(torch.uint8)
-    # compressed-tensors takes the sign from sign(y): a negative value that rounds to 0 is
-    # written 0x8, while -0.0 itself (and +0.0, a pruned p48 pair) stays 0x0.
-    return idx | ((y < 0).to(torch.uint8) << 3)
+def _rounding(blocks: torch.Tensor, d: torch.Tensor, gs: torch.Tensor, cuts: torch.Tensor,
+              arithmetic: str = "compressed-tensors") -> tuple[torch.Tensor, ...]:
+    """(y = blocks / step, E2M1 index of |y| (int32), step [N, nb, 1]) of blocks [N, nb, block]
+    under block scale codes d: one division and rounding for the nibbles, the values and the
+    error (|x| / step is |x / step|, bit for bit). The nibbles: sign << 3 | index, the sign
+    from sign(y) as compressed-tensors takes it (a negative value that rounds to 0 is 0x8,
+    -0.0 itself and +0.0, a pruned p48 pair, 0x0)."""
+    step = block_step(d, gs, arithmetic)
+    y = blocks / step
+    return y, torch.bucketize(y.abs(), cuts, out_int32=True), step
 
 
 def _values(nibbles: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
@@ -233,14 +235,13 @@ def choose_block_codes(blocks: torch.Tensor, gs: torch.Tensor, rule: str,
 def fake_quantize(blocks: torch.Tensor, codes: torch.Tensor, gs: torch.Tensor,
                   arithmetic: str = "compressed-tensors") -> torch.Tensor:
     """The fp32 values dequantize(quantize(...)) gives blocks [N, nb, block] (fp32) encoded
-    with FP8 block scale codes [N, nb] (uint8) and row global scales gs [N, 1].
-
-    Each value is rounded to E2M1 on its block's step fp32(code) / gs exactly as `quantize`
-    rounds it (the last dim may be any part of a block: rounding is per element).
-    """
+    with FP8 block scale codes [N, nb] (uint8) and row global scales gs [N, 1]: each rounded
+    to E2M1 on its block's step exactly as `quantize` rounds it (the last dim may be any part
+    of a block: rounding is per element)."""
     blocks = blocks.float()
-    nibbles = _nibbles(blocks, codes, gs, cut_points(blocks.device), arithmetic)
-    return _values(nibbles, block_step(codes, gs, arithmetic))
+    y, idx, step = _rounding(blocks, codes, gs, cut_points(blocks.device), arithmetic)
+    v = torch.tensor(E2M1, dtype=torch.float32, device=blocks.device)[idx]
+    return torch.where(y < 0, -v, v) * step  # _values of _nibbles, without the nibbles
 
 
 def _checked_codes(codes: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -329,9 +330,11 @@ def quantize(
             continue
         if block_codes is None:
             codes.copy_(choose_block_codes(blocks, gsi, scale_rule, local_dtype, arithmetic))
-        err = _block_error(blocks.abs(), codes, gsi, cuts, lut, arithmetic)
-        out.packed[sl] = pack_codes(_nibbles(blocks, codes, gsi, cuts, arithmetic).flatten(-2))
-        out.err[sl] = err.sum(-1, dtype=torch.float64)
+        y, idx, step = _rounding(blocks, codes, gsi, cuts, arithmetic)
+        err = lut[idx] * step - blocks.abs()  # _block_error, from the nibbles' rounding
+        nibbles = idx.to(torch.uint8) | (y < 0).to(torch.uint8) << 3  # sign: see _rounding
+        out.packed[sl] = pack_codes(nibbles.flatten(-2))
+        out.err[sl] = block_sum(err * err).sum(-1, dtype=torch.float64)
         out.ref[sl] = blocks.double().square().sum((-1, -2))
     return out.result(b, m, gs)
 
@@ -490,8 +493,8 @@ def decode_steps(packed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["BLOCK", "BLOCK_SIZES", "CHOOSERS", "E2M1", "FP4_MAX", "FP8_MAX", "FP8_VALUES",
-           "GLOBAL_NUMERATOR",
-           "MSE_CODE_OFFSETS", "ZERO_BLOCK_SCALE", "ZERO_CODE", "Quantized", "block_sum",
+           "GLOBAL_NUMERATOR", "MSE_CODE_OFFSETS", "ZERO_BLOCK_SCALE", "ZERO_CODE", "Quantized",
+           "block_sum",
            "choose_block_codes", "cpu_threads", "cut_points", "decode_steps", "dequantize",
            "fake_quantize", "global_scale", "int4_amax", "pack_codes", "quantize",
            "quantize_int4", "unpack_codes", "warm_cpu_kernels"]

@@ -38,6 +38,7 @@ import torch
 from kconvert.formats import nvfp4
 from kconvert.gpu_plan import Forward, GpuWork, Obs, Shapes, gram_bytes
 from kconvert.model.names import Role, TensorName
+from kconvert.sparsity import triangular
 
 BLOCKSIZE = 128  # columns per lazy-update block (else one NVFP4 block, for small K)
 
@@ -78,7 +79,8 @@ KERNELS = ("auto", "torch", "triton")
 MaskRule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def prepare_inverse(h: torch.Tensor, percdamp: float = PERCDAMP) -> torch.Tensor:
+def prepare_inverse(h: torch.Tensor, percdamp: float = PERCDAMP, leaf: int | None = None
+                    ) -> torch.Tensor:
     """U = upper Cholesky factor of (H + damp I)^-1, for H [B, K, K] (fp32).
 
     A column no token touched (zero diagonal) gets a unit diagonal: it neither receives nor
@@ -88,8 +90,9 @@ def prepare_inverse(h: torch.Tensor, percdamp: float = PERCDAMP) -> torch.Tensor
 
     With J the order-reversing permutation and J H J = L L^T (lower Cholesky),
     (H)^-1 = (J L^-1 J)^T (J L^-1 J) and J L^-1 J is upper with a positive diagonal: so U is
-    one Cholesky and one triangular solve, where SparseGPT's code (Cholesky, explicit inverse,
-    Cholesky again) takes about three times the arithmetic.
+    one Cholesky and one triangular inverse (`triangular.invert_lower_`: batched fp32 GEMMs,
+    TF32 off, down to `leaf` columns, default triangular.LEAF), where SparseGPT's code
+    (Cholesky, explicit inverse, Cholesky again) takes about three times the arithmetic.
     """
     h = h.float().clone()
     diag = h.diagonal(dim1=-2, dim2=-1)
@@ -97,8 +100,8 @@ def prepare_inverse(h: torch.Tensor, percdamp: float = PERCDAMP) -> torch.Tensor
     diag += percdamp * diag.mean(-1, keepdim=True)
     lower = torch.linalg.cholesky(h.flip(-2, -1))
     del h
-    eye = torch.eye(lower.shape[-1], dtype=lower.dtype, device=lower.device)
-    return torch.linalg.solve_triangular(lower, eye.expand_as(lower), upper=False).flip(-2, -1)
+    with _matmul_precision("fp32", lower.device):
+        return triangular.invert_lower_(lower, leaf or triangular.LEAF).flip(-2, -1)
 
 
 def experts_per_batch(rows: int, k: int, budget: int | None, tokens: int = 0,
@@ -147,13 +150,15 @@ def gpu_work(shapes: Shapes, forward: Forward, *, shared: bool, against_rtn: boo
 
 @contextlib.contextmanager
 def _matmul_precision(precision: str, device: torch.device) -> Iterator[None]:
+    """CUDA fp32 matrix products on TF32 tensor cores for "tf32", in full fp32 otherwise,
+    whatever the process had set (restored after)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, not {precision!r}")
-    if precision != "tf32" or device.type != "cuda":
+    if device.type != "cuda":
         yield
         return
     before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
     try:
         yield
     finally:
