@@ -25,13 +25,19 @@ Parts (PARTS=stage,kernel,e2e by default; a JSON line each on stdout, all in --j
           block codes and W-hat values differ (0 expected: docs/obs.md); and the batch's RTN
           block-scale codes (mse) by torch and by Triton (kconvert.formats.nvfp4_triton):
           seconds of each and codes differing (0 expected).
-  inverse one gate+up batch and one down batch (KERNEL_EXPERTS each): seconds of the damped
-          Cholesky alone (batched as prepare_inverse runs it, and looped per expert), of
-          prepare_inverse with the triangular inverse by one solve_triangular (leaf = K: the
-          inverse before the blocked one, bit for bit) and blocked (each leaf of LEAVES, the
-          default marked), U's relative difference (Frobenius, worst expert), and GPTQ and
-          SparseGPT under both U: block codes and W-hat values differing, output error
-          tr(dW H dW^T) of each (fp32, TF32 off), on the gate+up batch.
+  inverse one gate+up batch and one down batch (KERNEL_EXPERTS each): seconds of
+          solve_s           prepare_inverse with one leaf (leaf = K): torch's Cholesky and
+                            solve_triangular(L, I), the inverse before the GEMM recursion,
+                            bit for bit (the damping and flips included)
+          gemm_leaf<L>_s    prepare_inverse as it is now (triangular.inverse_cholesky_factor_)
+                            with leaf L of LEAVES (default_leaf: the default)
+          cholesky_s, cholesky_looped_s, invert_lower_s   the alternative: torch's Cholesky
+                            of the damped H (batched as torch runs it, and looped per expert),
+                            then only the inverse from GEMMs (triangular.invert_lower_)
+          U's relative difference to solve_s's (Frobenius, worst expert) for the default and
+          for the alternative, and GPTQ and SparseGPT under the old and the default U: block
+          codes and W-hat values differing, output error tr(dW H dW^T) of each (fp32 products,
+          TF32 off), on the gate+up batch.
   encode  one gate+up batch: the encode of given codes (stage's `encode`) with the engine's
           chunk and with the old default 1<<22 (seconds, bytes equal), and the RTN
           comparison's pieces (stage's `rtn_compare`): block-scale choice, fake_quantize, the
@@ -295,16 +301,22 @@ def inverse_part(dev: torch.device, dims, tokens: int, e: int, leaves: list[int]
         diag.masked_fill_(diag == 0, 1.0)
         diag += obs.PERCDAMP * diag.mean(-1, keepdim=True)
         damped = damped.flip(-2, -1)
-        got["cholesky_s"] = timed(dev, torch.linalg.cholesky_ex, damped)[0]
+        got["cholesky_s"], lower = timed(dev, lambda d: torch.linalg.cholesky_ex(d)[0], damped)
         got["cholesky_looped_s"] = timed(
             dev, lambda d: [torch.linalg.cholesky_ex(di) for di in d], damped)[0]
         del damped
+        got["invert_lower_s"], lower = timed(dev, triangular.invert_lower_, lower)
+        u_split = lower.flip(-2, -1)
+        del lower
         got["solve_s"], u_old = timed(dev, obs.prepare_inverse, h, leaf=k)
         for leaf in leaves:
-            got[f"blocked_leaf{leaf}_s"], u = timed(dev, obs.prepare_inverse, h, leaf=leaf)
+            got[f"gemm_leaf{leaf}_s"], u = timed(dev, obs.prepare_inverse, h, leaf=leaf)
             if leaf == triangular.LEAF:
                 u_new = u
             del u
+        got["cholesky_then_invert_lower_u_rel_diff"] = float(
+            ((u_split - u_old).norm(dim=(1, 2)) / u_old.norm(dim=(1, 2))).max())
+        del u_split
         got["u_rel_diff"] = float(((u_new - u_old).norm(dim=(1, 2))
                                    / u_old.norm(dim=(1, 2))).max())
         got["u_new_upper"] = bool(torch.equal(u_new, u_new.triu())

@@ -90,18 +90,19 @@ def prepare_inverse(h: torch.Tensor, percdamp: float = PERCDAMP, leaf: int | Non
 
     With J the order-reversing permutation and J H J = L L^T (lower Cholesky),
     (H)^-1 = (J L^-1 J)^T (J L^-1 J) and J L^-1 J is upper with a positive diagonal: so U is
-    one Cholesky and one triangular inverse (`triangular.invert_lower_`: batched fp32 GEMMs,
-    TF32 off, down to `leaf` columns, default triangular.LEAF), where SparseGPT's code
-    (Cholesky, explicit inverse, Cholesky again) takes about three times the arithmetic.
+    L^-1 of the flipped H, where SparseGPT's code (Cholesky, explicit inverse, Cholesky again)
+    takes about three times the arithmetic. L^-1 comes from one recursion of batched fp32
+    GEMMs (`triangular.inverse_cholesky_factor_`, TF32 off), with torch's Cholesky and
+    triangular solve only on diagonal blocks of up to `leaf` columns (default triangular.LEAF;
+    leaf >= K: exactly one Cholesky and one solve_triangular against the identity).
     """
     h = h.float().clone()
     diag = h.diagonal(dim1=-2, dim2=-1)
     diag.masked_fill_(diag == 0, 1.0)
     diag += percdamp * diag.mean(-1, keepdim=True)
-    lower = torch.linalg.cholesky(h.flip(-2, -1))
-    del h
-    with _matmul_precision("fp32", lower.device):
-        return triangular.invert_lower_(lower, leaf or triangular.LEAF).flip(-2, -1)
+    h = h.flip(-2, -1)
+    with _matmul_precision("fp32", h.device):
+        return triangular.inverse_cholesky_factor_(h, leaf or triangular.LEAF).flip(-2, -1)
 
 
 def experts_per_batch(rows: int, k: int, budget: int | None, tokens: int = 0,

@@ -1,28 +1,32 @@
-"""The inverse of a batch of lower-triangular matrices from batched matrix products
-(docs/obs.md, "The inverse").
+"""The inverse Cholesky factor L^-1 of a batch of SPD matrices from batched matrix products
+(docs/obs.md, "The inverse"): what obs.prepare_inverse needs.
 
-`torch.linalg.solve_triangular(L, I)` solves for every column of the identity as if it were a
-full right-hand side: about n^3 / 2 multiply-adds per matrix, of which two thirds go to the
-zeros above the diagonal. Splitting L into halves,
+A Cholesky then `torch.linalg.solve_triangular(L, I)` costs n^3 / 6 + n^3 / 2 multiply-adds
+per matrix: the solve treats every column of the identity as a full right-hand side, so two
+thirds of its work goes to the zeros above the diagonal. Split into halves,
 
-    L = [[A, 0],      L^-1 = [[A^-1,               0   ],
-         [C, B]]               [-B^-1 C A^-1,      B^-1]],
+    A = [[A11, A21^T],     L = [[L11, 0  ],     L^-1 = [[L11^-1,                 0     ],
+         [A21, A22  ]],         [L21, L22]],             [-L22^-1 L21 L11^-1,    L22^-1]],
 
-inverts A and B the same way (down to LEAF columns, where solve_triangular does it) and the
-off-diagonal block by two products of a full matrix with a triangular one; each of those
-splits its triangular factor the same way and skips the zero quarter, so in all the inverse
-costs about n^3 / 6 multiply-adds, nearly all of them in large batched GEMMs.
+with L21 = A21 L11^-T and L22 L22^T = A22 - L21 L21^T: `inverse_cholesky_factor_` recurses
+on the two diagonal blocks (down to LEAF columns, where torch's Cholesky and solve do them)
+and gets L21, the Schur complement and the off-diagonal block of L^-1 from products with
+triangular factors, each of which splits its triangle the same way and skips the zero (or
+unread) quarter: about n^3 / 3 multiply-adds in all, nearly all in large batched GEMMs.
+`invert_lower_` is the inverse half alone, for a factor from elsewhere (n^3 / 6).
 
-Fixed split points and plain fp32 products (no atomics): the same input gives the same bits
-on the same device. The products are summed in another order than a triangular solve's, so
-the result differs from solve_triangular's by fp32 rounding (measured in docs/obs.md).
+Fixed split points and plain products (no atomics): the same input gives the same bits on
+the same device. The sums run in another order than a Cholesky's and a triangular solve's, so
+the result differs from theirs by fp32 rounding (measured in docs/obs.md); with leaf >= n it
+is exactly theirs.
 """
 
 from __future__ import annotations
 
 import torch
 
-# Columns at and below which a diagonal block is inverted by one solve_triangular.
+# Columns at and below which a diagonal block is factored and inverted by torch's Cholesky and
+# solve_triangular (small batched cuSOLVER / cuBLAS calls on a GPU).
 LEAF = 128
 # Columns at and below which a product with a triangular factor is one plain GEMM (its zero
 # part included: too small to be worth more launches).
@@ -71,16 +75,72 @@ def _invert_lower_(t: torch.Tensor, leaf: int) -> None:
     c.neg_()
 
 
+def _subtract_gram_(out: torch.Tensor, m: torch.Tensor) -> None:
+    """out -= m @ m^T on and below the diagonal of out [B, p, p] (a view; above it, some
+    entries are updated and others not: not to be read), m [B, p, q]."""
+    p = out.shape[-1]
+    if p <= PRODUCT_LEAF:
+        out.baddbmm_(m, m.transpose(1, 2), alpha=-1.0)
+        return
+    h = _split(p, PRODUCT_LEAF)
+    _subtract_gram_(out[:, :h, :h], m[:, :h])
+    out[:, h:, :h].baddbmm_(m[:, h:], m[:, :h].transpose(1, 2), alpha=-1.0)
+    _subtract_gram_(out[:, h:, h:], m[:, h:])
+
+
+def _leaf_inverse(t: torch.Tensor) -> torch.Tensor:
+    """L^-1 (zero above the diagonal) of SPD t [B, n, n] by torch's Cholesky, which reads the
+    lower triangle only (LAPACK's potrf 'L'), and one solve_triangular against I."""
+    eye = torch.eye(t.shape[-1], dtype=t.dtype, device=t.device).expand_as(t)
+    return torch.linalg.solve_triangular(torch.linalg.cholesky(t), eye, upper=False)
+
+
+def _factor_and_invert_(t: torch.Tensor, leaf: int) -> None:
+    """Replace SPD t [B, n, n] (a view; its lower triangle is read) by L^-1, L its lower
+    Cholesky factor (above the diagonal: not to be read)."""
+    n = t.shape[-1]
+    if n <= leaf:
+        t.copy_(_leaf_inverse(t))
+        return
+    h = _split(n, leaf)
+    a, c, b = t[:, :h, :h], t[:, h:, :h], t[:, h:, h:]
+    _factor_and_invert_(a, leaf)  # A = L11 L11^T; a := L11^-1
+    l21 = torch.empty_like(c)  # L21 = C L11^-T = (L11^-1 C^T)^T
+    _triangular_product(a, c.transpose(1, 2), True, l21.transpose(1, 2))
+    _subtract_gram_(b, l21)  # the Schur complement B - L21 L21^T = L22 L22^T
+    _factor_and_invert_(b, leaf)  # b := L22^-1
+    # the inverse's lower-left block: -L22^-1 L21 L11^-1, with c and l21 as scratch
+    _triangular_product(a.transpose(1, 2), l21.transpose(1, 2), False, c.transpose(1, 2))
+    _triangular_product(b, c, True, l21)
+    torch.neg(l21, out=c)
+
+
+def inverse_cholesky_factor_(spd: torch.Tensor, leaf: int = LEAF) -> torch.Tensor:
+    """L^-1, L the lower Cholesky factor of SPD matrices A [B, n, n] (float; the lower triangle
+    is read), zero above the diagonal, in A's storage (A is overwritten) unless n <= leaf: the
+    Cholesky and the inverse in one recursion of batched GEMMs (about n^3 / 3 multiply-adds
+    in all), Cholesky and solve_triangular only on diagonal blocks of up to `leaf` columns.
+    Products as in `invert_lower_` (keep TF32 off)."""
+    _check_square(spd)
+    if spd.shape[-1] <= leaf:
+        return _leaf_inverse(spd)
+    _factor_and_invert_(spd, leaf)
+    return spd.tril_()
+
+
+def _check_square(t: torch.Tensor) -> None:
+    if t.dim() != 3 or t.shape[-1] != t.shape[-2]:
+        raise ValueError(f"expected a batch of square matrices [B, n, n], not {list(t.shape)}")
+
+
 def invert_lower_(lower: torch.Tensor, leaf: int = LEAF) -> torch.Tensor:
     """Overwrite lower-triangular matrices L [B, n, n] (float, contiguous; what lies above the
     diagonal is not read) with L^-1 (zero above the diagonal) and return them. With leaf >= n
     it is exactly solve_triangular(L, I). The products follow torch's matmul settings: keep
     TF32 off for an fp32 inverse (obs.prepare_inverse does)."""
-    if lower.dim() != 3 or lower.shape[-1] != lower.shape[-2]:
-        raise ValueError(f"expected a batch of square matrices [B, n, n], not "
-                         f"{list(lower.shape)}")
+    _check_square(lower)
     _invert_lower_(lower.tril_(), leaf)
     return lower
 
 
-__all__ = ["LEAF", "PRODUCT_LEAF", "invert_lower_"]
+__all__ = ["LEAF", "PRODUCT_LEAF", "inverse_cholesky_factor_", "invert_lower_"]

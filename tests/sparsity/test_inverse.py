@@ -1,11 +1,12 @@
-"""obs.prepare_inverse's blocked triangular inverse (kconvert.sparsity.triangular) against the
-solve_triangular it replaces (tests/oracles.py `inverse_by_solve`) and against a float64
-solution; the effect of its rounding on GPTQ and SparseGPT.
+"""obs.prepare_inverse's inverse Cholesky factor from batched GEMMs (kconvert.sparsity.triangular)
+against the Cholesky and solve_triangular it replaces (tests/oracles.py `inverse_by_solve`) and
+against a float64 solution; the effect of its rounding on GPTQ and SparseGPT.
 
-Tolerance (docs/obs.md, "The inverse"): U within 2e-6 of the oracle's, relative in the
-Frobenius norm, on well-conditioned, rank-deficient and zero-diagonal Hessians, and no further
-from the float64 U than the oracle plus that much. Leaves and product leaves are shrunk to 16
-columns in most cases so that small matrices go through every level of both recursions.
+Tolerance (docs/obs.md, "The inverse"): U within 4e-6 of the oracle's, relative in the
+Frobenius norm (measured up to 1.4e-6 here), on well-conditioned, rank-deficient and
+zero-diagonal Hessians, and no further from the float64 U than 1.5 times the oracle's own
+distance to it (measured 0.84 to 0.95 times). Leaves and product leaves are shrunk to 16 and
+8 columns in most cases so that small matrices go through every level of both recursions.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from helpers import obs_problem
 from kconvert.sparsity import obs, sparsegpt, triangular
 from oracles import inverse_by_solve
 
-TOL = 2e-6
+TOL = 4e-6
 
 
 @pytest.fixture
 def small_leaves(monkeypatch):
-    monkeypatch.setattr(triangular, "PRODUCT_LEAF", 16)
+    """Product leaves of 8 under leaves of 16: the Schur complements' updates then skip the
+    upper-right quarter inside diagonal leaves too, which the leaves' Cholesky must not read."""
+    monkeypatch.setattr(triangular, "PRODUCT_LEAF", 8)
     return 16
 
 
@@ -59,7 +62,7 @@ def test_blocked_inverse_is_the_solves_within_tolerance(small_leaves, n, tokens,
           f"|U - U64| {_rel(u.double(), exact):.2e}, |U_solve - U64| "
           f"{_rel(ref.double(), exact):.2e}")
     assert _rel(u, ref) <= TOL
-    assert _rel(u.double(), exact) <= _rel(ref.double(), exact) + TOL
+    assert _rel(u.double(), exact) <= 1.5 * _rel(ref.double(), exact)
     assert torch.equal(u, u.triu())
     assert bool((u.diagonal(dim1=-2, dim2=-1) > 0).all())
     # an untouched column neither receives nor passes error: its row of U is zero off the
@@ -68,7 +71,10 @@ def test_blocked_inverse_is_the_solves_within_tolerance(small_leaves, n, tokens,
 
 
 def test_leaf_at_least_n_is_exactly_the_solve():
+    """With one leaf, torch's Cholesky (which reads the lower triangle) and one solve: the old
+    function's bits, also where the Gram matrix is not exactly symmetric (a GPU's may not be)."""
     h = _hessian(3, 64, 300, seed=1)
+    h = h + 1e-3 * torch.randn(h.shape, generator=torch.Generator().manual_seed(0))
     assert torch.equal(obs.prepare_inverse(h, leaf=64), inverse_by_solve(h))
     assert torch.equal(obs.prepare_inverse(h), inverse_by_solve(h))  # 64 <= LEAF
 
@@ -78,16 +84,25 @@ def test_blocked_inverse_is_deterministic(small_leaves):
     first = obs.prepare_inverse(h, leaf=16)
     for _ in range(2):
         assert torch.equal(obs.prepare_inverse(h, leaf=16), first)
-    lower = torch.linalg.cholesky(h + torch.eye(160))
-    inverse = triangular.invert_lower_(lower.clone(), 16)
-    assert torch.equal(inverse, inverse.tril())
-    torch.testing.assert_close(inverse @ lower, torch.eye(160).expand(2, -1, -1),
-                               rtol=0, atol=1e-5)
 
 
-def test_invert_lower_refuses_a_non_square_batch():
-    with pytest.raises(ValueError, match=r"\[B, n, n\]"):
-        triangular.invert_lower_(torch.ones(2, 4, 5))
+@pytest.mark.parametrize("n", [160, 77])
+def test_the_two_halves_alone(small_leaves, n):
+    """invert_lower_ of a Cholesky factor, and inverse_cholesky_factor_ of an SPD matrix:
+    lower-triangular inverses of L within tolerance of solve_triangular's."""
+    spd = _hessian(2, n, 3 * n, seed=n) + torch.eye(n)
+    lower = torch.linalg.cholesky(spd)
+    ref = torch.linalg.solve_triangular(lower, torch.eye(n).expand(2, -1, -1), upper=False)
+    for got in (triangular.invert_lower_(lower.clone(), 16),
+                triangular.inverse_cholesky_factor_(spd.clone(), 16)):
+        assert torch.equal(got, got.tril())
+        assert _rel(got, ref) <= TOL
+
+
+def test_a_non_square_batch_is_refused():
+    for fn in (triangular.invert_lower_, triangular.inverse_cholesky_factor_):
+        with pytest.raises(ValueError, match=r"\[B, n, n\]"):
+            fn(torch.ones(2, 4, 5))
 
 
 def test_gptq_and_sparsegpt_barely_move_with_the_new_rounding(small_leaves):
