@@ -38,10 +38,12 @@ Parts (PARTS=stage,kernel,e2e by default; a JSON line each on stdout, all in --j
           for the alternative, and GPTQ and SparseGPT under the old and the default U: block
           codes and W-hat values differing, output error tr(dW H dW^T) of each (fp32 products,
           TF32 off), on the gate+up batch.
-  encode  one gate+up batch: the encode of given codes (stage's `encode`) with the engine's
-          chunk and with the old default 1<<22 (seconds, bytes equal), and the RTN
-          comparison's pieces (stage's `rtn_compare`): block-scale choice, fake_quantize, the
-          two output errors.
+  encode  one gate+up batch: the encode of given codes (stage's `encode`) by torch's
+          elementwise ops at 1<<22 elements a chunk (this bench's stage before), by torch at
+          the engine's chunk, and by the Triton encoder (nvfp4_triton.encode, the default on
+          CUDA): seconds of each, bytes (and errors) equal; and the RTN comparison's pieces
+          (stage's `rtn_compare`): block-scale choice, fake_quantize, one output error, the
+          whole comparison.
   e2e     `kconvert int4-to-nvfp4 --method rtn`, `--method gptq --data` and `kconvert sparsify
           --method sparsegpt --data` on bench_calibrate's full-size one-MoE-layer INT4
           checkpoint (SEQS x SEQ random tokens, 16 x 2048 by default), each audited
@@ -353,14 +355,19 @@ def encode_part(dev: torch.device, dims, tokens: int, e: int) -> dict:
                                          gs.reshape(-1, 1), "mse")
     codes = codes.reshape(e, rows, -1)
     got = {}
-    for chunk in sorted({1 << 22, encode_chunk(dev)}):
-        out[f"encode_chunk{chunk}_s"], got[chunk] = timed(
-            dev, nvfp4.quantize, w, amax, "mse", chunk, group_size=16, block_codes=codes)
+    runs = {"torch_chunk4M": ("torch", 1 << 22), "torch": ("torch", encode_chunk(dev)),
+            "triton": ("triton", encode_chunk(dev))}
+    for name, (kernel, chunk) in runs.items():
+        if kernel == "triton" and not (dev.type == "cuda"
+                                       or os.environ.get("TRITON_INTERPRET") == "1"):
+            continue
+        out[f"encode_{name}_s"], got[name] = timed(
+            dev, nvfp4.quantize, w, amax, "mse", chunk, group_size=16, block_codes=codes,
+            kernel=kernel)
     first, *rest = got.values()
-    out["encode_bytes_equal"] = all(torch.equal(first.packed, q.packed)
-                                    and torch.equal(first.block_scales.view(torch.uint8),
-                                                    q.block_scales.view(torch.uint8))
-                                    for q in rest)
+    out["encode_bytes_equal"] = all(
+        torch.equal(first.packed, q.packed) and torch.equal(first.err_sq, q.err_sq)
+        and torch.equal(first.ref_sq, q.ref_sq) for q in rest)
     del got, first, rest
     out["fake_quantize_s"], rtn = timed(dev, nvfp4.fake_quantize, blocks,
                                         codes.reshape(e * rows, -1), gs.reshape(-1, 1))

@@ -38,6 +38,7 @@ from kconvert.formats.nvfp4_grid import (
     TRITON_LOCAL_DTYPES,
     ZERO_BLOCK_SCALE,
     ZERO_CODE,
+    block_step,
     block_sum,
     cut_points,
     pack_codes,
@@ -115,15 +116,6 @@ def _check_rule(rule: str) -> None:
         raise ValueError(f"the block-scale rule must be 'amax' or 'mse', not {rule!r}")
 
 
-def block_step(d: torch.Tensor, gs: torch.Tensor, arithmetic: str = "compressed-tensors"
-               ) -> torch.Tensor:
-    """Element step [..., nb, 1] of FP8 block scales d [..., nb] (uint8 codes or
-    float8_e4m3fn) with per-tensor scales gs broadcast against d: fp32(d) / gs, or for
-    ModelOpt's arithmetic fp32(d) * gs."""
-    d = d.view(torch.float8_e4m3fn).float()
-    return (d * gs if arithmetic == "modelopt" else d / gs).unsqueeze(-1)
-
-
 def _amax_block_scale(blocks: torch.Tensor, gs: torch.Tensor,
                       local_dtype: torch.dtype = torch.float32,
                       arithmetic: str = "compressed-tensors") -> torch.Tensor:
@@ -166,20 +158,12 @@ def _block_error(
 def _rounding(blocks: torch.Tensor, d: torch.Tensor, gs: torch.Tensor, cuts: torch.Tensor,
               arithmetic: str = "compressed-tensors") -> tuple[torch.Tensor, ...]:
     """(y = blocks / step, E2M1 index of |y| (int32), step [N, nb, 1]) of blocks [N, nb, block]
-    under block scale codes d: one division and rounding for the nibbles, the values and the
-    error (|x| / step is |x / step|, bit for bit). The nibbles: sign << 3 | index, the sign
-    from sign(y) as compressed-tensors takes it (a negative value that rounds to 0 is 0x8,
-    -0.0 itself and +0.0, a pruned p48 pair, 0x0)."""
+    under block scale codes d, for the nibbles (sign << 3 | index, the sign of y as in
+    compressed-tensors: a negative value that rounds to 0 is 0x8, -0.0 and +0.0 0x0), the
+    values and the error (|x| / step is |x / step|, bit for bit)."""
     step = block_step(d, gs, arithmetic)
     y = blocks / step
     return y, torch.bucketize(y.abs(), cuts, out_int32=True), step
-
-
-def _values(nibbles: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    """fp32 values of E2M1 nibbles [..., nb, block] on their blocks' steps [..., nb, 1]."""
-    lut = torch.tensor(E2M1, dtype=torch.float32, device=nibbles.device)
-    values = lut[(nibbles & 7).long()]
-    return torch.where((nibbles & 8).bool(), -values, values) * step
 
 
 def _choose(blocks: torch.Tensor, gs: torch.Tensor, rule: str, local_dtype: torch.dtype,
@@ -200,9 +184,17 @@ def _choose(blocks: torch.Tensor, gs: torch.Tensor, rule: str, local_dtype: torc
     return d
 
 
-# Who chooses block scales, same codes either way: "torch", "triton" (nvfp4_triton: CUDA, or
-# TRITON_INTERPRET=1), "auto" (triton on CUDA when it imports and takes the local dtype).
+# Who chooses block scales and encodes, same bytes either way: "torch", "triton" (nvfp4_triton:
+# CUDA, or TRITON_INTERPRET=1), "auto" (triton on CUDA when it imports and, for the choice,
+# takes the local dtype).
 CHOOSERS = ("auto", "torch", "triton")
+
+
+def _triton(kernel: str, device: torch.device) -> bool:
+    if kernel not in CHOOSERS:
+        raise ValueError(f"kernel must be one of {CHOOSERS}, not {kernel!r}")
+    return kernel == "triton" or (kernel == "auto" and device.type == "cuda"
+                                  and importlib.util.find_spec("triton") is not None)
 
 
 def choose_block_codes(blocks: torch.Tensor, gs: torch.Tensor, rule: str,
@@ -218,12 +210,8 @@ def choose_block_codes(blocks: torch.Tensor, gs: torch.Tensor, rule: str,
     """
     _check_rule(rule)
     _check_arithmetic(arithmetic)
-    if kernel not in CHOOSERS:
-        raise ValueError(f"kernel must be one of {CHOOSERS}, not {kernel!r}")
     device = blocks.device
-    if kernel == "triton" or (kernel == "auto" and device.type == "cuda"
-                              and local_dtype in TRITON_LOCAL_DTYPES
-                              and importlib.util.find_spec("triton") is not None):
+    if _triton(kernel, device) and (kernel == "triton" or local_dtype in TRITON_LOCAL_DTYPES):
         from kconvert.formats import nvfp4_triton
 
         return nvfp4_triton.choose_block_codes(blocks, gs, rule, local_dtype, arithmetic)
@@ -234,14 +222,13 @@ def choose_block_codes(blocks: torch.Tensor, gs: torch.Tensor, rule: str,
 
 def fake_quantize(blocks: torch.Tensor, codes: torch.Tensor, gs: torch.Tensor,
                   arithmetic: str = "compressed-tensors") -> torch.Tensor:
-    """The fp32 values dequantize(quantize(...)) gives blocks [N, nb, block] (fp32) encoded
-    with FP8 block scale codes [N, nb] (uint8) and row global scales gs [N, 1]: each rounded
-    to E2M1 on its block's step exactly as `quantize` rounds it (the last dim may be any part
-    of a block: rounding is per element)."""
+    """The fp32 values dequantize(quantize(...)) gives blocks [N, nb, block] (fp32) with FP8
+    block scale codes [N, nb] (uint8) and row global scales gs [N, 1], each rounded exactly as
+    `quantize` rounds it (the last dim may be any part of a block: rounding is per element)."""
     blocks = blocks.float()
     y, idx, step = _rounding(blocks, codes, gs, cut_points(blocks.device), arithmetic)
     v = torch.tensor(E2M1, dtype=torch.float32, device=blocks.device)[idx]
-    return torch.where(y < 0, -v, v) * step  # _values of _nibbles, without the nibbles
+    return torch.where(y < 0, -v, v) * step  # decode_steps' values, without the nibbles
 
 
 def _checked_codes(codes: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -284,6 +271,7 @@ def quantize(
     w: torch.Tensor, amax: torch.Tensor, scale_rule: str = "mse", chunk_elems: int = 1 << 22,
     fused_cpu: bool = True, local_dtype: torch.dtype = torch.float32, *, group_size: int = BLOCK,
     block_codes: torch.Tensor | None = None, arithmetic: str = "compressed-tensors",
+    kernel: str = "auto",
 ) -> Quantized:
     """Encode fp32 matrices w [B, M, K] with one global scale per matrix from `amax` [B].
 
@@ -295,6 +283,7 @@ def quantize(
     `chunk_elems` elements, which bounds temporary memory and keeps kernel launches few on a
     GPU. On a CPU the encoder runs in the fused numba kernel (`fused_cpu`), which gives the
     same bytes. `arithmetic` is the flavour whose scale arithmetic is followed (see ARITHMETIC).
+    Elsewhere `kernel` (CHOOSERS: torch, or Triton's one launch each) chooses and encodes.
     """
     _check_rule(scale_rule)
     _check_arithmetic(arithmetic)
@@ -309,32 +298,38 @@ def quantize(
     out = _Rows.empty(b * m, k, group_size, device)
     if block_codes is not None:
         out.codes.copy_(_checked_codes(block_codes.to(device), (b, m, nb)).reshape(b * m, nb))
-    kernel = _cpu_kernels() if fused_cpu and device.type == "cpu" else None
+    cpu = _cpu_kernels() if fused_cpu and device.type == "cpu" else None
+    offsets = _offsets(block_codes is None and scale_rule == "mse")
     step_rows = max(1, chunk_elems // k)
     for r0 in range(0, b * m, step_rows):
         sl = slice(r0, r0 + step_rows)
         blocks, gsi, codes = rows[sl].float(), row_gs[sl], out.codes[sl]
-        if kernel is not None:
+        if cpu is not None:
             # The kernel computes the amax rule's codes itself in fp32; another local dtype's
             # come from torch, and given codes are used as they are (no search).
             codes_in = block_codes is not None or local_dtype != torch.float32
             if block_codes is None and codes_in:
                 codes.copy_(_amax_block_scale(blocks, gsi, local_dtype, arithmetic))
             with _KERNEL_LAUNCH:
-                kernel.quantize_rows(blocks.reshape(-1, k).contiguous().numpy(),
-                                     gsi[:, 0].contiguous().numpy(), codes.numpy(), codes_in,
-                                     _offsets(block_codes is None and scale_rule == "mse"),
-                                     group_size, arithmetic == "modelopt",
-                                     out.packed[sl].numpy(), out.err[sl].numpy(),
-                                     out.ref[sl].numpy())
+                cpu.quantize_rows(blocks.reshape(-1, k).contiguous().numpy(),
+                                  gsi[:, 0].contiguous().numpy(), codes.numpy(), codes_in,
+                                  offsets, group_size, arithmetic == "modelopt",
+                                  out.packed[sl].numpy(), out.err[sl].numpy(),
+                                  out.ref[sl].numpy())
             continue
         if block_codes is None:
-            codes.copy_(choose_block_codes(blocks, gsi, scale_rule, local_dtype, arithmetic))
-        y, idx, step = _rounding(blocks, codes, gsi, cuts, arithmetic)
-        err = lut[idx] * step - blocks.abs()  # _block_error, from the nibbles' rounding
-        nibbles = idx.to(torch.uint8) | (y < 0).to(torch.uint8) << 3  # sign: see _rounding
-        out.packed[sl] = pack_codes(nibbles.flatten(-2))
-        out.err[sl] = block_sum(err * err).sum(-1, dtype=torch.float64)
+            codes.copy_(choose_block_codes(blocks, gsi, scale_rule, local_dtype, arithmetic,
+                                           kernel))
+        if _triton(kernel, device):
+            from kconvert.formats import nvfp4_triton
+
+            out.packed[sl], err = nvfp4_triton.encode(blocks, codes, gsi, arithmetic)
+        else:
+            y, idx, step = _rounding(blocks, codes, gsi, cuts, arithmetic)
+            err = lut[idx] * step - blocks.abs()  # _block_error, from the nibbles' rounding
+            nibbles = idx.to(torch.uint8) | (y < 0).to(torch.uint8) << 3  # sign: _rounding's
+            out.packed[sl], err = pack_codes(nibbles.flatten(-2)), block_sum(err * err)
+        out.err[sl] = err.sum(-1, dtype=torch.float64)
         out.ref[sl] = blocks.double().square().sum((-1, -2))
     return out.result(b, m, gs)
 
@@ -489,12 +484,14 @@ def decode_steps(packed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     if k % nb:
         raise ValueError(f"{nb} block scales do not divide a row of {k} elements")
     nibbles = unpack_codes(packed).reshape(b, m, nb, k // nb)
-    return _values(nibbles, step.unsqueeze(-1)).reshape(b, m, k)
+    values = torch.tensor(E2M1, dtype=torch.float32, device=packed.device)[(nibbles & 7).long()]
+    return (torch.where((nibbles & 8).bool(), -values, values)
+            * step.unsqueeze(-1)).reshape(b, m, k)
 
 
 __all__ = ["BLOCK", "BLOCK_SIZES", "CHOOSERS", "E2M1", "FP4_MAX", "FP8_MAX", "FP8_VALUES",
            "GLOBAL_NUMERATOR", "MSE_CODE_OFFSETS", "ZERO_BLOCK_SCALE", "ZERO_CODE", "Quantized",
-           "block_sum",
+           "block_step", "block_sum",
            "choose_block_codes", "cpu_threads", "cut_points", "decode_steps", "dequantize",
            "fake_quantize", "global_scale", "int4_amax", "pack_codes", "quantize",
            "quantize_int4", "unpack_codes", "warm_cpu_kernels"]

@@ -1,6 +1,6 @@
-"""NVFP4's value grids (docs/formats.md §2): E2M1 element codes, FP8 e4m3 block-scale codes,
-the rounding cut points, and the constants of the format. Shared by the torch path
-(kconvert.formats.nvfp4) and the CPU kernels (kconvert.formats.nvfp4_cpu)."""
+"""NVFP4's value grids (docs/formats.md §2): E2M1 element codes, FP8 e4m3 block-scale codes and
+the element steps they give, the rounding cut points, and the constants of the format. Shared
+by the torch path (kconvert.formats.nvfp4) and the CPU kernels (kconvert.formats.nvfp4_cpu)."""
 
 from __future__ import annotations
 
@@ -53,3 +53,12 @@ def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
 def pack_codes(codes: torch.Tensor) -> torch.Tensor:
     """Nibble codes uint8 [..., K] -> uint8 [..., K/2]; inverse of unpack_codes."""
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def block_step(d: torch.Tensor, gs: torch.Tensor, arithmetic: str = "compressed-tensors"
+               ) -> torch.Tensor:
+    """Element step [..., nb, 1] of FP8 block scales d [..., nb] (uint8 codes or
+    float8_e4m3fn) with per-tensor scales gs broadcast against d: fp32(d) / gs, or for
+    ModelOpt's arithmetic fp32(d) * gs."""
+    d = d.view(torch.float8_e4m3fn).float()
+    return (d * gs if arithmetic == "modelopt" else d / gs).unsqueeze(-1)

@@ -194,5 +194,50 @@ def choose_block_codes(blocks: torch.Tensor, gs: torch.Tensor, rule: str,
     return out
 
 
+@triton.jit
+def _encode_kernel(x_ptr, gs_ptr, code_ptr, packed_ptr, err_ptr, n_blocks, per_row,
+                   c0, c1, c2, c3, c4, c5, c6, MODELOPT: tl.constexpr, R: tl.constexpr,
+                   G: tl.constexpr):
+    blk = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
+    live = blk < n_blocks
+    x = tl.load(x_ptr + blk[:, None] * G + tl.arange(0, G)[None, :], mask=live[:, None],
+                other=0.0)
+    gs = tl.load(gs_ptr + blk // per_row, mask=live, other=1.0)
+    code = tl.load(code_ptr + blk, mask=live, other=1).to(tl.int32)
+    step = block_step(code, gs, MODELOPT)[:, None]
+    y = tl.math.div_rn(x, step)
+    a = tl.abs(y)
+    idx = ((a > c0).to(tl.int32) + (a > c1).to(tl.int32) + (a > c2).to(tl.int32)
+           + (a > c3).to(tl.int32) + (a > c4).to(tl.int32) + (a > c5).to(tl.int32)
+           + (a > c6).to(tl.int32))  # bucketize on the cut points
+    nibble = idx | ((y < 0).to(tl.int32) << 3)
+    even, odd = tl.split(tl.reshape(nibble, [R, G // 2, 2]))
+    tl.store(packed_ptr + blk[:, None] * (G // 2) + tl.arange(0, G // 2)[None, :],
+             (even | (odd << 4)).to(tl.uint8), mask=live[:, None])
+    err = grid_value(a, c0, c1, c2, c3, c4, c5, c6) * step - tl.abs(x)
+    tl.store(err_ptr + blk, tree_sum(err * err, R, G), mask=live)
+
+
+def encode(blocks: torch.Tensor, codes: torch.Tensor, gs: torch.Tensor,
+           arithmetic: str = "compressed-tensors") -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch encoder's work on blocks [N, nb, G] (G 16 or 32) with their FP8 block-scale
+    codes [N, nb] (uint8) and global scales gs [N, 1], in one launch: (packed nibbles uint8
+    [N, nb * G / 2], even element low; each block's squared error fp32 [N, nb], summed by
+    `nvfp4.block_sum`'s tree). Bit for bit nvfp4.quantize's torch path (its division,
+    rounding, sign rule and error), reading each element once."""
+    n, nb, g = blocks.shape
+    x = blocks.float().contiguous()
+    packed = torch.empty(n, nb * g // 2, dtype=torch.uint8, device=blocks.device)
+    err = torch.empty(n, nb, dtype=torch.float32, device=blocks.device)
+    if not err.numel():
+        return packed, err
+    grid = (triton.cdiv(n * nb, BLOCKS_PER_PROGRAM),)
+    _encode_kernel[grid](x, gs.float().reshape(n).contiguous(), codes.contiguous(), packed, err,
+                         n * nb, nb, *constants(blocks.device)[0],
+                         MODELOPT=arithmetic == "modelopt", R=BLOCKS_PER_PROGRAM, G=g,
+                         **launch_options())
+    return packed, err
+
+
 __all__ = ["BLOCKS_PER_PROGRAM", "LOCAL_DTYPES", "ZERO", "block_step", "choose_block_codes",
-           "choose_codes", "constants", "grid_value", "launch_options", "rule_flags"]
+           "choose_codes", "constants", "encode", "grid_value", "launch_options", "rule_flags"]

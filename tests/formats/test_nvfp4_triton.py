@@ -83,3 +83,30 @@ def test_the_triton_chooser_refuses_a_local_dtype_it_does_not_reproduce():
     x = _blocks(16, 0)
     with pytest.raises(ValueError, match="local dtypes"):
         nvfp4.choose_block_codes(x, torch.ones(40, 1), "mse", torch.float16, kernel="triton")
+
+
+@pytest.mark.parametrize("group,arithmetic", [(16, "compressed-tensors"),
+                                              (32, "compressed-tensors"), (16, "modelopt")])
+def test_the_triton_encoder_writes_the_torch_encoders_bytes(group, arithmetic):
+    """nvfp4.quantize with kernel="triton" (nvfp4_triton.choose_block_codes and .encode) and
+    kernel="torch": the same packed nibbles, block scales, squared errors and source norms, bit
+    for bit, with the rule's codes and with given ones (every FP8 code, so tiny and huge steps);
+    among the values zeros, negative zeros, a 14-decade range and exact E2M1 ties."""
+    x = _blocks(group, 7 + group)
+    w = x.reshape(8, 5, 5 * group).clone()
+    step = 2.0 ** -3  # ZERO_CODE (0.125) under a unit global scale: exact ties at midpoints
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.75, -3.5, 7.0])
+    w[7, 0, :ties.numel()] = ties * step
+    amax = w.abs().amax((1, 2))
+    amax[7] = nvfp4.GLOBAL_NUMERATOR  # a unit global scale in both arithmetics
+    given = torch.arange(w.numel() // group, dtype=torch.int64).remainder(0x7E).add(1)
+    given = given.to(torch.uint8).reshape(8, 5, -1)
+    given[7, 0] = nvfp4.ZERO_CODE
+    for codes in (None, given):
+        got, ref = (nvfp4.quantize(w, amax, "mse", fused_cpu=False, group_size=group,
+                                   block_codes=codes, arithmetic=arithmetic, kernel=kernel)
+                    for kernel in ("triton", "torch"))
+        assert torch.equal(got.packed, ref.packed)
+        assert torch.equal(got.block_scales.view(torch.uint8), ref.block_scales.view(torch.uint8))
+        assert torch.equal(got.err_sq, ref.err_sq) and torch.equal(got.ref_sq, ref.ref_sq)
+    assert bool((ref.packed == 0x88).any() or (ref.packed & 0x0F == 0x08).any())  # -0 nibbles
