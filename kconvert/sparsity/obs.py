@@ -100,6 +100,7 @@ def prepare_inverse(h: torch.Tensor, percdamp: float = PERCDAMP, leaf: int | Non
     diag = h.diagonal(dim1=-2, dim2=-1)
     diag.masked_fill_(diag == 0, 1.0)
     diag += percdamp * diag.mean(-1, keepdim=True)
+    del diag  # a view: the damped copy goes as soon as its flip is made
     h = h.flip(-2, -1)
     with _matmul_precision("fp32", h.device):
         return triangular.inverse_cholesky_factor_(h, leaf or triangular.LEAF).flip(-2, -1)
