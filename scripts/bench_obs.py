@@ -25,7 +25,8 @@ Parts (PARTS=stage,kernel,e2e by default; a JSON line each on stdout, all in --j
           block codes and W-hat values differ (0 expected: docs/obs.md); and the batch's RTN
           block-scale codes (mse) by torch and by Triton (kconvert.formats.nvfp4_triton):
           seconds of each and codes differing (0 expected).
-  inverse one gate+up batch and one down batch (KERNEL_EXPERTS each): seconds of
+  inverse one gate+up batch and one down batch (KERNEL_EXPERTS each): seconds (the smaller
+          of two calls) of
           solve_s           prepare_inverse with one leaf (leaf = K): torch's Cholesky and
                             solve_triangular(L, I), the inverse before the GEMM recursion,
                             bit for bit (the damping and flips included)
@@ -277,6 +278,14 @@ def timed(dev: torch.device, fn, *args, **kw) -> tuple[float, object]:
     return round(time.perf_counter() - t0, 3), out
 
 
+def best_of_two(dev: torch.device, fn, *args, **kw) -> tuple[float, object]:
+    """(the smaller seconds of two calls, the second's result): the first pays for the
+    allocator's growth and any one-time set-up."""
+    first = timed(dev, fn, *args, **kw)[0]
+    second, out = timed(dev, fn, *args, **kw)
+    return min(first, second), out
+
+
 def hessians(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([xi.float().T @ xi.float() for xi in x])
 
@@ -303,16 +312,18 @@ def inverse_part(dev: torch.device, dims, tokens: int, e: int, leaves: list[int]
         diag.masked_fill_(diag == 0, 1.0)
         diag += obs.PERCDAMP * diag.mean(-1, keepdim=True)
         damped = damped.flip(-2, -1)
-        got["cholesky_s"], lower = timed(dev, lambda d: torch.linalg.cholesky_ex(d)[0], damped)
-        got["cholesky_looped_s"] = timed(
-            dev, lambda d: [torch.linalg.cholesky_ex(di) for di in d], damped)[0]
+        got["cholesky_s"], lower = best_of_two(dev, lambda d: torch.linalg.cholesky_ex(d)[0],
+                                               damped)
+        got["cholesky_looped_s"] = best_of_two(
+            dev, lambda d: [torch.linalg.cholesky_ex(di)[0] for di in d], damped)[0]
         del damped
+        triangular.invert_lower_(lower.clone())  # in place: the warm-up call on a copy
         got["invert_lower_s"], lower = timed(dev, triangular.invert_lower_, lower)
         u_split = lower.flip(-2, -1)
         del lower
-        got["solve_s"], u_old = timed(dev, obs.prepare_inverse, h, leaf=k)
+        got["solve_s"], u_old = best_of_two(dev, obs.prepare_inverse, h, leaf=k)
         for leaf in leaves:
-            got[f"gemm_leaf{leaf}_s"], u = timed(dev, obs.prepare_inverse, h, leaf=leaf)
+            got[f"gemm_leaf{leaf}_s"], u = best_of_two(dev, obs.prepare_inverse, h, leaf=leaf)
             if leaf == triangular.LEAF:
                 u_new = u
             del u
