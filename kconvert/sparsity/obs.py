@@ -93,8 +93,8 @@ def prepare_inverse(h: torch.Tensor, percdamp: float = PERCDAMP, leaf: int | Non
     L^-1 of the flipped H, where SparseGPT's code (Cholesky, explicit inverse, Cholesky again)
     takes about three times the arithmetic. L^-1 comes from one recursion of batched fp32
     GEMMs (`triangular.inverse_cholesky_factor_`, TF32 off), with torch's Cholesky and
-    triangular solve only on diagonal blocks of up to `leaf` columns (default triangular.LEAF;
-    leaf >= K: exactly one Cholesky and one solve_triangular against the identity).
+    triangular solve only on diagonal blocks of `leaf` to 2 `leaf` - 1 columns (default
+    triangular.LEAF; K < 2 `leaf`: exactly one Cholesky and one solve_triangular against I).
     """
     h = h.float().clone()
     diag = h.diagonal(dim1=-2, dim2=-1)

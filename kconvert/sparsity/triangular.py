@@ -9,7 +9,8 @@ thirds of its work goes to the zeros above the diagonal. Split into halves,
          [A21, A22  ]],         [L21, L22]],             [-L22^-1 L21 L11^-1,    L22^-1]],
 
 with L21 = A21 L11^-T and L22 L22^T = A22 - L21 L21^T: `inverse_cholesky_factor_` recurses
-on the two diagonal blocks (down to LEAF columns, where torch's Cholesky and solve do them)
+on the two diagonal blocks (down to leaves of LEAF to 2 LEAF - 1 columns, where torch's
+Cholesky and solve do them)
 and gets L21, the Schur complement and the off-diagonal block of L^-1 from products with
 triangular factors, each of which splits its triangle the same way and skips the zero (or
 unread) quarter: about n^3 / 3 multiply-adds in all, nearly all in large batched GEMMs.
@@ -17,38 +18,38 @@ unread) quarter: about n^3 / 3 multiply-adds in all, nearly all in large batched
 
 Fixed split points and plain products (no atomics): the same input gives the same bits on
 the same device. The sums run in another order than a Cholesky's and a triangular solve's, so
-the result differs from theirs by fp32 rounding (measured in docs/obs.md); with leaf >= n it
-is exactly theirs.
+the result differs from theirs by fp32 rounding (measured in docs/obs.md); for n < 2 * leaf
+(one leaf) it is exactly theirs.
 """
 
 from __future__ import annotations
 
 import torch
 
-# Columns at and below which a diagonal block is factored and inverted by torch's Cholesky and
-# solve_triangular (small batched cuSOLVER / cuBLAS calls on a GPU).
+# Diagonal blocks of LEAF to 2 * LEAF - 1 columns are factored and inverted by torch's Cholesky
+# and solve_triangular (small batched cuSOLVER / cuBLAS calls on a GPU); a matrix of fewer than
+# 2 * LEAF columns is one leaf, so small matrices take those two calls and nothing else.
 LEAF = 128
-# Columns at and below which a product with a triangular factor is one plain GEMM (its zero
-# part included: too small to be worth more launches).
-PRODUCT_LEAF = 256
+# Products with a triangular factor of fewer than 2 * PRODUCT_LEAF columns are one plain GEMM
+# (its zero part included: too small to be worth more launches).
+PRODUCT_LEAF = 128
 
 
-def _split(n: int, leaf: int) -> int:
-    """Where a block of n columns splits: half of its leaf-sized pieces, so that leaves are
-    full-sized wherever n allows."""
-    pieces = -(-n // leaf)
-    return leaf * (pieces // 2) if pieces > 1 else n // 2
+def _split(n: int, leaf: int) -> int | None:
+    """Where a block of n columns splits: after half of its whole leaf-sized pieces (so the
+    leaves are leaf to 2 * leaf - 1 wide, full-sized wherever n allows); None: n is a leaf."""
+    pieces = n // leaf
+    return leaf * (pieces // 2) if pieces > 1 else None
 
 
 def _triangular_product(t: torch.Tensor, m: torch.Tensor, lower: bool, out: torch.Tensor
                         ) -> None:
     """out = t @ m for triangular t [B, p, p] (lower or upper; the other part is read as zero)
     and m [B, p, q]; out [B, p, q] may be a view."""
-    p = t.shape[-1]
-    if p <= PRODUCT_LEAF:
+    h = _split(t.shape[-1], PRODUCT_LEAF)
+    if h is None:
         torch.bmm(t.tril() if lower else t.triu(), m, out=out)
         return
-    h = _split(p, PRODUCT_LEAF)
     _triangular_product(t[:, :h, :h], m[:, :h], lower, out[:, :h])
     _triangular_product(t[:, h:, h:], m[:, h:], lower, out[:, h:])
     if lower:  # bottom rows also see the top of m through t's lower-left block
@@ -59,12 +60,11 @@ def _triangular_product(t: torch.Tensor, m: torch.Tensor, lower: bool, out: torc
 
 def _invert_lower_(t: torch.Tensor, leaf: int) -> None:
     """Replace lower-triangular t [B, n, n] (a view; above the diagonal zero) by its inverse."""
-    n = t.shape[-1]
-    if n <= leaf:
-        eye = torch.eye(n, dtype=t.dtype, device=t.device).expand_as(t)
+    h = _split(t.shape[-1], leaf)
+    if h is None:
+        eye = torch.eye(t.shape[-1], dtype=t.dtype, device=t.device).expand_as(t)
         t.copy_(torch.linalg.solve_triangular(t, eye, upper=False))
         return
-    h = _split(n, leaf)
     a, c, b = t[:, :h, :h], t[:, h:, :h], t[:, h:, h:]
     _invert_lower_(a, leaf)
     _invert_lower_(b, leaf)
@@ -78,11 +78,10 @@ def _invert_lower_(t: torch.Tensor, leaf: int) -> None:
 def _subtract_gram_(out: torch.Tensor, m: torch.Tensor) -> None:
     """out -= m @ m^T on and below the diagonal of out [B, p, p] (a view; above it, some
     entries are updated and others not: not to be read), m [B, p, q]."""
-    p = out.shape[-1]
-    if p <= PRODUCT_LEAF:
+    h = _split(out.shape[-1], PRODUCT_LEAF)
+    if h is None:
         out.baddbmm_(m, m.transpose(1, 2), alpha=-1.0)
         return
-    h = _split(p, PRODUCT_LEAF)
     _subtract_gram_(out[:, :h, :h], m[:, :h])
     out[:, h:, :h].baddbmm_(m[:, h:], m[:, :h].transpose(1, 2), alpha=-1.0)
     _subtract_gram_(out[:, h:, h:], m[:, h:])
@@ -98,11 +97,10 @@ def _leaf_inverse(t: torch.Tensor) -> torch.Tensor:
 def _factor_and_invert_(t: torch.Tensor, leaf: int) -> None:
     """Replace SPD t [B, n, n] (a view; its lower triangle is read) by L^-1, L its lower
     Cholesky factor (above the diagonal: not to be read)."""
-    n = t.shape[-1]
-    if n <= leaf:
+    h = _split(t.shape[-1], leaf)
+    if h is None:
         t.copy_(_leaf_inverse(t))
         return
-    h = _split(n, leaf)
     a, c, b = t[:, :h, :h], t[:, h:, :h], t[:, h:, h:]
     _factor_and_invert_(a, leaf)  # A = L11 L11^T; a := L11^-1
     l21 = torch.empty_like(c)  # L21 = C L11^-T = (L11^-1 C^T)^T
@@ -117,12 +115,13 @@ def _factor_and_invert_(t: torch.Tensor, leaf: int) -> None:
 
 def inverse_cholesky_factor_(spd: torch.Tensor, leaf: int = LEAF) -> torch.Tensor:
     """L^-1, L the lower Cholesky factor of SPD matrices A [B, n, n] (float; the lower triangle
-    is read), zero above the diagonal, in A's storage (A is overwritten) unless n <= leaf: the
+    is read), zero above the diagonal, in A's storage (A overwritten) unless n < 2 * leaf: the
     Cholesky and the inverse in one recursion of batched GEMMs (about n^3 / 3 multiply-adds
-    in all), Cholesky and solve_triangular only on diagonal blocks of up to `leaf` columns.
+    in all), Cholesky and solve_triangular only on diagonal blocks of leaf to 2 * leaf - 1
+    columns.
     Products as in `invert_lower_` (keep TF32 off)."""
     _check_square(spd)
-    if spd.shape[-1] <= leaf:
+    if _split(spd.shape[-1], leaf) is None:
         return _leaf_inverse(spd)
     _factor_and_invert_(spd, leaf)
     return spd.tril_()
@@ -135,7 +134,7 @@ def _check_square(t: torch.Tensor) -> None:
 
 def invert_lower_(lower: torch.Tensor, leaf: int = LEAF) -> torch.Tensor:
     """Overwrite lower-triangular matrices L [B, n, n] (float, contiguous; what lies above the
-    diagonal is not read) with L^-1 (zero above the diagonal) and return them. With leaf >= n
+    diagonal is not read) with L^-1 (zero above the diagonal) and return them. With n < 2 * leaf
     it is exactly solve_triangular(L, I). The products follow torch's matmul settings: keep
     TF32 off for an fp32 inverse (obs.prepare_inverse does)."""
     _check_square(lower)
