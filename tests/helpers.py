@@ -194,3 +194,22 @@ def eval_logits(src: Path, candidates: list[Path], ids: torch.Tensor) -> list:
             ckpt.close()
     return [c.logits for c in report.candidates]
 
+
+@contextlib.contextmanager
+def bundled_layer(index: int, **build) -> Iterator[tuple]:
+    """(checkpoint, decoder layer `index` as the calibration forward builds it, BF16 on the
+    CPU) of the bundled tiny checkpoint; `build`: build_layer's keywords (e.g. grams=)."""
+    from conftest import BUNDLED
+    from kconvert.calibrate.forward import ForwardContext, model_config
+    from kconvert.calibrate.load import build_layer, read_layer, tensors_by_layer
+    from kconvert.io.checkpoint import open_checkpoint
+
+    ckpt = open_checkpoint(str(BUNDLED))
+    try:
+        cfg = model_config(ckpt)
+        layers = tensors_by_layer(ckpt, cfg.num_hidden_layers)
+        cpu = torch.device("cpu")
+        yield ckpt, build_layer(read_layer(ckpt, cfg, index, layers[index], torch.bfloat16, cpu),
+                                cfg, ForwardContext(), cpu, torch.bfloat16, stats=False, **build)
+    finally:
+        ckpt.close()

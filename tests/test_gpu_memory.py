@@ -14,9 +14,8 @@ import torch
 from click.testing import CliRunner
 
 from conftest import BUNDLED, ROOT
+from helpers import bundled_layer
 from kconvert import api, gpu_budget, gpu_plan
-from kconvert.calibrate.forward import ForwardContext, model_config
-from kconvert.calibrate.load import build_layer, read_layer, tensors_by_layer
 from kconvert.cli import main
 from kconvert.cli.base import KconvertCommand
 from kconvert.errors import KconvertError, UsageError
@@ -88,18 +87,10 @@ def test_layer_weights_match_the_full_size_kimi_layout():
 
 def test_layer_weights_match_a_loaded_tiny_layer():
     """The plan's weight count against what transformers' decoder layer really holds."""
-    ckpt = open_checkpoint(str(BUNDLED))
-    try:
-        cfg = model_config(ckpt)
-        layers = tensors_by_layer(ckpt, cfg.num_hidden_layers)
-        cpu = torch.device("cpu")
-        loaded = build_layer(read_layer(ckpt, cfg, 1, layers[1], torch.bfloat16, cpu), cfg,
-                             ForwardContext(), cpu, torch.bfloat16, stats=False)
+    with bundled_layer(1) as (ckpt, loaded):
         held = sum(p.numel() for p in loaded.module.parameters() if p.dim() == 2)
         held += loaded.moe.experts.gate_up.numel() + loaded.moe.experts.down.numel()
         assert Shapes.from_config(ckpt.text_config).layer_elems() == held
-    finally:
-        ckpt.close()
 
 
 def test_constants_shared_with_the_code_they_plan_for():

@@ -15,11 +15,9 @@ from click.testing import CliRunner
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.utils import logging as hf_logging
 
-from conftest import BUNDLED, ROOT
-from helpers import eval_logits
+from conftest import ROOT
+from helpers import bundled_layer, eval_logits
 from kconvert.calibrate.data import PAD_ID
-from kconvert.calibrate.forward import ForwardContext, model_config
-from kconvert.calibrate.load import build_layer, read_layer, tensors_by_layer
 from kconvert.calibrate.run import measure_stats
 from kconvert.cli import main
 from kconvert.gpu_plan import Shapes
@@ -103,14 +101,7 @@ def test_planned_linear_shapes_are_transformers_layers():
     """The plan's input widths and matrices of attention and the dense MLP (gpu_plan.Shapes)
     against transformers' dense decoder layer, whose Grams build_layer collects: one per
     fused set."""
-    ckpt = open_checkpoint(str(BUNDLED))
-    try:
-        cfg = model_config(ckpt)
-        layers = tensors_by_layer(ckpt, cfg.num_hidden_layers)
-        cpu = torch.device("cpu")
-        loaded = build_layer(read_layer(ckpt, cfg, 0, layers[0], torch.bfloat16, cpu), cfg,
-                             ForwardContext(), cpu, torch.bfloat16, stats=False,
-                             grams=frozenset({Role.ATTENTION, Role.DENSE_MLP}))
+    with bundled_layer(0, grams=frozenset({Role.ATTENTION, Role.DENSE_MLP})) as (ckpt, loaded):
         s = Shapes.from_config(ckpt.text_config)
         assert sorted(g.n_in for g in loaded.grams.values()) == sorted(
             s.attention_inputs() + s.dense_inputs())
@@ -120,8 +111,6 @@ def test_planned_linear_shapes_are_transformers_layers():
         mlp = loaded.module.mlp
         assert s.dense_matrices() == [(2 * mlp.gate_proj.out_features, mlp.gate_proj.in_features),
                                       (mlp.down_proj.out_features, mlp.down_proj.in_features)]
-    finally:
-        ckpt.close()
 
 
 def _run(*args: str) -> tuple[int, str]:
