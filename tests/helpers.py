@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -195,21 +196,29 @@ def eval_logits(src: Path, candidates: list[Path], ids: torch.Tensor) -> list:
     return [c.logits for c in report.candidates]
 
 
+class BuiltLayer(NamedTuple):
+    ckpt: object  # the open checkpoint
+    tensors: dict  # the layer's tensors by name (calibrate.load.tensors_by_layer)
+    raw: object  # calibrate.load.read_layer's result
+    loaded: object  # calibrate.load.build_layer's result
+
+
 @contextlib.contextmanager
-def bundled_layer(index: int, **build) -> Iterator[tuple]:
-    """(checkpoint, decoder layer `index` as the calibration forward builds it, BF16 on the
-    CPU) of the bundled tiny checkpoint; `build`: build_layer's keywords (e.g. grams=)."""
-    from conftest import BUNDLED
+def built_layer(path: Path, index: int, dtype: torch.dtype = torch.bfloat16,
+                **build) -> Iterator[BuiltLayer]:
+    """Decoder layer `index` of the checkpoint at `path` as the calibration forward builds it,
+    on the CPU in `dtype`; `build`: build_layer's keywords (e.g. grams=)."""
     from kconvert.calibrate.forward import ForwardContext, model_config
     from kconvert.calibrate.load import build_layer, read_layer, tensors_by_layer
     from kconvert.io.checkpoint import open_checkpoint
 
-    ckpt = open_checkpoint(str(BUNDLED))
+    ckpt = open_checkpoint(str(path))
     try:
         cfg = model_config(ckpt)
-        layers = tensors_by_layer(ckpt, cfg.num_hidden_layers)
+        tensors = tensors_by_layer(ckpt, cfg.num_hidden_layers)[index]
         cpu = torch.device("cpu")
-        yield ckpt, build_layer(read_layer(ckpt, cfg, index, layers[index], torch.bfloat16, cpu),
-                                cfg, ForwardContext(), cpu, torch.bfloat16, stats=False, **build)
+        raw = read_layer(ckpt, cfg, index, tensors, dtype, cpu)
+        yield BuiltLayer(ckpt, tensors, raw, build_layer(raw, cfg, ForwardContext(), cpu, dtype,
+                                                         stats=False, **build))
     finally:
         ckpt.close()

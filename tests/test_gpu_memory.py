@@ -14,7 +14,7 @@ import torch
 from click.testing import CliRunner
 
 from conftest import BUNDLED, ROOT
-from helpers import bundled_layer
+from helpers import built_layer
 from kconvert import api, gpu_budget, gpu_plan
 from kconvert.cli import main
 from kconvert.cli.base import KconvertCommand
@@ -87,7 +87,7 @@ def test_layer_weights_match_the_full_size_kimi_layout():
 
 def test_layer_weights_match_a_loaded_tiny_layer():
     """The plan's weight count against what transformers' decoder layer really holds."""
-    with bundled_layer(1) as (ckpt, loaded):
+    with built_layer(BUNDLED, 1) as (ckpt, _, _, loaded):
         held = sum(p.numel() for p in loaded.module.parameters() if p.dim() == 2)
         held += loaded.moe.experts.gate_up.numel() + loaded.moe.experts.down.numel()
         assert Shapes.from_config(ckpt.text_config).layer_elems() == held

@@ -24,9 +24,9 @@ from quark.torch.quantization.file2file_quantization import quantize_model_per_s
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 
 from conftest import BUNDLED, ROOT
-from helpers import eval_logits
-from kconvert.calibrate.forward import ForwardContext, model_config
-from kconvert.calibrate.load import build_layer, read_layer, tensors_by_layer
+from helpers import built_layer, eval_logits
+from kconvert.calibrate.forward import model_config
+from kconvert.calibrate.load import tensors_by_layer
 from kconvert.convert import RunControl, convert
 from kconvert.errors import KconvertError
 from kconvert.evaluate import activations
@@ -178,13 +178,7 @@ def test_declared_inputs_are_quantized_as_the_oracle_does(twins, fmt, oracle):
     def moe_output(ckpt_dir, oracle_inputs: bool | None):
         """The layer's MoE block on x: as `kconvert eval` builds it (None), with the routed
         experts' and router's inputs through the oracle (True), or unquantized (False)."""
-        ckpt = open_checkpoint(str(ckpt_dir))
-        try:
-            cfg = model_config(ckpt)
-            tensors = tensors_by_layer(ckpt, cfg.num_hidden_layers)[layer]
-            cpu = torch.device("cpu")
-            raw = read_layer(ckpt, cfg, layer, tensors, torch.float32, cpu)
-            loaded = build_layer(raw, cfg, ForwardContext(), cpu, torch.float32, stats=False)
+        with built_layer(ckpt_dir, layer, torch.float32) as (ckpt, tensors, raw, loaded):
             dynamic = activations.dynamic_inputs(ckpt, tensors)
             if oracle_inputs is None:
                 activations.emulate(loaded.module, loaded.moe, raw.prefix, {}, dynamic)
@@ -196,8 +190,6 @@ def test_declared_inputs_are_quantized_as_the_oracle_does(twins, fmt, oracle):
                     loaded.moe.gate.register_forward_pre_hook(lambda _m, args: (q(args[0]),))
             with torch.no_grad():
                 return loaded.moe(x)
-        finally:
-            ckpt.close()
 
     got = moe_output(w4a4, None)
     assert torch.equal(got, moe_output(w4a16, True))

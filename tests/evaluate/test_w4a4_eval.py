@@ -19,12 +19,9 @@ from nvfp4_reference import fp8_value, round_e2m1
 from safetensors import safe_open
 
 from conftest import ROOT
-from helpers import eval_logits
-from kconvert.calibrate.forward import ForwardContext, model_config
-from kconvert.calibrate.load import build_layer, read_layer, tensors_by_layer
+from helpers import built_layer, eval_logits
 from kconvert.convert import RunControl, convert
 from kconvert.evaluate import activations
-from kconvert.io.checkpoint import open_checkpoint
 from kconvert.recipes import load_recipe
 from kconvert.testing.tiny_moe import heldout_ids
 
@@ -111,13 +108,7 @@ def test_routed_experts_see_their_inputs_quantized_with_the_stored_scales(twins,
     x = torch.randn(1, 40, hidden, generator=torch.Generator().manual_seed(1))
 
     def moe_output(ckpt_dir, quantize_input=None):
-        ckpt = open_checkpoint(str(ckpt_dir))
-        try:
-            cfg = model_config(ckpt)
-            tensors = tensors_by_layer(ckpt, cfg.num_hidden_layers)[layer]
-            cpu = torch.device("cpu")
-            raw = read_layer(ckpt, cfg, layer, tensors, torch.float32, cpu)
-            loaded = build_layer(raw, cfg, ForwardContext(), cpu, torch.float32, stats=False)
+        with built_layer(ckpt_dir, layer, torch.float32) as (ckpt, tensors, raw, loaded):
             scales = activations.input_scales(ckpt, tensors)
             if quantize_input is None:
                 activations.emulate(loaded.module, loaded.moe, raw.prefix, scales)
@@ -126,8 +117,6 @@ def test_routed_experts_see_their_inputs_quantized_with_the_stored_scales(twins,
                 loaded.moe.quantize_input = quantize_input
             with torch.no_grad():
                 return loaded.moe(x)
-        finally:
-            ckpt.close()
 
     def written_here(which: int, h: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         proj = "down_proj" if which else "gate_proj"

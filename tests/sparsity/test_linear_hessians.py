@@ -15,8 +15,8 @@ from click.testing import CliRunner
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.utils import logging as hf_logging
 
-from conftest import ROOT
-from helpers import bundled_layer, eval_logits
+from conftest import BUNDLED, ROOT
+from helpers import built_layer, eval_logits
 from kconvert.calibrate.data import PAD_ID
 from kconvert.calibrate.run import measure_stats
 from kconvert.cli import main
@@ -101,7 +101,8 @@ def test_planned_linear_shapes_are_transformers_layers():
     """The plan's input widths and matrices of attention and the dense MLP (gpu_plan.Shapes)
     against transformers' dense decoder layer, whose Grams build_layer collects: one per
     fused set."""
-    with bundled_layer(0, grams=frozenset({Role.ATTENTION, Role.DENSE_MLP})) as (ckpt, loaded):
+    with built_layer(BUNDLED, 0, grams=frozenset({Role.ATTENTION, Role.DENSE_MLP})) as (
+            ckpt, _, _, loaded):
         s = Shapes.from_config(ckpt.text_config)
         assert sorted(g.n_in for g in loaded.grams.values()) == sorted(
             s.attention_inputs() + s.dense_inputs())
