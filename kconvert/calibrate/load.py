@@ -221,8 +221,10 @@ def build_layer(raw: LayerBytes, cfg, ctx: ForwardContext, device: torch.device,
                 lambda _mod, args, acc=acc: acc.add(ctx.real_rows(args[0]))))
     input_grams: dict[str, InputGram] = {}
     for rel, sub in module.named_modules() if grams else ():
+        if not isinstance(sub, nn.Linear):
+            continue
         tn = parse_name(f"{prefix}{rel}.weight")
-        if isinstance(sub, nn.Linear) and tn.role in grams and tn.fused_set not in input_grams:
+        if tn.role in grams and tn.fused_set not in input_grams:
             gram = input_grams[tn.fused_set] = InputGram(sub.in_features, device, held_every)
             hooks.append(sub.register_forward_pre_hook(
                 lambda _mod, args, gram=gram: gram.add(ctx.real_rows(args[0]))))
