@@ -208,7 +208,7 @@ class Forward:
 class Obs:
     """Batches of Hessian-sharing matrices solved together (SparseGPT, GPTQ): the bytes of
     one matrix of the largest shape (`bytes_per_matrix`: Hessian, factor and temporaries,
-    weights and result, kconvert.sparsity.obs.batch_bytes), and the matrices there are."""
+    weights and result, kconvert.methods.obs.batch_bytes), and the matrices there are."""
 
     bytes_per_matrix: int
     matrices: int
@@ -258,7 +258,7 @@ class GpuPlan:
     budget: int
     batch_size: int = 0
     hidden_on_device: bool = True
-    obs_bytes: int = 0  # the OBS batches' share (kconvert.sparsity's batch sizing reads it)
+    obs_bytes: int = 0  # the OBS batches' share (kconvert.methods's batch sizing reads it)
     obs_matrices: int = 0  # matrices of the largest shape per OBS batch
     work_elems: int | None = None
     footprint: Footprint = field(default_factory=Footprint)

@@ -38,7 +38,7 @@ REPAIRS = ("none", "bias", "router")  # router repair; kconvert.pruning.repair f
 COMPENSATIONS = ("none", "shared", "down")  # kconvert.pruning.compensate
 SPARSIFY_METHODS = ("magnitude", "wanda", "sparsegpt")
 SPARSIFY_STORAGES = ("dense", "pair-bitmask")
-HESSIANS = ("source", "sequential")  # SparseGPT's layer inputs (kconvert.sparsity.sparsegpt)
+HESSIANS = ("source", "sequential")  # SparseGPT's layer inputs (kconvert.methods.sparsegpt)
 # `--format NAME` of the quantize stage: each is an output codec's `cli_name`
 # (kconvert.formats.OUTPUT_CODECS; a test keeps the two equal).
 OUTPUT_FORMATS = ("compressed-tensors", "modelopt", "mxfp4-pack-quantized", "quark-mxfp4")

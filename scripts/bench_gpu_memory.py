@@ -141,8 +141,8 @@ def least_budget(src: Path, samples: int, seq: int) -> int:
     """The smallest budget whose SparseGPT plan fits on this set (kconvert.gpu_plan), found
     by bisection: one sequence per forward step, one expert per OBS batch at the least."""
     from kconvert.gpu_plan import Forward, GpuMemoryError, Shapes, plan_conversion
+    from kconvert.methods import obs
     from kconvert.options import BATCH_SIZE
-    from kconvert.sparsity import obs
 
     s = Shapes.from_config(json.loads((src / "config.json").read_text()))
     work = obs.gpu_work(s, Forward(samples, seq, BATCH_SIZE, capture=True), shared=False,

@@ -1,4 +1,4 @@
-"""Benchmark: the OBS engine (kconvert.sparsity.obs) on one full-size Kimi MoE layer: RTN, GPTQ
+"""Benchmark: the OBS engine (kconvert.methods.obs) on one full-size Kimi MoE layer: RTN, GPTQ
 and SparseGPT side by side, the fused Triton in-block loop against the torch loop.
 
     python3 scripts/bench_obs.py --json /tmp/kbench-out/bench_obs.json       # H100, ~5 min
@@ -78,7 +78,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from kconvert import gpu_plan  # noqa: E402
 from kconvert.formats import nvfp4  # noqa: E402
-from kconvert.sparsity import obs, sparsegpt, triangular  # noqa: E402
+from kconvert.methods import obs, sparsegpt, triangular  # noqa: E402
 
 ROOT = Path(os.environ.get("ROOT", "/tmp/kbench"))
 METHODS = {"gptq": None, "sparsegpt": sparsegpt.p48_mask}

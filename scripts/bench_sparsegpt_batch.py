@@ -16,7 +16,7 @@ import time
 import torch
 
 from kconvert.formats import nvfp4
-from kconvert.sparsity import obs, sparsegpt
+from kconvert.methods import obs, sparsegpt
 
 B, T = int(os.environ.get("B", 6)), int(os.environ.get("TOKENS", 2800))
 dev = "cuda"

@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench_calibrate
 
 from kconvert.convert import RunControl, convert
+from kconvert.methods.hessians import Calibration, CalibrationHessians
 from kconvert.recipes import load_recipe
-from kconvert.sparsity.hessians import Calibration, CalibrationHessians
 from kconvert.testing.fixture_weights import FixtureDims
 from kconvert.testing.fixtures import make_fixture
 

@@ -45,11 +45,11 @@ from kconvert.calibrate.stats import ACT_FILE, save_stats  # noqa: E402
 from kconvert.convert import RunControl, convert  # noqa: E402
 from kconvert.evaluate.run import evaluate  # noqa: E402
 from kconvert.io.checkpoint import open_checkpoint  # noqa: E402
+from kconvert.methods.hessians import Calibration, CalibrationHessians  # noqa: E402
 from kconvert.pruning.plan import parse_plan  # noqa: E402
 from kconvert.pruning.reap import plan_from_scores, scores_of  # noqa: E402
 from kconvert.pruning.repair import RepairSettings, RouterRepair, with_repair  # noqa: E402
 from kconvert.recipes import load_recipe  # noqa: E402
-from kconvert.sparsity.hessians import Calibration, CalibrationHessians  # noqa: E402
 from kconvert.stages.prune import prune_stage  # noqa: E402
 from kconvert.testing.tiny_moe import corpus_ids, heldout_ids, windows  # noqa: E402
 

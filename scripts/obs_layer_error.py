@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kconvert.formats import nvfp4  # noqa: E402
-from kconvert.sparsity import obs  # noqa: E402
+from kconvert.methods import obs  # noqa: E402
 
 HIDDEN, INTER = 7168, 2048
 

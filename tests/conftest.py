@@ -10,7 +10,7 @@ import pytest
 from kconvert.testing.fixture_weights import FixtureDims
 from kconvert.testing.fixtures import make_fixture
 
-# The suite runs on CPU tensors: Triton kernels (kconvert.sparsity.obs_kernel) run under
+# The suite runs on CPU tensors: Triton kernels (kconvert.methods.obs_kernel) run under
 # Triton's interpreter, which must be chosen before triton is first imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -278,7 +278,7 @@ def sparsegpt_per_column(w: torch.Tensor, u: torch.Tensor, gs: torch.Tensor, gro
     column's error propagated by a rank-1 update to the rest of its lazy block, one matrix
     product per block for the later columns (p48.md, "Mask selection" 3). Without `prune` it
     is GPTQ's loop (Frantar et al., Algorithm 1) on the NVFP4 grid: no mask."""
-    from kconvert.sparsity import p48
+    from kconvert.formats import p48
 
     b, m, k = w.shape
     step = blocksize if k % blocksize == 0 else group_size

@@ -31,12 +31,12 @@ from kconvert.gpu_plan import (
 )
 from kconvert.io.checkpoint import open_checkpoint
 from kconvert.manifest import MANIFEST
+from kconvert.methods import obs
+from kconvert.methods.hessians import Calibration, CalibrationHessians
 from kconvert.model.names import Role
 from kconvert.options import parse_size
 from kconvert.pruning.repair import RepairSettings
 from kconvert.sizing.gpu_memory import command_plans
-from kconvert.sparsity import obs
-from kconvert.sparsity.hessians import Calibration, CalibrationHessians
 from kconvert.stages.quantize import Quantize
 from kconvert.stages.sparsify import Sparsify
 from kconvert.testing.fixtures import k2_config

@@ -1,6 +1,6 @@
 """The p48 family: where the run's record declares paired-4:8 sparsity, every 8-element chunk
 of the declared roles' NVFP4 modules (4 bytes of packed NVFP4) has at most 2 nonzero pairs
-and stores its pruned pairs as 0x00 (docs/p48.md), checked by kconvert.sparsity.p48."""
+and stores its pruned pairs as 0x00 (docs/p48.md), checked by kconvert.formats.p48."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from kconvert.audit.context import AuditContext
 from kconvert.checks.findings import Checks
 from kconvert.formats.linear import ModuleWork
+from kconvert.formats.p48 import check_packed
 from kconvert.manifest import MANIFEST
-from kconvert.sparsity.p48 import check_packed
 
 P = "p48"
 

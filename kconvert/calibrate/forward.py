@@ -66,7 +66,7 @@ class LinearStats:
 
 
 class InputGram:
-    """X^T X of the real input rows one linear sees (its OBS Hessian, kconvert.sparsity),
+    """X^T X of the real input rows one linear sees (its OBS Hessian, kconvert.methods),
     accumulated on the device in fp32, batch by batch in row order: with `held_every` n > 0
     every n-th row (rows n-1, 2n-1, ... counted over the whole pass) goes to `held` instead of
     `fit` (the rows GPTQ's comparison with RTN is judged on); with 0, `held` is None."""

@@ -21,7 +21,7 @@ class ModuleStats:
     global_scale: float | None
     err_sq: float
     ref_sq: float
-    # GPTQ's choice against RTN (kconvert.sparsity.obs.Choice as a dict), when it was made.
+    # GPTQ's choice against RTN (kconvert.methods.obs.Choice as a dict), when it was made.
     obs: dict | None = None
 
 

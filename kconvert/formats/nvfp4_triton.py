@@ -2,7 +2,7 @@
 MSE_CODE_OFFSETS in one launch, where the torch path (kconvert.formats.nvfp4) runs about 130
 elementwise kernels, each a full pass over the blocks (the amax rule, then ten candidates of
 division, rounding, error and a tree sum). The jit helpers here are also inlined into the OBS
-engine's in-block kernel (kconvert.sparsity.obs_kernel), which picks each scale block's code
+engine's in-block kernel (kconvert.methods.obs_kernel), which picks each scale block's code
 on the error-updated weights it already holds.
 
 Bit for bit the torch path's codes, operation for operation: IEEE division (`div_rn`), the

@@ -11,8 +11,8 @@ from kconvert.gpu_plan import (
     plan_conversion,
     plan_forward,
 )
+from kconvert.methods import obs
 from kconvert.options import BATCH_SIZE, EVAL_SAMPLES, REAP_SAMPLES, SEQ_LEN, SPARSEGPT_SAMPLES
-from kconvert.sparsity import obs
 
 
 def command_plans(text_config: dict, budget: int) -> dict[str, dict]:

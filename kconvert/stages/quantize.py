@@ -1,5 +1,5 @@
 """The `quantize` stage: targeted modules become NVFP4 or MXFP4 in the chosen on-disk format.
-NVFP4 by round-to-nearest (`rtn`) or by the OBS engine's GPTQ (`gptq`, kconvert.sparsity.obs),
+NVFP4 by round-to-nearest (`rtn`) or by the OBS engine's GPTQ (`gptq`, kconvert.methods.obs),
 which is kept per matrix only where its output error on held-out calibration tokens is below
 RTN's; MXFP4 by round-to-nearest only."""
 
@@ -20,6 +20,8 @@ from kconvert.formats import OUTPUT_CODECS, DenseCodec, Nvfp4PairBitmaskCodec
 from kconvert.formats.linear import ModuleWork
 from kconvert.gpu_plan import GpuPlan, GpuWork, Shapes
 from kconvert.io.checkpoint import Checkpoint
+from kconvert.methods import obs
+from kconvert.methods.hessians import Calibration
 from kconvert.model.names import TARGET_ROLES, Role
 from kconvert.options import (
     ACTIVATIONS,
@@ -29,8 +31,6 @@ from kconvert.options import (
     SPARSIFY_METHODS,
     calibration_run,
 )
-from kconvert.sparsity import obs
-from kconvert.sparsity.hessians import Calibration
 from kconvert.stages.base import CALIBRATION_OPTIONS, StageKind
 
 # The roles GPTQ has Hessians for, all from the layer-streamed calibration: the experts' from

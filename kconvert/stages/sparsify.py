@@ -4,7 +4,7 @@ Sparsify claims the routed experts' gate/up/down (shared experts are never spars
 transforms their decoded fp32 weights before the quantize stage encodes them:
   magnitude  keep the 2 pairs of every 8-chunk with the largest |w_2p| + |w_2p+1|
   wanda      the same on |W_ij| * ||X_j||_2, X_j from `kconvert calibrate` (input_sq_sum)
-  sparsegpt  joint OBS prune + NVFP4 quantize (kconvert.sparsity.sparsegpt) on calibration inputs,
+  sparsegpt  joint OBS prune + NVFP4 quantize (kconvert.methods.sparsegpt) on calibration inputs,
              each layer's from the already-compressed model (`hessian` "sequential") or from the
              unpruned source ("source")
 Every mask is chosen per chunk before any block scale, so NVFP4's block scales are computed
@@ -25,10 +25,13 @@ from pydantic import Field
 from kconvert.calibrate.stats import META_FILE, STATS_FILE
 from kconvert.engine.stage import Stage, StageRecord
 from kconvert.errors import KconvertError, UsageError
+from kconvert.formats import p48
 from kconvert.formats.linear import ModuleWork
 from kconvert.gpu_plan import GpuPlan, GpuWork, Shapes
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.files import hash_file
+from kconvert.methods import obs, sparsegpt
+from kconvert.methods.hessians import Calibration
 from kconvert.model.names import Role
 from kconvert.options import (
     HESSIANS,
@@ -37,8 +40,6 @@ from kconvert.options import (
     SPARSIFY_STORAGES,
     calibration_run,
 )
-from kconvert.sparsity import obs, p48, sparsegpt
-from kconvert.sparsity.hessians import Calibration
 from kconvert.stages.base import CALIBRATION_OPTIONS, StageKind
 
 METHODS = SPARSIFY_METHODS

@@ -25,9 +25,9 @@ from conftest import ROOT
 from helpers import st_header
 from kconvert.cli import main
 from kconvert.convert import RunControl, convert
+from kconvert.formats.p48 import check_packed as p48_check
 from kconvert.pruning.plan import PrunePlan, load_plan, plan_json_schema
 from kconvert.recipes import load_recipe
-from kconvert.sparsity.p48 import check_packed as p48_check
 from kconvert.stages.prune import prune_stage
 from third_party_prune import prune
 

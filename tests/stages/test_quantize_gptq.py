@@ -21,7 +21,7 @@ from conftest import BUNDLED, ROOT
 from helpers import obs_problem
 from kconvert.cli import main
 from kconvert.formats import nvfp4
-from kconvert.sparsity import obs
+from kconvert.methods import obs
 from oracles import raw_tensors, sparsegpt_inverse_reference, sparsegpt_per_column
 
 TINY_MOE = ROOT / "tests" / "fixtures" / "tiny-moe-trained"

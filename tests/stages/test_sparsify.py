@@ -25,8 +25,8 @@ from kconvert.formats.nvfp4_pair_bitmask import (
     from_pair_bitmask,
     to_pair_bitmask,
 )
+from kconvert.formats.p48 import check_packed, top2_pairs
 from kconvert.manifest import read_manifest
-from kconvert.sparsity.p48 import check_packed, top2_pairs
 from oracles import (
     by_module,
     ct_int4_fp32,

@@ -20,8 +20,8 @@ from kconvert.calibrate.run import measure_stats as calibrate
 from kconvert.calibrate.stats import save_stats
 from kconvert.convert import RunControl, convert
 from kconvert.io.checkpoint import open_checkpoint
+from kconvert.methods.hessians import Calibration, CalibrationHessians
 from kconvert.recipes import load_recipe
-from kconvert.sparsity.hessians import Calibration, CalibrationHessians
 from kconvert.testing.tiny_moe import (
     corpus_ids,
     heldout_ids,

@@ -27,8 +27,8 @@ from kconvert.cli import main
 from kconvert.errors import KconvertError
 from kconvert.formats import nvfp4
 from kconvert.io.checkpoint import open_checkpoint
-from kconvert.sparsity import obs, sparsegpt
-from kconvert.sparsity.hessians import CalibrationHessians
+from kconvert.methods import obs, sparsegpt
+from kconvert.methods.hessians import CalibrationHessians
 from kconvert.stages import sparsify
 from kconvert.testing.tiny_moe import corpus_ids, windows
 

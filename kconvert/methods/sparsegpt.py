@@ -1,5 +1,5 @@
 """SparseGPT with paired-4:8 masks and NVFP4 quantization in ONE loop (p48.md, "Mask selection" 3):
-the OBS engine (kconvert.sparsity.obs) with a mask chosen per scale block.
+the OBS engine (kconvert.methods.obs) with a mask chosen per scale block.
 
 At the start of every NVFP4 scale block the p48 mask of its chunks is chosen on the
 error-updated weights by the OBS score w^2 / [U]_jj^2 (U = chol(H^-1), upper); the engine then
@@ -7,14 +7,15 @@ chooses the block's FP8 scale after that mask and quantizes each column with it,
 entries +0, propagating the error to the columns not yet visited. Pruning and quantization are
 one loop: chaining SparseGPT then GPTQ does not preserve zeros (llm-compressor PR #2860).
 
-Calibration inputs come from kconvert.sparsity.hessians (one MoE layer at a time).
+Calibration inputs come from kconvert.methods.hessians (one MoE layer at a time).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kconvert.sparsity import obs, p48
+from kconvert.formats import p48
+from kconvert.methods import obs
 
 
 def p48_mask(wg: torch.Tensor, d: torch.Tensor) -> torch.Tensor:

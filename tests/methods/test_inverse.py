@@ -1,4 +1,4 @@
-"""obs.prepare_inverse's inverse Cholesky factor from batched GEMMs (kconvert.sparsity.triangular)
+"""obs.prepare_inverse's inverse Cholesky factor from batched GEMMs (kconvert.methods.triangular)
 against the Cholesky and solve_triangular it replaces (tests/oracles.py `inverse_by_solve`) and
 against a float64 solution; the effect of its rounding on GPTQ and SparseGPT.
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from helpers import obs_problem
-from kconvert.sparsity import obs, sparsegpt, triangular
+from kconvert.methods import obs, sparsegpt, triangular
 from oracles import inverse_by_solve
 
 TOL = 4e-6

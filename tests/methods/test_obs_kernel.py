@@ -1,4 +1,4 @@
-"""The fused Triton scale-block kernel (kconvert.sparsity.obs_kernel: mask, block scale and
+"""The fused Triton scale-block kernel (kconvert.methods.obs_kernel: mask, block scale and
 column loop in one launch) against the torch path it replaces on a GPU, run on CPU tensors
 through Triton's interpreter (TRITON_INTERPRET=1): the same W-hat and block codes, bit for
 bit, with and without SparseGPT's mask, both block-scale rules, both arithmetics, fp32 and bf16
@@ -13,7 +13,7 @@ import torch
 import triton  # noqa: F401  (a test dependency: pyproject's test extra)
 
 from kconvert.formats import nvfp4
-from kconvert.sparsity import obs, sparsegpt
+from kconvert.methods import obs, sparsegpt
 
 if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
     pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1 (tests/conftest.py sets it)",

@@ -1,5 +1,5 @@
 """Per-matrix input Hessians H = X^T X from kconvert.calibrate's layer-streamed forward, for
-the OBS engine (kconvert.sparsity.obs: GPTQ and SparseGPT).
+the OBS engine (kconvert.methods.obs: GPTQ and SparseGPT).
 
 `CalibrationHessians` runs the calibration forward on a thread beside the conversion and hands
 over one layer at a time (its captured MoE inputs and decoded weights, and the input Grams of
@@ -29,8 +29,8 @@ from kconvert.calibrate.data import PAD_ID, load_calibration_data
 from kconvert.errors import KconvertError
 from kconvert.gpu_plan import Forward, GpuPlan, GpuWork, Shapes
 from kconvert.io.checkpoint import Checkpoint
+from kconvert.methods.obs import HELDOUT_EVERY, HELDOUT_MIN, HessianSplit, gpu_work
 from kconvert.model.names import Role
-from kconvert.sparsity.obs import HELDOUT_EVERY, HELDOUT_MIN, HessianSplit, gpu_work
 
 
 class _Closed(Exception):

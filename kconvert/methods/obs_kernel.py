@@ -1,6 +1,6 @@
 """The OBS engine's work on one scale block as one fused Triton kernel (docs/obs.md).
 
-`kconvert.sparsity.obs.scale_block` (torch) runs well over a hundred small kernels per scale
+`kconvert.methods.obs.scale_block` (torch) runs well over a hundred small kernels per scale
 block: the mask (SparseGPT's p48), the block's FP8 scale by the `--block-scale` rule (the mse
 search alone is ten candidates of division, rounding, error and sum), then a handful per
 column; 16 or 32 columns per block, hundreds of blocks per matrix, so on a GPU the loop is
@@ -28,7 +28,7 @@ from kconvert.formats import nvfp4_triton as q
 
 BLOCK_M = 64  # rows per program
 
-# Masks the kernel chooses itself (a MaskRule's `fused` name, kconvert.sparsity.obs).
+# Masks the kernel chooses itself (a MaskRule's `fused` name, kconvert.methods.obs).
 FUSED_MASKS = ("p48",)
 
 
@@ -110,7 +110,7 @@ def supports(mask: str | None, local_dtype: torch.dtype, group_size: int) -> boo
 def scale_block(wg: torch.Tensor, ug: torch.Tensor, gs: torch.Tensor, mask: str | None,
                 rule: str, local_dtype: torch.dtype, arithmetic: str, eg: torch.Tensor
                 ) -> torch.Tensor:
-    """kconvert.sparsity.obs.scale_block in one launch (same arguments but the mask, named
+    """kconvert.methods.obs.scale_block in one launch (same arguments but the mask, named
     here: None or a FUSED_MASKS name; same results)."""
     b, m, g = wg.shape
     if not supports(mask, local_dtype, g):

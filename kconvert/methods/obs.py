@@ -1,5 +1,5 @@
 """The OBS engine: blocked error-compensated NVFP4 quantization (GPTQ), optionally with a mask
-chosen per scale block (SparseGPT's p48, kconvert.sparsity.sparsegpt). docs/obs.md.
+chosen per scale block (SparseGPT's p48, kconvert.methods.sparsegpt). docs/obs.md.
 
 For a batch of matrices W [B, M, K] that share an input Hessian H = X^T X per batch entry
 (an expert's gate and up rows see the same tokens), columns are visited left to right. At the
@@ -37,8 +37,8 @@ import torch
 
 from kconvert.formats import nvfp4
 from kconvert.gpu_plan import Forward, GpuWork, Obs, Shapes, gram_bytes
+from kconvert.methods import triangular
 from kconvert.model.names import Role, TensorName
-from kconvert.sparsity import triangular
 
 BLOCKSIZE = 128  # columns per lazy-update block (else one NVFP4 block, for small K)
 
@@ -238,7 +238,7 @@ def _scale_block_for(kernel: str, device: torch.device, mask: MaskRule | None,
         return torch_block
     if kernel == "auto" and importlib.util.find_spec("triton") is None:
         return torch_block
-    from kconvert.sparsity import obs_kernel
+    from kconvert.methods import obs_kernel
 
     fused = None if mask is None else getattr(mask, "fused", "")
     if kernel == "auto" and not obs_kernel.supports(fused, local_dtype, group_size):
