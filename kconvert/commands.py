@@ -16,6 +16,7 @@ from kconvert.manifest import Manifest
 from kconvert.options import ONLY_WITH
 from kconvert.recipes import Recipe, check_options, load_recipe
 from kconvert.stages import KINDS
+from kconvert.stages.base import stage_settings
 from kconvert.stages.quantize import parse_targets
 
 
@@ -67,9 +68,10 @@ def preparer(recipe: Recipe, options: dict, device: torch.device
     """prepare(ckpt) for the driver: by stage kind, what the recipe's stages make from the
     opened source (StageKind.prepare, which checks the options now); None if nothing."""
     makers = {}
+    tables = stage_settings(recipe.stages, options, KINDS)
     for name, kind in KINDS.items():
         if name in recipe.kinds and kind.prepare is not None:
-            make = kind.prepare(recipe.stages, options, device)
+            make = kind.prepare(tables, options, device)
             if make is not None:
                 makers[name] = make
     if not makers:

@@ -128,9 +128,8 @@ def convert(src: str, dst: str, recipe: Recipe, settings: Mapping[str, object],
         budget = resolve(device, run.gpu_memory)
         if budget is not None:  # resolved once for the conversion's steps
             run = replace(run, gpu_memory=budget)
-        with enforced(device, budget, recipe.name, "--batch-size --samples"
-                      if "sparsify" in recipe.kinds or settings.get("method") == "gptq"
-                      else ""):
+        # a stage that prepared calibration inputs runs forward batches beside the conversion
+        with enforced(device, budget, recipe.name, "--batch-size --samples" if inputs else ""):
             return _convert(ckpt, Path(dst), recipe, settings, inputs, run, echo)
     finally:
         ckpt.close()

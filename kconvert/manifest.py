@@ -44,9 +44,9 @@ class LayerEntry(BaseModel):
 
 
 class ObsEntry(BaseModel):
-    method: Literal["gptq", "rtn"] = Field(
-        description="what was written: GPTQ's result, or round-to-nearest where GPTQ's output "
-                    "error was not smaller")
+    method: str = Field(
+        description="what was written: the method's result (gptq), or its baseline's (rtn) "
+                    "where the method's output error was not smaller")
     gptq_error: float = Field(description="tr(dW H dW^T) of GPTQ's result, H = X^T X of the "
                                           "tokens `judged_on` names")
     rtn_error: float = Field(description="tr(dW H dW^T) of round-to-nearest on the same H")

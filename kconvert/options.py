@@ -42,6 +42,10 @@ HESSIANS = ("source", "sequential")  # SparseGPT's layer inputs (kconvert.method
 # `--format NAME` of the quantize stage: each is an output codec's `cli_name`
 # (kconvert.formats.OUTPUT_CODECS; a test keeps the two equal).
 OUTPUT_FORMATS = ("compressed-tensors", "modelopt", "mxfp4-pack-quantized", "quark-mxfp4")
+# `inspect --as`: the numbers an output holds (a codec's `grid`: bf16 by dequant, nvfp4 and
+# mxfp4 by quantize, int4 an INT4 source as it is; kconvert.sizing.predict checks it against the
+# registry).
+AS_FORMATS = ("bf16", "int4", "nvfp4", "mxfp4")
 # MXFP4's --activations: W4A16, or W4A4 with activations quantized at run time
 # (kconvert.stages.quantize).
 ACTIVATIONS = ("none", "dynamic")

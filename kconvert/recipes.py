@@ -19,6 +19,7 @@ from pathlib import Path
 from kconvert.engine.stage import Stage
 from kconvert.errors import KconvertError, UsageError
 from kconvert.stages import KINDS
+from kconvert.stages.base import stage_settings
 
 RECIPE_KEYS = ("name", "description", "requires_source", "stages")
 
@@ -130,7 +131,8 @@ def check_options(recipe: Recipe, given: Iterable[str]) -> None:
 def build_stages(recipe: Recipe, settings: Mapping[str, object],
                  inputs: Mapping[str, object]) -> list[Stage]:
     """The stages of `recipe`. Non-None `settings` (by name, see StageKind.settings; a
-    command checks them with check_options) replace the recipe's; `inputs` holds, by stage
+    command checks them with check_options) replace the recipe's, each in the first stage that
+    takes it (kconvert.stages.base.stage_settings); `inputs` holds, by stage
     kind, what a command prepared from the opened source (an instance of that kind's
     StageKind.input_type)."""
     given = {k: v for k, v in settings.items() if v is not None}
@@ -140,9 +142,9 @@ def build_stages(recipe: Recipe, settings: Mapping[str, object],
             raise TypeError(f"a {type(prepared).__name__} for stage {name!r} of recipe "
                             f"{recipe.name}, which takes {wanted.__name__ if wanted else 'none'}")
     stages: list[Stage] = []
-    for spec in recipe.stages:  # checked by load_recipe
+    for spec in stage_settings(recipe.stages, given, KINDS):  # checked by load_recipe
         kind = KINDS[spec["stage"]]
-        chosen = {k: v for k, v in {**spec, **given}.items() if k in kind.settings}
+        chosen = {k: v for k, v in spec.items() if k in kind.settings}
         stages.append(kind.build(chosen, inputs.get(kind.name)))
     names = recipe.kinds
     for at, name in enumerate(names):

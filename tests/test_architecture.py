@@ -9,8 +9,12 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import ROOT
+from kconvert.formats import Codec, Encoded
+from kconvert.formats.linear import Transformed
+from kconvert.methods import Method
 
 PACKAGE = ROOT / "kconvert"
 MAX_LINES = 500
@@ -168,90 +172,283 @@ def test_the_name_check_finds_a_comparison(tmp_path, monkeypatch):
         test_no_format_family_is_chosen_by_comparing_its_name()
 
 
-# A new format or pruning method is its own code plus one registration: these add each in a
-# test, touching nothing else in kconvert, and run a conversion with it.
+def _registered_names() -> set[str]:
+    """Every name a registry gives: methods, output formats, grids, stage kinds' choices."""
+    from kconvert.formats import OUTPUT_CODECS, SOURCE_CODECS
+    from kconvert.methods import METHODS
 
-def test_a_new_output_format_is_its_codec_plus_registration(tmp_path, monkeypatch):
-    """A fake format (NVFP4 bytes under its own parameter names, described by its own config
-    family) registered in kconvert.formats (its codec), kconvert.model.names (its parameter
-    names) and kconvert.formats.quant_config (its config family) is written by
-    `quantize --format fake`, read back by the same registry, and decodes to the values the
-    compressed-tensors output holds."""
-    import torch
+    return {*METHODS, *OUTPUT_CODECS, *(c.grid for c in SOURCE_CODECS)}
+
+
+# Where a method's name may be compared: the method plug-ins (kconvert.methods) only; stages and
+# commands know methods through their interface (kconvert.methods.base.Method).
+def test_no_method_name_is_compared_outside_methods():
+    from kconvert.methods import METHODS
+
+    found = []
+    for name, path in _modules().items():
+        if name.startswith("kconvert.methods"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            for side in (node.left, *node.comparators):
+                values = ([side] if isinstance(side, ast.Constant) else
+                          list(side.elts) if isinstance(side, ast.Tuple | ast.List | ast.Set)
+                          else [])
+                if any(isinstance(v, ast.Constant) and v.value in METHODS for v in values):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, "method chosen by name:\n" + "\n".join(found)
+
+
+def test_the_method_check_finds_a_comparison(tmp_path, monkeypatch):
+    """The walk above is not vacuous: `method == "gptq"` and `m in ("rtn",)` in a stage are
+    reported."""
+    pkg = tmp_path / "kconvert"
+    (pkg / "stages").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "stages" / "__init__.py").write_text("")
+    (pkg / "stages" / "x.py").write_text('def f(method):\n    return method == "gptq"\n'
+                                          'def g(m):\n    return m in ("rtn",)\n')
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", pkg)
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    with pytest.raises(AssertionError, match=r"stages/x\.py:2\n.*stages/x\.py:4"):
+        test_no_method_name_is_compared_outside_methods()
+
+
+# Where a list of choices (formats, methods, grids) may be written out: the registries and
+# kconvert.options, the command line's torch-free copy that test_the_cli_lists_are_the_registries
+# holds equal to them.
+CHOICE_LIST_OWNERS = ("kconvert.options", "kconvert.formats", "kconvert.methods")
+
+
+def test_no_choice_list_outside_options_and_the_registries():
+    names = _registered_names()
+    found = []
+    for name, path in _modules().items():
+        if name.startswith(CHOICE_LIST_OWNERS):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Tuple | ast.List | ast.Set) and len(node.elts) >= 2 and all(
+                    isinstance(e, ast.Constant) and e.value in names for e in node.elts):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, "choice lists kept outside the registries:\n" + "\n".join(found)
+
+
+def test_the_choice_list_check_finds_a_copy(tmp_path, monkeypatch):
+    """The walk above is not vacuous: a copy of the output formats in a CLI module is found."""
+    pkg = tmp_path / "kconvert"
+    (pkg / "cli").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "cli" / "__init__.py").write_text("")
+    (pkg / "cli" / "x.py").write_text('FORMATS = ("compressed-tensors", "modelopt")\n')
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", pkg)
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    with pytest.raises(AssertionError, match=r"cli/x\.py:1"):
+        test_no_choice_list_outside_options_and_the_registries()
+
+
+def test_the_cli_lists_are_the_registries():
+    """kconvert.options' torch-free lists (what the command line offers) are the registries'."""
+    from kconvert import options
+    from kconvert.formats import OUTPUT_CODECS
+    from kconvert.methods import methods_of
+    from kconvert.sizing.predict import as_formats
+
+    assert options.OUTPUT_FORMATS == tuple(OUTPUT_CODECS)
+    assert options.QUANTIZE_METHODS == tuple(methods_of("quantize"))
+    assert options.SPARSIFY_METHODS == tuple(methods_of("sparsify"))
+    assert set(options.AS_FORMATS) == set(as_formats())
+
+
+# A new format, quantize method, sparsify method or pruning criterion is its own code plus one
+# registration: these add each in a test, touching nothing else in kconvert, and run with it.
+
+class RowInt8Codec(Codec):
+    """A format with arithmetic of its own, not an existing codec's: symmetric INT8 per output
+    row, scale = row amax / 127 (fp32), codes round(w * (1 / scale)) in fp32, ties to even,
+    clamped to +-127 (the arithmetic of torch's quantize_per_channel); written in a config
+    family of its own."""
+
+    name = "int8-rows"
+    params = ("weight_q8", "weight_row_scale")
+    description = "INT8 per row (a test's format)"
+    grid = "int8"
+    config_family = quant_method = "test-int8"  # its config's quant_method names it
+    cli_name = "test-int8"
+
+    @classmethod
+    def param_rules(cls, shape, group_size):
+        return {"weight_q8": (frozenset({"I8"}), tuple(shape)),
+                "weight_row_scale": (frozenset({"F32"}), (shape[0], 1))}
+
+    @classmethod
+    def logical_shape(cls, infos, shape_value):
+        return tuple(infos["weight_q8"].shape)
+
+    @classmethod
+    def specs(cls, shape, input_scale=False, group_size=None):
+        return [("weight_q8", "I8", tuple(shape)), ("weight_row_scale", "F32", (shape[0], 1))]
+
+    @classmethod
+    def decode(cls, t, shape):
+        return t["weight_q8"].float() * t["weight_row_scale"].float()
+
+    @classmethod
+    def encode(cls, w, spec, *, amax=None, codes=None):
+        scale = w.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 127
+        q = torch.round(w * (1 / scale)).clamp(-127, 127).to(torch.int8)
+        err = (q.float() * scale - w).square().sum((1, 2), dtype=torch.float64)
+        return Encoded({"weight_q8": q, "weight_row_scale": scale}, err,
+                       w.double().square().sum((1, 2)))
+
+    @classmethod
+    def write_config(cls, modules, names):
+        return {"quant_method": cls.config_family, "modules": len(modules)}, {"int8.json": {}}
+
+
+def _tensors(root: Path) -> dict:
     from safetensors.torch import load_file
 
+    out = {}
+    for shard in sorted(root.glob("*.safetensors")):
+        out.update(load_file(shard))
+    return out
+
+
+def test_a_new_output_format_is_its_codec_plus_registration(tmp_path):
+    """RowInt8Codec, registered by one `formats.register` call, is written by `quantize
+    --format test-int8` with the bytes torch's own per-channel INT8 quantizer gives, read
+    back and dequantized by the same registry, audited clean against its source, and sized
+    by `inspect --as int8`."""
+    import kconvert
     from conftest import BUNDLED
     from kconvert import formats
-    from kconvert.convert import RunControl, convert
-    from kconvert.formats import nvfp4
-    from kconvert.formats.linear import group_modules
-    from kconvert.formats.nvfp4_ct import Nvfp4Codec
-    from kconvert.formats.quant_config import CONFIG_WRITERS
-    from kconvert.io.checkpoint import open_checkpoint
     from kconvert.model import names as model_names
-    from kconvert.recipes import load_recipe
 
-    names = {"weight_packed": "weight_fp4", "weight_scale": "weight_fp4_scale",
-             "weight_global_scale": "weight_fp4_tensor_scale"}
+    # the registries (the objects every module holds) are put back as they were after the test
+    saved = (list(formats.SOURCE_CODECS), dict(formats.OUTPUT_CODECS),
+             set(model_names.PARAM_SUFFIXES))
+    formats.register(RowInt8Codec)
+    try:
+        _convert_with_row_int8(tmp_path)
+    finally:
+        formats.SOURCE_CODECS[:] = saved[0]
+        formats.OUTPUT_CODECS.clear()
+        formats.OUTPUT_CODECS.update(saved[1])
+        model_names.PARAM_SUFFIXES.clear()
+        model_names.PARAM_SUFFIXES.update(saved[2])
+    assert RowInt8Codec not in formats.SOURCE_CODECS
 
-    class FakeCodec(Nvfp4Codec):
-        name = "nvfp4-fake"
-        params = tuple(names.values())
-        packed_param = "weight_fp4"
-        global_scale_param = "weight_fp4_tensor_scale"
-        ct_format = None
-        config_family = "fake-family"
-        cli_name = "fake"
-        p48_forms = False
 
-        @classmethod
-        def unpack(cls, t):
-            return t["weight_fp4"], t["weight_fp4_scale"], t["weight_fp4_tensor_scale"].reshape(-1)
+def _convert_with_row_int8(tmp_path: Path) -> None:
+    import kconvert
+    from conftest import BUNDLED
 
-        @classmethod
-        def specs(cls, shape, input_scale=False, group_size=nvfp4.BLOCK):
-            return [(names[p], d, s) for p, d, s in super().specs(shape, False, group_size)]
+    made = kconvert.quantize(str(BUNDLED), str(tmp_path / "q8"), format="test-int8",
+                             device="cpu")
+    assert made.manifest.output_format == "test-int8"
+    config = json.loads((tmp_path / "q8" / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "test-int8"
+    assert (tmp_path / "q8" / "int8.json").is_file()
 
-        @classmethod
-        def encode(cls, q, i, input_amax=None):
-            return {names[p]: t for p, t in super().encode(q, i).items()}
+    # the bytes: torch's quantize_per_channel on the source's decoded experts
+    source = kconvert.dequant(str(BUNDLED), str(tmp_path / "f32"), dtype="F32", device="cpu")
+    assert source.manifest is not None
+    want, got = _tensors(tmp_path / "f32"), _tensors(tmp_path / "q8")
+    experts = [n.removesuffix(".weight") for n in want if ".experts." in n]
+    assert experts and all(f"{e}.weight_q8" in got for e in experts)
+    for e in experts:
+        w = want[f"{e}.weight"]
+        scale = w.abs().amax(-1) / 127
+        oracle = torch.quantize_per_channel(w, scale.double(), torch.zeros_like(scale).long(),
+                                            0, torch.qint8)
+        assert torch.equal(got[f"{e}.weight_q8"], oracle.int_repr()), e
 
-    def fake_config(modules, out_names):
-        return {"quant_method": "fake-family", "modules": len(modules)}, {"fake.json": {}}
+    # read back, dequantized and audited through the registry
+    back = kconvert.dequant(str(tmp_path / "q8"), str(tmp_path / "back"), dtype="F32",
+                            device="cpu")
+    assert back.summary["dequantized_modules"] == len(experts)
+    decoded = _tensors(tmp_path / "back")
+    for e in experts:
+        assert torch.equal(decoded[f"{e}.weight"], RowInt8Codec.decode(
+            {p: got[f"{e}.{p}"] for p in RowInt8Codec.params}, None))
+    report = kconvert.audit(str(tmp_path / "q8"), source=str(BUNDLED), device="cpu")
+    assert report.passed, report.render()
+    sized = kconvert.inspect(str(BUNDLED), as_format="int8")
+    assert sized.to_json()["output"]["recipe"] == "quantize"
 
-    monkeypatch.setattr(model_names, "PARAM_SUFFIXES",
-                        (*names.values(), *model_names.PARAM_SUFFIXES))
-    monkeypatch.setitem(formats.OUTPUT_CODECS, "fake", FakeCodec)
-    monkeypatch.setattr(formats, "SOURCE_CODECS", (FakeCodec, *formats.SOURCE_CODECS))
-    monkeypatch.setitem(CONFIG_WRITERS, "fake-family", fake_config)
-    quiet = RunControl(quiet=True, device="cpu")
-    recipe = load_recipe("int4-to-nvfp4")
-    made = convert(str(BUNDLED), str(tmp_path / "fake"), recipe, {"format": "fake"}, quiet)
-    convert(str(BUNDLED), str(tmp_path / "ct"), recipe, {}, quiet)
 
-    assert made.output_format == "fake-family"
-    config = json.loads((tmp_path / "fake" / "config.json").read_text())
-    assert config["quantization_config"]["quant_method"] == "fake-family"
-    assert (tmp_path / "fake" / "fake.json").is_file()
+class Clip3Sigma(Method):
+    """A quantize method of a test: each row clipped to 3 standard deviations of its weights
+    before the codec's own rounding."""
 
-    def decoded(root):
-        tensors = {}
-        for shard in sorted(root.glob("*.safetensors")):
-            tensors.update(load_file(shard))
-        return tensors
+    name = "clip3"
+    stage = "quantize"
 
-    fake, ct = decoded(tmp_path / "fake"), decoded(tmp_path / "ct")
-    out = open_checkpoint(str(tmp_path / "fake"))
-    modules, _ = group_modules(out.tensors, {})
-    out.close()
-    fakes = [m for m in modules if m.codec is FakeCodec]
-    assert fakes and not [n for n in fake if n.endswith(".weight_packed")]
-    for m in fakes:
-        got = FakeCodec.decode({p: fake[f"{m.module}.{p}"][None] for p in FakeCodec.params},
-                               m.shape)
-        want = Nvfp4Codec.decode({p: ct[f"{m.module}.{p}"][None] for p in Nvfp4Codec.params},
-                                 m.shape)
-        assert torch.equal(got, want), m.module
+    def transforms(self, m) -> bool:
+        return True
+
+    def transform(self, modules, w, codec, spec, amax):
+        bound = 3 * w.std(-1, keepdim=True)  # a row's spread, whatever its batch
+        return Transformed(torch.maximum(torch.minimum(w, bound), -bound))
+
+
+class SmallestPairs(Method):
+    """A sparsify method of a test: in every chunk of 8 keep the 2 pairs of SMALLEST
+    magnitude (the opposite of `magnitude`)."""
+
+    name = "smallest"
+    stage = "sparsify"
+
+    def transforms(self, m) -> bool:
+        return True
+
+    def transform(self, modules, w, codec, spec, amax):
+        from kconvert.formats import p48
+
+        keep = p48.top2_pairs(-p48.pair_scores(w))
+        return Transformed(p48.apply_pair_mask(w, keep))
+
+
+@pytest.mark.parametrize("method", [Clip3Sigma, SmallestPairs])
+def test_a_new_method_is_its_class_plus_registration(tmp_path, monkeypatch, method):
+    """A method registered in kconvert.methods.METHODS runs through its stage's command with
+    `method=NAME`, is recorded in the manifest, and writes what its transform says: the
+    output decodes to the codec's own encode of the method's values, computed here."""
+    import kconvert
+    from conftest import BUNDLED
+    from kconvert.formats import EncodeSpec, Nvfp4Codec
+    from kconvert.methods import METHODS, MethodInputs
+
+    monkeypatch.setitem(METHODS, method.name, method)
+    command = kconvert.quantize if method.stage == "quantize" else kconvert.sparsify
+    made = command(str(BUNDLED), str(tmp_path / "out"), method=method.name, device="cpu")
+    assert made.manifest.options[method.stage]["method"] == method.name
+    kconvert.dequant(str(BUNDLED), str(tmp_path / "f32"), dtype="F32", device="cpu")
+    source, out = _tensors(tmp_path / "f32"), _tensors(tmp_path / "out")
+
+    def set_amax(module: str) -> torch.Tensor:
+        """An expert's gate and up share their largest amax (one global scale)."""
+        base, proj = module.rsplit(".", 1)
+        members = ([f"{base}.gate_proj", f"{base}.up_proj"] if proj != "down_proj"
+                   else [module])
+        return torch.stack([source[f"{m}.weight"].abs().amax() for m in members]).amax()
+
+    checked = 0
+    for name, w in source.items():
+        if ".mlp.experts." not in name:
+            continue
+        module = name.removesuffix(".weight")
+        values = method(MethodInputs(frozenset())).transform([], w[None], Nvfp4Codec,
+                                                             EncodeSpec(), None).weights
+        want = Nvfp4Codec.encode(values, EncodeSpec(group_size=16),
+                                 amax=set_amax(module).reshape(1))
+        got = {p: out[f"{module}.{p}"][None] for p in Nvfp4Codec.params}
+        assert torch.equal(Nvfp4Codec.decode(got, None),
+                           Nvfp4Codec.decode(want.params, None)), module
+        checked += 1
+    assert checked
 
 
 def test_a_new_pruning_criterion_is_its_registration(tmp_path, monkeypatch):

@@ -31,8 +31,10 @@ from kconvert.gpu_plan import (
 )
 from kconvert.io.checkpoint import open_checkpoint
 from kconvert.manifest import MANIFEST
-from kconvert.methods import obs
+from kconvert.methods import MethodInputs, obs
+from kconvert.methods.gptq import Gptq
 from kconvert.methods.hessians import Calibration, CalibrationHessians
+from kconvert.methods.sparsegpt import SparseGpt
 from kconvert.model.names import Role
 from kconvert.options import parse_size
 from kconvert.pruning.repair import RepairSettings
@@ -290,10 +292,11 @@ def _obs_stages(ckpt):
     """A SparseGPT and a GPTQ stage, each with its calibration pass (not started)."""
     ids = torch.zeros(2, 16, dtype=torch.long)
     cpu = torch.device("cpu")
-    return [Sparsify(method="sparsegpt", calibration=Calibration(
-                CalibrationHessians(ckpt, ids, cpu, 8))),
-            Quantize(targets=frozenset({Role.ROUTED_EXPERT}), method="gptq",
-                     calibration=Calibration(CalibrationHessians(ckpt, ids, cpu, 8)))]
+    experts = frozenset({Role.ROUTED_EXPERT})
+    return [Sparsify(method=SparseGpt(MethodInputs(experts, Calibration(
+                CalibrationHessians(ckpt, ids, cpu, 8))))),
+            Quantize(targets=experts, method=Gptq(MethodInputs(experts, Calibration(
+                CalibrationHessians(ckpt, ids, cpu, 8)))))]
 
 
 def test_both_obs_stages_take_their_batches_from_the_one_plan():

@@ -93,7 +93,7 @@ def stored_global_scale(codec: type[Codec], global_scale: float, amax: float) ->
         block_scales=torch.zeros(1, 1, 1, dtype=torch.float8_e4m3fn),
         global_scale=scale,
         err_sq=torch.zeros(1, dtype=torch.float64), ref_sq=torch.zeros(1, dtype=torch.float64))
-    return codec.encode(one_block, 0)[codec.global_scale_param]
+    return codec.stored(one_block, torch.tensor([amax])).module(0)[codec.global_scale_param]
 
 
 def check_fused_sets(ctx: AuditContext) -> None:

@@ -7,8 +7,7 @@ import json
 import click
 
 from kconvert.cli.base import FORMATS, KconvertCommand, gpu_memory_option
-
-AS_FORMATS = ("nvfp4", "int4", "bf16")  # kconvert.sizing.predict.AS_FORMATS
+from kconvert.options import AS_FORMATS
 P48_STORAGES = ("pair-bitmask", "dense")  # kconvert.sizing.predict.P48_STORAGES
 KV_DTYPES = ("bf16", "fp16", "fp8")  # kconvert.sizing.deploy.KV_DTYPE_BYTES
 
@@ -16,15 +15,17 @@ KV_DTYPES = ("bf16", "fp16", "fp8")  # kconvert.sizing.deploy.KV_DTYPE_BYTES
 @click.command("inspect", cls=KconvertCommand)
 @click.argument("src")
 @click.option("--as", "as_format", type=click.Choice(AS_FORMATS), default=None,
-              help="Size the output of converting to this format (nvfp4: int4-to-nvfp4 or "
-                   "quantize; bf16: dequant; int4: an INT4 source as it is).")
+              help="Size the output of converting to these numbers (nvfp4, mxfp4: "
+                   "int4-to-nvfp4 / int4-to-mxfp4 or quantize, its --format; bf16: dequant; "
+                   "int4: an INT4 source as it is).")
 @click.option("--keep", type=click.IntRange(min=1), default=None,
               help="Size the output of `reap --keep N` (routed experts kept per layer).")
 @click.option("--p48", type=click.Choice(P48_STORAGES), default=None,
               help="Size the output of `sparsify --storage ...` (paired-4:8 NVFP4 experts).")
-@click.option("--targets", default=None, help="With --as nvfp4 / --p48: what becomes NVFP4.")
+@click.option("--targets", default=None,
+              help="With --as nvfp4|mxfp4 / --p48: what is quantized.")
 @click.option("--format", type=click.Choice(FORMATS), default=None,
-              help="With --as nvfp4 / --p48: NVFP4 on-disk flavour.")
+              help="With --as nvfp4|mxfp4 / --p48: the on-disk format.")
 @click.option("--gpus", type=click.IntRange(min=1), default=None,
               help="GPUs to serve on [default: TP x PP].")
 @click.option("--gpu-mem", type=click.FloatRange(min=0, min_open=True), default=None,

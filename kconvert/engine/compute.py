@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
-from kconvert.engine.work import CopyItem, DecodeGroup, Item, WorkPlan
+from kconvert.engine.work import CopyItem, Item, WorkPlan
 from kconvert.errors import KconvertError
-from kconvert.formats import DenseCodec, Int4Codec, nvfp4
-from kconvert.formats.linear import ModuleWork
+from kconvert.formats import DenseCodec, Encoded, EncodeSpec, nvfp4
+from kconvert.formats.linear import ModuleWork, Transformed
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.finite import check_finite, has_nonfinite
 from kconvert.io.shards import TensorInfo
@@ -88,8 +88,9 @@ def compute_item(plan: WorkPlan, item: Item, bufs: list[torch.Tensor], device: t
         writes = [(c.out_name, buf, c.offset) for c, buf in zip(item.chunks, bufs, strict=True)]
         return Result(index, item.kind, writes, {}, item.nbytes)
 
-    # Decode every group to fp32 on the device: one batched op per (codec, shape) group.
-    # A re-laid-out group (densify) is not decoded: its NVFP4 bytes go through unchanged.
+    # Decode every group to fp32 on the device: one batched op per (codec, shape) group. A
+    # group whose output codec reads its source packed is decoded inside that encoder, and a
+    # re-laid-out group (densify) not at all: its NVFP4 bytes go through unchanged.
     decoded: list[torch.Tensor | None] = []
     raw: list[dict[str, torch.Tensor]] = []
     amax: dict[str, torch.Tensor] = {}
@@ -100,14 +101,15 @@ def compute_item(plan: WorkPlan, item: Item, bufs: list[torch.Tensor], device: t
             params[param] = bufs[pos].to(device, non_blocking=True)
             pos += 1
         raw.append(params)
-        if group.modules[0].repack:
+        m = group.modules[0]
+        if m.repack:
             decoded.append(None)
             continue
-        if _fused_int4(group, device):  # decoded inside the CPU encoder, never as fp32
-            group_amax = nvfp4.int4_amax(params["weight_packed"], params["weight_scale"])
+        if _reads_packed(m, device):
+            group_amax = m.out_codec.packed_amax(group.codec, params)
             decoded.append(None)
         else:
-            w = group.codec.decode(params, group.modules[0].shape)
+            w = group.codec.decode(params, m.shape)
             group_amax = torch.maximum(w.amax(dim=(1, 2)), w.amin(dim=(1, 2)).neg())  # no |w|
             decoded.append(w)
         amax.update({m.module: group_amax[i] for i, m in enumerate(group.modules)})
@@ -126,45 +128,32 @@ def compute_item(plan: WorkPlan, item: Item, bufs: list[torch.Tensor], device: t
     writes, stats, encoded = [], {}, []
     for group, w, params in zip(item.groups, decoded, raw, strict=True):
         ms = group.modules
-        out_codec = ms[0].out_codec
         if ms[0].repack:
-            q = _unpacked(group.codec, params)
-            carried = {p: _to_host(params[p]) for p in ms[0].carried}
-            encoded.append((ms, q, _to_host(nvfp4.GLOBAL_NUMERATOR / q.global_scale), carried,
-                            None))
+            enc = _relaid(group.codec, ms[0], params)
+            encoded.append((ms, enc, nvfp4.GLOBAL_NUMERATOR / enc.params[
+                ms[0].out_codec.global_scale_param].reshape(-1), None))
             continue
-        if out_codec is DenseCodec:
-            enc = _to_host(DenseCodec.encode(w, ms[0].dense_dtype)["weight"])
-            for i, m in enumerate(ms):
-                writes.append((m.out_module + ".weight", enc[i], 0))
-            continue
-        if out_codec.encodes_itself:  # MXFP4: its own block scales, no per-tensor scale
-            q = out_codec.quantize(w, plan.scale_rule, chunk_elems)
-            q = type(q)(*(_to_host(getattr(q, f.name)) for f in fields(q)))
-            encoded.append((ms, q, _to_host(torch.stack([amax[m.module] for m in ms])), {},
-                            None))
-            continue
-        a = torch.stack([set_amax[m.module] for m in ms])
-        arithmetic = out_codec.arithmetic
+        out_codec, a = ms[0].out_codec, torch.stack([set_amax[m.module] for m in ms])
+        # compressed-tensors takes a block's amax / 6 in the source weights' own dtype (bf16
+        # for a BF16 checkpoint, formats.md §2); a decoded quantized source is fp32.
+        local = ms[0].primary.torch_dtype if ms[0].codec is DenseCodec else torch.float32
+        spec = EncodeSpec(plan.scale_rule, ms[0].group_size, {"weight": ms[0].dense_dtype},
+                          local, chunk_elems)
+        # The manifest records the amax a per-tensor scale was made for, else each matrix's.
+        recorded = a if out_codec.global_scale_param else torch.stack([amax[m.module]
+                                                                        for m in ms])
         if w is None:
-            q = nvfp4.quantize_int4(params["weight_packed"], params["weight_scale"], a,
-                                    plan.scale_rule, ms[0].group_size, chunk_elems,
-                                    arithmetic=arithmetic)
-            encoded.append((ms, q, a, {}, None))
+            enc = out_codec.encode_packed(group.codec, params, spec, a)
+            encoded.append((ms, enc.map(_to_host), _to_host(recorded), None))
             continue
-        src_dtype = ms[0].primary.torch_dtype
-        local = src_dtype if ms[0].codec is DenseCodec else torch.float32
-        source, codes, choices = w, None, None
+        made = Transformed(w)
         if ms[0].transform is not None:
-            w, codes, choices = ms[0].transform.transform(
-                ms, w, nvfp4.tensor_scale(a, arithmetic), plan.scale_rule, local, arithmetic)
-        q = nvfp4.quantize(w, a, plan.scale_rule, chunk_elems, local_dtype=local,
-                           group_size=ms[0].group_size, block_codes=codes, arithmetic=arithmetic)
-        if w is not source:  # the error that matters is against the source, not the transform
-            q.err_sq, q.ref_sq = _error_vs(source, q, arithmetic)
-        q = nvfp4.Quantized(*(_to_host(t) for t in (q.packed, q.block_scales, q.global_scale,
-                                                    q.err_sq, q.ref_sq)))
-        encoded.append((ms, q, _to_host(a), {}, choices))
+            made = ms[0].transform.transform(ms, w, out_codec, spec, a)
+        enc = out_codec.encode(made.weights, spec, amax=a, codes=made.codes)
+        if made.weights is not w and enc.err_sq is not None:
+            # the error that matters is against the source, not the transform
+            enc.err_sq, enc.ref_sq = _error_vs(w, out_codec.decode(enc.params, ms[0].shape))
+        encoded.append((ms, enc.map(_to_host), _to_host(recorded), made.records))
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the one wait per item: every host copy has landed
     for ok, m in zip(finite.tolist(), checked, strict=True):
@@ -172,42 +161,42 @@ def compute_item(plan: WorkPlan, item: Item, bufs: list[torch.Tensor], device: t
             bad = _nonfinite_param(plan.ckpt, m)
             raise KconvertError("NaN or Inf in the source weights", file=bad.file.name,
                                 tensor=bad.name)
-    for ms, q, a, carried, choices in encoded:
-        out_codec = ms[0].out_codec
-        # The manifest records compressed-tensors' form, 2688 / amax, whatever the flavour
-        # (none for a format without a per-tensor scale).
-        gs = ([None] * len(ms) if out_codec.encodes_itself
-              else nvfp4.recorded_scale(q.global_scale, a, out_codec.arithmetic).tolist())
-        err, ref, amaxes = q.err_sq.tolist(), q.ref_sq.tolist(), a.tolist()
+    for ms, enc, recorded, records in encoded:
+        gs = enc.recorded_scale.tolist() if enc.recorded_scale is not None else [None] * len(ms)
+        amaxes = recorded.tolist()
         for i, m in enumerate(ms):
-            tensors = {**out_codec.encode(q, i, m.input_amax),
-                       **{p: t[i] for p, t in carried.items()}}
+            tensors = enc.module(i)
+            if m.input_amax is not None:
+                tensors.update(m.out_codec.input_scale(m.input_amax))
             for param, t in tensors.items():
                 writes.append((f"{m.out_module}.{param}", t, 0))
-            stats[m.out_module] = ModuleStats(amaxes[i], gs[i], err[i], ref[i],
-                                              choices[i] if choices else None)
+            if enc.err_sq is not None:
+                stats[m.out_module] = ModuleStats(amaxes[i], gs[i], float(enc.err_sq[i]),
+                                                  float(enc.ref_sq[i]),
+                                                  records[i] if records else None)
     return Result(index, item.kind, writes, stats, item.nbytes)
 
 
-def _fused_int4(group: DecodeGroup, device: torch.device) -> bool:
-    """INT4 -> NVFP4 with no transform, on a CPU: the fused kernel decodes while it encodes
-    (about 4x faster than an fp32 decode first; same bytes, tested)."""
-    m = group.modules[0]
-    return (device.type == "cpu" and group.codec is Int4Codec and m.transform is None
-            and not m.repack and m.out_codec is not DenseCodec and not m.out_codec.encodes_itself)
+def _reads_packed(m: ModuleWork, device: torch.device) -> bool:
+    """Whether the module's output codec encodes its source as stored (no transform to run
+    on decoded values)."""
+    return (m.transform is None and m.out_codec is not None
+            and m.out_codec.reads_packed(m.codec, device))
 
 
-def _unpacked(codec, params: dict[str, torch.Tensor]) -> nvfp4.Quantized:
-    """NVFP4 bytes of a re-layout, host-side; it changes no value, so its error is 0."""
+def _relaid(codec, m: ModuleWork, params: dict[str, torch.Tensor]) -> Encoded:
+    """NVFP4 bytes of a re-layout, host-side, with the parameters it carries over unchanged;
+    it changes no value, so its error is 0."""
     packed, scales, gs = (_to_host(t) for t in codec.unpack(params))
     zero = torch.zeros(packed.shape[0], dtype=torch.float64)
-    return nvfp4.Quantized(packed, scales, gs, zero, zero)
+    enc = m.out_codec.stored(nvfp4.Quantized(packed, scales, gs, zero, zero),
+                             nvfp4.GLOBAL_NUMERATOR / gs)
+    enc.params.update({p: _to_host(params[p]) for p in m.carried})
+    return enc
 
 
-def _error_vs(source: torch.Tensor, q: nvfp4.Quantized, arithmetic: str
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of squared error of q's decode against `source`, sum of source squares) [B]."""
-    decoded = nvfp4.dequantize(q.packed, q.block_scales, q.global_scale, arithmetic)
+def _error_vs(source: torch.Tensor, decoded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of squared error of `decoded` against `source`, sum of source squares) [B]."""
     err = (decoded - source).square()
     return (err.sum((1, 2), dtype=torch.float64),
             source.square().sum((1, 2), dtype=torch.float64))

@@ -1,16 +1,18 @@
 """On-disk formats of a linear's parameters, one module per format, and their registry.
 
-A format module holds its codec class (kconvert.formats.base.Codec): decode/encode of batched
-parameters, how it is recognised, the dtypes and shapes of its parameters, how a
-quantization_config names it and what its scheme must agree with. Adding a format: its
-module here, its codec in SOURCE_CODECS below, and (for an output format, selected by
-`--format`) its name in the command line's choices (kconvert/cli/base.py, which imports no
-torch; a test keeps the two lists equal).
+A format module holds its codec class (kconvert.formats.base.Codec): decode and encode of
+batched parameters (one signature for every format, the numbers in an EncodeSpec), how it is
+recognised, the dtypes and shapes of its parameters, how a quantization_config names it and
+what its scheme must agree with, and (an output format) how its config family's
+quantization_config is written. Adding a format: its module here and one `register(codec)`
+below; an output format that the command line offers also needs its name in the command
+line's choices (kconvert.options.OUTPUT_FORMATS, which imports no torch; a test keeps the two
+lists equal).
 """
 
 from __future__ import annotations
 
-from kconvert.formats.base import OPTIONAL_PARAMS, Codec
+from kconvert.formats.base import OPTIONAL_PARAMS, Codec, Encoded, EncodeSpec
 from kconvert.formats.dense import DenseCodec
 from kconvert.formats.fp8_block import Fp8BlockCodec
 from kconvert.formats.int4 import Int4Codec
@@ -20,14 +22,43 @@ from kconvert.formats.nvfp4_ct import Nvfp4Codec
 from kconvert.formats.nvfp4_modelopt import ModeloptNvfp4Codec
 from kconvert.formats.nvfp4_pair_bitmask import Nvfp4PairBitmaskCodec
 from kconvert.io.shards import TensorInfo
+from kconvert.model.names import register_param_suffixes
 
 # Tried in this order: the first codec whose parameters a module has is its format.
-SOURCE_CODECS: tuple[type[Codec], ...] = (
-    Int4Codec, Nvfp4Codec, Nvfp4PairBitmaskCodec, ModeloptNvfp4Codec, Mxfp4Codec, QuarkMxfp4Codec,
-    Fp8BlockCodec, DenseCodec,
-)
+SOURCE_CODECS: list[type[Codec]] = []
 # What `--format NAME` writes.
-OUTPUT_CODECS = {c.cli_name: c for c in SOURCE_CODECS if c.cli_name}
+OUTPUT_CODECS: dict[str, type[Codec]] = {}
+
+
+def register(codec: type[Codec]) -> None:
+    """Make `codec` a format kconvert reads (tried before the plain dense format) and, when it
+    has a `cli_name`, writes; its parameter names become names the model knows."""
+    if codec in SOURCE_CODECS:
+        return
+    register_param_suffixes(codec.params)
+    at = SOURCE_CODECS.index(DenseCodec) if DenseCodec in SOURCE_CODECS else len(SOURCE_CODECS)
+    SOURCE_CODECS.insert(at, codec)
+    if codec.cli_name:
+        OUTPUT_CODECS[codec.cli_name] = codec
+
+
+for _codec in (Int4Codec, Nvfp4Codec, Nvfp4PairBitmaskCodec, ModeloptNvfp4Codec, Mxfp4Codec,
+               QuarkMxfp4Codec, Fp8BlockCodec, DenseCodec):
+    register(_codec)
+# (a format, an on-disk storage other than "dense") -> the codec that writes that storage.
+STORAGE_CODECS: dict[tuple[type[Codec], str], type[Codec]] = {
+    (Nvfp4Codec, "pair-bitmask"): Nvfp4PairBitmaskCodec,
+}
+
+
+def stored_as(codec: type[Codec], storage: str) -> type[Codec]:
+    """The codec that writes `codec`'s values in `storage` ("dense": the codec itself)."""
+    if storage == "dense":
+        return codec
+    try:
+        return STORAGE_CODECS[codec, storage]
+    except KeyError:
+        raise KeyError(f"{codec.description} has no {storage} storage") from None
 
 
 def detect_codec(infos: dict[str, TensorInfo]) -> type[Codec] | None:
@@ -40,7 +71,7 @@ def router_format(params: dict[str, TensorInfo]) -> tuple[type[Codec], tuple[int
     `weight_scale` where AMD's MXFP4 recipe quantized it; not e_score_correction_bias), or None
     when they match no format a router may have (plain float or MXFP4)."""
     codec = detect_codec(params)
-    if codec is None or not (codec is DenseCodec or codec.encodes_itself):
+    if codec is None or not codec.router_form:
         return None
     return codec, codec.logical_shape(params, None)
 
@@ -65,7 +96,8 @@ def method_codec(method: str | None) -> type[Codec] | None:
     return next((c for c in SOURCE_CODECS if c.quant_method and c.quant_method == method), None)
 
 
-__all__ = ["OPTIONAL_PARAMS", "OUTPUT_CODECS", "SOURCE_CODECS", "Codec", "DenseCodec",
-           "Fp8BlockCodec", "Int4Codec", "ModeloptNvfp4Codec", "Mxfp4Codec", "Nvfp4Codec",
-           "Nvfp4PairBitmaskCodec", "QuarkMxfp4Codec", "ct_codec", "detect_codec",
-           "method_codec", "modelopt_codec", "router_format"]
+__all__ = ["OPTIONAL_PARAMS", "OUTPUT_CODECS", "SOURCE_CODECS", "STORAGE_CODECS", "Codec",
+           "DenseCodec", "EncodeSpec", "Encoded", "Fp8BlockCodec", "Int4Codec",
+           "ModeloptNvfp4Codec", "Mxfp4Codec", "Nvfp4Codec", "Nvfp4PairBitmaskCodec",
+           "QuarkMxfp4Codec", "ct_codec", "detect_codec", "method_codec", "modelopt_codec",
+           "register", "router_format", "stored_as"]

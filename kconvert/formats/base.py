@@ -1,15 +1,18 @@
 """What every on-disk format of one linear's parameters provides.
 
 A format is a codec class: it turns the parameter tensors of B same-shaped linears (each
-stacked on a leading batch dim) into fp32 weights [B, out, in] and back, and it says how it is
-recognised (by the parameters a module has, `matches`), which dtypes and shapes its parameters
-may have (`param_rules`, what the audit checks), how a quantization_config names it (the
-`ct_*`, `modelopt_algos` and `quant_method` class attributes) and what in such a config's
-scheme must agree with its tensors (`scheme_problems`).
+stacked on a leading batch dim) into fp32 weights [B, out, in] (`decode`) and fp32 weights into
+them (`encode`, by the numbers an `EncodeSpec` gives), and it says how it is recognised (by the
+parameters a module has, `matches`), which dtypes and shapes its parameters may have
+(`param_rules`, what the audit checks), how a quantization_config names it (the `ct_*`,
+`modelopt_algos` and `quant_method` class attributes) and what in such a config's scheme must
+agree with its tensors (`scheme_problems`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from typing import ClassVar, Protocol
 
 import torch
@@ -54,6 +57,49 @@ class OutputModule(Linear, Protocol):
     def has_input_scale(self) -> bool: ...
 
 
+@dataclass(frozen=True)
+class EncodeSpec:
+    """What an encode follows besides the weights themselves."""
+
+    rule: str = "mse"  # the block-scale rule of NVFP4 and MXFP4 (formats.md §2, §6)
+    group_size: int | None = None  # elements per scale; None: the codec's default_group_size
+    # The dtype (safetensors name) each parameter is stored in where the format allows several
+    # (a dense weight: BF16 or F32; INT4's weight_scale and weight_shape); else the codec's own.
+    dtypes: Mapping[str, str] = field(default_factory=dict)
+    # The dtype compressed-tensors divides a block's amax by 6 in (formats.md §2): the source
+    # weights' own, bf16 for a BF16 checkpoint.
+    local_dtype: torch.dtype = torch.float32
+    chunk_elems: int = 1 << 22  # elements per encoder chunk (bounds its temporaries)
+
+    def group(self, codec: type[Codec]) -> int:
+        return self.group_size or codec.default_group_size  # type: ignore[return-value]
+
+
+@dataclass
+class Encoded:
+    """B matrices as their codec stores them: each parameter stacked over the batch [B, ...]
+    (what `Codec.decode` reads back), and what the manifest records of the encoding."""
+
+    params: dict[str, torch.Tensor]
+    err_sq: torch.Tensor | None = None  # float64 [B]: squared error against the weights given
+    ref_sq: torch.Tensor | None = None  # float64 [B]: the squares of those weights
+    # float32 [B]: the per-tensor scale in compressed-tensors' form, 2688 / amax, which the
+    # manifest records whatever the flavour (None: the format has no per-tensor scale).
+    recorded_scale: torch.Tensor | None = None
+
+    def module(self, i: int) -> dict[str, torch.Tensor]:
+        """Matrix i's parameters."""
+        return {p: t[i] for p, t in self.params.items()}
+
+    def map(self, move: Callable[[torch.Tensor], torch.Tensor]) -> Encoded:
+        """The same encoding with every tensor passed through `move` (e.g. to the host)."""
+        def each(value):
+            return None if value is None else move(value)
+
+        return Encoded({p: move(t) for p, t in self.params.items()},
+                       *(each(getattr(self, f.name)) for f in fields(self)[1:]))
+
+
 class Codec:
     """Base: `params` names the parameter suffixes a module in this format has."""
 
@@ -61,6 +107,9 @@ class Codec:
     params: ClassVar[tuple[str, ...]]
     quantized: ClassVar[bool] = True
     description: ClassVar[str]  # in messages: "INT4 pack-quantized", "NVFP4 (ModelOpt)", ...
+    # The numbers it stores, whatever the layout: "bf16", "int4", "fp8-block", "nvfp4",
+    # "mxfp4" (`inspect --as`; a method that produces one grid's values, kconvert.methods).
+    grid: ClassVar[str]
     # Elements per scale when no config says (group of INT4, block of NVFP4).
     default_group_size: ClassVar[int | None] = None
     # NVFP4's per-tensor scales, which a fused set's members must share.
@@ -80,9 +129,11 @@ class Codec:
     cli_name: ClassVar[str | None] = None
     # compressed-tensors' preset schemes for an output in this format: (W4A16, W4A4).
     ct_presets: ClassVar[tuple[str, str] | None] = None
-    # The codec turns fp32 weights into its parameters itself (`quantize`, then `encode`), with
-    # no per-tensor scale (MXFP4); NVFP4's encoders are driven by `arithmetic` instead.
-    encodes_itself: ClassVar[bool] = False
+    # Whether its encode chooses block scales by EncodeSpec.rule (NVFP4, MXFP4; INT4's are
+    # compressed-tensors' amax / 7.5, FP8-block's amax / 448).
+    uses_scale_rule: ClassVar[bool] = False
+    # Whether a MoE router may be stored in this format (plain float, or MXFP4 in AMD's recipe).
+    router_form: ClassVar[bool] = False
     # Whether the format has a W4A4 form whose activations are quantized at run time
     # (declared in the config, no input scales to calibrate): None if not, else whether an
     # output is written that way unless the command says otherwise.
@@ -91,9 +142,13 @@ class Codec:
     quantizes_routers: ClassVar[bool] = False
     # NVFP4 formats: whose scale arithmetic the encoder follows (kconvert.formats.nvfp4).
     arithmetic: ClassVar[str | None] = None
-    # An output format that also has forms for p48's 32-element blocks and pair-bitmask
-    # storage (kconvert.formats.nvfp4_pair_bitmask).
-    p48_forms: ClassVar[bool] = False
+    # The (block size, storage) forms a paired-4:8 sparse matrix may take in this format
+    # (p48.md): none where the format has no sparse form.
+    sparse_forms: ClassVar[frozenset[tuple[int, str]]] = frozenset()
+    # Device bytes the encoder holds per element of a batch beyond the fp32 weights (its
+    # outputs and temporaries, for the GPU memory plan), and per element of one chunk.
+    encode_bytes_per_elem: ClassVar[int] = 2
+    encode_chunk_bytes_per_elem: ClassVar[int] = 0
     # The dtypes its first parameter may have, where the parameter names alone do not tell
     # the format (a `weight` is dense, FP8-block or ModelOpt NVFP4); None: any.
     weight_dtypes: ClassVar[frozenset[str] | None] = None
@@ -127,6 +182,14 @@ class Codec:
         """Add what an output in this format needs to its family's config (in place)."""
 
     @classmethod
+    def write_config(cls, modules: list[OutputModule], names: Mapping[str, tuple[int, ...]]
+                     ) -> tuple[dict, dict[str, dict]]:
+        """An output format's quantization_config for its config family, and the files the
+        family adds (name -> JSON), for the modules as converted and the output tensors
+        (name -> shape); kconvert.formats.quant_config picks the family."""
+        raise NotImplementedError
+
+    @classmethod
     def logical_shape(cls, infos: dict[str, TensorInfo], shape_value: tuple[int, int] | None
                       ) -> tuple[int, int]:
         raise NotImplementedError
@@ -136,10 +199,38 @@ class Codec:
         raise NotImplementedError
 
     @classmethod
-    def quantize(cls, w: torch.Tensor, rule: str, chunk_elems: int):
-        """An `encodes_itself` codec's encoding of fp32 weights [B, out, in] by the block-scale
-        `rule`: an object with err_sq and ref_sq [B] that `encode` reads module i from."""
+    def encode(cls, w: torch.Tensor, spec: EncodeSpec, *, amax: torch.Tensor | None = None,
+               codes: torch.Tensor | None = None) -> Encoded:
+        """fp32 weights w [B, out, in] as this format stores them. `amax` [B]: the amax each
+        matrix's per-tensor scale is made for where the format has one (a fused set's members
+        share the set's largest), else each matrix's own; `codes`: block-scale codes to encode
+        with instead of the rule's (a method that chose them, e.g. GPTQ)."""
         raise NotImplementedError
+
+    @classmethod
+    def reads_packed(cls, source: type[Codec], device: torch.device) -> bool:
+        """Whether `encode_packed` encodes `source`'s parameters as stored on `device`,
+        decoding inside the encoder (no fp32 copy of the weights is ever made)."""
+        return False
+
+    @classmethod
+    def encode_packed(cls, source: type[Codec], params: dict[str, torch.Tensor],
+                      spec: EncodeSpec, amax: torch.Tensor) -> Encoded:
+        """`encode` of `source`'s stacked parameters, where `reads_packed` says so: the same
+        bytes as encode(source.decode(params), spec, amax=amax)."""
+        raise NotImplementedError
+
+    @classmethod
+    def packed_amax(cls, source: type[Codec], params: dict[str, torch.Tensor]) -> torch.Tensor:
+        """max |w| [B] f32 (NaN or Inf where a value is) of `source`'s stacked parameters
+        that `encode_packed` takes, without an fp32 copy."""
+        raise NotImplementedError
+
+    @classmethod
+    def input_scale(cls, input_amax: float) -> dict[str, torch.Tensor]:
+        """A W4A4 module's stored input scale for its calibrated input amax (none where the
+        format stores none)."""
+        return {}
 
 
 # Parameters that belong to a format but that a decode does not need (W4A4 input scales).

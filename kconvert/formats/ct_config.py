@@ -9,7 +9,7 @@ ModelCompressor writes it.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from kconvert.errors import KconvertError
 from kconvert.formats.base import Linear, OutputModule
@@ -116,3 +116,10 @@ def compressed_tensors_config(modules: list[OutputModule], has_vision: bool) -> 
     for codec in codecs:
         codec.edit_config(qconfig)
     return qconfig
+
+
+def write_config(modules: list[OutputModule], names: Mapping[str, tuple[int, ...]]
+                 ) -> tuple[dict, dict[str, dict]]:
+    """Codec.write_config of the compressed-tensors family (no files of its own)."""
+    has_vision = any(n.startswith(("vision_tower.", "mm_projector.")) for n in names)
+    return compressed_tensors_config(modules, has_vision), {}

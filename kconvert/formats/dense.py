@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import torch
-
-from kconvert.formats.base import Codec, ParamRules, ParamSpec
+from kconvert.formats.base import Codec, Encoded, EncodeSpec, ParamRules, ParamSpec
+from kconvert.io.shards import DTYPES
 
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 
@@ -19,6 +18,10 @@ class DenseCodec(Codec):
     weight_dtypes = frozenset({"BF16", "F16", "F32"})
     quantized = False
     description = "unquantized (no scale tensors)"
+    grid = "bf16"
+    router_form = True
+    # What a decoded module may be written as (F32 holds INT4's q * scale exactly).
+    OUTPUT_DTYPES: ClassVar[tuple[str, ...]] = ("BF16", "F32")
 
     @classmethod
     def param_rules(cls, shape, group_size) -> ParamRules:
@@ -32,12 +35,12 @@ class DenseCodec(Codec):
     def decode(cls, t, shape):
         return t["weight"].float()
 
-    DTYPES: ClassVar[dict[str, torch.dtype]] = {"BF16": torch.bfloat16, "F32": torch.float32}
-
     @staticmethod
     def specs(shape: tuple[int, int], dtype: str = "BF16") -> list[ParamSpec]:
         return [("weight", dtype, shape)]
 
     @classmethod
-    def encode(cls, w: torch.Tensor, dtype: str = "BF16") -> dict[str, torch.Tensor]:
-        return {"weight": w.to(cls.DTYPES[dtype])}
+    def encode(cls, w, spec: EncodeSpec, *, amax=None, codes=None) -> Encoded:
+        """The weights rounded to `spec.dtypes["weight"]` (BF16 unless given); no error is
+        recorded (a dense output is the decoded source)."""
+        return Encoded({"weight": w.to(DTYPES[spec.dtypes.get("weight", "BF16")])})

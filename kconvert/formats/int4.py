@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from kconvert.errors import KconvertError
-from kconvert.formats.base import Codec, ParamRules
+from kconvert.formats.base import Codec, Encoded, EncodeSpec, ParamRules
 from kconvert.formats.ct_config import weight_problems
+from kconvert.io.shards import DTYPES
 
 
 class Int4Codec(Codec):
@@ -15,6 +16,7 @@ class Int4Codec(Codec):
     name = "int4-pack-quantized"
     params = ("weight_packed", "weight_scale", "weight_shape")
     description = "INT4 pack-quantized"
+    grid = "int4"
     default_group_size = 32
     ct_format = "pack-quantized"
 
@@ -63,21 +65,26 @@ class Int4Codec(Codec):
         return q.mul_(scale.float().unsqueeze(-1)).reshape(b, out, words * 8)
 
     @classmethod
-    def encode(cls, w: torch.Tensor, group_size: int, scale_dtype: torch.dtype
-               ) -> dict[str, torch.Tensor]:
+    def encode(cls, w, spec: EncodeSpec, *, amax=None, codes=None) -> Encoded:
         """fp32 weights [B, out, in] as compressed-tensors' symmetric INT4 writes them
-        (formats.md §1): per group of `group_size` inputs scale = amax / 7.5 (its
-        `calculate_qparams`; an all-zero group gets fp32's eps), stored in `scale_dtype`, and
-        codes round(w / stored scale) (ties to even) clamped to -8..7, packed low nibble first.
-        weight_packed [B, out, in/8] int32 and weight_scale [B, out, in/group_size]."""
+        (formats.md §1): per group of `spec.group_size` (default 32) inputs scale = amax / 7.5
+        (its `calculate_qparams`; an all-zero group gets fp32's eps), stored in
+        `spec.dtypes["weight_scale"]` (BF16 unless given), and codes round(w / stored scale)
+        (ties to even) clamped to -8..7, packed low nibble first: weight_packed [B, out, in/8]
+        int32, weight_scale [B, out, in/group] and weight_shape [B, 2] (out, in), I64 unless
+        `spec.dtypes` says I32 (Kimi's)."""
         b, out, inp = w.shape
+        group_size = spec.group(cls)
         if inp % group_size or group_size % 8:
             raise KconvertError(f"INT4 groups of {group_size} do not divide {inp} inputs into "
                                 "whole words")
         g = w.float().reshape(b, out, inp // group_size, group_size)
         scale = g.abs().amax(-1) / 7.5
-        scale = torch.where(scale == 0, torch.finfo(torch.float32).eps, scale).to(scale_dtype)
+        scale = torch.where(scale == 0, torch.finfo(torch.float32).eps, scale).to(
+            DTYPES[spec.dtypes.get("weight_scale", "BF16")])
         q = torch.round(g / scale.float().unsqueeze(-1)).clamp_(-8, 7).to(torch.int64) + 8
         words = (q.reshape(b, out, inp // 8, 8) << torch.arange(0, 32, 4, device=w.device)).sum(-1)
         packed = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
-        return {"weight_packed": packed, "weight_scale": scale}
+        shape = torch.tensor([out, inp], dtype=DTYPES[spec.dtypes.get("weight_shape", "I64")],
+                             device=w.device).expand(b, 2)
+        return Encoded({"weight_packed": packed, "weight_scale": scale, "weight_shape": shape})

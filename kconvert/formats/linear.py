@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
 from kconvert.errors import KconvertError
-from kconvert.formats import OPTIONAL_PARAMS, Codec, DenseCodec, detect_codec
+from kconvert.formats import OPTIONAL_PARAMS, Codec, DenseCodec, EncodeSpec, detect_codec
 from kconvert.io.shards import TensorInfo
 from kconvert.model.names import TARGET_ROLES, Role, TensorName, parse_name
 
@@ -42,9 +42,12 @@ class ModuleWork:
     # W4A4 with activations quantized at run time (MXFP4), declared in the config only.
     dynamic_activations: bool = False
     dense_dtype: str = "BF16"  # what a decoded module is written as (F32: exact INT4 values)
-    group_size: int = 16  # elements per block scale (NVFP4: 16, or 32 for sparse kernels)
+    # Elements per block scale: the output codec's default unless a stage sets it (p48's
+    # sparse kernels read NVFP4 in 16s or 32s).
+    group_size: int | None = None
     storage: str = "dense"  # NVFP4 byte layout: "dense" or "pair-bitmask" (p48 only)
-    # The stage that changes the decoded fp32 weights before encoding (sparsify), if any.
+    # The method that changes the decoded fp32 weights before encoding (GPTQ, a p48 mask),
+    # if any.
     transform: WeightTransform | None = None
     # Re-laid out byte for byte (NVFP4 -> NVFP4, e.g. densify), never decoded or re-encoded.
     repack: bool = False
@@ -75,17 +78,22 @@ class ModuleWork:
         return specs + [(p, self.params[p].dtype, self.params[p].shape) for p in self.carried]
 
 
+class Transformed(NamedTuple):
+    """What a method makes of B matrices' decoded weights, for their codec's encode."""
+
+    weights: torch.Tensor  # [B, M, K], fp32
+    codes: torch.Tensor | None = None  # block-scale codes to encode them with (None: the rule's)
+    # Per matrix what the manifest records of the method's choice (kconvert.manifest.ObsEntry).
+    records: list[dict] | None = None
+
+
 class WeightTransform(Protocol):
     """Changes B same-shaped modules' decoded fp32 weights before they are encoded."""
 
-    def transform(self, modules: list[ModuleWork], w: torch.Tensor, gs: torch.Tensor,
-                  scale_rule: str, local_dtype: torch.dtype, arithmetic: str
-                  ) -> tuple[torch.Tensor, torch.Tensor | None, list[dict] | None]:
-        """(new weights [B, M, K], FP8 block-scale codes to encode them with, or None to let
-        the encoder choose, per module what the manifest records of the method's choice
-        (kconvert.manifest.ObsEntry), or None). `gs` [B] are the NVFP4 per-tensor scales they
-        will be encoded with, in the output flavour's `arithmetic`
-        (kconvert.formats.nvfp4.ARITHMETIC)."""
+    def transform(self, modules: list[ModuleWork], w: torch.Tensor, codec: type[Codec],
+                  spec: EncodeSpec, amax: torch.Tensor) -> Transformed:
+        """New weights for `modules` (w [B, M, K]), to be encoded by `codec` with `spec` and
+        per-tensor scales for `amax` [B] (a fused set's shared amax)."""
         ...
 
 

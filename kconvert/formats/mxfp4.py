@@ -114,16 +114,24 @@ def _choose(blocks: torch.Tensor, rule: str, cuts: torch.Tensor, lut: torch.Tens
 
 
 def quantize(w: torch.Tensor, rule: str = "mse", flavour: Flavour = COMPRESSED_TENSORS,
-             chunk_elems: int = 1 << 22) -> MxQuantized:
+             chunk_elems: int = 1 << 22, block_codes: torch.Tensor | None = None
+             ) -> MxQuantized:
     """Encode fp32 matrices w [B, M, K] (K a multiple of 32) as MXFP4 in a layout's
-    `flavour`, the block scales by `rule` ("amax" or "mse"); rows are processed in chunks of
-    about `chunk_elems` elements, which bounds temporary memory."""
+    `flavour`, the block scales by `rule` ("amax" or "mse") unless `block_codes` (uint8 E8M0
+    [B, M, K/32], not the NaN code) gives them; rows are processed in chunks of about
+    `chunk_elems` elements, which bounds temporary memory."""
     if rule not in RULES:
         raise ValueError(f"the block-scale rule must be one of {RULES}, not {rule!r}")
     b, m, k = w.shape
     if k % BLOCK:
         raise ValueError(f"input dimension {k} is not a multiple of {BLOCK}")
     nb, device = k // BLOCK, w.device
+    if block_codes is not None and (block_codes.dtype != torch.uint8
+                                    or tuple(block_codes.shape) != (b, m, nb)
+                                    or bool((block_codes == NAN_CODE).any())):
+        raise ValueError(f"block_codes must be uint8 [{b}, {m}, {nb}] E8M0 codes below "
+                         f"{NAN_CODE}")
+    given = None if block_codes is None else block_codes.to(device).reshape(b * m, nb)
     rows = w.reshape(b * m, nb, BLOCK)
     cuts = cut_points(device)
     lut = torch.tensor(E2M1, dtype=torch.float32, device=device)
@@ -135,7 +143,11 @@ def quantize(w: torch.Tensor, rule: str = "mse", flavour: Flavour = COMPRESSED_T
     for r0 in range(0, b * m, step_rows):
         sl = slice(r0, r0 + step_rows)
         blocks = rows[sl].float()
-        codes, block_err = _choose(blocks, rule, cuts, lut, flavour.min_code)
+        if given is None:
+            codes, block_err = _choose(blocks, rule, cuts, lut, flavour.min_code)
+        else:
+            codes = given[sl]
+            block_err = _block_error(blocks.abs(), steps(codes).unsqueeze(-1), cuts, lut)
         scales[sl] = codes
         nibbles = _nibbles(blocks, steps(codes).unsqueeze(-1), cuts, flavour)
         packed[sl] = pack_codes(nibbles.flatten(-2))

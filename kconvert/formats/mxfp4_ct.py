@@ -5,10 +5,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import torch
-
-from kconvert.formats import mxfp4
-from kconvert.formats.base import Codec, ParamRules, ParamSpec
+from kconvert.formats import ct_config, mxfp4
+from kconvert.formats.base import Codec, Encoded, EncodeSpec, ParamRules, ParamSpec
 from kconvert.formats.ct_config import QUANT_METHOD, scheme_for, weight_problems
 
 # The input activations of compressed-tensors' MXFP4 (W4A4) preset, as its config serialises
@@ -24,12 +22,18 @@ class Mxfp4Codec(Codec):
     name = "mxfp4-compressed-tensors"
     params = ("weight_packed", "weight_scale")
     description = "MXFP4 (compressed-tensors)"
+    grid = "mxfp4"
     default_group_size = mxfp4.BLOCK
     ct_format = "mxfp4-pack-quantized"
     ct_presets = ("MXFP4A16", "MXFP4")
     config_family = QUANT_METHOD
     cli_name = "mxfp4-pack-quantized"
-    encodes_itself = True
+    router_form = True
+    uses_scale_rule = True
+    # The encoder's packed bytes and scales, and over one chunk of its rows the candidate
+    # scales' rounded values and errors (kconvert.formats.mxfp4.quantize).
+    encode_bytes_per_elem = 2
+    encode_chunk_bytes_per_elem = 16
     dynamic_activations = False  # W4A16 unless asked: what vLLM's MXFP4 MoE (Marlin) loads
     flavour: ClassVar[mxfp4.Flavour] = mxfp4.COMPRESSED_TENSORS
 
@@ -57,6 +61,10 @@ class Mxfp4Codec(Codec):
                                       DYNAMIC_INPUT, "input activations")
 
     @classmethod
+    def write_config(cls, modules, names):
+        return ct_config.write_config(modules, names)
+
+    @classmethod
     def logical_shape(cls, infos, shape_value):
         out, half = infos[cls.params[0]].shape
         return out, half * 2
@@ -74,11 +82,9 @@ class Mxfp4Codec(Codec):
         return [(packed, "U8", (out, inp // 2)), (scale, "U8", (out, inp // mxfp4.BLOCK))]
 
     @classmethod
-    def quantize(cls, w: torch.Tensor, rule: str, chunk_elems: int) -> mxfp4.MxQuantized:
-        return mxfp4.quantize(w, rule, cls.flavour, chunk_elems)
-
-    @classmethod
-    def encode(cls, q: mxfp4.MxQuantized, i: int, input_amax: float | None = None
-               ) -> dict[str, torch.Tensor]:
+    def encode(cls, w, spec: EncodeSpec, *, amax=None, codes=None) -> Encoded:
+        """MXFP4 in this layout's flavour (formats.md §6): E8M0 block scales by `spec.rule`
+        or `codes` (uint8 [B, M, K/32]), E2M1 elements; no per-tensor scale."""
+        q = mxfp4.quantize(w, spec.rule, cls.flavour, spec.chunk_elems, codes)
         packed, scale = cls.params
-        return {packed: q.packed[i], scale: q.scales[i]}
+        return Encoded({packed: q.packed, scale: q.scales}, q.err_sq, q.ref_sq)

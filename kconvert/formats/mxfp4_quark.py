@@ -59,6 +59,10 @@ class QuarkMxfp4Codec(Mxfp4Codec):
                 f"({MXFP4_SPEC[k]!r})" for k in SPEC_KEYS if weight.get(k) != MXFP4_SPEC[k]]
 
     @classmethod
+    def write_config(cls, modules, names):
+        return quark_config(modules, names)
+
+    @classmethod
     def declares_dynamic_input(cls, qconfig, name):
         if excluded(qconfig, name):
             return False

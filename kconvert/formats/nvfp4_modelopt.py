@@ -10,7 +10,7 @@ import torch
 
 from kconvert.errors import KconvertError
 from kconvert.formats import nvfp4
-from kconvert.formats.base import OutputModule
+from kconvert.formats.base import Encoded, OutputModule
 from kconvert.formats.nvfp4_ct import Nvfp4Codec
 from kconvert.version import __version__
 
@@ -36,7 +36,7 @@ class ModeloptNvfp4Codec(Nvfp4Codec):
     config_family = QUANT_METHOD
     cli_name = "modelopt"
     arithmetic = "modelopt"
-    p48_forms = False
+    sparse_forms = frozenset({(16, "dense")})
     scale_shape = None  # ModelOpt's exports store scalars, other tools [1]
 
     @classmethod
@@ -45,6 +45,11 @@ class ModeloptNvfp4Codec(Nvfp4Codec):
         if group_size == nvfp4.BLOCK:
             return []
         return [f"{where} group_size {group_size}, ModelOpt NVFP4 uses {nvfp4.BLOCK}"]
+
+    @classmethod
+    def write_config(cls, modules, names):
+        qconfig, hf_quant = modelopt_config(modules, list(names))
+        return qconfig, {HF_QUANT_CONFIG: hf_quant}
 
     @classmethod
     def decode(cls, t, shape):
@@ -70,16 +75,16 @@ class ModeloptNvfp4Codec(Nvfp4Codec):
         return specs
 
     @classmethod
-    def encode(cls, q, i, input_amax=None):
-        out = {
-            "weight": q.packed[i],
-            "weight_scale": q.block_scales[i],
-            "weight_scale_2": q.global_scale[i].reshape(()),  # amax / 2688, ModelOpt's
-        }
-        if input_amax is not None:
-            amax = torch.tensor(input_amax, dtype=torch.float32)
-            out["input_scale"] = amax / nvfp4.GLOBAL_NUMERATOR  # fp32, as ModelOpt computes it
-        return out
+    def stored(cls, q, amax):
+        return Encoded({"weight": q.packed, "weight_scale": q.block_scales,
+                        "weight_scale_2": q.global_scale},  # amax / 2688, ModelOpt's
+                       q.err_sq, q.ref_sq,
+                       nvfp4.recorded_scale(q.global_scale, amax, cls.arithmetic))
+
+    @classmethod
+    def input_scale(cls, input_amax):
+        amax = torch.tensor(input_amax, dtype=torch.float32)
+        return {"input_scale": amax / nvfp4.GLOBAL_NUMERATOR}  # fp32, as ModelOpt computes it
 
 
 def excluded(qconfig: dict, name: str) -> bool:

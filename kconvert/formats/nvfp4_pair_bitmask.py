@@ -57,10 +57,12 @@ class Nvfp4PairBitmaskCodec(Nvfp4Codec):
                 ("weight_sparse_mask", "U8", (out, inp // 16)), *dense[1:]]
 
     @classmethod
-    def encode(cls, q, i, input_amax=None):
-        out = super().encode(q, i, input_amax)
-        sparse, mask = to_pair_bitmask(out.pop("weight_packed"))
-        return {"weight_sparse_packed": sparse, "weight_sparse_mask": mask, **out}
+    def stored(cls, q, amax):
+        dense = super().stored(q, amax)
+        sparse, mask = to_pair_bitmask(dense.params.pop("weight_packed"))
+        dense.params = {"weight_sparse_packed": sparse, "weight_sparse_mask": mask,
+                        **dense.params}
+        return dense
 
 
 def kept_bytes(chunks: torch.Tensor) -> torch.Tensor:

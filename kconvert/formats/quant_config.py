@@ -8,48 +8,36 @@ can never survive anywhere in config.json.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from kconvert.formats import ct_config, mxfp4_quark, nvfp4_modelopt
-from kconvert.formats.base import OutputModule
+from kconvert.formats.base import Codec, OutputModule
 
 # The output tensors: name -> shape.
 Shapes = Mapping[str, tuple[int, ...]]
-# (modules as converted, the output tensors) -> (quantization_config, files it adds).
-ConfigWriter = Callable[[list[OutputModule], Shapes], tuple[dict, dict[str, dict]]]
+
+# Config families in order of precedence: the first family an output module's codec names
+# describes the whole output (its codec's `write_config`); a family not listed comes after.
+PRECEDENCE = (nvfp4_modelopt.QUANT_METHOD, mxfp4_quark.QUANT_METHOD, ct_config.QUANT_METHOD)
 
 
-def _modelopt(modules: list[OutputModule], names: Shapes) -> tuple[dict, dict[str, dict]]:
-    qconfig, hf_quant = nvfp4_modelopt.modelopt_config(modules, list(names))
-    return qconfig, {nvfp4_modelopt.HF_QUANT_CONFIG: hf_quant}
-
-
-def _compressed_tensors(modules: list[OutputModule], names: Shapes
-                        ) -> tuple[dict, dict[str, dict]]:
-    has_vision = any(n.startswith(("vision_tower.", "mm_projector.")) for n in names)
-    return ct_config.compressed_tensors_config(modules, has_vision), {}
-
-
-# The config families an output can be described by (Codec.config_family), by name, in order of
-# precedence: the first family an output module's codec names describes the whole output. A
-# new family is its writer here.
-CONFIG_WRITERS: dict[str, ConfigWriter] = {
-    nvfp4_modelopt.QUANT_METHOD: _modelopt,
-    mxfp4_quark.QUANT_METHOD: mxfp4_quark.quark_config,
-    ct_config.QUANT_METHOD: _compressed_tensors,
-}
+def _describing(modules: list[OutputModule]) -> type[Codec] | None:
+    """The codec whose config family describes the output, None if no module's has one."""
+    codecs = sorted({c for m in modules if (c := m.out_codec or m.codec).config_family},
+                    key=lambda c: (PRECEDENCE.index(c.config_family)
+                                   if c.config_family in PRECEDENCE else len(PRECEDENCE),
+                                   c.config_family, c.name))
+    return codecs[0] if codecs else None
 
 
 def output_format(modules: list[OutputModule]) -> str:
-    """A config family of CONFIG_WRITERS ('modelopt', 'quark', 'compressed-tensors'), 'bf16' (no
+    """A config family ('modelopt', 'quark', 'compressed-tensors', ...), 'bf16' (no
     quantized module left) or 'source' (nothing re-encoded and the source was quantized: its
     config stays)."""
-    codecs = {m.out_codec or m.codec for m in modules}
-    families = {c.config_family for c in codecs}
-    for family in CONFIG_WRITERS:
-        if family in families:
-            return family
-    if not any(c.quantized for c in codecs):
+    codec = _describing(modules)
+    if codec is not None:
+        return codec.config_family  # type: ignore[return-value]
+    if not any((m.out_codec or m.codec).quantized for m in modules):
         return "bf16"
     return "source"
 
@@ -60,8 +48,9 @@ def output_config(modules: list[OutputModule], names: Shapes, config: dict
     (name -> JSON)) for modules as converted, `names` the output tensors (name -> shape),
     `config` the source's config.json."""
     fmt = output_format(modules)
-    if fmt in CONFIG_WRITERS:
-        qconfig, files = CONFIG_WRITERS[fmt](modules, names)
+    codec = _describing(modules)
+    if codec is not None:
+        qconfig, files = codec.write_config(modules, names)
         return fmt, qconfig, files
     if fmt == "source":
         text = config.get("text_config", config)

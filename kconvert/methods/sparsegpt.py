@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from kconvert.formats import p48
+from kconvert.errors import KconvertError
+from kconvert.formats import nvfp4, p48
+from kconvert.formats.linear import Transformed
 from kconvert.methods import obs
+from kconvert.methods.obs_method import ObsMethod
+from kconvert.options import HESSIANS
 
 
 def p48_mask(wg: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -38,3 +42,45 @@ def prune_quantize(w: torch.Tensor, u: torch.Tensor, gs: torch.Tensor, group_siz
     NVFP4 grid with pruned pairs +0, FP8 block-scale codes uint8 [B, M, K/group_size])."""
     return obs.obs_quantize(w, u, gs, group_size, rule, local_dtype, arithmetic, precision,
                             mask=p48_mask, kernel=kernel)
+
+
+class SparseGpt(ObsMethod):
+    """Joint p48 prune + NVFP4 quantize per scale block on calibration Hessians, each layer's
+    from the already-compressed model (`hessian` "sequential") or from the unpruned source
+    ("source", the default: measured on the trained tiny MoE,
+    scripts/results/sparsegpt_hessian_tiny_moe.md)."""
+
+    name = "sparsegpt"
+    stage = "sparsify"
+    settings = ("hessian",)
+
+    def __init__(self, inputs) -> None:
+        super().__init__(inputs)
+        self.hessian = str(inputs.settings.get("hessian", HESSIANS[0]))
+        self.calibration.hessians.sequential = self.hessian == "sequential"
+
+    @classmethod
+    def check_settings(cls, settings) -> None:
+        if settings.get("hessian", HESSIANS[0]) not in HESSIANS:
+            raise KconvertError(f"unknown --hessian {settings['hessian']!r}; choose from "
+                                f"{HESSIANS}")
+
+    def transforms(self, m) -> bool:
+        return True
+
+    def record(self) -> dict[str, object]:
+        return {**super().record(), "hessian": self.hessian}
+
+    def transform(self, modules, w, codec, spec, amax) -> Transformed:
+        hessians = self.calibration.hessians
+        written = None
+        if hessians.sequential:
+            def written(i: int, w_hat: torch.Tensor) -> None:
+                tn = modules[i].tn
+                hessians.replace(tn.layer, tn.expert, tn.proj, w_hat)
+        out, codes, _ = obs.quantize_batches(
+            w, nvfp4.tensor_scale(amax, codec.arithmetic), obs.members_of([m.tn for m in modules]),
+            lambda mb: obs.HessianSplit(hessians.hessian(mb.layer, mb.expert, mb.proj), None),
+            spec.group(codec), spec.rule, spec.local_dtype, codec.arithmetic, mask=p48_mask,
+            budget=hessians.obs_budget(w.device), written=written)
+        return Transformed(out, codes)

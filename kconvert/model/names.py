@@ -28,8 +28,9 @@ class Role(StrEnum):
 
 
 # Parameter suffixes of a quantized or dense linear (no dots in any). A name whose last
-# component is one of these splits into module + param.
-PARAM_SUFFIXES = (
+# component is one of these splits into module + param. A format's codec adds its own when it
+# is registered (kconvert.formats.register).
+PARAM_SUFFIXES = {
     "weight_global_scale",
     "input_global_scale",
     "weight_sparse_packed",
@@ -43,7 +44,14 @@ PARAM_SUFFIXES = (
     "input_scale",
     "weight",
     "bias",
-)
+}
+
+
+def register_param_suffixes(suffixes: tuple[str, ...]) -> None:
+    """Parameter suffixes of a newly registered format (no dots in any)."""
+    if any("." in s for s in suffixes):
+        raise ValueError(f"a parameter suffix holds no dot: {suffixes}")
+    PARAM_SUFFIXES.update(suffixes)
 
 # Targets a user can name in --targets, mapped to the roles they select.
 TARGET_ROLES: dict[str, Role] = {

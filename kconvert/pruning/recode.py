@@ -2,12 +2,12 @@
 
 Compensation fits on the decoded weights (fp32); what it writes must be what a loader of the
 source format reads, so each re-fitted down_proj is encoded by the codec of its source
-module, with the same parameter names, dtypes and shapes: BF16 stays BF16 (rounded), INT4
-becomes compressed-tensors' symmetric INT4 again (its group size and scale dtype), NVFP4 and
-MXFP4 are encoded by the same encoders `quantize` uses, with the block-scale rule the source's
-manifest records (`mse`, kconvert's default, when there is none). Parameters a re-fit does not
-change (INT4's weight_shape, an NVFP4 input scale) are the source's bytes. The matrices of a
-layer that share a codec are encoded in batches on the device.
+module (Codec.encode, the call `quantize` makes), with the same parameter names, dtypes and
+shapes: BF16 stays BF16 (rounded), INT4 becomes compressed-tensors' symmetric INT4 again (its
+group size and scale dtype), NVFP4 and MXFP4 are encoded with the block-scale rule the
+source's manifest records (`mse`, kconvert's default, when there is none). Parameters the
+encoder does not write (an NVFP4 input scale) are the source's bytes. The matrices of a layer
+that share a codec are encoded in batches on the device.
 """
 
 from __future__ import annotations
@@ -19,25 +19,12 @@ from dataclasses import dataclass
 import torch
 
 from kconvert.errors import KconvertError
-from kconvert.formats import (
-    Codec,
-    DenseCodec,
-    Int4Codec,
-    ModeloptNvfp4Codec,
-    Mxfp4Codec,
-    Nvfp4Codec,
-    QuarkMxfp4Codec,
-    detect_codec,
-    nvfp4,
-)
+from kconvert.formats import STORAGE_CODECS, Codec, EncodeSpec, detect_codec
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.shards import TensorInfo
 from kconvert.manifest import MANIFEST, read_manifest
 from kconvert.model.names import Role, parse_name
 
-# Formats a re-fitted matrix can be written in (p48's sparse pair-bitmask storage and FP8
-# blocks have no encoder here).
-RECODED = (DenseCodec, Int4Codec, Nvfp4Codec, ModeloptNvfp4Codec, Mxfp4Codec, QuarkMxfp4Codec)
 DEFAULT_BLOCK_SCALE = "mse"  # `kconvert quantize`'s default rule
 CHUNK_ELEMS = 1 << 22  # elements per encoder chunk (bounds its temporaries)
 # Matrices encoded at once on the device: 16 Kimi down_proj are 0.9 GB in fp32.
@@ -56,15 +43,13 @@ class SourceLinear:
     def quantized(self) -> bool:
         return self.codec.quantized
 
-    @property
-    def uses_block_scale_rule(self) -> bool:
-        """Whether its encoder chooses block scales by a rule (NVFP4, MXFP4; INT4's are
-        compressed-tensors' amax / 7.5)."""
-        return self.codec.quantized and self.codec is not Int4Codec
-
-    def group_size(self, inputs: int) -> int:
-        """Inputs per block scale, from the stored scale's shape."""
-        return inputs // self.params["weight_scale"].shape[-1]
+    def spec(self, inputs: int, rule: str) -> EncodeSpec:
+        """How its matrices are encoded: the source's dtypes, its block size (read off the
+        stored scale's shape) and the block-scale `rule`."""
+        scale = self.params.get("weight_scale")
+        return EncodeSpec(rule, inputs // scale.shape[-1] if scale is not None else None,
+                          {p: info.dtype for p, info in self.params.items()},
+                          chunk_elems=CHUNK_ELEMS)
 
 
 def down_linears(ckpt: Checkpoint) -> dict[int, dict[int | None, SourceLinear]]:
@@ -78,7 +63,8 @@ def down_linears(ckpt: Checkpoint) -> dict[int, dict[int | None, SourceLinear]]:
     for module, infos in params.items():
         tn = parse_name(next(iter(infos.values())).name)
         codec = detect_codec(infos)
-        if codec not in RECODED:
+        if codec is None or codec in STORAGE_CODECS.values():
+            # a sparse storage holds paired-4:8 values, which a re-fit would not keep
             found = codec.description if codec is not None else f"parameters {sorted(infos)}"
             raise KconvertError(f"compensation cannot write a re-fitted down_proj in this "
                                 f"format ({found}); convert the source to BF16, INT4, NVFP4 "
@@ -140,21 +126,8 @@ def decode(lin: SourceLinear, params: dict[str, torch.Tensor], device: torch.dev
 
 def _encode_batch(codec: type[Codec], lin: SourceLinear, w: torch.Tensor, rule: str
                   ) -> list[dict[str, torch.Tensor]]:
-    n = w.shape[0]
-    if codec is DenseCodec:
-        dtype = lin.params["weight"].torch_dtype
-        return [{"weight": w[i].to(dtype)} for i in range(n)]
-    if codec is Int4Codec:
-        enc = Int4Codec.encode(w, lin.group_size(w.shape[-1]),
-                               lin.params["weight_scale"].torch_dtype)
-        return [{p: t[i] for p, t in enc.items()} for i in range(n)]
-    if codec.encodes_itself:  # MXFP4: its own block scales, no per-tensor scale
-        q = codec.quantize(w, rule, CHUNK_ELEMS)
-        return [codec.encode(q, i) for i in range(n)]
-    amax = torch.maximum(w.amax(dim=(1, 2)), w.amin(dim=(1, 2)).neg())
-    q = nvfp4.quantize(w, amax, rule, CHUNK_ELEMS, group_size=lin.group_size(w.shape[-1]),
-                       arithmetic=codec.arithmetic)
-    return [codec.encode(q, i) for i in range(n)]
+    encoded = codec.encode(w, lin.spec(w.shape[-1], rule))
+    return [encoded.module(i) for i in range(w.shape[0])]
 
 
 def _as_stored(ckpt: Checkpoint, lin: SourceLinear, params: dict[str, torch.Tensor]

@@ -433,7 +433,7 @@ class RouterRepair:
                     into = shared_down if i == 0 else moe.experts.down[keep[i - 1]]
                     into.copy_(written(i).to(into.dtype))
                 self.matrices.update(self._spilled(layer, kept))
-        ruled = any(lin.uses_block_scale_rule for lin in sources[:count])
+        ruled = any(lin.codec.uses_scale_rule for lin in sources[:count])
         self.compensations[layer] = LayerCompensation(
             method=s.compensate, applied=applied, fit_tokens=n_fit,
             heldout_tokens=n_held, ridge=ridge, matrices_xxh3=hashes,

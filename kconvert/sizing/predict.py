@@ -22,13 +22,13 @@ from kconvert.engine.work import (
     shard_file_bytes,
 )
 from kconvert.errors import KconvertError
+from kconvert.formats import OUTPUT_CODECS
 from kconvert.formats.int4 import Int4Codec
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.shards import tensor_nbytes
 from kconvert.model.names import Role, TensorName, parse_name
-from kconvert.recipes import Recipe, build_stages, load_recipe
+from kconvert.recipes import Recipe, build_stages, builtin_dir, load_recipe
 
-AS_FORMATS = ("nvfp4", "int4", "bf16")
 P48_STORAGES = ("pair-bitmask", "dense")
 
 # Checkpoint components, by tensor role (kconvert.model.names), in the order they are shown.
@@ -44,9 +44,28 @@ COMPONENTS: dict[str, tuple[Role, ...]] = {
 }
 COMPONENT_OF = {role: name for name, roles in COMPONENTS.items() for role in roles}
 
-# (recipe candidates, first whose required source format the checkpoint has) per option.
-RECIPES = {"nvfp4": ("int4-to-nvfp4", "quantize"), "p48": ("int4-p48-nvfp4", "sparsify"),
-           "bf16": ("dequant",)}
+# (recipe candidates, first whose required source format the checkpoint has) per option
+# that is not an output format's grid (those: `int4-to-GRID` where it exists, then quantize).
+RECIPES = {"p48": ("int4-p48-nvfp4", "sparsify"), "bf16": ("dequant",), "int4": ()}
+
+
+def as_formats() -> tuple[str, ...]:
+    """What `--as` may name: dequant's bf16, an INT4 source as it is, and the grid of every
+    output format (kconvert.formats.OUTPUT_CODECS)."""
+    return ("bf16", "int4", *dict.fromkeys(c.grid for c in OUTPUT_CODECS.values()))
+
+
+def output_codec(grid: str, fmt: str | None):
+    """The --format of `--as GRID` (the first output format of that grid where none is
+    given)."""
+    if fmt is None:
+        return next(c for c in OUTPUT_CODECS.values() if c.grid == grid)
+    codec = OUTPUT_CODECS.get(fmt)
+    if codec is None or codec.grid != grid:
+        ours = [f for f, c in OUTPUT_CODECS.items() if c.grid == grid]
+        raise KconvertError(f"--format {fmt} does not write {grid}: choose from "
+                            f"{', '.join(ours)}")
+    return codec
 
 
 def component_bytes(tensors: Iterable[tuple[TensorName, int]]) -> dict[str, int]:
@@ -58,8 +77,9 @@ def component_bytes(tensors: Iterable[tuple[TensorName, int]]) -> dict[str, int]
 
 @dataclass(frozen=True)
 class Options:
-    """The hypothetical conversion: `as_format` (nvfp4 | int4 | bf16), `keep` routed experts
-    per layer, `p48` storage (pair-bitmask | dense), and NVFP4's `targets` and `format`."""
+    """The hypothetical conversion: `as_format` (`as_formats()`), `keep` routed experts
+    per layer, `p48` storage (pair-bitmask | dense), and a quantized output's `targets` and
+    `format`."""
 
     as_format: str | None = None
     keep: int | None = None
@@ -100,15 +120,24 @@ def candidate_recipes(options: Options) -> list[Recipe | None]:
     the first whose required source format the checkpoint has is the one its command runs
     (None: nothing changes). `--keep` puts `reap`'s prune stage in front."""
     fmt = options.as_format
-    if fmt is not None and fmt not in AS_FORMATS:
-        raise KconvertError(f"--as {fmt}: choose from {', '.join(AS_FORMATS)}")
+    if fmt is not None and fmt not in as_formats():
+        raise KconvertError(f"--as {fmt}: choose from {', '.join(as_formats())}")
     if options.p48 is not None and options.p48 not in P48_STORAGES:
         raise KconvertError(f"--p48 {options.p48}: choose from {', '.join(P48_STORAGES)}")
     if options.p48 is not None and fmt not in (None, "nvfp4"):
         raise KconvertError(f"--p48 writes NVFP4 routed experts, not {fmt}: drop --as {fmt}")
-    names = RECIPES.get("p48" if options.p48 is not None else fmt, ())
-    if not names and (options.targets is not None or options.format is not None):
-        raise KconvertError("--targets and --format describe an NVFP4 output: add --as nvfp4")
+    if options.p48 is not None or fmt in RECIPES:
+        names = RECIPES["p48" if options.p48 is not None else fmt]
+    elif fmt is not None:
+        output_codec(fmt, options.format)
+        names = tuple(n for n in (f"int4-to-{fmt}", "quantize")
+                      if (builtin_dir() / f"{n}.toml").is_file())
+    else:
+        names = ()
+    if options.p48 is None and fmt in (None, *RECIPES) and (options.targets is not None
+                                                           or options.format is not None):
+        raise KconvertError("--targets and --format describe a quantized output: add --as "
+                            + " or --as ".join(g for g in as_formats() if g not in RECIPES))
     bases: list[Recipe | None] = [load_recipe(n) for n in names] or [None]
     if options.keep is None:
         return bases
@@ -122,7 +151,10 @@ def predict(ckpt: Checkpoint, options: Options) -> Prediction:
     """Plan the output `options` describe, on the headers of `ckpt`."""
     shape_values = header_shape_values(ckpt)
     inputs = {"prune": _prune_first(ckpt, options.keep)} if options.keep else {}
-    settings = {"storage": options.p48, "targets": options.targets, "format": options.format}
+    fmt = options.format
+    if options.as_format not in (None, *RECIPES):
+        fmt = output_codec(options.as_format, fmt).cli_name
+    settings = {"storage": options.p48, "targets": options.targets, "format": fmt}
     for recipe in candidate_recipes(options):
         stages = build_stages(recipe, settings, inputs) if recipe is not None else []
         plan = build_work_plan(ckpt, stages, 1 << 24, shape_values)

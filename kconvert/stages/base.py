@@ -18,11 +18,18 @@ from typing import Any
 import torch
 
 from kconvert.engine.stage import Stage, StageRecord
+from kconvert.errors import KconvertError, UsageError
 from kconvert.io.checkpoint import Checkpoint
+from kconvert.methods import METHODS, Method, method_named, methods_of
+from kconvert.methods.hessians import Calibration
+from kconvert.options import calibration_run
 
 # The command-line options that say which calibration data a command reads and how it runs
-# (REAP's saliency for a prune stage, SparseGPT's inputs for a sparsify stage).
+# (REAP's saliency for a prune stage, a data-driven method's inputs for the others).
 CALIBRATION_OPTIONS = ("data", "samples", "seq_len", "batch_size", "seed")
+# What a method's need is given by (kconvert.methods.base.NEEDS).
+NEED_OPTIONS = {"data": "calibration data: --data FILE",
+                "stats": "--stats DIR (from `kconvert calibrate`)"}
 
 
 @dataclass(frozen=True)
@@ -45,7 +52,8 @@ class StageKind:
     input_type: type | None = None
     # (kind, why): a stage kind that must come later in the same recipe.
     followed_by: tuple[str, str] | None = None
-    # (the recipe's [[stages]] tables, the options given by name, the run's device) ->
+    # (the recipe's [[stages]] tables with the options given laid over them (`stage_settings`),
+    # the options given by name, the run's device) ->
     # make(ckpt), which makes the stage's input (an input_type) from the opened source, or None
     # when this run needs none. Called once per run before the source is opened, so the
     # options are checked before anything is read.
@@ -56,3 +64,95 @@ class StageKind:
     def options(self) -> tuple[str, ...]:
         """Every option name the kind takes, recipe settings and command-line inputs."""
         return self.settings + self.input_options
+
+
+def stage_settings(stages: tuple[dict, ...], given: dict[str, Any],
+                   kinds: dict[str, StageKind]) -> tuple[dict[str, Any], ...]:
+    """Each [[stages]] table with the options given by name laid over it: a given setting
+    goes to the first stage of the recipe that takes it (`--method` of a p48 recipe is its
+    sparsify stage's: one meaning per command), a command-line input to every stage that
+    takes it."""
+    out, placed = [], set()
+    for spec in stages:
+        kind = kinds[spec["stage"]]
+        mine = {k: v for k, v in given.items()
+                if v is not None and k in kind.settings and k not in placed}
+        placed |= set(mine)
+        inputs = {k: v for k, v in given.items() if v is not None and k in kind.input_options}
+        out.append({**spec, **mine, **inputs})
+    return tuple(out)
+
+
+def method_settings(stage: str, settings: dict[str, Any]) -> tuple[type[Method], dict]:
+    """The method a stage's settings name (its kind's default where none) and the settings that
+    are that method's own; a setting of another of the stage's methods is refused."""
+    method = method_named(stage, settings.get("method"))
+    for name, other in methods_of(stage).items():
+        for key in set(other.settings) - set(method.settings):
+            if settings.get(key) is not None:
+                raise KconvertError(f"--{key.replace('_', '-')} serves --method {name}")
+    own = {k: settings[k] for k in method.settings if settings.get(k) is not None}
+    method.check_settings(own)
+    return method, own
+
+
+def check_needs(method: type[Method], calibration: Calibration | None, stats: str | None
+                ) -> None:
+    """A method built without what it needs (a recipe run through the Python API without the
+    option): the error names the option."""
+    have = {"data": calibration, "stats": stats}
+    if method.needs is not None and have[method.needs] is None:
+        raise KconvertError(f"--method {method.name} needs {NEED_OPTIONS[method.needs]}")
+
+
+def method_setting_names(stage: str) -> tuple[str, ...]:
+    """The settings of the methods of stage kind `stage` (StageKind.settings takes them)."""
+    return tuple(dict.fromkeys(k for m in methods_of(stage).values() for k in m.settings))
+
+
+def _uses(table: dict[str, Any], option: str) -> bool:
+    """Whether the stage of a table laid over by `stage_settings` uses a given --data or
+    --stats: a stage with methods when its method needs it, another when it takes it."""
+    if methods_of(table["stage"]):
+        return method_named(table["stage"], table.get("method")).needs == option
+    return option in table
+
+
+def prepare_method(stage: str) -> Callable[[tuple[dict, ...], dict[str, Any], torch.device],
+                                          Callable[[Checkpoint], Calibration] | None]:
+    """StageKind.prepare of a stage kind whose method may need calibration data: the method's
+    calibration from --data (None for a method that needs none). Refuses --data or --stats that
+    neither this run's method nor another stage of the recipe uses, and a method without
+    what it needs."""
+
+    def prepare(stages: tuple[dict, ...], options: dict[str, Any], device: torch.device
+                ) -> Callable[[Checkpoint], Calibration] | None:
+        tables = [t for t in stages if t["stage"] == stage]
+        if not tables:
+            return None
+        try:
+            method = method_named(stage, tables[0].get("method"))
+        except KconvertError as exc:
+            raise UsageError(str(exc)) from exc
+        for option, need in (("data", "data"), ("stats", "stats")):
+            if options.get(option) is None or method.needs == need:
+                continue
+            if not any(_uses(t, option) for t in stages if t["stage"] != stage):
+                users = [n for n, m in METHODS.items() if m.needs == need]
+                raise UsageError(f"--{option} serves --method {' or '.join(users)}; this run's "
+                                 f"{stage} method is {method.name}")
+        if method.needs == "stats" and tables[0].get("stats") is None:
+            raise UsageError(f"--method {method.name} needs {NEED_OPTIONS['stats']}")
+        if method.needs != "data":
+            return None
+        if options.get("data") is None:
+            raise UsageError(f"--method {method.name} needs {NEED_OPTIONS['data']}")
+
+        def make(ckpt: Checkpoint) -> Calibration:
+            samples, seq_len, batch_size, seed = calibration_run(options, method.samples)
+            return Calibration.from_file(ckpt, options["data"], samples, seq_len, batch_size,
+                                         seed, device)
+
+        return make
+
+    return prepare

@@ -37,8 +37,8 @@ class Dequant(Stage):
 
 def build(settings: dict, _input: None) -> Dequant:
     dtype = settings.get("dtype", "BF16")
-    if dtype not in DenseCodec.DTYPES:
-        raise KconvertError(f"dequant dtype must be one of {sorted(DenseCodec.DTYPES)}")
+    if dtype not in DenseCodec.OUTPUT_DTYPES:
+        raise KconvertError(f"dequant dtype must be one of {list(DenseCodec.OUTPUT_DTYPES)}")
     return Dequant(dtype)
 
 

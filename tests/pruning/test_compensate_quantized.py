@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from conftest import ROOT
 from helpers import edit_tensor, kimi_moe_block
 from kconvert.cli import main
-from kconvert.formats import Int4Codec
+from kconvert.formats import EncodeSpec, Int4Codec
 from kconvert.pruning.plan import PLAN_FILE, load_plan
 from kconvert.pruning.reap import tensor_hash
 from kconvert.testing.fixture_weights import ct_int4_scheme
@@ -84,7 +84,7 @@ def test_int4_encoder_is_compressed_tensors_quantizer():
     w = torch.randn(2, 16, 128, generator=g)
     w[0, 3, :32] = 0  # an all-zero group
     w[1, 5, :32] = torch.arange(32) * 0.25 - 4  # steps on exact ties
-    got = Int4Codec.encode(w, 32, torch.bfloat16)
+    got = Int4Codec.encode(w, EncodeSpec(group_size=32, dtypes={"weight_scale": "BF16"})).params
     scheme = ct_int4_scheme()
     for b in range(2):
         groups = w[b].reshape(16, 4, 32)

@@ -29,7 +29,7 @@ from kconvert.formats import nvfp4
 from kconvert.io.checkpoint import open_checkpoint
 from kconvert.methods import obs, sparsegpt
 from kconvert.methods.hessians import CalibrationHessians
-from kconvert.stages import sparsify
+from kconvert.methods.sparsegpt import SparseGpt
 from kconvert.testing.tiny_moe import corpus_ids, windows
 
 TINY_MOE = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
@@ -132,7 +132,7 @@ def test_sequential_hessians_follow_the_compressed_layers():
 
 def test_hessian_option_is_recorded_and_refused_without_sparsegpt(tmp_path):
     assert cli.HESSIANS == options.HESSIANS  # one list, kconvert.options (no mirror)
-    assert sparsify.DEFAULT_HESSIAN in options.HESSIANS
+    assert SparseGpt.settings == ("hessian",)  # the default: options.HESSIANS[0]
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"input_ids": list(range(i, i + 16))}) + "\n"
                             for i in range(2)))
