@@ -255,9 +255,9 @@ def test_the_cli_lists_are_the_registries():
     from kconvert.methods import methods_of
     from kconvert.sizing.predict import as_formats
 
-    assert options.OUTPUT_FORMATS == tuple(OUTPUT_CODECS)
-    assert options.QUANTIZE_METHODS == tuple(methods_of("quantize"))
-    assert options.SPARSIFY_METHODS == tuple(methods_of("sparsify"))
+    assert tuple(OUTPUT_CODECS) == options.OUTPUT_FORMATS
+    assert tuple(methods_of("quantize")) == options.QUANTIZE_METHODS
+    assert tuple(methods_of("sparsify")) == options.SPARSIFY_METHODS
     assert set(options.AS_FORMATS) == set(as_formats())
 
 
@@ -321,8 +321,6 @@ def test_a_new_output_format_is_its_codec_plus_registration(tmp_path):
     --format test-int8` with the bytes torch's own per-channel INT8 quantizer gives, read
     back and dequantized by the same registry, audited clean against its source, and sized
     by `inspect --as int8`."""
-    import kconvert
-    from conftest import BUNDLED
     from kconvert import formats
     from kconvert.model import names as model_names
 
