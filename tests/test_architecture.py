@@ -177,7 +177,7 @@ def _registered_names() -> set[str]:
     from kconvert.formats import OUTPUT_CODECS, SOURCE_CODECS
     from kconvert.methods import METHODS
 
-    return {*METHODS, *OUTPUT_CODECS, *(c.grid for c in SOURCE_CODECS)}
+    return {*(name for _, name in METHODS), *OUTPUT_CODECS, *(c.grid for c in SOURCE_CODECS)}
 
 
 # Where a method's name may be compared: the method plug-ins (kconvert.methods) only; stages and
@@ -185,6 +185,7 @@ def _registered_names() -> set[str]:
 def test_no_method_name_is_compared_outside_methods():
     from kconvert.methods import METHODS
 
+    names = {name for _, name in METHODS}
     found = []
     for name, path in _modules().items():
         if name.startswith("kconvert.methods"):
@@ -196,7 +197,7 @@ def test_no_method_name_is_compared_outside_methods():
                 values = ([side] if isinstance(side, ast.Constant) else
                           list(side.elts) if isinstance(side, ast.Tuple | ast.List | ast.Set)
                           else [])
-                if any(isinstance(v, ast.Constant) and v.value in METHODS for v in values):
+                if any(isinstance(v, ast.Constant) and v.value in names for v in values):
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not found, "method chosen by name:\n" + "\n".join(found)
 
@@ -419,7 +420,7 @@ def test_a_new_method_is_its_class_plus_registration(tmp_path, monkeypatch, meth
     from kconvert.formats import EncodeSpec, Nvfp4Codec
     from kconvert.methods import METHODS, MethodInputs
 
-    monkeypatch.setitem(METHODS, method.name, method)
+    monkeypatch.setitem(METHODS, (method.stage, method.name), method)
     command = kconvert.quantize if method.stage == "quantize" else kconvert.sparsify
     made = command(str(BUNDLED), str(tmp_path / "out"), method=method.name, device="cpu")
     assert made.manifest.options[method.stage]["method"] == method.name

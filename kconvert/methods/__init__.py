@@ -17,12 +17,15 @@ from kconvert.methods.rtn import Rtn
 from kconvert.methods.sparsegpt import SparseGpt
 from kconvert.methods.wanda import Wanda
 
-METHODS: dict[str, type[Method]] = {m.name: m for m in (Rtn, Gptq, Magnitude, Wanda, SparseGpt)}
+# (stage kind, name) -> method: a name means one method per stage kind (`learned` is p48's in
+# sparsify and NVFP4's in quantize).
+METHODS: dict[tuple[str, str], type[Method]] = {
+    (m.stage, m.name): m for m in (Rtn, Gptq, Magnitude, Wanda, SparseGpt)}
 
 
 def methods_of(stage: str) -> dict[str, type[Method]]:
     """The methods a stage kind's --method may name, by name."""
-    return {name: m for name, m in METHODS.items() if m.stage == stage}
+    return {name: m for (kind, name), m in METHODS.items() if kind == stage}
 
 
 def default_method(stage: str) -> type[Method]:
@@ -34,10 +37,11 @@ def method_named(stage: str, name: str | None) -> type[Method]:
     (naming the stage it belongs to where it is another's)."""
     if name is None:
         return default_method(stage)
-    found = METHODS.get(name)
-    if found is not None and found.stage == stage:
+    found = methods_of(stage).get(name)
+    if found is not None:
         return found
-    what = f"is a {found.stage} method" if found is not None else "is not a method"
+    others = [kind for kind, other in METHODS if other == name]
+    what = f"is a {others[0]} method" if others else "is not a method"
     raise KconvertError(f"--method {name} {what}; this run's {stage} stage takes --method "
                         f"{' or '.join(methods_of(stage))}")
 

@@ -20,7 +20,7 @@ import torch
 from kconvert.engine.stage import Stage, StageRecord
 from kconvert.errors import KconvertError, UsageError
 from kconvert.io.checkpoint import Checkpoint
-from kconvert.methods import METHODS, Method, method_named, methods_of
+from kconvert.methods import Method, method_named, methods_of
 from kconvert.methods.hessians import Calibration
 from kconvert.options import calibration_run
 
@@ -138,7 +138,7 @@ def prepare_method(stage: str) -> Callable[[tuple[dict, ...], dict[str, Any], to
             if options.get(option) is None or method.needs == need:
                 continue
             if not any(_uses(t, option) for t in stages if t["stage"] != stage):
-                users = [n for n, m in METHODS.items() if m.needs == need]
+                users = [n for n, m in methods_of(stage).items() if m.needs == need]
                 raise UsageError(f"--{option} serves --method {' or '.join(users)}; this run's "
                                  f"{stage} method is {method.name}")
         if method.needs == "stats" and tables[0].get("stats") is None:
