@@ -13,7 +13,7 @@ import torch
 
 from conftest import ROOT
 from kconvert.formats import Codec, Encoded
-from kconvert.formats.linear import Transformed
+from kconvert.formats.linear import Batch, Transformed
 from kconvert.methods import Method
 
 PACKAGE = ROOT / "kconvert"
@@ -388,7 +388,8 @@ class Clip3Sigma(Method):
     def transforms(self, m) -> bool:
         return True
 
-    def transform(self, modules, w, codec, spec, amax):
+    def transform_batch(self, batch):
+        w = batch.weights
         bound = 3 * w.std(-1, keepdim=True)  # a row's spread, whatever its batch
         return Transformed(torch.maximum(torch.minimum(w, bound), -bound))
 
@@ -403,9 +404,10 @@ class SmallestPairs(Method):
     def transforms(self, m) -> bool:
         return True
 
-    def transform(self, modules, w, codec, spec, amax):
+    def transform_batch(self, batch):
         from kconvert.formats import p48
 
+        w = batch.weights
         keep = p48.top2_pairs(-p48.pair_scores(w))
         return Transformed(p48.apply_pair_mask(w, keep))
 
@@ -439,8 +441,8 @@ def test_a_new_method_is_its_class_plus_registration(tmp_path, monkeypatch, meth
         if ".mlp.experts." not in name:
             continue
         module = name.removesuffix(".weight")
-        values = method(MethodInputs(frozenset())).transform([], w[None], Nvfp4Codec,
-                                                             EncodeSpec(), None).weights
+        values = method(MethodInputs(frozenset())).transform_batch(
+            Batch([], w[None], Nvfp4Codec, EncodeSpec(), None)).weights
         want = Nvfp4Codec.encode(values, EncodeSpec(group_size=16),
                                  amax=set_amax(module).reshape(1))
         got = {p: out[f"{module}.{p}"][None] for p in Nvfp4Codec.params}

@@ -9,7 +9,7 @@ import torch
 from kconvert.engine.work import CopyItem, Item, WorkPlan
 from kconvert.errors import KconvertError
 from kconvert.formats import DenseCodec, Encoded, EncodeSpec, nvfp4
-from kconvert.formats.linear import ModuleWork, Transformed
+from kconvert.formats.linear import Batch, ModuleWork, Transformed
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.finite import check_finite, has_nonfinite
 from kconvert.io.shards import TensorInfo
@@ -125,8 +125,34 @@ def compute_item(plan: WorkPlan, item: Item, bufs: list[torch.Tensor], device: t
             shared = torch.stack([amax[m.module] for m in fused]).amax()
             set_amax.update({m.module: shared for m in fused})
 
+    # Each method sees every batch of the item it transforms at once (an expert's gate, up and
+    # down together where it trains whole experts).
+    made: dict[int, Transformed] = {}
+    by_method: dict[int, list[int]] = {}
+    batches: dict[int, Batch] = {}
+    for i, (group, w) in enumerate(zip(item.groups, decoded, strict=True)):
+        ms = group.modules
+        if ms[0].repack or w is None:
+            continue
+        # compressed-tensors takes a block's amax / 6 in the source weights' own dtype (bf16
+        # for a BF16 checkpoint, formats.md §2); a decoded quantized source is fp32.
+        local = ms[0].primary.torch_dtype if ms[0].codec is DenseCodec else torch.float32
+        spec = EncodeSpec(plan.scale_rule, ms[0].group_size, {"weight": ms[0].dense_dtype},
+                          local, chunk_elems)
+        batches[i] = Batch(ms, w, ms[0].out_codec, spec,
+                           torch.stack([set_amax[m.module] for m in ms]))
+        if ms[0].transform is None:
+            made[i] = Transformed(w)
+        else:
+            by_method.setdefault(id(ms[0].transform), []).append(i)
+    for members in by_method.values():
+        method = item.groups[members[0]].modules[0].transform
+        for i, out in zip(members, method.transform([batches[i] for i in members]),
+                          strict=True):
+            made[i] = out
+
     writes, stats, encoded = [], {}, []
-    for group, w, params in zip(item.groups, decoded, raw, strict=True):
+    for i, (group, params) in enumerate(zip(item.groups, raw, strict=True)):
         ms = group.modules
         if ms[0].repack:
             enc = _relaid(group.codec, ms[0], params)
@@ -134,26 +160,21 @@ def compute_item(plan: WorkPlan, item: Item, bufs: list[torch.Tensor], device: t
                 ms[0].out_codec.global_scale_param].reshape(-1), None))
             continue
         out_codec, a = ms[0].out_codec, torch.stack([set_amax[m.module] for m in ms])
-        # compressed-tensors takes a block's amax / 6 in the source weights' own dtype (bf16
-        # for a BF16 checkpoint, formats.md §2); a decoded quantized source is fp32.
-        local = ms[0].primary.torch_dtype if ms[0].codec is DenseCodec else torch.float32
-        spec = EncodeSpec(plan.scale_rule, ms[0].group_size, {"weight": ms[0].dense_dtype},
-                          local, chunk_elems)
         # The manifest records the amax a per-tensor scale was made for, else each matrix's.
         recorded = a if out_codec.global_scale_param else torch.stack([amax[m.module]
                                                                         for m in ms])
-        if w is None:
+        if i not in batches:  # read packed by its encoder
+            spec = EncodeSpec(plan.scale_rule, ms[0].group_size, chunk_elems=chunk_elems)
             enc = out_codec.encode_packed(group.codec, params, spec, a)
             encoded.append((ms, enc.map(_to_host), _to_host(recorded), None))
             continue
-        made = Transformed(w)
-        if ms[0].transform is not None:
-            made = ms[0].transform.transform(ms, w, out_codec, spec, a)
-        enc = out_codec.encode(made.weights, spec, amax=a, codes=made.codes)
-        if made.weights is not w and enc.err_sq is not None:
+        batch, out = batches[i], made[i]
+        enc = out_codec.encode(out.weights, batch.spec, amax=a, codes=out.codes)
+        if out.weights is not batch.weights and enc.err_sq is not None:
             # the error that matters is against the source, not the transform
-            enc.err_sq, enc.ref_sq = _error_vs(w, out_codec.decode(enc.params, ms[0].shape))
-        encoded.append((ms, enc.map(_to_host), _to_host(recorded), made.records))
+            enc.err_sq, enc.ref_sq = _error_vs(batch.weights,
+                                               out_codec.decode(enc.params, ms[0].shape))
+        encoded.append((ms, enc.map(_to_host), _to_host(recorded), out.records))
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the one wait per item: every host copy has landed
     for ok, m in zip(finite.tolist(), checked, strict=True):

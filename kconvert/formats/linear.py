@@ -87,13 +87,27 @@ class Transformed(NamedTuple):
     records: list[dict] | None = None
 
 
-class WeightTransform(Protocol):
-    """Changes B same-shaped modules' decoded fp32 weights before they are encoded."""
+class Batch(NamedTuple):
+    """B same-shaped modules of a work item as the engine hands them to their method: decoded
+    fp32 weights [B, M, K], to be encoded by `codec` with `spec` and per-tensor scales for
+    `amax` [B] (a fused set's shared amax, from the source weights)."""
 
-    def transform(self, modules: list[ModuleWork], w: torch.Tensor, codec: type[Codec],
-                  spec: EncodeSpec, amax: torch.Tensor) -> Transformed:
-        """New weights for `modules` (w [B, M, K]), to be encoded by `codec` with `spec` and
-        per-tensor scales for `amax` [B] (a fused set's shared amax)."""
+    modules: list[ModuleWork]
+    weights: torch.Tensor
+    codec: type[Codec]
+    spec: EncodeSpec
+    amax: torch.Tensor
+
+
+class WeightTransform(Protocol):
+    """Changes modules' decoded fp32 weights before they are encoded."""
+
+    # "expert": a work item never splits a routed expert's matrices (the method sees an
+    # expert's gate, up and down in one call); "matrix": any split.
+    unit: str
+
+    def transform(self, batches: list[Batch]) -> list[Transformed]:
+        """New weights for every batch of one work item whose modules it transforms."""
         ...
 
 

@@ -8,6 +8,7 @@ The on-disk pair-bitmask layout is a format: kconvert/formats/nvfp4_pair_bitmask
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,32 @@ PAIRS = 4  # pairs per chunk
 
 
 KEEP = 2  # pairs kept per chunk
+
+
+# The 6 ways a chunk keeps 2 of its 4 pairs, in the order of the kept pair indices
+# ({0,1} {0,2} {0,3} {1,2} {1,3} {2,3}): PATTERNS[i, j] says whether pattern i keeps element j.
+PATTERN_PAIRS = tuple(itertools.combinations(range(PAIRS), KEEP))
+
+
+def patterns(device: torch.device | str = "cpu") -> torch.Tensor:
+    """The p48 patterns as element masks [6, 8] (float: 1 kept, 0 pruned)."""
+    out = torch.zeros(len(PATTERN_PAIRS), CHUNK, device=device)
+    for i, kept in enumerate(PATTERN_PAIRS):
+        for pair in kept:
+            out[i, 2 * pair:2 * pair + 2] = 1.0
+    return out
+
+
+def pattern_of(keep: torch.Tensor) -> torch.Tensor:
+    """The pattern index [..., K/8] (int64) of a valid p48 pair mask `keep` [..., K/2] (bool:
+    exactly 2 pairs kept per chunk); ValueError where a chunk keeps another number."""
+    chunks = keep.reshape(*keep.shape[:-1], -1, PAIRS)
+    if bool((chunks.sum(-1) != KEEP).any()):
+        raise ValueError("a chunk does not keep exactly 2 of its 4 pairs")
+    bits = (chunks.long() << torch.arange(PAIRS, device=keep.device)).sum(-1)
+    codes = torch.tensor([sum(1 << p for p in kept) for kept in PATTERN_PAIRS],
+                         device=keep.device)
+    return (bits.unsqueeze(-1) == codes).long().argmax(-1)
 
 
 def pair_scores(w: torch.Tensor, col_weight: torch.Tensor | None = None) -> torch.Tensor:

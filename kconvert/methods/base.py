@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from kconvert.formats import Codec, EncodeSpec
-from kconvert.formats.linear import ModuleWork, Transformed
+from kconvert.formats import Codec
+from kconvert.formats.linear import Batch, ModuleWork, Transformed
 from kconvert.model.names import Role
 from kconvert.options import SPARSEGPT_SAMPLES
 
@@ -51,6 +51,8 @@ class Method:
     # True when it streams calibration layers forward beside the conversion (the engine then
     # runs transform items in layer order across shards).
     ordered_layers: ClassVar[bool] = False
+    # What the engine hands it at once (kconvert.formats.linear.WeightTransform.unit).
+    unit: ClassVar[str] = "matrix"
     # What a run without --method takes for its stage.
     default: ClassVar[bool] = False
     # The values it produces where only some formats encode them (GPTQ's: "NVFP4"), for
@@ -75,10 +77,14 @@ class Method:
         """Whether it changes module `m`'s decoded weights (the stage has claimed m)."""
         return False
 
-    def transform(self, modules: list[ModuleWork], w: torch.Tensor, codec: type[Codec],
-                  spec: EncodeSpec, amax: torch.Tensor) -> Transformed:
-        """kconvert.formats.linear.WeightTransform.transform."""
-        return Transformed(w)
+    def transform(self, batches: list[Batch]) -> list[Transformed]:
+        """kconvert.formats.linear.WeightTransform.transform: by default each batch on its own
+        (`transform_batch`)."""
+        return [self.transform_batch(b) for b in batches]
+
+    def transform_batch(self, batch: Batch) -> Transformed:
+        """New values for one batch of same-shaped matrices."""
+        return Transformed(batch.weights)
 
     def record(self) -> dict[str, object]:
         """What the manifest records of it, in its stage's record (kconvert.stages.records)."""

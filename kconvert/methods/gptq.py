@@ -37,7 +37,8 @@ class Gptq(ObsMethod):
     def record(self) -> dict[str, object]:
         return {**super().record(), "gptq_targets": sorted(r.value for r in self.roles)}
 
-    def transform(self, modules, w, codec, spec, amax) -> Transformed:
+    def transform_batch(self, batch) -> Transformed:
+        modules, w, codec, spec, amax = batch
         hessians = self.calibration.hessians
 
         def split(mb: obs.Member) -> obs.HessianSplit:

@@ -22,6 +22,7 @@ class Magnitude(Method):
         """Per input column, what multiplies |W_ij| in a pair's score (None: nothing)."""
         return None
 
-    def transform(self, modules, w, codec, spec, amax) -> Transformed:
-        keep = p48.top2_pairs(p48.pair_scores(w, self.column_weights(modules, w.device)))
+    def transform_batch(self, batch) -> Transformed:
+        w = batch.weights
+        keep = p48.top2_pairs(p48.pair_scores(w, self.column_weights(batch.modules, w.device)))
         return Transformed(p48.apply_pair_mask(w, keep))

@@ -71,7 +71,8 @@ class SparseGpt(ObsMethod):
     def record(self) -> dict[str, object]:
         return {**super().record(), "hessian": self.hessian}
 
-    def transform(self, modules, w, codec, spec, amax) -> Transformed:
+    def transform_batch(self, batch) -> Transformed:
+        modules, w, codec, spec, amax = batch
         hessians = self.calibration.hessians
         written = None
         if hessians.sequential:
