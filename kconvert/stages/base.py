@@ -15,9 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from kconvert.engine.stage import Stage, StageRecord
+from kconvert.gpu_budget import GpuRequest
 from kconvert.io.checkpoint import Checkpoint
 
 # The command-line options that say which calibration data a command reads and how it runs
@@ -45,11 +44,12 @@ class StageKind:
     input_type: type | None = None
     # (kind, why): a stage kind that must come later in the same recipe.
     followed_by: tuple[str, str] | None = None
-    # (the recipe's [[stages]] tables, the options given by name, the run's device) ->
+    # (the recipe's [[stages]] tables, the options given by name, the run's GPU request: its
+    # device, and the budget resolved once for the run) ->
     # make(ckpt), which makes the stage's input (an input_type) from the opened source, or None
     # when this run needs none. Called once per run before the source is opened, so the
     # options are checked before anything is read.
-    prepare: Callable[[tuple[dict, ...], dict[str, Any], torch.device],
+    prepare: Callable[[tuple[dict, ...], dict[str, Any], GpuRequest],
                       Callable[[Checkpoint], Any] | None] | None = None
 
     @property

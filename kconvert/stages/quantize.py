@@ -18,6 +18,7 @@ from kconvert.engine.stage import Stage, StageRecord
 from kconvert.errors import KconvertError, UsageError
 from kconvert.formats import OUTPUT_CODECS, DenseCodec, Nvfp4PairBitmaskCodec
 from kconvert.formats.linear import ModuleWork
+from kconvert.gpu_budget import GpuRequest
 from kconvert.gpu_plan import GpuPlan, GpuWork, Shapes
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.methods import obs
@@ -270,7 +271,7 @@ def check_method_format(method: str, fmt: str) -> None:
                          "is quantized by --method rtn only")
 
 
-def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
+def prepare(stages: tuple[dict, ...], options: dict, gpu: GpuRequest
             ) -> Callable[[Checkpoint], Calibration] | None:
     """GPTQ's calibration from --data when the run's quantize method is gptq (a recipe without
     a sparsify stage: with one, --method is the sparsify method); None otherwise. gptq without
@@ -293,7 +294,8 @@ def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
 
     def make(ckpt: Checkpoint) -> Calibration:
         samples, seq_len, batch_size, seed = calibration_run(options, SPARSEGPT_SAMPLES)
-        return Calibration.from_file(ckpt, data, samples, seq_len, batch_size, seed, device)
+        return Calibration.from_file(ckpt, data, samples, seq_len, batch_size, seed,
+                                     gpu.device)
 
     return make
 

@@ -27,6 +27,7 @@ from kconvert.engine.stage import Stage, StageRecord
 from kconvert.errors import KconvertError, UsageError
 from kconvert.formats import p48
 from kconvert.formats.linear import ModuleWork
+from kconvert.gpu_budget import GpuRequest
 from kconvert.gpu_plan import GpuPlan, GpuWork, Shapes
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.files import hash_file
@@ -212,7 +213,7 @@ def build(settings: dict, calibration: Calibration | None) -> Sparsify:
                     hessian=hessian or Sparsify.hessian, calibration=calibration)
 
 
-def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
+def prepare(stages: tuple[dict, ...], options: dict, gpu: GpuRequest
             ) -> Callable[[Checkpoint], Calibration] | None:
     """SparseGPT's calibration from --data when the run's sparsify method is sparsegpt; None
     otherwise. sparsegpt without --data is a usage error (wanda without --stats is refused by
@@ -232,7 +233,8 @@ def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
 
     def make(ckpt: Checkpoint) -> Calibration:
         samples, seq_len, batch_size, seed = calibration_run(options, SPARSEGPT_SAMPLES)
-        return Calibration.from_file(ckpt, data, samples, seq_len, batch_size, seed, device)
+        return Calibration.from_file(ckpt, data, samples, seq_len, batch_size, seed,
+                                     gpu.device)
 
     return make
 
