@@ -45,7 +45,9 @@ def decode_bytes(device: torch.device, layer_elems: int | None = None) -> int:
     experts, DECODE_ELEMS decoded elements (or the layer's `layer_elems` when fewer; the GPU
     memory plan's term, kconvert.calibrate.plan)."""
     elems = DECODE_ELEMS.get(device.type, DECODE_ELEMS["cpu"])
-    return min(elems, layer_elems if layer_elems is not None else elems) * DECODE_BYTES_PER_ELEM
+    if layer_elems is not None:
+        elems = min(elems, layer_elems)
+    return elems * DECODE_BYTES_PER_ELEM
 
 
 # Threads reading a layer's routed experts: several reads in flight keep an NVMe queue busy
