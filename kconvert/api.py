@@ -30,6 +30,7 @@ from kconvert.audit import audit
 from kconvert.calibrate import calibrate_to as calibrate
 from kconvert.convert import RunControl
 from kconvert.evaluate.report import EvalReport
+from kconvert.gpu_budget import size_option
 from kconvert.manifest import Manifest
 from kconvert.manifest_writer import summary_line
 from kconvert.model.names import parse_name
@@ -118,8 +119,8 @@ def run_recipe(recipe: str, src: str, dst: str, *, revision: str | None = None,
             timings[info["name"]] = timings.get(info["name"], 0.0) + seconds
             log.info("%s took %.2f s", info["name"], seconds)
 
-    run = RunControl(device=device, gpu_memory=gpu_memory, resume=resume, overwrite=overwrite,
-                     dry_run=dry_run, quiet=quiet, readers=readers,
+    run = RunControl(device=device, gpu_memory=size_option(gpu_memory), resume=resume,
+                     overwrite=overwrite, dry_run=dry_run, quiet=quiet, readers=readers,
                      trust_complete=trust_complete, token=token, cache_dir=cache_dir,
                      stream=stream, stream_window=stream_window)
     start = time.perf_counter()
@@ -190,7 +191,8 @@ def evaluate_candidates(src: str, candidates: list[str], data: str, out: str | N
     from kconvert.evaluate.run import run_eval
 
     return run_eval(src, list(candidates), data, out, samples, seq_len, batch_size, seed,
-                    device, dtype, tokenizer, quiet, echo=echo, gpu_memory=gpu_memory)
+                    device, dtype, tokenizer, quiet, echo=echo,
+                    gpu_memory=size_option(gpu_memory))
 
 
 def size_report(src: str, *, as_format: str | None = None, keep: int | None = None,

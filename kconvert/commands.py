@@ -7,10 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-import torch
-
 from kconvert import convert
 from kconvert.errors import UsageError
+from kconvert.gpu_budget import GpuRequest
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.manifest import Manifest
 from kconvert.options import ONLY_WITH
@@ -49,10 +48,12 @@ def run_conversion(recipe_name: str, src: str, dst: str, options: Mapping[str, o
                              + " or ".join(f"--{n}" for n in needs))
     settings = {k: v for k, v in given.items()
                 if any(k in kind.settings for kind in KINDS.values())}
+    # One GpuRequest for the run: a stage's preparation (REAP's calibration) and the
+    # conversion after it share the budget it resolves.
+    gpu = GpuRequest(run.device, run.gpu_memory)
     # Through the module, so that a test can stand in for convert.convert.
     return convert.convert(src, dst, recipe, settings, run, revision=revision, echo=echo,
-                           prepare=preparer(recipe, {**given, "dst": str(dst),
-                                                     "gpu_memory": run.gpu_memory}, run.device))
+                           prepare=preparer(recipe, {**given, "dst": str(dst)}, gpu), gpu=gpu)
 
 
 def check_run_control(run: convert.RunControl) -> None:
@@ -63,7 +64,7 @@ def check_run_control(run: convert.RunControl) -> None:
         raise UsageError("--trust-complete applies only with --resume")
 
 
-def preparer(recipe: Recipe, options: dict, device: torch.device
+def preparer(recipe: Recipe, options: dict, gpu: GpuRequest
              ) -> Callable[[Checkpoint], dict[str, object]] | None:
     """prepare(ckpt) for the driver: by stage kind, what the recipe's stages make from the
     opened source (StageKind.prepare, which checks the options now); None if nothing."""
@@ -71,7 +72,7 @@ def preparer(recipe: Recipe, options: dict, device: torch.device
     tables = stage_settings(recipe.stages, options, KINDS)
     for name, kind in KINDS.items():
         if name in recipe.kinds and kind.prepare is not None:
-            make = kind.prepare(tables, options, device)
+            make = kind.prepare(tables, options, gpu)
             if make is not None:
                 makers[name] = make
     if not makers:

@@ -15,7 +15,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,7 +25,7 @@ from kconvert import distributed, events
 from kconvert.checks.structure import validate_source
 from kconvert.devices import pick_device
 from kconvert.dry_run import print_dry_run
-from kconvert.engine.execute import execute
+from kconvert.engine.execute import execute, gpu_encode
 from kconvert.engine.source_order import hub_disk, start_stream
 from kconvert.engine.stage import Stage
 from kconvert.engine.work import (
@@ -41,7 +41,7 @@ from kconvert.formats import nvfp4
 from kconvert.formats.dense import DenseCodec
 from kconvert.formats.nvfp4_modelopt import HF_QUANT_CONFIG
 from kconvert.formats.quant_config import output_config, rewrite_config
-from kconvert.gpu_budget import enforced, planning_budget, resolve
+from kconvert.gpu_budget import GpuContext, GpuRequest
 from kconvert.gpu_plan import GpuPlan, gib, plan_gpu
 from kconvert.io import lock, output_dir
 from kconvert.io.checkpoint import (
@@ -71,9 +71,11 @@ NOT_WRITABLE = {errno.EROFS, errno.EACCES, errno.EPERM}
 
 @dataclass(frozen=True)
 class RunControl:
-    """Options that change how a run goes, never what it writes. `device` is resolved here,
-    once per run (`--device auto | cpu | cuda | cuda:N` -> the torch device, or a clear
-    error); everything past this boundary gets a torch.device."""
+    """Options that change how a run goes, never what it writes. `device` is resolved here
+    (`--device auto | cpu | cuda | cuda:N` -> the torch device, or a clear error); everything
+    past this boundary gets a torch.device. `gpu_memory` is --gpu-memory in bytes, read where
+    the command takes it (kconvert.gpu_budget.size_option); with `device` it is the run's
+    GpuRequest, resolved once per run."""
 
     device: torch.device | str = "auto"
     resume: bool = False
@@ -86,7 +88,7 @@ class RunControl:
     cache_dir: str | None = None  # Hugging Face cache [default: huggingface_hub's]
     stream: bool = False  # a repo id's shards fetched during the run (kconvert.io.stream)
     stream_window: int = STREAM_WINDOW  # with `stream`: shards on disk at once
-    gpu_memory: str | int | None = None  # GPU memory budget [default: gpu_budget.resolve's]
+    gpu_memory: int | None = None  # GPU memory budget [default: the card's free less a margin]
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, torch.device):
@@ -107,30 +109,30 @@ def _stats_hash(stages: list[Stage]) -> str | None:
 
 def convert(src: str, dst: str, recipe: Recipe, settings: Mapping[str, object],
             run: RunControl, revision: str | None = None, echo=print,
-            prepare: Callable[[Checkpoint], Mapping[str, object]] | None = None
-            ) -> Manifest | None:
+            prepare: Callable[[Checkpoint], Mapping[str, object]] | None = None,
+            gpu: GpuRequest | None = None) -> Manifest | None:
     """Run `recipe` on SRC into DST; non-None `settings` (by name) override its stages'.
 
     `prepare(ckpt)` returns, by stage kind, the inputs that need the opened source (see
     StageKind.input_type), e.g. {"prune": the Prune stage of a plan checked against it}.
+    `gpu`: the run's GpuRequest, which `prepare` shares (commands.run_conversion); default:
+    `run`'s device and --gpu-memory.
     """
+    request = gpu if gpu is not None else GpuRequest(run.device, run.gpu_memory)
     ckpt = open_source(src, revision, run)
-    device = run.device
     log.info("opened %s: %d shard(s), %d tensors, recipe %s", ckpt.root, len(ckpt.shards),
              len(ckpt.weight_map), recipe.name)
     if "repo" in ckpt.identity and distributed.is_main():
         echo(f"{src}@{ckpt.identity['revision']}: files in {ckpt.root}")
     try:
-        # What a stage prepares on the GPU (REAP's calibration) plans and caps itself within
-        # the same --gpu-memory; the conversion's budget is resolved after it, so the GPU is
-        # not waited for before that calibration's data and imports (calibrate.startup).
+        # What a stage prepares on the GPU (REAP's calibration) resolves the run's budget
+        # once its data and imports are loaded (calibrate.plan), and plans and caps itself
+        # within it; the conversion after it takes the same GpuContext.
         inputs = prepare(ckpt) if prepare is not None else {}
-        budget = resolve(device, run.gpu_memory)
-        if budget is not None:  # resolved once for the conversion's steps
-            run = replace(run, gpu_memory=budget)
+        context = request.context
         # a stage that prepared calibration inputs runs forward batches beside the conversion
-        with enforced(device, budget, recipe.name, "--batch-size --samples" if inputs else ""):
-            return _convert(ckpt, Path(dst), recipe, settings, inputs, run, echo)
+        with context.enforced(recipe.name, "--batch-size --samples" if inputs else ""):
+            return _convert(ckpt, Path(dst), recipe, settings, inputs, run, context, echo)
     finally:
         ckpt.close()
 
@@ -153,14 +155,16 @@ def open_source(src: str, revision: str | None, run: RunControl) -> Checkpoint:
 
 
 def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, settings: Mapping[str, object],
-             inputs: Mapping[str, object], run: RunControl, echo) -> Manifest | None:
+             inputs: Mapping[str, object], run: RunControl, context: GpuContext, echo
+             ) -> Manifest | None:
     main = distributed.is_main()
     say = echo if main else (lambda _message: None)
     distributed.from_main(lambda: output_dir.check_dst(ckpt.root, dst, run.resume,
                                                        run.overwrite, run.dry_run))
     dst = output_dir.resolve_dst(dst)
-    stages, device, plan, gpu = distributed.agree(lambda: _prepare_run(ckpt, recipe, settings,
-                                                                       inputs, run, say))
+    stages, plan, gpu = distributed.agree(lambda: _prepare_run(ckpt, recipe, settings, inputs,
+                                                               run, context, say))
+    device = context.device
     if run.dry_run:
         if main:
             print_dry_run(plan, echo)
@@ -222,24 +226,22 @@ def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, settings: Mapping[str,
 
 
 def _prepare_run(ckpt: Checkpoint, recipe: Recipe, settings: Mapping[str, object],
-                 inputs: Mapping[str, object], run: RunControl, say
-                 ) -> tuple[list, torch.device, WorkPlan, GpuPlan | None]:
-    """The stages, the device, the work plan and the GPU memory plan, after the checks of
-    the source."""
+                 inputs: Mapping[str, object], run: RunControl, context: GpuContext, say
+                 ) -> tuple[list, WorkPlan, GpuPlan | None]:
+    """The stages, the work plan and the GPU memory plan on the run's GpuContext, after the
+    checks of the source."""
     stages = build_stages(recipe, settings, inputs)
     if distributed.world() > 1 and any(s.ordered_layers for s in stages):
         raise KconvertError("--method sparsegpt and --method gptq stream their calibration "
                             "layer by layer beside the conversion and do not run across "
                             "ranks; run them without torchrun")
-    device = run.device
-    # GPU items of up to 2^28 decoded elements (~18 Kimi expert matrices; fewer where the GPU
-    # memory plan says so): large enough to keep the GPU busy, small enough that prefetch +
-    # queued results stay within ~4 GB of host RAM. On a CPU, items of 2^24 elements (~one
-    # expert matrix; the fused kernel is per row anyway) keep the decode temporaries to
-    # ~200 MB (measured in tests/test_robustness.py).
+    device = context.device
+    # GPU items as the GPU memory plan sizes them (engine.execute.gpu_encode). On a CPU, items
+    # of 2^24 elements (~one expert matrix; the fused kernel is per row anyway) keep the
+    # decode temporaries to ~200 MB (measured in tests/test_robustness.py).
     gpu = None
     if device.type == "cuda" or run.dry_run:
-        gpu = plan_gpu(ckpt, stages, planning_budget(device, run.gpu_memory), recipe.name)
+        gpu = plan_gpu(ckpt, stages, context.plan_budget, recipe.name, encode=gpu_encode())
     if device.type == "cuda":
         work_elems = gpu.work_elems
     else:
@@ -252,7 +254,7 @@ def _prepare_run(ckpt: Checkpoint, recipe: Recipe, settings: Mapping[str, object
     largest = max((sum(m.shape[0] * m.shape[1] for fused in item.sets for m in fused)
                     for item in plan.items if isinstance(item, TransformItem)), default=0)
     if gpu is not None and largest > (gpu.work_elems or 0):  # a fused set beyond the item size
-        gpu = plan_gpu(ckpt, stages, gpu.budget, recipe.name, largest)
+        gpu = plan_gpu(ckpt, stages, gpu.budget, recipe.name, largest, encode=gpu_encode())
     log.info("planned on %s: %d modules, %d work items, %d output shard(s), %d tensors",
              device, len(plan.modules), len(plan.items), len(plan.shard_entries),
              len(plan.outputs))
@@ -262,7 +264,7 @@ def _prepare_run(ckpt: Checkpoint, recipe: Recipe, settings: Mapping[str, object
                                           for m in plan.modules):
         raise KconvertError(f"{recipe.name} needs a source with {recipe.requires_source} modules "
                             "and this one has none", file=str(ckpt.root / "config.json"))
-    return stages, device, plan, gpu
+    return stages, plan, gpu
 
 
 def _planned(ckpt: Checkpoint, plan: WorkPlan, run: RunControl) -> Planned:

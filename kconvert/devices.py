@@ -1,5 +1,6 @@
-"""Where compute runs: `--device auto | cpu | cuda | cuda:N` as a torch device; and how long
-phases take there (`Stopwatch`)."""
+"""Where compute runs: `--device auto | cpu | cuda | cuda:N` as a torch device; how long
+phases take there (`Stopwatch`); and torch's deterministic kernels for a block
+(`deterministic`)."""
 
 from __future__ import annotations
 
@@ -53,3 +54,17 @@ class Stopwatch:
             yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + self._now() - start
+
+
+@contextlib.contextmanager
+def deterministic() -> Iterator[None]:
+    """torch's deterministic kernels (warn-only where none exists) for the block: a backward
+    that accumulates through indexing (REAP's router fit) is summed in varying order by
+    multi-threaded CPU kernels otherwise."""
+    was, warn = (torch.are_deterministic_algorithms_enabled(),
+                 torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn)

@@ -1,8 +1,16 @@
 """One GPU memory budget for every GPU command (docs/gpu-memory.md): what it is
-(--gpu-memory, or what the card has free less a safety margin), and its enforcement.
+(--gpu-memory, or what the card has free less a safety margin), resolved once per run, and its
+enforcement.
 
-`enforced` caps the process at the budget (`torch.cuda.set_per_process_memory_fraction`), so
-`torch.cuda.max_memory_reserved()` stays within it and an estimate of the plan
+A run states what it asks of its device once (`GpuRequest`: the device --device picked, the
+--gpu-memory bytes) and resolves it the first time a step needs the budget
+(`GpuRequest.context`): after what the run loads while CUDA starts on a thread
+(kconvert.calibrate.startup), so that the two overlap. Every later step of the run, a stage's
+preparation and the conversion after it included, gets the same `GpuContext`. This module is
+the only one that reads what a card has free.
+
+`GpuContext.enforced` caps the process at the budget (`torch.cuda.set_per_process_memory_fraction`),
+so `torch.cuda.max_memory_reserved()` stays within it and an estimate of the plan
 (kconvert.gpu_plan) that falls short ends in a CUDA out-of-memory error, which it turns into
 one `kconvert: error:` line (GpuMemoryError).
 """
@@ -10,23 +18,15 @@ one `kconvert: error:` line (GpuMemoryError).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kconvert.errors import UsageError
-from kconvert.gpu_plan import (
-    REFERENCE_CARD,
-    REFERENCE_FREE,
-    REPAIR_TOKENS,
-    Forward,
-    GpuMemoryError,
-    GpuPlan,
-    Shapes,
-    gib,
-    plan_forward,
-)
+from kconvert.gpu_plan import GpuMemoryError, gib
 from kconvert.options import GPU_MEMORY_MARGIN_FRACTION, GPU_MEMORY_MARGIN_MIN, parse_size
 
 if TYPE_CHECKING:
@@ -34,38 +34,61 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-
-def forward_plan(ckpt, shape: tuple[int, int], batch_size: int, dtype: torch.dtype,
-                 device: torch.device, budget: int | None, what: str, *, capture: bool = False,
-                 rerun: bool = False, repair: bool = False, models: int = 0) -> GpuPlan:
-    """plan_forward for `shape` = (sequences, seq_len) of the checkpoint's tokens in `dtype`
-    (`repair`: REAP router repair's stream of up to REPAIR_TOKENS tokens rides along). Under
-    torchrun each rank holds the hidden states of its own batches only: the plan is the
-    busiest rank's (rank 0's: batches are dealt round-robin, distributed.own_batches)."""
-    from kconvert import distributed
-
-    if budget is None:
-        budget = resolve(device, None)
-    batches = -(-shape[0] // batch_size)
-    sequences = min(shape[0], -(-batches // distributed.world()) * batch_size)
-    fw = Forward(sequences, shape[1], batch_size, dtype.itemsize, models, capture, rerun,
-                 min(REPAIR_TOKENS, shape[0] * shape[1]) if repair else 0)
-    return plan_forward(Shapes.from_config(ckpt.text_config), fw, budget, what)
+# What a plan made without a GPU assumes: an 80 GB H100 (79.2 GiB, about 0.5 GiB of it taken
+# by the CUDA context), less the margin.
+REFERENCE_CARD = 85_031_714_816
+REFERENCE_FREE = REFERENCE_CARD - (1 << 29)
 
 
-def planning_budget(device: torch.device, gpu_memory: str | int | None) -> int:
-    """The budget a plan is made for: `resolve`'s on a GPU; with no GPU (a dry run, inspect)
-    --gpu-memory, or else an 80 GB H100's default (REFERENCE_CARD)."""
-    if device.type == "cuda":
-        return resolve(device, gpu_memory)
-    if gpu_memory is None:
-        return REFERENCE_FREE - margin(REFERENCE_CARD)
-    return size_option(gpu_memory)
+@dataclass(frozen=True)
+class GpuContext:
+    """Where a run computes and the GPU memory it may hold there, resolved once per run
+    (`GpuRequest.context`)."""
+
+    device: torch.device
+    budget: int | None  # bytes the run may hold on its GPU; None on a CPU (nothing is capped)
+    # What the run's GPU memory plans are made for: `budget` on a GPU; without one (a dry run,
+    # inspect) --gpu-memory, else an 80 GB H100's default (REFERENCE_CARD).
+    plan_budget: int
+
+    @contextlib.contextmanager
+    def enforced(self, what: str, lower: str = "") -> Iterator[None]:
+        """Cap this process's CUDA allocations at the budget for the block (on a GPU); a CUDA
+        out-of-memory error inside it becomes a GpuMemoryError naming `what`, how much it
+        asked for and the options that lower it (`lower`, e.g. "--batch-size --samples").
+        Logs the process's peak reserved so far (never reset: a conversion's follows its
+        calibration's)."""
+        import torch
+
+        try:
+            with _capped(self.device, self.budget):
+                yield
+        except torch.OutOfMemoryError as exc:
+            raise GpuMemoryError(oom_message(str(exc), what, self.budget, lower)) from exc
 
 
-def size_option(gpu_memory: str | int) -> int:
-    """--gpu-memory's value in bytes ('40GiB', or a number of bytes from the Python API)."""
-    if isinstance(gpu_memory, int):
+@dataclass
+class GpuRequest:
+    """What a run asks of its device: the device (--device, picked) and --gpu-memory in bytes
+    (None: what the card has free less `margin`). `context` resolves them the first time a
+    step asks, and every later step of the run gets that same GpuContext."""
+
+    device: torch.device
+    memory: int | None = None
+
+    @functools.cached_property
+    def context(self) -> GpuContext:
+        budget = _resolve(self.device, self.memory)
+        if budget is not None:
+            return GpuContext(self.device, budget, budget)
+        reference = REFERENCE_FREE - margin(REFERENCE_CARD)
+        return GpuContext(self.device, None, reference if self.memory is None else self.memory)
+
+
+def size_option(gpu_memory: str | int | None) -> int | None:
+    """--gpu-memory's value in bytes ('40GiB', or a number of bytes from the Python API; None:
+    not given), read where a command takes it, so that past that point it is bytes."""
+    if gpu_memory is None or isinstance(gpu_memory, int):
         return gpu_memory
     try:
         return parse_size(gpu_memory)
@@ -78,9 +101,9 @@ def margin(total: int) -> int:
     return max(GPU_MEMORY_MARGIN_MIN, int(total * GPU_MEMORY_MARGIN_FRACTION))
 
 
-def resolve(device: torch.device, gpu_memory: str | int | None) -> int | None:
-    """The budget in bytes on `device` (None on a CPU): `gpu_memory` ('40GiB' or bytes), or
-    by default the memory free on the card less `margin`; never more than is free."""
+def _resolve(device: torch.device, gpu_memory: int | None) -> int | None:
+    """The budget in bytes on `device` (None on a CPU): `gpu_memory`, or by default the
+    memory free on the card less `margin`; never more than is free."""
     import torch
 
     if device.type != "cuda":
@@ -94,51 +117,16 @@ def resolve(device: torch.device, gpu_memory: str | int | None) -> int | None:
                                  f"{gib(total)}, less than the safety margin "
                                  f"{gib(margin(total))}; give --gpu-memory SIZE")
         return budget
-    budget = size_option(gpu_memory)
-    if budget > free:
-        raise GpuMemoryError(f"--gpu-memory {gib(budget)} is more than {device} has "
+    if gpu_memory > free:
+        raise GpuMemoryError(f"--gpu-memory {gib(gpu_memory)} is more than {device} has "
                              f"free ({gib(free)} of {gib(total)})")
-    return budget
-
-
-@contextlib.contextmanager
-def enforced(device: torch.device, budget: int | None, what: str, lower: str = ""
-             ) -> Iterator[None]:
-    """Cap this process's CUDA allocations at `budget` for the block (on a GPU); a CUDA
-    out-of-memory error inside it becomes a GpuMemoryError naming `what`, how much it asked
-    for and the options that lower it (`lower`, e.g. "--batch-size --samples"). Logs the
-    process's peak reserved so far (never reset: a conversion's follows its calibration's)."""
-    import torch
-
-    try:
-        with _capped(device, budget):
-            yield
-    except torch.OutOfMemoryError as exc:
-        raise GpuMemoryError(oom_message(str(exc), what, budget, lower)) from exc
-
-
-# The budget each GPU (by index) is capped at while an `enforced` block runs.
-_CAPS: dict[int, int] = {}
+    return gpu_memory
 
 
 def _index(device: torch.device) -> int:
     import torch
 
     return torch.cuda.current_device() if device.index is None else device.index
-
-
-def room(device: torch.device) -> int:
-    """Bytes this process may still allocate on the GPU `device`: what its budget leaves
-    inside an `enforced` block (torch's cache counted as free), else what the card has free.
-    For a step that decides at run time whether something stays on the GPU (REAP
-    compensation's re-fitted matrices), within the same cap as the plan."""
-    import torch
-
-    allocated = torch.cuda.memory_allocated(device)
-    cap = _CAPS.get(_index(device))
-    if cap is not None:
-        return cap - allocated
-    return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - allocated
 
 
 @contextlib.contextmanager
@@ -151,11 +139,9 @@ def _capped(device: torch.device, budget: int | None) -> Iterator[None]:
     index = _index(device)  # the cap needs an index: "cuda" alone names none
     total = torch.cuda.get_device_properties(index).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), index)
-    _CAPS[index] = budget
     try:
         yield
     finally:
-        _CAPS.pop(index, None)
         log.info("GPU memory: peak %s reserved of a %s budget",
                  gib(torch.cuda.max_memory_reserved(device)), gib(budget))
         torch.cuda.empty_cache()

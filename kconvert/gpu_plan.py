@@ -11,8 +11,13 @@ micro-batch (--batch-size) is halved, the hidden states move to pinned host memo
 OBS batch shrinks to one expert before a plan is refused; a refusal says how much the least
 plan needs and which option lowers it, before anything runs.
 
-The figures are upper estimates of what torch's caching allocator reserves; the terms below
-say where each comes from.
+The figures are upper estimates of what torch's caching allocator reserves. The planner only
+adds up and searches: each part's bytes come from the code that allocates them, declared there
+and handed over (a layer's decode: kconvert.calibrate.load; input Grams:
+kconvert.calibrate.forward; eval's logits: kconvert.evaluate.metrics; REAP's repair stream:
+kconvert.pruning.repair; the OBS batches: kconvert.methods.obs; the engine's encode:
+kconvert.engine.execute). What is left below is the planner's own model of one decoder layer's
+forward and its search.
 """
 
 from __future__ import annotations
@@ -20,12 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kconvert.errors import KconvertError
-
-# Decoded fp32 elements per batch of routed experts while a layer's weights are decoded
-# (kconvert.calibrate.load), and what that decode holds per element: the fp32 decode, its
-# copy in the compute dtype and the packed source bytes.
-DECODE_ELEMS = {"cuda": 1 << 28, "cpu": 1 << 24}
-DECODE_BYTES_PER_ELEM = 4 + 2 + 1
 
 # Bytes per token of one decoder layer's forward, in units of the compute dtype's element,
 # beyond the terms counted exactly: residual stream copies (input, norm, attention output,
@@ -38,30 +37,6 @@ RESIDUAL_COPIES = 6
 # largest).
 SCORE_BYTES = 6
 
-# The engine's encode of a work item of E decoded elements: the fp32 decode, the transform's
-# result, the decode of the encoded result and its error (4 fp32 copies), the packed source.
-ENCODE_BYTES_PER_ELEM = 4 * 4 + 2
-# ... plus the NVFP4 encoder's temporaries over one chunk of its rows (kconvert.engine.execute's
-# chunk_elems on a GPU, 16 bytes each: scale candidates, rounded values, errors).
-ENCODE_CHUNK_ELEMS = 1 << 27
-ENCODE_CHUNK_BYTES = ENCODE_CHUNK_ELEMS * 16
-# The engine's item size on a GPU when the budget allows it (kconvert.convert).
-WORK_ELEMS = 1 << 28
-
-# Rows per step of an input Gram's accumulation (kconvert.calibrate.forward.InputGram): its
-# fp32 copy of those rows and the copy of the rows that go to one of its two sums.
-GRAM_ROWS = 1 << 12
-
-
-def gram_bytes(widths: list[int], held_out: bool) -> int:
-    """Device bytes of the input Grams of linears of input `widths` (one per fused set): an
-    fp32 [in, in] sum each, two with `held_out`, and one accumulation step's rows."""
-    if not widths:
-        return 0
-    return 4 * ((2 if held_out else 1) * sum(w * w for w in widths)
-                + 2 * GRAM_ROWS * max(widths))
-
-
 # OBS batches of this many experts keep the GPU busy: a plan gives them that many before it
 # keeps a larger forward micro-batch (and otherwise as many as fit, at least one).
 OBS_BATCH = 8
@@ -69,18 +44,6 @@ OBS_BATCH = 8
 # A routed expert's share of the tokens is planned at HOT_EXPERT times the mean (the Hessian
 # of the busiest expert is built from its routed inputs in fp32).
 HOT_EXPERT = 8
-
-# eval's logits phase: a chunk of LOGIT_ELEMS logits (kconvert.evaluate.metrics, on a GPU) for
-# the source and a candidate and their log-softmaxes, in fp32.
-LOGIT_ELEMS = 1 << 28
-
-# What a plan made without a GPU assumes: an 80 GB H100 (79.2 GiB, about 0.5 GiB of it taken
-# by the CUDA context), less the margin.
-REFERENCE_CARD = 85_031_714_816
-REFERENCE_FREE = REFERENCE_CARD - (1 << 29)
-
-# Tokens REAP's router repair carries in its own stream (kconvert.pruning.repair.RepairSettings).
-REPAIR_TOKENS = 32768
 
 # Small tensors a run keeps (rope tables, statistics accumulators, router scores, cuBLAS
 # workspaces).
@@ -188,7 +151,9 @@ class Shapes:
 
 @dataclass(frozen=True)
 class Forward:
-    """A layer-streamed forward (kconvert.calibrate, kconvert.evaluate, REAP's repair)."""
+    """A layer-streamed forward (kconvert.calibrate, kconvert.evaluate, REAP's repair), built by
+    kconvert.calibrate.plan.forward with the forward's own terms; the other terms are their
+    owners'."""
 
     sequences: int
     seq_len: int
@@ -197,8 +162,13 @@ class Forward:
     models: int = 0  # eval: source and candidates (hidden states each, outputs compared)
     capture: bool = False  # SparseGPT/GPTQ keep the MoE layer's inputs for the Hessians
     rerun: bool = False  # "sequential" Hessians: the layer input is kept to run it again
-    repair_tokens: int = 0  # REAP router repair: tokens of its second stream
-    gram_bytes: int = 0  # input Grams of a layer's targeted linears (GPTQ: attention, dense)
+    repair_bytes: int = 0  # REAP router repair's second stream (kconvert.pruning.repair)
+    gram_bytes: int = 0  # input Grams of a layer's targeted linears (calibrate.forward)
+    # eval: logits per chunk (kconvert.evaluate.metrics), the source's and a candidate's and
+    # their log-softmaxes in fp32
+    logit_elems: int = 0
+    # decoding one layer's weights beside it (kconvert.calibrate.load)
+    decode_bytes: int = field(kw_only=True)
 
     def tokens(self) -> int:
         return self.sequences * self.seq_len
@@ -220,6 +190,24 @@ class Obs:
         """Bytes of an OBS batch of `n` matrices of `bytes_per_matrix` (at least one of the
         largest targeted shape)."""
         return max(n * self.bytes_per_matrix, self.least_bytes)
+
+
+@dataclass(frozen=True)
+class Encode:
+    """The engine's encode of a work item on a GPU, as the engine declares it
+    (kconvert.engine.execute.gpu_encode): the most decoded elements per item, the bytes per
+    decoded element an item holds, and the encoder's chunk (its elements, and the bytes per
+    element of its temporaries)."""
+
+    item_elems: int
+    bytes_per_elem: int
+    chunk_elems: int
+    chunk_bytes_per_elem: int
+
+    def bytes(self, elems: int) -> int:
+        """What the encode of an item of `elems` decoded elements holds."""
+        return elems * self.bytes_per_elem + self.chunk_bytes_per_elem * min(self.chunk_elems,
+                                                                            elems)
 
 
 @dataclass(frozen=True)
@@ -318,16 +306,15 @@ def forward_footprint(s: Shapes, fw: Forward, batch: int, hidden_on_device: bool
         resident.update(weights)
     if fw.capture:
         resident["captured layer inputs"] = tokens * (s.hidden * d + s.top_k * 8)
-    if fw.repair_tokens:
-        resident["repair stream"] = fw.repair_tokens * s.hidden * (d + 4 * 4)
+    if fw.repair_bytes:
+        resident["repair stream"] = fw.repair_bytes
     if fw.gram_bytes:
         resident["input Grams"] = fw.gram_bytes
     layer = weights if fw.models else {}
-    decode = min(DECODE_ELEMS["cuda"], s.layer_elems()) * DECODE_BYTES_PER_ELEM
-    phases = {"decoding a layer": {**layer, "decode": decode},
+    phases = {"decoding a layer": {**layer, "decode": fw.decode_bytes},
               "running a micro-batch": {**layer, "activations": _activations(s, fw, batch)}}
     if fw.models:
-        logits = 4 * 4 * min(LOGIT_ELEMS, batch * fw.seq_len * s.vocab)
+        logits = 4 * 4 * min(fw.logit_elems, batch * fw.seq_len * s.vocab)
         phases["computing logits"] = {"lm_heads": fw.models * s.vocab * s.hidden * d,
                                       "logits": logits}
     return Footprint(resident, phases)
@@ -352,21 +339,12 @@ def plan_forward(s: Shapes, fw: Forward, budget: int, what: str) -> GpuPlan:
     raise _too_small(what, least, budget, "--samples" if fw.capture else "")
 
 
-def _encode_bytes(work_elems: int) -> int:
-    return work_elems * ENCODE_BYTES_PER_ELEM + min(ENCODE_CHUNK_BYTES, 16 * work_elems)
-
-
-def _encode_footprint(elems: int) -> Footprint:
-    return Footprint({"overhead": OVERHEAD},
-                     {"encoding a work item": {"work item": _encode_bytes(elems)}})
-
-
 def plan_conversion(s: Shapes, budget: int, what: str, min_item_elems: int,
-                    work: GpuWork | None = None) -> GpuPlan:
-    """A conversion's plan: the engine's work items (at most WORK_ELEMS decoded elements, at
-    least `min_item_elems`, the largest fused set) and, for a stage that solves OBS batches
-    on calibration inputs (`work`: GPTQ, SparseGPT), the forward beside the engine and the
-    OBS batch.
+                    work: GpuWork | None = None, *, encode: Encode) -> GpuPlan:
+    """A conversion's plan: the engine's work items (at most `encode.item_elems` decoded
+    elements, at least `min_item_elems`, the largest fused set) and, for a stage that solves
+    OBS batches on calibration inputs (`work`: GPTQ, SparseGPT), the forward beside the engine
+    and the OBS batch.
 
     The OBS engine's calibration hands over one MoE layer at a time, weights loaded and
     inputs captured, and waits while the engine solves it: the forward's micro-batch, the OBS
@@ -374,9 +352,11 @@ def plan_conversion(s: Shapes, budget: int, what: str, min_item_elems: int,
     hidden states stay resident through all three, and the engine holds its current item
     while the next layer runs forward."""
     if work is None:
-        fit = (budget - OVERHEAD - ENCODE_CHUNK_BYTES) // ENCODE_BYTES_PER_ELEM
-        elems = max(min(WORK_ELEMS, s.layer_elems(), fit), min_item_elems)
-        fp = _encode_footprint(elems)
+        fit = ((budget - OVERHEAD - encode.chunk_elems * encode.chunk_bytes_per_elem)
+               // encode.bytes_per_elem)
+        elems = max(min(encode.item_elems, s.layer_elems(), fit), min_item_elems)
+        fp = Footprint({"overhead": OVERHEAD},
+                       {"encoding a work item": {"work item": encode.bytes(elems)}})
         if fp.peak > budget:
             raise _too_small(what, fp, budget, "")
         return GpuPlan(budget, work_elems=elems, footprint=fp)
@@ -394,7 +374,7 @@ def plan_conversion(s: Shapes, budget: int, what: str, min_item_elems: int,
         fp.phases["solving an OBS batch"] = {
             "OBS batch": obs.batch(n), "busiest expert's inputs": hot * obs.k * 6,
             "engine's item and result": held + 4 * item}
-        fp.phases["encoding a work item"] = {"work item": _encode_bytes(item)}
+        fp.phases["encoding a work item"] = {"work item": encode.bytes(item)}
         return fp
 
     def most(batch: int, on_device: bool) -> int:
@@ -426,19 +406,19 @@ def plan_conversion(s: Shapes, budget: int, what: str, min_item_elems: int,
                    footprint=footprint(batch, on_device, n))
 
 
-def plan_gpu(ckpt, stages: list, budget: int, what: str, largest_item: int | None = None
-             ) -> GpuPlan:
-    """The GPU memory plan of a conversion of `ckpt` by `stages` (handed to each stage);
-    `largest_item`: the decoded elements of the largest work item once the items are built
-    (a fused set larger than the plan's item size is an item of its own), else a routed
-    expert's gate and up."""
+def plan_gpu(ckpt, stages: list, budget: int, what: str, largest_item: int | None = None, *,
+             encode: Encode) -> GpuPlan:
+    """The GPU memory plan of a conversion of `ckpt` by `stages` (handed to each stage) whose
+    engine encodes as `encode` says; `largest_item`: the decoded elements of the largest work
+    item once the items are built (a fused set larger than the plan's item size is an item of
+    its own), else a routed expert's gate and up."""
     shapes = Shapes.from_config(ckpt.text_config)
     works = [w for s in stages if (w := s.gpu_work(shapes)) is not None]
     if len(works) > 1:
         raise KconvertError("a recipe may have one stage that runs a calibration forward "
                             "beside the conversion")
     plan = plan_conversion(shapes, budget, what, largest_item or shapes.expert_set(),
-                           works[0] if works else None)
+                           works[0] if works else None, encode=encode)
     for stage in stages:
         stage.use_gpu_plan(plan)
     return plan

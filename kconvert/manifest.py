@@ -13,9 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from kconvert.io.files import hash_file
-
-__all__ = ["MANIFEST", "Manifest", "ObsEntry", "hash_file", "read_manifest", "render_manifest"]
+__all__ = ["MANIFEST", "Manifest", "ObsEntry", "read_manifest", "render_manifest"]
 
 MANIFEST = "kconvert-manifest.json"
 SCHEMA_ID = "kconvert-manifest/1"

@@ -52,9 +52,12 @@ def peaks() -> dict[str, float | None]:
 
 
 def main() -> None:
+    from kconvert.calibrate.plan import forward_plan
     from kconvert.calibrate.run import measure_stats
     from kconvert.convert import RunControl, convert
+    from kconvert.evaluate.metrics import LOGIT_ELEMS
     from kconvert.evaluate.run import evaluate
+    from kconvert.gpu_budget import GpuRequest
     from kconvert.io.checkpoint import open_checkpoint
     from kconvert.recipes import load_recipe
 
@@ -74,14 +77,19 @@ def main() -> None:
     source = open_checkpoint(str(src))
     marks = [time.perf_counter()]
     reset_peaks()
-    measure_stats(source, ids, dev, BATCH, on_layer=lambda _layer, _h: marks.append(
+    gpu = GpuRequest(torch.device(dev)).context  # what the commands plan for, once
+    calibration = forward_plan(source, gpu, ids.shape, BATCH, torch.bfloat16, "calibration")
+    measure_stats(source, ids, dev, BATCH, gpu_plan=calibration,
+                  on_layer=lambda _layer, _h: marks.append(
         (torch.cuda.synchronize() if dev == "cuda" else None) or time.perf_counter()))
     calib_layers = [round(b - a, 2) for a, b in itertools.pairwise(marks)]
     res["calibrate"] = {"seconds_per_layer": calib_layers, **peaks()}
 
     candidate = open_checkpoint(str(cand))
     reset_peaks()
-    report = evaluate(source, [candidate], ids, dev, BATCH)
+    report = evaluate(source, [candidate], ids, dev, BATCH, gpu_plan=forward_plan(
+        source, gpu, ids.shape, BATCH, torch.bfloat16, "eval", models=2,
+        logit_elems=LOGIT_ELEMS["cuda"]))
     res["eval"] = {"seconds_per_layer": report.layer_seconds, "seconds": report.seconds,
                    **peaks()}
     res["moe_layer_eval_over_calibrate"] = round(report.layer_seconds[-1] / calib_layers[-1], 2)

@@ -68,11 +68,12 @@ def child(peak_file: str, hog_bytes: int, argv: list[str]) -> None:
 
     info: dict = {}
     if torch.cuda.is_available() and "cpu" not in argv:
-        from kconvert.gpu_budget import resolve
+        from kconvert.gpu_budget import GpuRequest, size_option
 
         dev = torch.device("cuda")
         spec = argv[argv.index("--gpu-memory") + 1] if "--gpu-memory" in argv else None
-        info["budget"] = resolve(dev, spec)  # before the hog: what the command resolves
+        # before the hog: what the command resolves
+        info["budget"] = GpuRequest(dev, size_option(spec)).context.budget
         info["card_bytes"] = torch.cuda.get_device_properties(dev).total_memory
         if hog_bytes:
             info["hog"] = torch.empty(hog_bytes, dtype=torch.uint8, device=dev)
@@ -140,18 +141,20 @@ def run(root: Path, name: str, argv: list[str], timeout: float, hog_bytes: int =
 def least_budget(src: Path, samples: int, seq: int) -> int:
     """The smallest budget whose SparseGPT plan fits on this set (kconvert.gpu_plan), found
     by bisection: one sequence per forward step, one expert per OBS batch at the least."""
-    from kconvert.gpu_plan import Forward, GpuMemoryError, Shapes, plan_conversion
+    from kconvert.calibrate.plan import forward
+    from kconvert.engine.execute import GPU_ENCODE
+    from kconvert.gpu_plan import GpuMemoryError, Shapes, plan_conversion
     from kconvert.methods import obs
     from kconvert.options import BATCH_SIZE
 
     s = Shapes.from_config(json.loads((src / "config.json").read_text()))
-    work = obs.gpu_work(s, Forward(samples, seq, BATCH_SIZE, capture=True), shared=False,
+    work = obs.gpu_work(s, forward(s, samples, seq, BATCH_SIZE, capture=True), shared=False,
                         against_rtn=False)
     lo, hi = 1 << 20, 1 << 40
     while lo < hi:
         mid = (lo + hi) // 2
         try:
-            plan_conversion(s, mid, "sparsify", s.expert_set(), work)
+            plan_conversion(s, mid, "sparsify", s.expert_set(), work, encode=GPU_ENCODE)
             hi = mid
         except GpuMemoryError:
             lo = mid + 1

@@ -18,7 +18,7 @@ Parts (PARTS=stage,kernel,e2e by default; a JSON line each on stdout, all in --j
           with the Triton scale-block kernel (KERNEL, default auto: Triton on CUDA: mask,
           block scale and column loop in one launch per scale block) and, on CUDA, the Triton
           block-scale choice in the RTN comparison and the RTN encode, and the encoder's chunk
-          as the engine sizes it (gpu_plan.ENCODE_CHUNK_ELEMS on a GPU); OBS stage seconds,
+          as the engine sizes it (engine.execute.CHUNK_ELEMS); OBS stage seconds,
           per phase (hessian, inverse, loop, rtn_compare, encode), peak GPU memory.
   kernel  one gate+up batch (KERNEL_EXPERTS, 16) through the loop with the torch path and
           with the Triton kernel, for gptq and sparsegpt: loop seconds of each, and how many
@@ -76,7 +76,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from kconvert import gpu_plan  # noqa: E402
+from kconvert.engine.execute import CHUNK_ELEMS, GPU_ENCODE  # noqa: E402
 from kconvert.formats import nvfp4  # noqa: E402
 from kconvert.methods import obs, sparsegpt, triangular  # noqa: E402
 
@@ -86,7 +86,7 @@ METHODS = {"gptq": None, "sparsegpt": sparsegpt.p48_mask}
 
 def encode_chunk(dev: torch.device) -> int:
     """The encoder's chunk as the engine sizes it (kconvert.engine.execute)."""
-    return gpu_plan.ENCODE_CHUNK_ELEMS if dev.type == "cuda" else 1 << 22
+    return CHUNK_ELEMS.get(dev.type, CHUNK_ELEMS["cpu"])
 
 
 class GpuSampler:
@@ -197,16 +197,18 @@ def obs_share(dev: torch.device, method: str) -> int | None:
     card (kconvert.gpu_plan), so that the stage's batches are the command's; None on a CPU."""
     if dev.type != "cuda":
         return None
-    from kconvert.gpu_budget import resolve
-    from kconvert.gpu_plan import Forward, Shapes, plan_conversion
+    from kconvert.calibrate.plan import forward
+    from kconvert.gpu_budget import GpuRequest
+    from kconvert.gpu_plan import Shapes, plan_conversion
     from kconvert.options import BATCH_SIZE, SEQ_LEN, SPARSEGPT_SAMPLES
     from kconvert.testing.fixtures import k2_config
     from kconvert.testing.header_only import KIMI_K2_THINKING
 
     s = Shapes.from_config(k2_config(KIMI_K2_THINKING, quantized=True))
-    work = obs.gpu_work(s, Forward(SPARSEGPT_SAMPLES, SEQ_LEN, BATCH_SIZE, capture=True),
+    work = obs.gpu_work(s, forward(s, SPARSEGPT_SAMPLES, SEQ_LEN, BATCH_SIZE, capture=True),
                         shared=False, against_rtn=method == "gptq")
-    return plan_conversion(s, resolve(dev, None), method, s.expert_set(), work).obs_bytes
+    return plan_conversion(s, GpuRequest(dev).context.budget, method, s.expert_set(), work,
+                           encode=GPU_ENCODE).obs_bytes
 
 
 def stage_part(dev: torch.device, method: str, experts: int, dims, tokens: int, kernel: str

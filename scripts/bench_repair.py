@@ -57,13 +57,19 @@ def _sync() -> float:
 
 
 def _calibrate(ckpt, ids: torch.Tensor, hook) -> dict:
+    from kconvert.calibrate.plan import forward_plan
     from kconvert.calibrate.run import measure_stats
+    from kconvert.gpu_budget import GpuRequest
+    from kconvert.pruning.repair import stream_bytes
 
     if bc.dev == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     marks = [_sync()]
-    measure_stats(ckpt, ids, bc.dev, bc.BATCH, on_weights=hook,
+    plan = forward_plan(ckpt, GpuRequest(torch.device(bc.dev)).context, ids.shape, bc.BATCH,
+                        torch.bfloat16, "calibration", repair_bytes=stream_bytes(
+                            ckpt.text_config["hidden_size"], 2, ids.numel()))
+    measure_stats(ckpt, ids, bc.dev, bc.BATCH, on_weights=hook, gpu_plan=plan,
               on_layer=lambda _layer, _h: marks.append(_sync()))
     return {"seconds_per_layer": [round(b - a, 2) for a, b in itertools.pairwise(marks)],
             "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)

@@ -496,3 +496,123 @@ def test_no_test_skips_when_an_oracle_or_a_dependency_is_missing():
              for n, line in enumerate(p.read_text().splitlines(), 1)
              if "importorskip(" in line and p.name != "test_architecture.py"]
     assert not found, found
+
+
+# --- The package order and the one GPU budget ---------------------------------------------
+
+# The package order, lowest first, declared once: a module may import its own layer and the
+# layers below it, never one above (a function's lazy import included). A layer is a tuple of
+# module prefixes (a prefix holds the module of that name and every module under it; the
+# package's own `kconvert` holds only itself: the API's lazy entry).
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("kconvert.errors", "kconvert.options", "kconvert.version", "kconvert.events",
+     "kconvert.devices", "kconvert.distributed", "kconvert.callable_package",
+     "kconvert.model"),  # ground
+    ("kconvert.manifest",),
+    ("kconvert.io",),
+    ("kconvert.formats",),
+    ("kconvert.checks",),
+    ("kconvert.gpu_plan", "kconvert.gpu_budget"),
+    ("kconvert.calibrate",),
+    ("kconvert.methods",),
+    ("kconvert.pruning",),
+    ("kconvert.engine",),
+    ("kconvert.stages",),
+    ("kconvert.recipes",),
+    ("kconvert.testing",),  # fixtures: anything below the driver
+    ("kconvert.convert", "kconvert.commands", "kconvert.dry_run", "kconvert.manifest_writer",
+     "kconvert.run_summary"),  # the driver
+    ("kconvert.audit", "kconvert.evaluate", "kconvert.sizing"),  # commands beside conversion
+    ("kconvert.api",),
+    ("kconvert.cli", "kconvert.__main__", "kconvert"),  # entry points
+)
+
+
+def _layers_of(name: str) -> list[int]:
+    return [i for i, layer in enumerate(LAYERS) for prefix in layer
+            if name == prefix or (prefix != "kconvert" and name.startswith(prefix + "."))]
+
+
+def test_every_module_belongs_to_one_layer():
+    found = {name: _layers_of(name) for name in _modules()}
+    wrong = {name: layers for name, layers in found.items() if len(layers) != 1}
+    assert not wrong, f"modules in no layer or in several (LAYERS): {wrong}"
+
+
+def test_no_import_runs_back_up_the_package_order():
+    modules = _modules()
+    found = []
+    for name, path in modules.items():
+        (mine,) = _layers_of(name)
+        for imported, _, line in _imports(path, modules):
+            (theirs,) = _layers_of(imported)
+            if theirs > mine:
+                found.append(f"{path.relative_to(ROOT)}:{line}: {name} imports {imported}, "
+                             "a layer above it")
+    assert not found, "imports up the package order:\n" + "\n".join(found)
+
+
+def test_the_order_check_finds_an_upward_import_and_a_module_in_no_layer(tmp_path,
+                                                                           monkeypatch):
+    """The checks above are not vacuous: io importing the driver inside a function, and a
+    module no layer holds, are reported."""
+    pkg = tmp_path / "kconvert"
+    (pkg / "io").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "io" / "__init__.py").write_text("")
+    (pkg / "io" / "files.py").write_text("def f():\n    from kconvert.convert import g\n")
+    (pkg / "convert.py").write_text("from kconvert.io.files import f\n\n\ndef g():\n    f()\n")
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", pkg)
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    with pytest.raises(AssertionError, match=r"io/files\.py:2: kconvert\.io\.files imports "
+                                             r"kconvert\.convert"):
+        test_no_import_runs_back_up_the_package_order()
+    test_every_module_belongs_to_one_layer()
+    (pkg / "elsewhere.py").write_text("")
+    with pytest.raises(AssertionError, match=r"kconvert\.elsewhere"):
+        test_every_module_belongs_to_one_layer()
+
+
+# The GPU budget is resolved in one place: only kconvert.gpu_budget reads what a card has free
+# (torch.cuda.mem_get_info) and makes a run's GpuContext from it (GpuRequest.context, once per
+# run); every other step is handed that context.
+BUDGET_MODULE = "kconvert.gpu_budget"
+
+
+def test_gpu_budget_resolved_in_one_place():
+    found = []
+    for name, path in _modules().items():
+        if name == BUDGET_MODULE:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            reads = ((isinstance(node, ast.Attribute) and node.attr == "mem_get_info")
+                     or (isinstance(node, ast.alias) and node.name == "mem_get_info"))
+            makes = (isinstance(node, ast.Call)
+                     and getattr(node.func, "id", getattr(node.func, "attr", None))
+                     == "GpuContext")
+            if reads or makes:
+                found.append(f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', '?')}: "
+                             + ("reads the free GPU memory" if reads else "makes a GpuContext"))
+    assert not found, "the GPU budget resolved outside kconvert.gpu_budget:\n" + "\n".join(found)
+
+
+def test_the_budget_check_finds_a_second_resolution(tmp_path, monkeypatch):
+    """The walk above is not vacuous: a step that reads the free memory itself, and one that
+    makes its own GpuContext, are reported; the budget module itself is not."""
+    pkg = tmp_path / "kconvert"
+    (pkg / "calibrate").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "gpu_budget.py").write_text("import torch\n\nfree = torch.cuda.mem_get_info(0)\n")
+    (pkg / "calibrate" / "__init__.py").write_text("")
+    (pkg / "calibrate" / "x.py").write_text("import torch\n\n\ndef f():\n"
+                                            "    return torch.cuda.mem_get_info(0)[0]\n")
+    (pkg / "y.py").write_text("from kconvert.gpu_budget import GpuContext\n\n"
+                              "ctx = GpuContext('cuda', 1, 1)\n")
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", pkg)
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    with pytest.raises(AssertionError) as err:
+        test_gpu_budget_resolved_in_one_place()
+    message = str(err.value)
+    assert "kconvert/calibrate/x.py:5: reads the free GPU memory" in message
+    assert "kconvert/y.py:3: makes a GpuContext" in message
+    assert "gpu_budget.py" not in message

@@ -7,28 +7,24 @@ raised from a patched step."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import click
 import pytest
 import torch
 from click.testing import CliRunner
 
-from conftest import BUNDLED, ROOT
+from conftest import BUNDLED
 from helpers import built_layer
 from kconvert import api, gpu_budget, gpu_plan
+from kconvert.calibrate.plan import forward, forward_plan
 from kconvert.cli import main
 from kconvert.cli.base import KconvertCommand
+from kconvert.engine.execute import GPU_ENCODE
 from kconvert.errors import KconvertError, UsageError
 from kconvert.evaluate.metrics import LOGIT_ELEMS
-from kconvert.gpu_plan import (
-    Forward,
-    GpuMemoryError,
-    GpuWork,
-    Obs,
-    Shapes,
-    plan_conversion,
-    plan_forward,
-)
+from kconvert.gpu_budget import GpuContext, GpuRequest
+from kconvert.gpu_plan import GpuMemoryError, GpuWork, Obs, Shapes, plan_conversion, plan_forward
 from kconvert.io.checkpoint import open_checkpoint
 from kconvert.manifest import MANIFEST
 from kconvert.methods import MethodInputs, obs
@@ -37,7 +33,7 @@ from kconvert.methods.hessians import Calibration, CalibrationHessians
 from kconvert.methods.sparsegpt import SparseGpt
 from kconvert.model.names import Role
 from kconvert.options import parse_size
-from kconvert.pruning.repair import RepairSettings
+from kconvert.pruning.repair import REPAIR_TOKENS, stream_bytes
 from kconvert.sizing.gpu_memory import command_plans
 from kconvert.stages.quantize import Quantize
 from kconvert.stages.sparsify import Sparsify
@@ -95,14 +91,10 @@ def test_layer_weights_match_a_loaded_tiny_layer():
         assert Shapes.from_config(ckpt.text_config).layer_elems() == held
 
 
-def test_constants_shared_with_the_code_they_plan_for():
-    assert LOGIT_ELEMS["cuda"] == gpu_plan.LOGIT_ELEMS
-    assert RepairSettings("bias", 8, "reap").max_tokens == gpu_plan.REPAIR_TOKENS
-    assert obs.experts_per_batch(8, 16, None) == obs.CPU_BATCH
-
-
-@pytest.mark.parametrize("fw", [Forward(1024, 2048, 8), Forward(128, 2048, 8, models=3),
-                                Forward(1024, 2048, 8, repair_tokens=32768)])
+@pytest.mark.parametrize("fw", [
+    forward(KIMI, 1024, 2048, 8),
+    forward(KIMI, 128, 2048, 8, models=3, logit_elems=LOGIT_ELEMS["cuda"]),
+    forward(KIMI, 1024, 2048, 8, repair_bytes=stream_bytes(KIMI.hidden, 2, REPAIR_TOKENS))])
 def test_forward_lowers_its_micro_batch_to_fit(fw):
     plans = {gib: plan_forward(KIMI, fw, gib * GIB, "calibrate") for gib in range(80, 36, -4)}
     assert plans[80].batch_size == 8
@@ -117,23 +109,24 @@ def test_forward_lowers_its_micro_batch_to_fit(fw):
 
 
 def test_hidden_states_move_to_the_host_before_the_micro_batch_shrinks():
-    fw = Forward(1024, 2048, 8)  # 28 GiB of hidden states
+    fw = forward(KIMI, 1024, 2048, 8)  # 28 GiB of hidden states
     assert not plan_forward(KIMI, fw, 75 * GIB, "calibrate").hidden_on_device
-    assert plan_forward(KIMI, Forward(16, 2048, 8), 75 * GIB, "calibrate").hidden_on_device
+    assert plan_forward(KIMI, forward(KIMI, 16, 2048, 8), 75 * GIB,
+                        "calibrate").hidden_on_device
 
 
 def test_a_layer_beyond_the_budget_is_refused_with_what_it_needs():
     with pytest.raises(GpuMemoryError) as err:
-        plan_forward(KIMI, Forward(64, 2048, 8), 30 * GIB, "calibrate")
+        plan_forward(KIMI, forward(KIMI, 64, 2048, 8), 30 * GIB, "calibrate")
     msg = str(err.value)
     assert "calibrate needs at least 3" in msg and "layer weights 31.8 GiB" in msg
     assert "30.0 GiB budget" in msg and "--gpu-memory" in msg and "--device cpu" in msg
 
 
 def test_sparsegpt_splits_the_budget_between_forward_and_obs_batches():
-    fw = Forward(128, 2048, 8, capture=True)
+    fw = forward(KIMI, 128, 2048, 8, capture=True)
     plans = {b: plan_conversion(KIMI, b * GIB, "sparsify", KIMI.expert_set(),
-                                GpuWork(fw, KIMI_OBS))
+                                GpuWork(fw, KIMI_OBS), encode=GPU_ENCODE)
              for b in (40, 48, 60, 75, 139)}
     matrices = [p.obs_matrices for p in plans.values()]
     assert 1 <= matrices[0] < gpu_plan.OBS_BATCH <= matrices[2] <= matrices[-1] <= KIMI.experts
@@ -147,29 +140,31 @@ def test_sparsegpt_splits_the_budget_between_forward_and_obs_batches():
     # the most that fit: one more expert would not
     p = plans[75]
     more = plan_conversion(KIMI, p.footprint.peak + KIMI_OBS.bytes_per_matrix // 2,
-                           "sparsify", KIMI.expert_set(), GpuWork(fw, KIMI_OBS))
+                           "sparsify", KIMI.expert_set(), GpuWork(fw, KIMI_OBS),
+                           encode=GPU_ENCODE)
     assert more.obs_matrices == p.obs_matrices
 
 
 def test_a_budget_too_small_for_one_expert_is_refused():
-    fw = Forward(128, 2048, 8, capture=True)
+    fw = forward(KIMI, 128, 2048, 8, capture=True)
     least = plan_conversion(KIMI, 40 * GIB, "sparsify", KIMI.expert_set(),
-                            GpuWork(Forward(128, 2048, 1, capture=True),
-                                    Obs(KIMI_OBS.bytes_per_matrix, 1, KIMI.hidden)))
+                            GpuWork(forward(KIMI, 128, 2048, 1, capture=True),
+                                    Obs(KIMI_OBS.bytes_per_matrix, 1, KIMI.hidden)),
+                            encode=GPU_ENCODE)
     with pytest.raises(GpuMemoryError, match="--samples") as err:
         plan_conversion(KIMI, least.footprint.peak - 1, "sparsify", KIMI.expert_set(),
-                        GpuWork(fw, KIMI_OBS))
+                        GpuWork(fw, KIMI_OBS), encode=GPU_ENCODE)
     assert "sparsify needs at least" in str(err.value)
 
 
 def test_plain_conversion_items_shrink_with_the_budget():
-    big = plan_conversion(KIMI, 75 * GIB, "quantize", KIMI.expert_set())
-    small = plan_conversion(KIMI, 3 * GIB, "quantize", KIMI.expert_set())
-    assert big.work_elems == gpu_plan.WORK_ELEMS
+    big = plan_conversion(KIMI, 75 * GIB, "quantize", KIMI.expert_set(), encode=GPU_ENCODE)
+    small = plan_conversion(KIMI, 3 * GIB, "quantize", KIMI.expert_set(), encode=GPU_ENCODE)
+    assert big.work_elems == GPU_ENCODE.item_elems
     assert KIMI.expert_set() <= small.work_elems < big.work_elems
     assert small.footprint.peak <= 3 * GIB
     with pytest.raises(GpuMemoryError):
-        plan_conversion(KIMI, GIB, "quantize", KIMI.expert_set())
+        plan_conversion(KIMI, GIB, "quantize", KIMI.expert_set(), encode=GPU_ENCODE)
 
 
 def test_the_oom_line_quotes_the_allocator():
@@ -178,6 +173,43 @@ def test_the_oom_line_quotes_the_allocator():
     assert "37.10 GiB allocated within its 40.0 GiB budget" in line
     assert "lower --batch-size or --samples" in line and "--gpu-memory" in line
     assert "\n" not in line
+
+
+def test_a_run_reads_the_card_once_and_plans_without_one_for_the_reference_card(monkeypatch):
+    """GpuRequest.context reads what the card has free once: every later step of the run gets
+    the same GpuContext. Without a GPU, plans are made for --gpu-memory, else for an 80 GB
+    H100's default budget (a dry run, inspect)."""
+    reads = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info",
+                        lambda device: reads.append(device) or (60 * GIB, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda _device: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda _device: 0)
+    request = GpuRequest(torch.device("cuda", 0))
+    first = request.context
+    assert request.context is first and len(reads) == 1
+    assert first.budget == first.plan_budget == 60 * GIB - gpu_budget.margin(80 * GIB)
+    with pytest.raises(GpuMemoryError, match="more than cuda:0 has free"):
+        _ = GpuRequest(torch.device("cuda", 0), 70 * GIB).context
+    cpu = GpuRequest(torch.device("cpu")).context
+    assert cpu.budget is None and cpu.plan_budget == (
+        gpu_budget.REFERENCE_FREE - gpu_budget.margin(gpu_budget.REFERENCE_CARD))
+    assert GpuRequest(torch.device("cpu"), 40 * GIB).context.plan_budget == 40 * GIB
+
+
+def test_reap_data_and_its_conversion_share_one_gpu_context(tmp_path, monkeypatch):
+    """reap --data: REAP's calibration (the stage's preparation) resolves the run's budget and
+    the conversion after it takes the same GpuContext; it is not resolved again."""
+    made = []
+
+    @dataclass(frozen=True)
+    class Counted(GpuContext):
+        def __post_init__(self):
+            made.append(self)
+
+    monkeypatch.setattr(gpu_budget, "GpuContext", Counted)
+    api.reap(str(BUNDLED), str(tmp_path / "out"), data=str(_data(tmp_path, 4)), keep=8,
+             samples=4, seq_len=16, device="cpu")
+    assert len(made) == 1
 
 
 def _data(tmp_path, n: int = 2):
@@ -199,8 +231,9 @@ def _least_sparsify_bytes() -> int:
     sequence per step, hidden states on the host)."""
     s = Shapes.from_config(json.loads((BUNDLED / "config.json").read_text()))
     plan = plan_conversion(s, 1 << 40, "sparsify", s.expert_set(),
-                           GpuWork(Forward(2, 16, 1, capture=True),
-                                   Obs(obs.batch_bytes(2 * s.moe_inter, s.hidden), 1, s.hidden)))
+                           GpuWork(forward(s, 2, 16, 1, capture=True),
+                                   Obs(obs.batch_bytes(2 * s.moe_inter, s.hidden), 1, s.hidden)),
+                           encode=GPU_ENCODE)
     return plan.footprint.peak
 
 
@@ -308,10 +341,11 @@ def test_both_obs_stages_take_their_batches_from_the_one_plan():
         s = Shapes.from_config(ckpt.text_config)
         for stage in _obs_stages(ckpt):
             hessians = stage.calibration.hessians
-            plan = gpu_plan.plan_gpu(ckpt, [stage], 40 * GIB, stage.name)
+            plan = gpu_plan.plan_gpu(ckpt, [stage], 40 * GIB, stage.name, encode=GPU_ENCODE)
             assert hessians.gpu_plan is plan and plan.obs_matrices >= 1
             assert hessians.obs_budget(torch.device("cuda")) == plan.obs_bytes
             assert hessians.obs_budget(torch.device("cpu")) is None
+            assert obs.experts_per_batch(8, 16, None) == obs.CPU_BATCH
             gptq = stage.name == "quantize"
             assert obs.experts_per_batch(2 * s.moe_inter, s.hidden, plan.obs_bytes,
                                          against_rtn=gptq) == plan.obs_matrices
@@ -323,14 +357,6 @@ def test_both_obs_stages_take_their_batches_from_the_one_plan():
         ckpt.close()
 
 
-def test_no_gpu_step_sizes_itself_from_the_free_memory():
-    """Only the budget itself reads what the card has free (kconvert.gpu_budget.resolve):
-    every other GPU step takes its share from the plan."""
-    readers = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "kconvert").rglob("*.py")
-                     if "mem_get_info" in p.read_text())
-    assert readers == ["kconvert/gpu_budget.py"]
-
-
 def test_each_rank_plans_for_the_hidden_states_of_its_own_batches(monkeypatch):
     """Under torchrun a rank keeps only its batches' hidden states: 2M tokens' (28 GiB) do not
     fit on an 80 GB card beside a Kimi MoE layer, one rank's half does."""
@@ -340,9 +366,10 @@ def test_each_rank_plans_for_the_hidden_states_of_its_own_batches(monkeypatch):
 
     ckpt = SimpleNamespace(text_config=k2_config(KIMI_K2_THINKING, quantized=True))
 
+    gpu = GpuContext(torch.device("cuda"), 75 * GIB, 75 * GIB)
+
     def plan():
-        return gpu_budget.forward_plan(ckpt, (1024, 2048), 8, torch.bfloat16,
-                                       torch.device("cuda"), 75 * GIB, "calibrate")
+        return forward_plan(ckpt, gpu, (1024, 2048), 8, torch.bfloat16, "calibrate")
 
     assert not plan().hidden_on_device
     monkeypatch.setattr(distributed, "world", lambda: 2)
@@ -368,7 +395,7 @@ def test_the_cap_names_the_card_by_index_for_a_bare_cuda_device(monkeypatch):
         monkeypatch.setattr(torch.cuda, name, needs_index(name))
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *_: 1 << 30)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    with gpu_budget.enforced(torch.device("cuda"), 40 << 30, "calibrate"):
+    with GpuContext(torch.device("cuda"), 40 << 30, 40 << 30).enforced("calibrate"):
         pass
     assert [c[0] for c in calls] == ["get_device_properties", "set_per_process_memory_fraction",
                                      "set_per_process_memory_fraction"]

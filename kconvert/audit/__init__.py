@@ -36,12 +36,12 @@ def audit(ckpt: str, *, source: str | None = None, plan: str | None = None,
     (`report.passed`, `report.render()`, `report.to_json()`); a failed check is in the report,
     not an exception. `gpu_memory` caps its GPU memory (kconvert.gpu_budget)."""
     from kconvert.devices import pick_device
-    from kconvert.gpu_budget import enforced, resolve
+    from kconvert.gpu_budget import GpuRequest, size_option
 
-    dev = pick_device(device)
-    with enforced(dev, resolve(dev, gpu_memory), "audit", "--chunk-mb"):
+    gpu = GpuRequest(pick_device(device), size_option(gpu_memory)).context
+    with gpu.enforced("audit", "--chunk-mb"):
         # Through the module, so that a test can stand in for auditor.run_audit.
-        return auditor.run_audit(ckpt, source, plan, device, revision, progress=progress,
+        return auditor.run_audit(ckpt, source, plan, gpu.device, revision, progress=progress,
                                  max_rel_mse=max_rel_mse, chunk=chunk_mb << 20)
 
 

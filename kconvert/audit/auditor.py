@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from kconvert.audit import manifest_checks, p48, scales, source, stream
 from kconvert.audit.context import AuditContext, open_side
 from kconvert.audit.report import Report
@@ -20,15 +22,17 @@ CHUNK = 8 << 20  # default bytes per streamed piece of a plain tensor
 
 
 def run_audit(ckpt: str | Path, source: str | None = None, plan: str | None = None,
-              device: str = "auto", revision: str | None = None, progress: bool = False,
-              max_rel_mse: float | None = None, chunk: int = CHUNK) -> Report:
-    """Audit CKPT; returns the report (`report.passed`). Raises KconvertError when it cannot
-    (CKPT is not a directory, an unreadable plan or source, a bad --device)."""
+              device: str | torch.device = "auto", revision: str | None = None,
+              progress: bool = False, max_rel_mse: float | None = None, chunk: int = CHUNK
+              ) -> Report:
+    """Audit CKPT on `device` (a torch device, or --device's spec for pick_device); returns
+    the report (`report.passed`). Raises KconvertError when it cannot (CKPT is not a
+    directory, an unreadable plan or source, a bad --device)."""
     root = Path(ckpt)
     if not root.is_dir():
         raise KconvertError("CKPT is not a directory", file=str(root))
     report = Report(str(ckpt), source, plan)
-    device_ = pick_device(device)
+    device_ = device if isinstance(device, torch.device) else pick_device(device)
     prune_plan = load_plan(plan) if plan else None
     # A source must be consistent: it is opened as a conversion opens it.
     src = open_side(open_checkpoint(source, revision), report, "source") if source else None

@@ -22,10 +22,11 @@ from pydantic import ValidationError
 from kconvert.audit.bits import short_float
 from kconvert.audit.context import AuditContext
 from kconvert.audit.scales import stored_global_scale
-from kconvert.checks.findings import CONFIG, text_config
+from kconvert.checks.findings import text_config
 from kconvert.checks.quant_config import quant_blocks
 from kconvert.errors import KconvertError, invalid_fields
 from kconvert.formats import SOURCE_CODECS
+from kconvert.io.checkpoint import CONFIG
 from kconvert.io.files import hash_file
 from kconvert.manifest import MANIFEST, read_manifest
 from kconvert.model.names import Role, parse_name

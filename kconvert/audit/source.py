@@ -20,9 +20,10 @@ import torch
 
 from kconvert.audit.bits import same_bits
 from kconvert.audit.context import AuditContext, Side
-from kconvert.checks.findings import CONFIG, short
+from kconvert.checks.findings import short
 from kconvert.formats import DenseCodec, router_format
 from kconvert.formats.base import Codec
+from kconvert.io.checkpoint import CONFIG
 from kconvert.io.files import hash_file
 from kconvert.io.shards import TensorInfo
 from kconvert.model.names import Role, parse_name

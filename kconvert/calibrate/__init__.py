@@ -61,6 +61,7 @@ def calibrate_to(src: str, data: str, output: str, *, samples: int = REAP_SAMPLE
     stats.json, act_stats.json). `gpu_memory` ('40GiB' or bytes) is the GPU memory budget
     (kconvert.gpu_budget; default: what the card has free less a safety margin)."""
     from kconvert.calibrate.startup import phase
+    from kconvert.gpu_budget import size_option
 
     with phase("imports"):
         from kconvert.calibrate.run import run_calibration
@@ -68,7 +69,7 @@ def calibrate_to(src: str, data: str, output: str, *, samples: int = REAP_SAMPLE
     return run_calibration(src, data, output, samples, seq_len, batch_size, seed, device,
                            dtype, tokenizer, revision, overwrite,
                            progress=progress or (lambda _message: None),
-                           gpu_memory=gpu_memory)
+                           gpu_memory=size_option(gpu_memory))
 
 
 callable_package(__name__, calibrate_to)

@@ -19,7 +19,6 @@ from torch import nn
 
 from kconvert.calibrate.data import PAD_ID
 from kconvert.errors import KconvertError
-from kconvert.gpu_plan import GRAM_ROWS
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.model.names import Role, parse_name
 
@@ -63,6 +62,21 @@ class LinearStats:
     def add(self, x: torch.Tensor) -> None:
         if x.shape[0]:
             _accumulate(x, self.amax, self.sq)
+
+
+# Rows per step of an input Gram's accumulation (InputGram): its fp32 copy of those rows and
+# the copy of the rows that go to one of its two sums.
+GRAM_ROWS = 1 << 12
+
+
+def gram_bytes(widths: list[int], held_out: bool) -> int:
+    """Device bytes of the input Grams of linears of input `widths` (one per fused set): an
+    fp32 [in, in] sum each, two with `held_out`, and one accumulation step's rows (the GPU
+    memory plan's term, kconvert.gpu_plan.Forward.gram_bytes)."""
+    if not widths:
+        return 0
+    return 4 * ((2 if held_out else 1) * sum(w * w for w in widths)
+                + 2 * GRAM_ROWS * max(widths))
 
 
 class InputGram:

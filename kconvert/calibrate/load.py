@@ -25,7 +25,6 @@ from kconvert.calibrate.forward import (
 from kconvert.errors import KconvertError
 from kconvert.formats import Codec
 from kconvert.formats.linear import ModuleWork, group_modules
-from kconvert.gpu_plan import DECODE_BYTES_PER_ELEM, DECODE_ELEMS
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.shards import TensorInfo
 from kconvert.model.names import Role, parse_name
@@ -34,10 +33,21 @@ from kconvert.model.names import Role, parse_name
 KV_SCALES = {"k_scale", "v_scale"}
 
 
-def decode_bytes(device: torch.device) -> int:
-    """Device bytes a layer's decode holds at once beside the layer (one batch of routed
-    experts: DECODE_ELEMS decoded elements; the GPU memory plan counts them)."""
-    return DECODE_ELEMS.get(device.type, DECODE_ELEMS["cpu"]) * DECODE_BYTES_PER_ELEM
+# Decoded fp32 elements per batch of routed experts while a layer's weights are decoded, and
+# what that decode holds per element: the fp32 decode, its copy in the compute dtype and the
+# packed source bytes.
+DECODE_ELEMS = {"cuda": 1 << 28, "cpu": 1 << 24}
+DECODE_BYTES_PER_ELEM = 4 + 2 + 1
+
+
+def decode_bytes(device: torch.device, layer_elems: int | None = None) -> int:
+    """Device bytes a layer's decode holds at once beside the layer: one batch of routed
+    experts, DECODE_ELEMS decoded elements (or the layer's `layer_elems` when fewer; the GPU
+    memory plan's term, kconvert.calibrate.plan)."""
+    elems = DECODE_ELEMS.get(device.type, DECODE_ELEMS["cpu"])
+    if layer_elems is not None:
+        elems = min(elems, layer_elems)
+    return elems * DECODE_BYTES_PER_ELEM
 
 
 # Threads reading a layer's routed experts: several reads in flight keep an NVMe queue busy

@@ -20,13 +20,9 @@ from kconvert.calibrate.forward import (
     position_embeddings,
 )
 from kconvert.calibrate.load import build_layer, read_layer, tensors_by_layer
+from kconvert.calibrate.plan import planned_forward
 from kconvert.calibrate.prefetch import LayerPrefetcher
-from kconvert.calibrate.startup import (
-    device_ready,
-    model_code_and_device,
-    phase,
-    start_device,
-)
+from kconvert.calibrate.startup import device_ready, phase, start_device
 from kconvert.calibrate.stats import (
     GATE_WEIGHT,
     META_FILE,
@@ -36,8 +32,9 @@ from kconvert.calibrate.stats import (
     save_stats,
     stats_key,
 )
+from kconvert.devices import pick_device
 from kconvert.errors import KconvertError
-from kconvert.gpu_budget import enforced, forward_plan, resolve
+from kconvert.gpu_budget import GpuRequest
 from kconvert.gpu_plan import GpuPlan, gib
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.model.names import Role, parse_name
@@ -68,9 +65,10 @@ def measure_stats(
     """One layer-streamed pass over `input_ids` [num_seqs, seq_len]; see the module docstring.
 
     `attention_mask` (1 real, 0 padding) is optional: PAD_ID entries of `input_ids` are
-    padding too. Positions are 0..seq_len-1 in every sequence. `batch_size` sequences run
-    through a layer at a time, fewer on a GPU where `gpu_plan` (kconvert.gpu_plan; None:
-    planned here on the default budget) lowers the micro-batch; the hidden states of all
+    padding too. Positions are 0..seq_len-1 in every sequence. `device`: a torch device or
+    --device's spec (kconvert.devices.pick_device). `batch_size` sequences run through a layer
+    at a time, fewer on a GPU where `gpu_plan` (the command's plan, kconvert.calibrate.plan;
+    a GPU needs one) lowers the micro-batch; the hidden states of all
     tokens are kept in `dtype` on the device (`hidden_on_device` None: where the plan puts
     them) or else in CPU memory. `on_layer(L, hidden)` sees layer L's output hidden states
     [num_seqs, seq_len, hidden] (for tests and debugging); `on_captured(L, moe, grams)` sees
@@ -87,7 +85,7 @@ def measure_stats(
     recorded meta. `prefetch` and `prefetch_bytes`: the layer prefetcher's `ahead` and
     `device_bytes` (kconvert.calibrate.prefetch).
     """
-    device = torch.device(device)
+    device = device if isinstance(device, torch.device) else pick_device(device)
     if input_ids.dim() != 2 or input_ids.dtype != torch.long or not input_ids.numel():
         raise KconvertError("input_ids must be a non-empty LongTensor [num_seqs, seq_len]")
     if batch_size < 1:
@@ -110,13 +108,11 @@ def measure_stats(
     layer_tensors = tensors_by_layer(ckpt, n_layers)
 
     t0 = time.perf_counter()
-    device_ready(device)  # the plan's default budget waits for the device: after the imports
+    device_ready(device)  # after the imports, which the CUDA start overlaps
     if device.type == "cuda":
         if gpu_plan is None:
-            gpu_plan = forward_plan(ckpt, input_ids.shape, batch_size, dtype, device,
-                                    resolve(device, None), "calibration",
-                                    capture=on_captured is not None, rerun=rerun_moe,
-                                    repair=on_weights is not None)
+            raise KconvertError("a calibration on a GPU runs within the command's GPU memory "
+                                "plan: give gpu_plan (kconvert.calibrate.plan.forward_plan)")
         # every rank deals the batches alike: the smallest micro-batch any rank's plan allows
         planned = min(distributed.all_gather_object(gpu_plan.batch_size))
         if planned < batch_size:
@@ -256,10 +252,10 @@ def run_calibration(src: str, data: str, out: str, samples: int, seq_len: int, b
                     seed: int, device: str, dtype: str, tokenizer: str | None,
                     revision: str | None, overwrite: bool,
                     progress: Callable[[str], None],
-                    gpu_memory: str | int | None = None) -> CalibrationStats:
+                    gpu_memory: int | None = None) -> CalibrationStats:
     """`kconvert calibrate`: calibrate SRC on the JSONL `data` and write the statistics to
-    `out`; `progress` gets the notes, per-layer lines and the closing summary."""
-    from kconvert.devices import pick_device
+    `out`; `progress` gets the notes, per-layer lines and the closing summary. `gpu_memory`:
+    --gpu-memory in bytes (kconvert.gpu_budget)."""
     from kconvert.io.checkpoint import open_checkpoint
 
     if not distributed.is_main():
@@ -268,8 +264,8 @@ def run_calibration(src: str, data: str, out: str, samples: int, seq_len: int, b
     if (out_dir / META_FILE).exists() and not overwrite:
         raise KconvertError("the directory already holds statistics; pass --overwrite",
                             file=str(out_dir))
-    dev = pick_device(device)
-    start_device(dev)  # CUDA starts while the checkpoint, the data and transformers load
+    gpu = GpuRequest(pick_device(device), gpu_memory)
+    start_device(gpu.device)  # CUDA starts while the checkpoint, the data and transformers load
     with phase("open checkpoint"):
         ckpt = open_checkpoint(src, revision)
     try:
@@ -278,13 +274,10 @@ def run_calibration(src: str, data: str, out: str, samples: int, seq_len: int, b
         if ids.shape[0] < samples:
             progress(f"note: the data gives {_plural(ids.shape[0], 'sequence')} of {seq_len} "
                      f"tokens, fewer than --samples {samples}")
-        model_code_and_device(dev)  # what the budget waits for, after the overlapped imports
-        budget = resolve(dev, gpu_memory)
-        plan = (forward_plan(ckpt, ids.shape, batch_size, getattr(torch, dtype), dev, budget,
-                             "calibrate") if budget is not None else None)
-        with enforced(dev, budget, "calibrate", "--batch-size --samples"):
+        compute = getattr(torch, dtype)
+        with planned_forward(gpu, ckpt, ids.shape, batch_size, compute, "calibrate") as plan:
             stats = measure_stats(
-                ckpt, ids, dev, batch_size, dtype=getattr(torch, dtype),
+                ckpt, ids, gpu.device, batch_size, dtype=compute,
                 meta={"seed": seed, "data": str(Path(data).resolve())}, progress=progress,
                 gpu_plan=plan)
     finally:

@@ -90,7 +90,7 @@ def model_code_and_device(device: torch.device) -> None:
     """On a GPU: transformers' DeepSeek-V3 modules imported (phase "model code") while CUDA
     starts on its thread, then the device ready (phase "CUDA start"): what a command does
     before the first step that waits for the device (its GPU memory budget,
-    kconvert.gpu_budget.resolve), so that the two still overlap. The forward's own "model
+    kconvert.gpu_budget.GpuRequest.context), so that the two still overlap. The forward's own "model
     code" phase then takes no time. Nothing on a CPU (no budget waits there)."""
     if device.type != "cuda":
         return

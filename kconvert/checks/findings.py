@@ -10,8 +10,6 @@ from dataclasses import dataclass
 
 from kconvert.model.names import parse_name
 
-CONFIG = "config.json"
-
 
 @dataclass
 class Finding:

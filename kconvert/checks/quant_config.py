@@ -16,7 +16,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
-from kconvert.checks.findings import CONFIG, Checks, short
+from kconvert.checks.findings import Checks, short
 from kconvert.formats import (
     DenseCodec,
     ct_codec,
@@ -29,6 +29,7 @@ from kconvert.formats import (
 from kconvert.formats.base import Codec, Linear, is_linear
 from kconvert.formats.ct_config import scheme_for
 from kconvert.formats.nvfp4_modelopt import HF_QUANT_CONFIG, excluded, modelopt_view
+from kconvert.io.checkpoint import CONFIG
 from kconvert.model.names import language_model_name
 
 # Disagreements a conversion resolves by following the tensors: it reads every module's format

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kconvert.checks.findings import (
-    CONFIG,
     Checks,
     Finding,
     short,
@@ -31,6 +30,7 @@ from kconvert.errors import KconvertError
 from kconvert.formats import router_format
 from kconvert.formats.base import Linear
 from kconvert.formats.dense import FLOAT_DTYPES
+from kconvert.io.checkpoint import CONFIG
 from kconvert.io.shards import TensorInfo
 from kconvert.model.names import Role, TensorName, parse_name
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kconvert.checks.findings import CONFIG, Checks
+from kconvert.checks.findings import Checks
 from kconvert.errors import KconvertError
 from kconvert.io.checkpoint import (
+    CONFIG,
     INDEX,
     SINGLE,
     Checkpoint,

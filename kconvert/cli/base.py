@@ -173,13 +173,14 @@ def device_option(help_text: str = "auto | cpu | cuda | cuda:N"):
                         help=help_text)
 
 
-def _gpu_memory(_ctx, _param, value: str | None) -> str | None:
-    if value is not None:
-        try:
-            parse_size(value)
-        except ValueError as exc:
-            raise click.BadParameter(str(exc)) from exc
-    return value
+def _gpu_memory(_ctx, _param, value: str | None) -> int | None:
+    """--gpu-memory SIZE in bytes: past the command line it is bytes (kconvert.gpu_budget)."""
+    if value is None:
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
 
 
 def gpu_memory_option(help_text: str = GPU_MEMORY_HELP):

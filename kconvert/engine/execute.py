@@ -15,11 +15,12 @@ from typing import Protocol
 
 import torch
 
-from kconvert import events, gpu_plan
+from kconvert import events
 from kconvert.engine.compute import compute_item, read_item
 from kconvert.engine.sink import ShardSink
 from kconvert.engine.work import Item, WorkPlan
-from kconvert.formats import nvfp4
+from kconvert.formats import SOURCE_CODECS, nvfp4
+from kconvert.gpu_plan import Encode
 from kconvert.io.readahead import read_ahead
 
 # The engine's knobs, read at the start of each run (scripts/bench_cpu_engine.py sets them to
@@ -38,6 +39,25 @@ MMAP_THRESHOLD: int | None = 1 << 20
 # Results computed but not yet written: the compute thread waits (event wait-put) while the
 # writer is RESULT_QUEUE results behind. Each holds an item's output bytes in host memory.
 RESULT_QUEUE = 2
+
+# Rows of a weight the encoder quantizes at a time, in decoded elements, by device: bounds its
+# temporaries and keeps kernel launches few on a GPU.
+CHUNK_ELEMS = {"cuda": 1 << 27, "cpu": 1 << 22}
+
+
+def gpu_encode() -> Encode:
+    """The encode of a work item on a GPU, for the command's memory plan (kconvert.gpu_plan):
+    items of up to 2^28 decoded elements (~18 Kimi expert matrices; fewer where the plan says
+    so), large enough to keep the GPU busy, small enough that prefetch and queued results stay
+    within ~4 GB of host RAM; per decoded element four fp32 copies (the decode, the method's
+    result, the decode of the encoded result and its error), the packed source and the
+    encoder's own outputs, and per element of the encoder's chunk its temporaries: both as
+    the registered formats declare them (the most any declares)."""
+    codecs = SOURCE_CODECS
+    return Encode(item_elems=1 << 28,
+                  bytes_per_elem=4 * 4 + max(c.encode_bytes_per_elem for c in codecs),
+                  chunk_elems=CHUNK_ELEMS["cuda"],
+                  chunk_bytes_per_elem=max(c.encode_chunk_bytes_per_elem for c in codecs))
 
 # Thread masks are read and set per thread through /proc/self/task: Linux only.
 _CAN_PIN = sys.platform.startswith("linux") and hasattr(os, "sched_setaffinity")
@@ -86,7 +106,7 @@ def _execute(plan: WorkPlan, dst: Path, device: torch.device, done: dict[str, di
     if skipped:
         progress(skipped)
     pin = device.type == "cuda"
-    chunk_elems = gpu_plan.ENCODE_CHUNK_ELEMS if device.type == "cuda" else 1 << 22
+    chunk_elems = CHUNK_ELEMS.get(device.type, CHUNK_ELEMS["cpu"])
     results: queue.Queue = queue.Queue(maxsize=RESULT_QUEUE)
     failure: list[BaseException] = []
 

@@ -8,12 +8,11 @@ import math
 
 import torch
 
-from kconvert import gpu_plan
 from kconvert.evaluate.report import LayerError, LogitMetrics
 
 # Logit elements (positions x vocabulary) of one chunk: 2^28 fp32 is 1 GiB on a GPU (the GPU
-# memory plan counts it).
-LOGIT_ELEMS = {"cuda": gpu_plan.LOGIT_ELEMS, "cpu": 1 << 24}
+# memory plan's term, kconvert.gpu_plan.Forward.logit_elems).
+LOGIT_ELEMS = {"cuda": 1 << 28, "cpu": 1 << 24}
 
 
 class LayerErrors:

@@ -21,18 +21,15 @@ from kconvert.calibrate.forward import (
     position_embeddings,
 )
 from kconvert.calibrate.load import build_layer, read_layer, tensors_by_layer
+from kconvert.calibrate.plan import planned_forward
 from kconvert.calibrate.prefetch import LayerPrefetcher
-from kconvert.calibrate.startup import (
-    device_ready,
-    model_code_and_device,
-    phase,
-    start_device,
-)
+from kconvert.calibrate.startup import device_ready, phase, start_device
+from kconvert.devices import pick_device
 from kconvert.errors import KconvertError, UsageError
 from kconvert.evaluate import activations
 from kconvert.evaluate.metrics import LOGIT_ELEMS, LayerErrors, LogitsComparison, NextToken
 from kconvert.evaluate.report import CandidateResult, EvalReport, render_table, save_report
-from kconvert.gpu_budget import enforced, forward_plan, resolve
+from kconvert.gpu_budget import GpuRequest
 from kconvert.gpu_plan import GpuPlan, gib
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.version import __version__
@@ -61,13 +58,14 @@ def evaluate(source: Checkpoint, candidates: list[Checkpoint], input_ids: torch.
     """Compare every candidate with the source on `input_ids` [num_seqs, seq_len] (PAD_ID:
     padding, never measured). One decoder layer of one checkpoint is loaded at a time: the
     source's layer L runs on its stream, then each candidate's layer L runs on the candidate's
-    own stream (accumulated error) and on the source's input to L (local error). Hidden
-    states stay on the device where `gpu_plan` (kconvert.gpu_budget; None: planned here on
-    the default budget) puts them, else in pinned host memory, and stream through the device
-    `batch_size` sequences at a time (fewer where the plan lowers it)."""
+    own stream (accumulated error) and on the source's input to L (local error). `device`: a
+    torch device or --device's spec (kconvert.devices.pick_device). Hidden states stay on the
+    device where `gpu_plan` (the command's plan, kconvert.calibrate.plan; a GPU needs one)
+    puts them, else in pinned host memory, and stream through the device `batch_size`
+    sequences at a time (fewer where the plan lowers it)."""
     from tqdm import tqdm
 
-    device = torch.device(device)
+    device = device if isinstance(device, torch.device) else pick_device(device)
     if input_ids.dim() != 2 or input_ids.dtype != torch.long or not input_ids.numel():
         raise KconvertError("input_ids must be a non-empty LongTensor [num_seqs, seq_len]")
     if not candidates:
@@ -95,11 +93,11 @@ def evaluate(source: Checkpoint, candidates: list[Checkpoint], input_ids: torch.
                                     f"{getattr(cfgs[0], key)}; only models of the same "
                                     "architecture can be compared",
                                     file=str(ckpt.root / "config.json"))
-    device_ready(device)  # the plan's default budget waits for the device: after the imports
+    device_ready(device)  # after the imports, which the CUDA start overlaps
     if device.type == "cuda":
         if gpu_plan is None:
-            gpu_plan = forward_plan(source, input_ids.shape, batch_size, dtype, device, None,
-                                    "eval", models=1 + len(candidates))
+            raise KconvertError("an eval on a GPU runs within the command's GPU memory plan: "
+                                "give gpu_plan (kconvert.calibrate.plan.forward_plan)")
         batch_size = min(batch_size, gpu_plan.batch_size)
     where = device if gpu_plan is None or gpu_plan.hidden_on_device else torch.device("cpu")
     with phase("embedding"):
@@ -261,11 +259,11 @@ def _compare_logits(streams: list[Stream], batches: list[slice], valid: torch.Te
 def run_eval(src: str, candidates: list[str], data: str, out: str | None, samples: int,
              seq_len: int, batch_size: int, seed: int, device: str, dtype: str,
              tokenizer: str | None, quiet: bool, echo: Callable[[str], None],
-             gpu_memory: str | int | None = None) -> EvalReport:
+             gpu_memory: int | None = None) -> EvalReport:
     """`kconvert eval`: SRC against each candidate on the JSONL `data`; the table goes to
-    `echo`, eval.json and eval.png to `out` when it is given."""
+    `echo`, eval.json and eval.png to `out` when it is given. `gpu_memory`: --gpu-memory in
+    bytes (kconvert.gpu_budget)."""
     from kconvert import distributed
-    from kconvert.devices import pick_device
     from kconvert.io.checkpoint import open_checkpoint
 
     if distributed.world() > 1:
@@ -273,8 +271,8 @@ def run_eval(src: str, candidates: list[str], data: str, out: str | None, sample
         raise UsageError("eval runs in one process: run it without torchrun")
     if not Path(data).read_text().strip():
         raise KconvertError("the eval data is empty", file=str(data))
-    dev = pick_device(device)
-    start_device(dev)  # CUDA starts while the checkpoints, the data and transformers load
+    gpu = GpuRequest(pick_device(device), gpu_memory)
+    start_device(gpu.device)  # CUDA starts while the checkpoints, the data and transformers load
     opened: list[Checkpoint] = []
     try:
         with phase("open checkpoint"):
@@ -287,15 +285,12 @@ def run_eval(src: str, candidates: list[str], data: str, out: str | None, sample
             echo(f"note: the data gives {ids.shape[0]} sequence(s) of {seq_len} tokens, "
                  f"fewer than --samples {samples}")
         compute = getattr(torch, dtype)
-        model_code_and_device(dev)  # what the budget waits for, after the overlapped imports
-        budget = resolve(dev, gpu_memory)
-        plan = (forward_plan(opened[0], ids.shape, batch_size, compute, dev, budget, "eval",
-                             models=len(opened)) if budget is not None else None)
-        if plan is not None and plan.batch_size < batch_size and not quiet:
-            echo(f"note: --batch-size {batch_size} lowered to {plan.batch_size} to fit the GPU "
-                 f"memory budget of {gib(budget)} (--gpu-memory)")
-        with enforced(dev, budget, "eval", "--batch-size --samples"):
-            report = evaluate(opened[0], opened[1:], ids, dev, batch_size, dtype=compute,
+        with planned_forward(gpu, opened[0], ids.shape, batch_size, compute, "eval",
+                             models=len(opened), logit_elems=LOGIT_ELEMS["cuda"]) as plan:
+            if plan is not None and plan.batch_size < batch_size and not quiet:
+                echo(f"note: --batch-size {batch_size} lowered to {plan.batch_size} to fit the "
+                     f"GPU memory budget of {gib(plan.budget)} (--gpu-memory)")
+            report = evaluate(opened[0], opened[1:], ids, gpu.device, batch_size, dtype=compute,
                               labels=list(candidates), quiet=quiet, gpu_plan=plan,
                               meta={"source": src, "data": str(Path(data).resolve())})
     finally:

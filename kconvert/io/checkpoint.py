@@ -19,17 +19,17 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kconvert.checks.findings import CONFIG
 from kconvert.errors import KconvertError
 from kconvert.io.shards import ShardReader, TensorInfo
 from kconvert.manifest import MANIFEST
 
+CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 SUPPORTED_MODEL_TYPES = {"kimi_k2", "deepseek_v3"}
 SUPPORTED_ARCHITECTURES = {"DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration"}
 # Files that describe weights and are regenerated for the output, never copied.
-GENERATED_FILES = {INDEX, "config.json", "hf_quant_config.json", MANIFEST,
+GENERATED_FILES = {INDEX, CONFIG, "hf_quant_config.json", MANIFEST,
                    "reap-plan.json"}
 SKIPPED_DIRS = {".git", ".cache", ".kconvert"}
 log = logging.getLogger(__name__)

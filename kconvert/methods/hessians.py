@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 
 from kconvert.calibrate.data import PAD_ID, load_calibration_data
+from kconvert.calibrate.plan import forward
 from kconvert.errors import KconvertError
-from kconvert.gpu_plan import Forward, GpuPlan, GpuWork, Shapes
+from kconvert.gpu_plan import GpuPlan, GpuWork, Shapes
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.methods.obs import HELDOUT_EVERY, HELDOUT_MIN, HessianSplit, gpu_work
 from kconvert.model.names import Role
@@ -105,7 +106,7 @@ class CalibrationHessians:
     def gpu_work(self, shapes: Shapes, *, shared: bool, against_rtn: bool) -> GpuWork:
         """This calibration forward (its inputs captured for the Hessians) and the OBS batches
         beside it, for the command's GPU memory plan (obs.gpu_work)."""
-        return gpu_work(shapes, Forward(*self.input_ids.shape, self.batch_size,
+        return gpu_work(shapes, forward(shapes, *self.input_ids.shape, self.batch_size,
                                         self.dtype.itemsize, capture=True,
                                         rerun=self.sequential),
                         shared=shared, against_rtn=against_rtn, linears=self.gram_roles,

@@ -35,8 +35,9 @@ from typing import NamedTuple
 
 import torch
 
+from kconvert.calibrate.forward import gram_bytes
 from kconvert.formats import nvfp4
-from kconvert.gpu_plan import Forward, GpuWork, Obs, Shapes, gram_bytes
+from kconvert.gpu_plan import Forward, GpuWork, Obs, Shapes
 from kconvert.methods import triangular
 from kconvert.model.names import Role, TensorName
 

@@ -25,11 +25,9 @@ output error is the routed part's error.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,7 +36,7 @@ from torch import nn
 
 from kconvert.calibrate.data import PAD_ID
 from kconvert.calibrate.forward import MoEBlock, embed, model_config, padding_aware_mask
-from kconvert.devices import Stopwatch
+from kconvert.devices import Stopwatch, deterministic
 from kconvert.errors import KconvertError
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.model.names import Role, parse_name
@@ -50,15 +48,23 @@ from kconvert.pruning.reap import CRITERIA, keep_ids, row_hashes, tensor_hash, w
 
 log = logging.getLogger(__name__)
 
+# Calibration tokens the repair stream carries by default, as whole sequences (bounds its
+# memory: hidden states, MoE inputs, targets and `candidates` expert outputs per token, fp32).
+REPAIR_TOKENS = 32768
+
+
+def stream_bytes(hidden: int, dtype_bytes: int, tokens: int) -> int:
+    """Device bytes of the repair stream over `tokens` calibration tokens, at most
+    REPAIR_TOKENS (the GPU memory plan's term, kconvert.gpu_plan.Forward.repair_bytes)."""
+    return min(REPAIR_TOKENS, tokens) * hidden * (dtype_bytes + 4 * 4)
+
 
 @dataclass(frozen=True)
 class RepairSettings:
     method: str  # "bias" or "router"
     keep: int  # experts kept per layer
     criterion: str  # how the plan ranks experts (kconvert.pruning.reap.CRITERIA)
-    # Calibration tokens the repair stream carries, as whole sequences (bounds its memory:
-    # hidden states, MoE inputs, targets and `candidates` expert outputs per token, fp32).
-    max_tokens: int = 32768
+    max_tokens: int = REPAIR_TOKENS  # calibration tokens of the repair stream
     heldout: float = 0.25  # fraction of those sequences held out for the guard
     steps: int = 600
     lr_bias: float = 2e-3
@@ -464,19 +470,6 @@ def output_name(name: str, new_id: int) -> str:
     a kept routed expert's under its new id."""
     tn = parse_name(name)
     return name if tn.role is Role.SHARED_EXPERT else tn.with_expert(new_id).name
-
-
-@contextlib.contextmanager
-def deterministic() -> Iterator[None]:
-    """torch's deterministic kernels (warn-only where none exists): the fit's backward
-    accumulates through indexing, which multi-threaded CPU kernels sum in varying order."""
-    was, warn = (torch.are_deterministic_algorithms_enabled(),
-                 torch.is_deterministic_algorithms_warn_only_enabled())
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(was, warn_only=warn)
 
 
 def with_repair(plan: PrunePlan, repair: RouterRepair) -> PrunePlan:

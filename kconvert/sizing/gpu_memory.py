@@ -3,16 +3,13 @@ its default options on the checkpoint's shapes."""
 
 from __future__ import annotations
 
-from kconvert.gpu_plan import (
-    REPAIR_TOKENS,
-    Forward,
-    GpuMemoryError,
-    Shapes,
-    plan_conversion,
-    plan_forward,
-)
+from kconvert.calibrate.plan import forward
+from kconvert.engine.execute import gpu_encode
+from kconvert.evaluate.metrics import LOGIT_ELEMS
+from kconvert.gpu_plan import GpuMemoryError, Shapes, plan_conversion, plan_forward
 from kconvert.methods import obs
 from kconvert.options import BATCH_SIZE, EVAL_SAMPLES, REAP_SAMPLES, SEQ_LEN, SPARSEGPT_SAMPLES
+from kconvert.pruning.repair import REPAIR_TOKENS, stream_bytes
 
 
 def command_plans(text_config: dict, budget: int) -> dict[str, dict]:
@@ -21,22 +18,24 @@ def command_plans(text_config: dict, budget: int) -> dict[str, dict]:
     item size; or the refusal."""
     s = Shapes.from_config(text_config)
     least = s.expert_set()
-    obs_forward = Forward(SPARSEGPT_SAMPLES, SEQ_LEN, BATCH_SIZE, capture=True)
+    obs_forward = forward(s, SPARSEGPT_SAMPLES, SEQ_LEN, BATCH_SIZE, capture=True)
     makers = {
-        "calibrate": lambda: plan_forward(s, Forward(REAP_SAMPLES, SEQ_LEN, BATCH_SIZE), budget,
-                                          "calibrate"),
-        "eval": lambda: plan_forward(s, Forward(EVAL_SAMPLES, SEQ_LEN, BATCH_SIZE, models=2),
+        "calibrate": lambda: plan_forward(s, forward(s, REAP_SAMPLES, SEQ_LEN, BATCH_SIZE),
+                                          budget, "calibrate"),
+        "eval": lambda: plan_forward(s, forward(s, EVAL_SAMPLES, SEQ_LEN, BATCH_SIZE, models=2,
+                                                logit_elems=LOGIT_ELEMS["cuda"]),
                                      budget, "eval"),
         "reap --data --repair router": lambda: plan_forward(
-            s, Forward(REAP_SAMPLES, SEQ_LEN, BATCH_SIZE, repair_tokens=REPAIR_TOKENS),
+            s, forward(s, REAP_SAMPLES, SEQ_LEN, BATCH_SIZE,
+                       repair_bytes=stream_bytes(s.hidden, 2, REPAIR_TOKENS)),
             budget, "reap"),
         "sparsify --method sparsegpt": lambda: plan_conversion(
             s, budget, "sparsify", least, obs.gpu_work(s, obs_forward, shared=False,
-                                                       against_rtn=False)),
+                                                       against_rtn=False), encode=gpu_encode()),
         "quantize --method gptq": lambda: plan_conversion(
             s, budget, "quantize", least, obs.gpu_work(s, obs_forward, shared=False,
-                                                       against_rtn=True)),
-        "quantize": lambda: plan_conversion(s, budget, "quantize", least),
+                                                       against_rtn=True), encode=gpu_encode()),
+        "quantize": lambda: plan_conversion(s, budget, "quantize", least, encode=gpu_encode()),
     }
     out = {}
     for name, make in makers.items():

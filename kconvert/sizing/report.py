@@ -161,9 +161,8 @@ def inspect_checkpoint(src: str, options: Options, *, gpus: int | None = None,
     """Inspect SRC (a directory or Hub repo id) from its headers and config alone; the GPU
     memory plans are for `gpu_memory` (default: this machine's first GPU's default budget,
     else an 80 GB H100's)."""
-    import torch
-
-    from kconvert.gpu_budget import planning_budget
+    from kconvert.devices import pick_device
+    from kconvert.gpu_budget import GpuRequest, size_option
     from kconvert.io.remote import open_headers
     from kconvert.sizing.gpu_memory import command_plans
 
@@ -178,8 +177,7 @@ def inspect_checkpoint(src: str, options: Options, *, gpus: int | None = None,
                   [len(r) for r in stage_layers(num_layers, par.pp)],
                   None if gpu_mem is None else int(gpu_mem * mem_util * GIB), context)
         source = [(parse_name(n), i.nbytes) for n, i in ckpt.tensors.items()]
-        budget = planning_budget(torch.device("cuda" if torch.cuda.is_available() else "cpu"),
-                                 gpu_memory)
+        budget = GpuRequest(pick_device("auto"), size_option(gpu_memory)).context.plan_budget
         warnings = []
         if context and text.get("max_position_embeddings") and \
                 context > text["max_position_embeddings"]:

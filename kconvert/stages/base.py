@@ -15,10 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from kconvert.engine.stage import Stage, StageRecord
 from kconvert.errors import KconvertError, UsageError
+from kconvert.gpu_budget import GpuRequest
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.methods import Method, method_named, methods_of
 from kconvert.methods.hessians import Calibration
@@ -53,11 +52,12 @@ class StageKind:
     # (kind, why): a stage kind that must come later in the same recipe.
     followed_by: tuple[str, str] | None = None
     # (the recipe's [[stages]] tables with the options given laid over them (`stage_settings`),
-    # the options given by name, the run's device) ->
+    # the options given by name, the run's GPU request: its device, and the budget resolved
+    # once for the run) ->
     # make(ckpt), which makes the stage's input (an input_type) from the opened source, or None
     # when this run needs none. Called once per run before the source is opened, so the
     # options are checked before anything is read.
-    prepare: Callable[[tuple[dict, ...], dict[str, Any], torch.device],
+    prepare: Callable[[tuple[dict, ...], dict[str, Any], GpuRequest],
                       Callable[[Checkpoint], Any] | None] | None = None
 
     @property
@@ -118,14 +118,14 @@ def _uses(table: dict[str, Any], option: str) -> bool:
     return option in table
 
 
-def prepare_method(stage: str) -> Callable[[tuple[dict, ...], dict[str, Any], torch.device],
+def prepare_method(stage: str) -> Callable[[tuple[dict, ...], dict[str, Any], GpuRequest],
                                           Callable[[Checkpoint], Calibration] | None]:
     """StageKind.prepare of a stage kind whose method may need calibration data: the method's
     calibration from --data (None for a method that needs none). Refuses --data or --stats that
     neither this run's method nor another stage of the recipe uses, and a method without
     what it needs."""
 
-    def prepare(stages: tuple[dict, ...], options: dict[str, Any], device: torch.device
+    def prepare(stages: tuple[dict, ...], options: dict[str, Any], gpu: GpuRequest
                 ) -> Callable[[Checkpoint], Calibration] | None:
         tables = [t for t in stages if t["stage"] == stage]
         if not tables:
@@ -151,7 +151,7 @@ def prepare_method(stage: str) -> Callable[[tuple[dict, ...], dict[str, Any], to
         def make(ckpt: Checkpoint) -> Calibration:
             samples, seq_len, batch_size, seed = calibration_run(options, method.samples)
             return Calibration.from_file(ckpt, options["data"], samples, seq_len, batch_size,
-                                         seed, device)
+                                         seed, gpu.device)
 
         return make
 

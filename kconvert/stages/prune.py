@@ -16,6 +16,7 @@ from pydantic import Field
 
 from kconvert.engine.stage import Stage, StageRecord
 from kconvert.errors import KconvertError, UsageError
+from kconvert.gpu_budget import GpuRequest
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.model.names import Role, TensorName
 from kconvert.options import COMPENSATIONS, REAP_SAMPLES, REPAIRS, calibration_run
@@ -171,12 +172,12 @@ def prune_stage(plan: PrunePlan, ckpt: Checkpoint,
                  + compensated_tensors(plan, matrices or {}))
 
 
-def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
+def prepare(stages: tuple[dict, ...], options: dict, gpu: GpuRequest
             ) -> Callable[[Checkpoint], Prune]:
     """The Prune stage from --plan, or a plan from --stats or --data (REAP calibration, with
     router repair in the same pass when --repair or the recipe asks for it, its micro-batch
-    within the run's GPU memory budget, `options["gpu_memory"]`). The options are checked
-    now, before the source is opened."""
+    within the run's GPU memory budget, `gpu`'s). The options are checked now, before the
+    source is opened."""
     plan, stats, data = options.get("plan"), options.get("stats"), options.get("data")
     if sum(x is not None for x in (plan, stats, data)) > 1:
         raise UsageError("give only one of --plan, --stats and --data")
@@ -195,10 +196,10 @@ def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
 
     def make(ckpt: Checkpoint) -> Prune:
         from kconvert.calibrate.data import load_calibration_data
+        from kconvert.calibrate.plan import planned_forward
         from kconvert.calibrate.run import measure_stats
-        from kconvert.calibrate.startup import model_code_and_device, phase, start_device
+        from kconvert.calibrate.startup import phase, start_device
         from kconvert.calibrate.stats import save_stats
-        from kconvert.gpu_budget import enforced, forward_plan, resolve
         from kconvert.pruning.reap import (
             check_plan_keep,
             keep_count,
@@ -206,7 +207,12 @@ def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
             scores_from_stats,
             scores_of,
         )
-        from kconvert.pruning.repair import RepairSettings, RouterRepair, with_repair
+        from kconvert.pruning.repair import (
+            RepairSettings,
+            RouterRepair,
+            stream_bytes,
+            with_repair,
+        )
 
         if plan is not None:
             loaded = load_plan(plan)
@@ -219,25 +225,23 @@ def prepare(stages: tuple[dict, ...], options: dict, device: torch.device
             scores = scores_from_stats(stats)
         else:
             samples, seq_len, batch_size, seed = calibration_run(options, REAP_SAMPLES)
-            start_device(device)  # CUDA starts while the data and transformers load
+            start_device(gpu.device)  # CUDA starts while the data and transformers load
             with phase("data"):
                 ids = load_calibration_data(data, ckpt.root, samples, seq_len, seed)
-            model_code_and_device(device)  # what the budget waits for, after those
-            budget = resolve(device, options.get("gpu_memory"))
             refit = repair != "none" or compensate != "none"
-            gpu = None if budget is None else forward_plan(
-                ckpt, ids.shape, batch_size, torch.bfloat16, device, budget,
-                "REAP's calibration", repair=refit)
-            with enforced(device, budget, "REAP's calibration", "--batch-size --samples"):
+            stream = (stream_bytes(ckpt.text_config["hidden_size"], torch.bfloat16.itemsize,
+                                   ids.numel()) if refit else 0)
+            with planned_forward(gpu, ckpt, ids.shape, batch_size, torch.bfloat16,
+                                 "REAP's calibration", repair_bytes=stream) as memory:
                 if refit:
                     scratch = (spill_directory(options.get("dst")) if compensate != "none"
                                else None)
                     fixer = RouterRepair(
                         ckpt, ids, RepairSettings(repair, keep, criterion, compensate=compensate),
-                        device, batch_size=batch_size if gpu is None else gpu.batch_size,
+                        gpu.device, batch_size=batch_size if memory is None else memory.batch_size,
                         spill=Path(scratch.name) if scratch else None)
-                measured = measure_stats(ckpt, ids, device, batch_size, on_weights=fixer,
-                                         gpu_plan=gpu)
+                measured = measure_stats(ckpt, ids, gpu.device, batch_size, on_weights=fixer,
+                                         gpu_plan=memory)
             if options.get("save_stats"):
                 save_stats(measured, options["save_stats"])
             scores = scores_of(measured)

@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import BUNDLED
+from kconvert import options
 from kconvert.cli import main
 from kconvert.version import __version__
 
@@ -51,17 +52,19 @@ def test_cli_choice_lists_are_the_implementation_lists():
     from kconvert.audit import auditor
     from kconvert.cli import base as cli
     from kconvert.formats import OUTPUT_CODECS, DenseCodec
+    from kconvert.methods import methods_of
     from kconvert.pruning import reap
     from kconvert.stages import sparsify
 
     assert tuple(OUTPUT_CODECS) == cli.FORMATS
     assert tuple(sorted(reap.CRITERIA)) == cli.CRITERIA
-    assert cli.METHODS == sparsify.METHODS and cli.STORAGES == sparsify.STORAGES
+    assert tuple(methods_of("sparsify")) == cli.METHODS
+    assert cli.STORAGES == options.SPARSIFY_STORAGES
     assert cli.AUDIT_CHUNK_MB << 20 == auditor.CHUNK
     choices = {p.name: p.type.choices for p in main.commands["run"].params
                + main.commands["dequant"].params if isinstance(p.type, click.Choice)}
     assert tuple(map(int, choices["group_size"])) == sparsify.GROUP_SIZES
-    assert set(choices["dtype"]) == set(DenseCodec.DTYPES)
+    assert set(choices["dtype"]) == set(DenseCodec.OUTPUT_DTYPES)
 
 
 CONVERSION_COMMANDS = ("int4-to-nvfp4", "quantize", "dequant", "reap", "sparsify", "densify")
