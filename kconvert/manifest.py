@@ -13,7 +13,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-__all__ = ["MANIFEST", "Manifest", "ObsEntry", "read_manifest", "render_manifest"]
+__all__ = ["MANIFEST", "LearnedEntry", "Manifest", "ObsEntry", "read_manifest",
+           "render_manifest"]
 
 MANIFEST = "kconvert-manifest.json"
 SCHEMA_ID = "kconvert-manifest/1"
@@ -54,6 +55,22 @@ class ObsEntry(BaseModel):
                     "calibration: all its tokens (too few to hold any out)")
 
 
+class LearnedEntry(BaseModel):
+    """A learned method's choice for one matrix (kconvert.methods.learned): an expert's gate,
+    up and down are judged together, on its held-out routed tokens."""
+
+    method: str = Field(description="what was written: learned, or the one-shot method's "
+                                    "result where the learned one's error was not smaller")
+    oneshot: str = Field(description="the method it started from and was judged against")
+    learned_error: float | None = Field(description="sum over held-out routed tokens of "
+                                        "g^2 |f(x) - f_source(x)|^2 of the expert as learned "
+                                        "(None: too few tokens to judge)")
+    oneshot_error: float | None = Field(description="the same of the one-shot result")
+    steps: int
+    fit_tokens: int = Field(description="the expert's routed tokens it trained on")
+    held_out_tokens: int = Field(description="every 8th of its routed tokens, judged on")
+
+
 class SourceEntry(BaseModel):
     path: str | None = None
     repo: str | None = None
@@ -88,9 +105,11 @@ class Manifest(BaseModel):
     summary: dict[str, float | int]
     dropped: dict[str, str] = Field(default_factory=dict,
                                     description="source tensor or file -> why it is not in DST")
-    obs: dict[str, ObsEntry] = Field(
-        default_factory=dict, description="quantize --method gptq: module -> GPTQ or RTN, "
-                                          "whichever has the smaller output error")
+    obs: dict[str, ObsEntry | LearnedEntry] = Field(
+        default_factory=dict, description="a method judged against a baseline: module -> "
+                                          "its choice (gptq: GPTQ or RTN; learned: learned or "
+                                          "the one-shot result), whichever has the smaller "
+                                          "held-out output error")
 
 
 def render_manifest(manifest: Manifest) -> str:

@@ -16,6 +16,7 @@ from kconvert.manifest import (
     FileEntry,
     FusedSetEntry,
     LayerEntry,
+    LearnedEntry,
     Manifest,
     ObsEntry,
     SourceEntry,
@@ -53,7 +54,8 @@ def build_manifest(ckpt: Checkpoint, plan: WorkPlan, records: dict[str, dict], c
             continue
         rel = st["err_sq"] / st["ref_sq"] if st["ref_sq"] else 0.0
         by_layer.setdefault(str(m.tn.layer), []).append(rel)
-    obs = {m: ObsEntry(**st["obs"]) for m, st in sorted(stats.items()) if st.get("obs")}
+    obs = {m: (LearnedEntry if "oneshot" in st["obs"] else ObsEntry)(**st["obs"])
+           for m, st in sorted(stats.items()) if st.get("obs")}
     for layer, rels in sorted(by_layer.items()):
         layers[layer] = LayerEntry(quantized_modules=len(rels), rel_mse_mean=sum(rels) / len(rels),
                                    rel_mse_max=max(rels))

@@ -12,6 +12,7 @@ from __future__ import annotations
 from kconvert.errors import KconvertError
 from kconvert.methods.base import Method, MethodInputs
 from kconvert.methods.gptq import Gptq
+from kconvert.methods.learned import LearnedNvfp4, LearnedP48
 from kconvert.methods.magnitude import Magnitude
 from kconvert.methods.rtn import Rtn
 from kconvert.methods.sparsegpt import SparseGpt
@@ -20,7 +21,8 @@ from kconvert.methods.wanda import Wanda
 # (stage kind, name) -> method: a name means one method per stage kind (`learned` is p48's in
 # sparsify and NVFP4's in quantize).
 METHODS: dict[tuple[str, str], type[Method]] = {
-    (m.stage, m.name): m for m in (Rtn, Gptq, Magnitude, Wanda, SparseGpt)}
+    (m.stage, m.name): m for m in (Rtn, Gptq, LearnedNvfp4, Magnitude, Wanda, SparseGpt,
+                                   LearnedP48)}
 
 
 def methods_of(stage: str) -> dict[str, type[Method]]:

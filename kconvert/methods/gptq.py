@@ -35,7 +35,8 @@ class Gptq(ObsMethod):
         return m.tn.role in self.roles
 
     def record(self) -> dict[str, object]:
-        return {**super().record(), "gptq_targets": sorted(r.value for r in self.roles)}
+        return {**super().record(), "gptq_targets": sorted(r.value for r in self.roles),
+                **self.sequential_record()}
 
     def transform_batch(self, batch) -> Transformed:
         modules, w, codec, spec, amax = batch

@@ -72,7 +72,7 @@ class CalibrationHessians:
         # The command's GPU memory plan (kconvert.gpu_plan), set before the first layer is
         # asked for: the forward's micro-batch, where its hidden states live, the OBS share.
         self.gpu_plan: GpuPlan | None = None
-        self._replaced: set[tuple[int, int]] = set()  # (layer, expert): gate/up replaced
+        self._replaced: set[tuple[int, int | None]] = set()  # (layer, expert): gate/up replaced
         self._handoffs: queue.Queue = queue.Queue(maxsize=1)
         self._release = threading.Event()
         self._thread: threading.Thread | None = None
@@ -205,17 +205,21 @@ class CalibrationHessians:
                      else moe.routed_inputs(expert))
             return x.float().to(self.device)
 
-    def replace(self, layer: int, expert: int, proj: str, w: torch.Tensor) -> None:
-        """Put the compressed weights w [out, in] of one expert linear into the layer the
-        pass runs again (`sequential` only)."""
+    def replace(self, layer: int, expert: int | None, proj: str, w: torch.Tensor) -> None:
+        """Put the compressed weights w [out, in] of one expert linear (`expert` None: the
+        shared expert's) into the layer the pass runs again (`sequential` only)."""
         moe = self.moe_layer(layer)
-        if proj == "down_proj":
+        if expert is None:
+            target = getattr(moe.shared_experts, proj).weight
+        elif proj == "down_proj":
             target = moe.experts.down[expert]
         else:
             rows = slice(0, moe.inter) if proj == "gate_proj" else slice(moe.inter, None)
             target = moe.experts.gate_up[expert, rows]
+        if proj != "down_proj":
             self._replaced.add((layer, expert))
-        target.copy_(w)
+        with torch.no_grad():
+            target.copy_(w)
 
     def close(self) -> None:
         """Stop the calibration pass (the layers after the last one asked for are not needed)

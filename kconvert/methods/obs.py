@@ -353,7 +353,6 @@ def quantize_batches(w: torch.Tensor, gs: torch.Tensor, members: Sequence[Member
                      hessian: Callable[[Member], HessianSplit], group_size: int, rule: str,
                      local_dtype: torch.dtype, arithmetic: str, *, mask: MaskRule | None = None,
                      against_rtn: bool = False, budget: int | None = None,
-                     written: Callable[[int, torch.Tensor], None] | None = None,
                      ) -> tuple[torch.Tensor, torch.Tensor, list[Choice] | None]:
     """OBS-quantize w [B, M, K] (B matrices, per-matrix global scales gs [B]), batching the
     Hessian-sharing groups of `members` (one per matrix) `experts_per_batch(budget)` at a time.
@@ -362,8 +361,7 @@ def quantize_batches(w: torch.Tensor, gs: torch.Tensor, members: Sequence[Member
     is kept (RTN's values and codes are the encoder's own, so an RTN choice gives exactly the
     bytes of a run without OBS); the choices come back per matrix. The comparison is on the
     held-out tokens' Hessian where `hessian` gives one, else on the fitted one.
-    `written(i, w_hat_i)` sees each matrix's result as soon as its batch is done (SparseGPT's
-    sequential Hessians). Returns (weights [B, M, K], block codes uint8 [B, M, K/group_size],
+    Returns (weights [B, M, K], block codes uint8 [B, M, K/group_size],
     choices or None).
     """
     keys = [mb.key for mb in members]
@@ -406,9 +404,6 @@ def quantize_batches(w: torch.Tensor, gs: torch.Tensor, members: Sequence[Member
         out[idx] = w_hat.reshape(-1, m, k)
         out_codes[idx] = codes.reshape(-1, m, k // group_size)
         del w_hat
-        if written is not None:
-            for j in rows:
-                written(j, out[j])
     return out, out_codes, (choices if against_rtn else None)  # type: ignore[return-value]
 
 

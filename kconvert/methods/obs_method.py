@@ -1,15 +1,21 @@
-"""What the OBS engine's methods (GPTQ, SparseGPT) share as methods: their calibration, which
-streams layers forward beside the conversion and hands each MoE layer's Hessians over
-(kconvert.methods.hessians), and the memory and work-item sizes that follow from it."""
+"""What the data-driven methods (GPTQ, SparseGPT, the learned ones) share: their calibration,
+which streams layers forward beside the conversion and hands each MoE layer's inputs over
+(kconvert.methods.hessians), whose layers' inputs come from the source (`--hessian source`)
+or from the already-compressed model (`sequential`: each routed and shared expert's written
+values go back into the layer, which is run again before the next), and the memory and
+work-item sizes that follow from it."""
 
 from __future__ import annotations
 
 import torch
 
+from kconvert.errors import KconvertError
 from kconvert.formats import nvfp4
+from kconvert.formats.linear import Transformed
 from kconvert.methods import obs
 from kconvert.methods.base import Method
 from kconvert.methods.hessians import Calibration
+from kconvert.options import HESSIANS
 
 
 class ObsMethod(Method):
@@ -18,12 +24,52 @@ class ObsMethod(Method):
     needs = "data"
     ordered_layers = True
     grid = "NVFP4"
+    settings = ("hessian",)
     shared_experts = False  # whether it solves the shared experts too (their Hessians: every token)
     against_rtn = False  # whether each result is kept only where it beats round-to-nearest
+
+    def __init__(self, inputs) -> None:
+        super().__init__(inputs)
+        self.hessian = str(inputs.settings.get("hessian", HESSIANS[0]))
+        self.calibration.hessians.sequential = self.hessian == "sequential"
+
+    @classmethod
+    def check_settings(cls, settings) -> None:
+        if settings.get("hessian", HESSIANS[0]) not in HESSIANS:
+            raise KconvertError(f"unknown --hessian {settings['hessian']!r}; choose from "
+                                f"{HESSIANS}")
 
     @property
     def calibration(self) -> Calibration:
         return self.inputs.calibration  # type: ignore[return-value]
+
+    def transform(self, batches):
+        """Each batch on its own; with sequential inputs its written values go back into the
+        calibration's layer as soon as it is done (a layer's down_proj batches come first in
+        its items, so their Hessians are the layer's as it came)."""
+        out = []
+        for batch in batches:
+            made = self.transform_batch(batch)
+            if self.calibration.hessians.sequential:
+                self.write_back(batch, made)
+            out.append(made)
+        return out
+
+    def write_back(self, batch, made: Transformed) -> None:
+        """The values the encoder writes for `batch` (`made` on NVFP4's grid) into the
+        calibration's layer, for its run again (routed and shared experts)."""
+        values = made.weights
+        if made.codes is not None:
+            b, m, k = values.shape
+            gs = nvfp4.tensor_scale(batch.amax, batch.codec.arithmetic).to(values.device)
+            blocks = values.reshape(b * m, made.codes.shape[-1], -1)
+            values = nvfp4.fake_quantize(blocks, made.codes.reshape(b * m, -1),
+                                         gs.repeat_interleave(m).reshape(-1, 1),
+                                         batch.codec.arithmetic).reshape(b, m, k)
+        for i, mod in enumerate(batch.modules):
+            if mod.tn.role in obs.EXPERT_ROLES:
+                self.calibration.hessians.replace(mod.tn.layer, mod.tn.expert, mod.tn.proj,
+                                                  values[i])
 
     @classmethod
     def supports(cls, codec) -> bool:
@@ -33,6 +79,11 @@ class ObsMethod(Method):
     def record(self) -> dict[str, object]:
         return {"method": self.name, "percdamp": obs.PERCDAMP, "blocksize": obs.BLOCKSIZE,
                 "data": self.calibration.data}
+
+    def sequential_record(self) -> dict[str, object]:
+        """`hessian` in the record where it is not the default (records made before the
+        option existed are unchanged)."""
+        return {"hessian": self.hessian} if self.hessian != HESSIANS[0] else {}
 
     def work_elems(self, device: torch.device) -> int | None:
         """Items on a CPU sized as the engine's batches (on a GPU the memory plan sizes them)."""

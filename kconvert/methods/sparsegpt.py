@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from kconvert.errors import KconvertError
 from kconvert.formats import nvfp4, p48
 from kconvert.formats.linear import Transformed
 from kconvert.methods import obs
 from kconvert.methods.obs_method import ObsMethod
-from kconvert.options import HESSIANS
 
 
 def p48_mask(wg: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -52,18 +50,6 @@ class SparseGpt(ObsMethod):
 
     name = "sparsegpt"
     stage = "sparsify"
-    settings = ("hessian",)
-
-    def __init__(self, inputs) -> None:
-        super().__init__(inputs)
-        self.hessian = str(inputs.settings.get("hessian", HESSIANS[0]))
-        self.calibration.hessians.sequential = self.hessian == "sequential"
-
-    @classmethod
-    def check_settings(cls, settings) -> None:
-        if settings.get("hessian", HESSIANS[0]) not in HESSIANS:
-            raise KconvertError(f"unknown --hessian {settings['hessian']!r}; choose from "
-                                f"{HESSIANS}")
 
     def transforms(self, m) -> bool:
         return True
@@ -74,14 +60,9 @@ class SparseGpt(ObsMethod):
     def transform_batch(self, batch) -> Transformed:
         modules, w, codec, spec, amax = batch
         hessians = self.calibration.hessians
-        written = None
-        if hessians.sequential:
-            def written(i: int, w_hat: torch.Tensor) -> None:
-                tn = modules[i].tn
-                hessians.replace(tn.layer, tn.expert, tn.proj, w_hat)
         out, codes, _ = obs.quantize_batches(
             w, nvfp4.tensor_scale(amax, codec.arithmetic), obs.members_of([m.tn for m in modules]),
             lambda mb: obs.HessianSplit(hessians.hessian(mb.layer, mb.expert, mb.proj), None),
             spec.group(codec), spec.rule, spec.local_dtype, codec.arithmetic, mask=p48_mask,
-            budget=hessians.obs_budget(w.device), written=written)
+            budget=hessians.obs_budget(w.device))
         return Transformed(out, codes)

@@ -45,6 +45,11 @@ class QuantizeRecord(StageRecord):
     percdamp: float | None = None
     blocksize: int | None = None
     data: dict | None = Field(default=None, description="gptq: the calibration data")
+    steps: int | None = Field(default=None, description="learned: training steps per expert")
+    tokens: int | None = Field(default=None, description="learned: routed tokens per expert "
+                               "per step")
+    hessian: str | None = Field(default=None, description="where a data-driven method's layer "
+                                "inputs come from: sequential (absent: the source)")
 
 
 @dataclass(frozen=True)

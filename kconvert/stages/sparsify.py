@@ -47,6 +47,9 @@ class SparsifyRecord(StageRecord):
     blocksize: int | None = None
     hessian: str | None = Field(default=None, description="sparsegpt: source | sequential")
     data: dict | None = Field(default=None, description="SparseGPT's calibration data")
+    steps: int | None = Field(default=None, description="learned: training steps per expert")
+    tokens: int | None = Field(default=None, description="learned: routed tokens per expert "
+                               "per step")
 
 
 @dataclass(frozen=True)

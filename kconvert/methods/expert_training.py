@@ -1,0 +1,213 @@
+"""Learned compression of routed experts (docs/learned.md): each expert's gate, up and down
+trained together so that the compressed expert's output matches the source expert's on its
+routed tokens, weighted by the router weight squared.
+
+Experts of a layer are independent: a batch of E experts trains as stacked tensors, one
+batched matrix product per projection. Per expert and matrix the trainable state is an fp32
+master weight and, for paired-4:8 (p48.md), one logit per 8-element chunk for each of the 6
+allowed patterns. A step:
+  soft mask   m = softmax((logits * scale + gumbel) / temperature) @ patterns  (p48 only)
+  weights     q = NVFP4(m * W) by a straight-through estimator: block scales chosen on the
+              masked weights by the --block-scale rule each step (no gradient through them),
+              the per-tensor scale the output is encoded with (fixed: the source's)
+  loss        per expert sum_t g_t^2 |f_q(x_t) - f(x_t)|^2 / sum_t g_t^2 |f(x_t)|^2
+  update      Adam on every tensor, each matrix's step scaled by its weights' RMS (logits: not),
+              cosine from `lr` to a tenth; temperature and scale annealed linearly
+Export takes each chunk's most likely pattern (ties to the lower pattern index), zeroes its
+pruned pairs (+0) and quantizes by the rule: exactly what the codec writes. Every random draw
+comes from a generator seeded by (seed, layer, experts), so a run is reproducible.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kconvert.formats import nvfp4, p48
+
+ADAM_BETAS = (0.9, 0.99)
+ADAM_EPS = 1e-12
+# Logits start at the one-shot pattern's advantage: +PRIOR for it, 0 for the four patterns
+# sharing one pair with it, -PRIOR for its complement (MaskLLM's and MoESQ's prior), so that
+# at the first step's scale and temperature the one-shot pattern is drawn almost always.
+PRIOR = 0.05
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """How long and how hard to train (docs/learned.md says how the defaults were chosen)."""
+
+    steps: int
+    tokens: int  # routed tokens per expert per step, drawn with replacement from its fit set
+    lr: float  # Adam step of the weights, as a fraction of each matrix's RMS
+    mask_lr: float  # Adam step of the pattern logits
+    seed: int
+    temperature: tuple[float, float] = (2.0, 0.05)  # first step, last step
+    logit_scale: tuple[float, float] = (100.0, 500.0)
+
+
+@dataclass
+class Experts:
+    """E experts of one layer, stacked: what they train on and what they start from.
+
+    `w` holds each expert's matrices (gate_up [E, 2I, H] and down [E, H, I], fp32) at the
+    one-shot result's values, and where it pruned an entry the source's; `keep` the one-shot's
+    p48 masks (None: dense NVFP4); `gs` each matrix's per-tensor scale per row, as encoded.
+    """
+
+    w: dict[str, torch.Tensor]
+    keep: dict[str, torch.Tensor] | None
+    gs: dict[str, torch.Tensor]
+    x: list[torch.Tensor]  # per expert its fit tokens' inputs [T_e, H]
+    y: list[torch.Tensor]  # the source expert's outputs on them [T_e, H], fp32
+    g: list[torch.Tensor]  # their router weights [T_e], fp32
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """How the matrices are encoded: NVFP4 blocks of `group` by `rule` in `arithmetic`."""
+
+    group: int
+    rule: str
+    arithmetic: str
+    local_dtype: torch.dtype = torch.float32
+
+
+def quantized(w: torch.Tensor, gs: torch.Tensor, enc: Encoding) -> tuple[torch.Tensor,
+                                                                       torch.Tensor]:
+    """(values [..., R, K] on the NVFP4 grid, block codes uint8 [..., R, K/group]) of w with
+    per-row per-tensor scales gs [..., R], as the encoder writes them."""
+    *lead, k = w.shape
+    blocks = w.detach().reshape(-1, k // enc.group, enc.group).float()
+    rows = gs.reshape(-1, 1).float()
+    codes = nvfp4.choose_block_codes(blocks, rows, enc.rule, enc.local_dtype, enc.arithmetic)
+    values = nvfp4.fake_quantize(blocks, codes, rows, enc.arithmetic)
+    return values.reshape(w.shape), codes.reshape(*lead, k // enc.group)
+
+
+def straight_through(w: torch.Tensor, gs: torch.Tensor, enc: Encoding) -> torch.Tensor:
+    """w quantized forward, the identity backward (no gradient through the block scales)."""
+    return w + (quantized(w, gs, enc)[0] - w).detach()
+
+
+def expert_outputs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate x) * up x) of stacked experts: x [E, T, H], gate_up [E, 2I, H] (gate
+    rows first), down [E, H, I] -> [E, T, H], in x's dtype with fp32 accumulation."""
+    h = torch.bmm(x, gate_up.to(x.dtype).transpose(1, 2))
+    gate, up = h.chunk(2, dim=-1)
+    return torch.bmm(torch.nn.functional.silu(gate) * up, down.to(x.dtype).transpose(1, 2))
+
+
+def initial_logits(keep: torch.Tensor) -> torch.Tensor:
+    """Pattern logits [..., R, K/8, 6] (fp32) favouring the pattern of a p48 pair mask
+    `keep` [..., R, K/2] by its overlap with each pattern (PRIOR per shared pair above the
+    mean)."""
+    masks = p48.patterns(keep.device)  # [6, 8]
+    chosen = masks[p48.pattern_of(keep)]  # [..., K/8, 8]
+    overlap = torch.einsum("...c,pc->...p", chosen, masks) / 2  # pairs shared: 0, 1 or 2
+    return PRIOR * (overlap - 1.0)
+
+
+def soft_mask(logits: torch.Tensor, scale: float, temperature: float,
+              generator: torch.Generator | None) -> torch.Tensor:
+    """A Gumbel-softmax sample of element masks [..., R, K] from logits [..., R, K/8, 6]
+    (no noise without a generator: the expected pattern weights)."""
+    z = logits * scale
+    if generator is not None:
+        u = torch.rand(z.shape, generator=generator, device=z.device).clamp_(1e-10, 1 - 1e-7)
+        z = z - torch.log(-torch.log(u))
+    probs = torch.softmax(z / temperature, dim=-1)
+    m = probs @ p48.patterns(logits.device)
+    return m.reshape(*logits.shape[:-2], -1)
+
+
+def hard_mask(logits: torch.Tensor) -> torch.Tensor:
+    """Each chunk's most likely pattern (ties to the lower index) as element masks [..., R, K]."""
+    return p48.patterns(logits.device)[logits.argmax(-1)].reshape(*logits.shape[:-2], -1)
+
+
+def _schedule(step: int, steps: int, ends: tuple[float, float]) -> float:
+    t = step / max(steps - 1, 1)
+    return ends[0] + (ends[1] - ends[0]) * t
+
+
+def _lr_factor(step: int, steps: int) -> float:
+    """Cosine from 1 to a tenth."""
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * step / max(steps - 1, 1)))
+
+
+class Adam:
+    """Adam over a list of tensors, each update scaled per row group (the trainer's own: its
+    step is a fraction of each matrix's RMS, which torch's optimisers do not take)."""
+
+    def __init__(self, params: list[torch.Tensor], scales: list[torch.Tensor | float]):
+        self.params, self.scales = params, scales
+        self.m = [torch.zeros_like(p) for p in params]
+        self.v = [torch.zeros_like(p) for p in params]
+        self.t = 0
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        self.t += 1
+        b1, b2 = ADAM_BETAS
+        c1, c2 = 1 - b1 ** self.t, 1 - b2 ** self.t
+        for p, m, v, s in zip(self.params, self.m, self.v, self.scales, strict=True):
+            m.mul_(b1).add_(p.grad, alpha=1 - b1)
+            v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+            p.sub_((m / c1) / ((v / c2).sqrt_().add_(ADAM_EPS)) * (lr * s))
+            p.grad = None
+
+
+def _sample(experts: Experts, tokens: int, generator: torch.Generator
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`tokens` fit tokens per expert (with replacement): x [E, T, H], y [E, T, H], g [E, T]."""
+    picks = [torch.randint(len(x), (tokens,), generator=generator, device=x.device)
+             for x in experts.x]
+    return (torch.stack([x[i] for x, i in zip(experts.x, picks, strict=True)]),
+            torch.stack([y[i] for y, i in zip(experts.y, picks, strict=True)]),
+            torch.stack([g[i] for g, i in zip(experts.g, picks, strict=True)]))
+
+
+def relative_error(out: torch.Tensor, y: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Per expert sum_t g^2 |out - y|^2 / sum_t g^2 |y|^2 ([E], fp32)."""
+    w = g.square()
+    err = ((out.float() - y).square().sum(-1) * w).sum(-1)
+    return err / (y.square().sum(-1) * w).sum(-1).clamp(min=1e-30)
+
+
+def train(experts: Experts, enc: Encoding, settings: TrainSettings, generator: torch.Generator,
+          compute_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Train `experts` and export them: (values per matrix on the NVFP4 grid, pruned entries
+    +0, block codes per matrix) as the encoder writes them."""
+    names = list(experts.w)
+    weights = {n: experts.w[n].clone().requires_grad_(True) for n in names}
+    logits = ({n: initial_logits(experts.keep[n]).requires_grad_(True) for n in names}
+              if experts.keep is not None else {})
+    rms = [experts.w[n].square().mean((-1, -2), keepdim=True).sqrt_().clamp_(min=1e-12)
+           for n in names]
+    # the logits' step is mask_lr: the weights' base lr times this ratio
+    ratio = settings.mask_lr / settings.lr if settings.lr else 0.0
+    opt = Adam([*weights.values(), *logits.values()], [*rms, *([ratio] * len(logits))])
+    for step in range(settings.steps):
+        x, y, g = _sample(experts, settings.tokens, generator)
+        scale = _schedule(step, settings.steps, settings.logit_scale)
+        temperature = _schedule(step, settings.steps, settings.temperature)
+        q = {}
+        for n in names:
+            w = weights[n]
+            if logits:
+                w = w * soft_mask(logits[n], scale, temperature, generator)
+            q[n] = straight_through(w, experts.gs[n], enc)
+        out = expert_outputs(x.to(compute_dtype), q["gate_up"], q["down"])
+        relative_error(out, y, g).sum().backward()
+        opt.step(settings.lr * _lr_factor(step, settings.steps))
+    values, codes = {}, {}
+    with torch.no_grad():
+        for n in names:
+            w = weights[n].detach()
+            if logits:
+                w = torch.where(hard_mask(logits[n]) > 0, w, 0.0)  # pruned pairs +0
+            values[n], codes[n] = quantized(w, experts.gs[n], enc)
+    return values, codes

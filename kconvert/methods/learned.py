@@ -1,0 +1,308 @@
+"""Learned compression (docs/learned.md): each routed expert's values, and for paired-4:8 its
+pattern logits, trained against the source expert's outputs on its routed tokens
+(kconvert.methods.expert_training), from the one-shot method's result (SparseGPT for p48,
+GPTQ for NVFP4), and written per expert only where its router-weighted output error on
+held-out routed tokens is below the one-shot result's.
+
+The engine hands the method a whole work item (`unit = "expert"`: an expert's gate, up and
+down together); the calibration pass hands it the layer's captured inputs, routing and
+router weights. Matrices of other roles (GPTQ's shared experts, attention) keep the one-shot
+result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from kconvert.devices import deterministic
+from kconvert.errors import KconvertError
+from kconvert.formats import nvfp4, p48
+from kconvert.formats.linear import Batch, Transformed
+from kconvert.methods import expert_training as et
+from kconvert.methods.gptq import Gptq
+from kconvert.methods.obs import HELDOUT_EVERY, HELDOUT_MIN
+from kconvert.methods.obs_method import ObsMethod
+from kconvert.methods.sparsegpt import SparseGpt
+from kconvert.model.names import Role
+from kconvert.options import SEED
+
+# Defaults from the quality-versus-time curves on the tiny MoEs and the full-size layer's
+# error curve (docs/learned.md, "Steps and tokens").
+STEPS = 100
+TOKENS = 256
+LR = 2e-3
+MASK_LR = 2e-3
+# An expert with fewer routed tokens than this to fit on keeps the one-shot result.
+MIN_FIT_TOKENS = 64
+# The most fit tokens an expert trains on (evenly spaced where it has more): bounds the
+# inputs and reference outputs a training batch holds.
+MAX_FIT_TOKENS = 8192
+
+
+@dataclass
+class _Routing:
+    """One MoE layer's routed tokens per expert, split as GPTQ splits them: every
+    HELDOUT_EVERY-th of an expert's tokens (in token order) held out of the fit."""
+
+    x: torch.Tensor  # every real token's MoE input [N, H]
+    fit: list[torch.Tensor]  # per expert its fit tokens' indices into x
+    held: list[torch.Tensor]
+    fit_g: list[torch.Tensor]  # their router weights, fp32
+    held_g: list[torch.Tensor]
+
+
+class Learned(ObsMethod):
+    """Base of the learned methods: `oneshot` gives the starting point and the guard's
+    baseline, `sparse` whether the pattern logits are learned too."""
+
+    name = "learned"
+    unit = "expert"
+    settings = ("hessian", "steps", "tokens")
+    oneshot: type[ObsMethod]
+    sparse: bool
+
+    def __init__(self, inputs) -> None:
+        super().__init__(inputs)
+        self.oneshot_method = self.oneshot(inputs)
+        self.train_settings = et.TrainSettings(
+            steps=int(inputs.settings.get("steps", STEPS)),
+            tokens=int(inputs.settings.get("tokens", TOKENS)), lr=LR, mask_lr=MASK_LR,
+            seed=SEED)
+        self._routing: tuple[int, _Routing] | None = None
+
+    @classmethod
+    def check_settings(cls, settings) -> None:
+        super().check_settings(settings)
+        for key in ("steps", "tokens"):
+            value = settings.get(key)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise KconvertError(f"--{key} must be a whole number of at least 1, not "
+                                    f"{value!r}")
+
+    def transforms(self, m) -> bool:
+        return self.oneshot_method.transforms(m)
+
+    @property
+    def shared_experts(self) -> bool:  # type: ignore[override]
+        return self.oneshot_method.shared_experts
+
+    @property
+    def against_rtn(self) -> bool:  # type: ignore[override]
+        return self.oneshot_method.against_rtn
+
+    def record(self) -> dict[str, object]:
+        return {**self.oneshot_method.record(), "method": self.name,
+                "steps": self.train_settings.steps, "tokens": self.train_settings.tokens,
+                **self.sequential_record()}
+
+    def transform_batch(self, batch: Batch) -> Transformed:
+        return self.oneshot_method.transform_batch(batch)
+
+    def transform(self, batches: list[Batch]) -> list[Transformed]:
+        made = [self.oneshot_method.transform_batch(b) for b in batches]
+        out = [Transformed(m.weights.clone(), m.codes.clone(), _records(m, b))
+               for m, b in zip(made, batches, strict=True)]
+        experts = _expert_slots(batches)
+        if experts:
+            layer = next(iter(experts))[0]
+            routing = self._layer_routing(layer)
+            ids = sorted(e for _, e in experts)
+            for start in range(0, len(ids), self._per_batch(batches)):
+                chunk = ids[start:start + self._per_batch(batches)]
+                self._learn(layer, chunk, [experts[(layer, e)] for e in chunk], batches, made,
+                            out, routing)
+        if self.calibration.hessians.sequential:
+            for b, m in zip(batches, out, strict=True):
+                self.write_back(b, m)
+        return out
+
+    def gpu_work(self, shapes):
+        """The one-shot method's forward and OBS batches, each batch entry (an expert) at
+        least what training it takes."""
+        work = self.oneshot_method.gpu_work(shapes)
+        per_expert = training_bytes(shapes.hidden, shapes.moe_inter, self.sparse,
+                                    self.train_settings.tokens)
+        return replace(work, obs=replace(work.obs, bytes_per_matrix=max(
+            work.obs.bytes_per_matrix, per_expert)))
+
+    def _per_batch(self, batches: list[Batch]) -> int:
+        """Experts trained at once: all of the item's on a CPU, as the GPU plan's share
+        allows on a GPU."""
+        budget = self.calibration.hessians.obs_budget(batches[0].weights.device)
+        if budget is None:
+            return 1 << 30
+        down = next(b for b in batches if b.modules[0].tn.proj == "down_proj").weights
+        return max(1, budget // training_bytes(down.shape[1], down.shape[2], self.sparse,
+                                               self.train_settings.tokens))
+
+    def _layer_routing(self, layer: int) -> _Routing:
+        if self._routing is not None and self._routing[0] == layer:
+            return self._routing[1]
+        moe = self.calibration.hessians.moe_layer(layer)
+        x, idx = moe.captured()
+        with torch.no_grad():
+            weights = torch.cat([moe.gate(part)[1] for part in x.split(1 << 14)]).float()
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # by expert, tokens ascending within one
+        counts = torch.bincount(flat, minlength=moe.n_experts).tolist()
+        tokens = order // idx.shape[1]
+        g = weights.reshape(-1)[order]
+        fit, held, fit_g, held_g = [], [], [], []
+        for t, w in zip(tokens.split(counts), g.split(counts), strict=True):
+            out = torch.zeros(len(t), dtype=torch.bool, device=t.device)
+            out[HELDOUT_EVERY - 1::HELDOUT_EVERY] = True
+            every = -(-int((~out).sum()) // MAX_FIT_TOKENS)  # evenly spaced, at most the cap
+            fit.append(t[~out][::every])
+            held.append(t[out])
+            fit_g.append(w[~out][::every])
+            held_g.append(w[out])
+        routing = _Routing(x, fit, held, fit_g, held_g)
+        self._routing = (layer, routing)
+        return routing
+
+    def _learn(self, layer: int, ids: list[int], slots: list[dict[str, tuple[int, int]]],
+               batches: list[Batch], made: list[Transformed], out: list[Transformed],
+               routing: _Routing) -> None:
+        """Train experts `ids` of `layer` and write the winners into `out`."""
+        first = batches[slots[0]["gate_proj"][0]]
+        enc = et.Encoding(first.spec.group(first.codec), first.spec.rule,
+                          first.codec.arithmetic, first.spec.local_dtype)
+        device = first.weights.device
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+        def stacked(get) -> dict[str, torch.Tensor]:
+            return {"gate_up": torch.stack([torch.cat([get(s["gate_proj"]), get(s["up_proj"])])
+                                            for s in slots]),
+                    "down": torch.stack([get(s["down_proj"]) for s in slots])}
+
+        def row_gs(s: tuple[int, int]) -> torch.Tensor:
+            b = batches[s[0]]
+            gs = nvfp4.tensor_scale(b.amax[s[1]].reshape(1), b.codec.arithmetic)
+            return gs.expand(b.weights.shape[1]).to(device)
+
+        source = stacked(lambda s: batches[s[0]].weights[s[1]])
+        oneshot = stacked(lambda s: _values(made[s[0]], batches[s[0]], s[1], enc))
+        gs = stacked(row_gs)
+        keep = None
+        if self.sparse:
+            keep = {n: _support(v) for n, v in oneshot.items()}
+        start = {n: torch.where(keep[n].repeat_interleave(2, -1), oneshot[n], source[n])
+                 if keep is not None else oneshot[n] for n in source}
+        x_fit = [routing.x[routing.fit[e]].to(device, dtype) for e in ids]
+        with torch.no_grad():
+            y_fit = [_outputs(x, source, i, dtype) for i, x in enumerate(x_fit)]
+        experts = et.Experts(start, keep, gs, x_fit, y_fit,
+                             [routing.fit_g[e].to(device) for e in ids])
+        generator = torch.Generator(device=device)
+        generator.manual_seed(self.train_settings.seed * 1_000_003 + layer * 1009 + ids[0])
+        with torch.enable_grad(), deterministic():
+            values, codes = et.train(experts, enc, self.train_settings, generator, dtype)
+        with torch.no_grad():
+            for i, e in enumerate(ids):
+                x = routing.x[routing.held[e]].to(device, dtype)
+                g = routing.held_g[e].to(device)
+                enough = len(x) >= HELDOUT_MIN and len(x_fit[i]) >= MIN_FIT_TOKENS
+                y = _outputs(x, source, i, dtype)
+                learned = float(_error(x, y, g, values, i, dtype)) if enough else float("inf")
+                baseline = float(_error(x, y, g, oneshot, i, dtype)) if enough else 0.0
+                chose = learned < baseline
+                record = {"method": self.name if chose else self.oneshot.name,
+                          "learned_error": learned if enough else None,
+                          "oneshot_error": baseline if enough else None,
+                          "oneshot": self.oneshot.name, "steps": self.train_settings.steps,
+                          "fit_tokens": len(x_fit[i]), "held_out_tokens": len(x)}
+                self._write(slots[i], i, values, codes, out, chose, record, enc)
+
+    def _write(self, slot: dict[str, tuple[int, int]], i: int, values, codes, out, chose: bool,
+               record: dict, enc: et.Encoding) -> None:
+        inter = values["down"].shape[-1]
+        parts = {"gate_proj": ("gate_up", slice(0, inter)), "up_proj": ("gate_up",
+                                                                         slice(inter, None)),
+                 "down_proj": ("down", slice(None))}
+        for proj, (name, rows) in parts.items():
+            b, j = slot[proj]
+            if chose:
+                out[b].weights[j] = values[name][i, rows]
+                out[b].codes[j] = codes[name][i, rows]
+            out[b].records[j] = record
+
+
+class LearnedP48(Learned):
+    """`sparsify --method learned`: p48 masks and NVFP4 values, from SparseGPT's."""
+
+    stage = "sparsify"
+    oneshot = SparseGpt
+    sparse = True
+
+
+class LearnedNvfp4(Learned):
+    """`quantize --method learned`: NVFP4 values of the routed experts, from GPTQ's."""
+
+    stage = "quantize"
+    oneshot = Gptq
+    sparse = False
+
+
+def training_bytes(hidden: int, inter: int, sparse: bool, tokens: int) -> int:
+    """Device bytes training one expert holds: per weight the fp32 master, its gradient and
+    Adam's two moments, the step's masked, quantized and bf16 copies, and with p48 the pattern
+    logits (6 per 8 weights) with their gradient and moments and the soft mask's temporaries;
+    its fit tokens' inputs and reference outputs (bf16); a step's activations and their
+    gradients."""
+    per_weight = 4 * 4 + 3 * 4 + 2 + ((6 * 4 * 4) // 8 + 3 * 4 if sparse else 0)
+    data = MAX_FIT_TOKENS * hidden * 2 * 2
+    step = tokens * (hidden * (2 + 2 + 4 + 4) + 3 * inter * (2 + 4) * 2)
+    return 3 * hidden * inter * per_weight + data + step
+
+
+def _expert_slots(batches: list[Batch]) -> dict[tuple[int, int], dict[str, tuple[int, int]]]:
+    """(layer, expert) -> projection -> (batch, row in batch) of every routed expert matrix;
+    an expert whose gate, up and down are not all here is an error."""
+    slots: dict[tuple[int, int], dict[str, tuple[int, int]]] = {}
+    for b, batch in enumerate(batches):
+        for j, m in enumerate(batch.modules):
+            if m.tn.role is Role.ROUTED_EXPERT:
+                slots.setdefault((m.tn.layer, m.tn.expert), {})[m.tn.proj] = (b, j)
+    for key, found in slots.items():
+        if set(found) != {"gate_proj", "up_proj", "down_proj"}:
+            raise KconvertError(f"--method learned trains an expert's gate, up and down "
+                                f"together, and this work item holds only {sorted(found)} of "
+                                f"layer {key[0]} expert {key[1]}")
+    return slots
+
+
+def _records(made: Transformed, batch: Batch) -> list[dict | None]:
+    return list(made.records) if made.records else [None] * len(batch.modules)
+
+
+def _values(made: Transformed, batch: Batch, j: int, enc: et.Encoding) -> torch.Tensor:
+    """The values the one-shot result of matrix j writes (on NVFP4's grid, by its codes)."""
+    w = made.weights[j]
+    gs = nvfp4.tensor_scale(batch.amax[j].reshape(1), batch.codec.arithmetic).to(w.device)
+    return nvfp4.fake_quantize(w.reshape(w.shape[0], -1, enc.group), made.codes[j],
+                               gs.expand(w.shape[0]).reshape(-1, 1),
+                               enc.arithmetic).reshape(w.shape)
+
+
+def _support(values: torch.Tensor) -> torch.Tensor:
+    """The p48 pair mask [..., K/2] of one-shot values: the nonzero pairs of each chunk, filled
+    to 2 with its lowest-index zero pairs (a kept pair may have quantized to 0)."""
+    pairs = (values.reshape(*values.shape[:-1], -1, p48.PAIRS, 2) != 0).any(-1)
+    rank = (~pairs).long() * p48.PAIRS + torch.arange(p48.PAIRS, device=values.device)
+    order = (rank.unsqueeze(-1) > rank.unsqueeze(-2)).sum(-1)
+    return (order < p48.KEEP).reshape(*values.shape[:-1], -1)
+
+
+def _outputs(x: torch.Tensor, w: dict[str, torch.Tensor], i: int, dtype: torch.dtype
+             ) -> torch.Tensor:
+    """Expert i of stacked matrices `w` on its inputs x [T, H], fp32 [T, H]."""
+    return et.expert_outputs(x[None], w["gate_up"][i:i + 1].to(dtype),
+                             w["down"][i:i + 1].to(dtype))[0].float()
+
+
+def _error(x: torch.Tensor, y: torch.Tensor, g: torch.Tensor, w: dict[str, torch.Tensor],
+           i: int, dtype: torch.dtype) -> torch.Tensor:
+    """sum_t g_t^2 |f_w(x_t) - y_t|^2 of expert i."""
+    return ((_outputs(x, w, i, dtype) - y).square().sum(-1) * g.square()).sum()

@@ -1,0 +1,173 @@
+"""Learned compression (docs/learned.md): the p48 pattern set and its export, the straight-through
+NVFP4 path against the encoder's bytes, the trainer on a small problem, and `sparsify --method
+learned` end to end on the trained tiny MoE: the guard (recorded errors, and the one-shot bytes
+where learning is worse), the same bytes twice on several threads, and sequential inputs."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+
+import kconvert
+from conftest import ROOT
+from helpers import checkpoint_tensors, write_input_ids
+from kconvert.formats import EncodeSpec, Nvfp4Codec, nvfp4, p48
+from kconvert.methods import expert_training as et
+from kconvert.methods import learned
+from kconvert.testing.tiny_moe import corpus_ids, windows
+
+TINY_MOE = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
+
+
+def test_the_six_p48_patterns_keep_two_pairs_each():
+    masks = p48.patterns()
+    pairs = masks.reshape(6, 4, 2)
+    assert bool((pairs[..., 0] == pairs[..., 1]).all())  # whole pairs
+    kept = {tuple(int(i) for i in row.nonzero().flatten()) for row in pairs[..., 0]}
+    assert kept == set(itertools.combinations(range(4), 2))
+    # every pattern's pair mask maps back to it; a chunk keeping 3 pairs is refused
+    assert p48.pattern_of(pairs[..., 0].bool()).tolist() == list(range(6))
+    with pytest.raises(ValueError):
+        p48.pattern_of(torch.tensor([[True, True, True, False]]))
+
+
+def test_initial_logits_favour_the_one_shot_pattern_and_export_it():
+    w = torch.randn(3, 8, 32, generator=torch.Generator().manual_seed(0))
+    keep = p48.top2_pairs(p48.pair_scores(w))
+    logits = et.initial_logits(keep)
+    assert logits.shape == (3, 8, 4, 6)
+    assert torch.equal(et.hard_mask(logits) > 0, keep.repeat_interleave(2, -1))
+    # the one-shot pattern +PRIOR, the 4 sharing one pair 0, the complement -PRIOR
+    assert sorted(logits[0, 0, 0].tolist()) == pytest.approx(
+        [-et.PRIOR, 0, 0, 0, 0, et.PRIOR])
+    # at the first step's scale and temperature, without noise, it dominates the soft mask
+    soft = et.soft_mask(logits, 100.0, 2.0, None)
+    assert float((soft - keep.repeat_interleave(2, -1).float()).abs().max()) < 0.1
+
+
+@pytest.mark.parametrize("rule", ["mse", "amax"])
+def test_straight_through_rounds_as_the_encoder_writes(rule):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(2, 16, 64, generator=g) * torch.rand(2, 16, 1, generator=g)
+    amax = w.abs().amax((1, 2))
+    enc = et.Encoding(16, rule, "compressed-tensors")
+    gs = nvfp4.tensor_scale(amax).repeat_interleave(16).reshape(2, 16)
+    values, codes = et.quantized(w, gs, enc)
+    written = Nvfp4Codec.encode(w, EncodeSpec(rule=rule, group_size=16), amax=amax)
+    assert torch.equal(codes, written.params["weight_scale"].view(torch.uint8))
+    assert torch.equal(values, Nvfp4Codec.decode(written.params, None))
+    x = w.clone().requires_grad_(True)
+    out = et.straight_through(x, gs, enc)
+    assert torch.equal(out.detach(), values)
+    (out * torch.arange(out.numel()).reshape(out.shape)).sum().backward()
+    assert torch.equal(x.grad, torch.arange(out.numel()).reshape(out.shape).float())
+
+
+def _problem(seed: int, sparse: bool) -> tuple[et.Experts, et.Encoding]:
+    """Two small experts whose target is their own unquantized output."""
+    g = torch.Generator().manual_seed(seed)
+    h, inter, e, t = 32, 16, 2, 256
+    w = {"gate_up": torch.randn(e, 2 * inter, h, generator=g) / 4,
+         "down": torch.randn(e, h, inter, generator=g) / 4}
+    x = [torch.randn(t, h, generator=g) for _ in range(e)]
+    y = [et.expert_outputs(xi[None], w["gate_up"][i:i + 1], w["down"][i:i + 1])[0]
+         for i, xi in enumerate(x)]
+    gs = {n: nvfp4.tensor_scale(v.abs().amax((1, 2))).repeat_interleave(v.shape[1])
+          .reshape(e, -1) for n, v in w.items()}
+    keep = {n: p48.top2_pairs(p48.pair_scores(v)) for n, v in w.items()} if sparse else None
+    start = {n: torch.where(keep[n].repeat_interleave(2, -1), v, 0.0) if sparse else v
+             for n, v in w.items()}
+    return (et.Experts(start, keep, gs, x, y, [torch.rand(t, generator=g) for _ in range(e)]),
+            et.Encoding(16, "mse", "compressed-tensors"))
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_training_lowers_the_error_and_exports_valid_values(sparse):
+    experts, enc = _problem(2, sparse)
+
+    def error(values: dict) -> float:
+        out = [et.expert_outputs(x[None], values["gate_up"][i:i + 1], values["down"][i:i + 1])
+               for i, x in enumerate(experts.x)]
+        return float(sum(et.relative_error(o, y[None], g[None]).sum()
+                         for o, y, g in zip(out, experts.y, experts.g, strict=True)))
+
+    start = {n: et.quantized(v, experts.gs[n], enc)[0] for n, v in experts.w.items()}
+    settings = et.TrainSettings(steps=60, tokens=64, lr=2e-3, mask_lr=2e-3, seed=0)
+    values, codes = et.train(experts, enc, settings, torch.Generator().manual_seed(0),
+                             torch.float32)
+    assert error(values) < 0.9 * error(start)
+    for n, v in values.items():
+        again, again_codes = et.quantized(v, experts.gs[n], enc)  # on the grid already
+        assert torch.equal(again, v) and torch.equal(again_codes, codes[n])
+        if sparse:  # a valid p48 mask: exactly 2 pairs per chunk may be nonzero, pruned +0
+            packed = Nvfp4Codec.encode(v, EncodeSpec(group_size=16), codes=codes[n],
+                                       amax=experts.w[n].abs().amax((1, 2))).params
+            for b in range(v.shape[0]):
+                assert p48.check_packed(packed["weight_packed"][b]).ok
+
+
+def _calibration(tmp_path, sequences: int = 48):
+    ids = windows(corpus_ids("train"), sequences, 256, torch.Generator().manual_seed(1))
+    return write_input_ids(tmp_path / "calib.jsonl", ids.tolist())
+
+
+def _sparsify(tmp_path, name: str, method: str, data, **options):
+    out = tmp_path / name
+    kconvert.sparsify(str(TINY_MOE), str(out), method=method, data=str(data), samples=48,
+                      seq_len=256, device="cpu", **options)
+    return out
+
+
+def test_learned_p48_end_to_end_guarded_audited_and_the_same_twice(tmp_path):
+    data = _calibration(tmp_path)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the same bytes must not depend on thread order
+    try:
+        a = _sparsify(tmp_path, "a", "learned", data, steps=12)
+        b = _sparsify(tmp_path, "b", "learned", data, steps=12)
+    finally:
+        torch.set_num_threads(threads)
+    ta, tb = checkpoint_tensors(a), checkpoint_tensors(b)
+    assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+    report = kconvert.audit(str(a), source=str(TINY_MOE), device="cpu")
+    assert report.passed, report.render()
+    obs = json.loads((a / "kconvert-manifest.json").read_text())["obs"]
+    routed = {k: v for k, v in obs.items() if ".mlp.experts." in k}
+    assert len(routed) == 3 * 24 * 3  # every routed matrix of the 3 MoE layers
+    for name, r in routed.items():
+        assert r["oneshot"] == "sparsegpt" and r["steps"] == 12
+        if r["method"] == "learned":  # never written unless strictly better held out
+            assert r["learned_error"] < r["oneshot_error"], name
+        assert r["held_out_tokens"] >= 128 or r["method"] == "sparsegpt"
+
+
+def test_the_guard_keeps_the_one_shot_bytes_where_learning_is_worse(tmp_path, monkeypatch):
+    data = _calibration(tmp_path)
+    oneshot = _sparsify(tmp_path, "sparsegpt", "sparsegpt", data)
+    monkeypatch.setattr(learned, "LR", 5.0)  # steps far too large: training only hurts
+    worse = _sparsify(tmp_path, "worse", "learned", data, steps=4)
+    obs = json.loads((worse / "kconvert-manifest.json").read_text())["obs"]
+    assert {r["method"] for r in obs.values()} == {"sparsegpt"}
+    assert all(r["learned_error"] is None or r["learned_error"] > r["oneshot_error"]
+               for r in obs.values())
+    one, bad = checkpoint_tensors(oneshot), checkpoint_tensors(worse)
+    experts = [k for k in one if ".mlp.experts." in k]
+    assert experts and all(torch.equal(one[k], bad[k]) for k in experts)
+
+
+def test_sequential_inputs_are_recorded_and_change_later_layers(tmp_path):
+    data = _calibration(tmp_path)
+    source = _sparsify(tmp_path, "source", "learned", data, steps=4)
+    sequential = _sparsify(tmp_path, "sequential", "learned", data, steps=4,
+                           hessian="sequential")
+    options = json.loads((sequential / "kconvert-manifest.json").read_text())[
+        "options"]["sparsify"]
+    assert options["hessian"] == "sequential" and options["method"] == "learned"
+    a, b = checkpoint_tensors(source), checkpoint_tensors(sequential)
+    first = [k for k in a if ".layers.1.mlp.experts." in k]
+    later = [k for k in a if ".layers.3.mlp.experts." in k]
+    assert all(torch.equal(a[k], b[k]) for k in first)  # layer 1's inputs are the source's
+    assert any(not torch.equal(a[k], b[k]) for k in later)
