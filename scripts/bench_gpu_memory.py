@@ -142,7 +142,7 @@ def least_budget(src: Path, samples: int, seq: int) -> int:
     """The smallest budget whose SparseGPT plan fits on this set (kconvert.gpu_plan), found
     by bisection: one sequence per forward step, one expert per OBS batch at the least."""
     from kconvert.calibrate.plan import forward
-    from kconvert.engine.execute import GPU_ENCODE
+    from kconvert.engine.execute import gpu_encode
     from kconvert.gpu_plan import GpuMemoryError, Shapes, plan_conversion
     from kconvert.methods import obs
     from kconvert.options import BATCH_SIZE
@@ -154,7 +154,7 @@ def least_budget(src: Path, samples: int, seq: int) -> int:
     while lo < hi:
         mid = (lo + hi) // 2
         try:
-            plan_conversion(s, mid, "sparsify", s.expert_set(), work, encode=GPU_ENCODE)
+            plan_conversion(s, mid, "sparsify", s.expert_set(), work, encode=gpu_encode())
             hi = mid
         except GpuMemoryError:
             lo = mid + 1

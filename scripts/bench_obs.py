@@ -76,7 +76,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from kconvert.engine.execute import CHUNK_ELEMS, GPU_ENCODE  # noqa: E402
+from kconvert.engine.execute import CHUNK_ELEMS, gpu_encode()  # noqa: E402
 from kconvert.formats import nvfp4  # noqa: E402
 from kconvert.methods import obs, sparsegpt, triangular  # noqa: E402
 
@@ -208,7 +208,7 @@ def obs_share(dev: torch.device, method: str) -> int | None:
     work = obs.gpu_work(s, forward(s, SPARSEGPT_SAMPLES, SEQ_LEN, BATCH_SIZE, capture=True),
                         shared=False, against_rtn=method == "gptq")
     return plan_conversion(s, GpuRequest(dev).context.budget, method, s.expert_set(), work,
-                           encode=GPU_ENCODE).obs_bytes
+                           encode=gpu_encode()).obs_bytes
 
 
 def stage_part(dev: torch.device, method: str, experts: int, dims, tokens: int, kernel: str
