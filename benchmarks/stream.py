@@ -2,11 +2,11 @@
 download, takes at most 1.15x the longer of the download alone and the local conversion alone,
 with at most the window of source shards on disk.
 
-    python3 scripts/bench_stream.py OUT.json
+    python3 -m benchmarks stream OUT.json
 
 On the device machine: builds the full-size synthetic Kimi-K2-Thinking shard set with
-anchor_convert.py's builder (shared/bench; as scripts/bench_convert.py does: layer 0, MOE_LAYERS
-MoE layers of 384 INT4 experts, ~9 GB a shard, and embed/lm_head), serves it from a local Hub
+anchor_convert.py's builder (shared/bench; as `convert` does: layer 0, MOE_LAYERS MoE
+layers of 384 INT4 experts, ~9 GB a shard, and embed/lm_head), serves it from a local Hub
 (kconvert.testing.hub_server, the one the tests use) throttled to RATE bytes/s over all
 connections together, and measures, each in its own process with the page cache dropped first:
 
@@ -24,16 +24,17 @@ it, so few large shards cost more than the real model's 64).
 
 The served set sits in SRC_DIR (default /dev/shm/kstream-src when it has room: the server then
 reads RAM, as a remote Hub would not touch this disk; else ROOT/src), downloads and outputs in
-ROOT (default /tmp/kstream). Disk needed in ROOT: about twice the set (download + local output,
-then output + window). Env: MOE_LAYERS (default 2: ~24 GB), RATE (default 1e9), WINDOW (default
-3), DEVICE (default cuda if present), DIMS=tiny (a check of the script in seconds),
-ANCHOR_SCRIPT (as bench_convert.py), DIMS=small (a few hundred MB: MoE layers of 64 experts
+ROOT (default /tmp/kstream); without OUT.json the result goes to OUT. Disk needed in ROOT:
+about twice the set (download + local output, then output + window). Env: MOE_LAYERS
+(default 2: ~24 GB), RATE (default 1e9), WINDOW (default
+3), DEVICE (default cuda if present), DIMS=tiny (a check of the bench in seconds),
+ANCHOR_SCRIPT (as `convert`), DIMS=small (a few hundred MB: MoE layers of 64 experts
 of 512 x 1024, for a CPU machine, with RATE lowered so that download and conversion take
 similar times), DOWNLOADS (default 2: shards downloaded at once; "2,1" adds a streamed run
 with 1, under `streamed_downloads_1`), RUN_LIMIT_S (default 240: each timed run at most, its
 timeline kept). About 3-5 minutes with the defaults on an H100 machine.
 
-Each conversion runs in-process in a child of this script (`--child EVENTS -- ARGS`) that
+Each conversion runs in-process in a child of this bench (`--child EVENTS -- ARGS`) that
 subscribes to kconvert's timing events (kconvert.events) and writes them out; the JSON then
 holds, under `timeline`, each run's per-shard times in seconds from the child's start: for
 every source shard its download(s), sha256 verification, the first read of it (when the
@@ -51,89 +52,69 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import threading
-import time
 from collections import defaultdict
 from pathlib import Path
 
-REPO_DIR = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO_DIR), str(REPO_DIR / "scripts")]
-
-from bench_convert import (  # noqa: E402
-    drop_caches,
-    env_with,
-    load_anchor_ns,
-    load_cpu_kernels,
-    machine,
+from benchmarks.harness import (
+    Child,
+    Timer,
+    child_env,
+    drop_page_cache,
+    log,
+    record,
+    result_path,
+    run_child,
+    save,
 )
-
-from kconvert.testing.hub_server import LocalHub  # noqa: E402
+from benchmarks.inprocess import run_cli
+from benchmarks.synthetic import anchor_set
 
 REPO = "bench/kimi-synthetic"
-ROOT = Path(os.environ.get("ROOT", "/tmp/kstream"))
-RATE = float(os.environ.get("RATE", "1e9"))
-WINDOW = int(os.environ.get("WINDOW", "3"))
-# Shards downloaded at once in each streamed run (the first: the one the ratio is of).
-DOWNLOADS = [int(n) for n in os.environ.get("DOWNLOADS", "2").split(",")]
 TARGET = 1.15
-RUN_LIMIT_S = float(os.environ.get("RUN_LIMIT_S", "240"))  # each timed child at most
-RES: dict = {}
 # DIMS=small: anchor_convert's layout at sizes a 2-core machine converts in seconds (about
 # 57 MB a MoE layer, 70 MB of embed + lm_head).
 SMALL_DIMS = {"H": 1024, "I_MOE": 512, "I_DENSE": 2048, "E": 64, "V": 16384, "QL": 256,
               "KVL": 128, "NH": 8}
+TIMELINE_EVENTS = {"download", "verify", "source-wait", "source-deleted", "fsync", "phase",
+                   "compute", "wait-read"}
 
 
-def log(*a) -> None:
-    print(f"[bench_stream {time.strftime('%H:%M:%S')}]", *a, flush=True)
+def run_limit_s() -> float:
+    """Each timed child at most (RUN_LIMIT_S)."""
+    return float(os.environ.get("RUN_LIMIT_S", "240"))
 
 
-def save(out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(RES, indent=1, default=str))
-
-
-def build_source() -> Path:
+def build_source(root: Path, res: dict) -> Path:
     """The synthetic set, built once (anchor_convert.make_src) where the server reads it."""
-    os.environ.setdefault("DIMS", "full")
-    os.environ.setdefault("MOE_LAYERS", "2")
-    layers = int(os.environ["MOE_LAYERS"])
-    full = os.environ["DIMS"] == "full"
-    need = (1.5 + 9.2 * layers + 4.8) * 1e9 if full else 1e9
+    dims = os.environ.get("DIMS", "full")
+    layers = int(os.environ.get("MOE_LAYERS", "2"))
+    need = (1.5 + 9.2 * layers + 4.8) * 1e9 if dims == "full" else 1e9
     shm = Path("/dev/shm")
     default = (shm / "kstream-src" if shm.is_dir() and shutil.disk_usage(shm).free > need * 1.1
-               else ROOT / "src")
+               else root / "src")
     src = Path(os.environ.get("SRC_DIR", default))
     marker = src / ".built"
-    if marker.is_file() and marker.read_text() == f"{os.environ['DIMS']}:{layers}":
+    if marker.is_file() and marker.read_text() == f"{dims}:{layers}":
         return src
     shutil.rmtree(src, ignore_errors=True)
-    t = time.perf_counter()
-    ns = load_anchor_ns()
-    if os.environ["DIMS"] == "small":
-        ns.update(SMALL_DIMS)
-    ns["make_src"](str(src))
-    marker.write_text(f"{os.environ['DIMS']}:{layers}")
-    RES["build_s"] = round(time.perf_counter() - t, 1)
+    made = Timer()
+    anchor_set(src, dims, layers, SMALL_DIMS if dims == "small" else None)
+    marker.write_text(f"{dims}:{layers}")
+    res["build_s"] = round(made.elapsed(), 1)
     return src
 
 
 def child(events_out: Path, argv: list[str]) -> None:
     """The kconvert CLI with `argv`, in this process, its timeline (`timeline`) written to
     `events_out` as JSON."""
-    import kconvert.cli as cli
-    from kconvert import events
-
     kept: list[tuple[str, dict]] = []
 
     def listen(event: str, info: dict) -> None:
         if event in TIMELINE_EVENTS:
             kept.append((event, info))
 
-    if argv[argv.index("--device") + 1] == "cpu":
-        load_cpu_kernels()
     if "--stream" in argv:
         import kconvert.io.stream
 
@@ -141,22 +122,10 @@ def child(events_out: Path, argv: list[str]) -> None:
                                            or kconvert.io.stream.DOWNLOADS)
     # Past RUN_LIMIT_S the timeline is written all the same (SIGALRM ends the run).
     signal.signal(signal.SIGALRM, lambda *_: sys.exit(124))
-    signal.alarm(int(RUN_LIMIT_S) - 5)
-    t0 = time.perf_counter()
-    unsubscribe = events.subscribe(listen, timings=True)
-    rc = 0
-    try:
-        cli.main(argv, standalone_mode=False)
-    except SystemExit as exc:
-        rc = exc.code or 0
-    finally:
-        unsubscribe()
-        events_out.write_text(json.dumps(timeline(kept, t0)))
+    signal.alarm(int(run_limit_s()) - 5)
+    rc, t0, _ = run_cli(argv, listen)
+    events_out.write_text(json.dumps(timeline(kept, t0)))
     sys.exit(rc)
-
-
-TIMELINE_EVENTS = {"download", "verify", "source-wait", "source-deleted", "fsync", "phase",
-                   "compute", "wait-read"}
 
 
 def timeline(kept: list[tuple[str, dict]], t0: float) -> dict:
@@ -193,51 +162,51 @@ def timeline(kept: list[tuple[str, dict]], t0: float) -> dict:
 
 
 def kconvert_args(events_out: Path, argv: list[str]) -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), "--child", str(events_out), "--",
+    return [sys.executable, "-m", "benchmarks", "stream", "--child", str(events_out), "--",
             *argv]
 
 
-def timed(args: list[str], env: dict, sample: Path | None = None,
-          events_out: Path | None = None) -> dict:
-    """A child process, wall-timed from here; with `sample`, the peak bytes of shards under
-    that directory while it runs; with `events_out`, the timeline the child wrote there."""
-    peak, stop = [0], threading.Event()
+class ShardBytes:
+    """The peak bytes of shards (whole or being downloaded) under a directory, sampled every
+    20 ms on a thread until `finish`."""
 
-    def sampler() -> None:
-        while not stop.is_set():
+    def __init__(self, root: Path) -> None:
+        self.root, self.peak = root, 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
             total = 0
-            for dirpath, _, names in os.walk(sample):
+            for dirpath, _, names in os.walk(self.root):
                 for name in names:
                     if name.endswith((".safetensors", ".incomplete")):
                         with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
                             total += os.path.getsize(os.path.join(dirpath, name))
-            peak[0] = max(peak[0], total)
-            stop.wait(0.02)
+            self.peak = max(self.peak, total)
+            self.stop.wait(0.02)
 
-    cold = drop_caches()
-    watcher = threading.Thread(target=sampler, daemon=True) if sample else None
-    t = time.perf_counter()
-    if watcher:
-        watcher.start()
-    try:
-        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=RUN_LIMIT_S)
-        wall = time.perf_counter() - t
-    except subprocess.TimeoutExpired as exc:  # the child wrote its timeline when it was ended
-        wall = time.perf_counter() - t
-        done = subprocess.CompletedProcess(args, -9, exc.stdout or "", exc.stderr or "")
-    stop.set()
-    if watcher:
-        watcher.join()
-    if isinstance(done.stdout, bytes):
-        done.stdout, done.stderr = done.stdout.decode(errors="replace"), \
-            done.stderr.decode(errors="replace")
-    out = {"wall_s": round(wall, 2), "rc": done.returncode, "page_cache_dropped": cold}
-    if sample:
-        out["peak_source_bytes"] = peak[0]
-    if done.returncode:
-        out["stderr_tail"] = done.stderr[-3000:]
+    def finish(self) -> dict:
+        self.stop.set()
+        self.thread.join()
+        return {"peak_source_bytes": self.peak}
+
+
+def timed(args: list[str], env: dict, sample: Path | None = None,
+          events_out: Path | None = None) -> dict:
+    """A child process, wall-timed from here, the page cache dropped first; with `sample`,
+    the peak bytes of shards under that directory while it runs; with `events_out`, the
+    timeline the child wrote there."""
+    cold = drop_page_cache() is None
+    c: Child = run_child(args, env=env, timeout=run_limit_s(),
+                         watch=(lambda _pid: ShardBytes(sample)) if sample else None)
+    out = {"wall_s": round(c.wall_s, 2), "rc": -9 if c.timed_out else c.rc,
+           "peak_rss_gb": c.peak_rss_gb, "page_cache_dropped": cold, **c.watched}
+    if out["rc"]:
+        out["stderr_tail"] = c.stderr[-3000:]
     try:  # kconvert --json: its own timings
-        summary = json.loads(done.stdout.strip().splitlines()[-1])
+        summary = json.loads(c.stdout.strip().splitlines()[-1])
         out["timings"] = summary.get("timings")
     except (ValueError, IndexError):
         pass
@@ -250,88 +219,95 @@ def tensor_hashes(out: Path) -> dict:
     return json.loads((out / "kconvert-manifest.json").read_text())["tensors"]
 
 
-def main() -> None:
-    if len(sys.argv) > 3 and sys.argv[1] == "--child" and sys.argv[3] == "--":
-        child(Path(sys.argv[2]), sys.argv[4:])
-    if len(sys.argv) != 2:
+def main(argv: list[str]) -> None:
+    if len(argv) > 2 and argv[0] == "--child" and argv[2] == "--":
+        child(Path(argv[1]), argv[3:])
+    if len(argv) > 1:
         raise SystemExit(__doc__)
-    result = Path(sys.argv[1]).resolve()
-    RES["machine"] = machine()
-    ROOT.mkdir(parents=True, exist_ok=True)
-    src = build_source()
+    from kconvert.testing.hub_server import LocalHub
+
+    root = Path(os.environ.get("ROOT", "/tmp/kstream"))
+    rate, window = float(os.environ.get("RATE", "1e9")), int(os.environ.get("WINDOW", "3"))
+    # Shards downloaded at once in each streamed run (the first: the one the ratio is of).
+    downloads = [int(n) for n in os.environ.get("DOWNLOADS", "2").split(",")]
+    root.mkdir(parents=True, exist_ok=True)
+    rec = record("stream", scratch=root)
+    res: dict = {"record": rec}
+    result = result_path(rec, argv[0] if argv else None).resolve()
+    src = build_source(root, res)
     shards = sorted(p for p in src.glob("*.safetensors"))
     sizes = [p.stat().st_size for p in shards]
-    RES.update(source_bytes=sum(sizes), shards=len(sizes), rate=RATE, window=WINDOW)
+    res.update(source_bytes=sum(sizes), shards=len(sizes), rate=rate, window=window)
     log("source", src, len(sizes), "shards", sum(sizes) / 1e9, "GB")
-    device = os.environ.get("DEVICE") or ("cuda" if RES["machine"].get("gpu") else "cpu")
-    t = time.perf_counter()
-    with LocalHub({REPO: src}, rate=RATE) as hub:
-        RES["server_start_s"] = round(time.perf_counter() - t, 1)  # hashing every file
-        env = env_with(HF_ENDPOINT=hub.url, HF_HUB_DISABLE_PROGRESS_BARS=1,
-                       HF_HUB_DISABLE_TELEMETRY=1)
+    device = os.environ.get("DEVICE") or rec["device"]["kind"]
+    started = Timer()
+    with LocalHub({REPO: src}, rate=rate) as hub:
+        res["server_start_s"] = round(started.elapsed(), 1)  # hashing every file
+        hub_env = {"HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_PROGRESS_BARS": 1,
+                   "HF_HUB_DISABLE_TELEMETRY": 1}
+        env = child_env(**hub_env)
         kc = ["int4-to-nvfp4"]
-        dl, local_out, stream_out = ROOT / "download", ROOT / "out-local", ROOT / "out-stream"
-        for d in (dl, local_out, stream_out, ROOT / "hf-cache"):
+        dl, local_out, stream_out = root / "download", root / "out-local", root / "out-stream"
+        for d in (dl, local_out, stream_out, root / "hf-cache"):
             shutil.rmtree(d, ignore_errors=True)
 
-        RES["download"] = timed([sys.executable, "-c", (
+        res["download"] = timed([sys.executable, "-c", (
             "import sys; from huggingface_hub import snapshot_download; "
             "snapshot_download(sys.argv[1], local_dir=sys.argv[2], max_workers=8)"),
             REPO, str(dl)], env)
-        log("download alone", RES["download"])
-        save(result)
-        RES["local"] = timed(kconvert_args(ROOT / "events-local.json", [
+        log("download alone", res["download"])
+        save(res, result)
+        res["local"] = timed(kconvert_args(root / "events-local.json", [
             *kc, str(dl), str(local_out), "--device", device, "--quiet", "--json"]), env,
-            events_out=ROOT / "events-local.json")
-        log("local conversion alone", {k: v for k, v in RES["local"].items() if k != "timeline"})
-        local_hashes = tensor_hashes(local_out) if RES["local"]["rc"] == 0 else None
+            events_out=root / "events-local.json")
+        log("local conversion alone", {k: v for k, v in res["local"].items() if k != "timeline"})
+        local_hashes = tensor_hashes(local_out) if res["local"]["rc"] == 0 else None
         shutil.rmtree(dl, ignore_errors=True)
         shutil.rmtree(local_out, ignore_errors=True)
-        save(result)
-        for n, downloads in enumerate(DOWNLOADS):
-            key = "streamed" if n == 0 else f"streamed_downloads_{downloads}"
-            RES[key] = timed(kconvert_args(ROOT / "events-stream.json", [
-                *kc, REPO, str(stream_out), "--stream", "--stream-window", str(WINDOW),
-                "--device", device, "--quiet", "--json", "--cache-dir", str(ROOT / "hf-cache")]),
-                env_with(HF_ENDPOINT=hub.url, HF_HUB_DISABLE_PROGRESS_BARS=1,
-                         HF_HUB_DISABLE_TELEMETRY=1, STREAM_DOWNLOADS=downloads),
+        save(res, result)
+        for n, at_once in enumerate(downloads):
+            key = "streamed" if n == 0 else f"streamed_downloads_{at_once}"
+            res[key] = timed(kconvert_args(root / "events-stream.json", [
+                *kc, REPO, str(stream_out), "--stream", "--stream-window", str(window),
+                "--device", device, "--quiet", "--json", "--cache-dir", str(root / "hf-cache")]),
+                child_env(**hub_env, STREAM_DOWNLOADS=at_once),
                 sample=stream_out / ".kconvert" / "source",
-                events_out=ROOT / "events-stream.json")
-            RES[key]["downloads_at_once"] = downloads
-            log(key, {k: v for k, v in RES[key].items() if k != "timeline"})
-            if RES[key]["rc"] == 0 and local_hashes is not None:
-                RES[key]["same_tensors_as_local"] = tensor_hashes(stream_out) == local_hashes
+                events_out=root / "events-stream.json")
+            res[key]["downloads_at_once"] = at_once
+            log(key, {k: v for k, v in res[key].items() if k != "timeline"})
+            if res[key]["rc"] == 0 and local_hashes is not None:
+                res[key]["same_tensors_as_local"] = tensor_hashes(stream_out) == local_hashes
             shutil.rmtree(stream_out, ignore_errors=True)
-            save(result)
-        RES["same_tensors_as_local"] = RES["streamed"].get("same_tensors_as_local")
-    walls = [RES[k]["wall_s"] for k in ("download", "local")]
-    bound = sum(sorted(sizes, reverse=True)[:WINDOW])
-    RES["ratio"] = {
-        "streamed_over_max": round(RES["streamed"]["wall_s"] / max(walls), 3),
+            save(res, result)
+        res["same_tensors_as_local"] = res["streamed"].get("same_tensors_as_local")
+    walls = [res[k]["wall_s"] for k in ("download", "local")]
+    bound = sum(sorted(sizes, reverse=True)[:window])
+    res["ratio"] = {
+        "streamed_over_max": round(res["streamed"]["wall_s"] / max(walls), 3),
         "target": TARGET,
-        "target_ok": RES["streamed"]["wall_s"] <= TARGET * max(walls),
+        "target_ok": res["streamed"]["wall_s"] <= TARGET * max(walls),
         "pipeline_bound_s": round(max(walls) + min(walls) / len(sizes), 2),
-        "peak_source_bytes": RES["streamed"].get("peak_source_bytes"),
+        "peak_source_bytes": res["streamed"].get("peak_source_bytes"),
         "window_bound_bytes": bound,
-        "peak_ok": (RES["streamed"].get("peak_source_bytes") or 0) <= bound,
+        "peak_ok": (res["streamed"].get("peak_source_bytes") or 0) <= bound,
     }
-    RES["where_time_goes"] = where_time_goes(sum(sizes))
-    save(result)
-    log("result", RES["ratio"], "same tensors:", RES.get("same_tensors_as_local"))
-    log("where the time goes", RES["where_time_goes"])
-    for name, times in RES["streamed"].get("timeline", {}).get("source", {}).items():
+    res["where_time_goes"] = where_time_goes(res, sum(sizes))
+    save(res, result)
+    log("result", res["ratio"], "same tensors:", res.get("same_tensors_as_local"))
+    log("where the time goes", res["where_time_goes"])
+    for name, times in res["streamed"].get("timeline", {}).get("source", {}).items():
         log(name, times, "output complete:",
-            RES["streamed"]["timeline"]["output_complete"].get(name))
+            res["streamed"]["timeline"]["output_complete"].get(name))
 
 
-def where_time_goes(nbytes: int) -> dict:
+def where_time_goes(res: dict, nbytes: int) -> dict:
     """From the timelines: how fast the streamed run's downloads went against the download
     alone, the hashing left after them, how long its compute thread waited for reads (for
     shards, in a streamed run) and how busy it was against the local run's."""
-    out: dict = {"download_alone_gb_s": round(nbytes / RES["download"]["wall_s"] / 1e9, 3),
-                 "local_compute_busy_s": RES["local"].get("timeline", {}).get("compute_busy_s")}
-    for key in [k for k in RES if k.startswith("streamed")]:
-        line = RES[key].get("timeline")
+    out: dict = {"download_alone_gb_s": round(nbytes / res["download"]["wall_s"] / 1e9, 3),
+                 "local_compute_busy_s": res["local"].get("timeline", {}).get("compute_busy_s")}
+    for key in [k for k in res if k.startswith("streamed")]:
+        line = res[key].get("timeline")
         if not line or not line["source"]:
             continue
         shards = line["source"].values()
@@ -346,7 +322,3 @@ def where_time_goes(nbytes: int) -> dict:
             "compute_busy_s": line["compute_busy_s"],
             "execute_s": [round(x, 2) for x in line["phases"].get("execute", [])]}
     return out
-
-
-if __name__ == "__main__":
-    main()
