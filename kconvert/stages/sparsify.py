@@ -50,7 +50,7 @@ GROUP_SIZES = (16, 32)
 
 
 # SparseGPT's calibration inputs by default: measured on the trained tiny MoE
-# (scripts/results/sparsegpt_hessian_tiny_moe.md).
+# (benchmarks/results/sparsegpt_hessian_tiny_moe.md).
 DEFAULT_HESSIAN = "source"
 
 
