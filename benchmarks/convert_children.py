@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import resource
 import statistics
-import time
 from pathlib import Path
 
 from benchmarks.encode import as_engine
@@ -31,11 +30,11 @@ def anchor(argv: list[str]) -> None:
 
     scheme = preset_name_to_scheme("NVFP4A16", EXPERTS_ONLY)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    t0 = time.perf_counter()
+    timer = Timer()
     model_free_ptq(src, dst, scheme=scheme, converter=CompressedTensorsDequantizer(src),
                    device=dev, max_workers=int(workers))
     os.sync()
-    report({"wall_main_s": round(time.perf_counter() - t0, 3), "device": dev,
+    report({"wall_main_s": round(timer.elapsed(), 3), "device": dev,
             "threads": torch.get_num_threads(),
             "maxrss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 3)})
 

@@ -8,7 +8,7 @@ import resource
 import time
 from collections.abc import Callable
 
-from benchmarks.harness import report
+from benchmarks.harness import Timer, report
 
 # Stage keys of a kconvert child's result, from the engine's timing events (kconvert.events).
 STAGE_KEYS = {"read": "read_{kind}", "compute": "compute_{kind}", "hash": "hash_item",
@@ -46,17 +46,17 @@ def run_cli(argv: list[str], listen: Callable[[str, dict], None] | None = None
     if "--device" in argv and argv[argv.index("--device") + 1] == "cpu":
         load_cpu_kernels()
     unsubscribe = events.subscribe(listen, timings=True) if listen is not None else None
-    t0 = time.perf_counter()
+    timer = Timer()
     rc = 0
     try:
         cli.main(argv, standalone_mode=False)
     except SystemExit as exc:
         rc = exc.code or 0
     finally:
-        wall = time.perf_counter() - t0
+        wall = timer.elapsed()
         if unsubscribe is not None:
             unsubscribe()
-    return rc, t0, wall
+    return rc, timer.start, wall
 
 
 def stage_key(event: str, info: dict) -> str | None:

@@ -8,11 +8,10 @@ import mmap
 import os
 import shutil
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks.harness import drop_page_cache, report
+from benchmarks.harness import Timer, drop_page_cache, report
 
 
 def together(*fns: Callable[[], None]) -> None:
@@ -31,39 +30,38 @@ def iofloor(argv: list[str]) -> None:
     dst.mkdir(parents=True)
     res: dict = {}
     chunk = 64 << 20
+    timer = Timer()
 
     def reader() -> None:
         buf = bytearray(chunk)
         view = memoryview(buf)
-        t = time.perf_counter()
         total = 0
-        for f in sorted(src.glob("*.safetensors")):
-            fd = os.open(f, os.O_RDONLY)
-            pos = 0
-            while n := os.preadv(fd, [view], pos):
-                pos += n
-            total += pos
-            os.close(fd)
-        res["read_s"], res["read_gb"] = round(time.perf_counter() - t, 2), round(total / 1e9, 2)
+        with timer.span("read_s"):
+            for f in sorted(src.glob("*.safetensors")):
+                fd = os.open(f, os.O_RDONLY)
+                pos = 0
+                while n := os.preadv(fd, [view], pos):
+                    pos += n
+                total += pos
+                os.close(fd)
+        res["read_gb"] = round(total / 1e9, 2)
 
     def writer() -> None:
         buf = memoryview(os.urandom(chunk))
-        t = time.perf_counter()
-        for i, off in enumerate(range(0, nbytes, 1 << 30)):
-            fd = os.open(dst / f"w{i}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            n = min(1 << 30, nbytes - off)
-            pos = 0
-            while pos < n:
-                pos += os.pwrite(fd, buf[: min(chunk, n - pos)], pos)
-            os.fsync(fd)
-            os.close(fd)
-        res["write_s"] = round(time.perf_counter() - t, 2)
+        with timer.span("write_s"):
+            for i, off in enumerate(range(0, nbytes, 1 << 30)):
+                fd = os.open(dst / f"w{i}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                n = min(1 << 30, nbytes - off)
+                pos = 0
+                while pos < n:
+                    pos += os.pwrite(fd, buf[: min(chunk, n - pos)], pos)
+                os.fsync(fd)
+                os.close(fd)
 
-    t = time.perf_counter()
-    together(reader, writer)
-    res["both_s"] = round(time.perf_counter() - t, 2)
+    with timer.span("both_s"):
+        together(reader, writer)
     shutil.rmtree(dst, ignore_errors=True)
-    report(res)
+    report({**res, **timer.rounded(2)})
 
 
 def ioprobe(argv: list[str]) -> None:
@@ -115,15 +113,15 @@ def ioprobe(argv: list[str]) -> None:
             os.fsync(fd)
             os.close(fd)
 
+    timer = Timer()
+
     def timed(label: str, *fns: Callable[[], None]) -> None:
         drop_page_cache()
-        t = time.perf_counter()
-        together(*fns)
-        res[label] = round(time.perf_counter() - t, 2)
+        timer(label, together, *fns)
 
     timed("read_buffered_s", lambda: reads(False))
     timed("read_direct_s", lambda: reads(True))
     timed("write_direct_s", writes)
     timed("read_write_direct_s", lambda: reads(True), writes)
     shutil.rmtree(dst, ignore_errors=True)
-    report(res)
+    report({**res, **timer.rounded(2)})
