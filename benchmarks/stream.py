@@ -73,10 +73,6 @@ from benchmarks.synthetic import anchor_set
 
 REPO = "bench/kimi-synthetic"
 TARGET = 1.15
-# DIMS=small: anchor_convert's layout at sizes a 2-core machine converts in seconds (about
-# 57 MB a MoE layer, 70 MB of embed + lm_head).
-SMALL_DIMS = {"H": 1024, "I_MOE": 512, "I_DENSE": 2048, "E": 64, "V": 16384, "QL": 256,
-              "KVL": 128, "NH": 8}
 TIMELINE_EVENTS = {"download", "verify", "source-wait", "source-deleted", "fsync", "phase",
                    "compute", "wait-read"}
 
@@ -100,7 +96,7 @@ def build_source(root: Path, res: dict) -> Path:
         return src
     shutil.rmtree(src, ignore_errors=True)
     made = Timer()
-    anchor_set(src, dims, layers, SMALL_DIMS if dims == "small" else None)
+    anchor_set(src, dims, layers)
     marker.write_text(f"{dims}:{layers}")
     res["build_s"] = round(made.elapsed(), 1)
     return src
