@@ -115,9 +115,10 @@ def run(name: str, argv: list[str], timeout: float, hog_bytes: int = 0,
                  "errors": [ln for ln in lines if ln.startswith("kconvert: error")
                             or "internal error" in ln or "Traceback" in ln][-3:],
                  **gpu.summary()}
-    if "budget" in peak and "max_memory_reserved" in peak:
-        got["within_budget"] = peak["max_memory_reserved"] <= peak["budget"]
-        got["peak_reserved_gib"] = round(peak["max_memory_reserved"] / GIB, 2)
+    reserved = c.peak_gpu_reserved_bytes
+    if "budget" in peak and reserved is not None:
+        got["within_budget"] = reserved <= peak["budget"]
+        got["peak_reserved_gib"] = round(reserved / GIB, 2)
         got["budget_gib"] = round(peak["budget"] / GIB, 2)
     if dst is not None:
         got["manifest"] = (dst / "kconvert-manifest.json").is_file()

@@ -96,6 +96,17 @@ def test_the_child_runner_measures_the_childs_own_peak_rss():
     assert 190 * MB < big.peak_rss_bytes - small.peak_rss_bytes < 260 * MB
 
 
+def test_a_childs_own_report_agrees_with_the_runners_peak_rss():
+    """A child that reports (harness.report) its own peak RSS: it is the runner's figure."""
+    code = ("from benchmarks.harness import report; x = bytearray(150 << 20); "
+            "x[::4096] = b'\\1' * len(x[::4096]); report({'held_mib': 150})")
+    c = harness.run_child([sys.executable, "-c", code], env=harness.child_env())
+    assert c.rc == 0 and c.result["held_mib"] == 150
+    assert c.peak_gpu_reserved_bytes is None  # it never used CUDA
+    assert abs(c.result["vmhwm_gb"] - c.peak_rss_gb) < 0.01
+    assert c.peak_rss_bytes > 150 * MB
+
+
 def test_the_child_runner_returns_status_output_and_result_line():
     code = ("import json, sys, time; print('hello'); print('warn', file=sys.stderr); "
             "time.sleep(0.3); print('RESULT ' + json.dumps({'n': 3})); sys.exit(3)")
@@ -139,14 +150,19 @@ def test_the_child_runner_hands_the_commands_pid_to_its_watcher():
 
     class Own:
         def __init__(self, pid: int) -> None:
-            self.cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             seen.append(pid)
+            deadline = time.monotonic() + 10  # the pid may not have exec'd the command yet
+            while b"sleep" not in (cmdline := Path(f"/proc/{pid}/cmdline").read_bytes()):
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+            self.cmdline = cmdline
 
         def finish(self) -> dict:
             return {"cmdline": self.cmdline}
 
-    c = harness.run_child([sys.executable, "-c", "import time; time.sleep(0.5)"], watch=Own)
-    assert b"time.sleep(0.5)" in c.watched["cmdline"]  # the command's pid, not the launcher's
+    c = harness.run_child([sys.executable, "-c", "import time; time.sleep(2)"], watch=Own)
+    assert b"time.sleep(2)" in c.watched["cmdline"]  # the command's pid, not the launcher's
     assert len(seen) == 1
 
 
