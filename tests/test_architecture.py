@@ -103,7 +103,7 @@ def test_every_cited_document_is_in_docs():
     """Code comments cite the specifications by file name (formats.md, p48.md, ...): each must
     exist in the repository's docs/ (or be a file the repository has at that path)."""
     cited = set()
-    for base in ("kconvert", "scripts", "tests"):
+    for base in ("kconvert", "benchmarks", "scripts", "tests"):
         for path in (ROOT / base).rglob("*.py"):
             cited.update(re.findall(r"\b([\w./-]+\.md)\b", path.read_text()))
     missing = sorted(c for c in cited

@@ -88,7 +88,7 @@ def test_mse_rule_never_worse_per_block_and_lower_on_bf16_weights():
     amax = mxfp4.quantize(w, "amax")
     mse = mxfp4.quantize(w, "mse")
     ratio = float(mse.err_sq.sum() / amax.err_sq.sum())
-    assert ratio < 1.0, ratio  # full-size figures: scripts/mxfp4_quality.py
+    assert ratio < 1.0, ratio  # full-size figures: benchmarks/quality/mxfp4_quality.py
     # Per block: the amax rule's code is among the candidates, so no block gets worse.
     def block_err(q):
         return (mxfp4.dequantize(q.packed, q.scales) - w).square().reshape(2, 64, -1, 32).sum(-1)

@@ -121,6 +121,6 @@ def test_sparsegpt_beats_wanda_beats_magnitude(tmp_path):
     assert rec["dense-nvfp4"] < rec["sparsegpt"]  # half the pairs gone must cost something
     # The two Hessian sources tie on the whole model's loss (within 0.0003 here and by
     # `kconvert eval`'s KL); the default (source) costs one forward per layer, not two
-    # (scripts/results/sparsegpt_hessian_tiny_moe.md).
+    # (benchmarks/results/sparsegpt_hessian_tiny_moe.md).
     loss = {k: dl for k, (_, dl) in results.items()}
     assert abs(loss["sparsegpt"] - loss["sparsegpt-sequential"]) <= 0.002
