@@ -1,4 +1,4 @@
-"""Helpers shared by the tests that run conversions end to end: the command line in a
+"""Helpers shared by the tests: the command line in this process (click's runner) and in a
 subprocess, a conversion in-process exactly as the command line calls it, snapshots of a
 directory, edits of a source checkpoint, safetensors headers read straight from the bytes
 (independently of kconvert), and a real small file system."""
@@ -19,9 +19,11 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from click.testing import CliRunner, Result
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from kconvert.cli import main
 from kconvert.convert import RunControl, convert
 from kconvert.recipes import load_recipe
 
@@ -38,9 +40,20 @@ MANIFEST = "kconvert-manifest.json"
 S1, S2, S3, S4 = (f"model-0000{i}-of-000004.safetensors" for i in (1, 2, 3, 4))
 
 
-def cli(*args, timeout: float = 300) -> subprocess.CompletedProcess:
+def cli_inproc(*args) -> Result:
+    """`kconvert ARGS` through its click entry point in this process (each argument str()-ed):
+    exit_code, output (stdout and stderr as a terminal shows them), stdout, stderr. Every
+    command turns its errors into an exit status; an exception that escapes that is a bug of
+    the command line and is raised here, not read as exit status 1."""
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def cli_subprocess(*args, timeout: float = 300, env: dict[str, str] | None = None
+                   ) -> subprocess.CompletedProcess:
+    """`kconvert ARGS` as a shell runs it: a fresh interpreter (environment `env`, else this
+    one's), the real exit status."""
     return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env=env)
 
 
 def run_inproc(recipe: str, src: Path, dst: Path, block_scale: str | None = None,

@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 
+from helpers import cli_inproc
 from kconvert.audit import decode
 from kconvert.audit.context import open_side
 from kconvert.audit.decode import Bound, DecodeJob, compare
 from kconvert.checks.findings import Checks
-from kconvert.cli import main
 from kconvert.formats import DenseCodec, Fp8BlockCodec
 from kconvert.formats.linear import ModuleWork
 from kconvert.io.checkpoint import open_checkpoint
@@ -31,7 +30,7 @@ MANIFEST = "kconvert-manifest.json"
 
 
 def audit_json(ckpt: Path) -> tuple[int, dict]:
-    res = CliRunner().invoke(main, ["audit", str(ckpt), "--json", "--quiet"])
+    res = cli_inproc("audit", ckpt, "--json", "--quiet")
     assert res.exit_code in (0, 1), res.output
     return res.exit_code, json.loads(res.stdout)
 

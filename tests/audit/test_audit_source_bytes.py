@@ -13,11 +13,9 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from click.testing import CliRunner
 
 from conftest import BUNDLED
-from helpers import INDEX, MANIFEST, run_inproc
-from kconvert.cli import main
+from helpers import INDEX, MANIFEST, cli_inproc, run_inproc
 
 
 def _span(ckpt: Path, name: str) -> tuple[Path, int, int]:
@@ -30,7 +28,7 @@ def _span(ckpt: Path, name: str) -> tuple[Path, int, int]:
 
 
 def _audit(ckpt: Path, *args: str) -> tuple[int, dict]:
-    res = CliRunner().invoke(main, ["audit", str(ckpt), "--json", "--quiet", *map(str, args)])
+    res = cli_inproc("audit", ckpt, "--json", "--quiet", *args)
     assert res.exit_code in (0, 1), res.output
     return res.exit_code, json.loads(res.stdout)
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import click
 import pytest
-from click.testing import CliRunner
 
 from conftest import BUNDLED
+from helpers import cli_inproc
 from kconvert.cli import main
 from kconvert.version import __version__
 
@@ -38,11 +38,10 @@ def test_help_is_fast_and_imports_no_torch():
 
 
 def test_short_help_and_version():
-    runner = CliRunner()
-    assert runner.invoke(main, ["-h"]).output == runner.invoke(main, ["--help"]).output
-    res = runner.invoke(main, ["run", "-h"])
+    assert cli_inproc("-h").output == cli_inproc("--help").output
+    res = cli_inproc("run", "-h")
     assert res.exit_code == 0 and "RECIPE SRC DST" in res.output
-    res = runner.invoke(main, ["--version"])
+    res = cli_inproc("--version")
     assert res.exit_code == 0 and __version__ in res.output
 
 
@@ -143,9 +142,8 @@ def test_calibrate_messages_modes_and_summary(tmp_path):
     """"1 sequences" was printed; stats.safetensors was written 0600 beside 0644 JSON files."""
     data = _jsonl(tmp_path / "d.jsonl", [{"input_ids": list(range(16))}])
     out = tmp_path / "stats"
-    res = CliRunner().invoke(main, ["calibrate", str(BUNDLED), "--data", str(data), "-o",
-                                    str(out), "--samples", "2", "--seq-len", "16",
-                                    "--device", "cpu"])
+    res = cli_inproc("calibrate", BUNDLED, "--data", data, "-o", out, "--samples", "2", "--seq-len",
+                     "16", "--device", "cpu")
     assert res.exit_code == 0, res.output
     assert "the data gives 1 sequence of 16 tokens, fewer than --samples 2" in res.output
     assert "wrote " in res.output and "16 tokens, 2 MoE layers" in res.output
@@ -160,19 +158,17 @@ def test_calibrate_messages_modes_and_summary(tmp_path):
 
 def test_samples_default_is_per_use_and_documented(tmp_path):
     """SparseGPT through `run` used 1024 sequences by default, through `sparsify` 128."""
-    runner = CliRunner()
     data = _jsonl(tmp_path / "d.jsonl", [{"input_ids": list(range(i, i + 16))}
                                          for i in range(2)])
     dst = tmp_path / "out"
-    res = runner.invoke(main, ["run", "sparsify", str(BUNDLED), str(dst), "--method",
-                               "sparsegpt", "--data", str(data), "--seq-len", "16",
-                               "--device", "cpu", "--quiet"])
+    res = cli_inproc("run", "sparsify", BUNDLED, dst, "--method", "sparsegpt", "--data", data,
+                     "--seq-len", "16", "--device", "cpu", "--quiet")
     assert res.exit_code == 0, res.output
     manifest = json.loads((dst / "kconvert-manifest.json").read_text())
     assert manifest["options"]["sparsify"]["data"]["samples"] == 128  # as `sparsify` records
 
     def help_of(command: str) -> str:
-        return " ".join(runner.invoke(main, [command, "--help"]).output.split())
+        return " ".join(cli_inproc(command, "--help").output.split())
 
     assert "With --data: sequences. [default: 128;" in help_of("sparsify")
     assert "With --data: sequences. [default: 1024;" in help_of("reap")

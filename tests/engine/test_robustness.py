@@ -48,7 +48,7 @@ from helpers import (
     S2,
     S3,
     S4,
-    cli,
+    cli_subprocess,
     data_bytes,
     edit_json,
     edit_tensor,
@@ -416,7 +416,8 @@ def test_bad_input_fails_cleanly(case: Case, tmp_path):
     before = snapshot(src)
     dst = tmp_path / "out"
     if case.cli:
-        proc = cli("int4-to-nvfp4", src, dst, "--quiet", "--block-scale", "amax", *case.args)
+        proc = cli_subprocess("int4-to-nvfp4", src, dst, "--quiet", "--block-scale", "amax",
+                              *case.args)
         assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
         assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
         msg = proc.stderr
@@ -493,7 +494,7 @@ def test_resume_refuses_a_dst_started_with_other_options(tmp_path):
     state = snapshot(dst)
     before = snapshot(src)
 
-    proc = cli("int4-to-nvfp4", src, dst, "--quiet", "--resume", "--block-scale", "mse")
+    proc = cli_subprocess("int4-to-nvfp4", src, dst, "--quiet", "--resume", "--block-scale", "mse")
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert re.search(r"different (command|option)", proc.stderr), proc.stderr
     assert str(dst) in proc.stderr
@@ -578,7 +579,7 @@ def test_sigkill_mid_run_then_resume_is_byte_identical(multi, tmp_path):
         assert (dst / name).read_bytes() == (clean / name).read_bytes(), name
     kept = {n: (os.stat(dst / n).st_ino, os.stat(dst / n).st_mtime_ns) for n in done}
 
-    proc2 = cli(*args, "--resume")
+    proc2 = cli_subprocess(*args, "--resume")
     assert proc2.returncode == 0, proc2.stderr[-3000:]
     assert snapshot(dst) == snapshot(clean)  # every file incl. manifest, config, index
     assert not (dst / ".kconvert").exists()
@@ -649,7 +650,7 @@ def test_dry_run_writes_nothing_and_prints_the_role_table(multi, tmp_path):
     src, clean = multi
     before = snapshot(src)
     dst = tmp_path / "out"
-    proc = cli("int4-to-nvfp4", src, dst, "--dry-run")
+    proc = cli_subprocess("int4-to-nvfp4", src, dst, "--dry-run")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not dst.exists()
     assert snapshot(src) == before

@@ -10,13 +10,12 @@ import shutil
 
 import pytest
 import torch
-from click.testing import CliRunner
 from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
 from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
 from compressed_tensors.quantization.utils import calculate_qparams
 
 from conftest import BUNDLED, ROOT
-from kconvert.cli import main
+from helpers import cli_inproc
 from kconvert.convert import RunControl, convert
 from kconvert.formats import Mxfp4Codec, QuarkMxfp4Codec, mxfp4
 from kconvert.formats.ct_config import CT_TARGETS
@@ -177,10 +176,9 @@ def test_mxfp4_sources_decode_everywhere(quark_out, ct_out, tmp_path):
         assert torch.equal(dq[module + ".weight"], want)
         assert "quantization_config" not in json.loads((dst / "config.json").read_text())
         for ckpt, source in ((out, BUNDLED), (dst, out)):
-            res = CliRunner().invoke(main, ["audit", str(ckpt), "--source", str(source),
-                                            "--quiet"])
+            res = cli_inproc("audit", ckpt, "--source", source, "--quiet")
             assert res.exit_code == 0, res.output
-        res = CliRunner().invoke(main, ["inspect", str(out)])
+        res = cli_inproc("inspect", out)
         assert res.exit_code == 0 and "routed_experts" in res.output, res.output
 
 
@@ -199,12 +197,12 @@ def test_reap_keeps_mxfp4_experts_byte_identical(quark_out, tmp_path):
                     assert a.dtype == torch.uint8 and torch.equal(a, b)
     assert json.loads((dst / "config.json").read_text())["quantization_config"]["quant_method"] \
         == "quark"
-    res = CliRunner().invoke(main, ["audit", str(dst), "--quiet"])
+    res = cli_inproc("audit", dst, "--quiet")
     assert res.exit_code == 0, res.output
 
 
 def _audit(ckpt, *args) -> tuple[int, dict]:
-    res = CliRunner().invoke(main, ["audit", str(ckpt), "--json", "--quiet", *map(str, args)])
+    res = cli_inproc("audit", ckpt, "--json", "--quiet", *args)
     assert res.exit_code in (0, 1), res.output
     return res.exit_code, json.loads(res.stdout)
 
@@ -239,21 +237,18 @@ def test_eval_reads_an_mxfp4_checkpoint(tmp_path):
     data.write_text("".join(json.dumps({"input_ids": [(7 * i + 3 * j) % 250
                                                       for j in range(16)]}) + "\n"
                             for i in range(2)))
-    res = CliRunner().invoke(main, ["eval", str(TINY_MOE), str(dst), "--data", str(data),
-                                    "--seq-len", "16", "--samples", "2", "--device", "cpu",
-                                    "-o", str(tmp_path / "ev"), "--quiet"])
+    res = cli_inproc("eval", TINY_MOE, dst, "--data", data, "--seq-len", "16", "--samples", "2",
+                     "--device", "cpu", "-o", tmp_path / "ev", "--quiet")
     assert res.exit_code == 0, res.output
     logits = json.loads((tmp_path / "ev" / "eval.json").read_text())["candidates"][0]["logits"]
     assert 0 < logits["kl_mean"] < 0.5
 
 
 def test_mxfp4_refuses_what_it_cannot_write(tmp_path):
-    res = CliRunner().invoke(main, ["int4-to-mxfp4", str(BUNDLED), str(tmp_path / "a"),
-                                    "--format", "quark-mxfp4", "--act-stats", str(BUNDLED /
-                                                                                  "config.json")])
+    res = cli_inproc("int4-to-mxfp4", BUNDLED, tmp_path / "a", "--format", "quark-mxfp4",
+                     "--act-stats", BUNDLED / "config.json")
     assert res.exit_code == 2 and "takes no --act-stats" in res.output, res.output
-    res = CliRunner().invoke(main, ["int4-to-nvfp4", str(BUNDLED), str(tmp_path / "b"),
-                                    "--activations", "dynamic"])
+    res = cli_inproc("int4-to-nvfp4", BUNDLED, tmp_path / "b", "--activations", "dynamic")
     assert res.exit_code == 2 and "MXFP4" in res.output, res.output
 
 
@@ -304,7 +299,7 @@ def test_quantized_routers_read_everywhere(routers_out, tmp_path):
         for p in QuarkMxfp4Codec.params:
             name = f"model.layers.{layer}.mlp.gate.{p}"
             assert torch.equal(d[name], s[name][torch.tensor(keep)])
-    res = CliRunner().invoke(main, ["audit", str(pruned), "--quiet"])
+    res = cli_inproc("audit", pruned, "--quiet")
     assert res.exit_code == 0, res.output
     dq = tmp_path / "dq"
     convert(str(routers_out), str(dq), load_recipe("dequant"), {"dtype": "F32"}, QUIET)
@@ -323,16 +318,14 @@ def test_quantized_routers_read_everywhere(routers_out, tmp_path):
     assert set(twin) == set(s) and all(torch.equal(twin[n], t) for n, t in s.items())
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"input_ids": list(range(3, 19))}) + "\n")
-    res = CliRunner().invoke(main, ["eval", str(dq), str(w4a16), "--data", str(data),
-                                    "--seq-len", "16", "--samples", "1", "--device", "cpu",
-                                    "-o", str(tmp_path / "ev"), "--quiet"])
+    res = cli_inproc("eval", dq, w4a16, "--data", data, "--seq-len", "16", "--samples", "1",
+                     "--device", "cpu", "-o", tmp_path / "ev", "--quiet")
     assert res.exit_code == 0, res.output
     logits = json.loads((tmp_path / "ev" / "eval.json").read_text())["candidates"][0]["logits"]
     assert logits["kl_mean"] < 1e-6  # the same weights, decoded by eval or by dequant
 
 
 def test_routers_only_in_quarks_format(tmp_path):
-    res = CliRunner().invoke(main, ["int4-to-mxfp4", str(BUNDLED), str(tmp_path / "a"),
-                                    "--format", "mxfp4-pack-quantized", "--targets",
-                                    "experts,routers"])
+    res = cli_inproc("int4-to-mxfp4", BUNDLED, tmp_path / "a", "--format", "mxfp4-pack-quantized",
+                     "--targets", "experts,routers")
     assert res.exit_code == 2 and "only quark-mxfp4" in res.output, res.output

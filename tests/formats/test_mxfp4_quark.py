@@ -10,7 +10,6 @@ import json
 import pytest
 import quark.torch.kernel as quark_kernel  # the oracle, a test dependency: never skipped
 import torch
-from click.testing import CliRunner
 from quark.torch.quantization.config.config import QConfig
 from quark.torch.quantization.config.template import (
     MXFP4Scheme,
@@ -24,7 +23,7 @@ from quark.torch.utils.numerics import to_e8m0_uint8
 from quark.torch.utils.pack import create_pack_method
 
 from conftest import BUNDLED
-from kconvert.cli import main
+from helpers import cli_inproc
 from kconvert.convert import RunControl, convert
 from kconvert.formats import mxfp4
 from kconvert.recipes import load_recipe
@@ -89,5 +88,5 @@ def test_int4_to_mxfp4_is_quarks_file_to_file_export(tmp_path, scheme, activatio
     assert ours == theirs
     # Quark's own output passes kconvert's audit against the INT4 source: its routers, when
     # quantized, are checked row by row through their decode.
-    res = CliRunner().invoke(main, ["audit", str(ref), "--source", str(BUNDLED), "--quiet"])
+    res = cli_inproc("audit", ref, "--source", BUNDLED, "--quiet")
     assert res.exit_code == 0, res.output

@@ -22,7 +22,7 @@ from huggingface_hub import constants, hf_hub_download
 from safetensors.torch import load_file, save_file
 
 import kconvert
-from helpers import CLI, INDEX, MANIFEST, snapshot
+from helpers import CLI, INDEX, MANIFEST, cli_subprocess, snapshot
 from kconvert import events
 from kconvert.engine.source_order import source_order
 from kconvert.engine.work import build_work_plan
@@ -324,9 +324,8 @@ def test_reading_the_source_twice_or_locally_is_refused(hub, sources, tmp_path):
     with pytest.raises(UsageError, match="is not one"):
         kconvert.dequant(str(sources[REPO]), str(tmp_path / "o3"), stream=True)
     assert not hub.requests  # refused before anything was fetched
-    done = subprocess.run([*CLI, "reap", REPO, str(tmp_path / "o4"), "--stream", "--data",
-                           str(data), "--keep", "8"], capture_output=True, text=True,
-                          env={**os.environ, "HF_ENDPOINT": hub.url}, timeout=120)
+    done = cli_subprocess("reap", REPO, tmp_path / "o4", "--stream", "--data", data, "--keep",
+                          8, env={**os.environ, "HF_ENDPOINT": hub.url}, timeout=120)
     assert done.returncode == 2 and "--stream reads each source shard once" in done.stderr
 
 

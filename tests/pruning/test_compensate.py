@@ -15,11 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 
 from conftest import ROOT
-from helpers import edit_tensor, kimi_moe_block, load_tensors
-from kconvert.cli import main
+from helpers import cli_inproc, edit_tensor, kimi_moe_block, load_tensors
 from kconvert.cli.base import COMPENSATIONS as CLI_COMPENSATIONS
 from kconvert.pruning.plan import PLAN_FILE, load_plan
 from kconvert.pruning.reap import CRITERIA, keep_ids, plan_from_scores, tensor_hash
@@ -50,9 +48,8 @@ RUNS = {  # name -> (fixture, keep, flags)
 
 def _reap(src: Path, dst: Path, data: Path, keep: int, *extra: str):
     samples = [] if "--samples" in extra else ["--samples", "12"]
-    return CliRunner().invoke(main, ["reap", str(src), str(dst), "--data", str(data), "--keep",
-                                     str(keep), *samples, "--seq-len", str(SEQ), "--quiet",
-                                     *extra])
+    return cli_inproc("reap", src, dst, "--data", data, "--keep", keep, *samples, "--seq-len", SEQ,
+                      "--quiet", *extra)
 
 
 def _tensors(d: Path) -> dict[str, torch.Tensor]:
@@ -65,8 +62,7 @@ def _bump(t: torch.Tensor) -> torch.Tensor:
 
 
 def _audit(ckpt: Path, src: Path) -> tuple[int, dict]:
-    res = CliRunner().invoke(main, ["audit", str(ckpt), "--json", "--quiet", "--source",
-                                    str(src)])
+    res = cli_inproc("audit", ckpt, "--json", "--quiet", "--source", src)
     assert res.exit_code in (0, 1), res.output
     return res.exit_code, json.loads(res.stdout)
 
@@ -187,17 +183,14 @@ def test_man_and_msan_rank_by_routed_token_means():
 def test_keep_beside_a_plan(made, tmp_path):
     plan = made["down"].parent / "msan" / PLAN_FILE
     src = FIXTURES["trained"]
-    ok = CliRunner().invoke(main, ["reap", str(src), str(tmp_path / "a"), "--plan", str(plan),
-                                   "--keep", "12", "--quiet"])
+    ok = cli_inproc("reap", src, tmp_path / "a", "--plan", plan, "--keep", "12", "--quiet")
     assert ok.exit_code == 0, ok.output
-    bad = CliRunner().invoke(main, ["reap", str(src), str(tmp_path / "b"), "--plan", str(plan),
-                                    "--keep", "10", "--quiet"])
+    bad = cli_inproc("reap", src, tmp_path / "b", "--plan", plan, "--keep", "10", "--quiet")
     assert bad.exit_code == 2
     assert "--keep 10" in bad.output and "keeps 12" in bad.output
 
 
 def test_compensation_needs_data(made, tmp_path):
-    res = CliRunner().invoke(main, ["reap", str(FIXTURES["trained"]), str(tmp_path / "o"),
-                                    "--plan", str(made["down"] / PLAN_FILE), "--compensate",
-                                    "down"])
+    res = cli_inproc("reap", FIXTURES["trained"], tmp_path / "o", "--plan",
+                     made["down"] / PLAN_FILE, "--compensate", "down")
     assert res.exit_code == 2 and "--data" in res.output

@@ -20,14 +20,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor
 from compressed_tensors.quantization.utils import calculate_qparams
 from safetensors.torch import save_file
 
 from conftest import ROOT
-from helpers import edit_tensor, kimi_moe_block
-from kconvert.cli import main
+from helpers import cli_inproc, edit_tensor, kimi_moe_block
 from kconvert.formats import Int4Codec
 from kconvert.pruning.plan import PLAN_FILE, load_plan
 from kconvert.pruning.reap import tensor_hash
@@ -54,10 +52,6 @@ RUNS = {  # name -> (source, keep, flags, the block-scale rule the plan must rec
 CHECKED = [r for r in RUNS if not r.endswith("-again")]
 
 
-def _cli(*args: str):
-    return CliRunner().invoke(main, [*map(str, args), "--quiet"])
-
-
 @pytest.fixture(scope="module")
 def made(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("compensate-quantized")
@@ -67,12 +61,12 @@ def made(tmp_path_factory) -> dict[str, Path]:
     out = {"data": data, "int4": INT4}
     for name, flags in QUANTIZED.items():
         out[name] = root / name
-        res = _cli("quantize", TRAINED, out[name], *flags)
+        res = cli_inproc("quantize", TRAINED, out[name], *flags, "--quiet")
         assert res.exit_code == 0, res.output
     for name, (source, keep, flags, _) in RUNS.items():
         out[f"run-{name}"] = root / f"run-{name}"
-        res = _cli("reap", out[source], out[f"run-{name}"], "--data", data, "--keep", keep,
-                   "--samples", 12, "--seq-len", SEQ, *flags)
+        res = cli_inproc("reap", out[source], out[f"run-{name}"], "--data", data, "--keep", keep,
+                         "--samples", 12, "--seq-len", SEQ, *flags, "--quiet")
         assert res.exit_code == 0, res.output
     # the re-fitted matrices were spilled beside DST, and the scratch directory is gone
     assert not list(root.glob(".kconvert-refit-*"))
@@ -160,8 +154,7 @@ def test_output_loads_and_its_blocks_route_as_written(made, run, tmp_path):
 
 
 def _audit(ckpt: Path, src: Path) -> tuple[int, dict]:
-    res = CliRunner().invoke(main, ["audit", str(ckpt), "--json", "--quiet", "--source",
-                                    str(src)])
+    res = cli_inproc("audit", ckpt, "--json", "--quiet", "--source", src)
     assert res.exit_code in (0, 1), res.output
     return res.exit_code, json.loads(res.stdout)
 
@@ -203,9 +196,9 @@ def test_same_command_twice_writes_the_same_bytes(made):
 
 def test_a_p48_sparse_source_is_refused(made, tmp_path):
     sparse = tmp_path / "p48"
-    res = _cli("sparsify", made["nvfp4"], sparse)
+    res = cli_inproc("sparsify", made["nvfp4"], sparse, "--quiet")
     assert res.exit_code == 0, res.output
-    res = _cli("reap", sparse, tmp_path / "out", "--data", made["data"], "--keep", 12,
-               "--samples", 12, "--seq-len", SEQ, "--compensate", "down")
+    res = cli_inproc("reap", sparse, tmp_path / "out", "--data", made["data"], "--keep", 12,
+                     "--samples", 12, "--seq-len", SEQ, "--compensate", "down", "--quiet")
     assert res.exit_code == 1 and "paired-4:8" in res.output and "kconvert: error:" in res.output
     assert not (tmp_path / "out").exists()

@@ -14,13 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import ROOT
-from helpers import kimi_moe_block
-from kconvert.cli import main
+from helpers import cli_inproc, kimi_moe_block
 from kconvert.cli.base import REPAIRS as CLI_REPAIRS
 from kconvert.errors import KconvertError
 from kconvert.io.checkpoint import open_checkpoint
@@ -36,9 +34,8 @@ SEQ = 64
 
 
 def _reap(dst: Path, data: Path, *extra: str) -> None:
-    res = CliRunner().invoke(main, ["reap", str(SRC), str(dst), "--data", str(data), "--keep",
-                                    str(KEEP), "--samples", "12", "--seq-len", str(SEQ),
-                                    "--quiet", *extra])
+    res = cli_inproc("reap", SRC, dst, "--data", data, "--keep", KEEP, "--samples", "12",
+                     "--seq-len", SEQ, "--quiet", *extra)
     assert res.exit_code == 0, res.output
 
 
@@ -51,7 +48,7 @@ def _tensors(d: Path) -> dict[str, torch.Tensor]:
 
 
 def _audit(ckpt: Path, *args: str) -> tuple[int, dict]:
-    res = CliRunner().invoke(main, ["audit", str(ckpt), "--json", "--quiet", *args])
+    res = cli_inproc("audit", ckpt, "--json", "--quiet", *args)
     assert res.exit_code in (0, 1), res.output
     return res.exit_code, json.loads(res.stdout)
 
@@ -170,8 +167,7 @@ def test_a_repaired_plan_file_alone_is_refused(made):
 
 def test_repair_without_data_is_refused(made, tmp_path):
     plan = made["none"] / PLAN_FILE
-    res = CliRunner().invoke(main, ["reap", str(SRC), str(tmp_path / "o"), "--plan", str(plan),
-                                    "--repair", "bias"])
+    res = cli_inproc("reap", SRC, tmp_path / "o", "--plan", plan, "--repair", "bias")
     assert res.exit_code != 0 and "--data" in res.output
 
 

@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 from compressed_tensors.quantization import QuantizationConfig
 from nvfp4_reference import p48_keep
 
-from kconvert.cli import main
+from helpers import cli_inproc
 from kconvert.formats.nvfp4_ct import Nvfp4Codec
 from kconvert.formats.nvfp4_pair_bitmask import (
     Nvfp4PairBitmaskCodec,
@@ -42,14 +41,9 @@ from oracles import (
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 
-def run_cli(*args: str) -> None:
-    res = CliRunner().invoke(main, [*args, "--quiet"], catch_exceptions=False)
-    assert res.exit_code == 0, res.output
-
-
 def audit_ok(dst: Path, src: Path | None = None) -> str:
     args = ["audit", str(dst)] + (["--source", str(src)] if src else [])
-    res = CliRunner().invoke(main, args, catch_exceptions=False)
+    res = cli_inproc(*args)
     assert res.exit_code == 0, res.output
     return res.output
 
@@ -82,9 +76,11 @@ def sparsified(fixture_dir, tmp_path_factory):
         if name not in out:
             dst = tmp_path_factory.mktemp(name) / "out"
             if recipe:
-                run_cli("run", recipe, str(source), str(dst), *opts)
+                res = cli_inproc("run", recipe, source, dst, *opts, "--quiet")
+                assert res.exit_code == 0, res.output
             else:
-                run_cli("sparsify", str(source), str(dst), "--pattern", "p48", *opts)
+                res = cli_inproc("sparsify", source, dst, "--pattern", "p48", *opts, "--quiet")
+                assert res.exit_code == 0, res.output
             out[name] = dst
         return out[name]
 
@@ -143,7 +139,7 @@ def test_audit_checks_every_chunk_and_catches_a_bad_byte(sparsified, tmp_path):
     blob = (bad / shard).read_bytes()
     at = blob.index(data)
     (bad / shard).write_bytes(blob[:at + zero_at] + b"\x08" + blob[at + zero_at + 1:])
-    res = CliRunner().invoke(main, ["audit", str(bad)])
+    res = cli_inproc("audit", bad)
     assert res.exit_code != 0
     assert name.rsplit(".", 1)[0] in res.output
 
@@ -178,7 +174,8 @@ def test_pair_bitmask_round_trip_is_byte_exact_and_smaller(sparsified, tmp_path)
         assert cfg["paired48_sparse"] == {"layout": "pair-bitmask", "version": 1}
         audit_ok(sparse, src)
         back = tmp_path / f"back{group}"
-        run_cli("densify", str(sparse), str(back))
+        res = cli_inproc("densify", sparse, back, "--quiet")
+        assert res.exit_code == 0, res.output
         assert raw_tensors(back) == raw_tensors(dense)
         assert json.loads((back / "config.json").read_text()) == json.loads(
             (dense / "config.json").read_text())
@@ -221,10 +218,12 @@ def test_one_pass_equals_stages_one_after_another(sparsified, tmp_path):
     one = make("one-pass", "--group-size", "32", "--storage", "pair-bitmask",
                recipe="int4-p48-nvfp4")
     f32 = tmp_path / "f32"
-    run_cli("dequant", str(src), str(f32), "--dtype", "F32")
+    res = cli_inproc("dequant", src, f32, "--dtype", "F32", "--quiet")
+    assert res.exit_code == 0, res.output
     staged = tmp_path / "staged"
-    run_cli("sparsify", str(f32), str(staged), "--group-size", "32", "--storage",
-            "pair-bitmask")
+    res = cli_inproc("sparsify", f32, staged, "--group-size", "32", "--storage", "pair-bitmask",
+                     "--quiet")
+    assert res.exit_code == 0, res.output
     assert raw_tensors(one) == raw_tensors(staged)
 
     plan = tmp_path / "plan.json"
@@ -233,11 +232,14 @@ def test_one_pass_equals_stages_one_after_another(sparsified, tmp_path):
     plan.write_text(json.dumps({"criterion": "manual", "layers": {
         str(layer): {"keep": keep} for layer in (1, 2)}}))
     pruned_one = tmp_path / "pruned-one"
-    run_cli("run", "reap-p48-nvfp4", str(src), str(pruned_one), "--plan", str(plan))
+    res = cli_inproc("run", "reap-p48-nvfp4", src, pruned_one, "--plan", plan, "--quiet")
+    assert res.exit_code == 0, res.output
     pruned = tmp_path / "pruned"
-    run_cli("reap", str(src), str(pruned), "--plan", str(plan))
+    res = cli_inproc("reap", src, pruned, "--plan", plan, "--quiet")
+    assert res.exit_code == 0, res.output
     pruned_staged = tmp_path / "pruned-staged"
-    run_cli("sparsify", str(pruned), str(pruned_staged))
+    res = cli_inproc("sparsify", pruned, pruned_staged, "--quiet")
+    assert res.exit_code == 0, res.output
     assert raw_tensors(pruned_one) == raw_tensors(pruned_staged)
     audit_ok(pruned_one, src)
 
@@ -250,6 +252,6 @@ def test_sparsify_refuses_what_it_cannot_do(sparsified, tmp_path):
         (["--storage", "pair-bitmask", "--format", "modelopt"], "compressed-tensors"),
     ]
     for i, (opts, said) in enumerate(cases):
-        res = CliRunner().invoke(main, ["sparsify", str(src), str(tmp_path / str(i)), *opts])
+        res = cli_inproc("sparsify", src, tmp_path / str(i), *opts)
         assert res.exit_code != 0 and said in res.output, res.output
         assert not (tmp_path / str(i) / "kconvert-manifest.json").exists()

@@ -16,14 +16,12 @@ import json
 
 import pytest
 import torch
-from click.testing import CliRunner
 from nvfp4_reference import sparsegpt_inverse, sparsegpt_p48_nvfp4
 
 from conftest import BUNDLED, ROOT
-from helpers import obs_problem
+from helpers import cli_inproc, obs_problem
 from kconvert import options
 from kconvert.cli import base as cli
-from kconvert.cli import main
 from kconvert.errors import KconvertError
 from kconvert.formats import nvfp4
 from kconvert.io.checkpoint import open_checkpoint
@@ -136,17 +134,15 @@ def test_hessian_option_is_recorded_and_refused_without_sparsegpt(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"input_ids": list(range(i, i + 16))}) + "\n"
                             for i in range(2)))
-    runner = CliRunner()
     for mode in ("source", "sequential"):
         dst = tmp_path / mode
-        res = runner.invoke(main, ["sparsify", str(BUNDLED), str(dst), "--method", "sparsegpt",
-                                   "--hessian", mode, "--data", str(data), "--seq-len", "16",
-                                   "--samples", "2", "--device", "cpu", "--quiet"])
+        res = cli_inproc("sparsify", BUNDLED, dst, "--method", "sparsegpt", "--hessian", mode,
+                         "--data", data, "--seq-len", "16", "--samples", "2", "--device", "cpu",
+                         "--quiet")
         assert res.exit_code == 0, res.output
         manifest = json.loads((dst / "kconvert-manifest.json").read_text())
         assert manifest["options"]["sparsify"]["hessian"] == mode
-        res = runner.invoke(main, ["audit", str(dst)])
+        res = cli_inproc("audit", dst)
         assert res.exit_code == 0, res.output
-    res = runner.invoke(main, ["sparsify", str(BUNDLED), str(tmp_path / "m"), "--hessian",
-                               "source", "--quiet"])
+    res = cli_inproc("sparsify", BUNDLED, tmp_path / "m", "--hessian", "source", "--quiet")
     assert res.exit_code == 1 and "--hessian serves --method sparsegpt" in res.output
