@@ -56,6 +56,22 @@ def cli_subprocess(*args, timeout: float = 300, env: dict[str, str] | None = Non
                           timeout=timeout, env=env)
 
 
+def audit_json(ckpt: Path, *args) -> tuple[int, dict]:
+    """`kconvert audit CKPT --json ARGS` on the CPU through cli_inproc: the exit status (0 every
+    check passed, 1 some check failed; any other fails the test) and the JSON report."""
+    res = cli_inproc("audit", ckpt, "--json", "--quiet", "--device", "cpu", *args)
+    assert res.exit_code in (0, 1), res.output
+    return res.exit_code, json.loads(res.stdout)
+
+
+def assert_audit_passes(ckpt: Path, *args) -> dict:
+    """audit_json of a checkpoint that must pass every check: its report, else its failures
+    as the test's message."""
+    code, report = audit_json(ckpt, *args)
+    assert code == 0 and report["passed"], report["failures"]
+    return report
+
+
 def run_inproc(recipe: str, src: Path, dst: Path, block_scale: str | None = None,
                targets: str | None = None, **run) -> object:
     """convert() as the CLI calls it: the stage settings it gives (None: the recipe's)."""

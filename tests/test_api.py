@@ -12,7 +12,7 @@ import pytest
 
 import kconvert
 from conftest import ROOT
-from helpers import cli_inproc
+from helpers import audit_json, cli_inproc
 from kconvert.errors import KconvertError, UsageError
 
 README = ROOT / "README.md"
@@ -60,9 +60,9 @@ def test_api_writes_the_cli_bytes(command, variant, options, fixture_dir, tmp_pa
                             device="cpu")
         assert shards(tmp_path / "run-dense") == shards(tmp_path / "cli-dense")
         report = kconvert.audit(str(tmp_path / "api-dense"), device="cpu")
-        res = cli_inproc("audit", tmp_path / "api-dense", "--json", "--device", "cpu", "--quiet")
-        assert report.passed and res.exit_code == 0
-        assert json.loads(res.output) == json.loads(json.dumps(report.to_json(), default=str))
+        code, cli_report = audit_json(tmp_path / "api-dense")
+        assert report.passed and code == 0
+        assert cli_report == json.loads(json.dumps(report.to_json(), default=str))
 
 
 def test_calibrate_api_is_the_cli(fixture_dir, tmp_path):

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import ROOT
-from helpers import cli_inproc, st_header
+from helpers import audit_json, cli_inproc, st_header
 from kconvert.convert import RunControl, convert
 from kconvert.formats.p48 import check_packed as p48_check
 from kconvert.pruning.plan import PrunePlan, load_plan, plan_json_schema
@@ -81,13 +81,6 @@ def rewrite_shard(ckpt: Path, shard: str, edit, update_index: bool = True) -> No
 def copy(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
-
-
-def audit_json(ckpt: Path, *args: str) -> tuple[int, dict]:
-    """Run the click command (as `kconvert audit` will) and parse its --json report."""
-    res = cli_inproc("audit", ckpt, "--json", "--quiet", *args)
-    assert res.exit_code in (0, 1), res.output
-    return res.exit_code, json.loads(res.stdout)
 
 
 def failures(report: dict, group: str, check: str | None = None) -> list[dict]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import cli_inproc
+from helpers import audit_json
 from kconvert.audit import decode
 from kconvert.audit.context import open_side
 from kconvert.audit.decode import Bound, DecodeJob, compare
@@ -27,12 +27,6 @@ from kconvert.io.shards import TensorInfo
 from kconvert.model.names import parse_name
 
 MANIFEST = "kconvert-manifest.json"
-
-
-def audit_json(ckpt: Path) -> tuple[int, dict]:
-    res = cli_inproc("audit", ckpt, "--json", "--quiet")
-    assert res.exit_code in (0, 1), res.output
-    return res.exit_code, json.loads(res.stdout)
 
 
 def test_options_are_read_as_a_run_record(converted, tmp_path):

@@ -17,7 +17,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from helpers import cli_inproc
+from helpers import audit_json, cli_inproc
 
 INDEX = "model.safetensors.index.json"
 MANIFEST = "kconvert-manifest.json"
@@ -46,12 +46,6 @@ def drop_tensors(ckpt: Path, prefix: str) -> list[str]:
 
 def weights(cfg: dict) -> dict:
     return cfg["quantization_config"]["config_groups"]["group_0"]["weights"]
-
-
-def audit_json(ckpt: Path, *args) -> tuple[int, dict]:
-    res = cli_inproc("audit", ckpt, "--json", "--quiet", *args)
-    assert res.exit_code in (0, 1), res.output
-    return res.exit_code, json.loads(res.stdout)
 
 
 # ------------------------------------------------------------------ structure: refused

@@ -15,7 +15,7 @@ from compressed_tensors.quantization import QuantizationConfig, preset_name_to_s
 from compressed_tensors.quantization.utils import calculate_qparams
 
 from conftest import BUNDLED, ROOT
-from helpers import cli_inproc
+from helpers import assert_audit_passes, audit_json, cli_inproc
 from kconvert.convert import RunControl, convert
 from kconvert.formats import Mxfp4Codec, QuarkMxfp4Codec, mxfp4
 from kconvert.formats.ct_config import CT_TARGETS
@@ -176,8 +176,7 @@ def test_mxfp4_sources_decode_everywhere(quark_out, ct_out, tmp_path):
         assert torch.equal(dq[module + ".weight"], want)
         assert "quantization_config" not in json.loads((dst / "config.json").read_text())
         for ckpt, source in ((out, BUNDLED), (dst, out)):
-            res = cli_inproc("audit", ckpt, "--source", source, "--quiet")
-            assert res.exit_code == 0, res.output
+            assert_audit_passes(ckpt, "--source", source)
         res = cli_inproc("inspect", out)
         assert res.exit_code == 0 and "routed_experts" in res.output, res.output
 
@@ -197,14 +196,7 @@ def test_reap_keeps_mxfp4_experts_byte_identical(quark_out, tmp_path):
                     assert a.dtype == torch.uint8 and torch.equal(a, b)
     assert json.loads((dst / "config.json").read_text())["quantization_config"]["quant_method"] \
         == "quark"
-    res = cli_inproc("audit", dst, "--quiet")
-    assert res.exit_code == 0, res.output
-
-
-def _audit(ckpt, *args) -> tuple[int, dict]:
-    res = cli_inproc("audit", ckpt, "--json", "--quiet", *args)
-    assert res.exit_code in (0, 1), res.output
-    return res.exit_code, json.loads(res.stdout)
+    assert_audit_passes(dst)
 
 
 def test_audit_catches_a_tampered_e8m0_scale(quark_out, tmp_path):
@@ -219,11 +211,11 @@ def test_audit_catches_a_tampered_e8m0_scale(quark_out, tmp_path):
     tensors[name] = tensors[name].clone()
     tensors[name][7, 1] += 3  # one block 8x larger
     save_file(tensors, str(shard), metadata={"format": "pt"})
-    code, rep = _audit(bad)
+    code, rep = audit_json(bad)
     assert code == 1
     assert any(f["group"] == "manifest" and f["tensor"] == name for f in rep["failures"]), rep
     (bad / "kconvert-manifest.json").unlink()
-    code, rep = _audit(bad, "--source", BUNDLED)
+    code, rep = audit_json(bad, "--source", BUNDLED)
     assert code == 1
     hits = [f for f in rep["failures"] if f["group"] == "source" and f["check"] == "decode"]
     assert [f["tensor"] for f in hits] == ["model.layers.2.mlp.experts.5.up_proj.weight"], rep
@@ -270,8 +262,7 @@ def test_quantized_routers_are_audited_through_their_decode(routers_out, tmp_pat
         (16, 4)
     block = json.loads((routers_out / "config.json").read_text())["quantization_config"]
     assert router not in block["exclude"] and "lm_head" in block["exclude"]
-    code, _ = _audit(routers_out, "--source", BUNDLED)
-    assert code == 0
+    assert_audit_passes(routers_out, "--source", BUNDLED)
     bad = tmp_path / "bad"
     shutil.copytree(routers_out, bad)
     (bad / "kconvert-manifest.json").unlink()
@@ -282,7 +273,7 @@ def test_quantized_routers_are_audited_through_their_decode(routers_out, tmp_pat
     tensors[name] = tensors[name].clone()
     tensors[name][6, 2] += 2  # one block of row 6, 4x larger
     save_file(tensors, str(shard), metadata={"format": "pt"})
-    code, rep = _audit(bad, "--source", BUNDLED)
+    code, rep = audit_json(bad, "--source", BUNDLED)
     assert code == 1
     hits = [f for f in rep["failures"] if f["check"] == "router"]
     assert len(hits) == 1 and "row 6 " in hits[0]["message"], rep["failures"]
@@ -299,16 +290,14 @@ def test_quantized_routers_read_everywhere(routers_out, tmp_path):
         for p in QuarkMxfp4Codec.params:
             name = f"model.layers.{layer}.mlp.gate.{p}"
             assert torch.equal(d[name], s[name][torch.tensor(keep)])
-    res = cli_inproc("audit", pruned, "--quiet")
-    assert res.exit_code == 0, res.output
+    assert_audit_passes(pruned)
     dq = tmp_path / "dq"
     convert(str(routers_out), str(dq), load_recipe("dequant"), {"dtype": "F32"}, QUIET)
     router = "model.layers.2.mlp.gate"
     want = QuarkMxfp4Codec.decode({p: s[f"{router}.{p}"].unsqueeze(0)
                                    for p in QuarkMxfp4Codec.params}, None)[0]
     assert torch.equal(load_tensors(dq)[router + ".weight"], want)
-    code, _ = _audit(dq, "--source", routers_out)
-    assert code == 0
+    assert_audit_passes(dq, "--source", routers_out)
     # eval runs a W4A4 output with its activations quantized (tests/evaluate/
     # test_mxfp4_w4a4_eval.py): the weights alone are compared on the W4A16 twin.
     w4a16 = tmp_path / "w4a16"

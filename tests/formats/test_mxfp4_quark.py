@@ -23,7 +23,7 @@ from quark.torch.utils.numerics import to_e8m0_uint8
 from quark.torch.utils.pack import create_pack_method
 
 from conftest import BUNDLED
-from helpers import cli_inproc
+from helpers import assert_audit_passes
 from kconvert.convert import RunControl, convert
 from kconvert.formats import mxfp4
 from kconvert.recipes import load_recipe
@@ -88,5 +88,4 @@ def test_int4_to_mxfp4_is_quarks_file_to_file_export(tmp_path, scheme, activatio
     assert ours == theirs
     # Quark's own output passes kconvert's audit against the INT4 source: its routers, when
     # quantized, are checked row by row through their decode.
-    res = cli_inproc("audit", ref, "--source", BUNDLED, "--quiet")
-    assert res.exit_code == 0, res.output
+    assert_audit_passes(ref, "--source", BUNDLED)

@@ -17,8 +17,17 @@ from pathlib import Path
 import pytest
 
 from conftest import BUNDLED
-from helpers import CLI, S2, cli_inproc, edit_tensor, run_inproc, set_at, small_fs, snapshot
-from kconvert.audit.auditor import run_audit
+from helpers import (
+    CLI,
+    S2,
+    assert_audit_passes,
+    cli_inproc,
+    edit_tensor,
+    run_inproc,
+    set_at,
+    small_fs,
+    snapshot,
+)
 from kconvert.errors import KconvertError
 from kconvert.io import lock, output_dir
 
@@ -59,11 +68,6 @@ def plan_file(tmp_path: Path) -> Path:
     path.write_text(json.dumps({"layers": {str(layer): {"keep": [0, 2, 3, 5, 8, 9, 12, 15]}
                                            for layer in (1, 2)}}))
     return path
-
-
-def audited(dst: Path, src: Path) -> None:
-    report = run_audit(dst, source=str(src), device="cpu")
-    assert report.passed, report.render()
 
 
 # ------------------------------------------------------------------------------ --overwrite
@@ -119,7 +123,7 @@ def test_overwrite_that_fails_leaves_the_old_output_as_it_was(tmp_path):
     with pytest.raises(KconvertError, match="NaN"):
         run_inproc("int4-to-nvfp4", src, dst, overwrite=True)
     assert snapshot(dst) == old
-    audited(dst, src_copy(tmp_path / "again"))
+    assert_audit_passes(dst, "--source", src_copy(tmp_path / "again"))
 
 
 def test_overwrite_swaps_when_there_is_room_and_deletes_first_when_not(tmp_path, monkeypatch):
@@ -153,7 +157,7 @@ def test_overwrite_swaps_when_there_is_room_and_deletes_first_when_not(tmp_path,
             echo=said.append)
     assert any("beside the old one" in s for s in said), said
     assert not [p for p in tmp_path.iterdir() if "kconvert" in p.name]  # no staging left
-    audited(dst, src)
+    assert_audit_passes(dst, "--source", src)
 
 
 def test_overwrite_through_a_symlink_and_a_dangling_one(tmp_path):
@@ -201,7 +205,7 @@ def test_concurrent_runs_one_is_refused_and_the_other_audits_clean(tmp_path):
     assert rc2 == 1 and ("another kconvert run" in err2 or "not empty" in err2), err2
     assert "Traceback" not in err2
     assert json.loads((dst / MANIFEST).read_text())["command"] == "int4-to-nvfp4"
-    audited(dst, src)
+    assert_audit_passes(dst, "--source", src)
 
 
 def test_the_lock_of_a_killed_run_is_released(tmp_path):
@@ -210,7 +214,7 @@ def test_the_lock_of_a_killed_run_is_released(tmp_path):
     killed_at("shard-done", "dequant", src, dst, "--quiet")
     assert (dst / ".kconvert" / "lock").exists()
     run_inproc("dequant", src, dst, resume=True)
-    audited(dst, src)
+    assert_audit_passes(dst, "--source", src)
 
 
 # ------------------------------------------------------------------------------ kill + resume
@@ -251,7 +255,7 @@ def test_kill_at_every_phase_then_resume_is_identical_and_audits(command, phase,
     res = cli_inproc(args[0], src, dst, *args[1:], "--quiet", "--resume")
     assert res.exit_code == 0, res.stderr
     assert snapshot(dst) == snapshot(clean_outputs[command])
-    audited(dst, src)
+    assert_audit_passes(dst, "--source", src)
 
 
 def test_disk_full_at_the_manifest_then_resume(tmp_path, monkeypatch, clean_outputs):
@@ -274,7 +278,7 @@ def test_disk_full_at_the_manifest_then_resume(tmp_path, monkeypatch, clean_outp
     monkeypatch.setattr(convert_module, "write_text", real)
     run_inproc("dequant", src, dst, resume=True)
     assert snapshot(dst) == snapshot(clean_outputs["dequant"])
-    audited(dst, src)
+    assert_audit_passes(dst, "--source", src)
 
 
 def test_resume_rewrites_a_finished_shard_whose_bytes_changed(tmp_path, clean_outputs):
@@ -298,7 +302,7 @@ def test_resume_rewrites_a_finished_shard_whose_bytes_changed(tmp_path, clean_ou
     assert res.exit_code == 0, res.stderr
     assert f"{victim.name}: tensor" in res.stdout and "writing the shard again" in res.stdout
     assert snapshot(dst) == snapshot(clean_outputs["dequant"])
-    audited(dst, src)
+    assert_audit_passes(dst, "--source", src)
 
 
 # ------------------------------------------------------------------------------ disk space

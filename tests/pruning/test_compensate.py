@@ -17,7 +17,14 @@ import pytest
 import torch
 
 from conftest import ROOT
-from helpers import cli_inproc, edit_tensor, kimi_moe_block, load_tensors
+from helpers import (
+    assert_audit_passes,
+    audit_json,
+    cli_inproc,
+    edit_tensor,
+    kimi_moe_block,
+    load_tensors,
+)
 from kconvert.cli.base import COMPENSATIONS as CLI_COMPENSATIONS
 from kconvert.pruning.plan import PLAN_FILE, load_plan
 from kconvert.pruning.reap import CRITERIA, keep_ids, plan_from_scores, tensor_hash
@@ -59,12 +66,6 @@ def _tensors(d: Path) -> dict[str, torch.Tensor]:
 def _bump(t: torch.Tensor) -> torch.Tensor:
     t[5, 7] += 0.125
     return t
-
-
-def _audit(ckpt: Path, src: Path) -> tuple[int, dict]:
-    res = cli_inproc("audit", ckpt, "--json", "--quiet", "--source", src)
-    assert res.exit_code in (0, 1), res.output
-    return res.exit_code, json.loads(res.stdout)
 
 
 @pytest.fixture(scope="module")
@@ -146,8 +147,7 @@ def test_same_command_twice_writes_the_same_bytes(made, run):
 
 @pytest.mark.parametrize("run", ["router+down", "bias", "96-down"])
 def test_audit_passes(made, run):
-    code, report = _audit(made[run], FIXTURES[RUNS[run][0]])
-    assert code == 0, report["failures"]
+    assert_audit_passes(made[run], "--source", FIXTURES[RUNS[run][0]])
 
 
 def test_audit_names_an_altered_refit_matrix(made, tmp_path):
@@ -158,7 +158,7 @@ def test_audit_names_an_altered_refit_matrix(made, tmp_path):
     assert name in entry.compensation.matrices_xxh3
     index = json.loads((dst / "model.safetensors.index.json").read_text())
     edit_tensor(dst / index["weight_map"][name], name, _bump)
-    code, report = _audit(dst, FIXTURES["trained"])
+    code, report = audit_json(dst, "--source", FIXTURES["trained"])
     assert code == 1
     found = [f for f in report["failures"] if f["check"] == "refit"]
     assert len(found) == 1 and found[0]["tensor"] == name, report["failures"]

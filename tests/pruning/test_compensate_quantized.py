@@ -25,7 +25,7 @@ from compressed_tensors.quantization.utils import calculate_qparams
 from safetensors.torch import save_file
 
 from conftest import ROOT
-from helpers import cli_inproc, edit_tensor, kimi_moe_block
+from helpers import assert_audit_passes, audit_json, cli_inproc, edit_tensor, kimi_moe_block
 from kconvert.formats import Int4Codec
 from kconvert.pruning.plan import PLAN_FILE, load_plan
 from kconvert.pruning.reap import tensor_hash
@@ -153,16 +153,9 @@ def test_output_loads_and_its_blocks_route_as_written(made, run, tmp_path):
                                    rtol=1e-4)
 
 
-def _audit(ckpt: Path, src: Path) -> tuple[int, dict]:
-    res = cli_inproc("audit", ckpt, "--json", "--quiet", "--source", src)
-    assert res.exit_code in (0, 1), res.output
-    return res.exit_code, json.loads(res.stdout)
-
-
 @pytest.mark.parametrize("run", CHECKED)
 def test_audit_passes(made, run):
-    code, report = _audit(made[f"run-{run}"], made[RUNS[run][0]])
-    assert code == 0, report["failures"]
+    assert_audit_passes(made[f"run-{run}"], "--source", made[RUNS[run][0]])
 
 
 def _flip(t: torch.Tensor) -> torch.Tensor:
@@ -179,7 +172,7 @@ def test_audit_names_an_altered_refit_parameter(made, run, param, tmp_path):
     name = f"model.layers.{layer}.mlp.experts.3.down_proj.{param}"
     index = json.loads((dst / "model.safetensors.index.json").read_text())
     edit_tensor(dst / index["weight_map"][name], name, _flip)
-    code, report = _audit(dst, made[RUNS[run][0]])
+    code, report = audit_json(dst, "--source", made[RUNS[run][0]])
     assert code == 1
     found = [f for f in report["failures"] if f["check"] == "refit"]
     assert len(found) == 1 and found[0]["tensor"] == name, report["failures"]

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import ROOT
-from helpers import cli_inproc, kimi_moe_block
+from helpers import assert_audit_passes, audit_json, cli_inproc, kimi_moe_block
 from kconvert.cli.base import REPAIRS as CLI_REPAIRS
 from kconvert.errors import KconvertError
 from kconvert.io.checkpoint import open_checkpoint
@@ -45,12 +45,6 @@ def _tensors(d: Path) -> dict[str, torch.Tensor]:
         with safe_open(str(f), "pt") as h:
             out.update({k: h.get_tensor(k).clone() for k in h.keys()})
     return out
-
-
-def _audit(ckpt: Path, *args: str) -> tuple[int, dict]:
-    res = cli_inproc("audit", ckpt, "--json", "--quiet", *args)
-    assert res.exit_code in (0, 1), res.output
-    return res.exit_code, json.loads(res.stdout)
 
 
 @pytest.fixture(scope="module")
@@ -132,8 +126,7 @@ def test_repaired_output_loads_in_transformers_and_routes_as_written(made, metho
 
 @pytest.mark.parametrize("method", ["bias", "router"])
 def test_audit_passes_on_repaired_output(made, method):
-    code, report = _audit(made[method], "--source", str(SRC))
-    assert code == 0, report["failures"]
+    assert_audit_passes(made[method], "--source", str(SRC))
 
 
 def test_audit_names_layer_and_row_of_an_altered_repaired_row(made, tmp_path):
@@ -148,7 +141,7 @@ def test_audit_names_layer_and_row_of_an_altered_repaired_row(made, tmp_path):
         meta = h.metadata()
     tensors[name][5, 3] += 0.25
     save_file(tensors, str(shard), metadata=meta)
-    code, report = _audit(dst, "--source", str(SRC))
+    code, report = audit_json(dst, "--source", str(SRC))
     assert code == 1
     found = [f for f in report["failures"] if f["group"] == "source" and f["check"] == "router"]
     assert len(found) == 1, report["failures"]

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import BUNDLED, ROOT
-from helpers import cli_inproc, obs_problem
+from helpers import assert_audit_passes, cli_inproc, obs_problem
 from kconvert.formats import nvfp4
 from kconvert.methods import obs
 from oracles import raw_tensors, sparsegpt_inverse_reference, sparsegpt_per_column
@@ -140,8 +140,7 @@ def test_int4_to_nvfp4_gptq_end_to_end(tmp_path):
     for module, c in man["obs"].items():
         same = got[f"{module}.weight_packed"] == ref[f"{module}.weight_packed"]
         assert same == (c["method"] == "rtn") or (same and c["method"] == "gptq")
-    res = cli_inproc("audit", gptq, "--source", BUNDLED, "--device", "cpu", "--quiet")
-    assert res.exit_code == 0, res.output
+    assert_audit_passes(gptq, "--source", BUNDLED)
 
 
 def test_quantize_gptq_shared_expert_and_usage(tmp_path):
@@ -166,8 +165,7 @@ def test_quantize_gptq_shared_expert_and_usage(tmp_path):
     assert {c["judged_on"] for c in man["obs"].values()} == {"calibration"}
     assert all(c["gptq_error"] < c["rtn_error"] or c["method"] == "rtn"
                for c in man["obs"].values())
-    res = cli_inproc("audit", dst, "--source", TINY_MOE, "--device", "cpu", "--quiet")
-    assert res.exit_code == 0, res.output
+    assert_audit_passes(dst, "--source", TINY_MOE)
     res = cli_inproc("quantize", TINY_MOE, tmp_path / "a", "--data", data, "--device", "cpu",
                      "--quiet")
     assert res.exit_code == 2 and "--data serves --method gptq" in res.output

@@ -17,7 +17,7 @@ import torch
 from compressed_tensors.quantization import QuantizationConfig
 from nvfp4_reference import p48_keep
 
-from helpers import cli_inproc
+from helpers import assert_audit_passes, cli_inproc
 from kconvert.formats.nvfp4_ct import Nvfp4Codec
 from kconvert.formats.nvfp4_pair_bitmask import (
     Nvfp4PairBitmaskCodec,
@@ -39,13 +39,6 @@ from oracles import (
 )
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-
-
-def audit_ok(dst: Path, src: Path | None = None) -> str:
-    args = ["audit", str(dst)] + (["--source", str(src)] if src else [])
-    res = cli_inproc(*args)
-    assert res.exit_code == 0, res.output
-    return res.output
 
 
 def reference_decode(packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
@@ -121,8 +114,8 @@ def test_every_chunk_keeps_its_two_best_pairs(sparsified):
 def test_audit_checks_every_chunk_and_catches_a_bad_byte(sparsified, tmp_path):
     src, make = sparsified
     dst = make("magnitude", "--method", "magnitude")
-    report = audit_ok(dst, src)
-    assert "p48" in report
+    report = assert_audit_passes(dst, "--source", src)
+    assert report["checks"]["p48"]["run"] > 0
     manifest = read_manifest(dst / "kconvert-manifest.json")
     assert manifest.options["sparsify"]["pattern"] == "p48"
     # Write -0 (0x08) into a pruned pair of one expert: the bytes are no longer p48.
@@ -162,7 +155,7 @@ def test_output_decodes_like_compressed_tensors_and_a_written_out_reference(spar
         assert torch.equal(ours, ref)
         if group == "16":  # compressed-tensors' own decompression (its compressor: group 16)
             assert torch.equal(ct_nvfp4_fp32(sd, scheme), ours)
-    audit_ok(dst, src)
+    assert_audit_passes(dst, "--source", src)
 
 
 def test_pair_bitmask_round_trip_is_byte_exact_and_smaller(sparsified, tmp_path):
@@ -172,7 +165,7 @@ def test_pair_bitmask_round_trip_is_byte_exact_and_smaller(sparsified, tmp_path)
         sparse = make(f"g{group}-bitmask", "--group-size", group, "--storage", "pair-bitmask")
         cfg = json.loads((sparse / "config.json").read_text())["quantization_config"]
         assert cfg["paired48_sparse"] == {"layout": "pair-bitmask", "version": 1}
-        audit_ok(sparse, src)
+        assert_audit_passes(sparse, "--source", src)
         back = tmp_path / f"back{group}"
         res = cli_inproc("densify", sparse, back, "--quiet")
         assert res.exit_code == 0, res.output
@@ -241,7 +234,7 @@ def test_one_pass_equals_stages_one_after_another(sparsified, tmp_path):
     res = cli_inproc("sparsify", pruned, pruned_staged, "--quiet")
     assert res.exit_code == 0, res.output
     assert raw_tensors(pruned_one) == raw_tensors(pruned_staged)
-    audit_ok(pruned_one, src)
+    assert_audit_passes(pruned_one, "--source", src)
 
 
 def test_sparsify_refuses_what_it_cannot_do(sparsified, tmp_path):

@@ -19,7 +19,7 @@ import torch
 from nvfp4_reference import sparsegpt_inverse, sparsegpt_p48_nvfp4
 
 from conftest import BUNDLED, ROOT
-from helpers import cli_inproc, obs_problem
+from helpers import assert_audit_passes, cli_inproc, obs_problem
 from kconvert import options
 from kconvert.cli import base as cli
 from kconvert.errors import KconvertError
@@ -142,7 +142,6 @@ def test_hessian_option_is_recorded_and_refused_without_sparsegpt(tmp_path):
         assert res.exit_code == 0, res.output
         manifest = json.loads((dst / "kconvert-manifest.json").read_text())
         assert manifest["options"]["sparsify"]["hessian"] == mode
-        res = cli_inproc("audit", dst)
-        assert res.exit_code == 0, res.output
+        assert_audit_passes(dst)
     res = cli_inproc("sparsify", BUNDLED, tmp_path / "m", "--hessian", "source", "--quiet")
     assert res.exit_code == 1 and "--hessian serves --method sparsegpt" in res.output
