@@ -95,21 +95,49 @@ def snapshot(root: Path) -> dict[str, str]:
     return out
 
 
-def load_tensors(path: Path) -> dict[str, torch.Tensor]:
-    with safe_open(str(path), "pt") as fh:  # clone: get_tensor may alias the mapped file
+def file_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file, by name. Copies: a tensor safetensors returns is
+    backed by the mapped file, so it would change with an edit of the file in place, or fault
+    once the file is rewritten shorter."""
+    with safe_open(str(path), "pt") as fh:
         return {k: fh.get_tensor(k).clone() for k in fh.keys()}
 
 
+def shard_files(d: Path) -> list[Path]:
+    """The safetensors files of the checkpoint in directory d: those its index names, else
+    its one model.safetensors."""
+    index = d / INDEX
+    if index.is_file():
+        return [d / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return [d / "model.safetensors"]
+
+
+def checkpoint_tensors(d: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint in directory d, by name (file_tensors of its shards)."""
+    return {name: t for path in shard_files(d) for name, t in file_tensors(path).items()}
+
+
 def edit_tensor(path: Path, name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    tensors = load_tensors(path)
+    """Tensor `name` of the safetensors file at `path` replaced by fn(it), the rest kept."""
+    tensors = file_tensors(path)
     tensors[name] = fn(tensors[name]).contiguous()
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 def set_at(index: tuple, value: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """For edit_tensor: the element at `index` set to `value`."""
     def fn(t: torch.Tensor) -> torch.Tensor:
         t = t.clone()
         t[index] = value
+        return t
+    return fn
+
+
+def add_at(index: tuple, delta: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """For edit_tensor: `delta` added to the element at `index` (in the tensor's dtype)."""
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        t[index] += delta
         return t
     return fn
 

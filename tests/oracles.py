@@ -30,8 +30,8 @@ from compressed_tensors.quantization import (
 from compressed_tensors.quantization.lifecycle.forward import dequantize
 from compressed_tensors.quantization.utils import calculate_qparams
 from compressed_tensors.utils.match import match_name
-from safetensors.torch import load_file
 
+from helpers import checkpoint_tensors, shard_files
 from kconvert.convert import RunControl, convert
 from kconvert.formats import nvfp4
 from kconvert.formats.nvfp4_ct import Nvfp4Codec
@@ -97,13 +97,6 @@ def make_converter(fixture_dir, tmp_path_factory):
     return run
 
 
-def shard_files(d: Path) -> list[Path]:
-    index = d / "model.safetensors.index.json"
-    if index.is_file():
-        return [d / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    return [d / "model.safetensors"]
-
-
 def raw_tensors(d: Path) -> dict[str, tuple[str, list[int], bytes]]:
     """name -> (dtype, shape, raw bytes), parsed straight from the safetensors files."""
     out = {}
@@ -118,18 +111,11 @@ def raw_tensors(d: Path) -> dict[str, tuple[str, list[int], bytes]]:
     return out
 
 
-def load_tensors(d: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for path in shard_files(d):
-        out.update(load_file(str(path)))
-    return out
-
-
 def ct_dense_tensors(d: Path) -> dict[str, torch.Tensor]:
     """fp32 dense weights of a checkpoint, decoded by compressed-tensors (not by kconvert):
     its dequantizer for its own formats, its ModelOpt converter then NVFP4 decompressor for a
     ModelOpt export."""
-    tensors = load_tensors(d)
+    tensors = checkpoint_tensors(d)
     qc = json.loads((d / "config.json").read_text()).get("quantization_config")
     if qc is None:
         return {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}

@@ -178,9 +178,9 @@ def test_a_new_output_format_is_its_codec_plus_registration(tmp_path, monkeypatc
     `quantize --format fake`, read back by the same registry, and decodes to the values the
     compressed-tensors output holds."""
     import torch
-    from safetensors.torch import load_file
 
     from conftest import BUNDLED
+    from helpers import checkpoint_tensors
     from kconvert import formats
     from kconvert.convert import RunControl, convert
     from kconvert.formats import nvfp4
@@ -234,13 +234,7 @@ def test_a_new_output_format_is_its_codec_plus_registration(tmp_path, monkeypatc
     assert config["quantization_config"]["quant_method"] == "fake-family"
     assert (tmp_path / "fake" / "fake.json").is_file()
 
-    def decoded(root):
-        tensors = {}
-        for shard in sorted(root.glob("*.safetensors")):
-            tensors.update(load_file(shard))
-        return tensors
-
-    fake, ct = decoded(tmp_path / "fake"), decoded(tmp_path / "ct")
+    fake, ct = checkpoint_tensors(tmp_path / "fake"), checkpoint_tensors(tmp_path / "ct")
     out = open_checkpoint(str(tmp_path / "fake"))
     modules, _ = group_modules(out.tensors, {})
     out.close()

@@ -22,6 +22,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.utils import logging as hf_logging
 
 from conftest import BUNDLED
+from helpers import checkpoint_tensors
 from kconvert.calibrate.data import PAD_ID, load_calibration_data
 from kconvert.calibrate.run import measure_stats as calibrate
 from kconvert.calibrate.stats import CalibrationStats, load_stats, save_stats
@@ -38,14 +39,6 @@ hf_logging.set_verbosity_error()
 N_SEQ, SEQ_LEN, BATCH = 3, 20, 2  # 3 sequences in batches of 2: a ragged last batch
 MOE_LAYERS = (1, 2)
 PROJS = ("gate_proj", "up_proj", "down_proj")
-
-
-def _tensors(d: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as h:
-            out.update({k: h.get_tensor(k) for k in h.keys()})
-    return out
 
 
 def _ids(pad: bool) -> torch.Tensor:
@@ -109,7 +102,7 @@ def _streamed(ckpt_dir: Path, ids: torch.Tensor) -> tuple[CalibrationStats, list
 @pytest.fixture(scope="module")
 def bf16(fixture_dir):
     d = fixture_dir("bf16")
-    return d, _load_reference(d, _tensors(d))
+    return d, _load_reference(d, checkpoint_tensors(d))
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +177,7 @@ def test_reap_saliency_counts_ean_match_direct_computation(bf16, fixture_dir, pa
     d, model = bf16
     ids, stats, _, _, routers = padded_run
     n_experts, k = model.config.n_routed_experts, model.config.num_experts_per_tok
-    ref = _independent_stats(_tensors(d), routers, ids != PAD_ID, n_experts)
+    ref = _independent_stats(checkpoint_tensors(d), routers, ids != PAD_ID, n_experts)
     real_tokens = int((ids != PAD_ID).sum())
     assert stats.meta["tokens"] == real_tokens and stats.meta["padding_tokens"] == 7
     assert stats.moe_layers == list(MOE_LAYERS)
@@ -206,7 +199,7 @@ def test_activation_stats_match_direct_computation(bf16, padded_run, tmp_path):
     d, model = bf16
     ids, stats, _, _, routers = padded_run
     n_experts = model.config.n_routed_experts
-    ref = _independent_stats(_tensors(d), routers, ids != PAD_ID, n_experts)
+    ref = _independent_stats(checkpoint_tensors(d), routers, ids != PAD_ID, n_experts)
     for layer in MOE_LAYERS:
         for e in range(n_experts):
             for proj in PROJS:
@@ -235,7 +228,7 @@ def test_activation_stats_match_direct_computation(bf16, padded_run, tmp_path):
     save_stats(stats, tmp_path)
     act = json.loads((tmp_path / "act_stats.json").read_text())
     assert set(act) == {"input_amax"}
-    files = _tensors(d)
+    files = checkpoint_tensors(d)
     linears = {n.removesuffix(".weight") for n in files if n.startswith("model.layers.")
                and "layernorm" not in n and ".mlp.gate." not in n}
     experts = {n for n in linears if ".mlp.experts." in n}
@@ -283,7 +276,7 @@ def test_unrouted_expert_gets_layer_max_in_act_stats():
 def _int4_dense_dir(src: Path, dst: Path) -> dict[str, torch.Tensor]:
     """A dense fp32 copy of an INT4 fixture, decoded by compressed-tensors (exact q*scale)."""
     scheme, dense, packed = ct_int4_scheme(), {}, {}
-    for name, t in _tensors(src).items():
+    for name, t in checkpoint_tensors(src).items():
         module, _, param = name.rpartition(".")
         if param in ("weight_packed", "weight_scale", "weight_shape"):
             packed.setdefault(module, {})[param] = t
@@ -331,7 +324,7 @@ def test_act_stats_feed_w4a4_quantize(tmp_path):
     convert(str(BUNDLED), str(tmp_path / "out"), load_recipe("int4-to-nvfp4"),
             {"act_stats": str(tmp_path / "stats" / "act_stats.json"), "block_scale": "amax"},
             RunControl(quiet=True))
-    out = _tensors(tmp_path / "out")
+    out = checkpoint_tensors(tmp_path / "out")
     amax = stats.act_stats()["input_amax"]
     base = "model.layers.2.mlp.experts.5"
     want = max(amax[f"{base}.gate_proj"], amax[f"{base}.up_proj"])

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+
+from helpers import file_tensors
 
 HERE = Path(__file__).resolve().parent
 BUNDLED = HERE.parent / "fixtures" / "tiny-k2-thinking-int4"
@@ -147,8 +148,8 @@ def test_every_byte_as_one_process(runs, name, ranks):
 
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_calibration_statistics_as_one_process(runs, ranks):
-    one = load_file(str(runs["one"] / "stats" / "stats.safetensors"))
-    many = load_file(str(runs[ranks] / "stats" / "stats.safetensors"))
+    one = file_tensors(runs["one"] / "stats" / "stats.safetensors")
+    many = file_tensors(runs[ranks] / "stats" / "stats.safetensors")
     assert sorted(one) == sorted(many)
     summed = 0
     for name, t in one.items():

@@ -52,7 +52,7 @@ from helpers import (
     data_bytes,
     edit_json,
     edit_tensor,
-    load_tensors,
+    file_tensors,
     run_inproc,
     set_at,
     snapshot,
@@ -140,7 +140,7 @@ def big_moe_fixture(root: Path, layers: int, experts: int, inter: int,
     gen = torch.Generator().manual_seed(seed)
     # A source the structure checks accept: every MoE layer has a router (layer 1's), and the
     # shared experts are as wide as the config says (inter rows each, or none).
-    tensors = {k: v for k, v in load_tensors(shard).items() if ".mlp.experts." not in k
+    tensors = {k: v for k, v in file_tensors(shard).items() if ".mlp.experts." not in k
                and (sparse_bytes or ".mlp.shared_experts." not in k)}
     router = {k: v for k, v in tensors.items() if k.startswith("model.layers.1.mlp.gate.")}
     holes: dict[str, tuple[str, tuple[int, ...]]] = {}
@@ -483,7 +483,7 @@ def test_resume_refuses_a_dst_started_with_other_options(tmp_path):
     same options resume it, and the result equals a clean amax run."""
     src, _ = _src_copy(tmp_path)
     norm = "model.norm.weight"
-    good = load_tensors(src / S4)[norm]
+    good = file_tensors(src / S4)[norm]
     edit_tensor(src / S4, norm, set_at((0,), math.nan))  # fails on the last shard
     dst = tmp_path / "out"
     with pytest.raises(KconvertError, match="NaN"):

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 from huggingface_hub import constants, hf_hub_download
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 import kconvert
-from helpers import CLI, INDEX, MANIFEST, cli_subprocess, snapshot
+from helpers import CLI, INDEX, MANIFEST, cli_subprocess, file_tensors, snapshot
 from kconvert import events
 from kconvert.engine.source_order import source_order
 from kconvert.engine.work import build_work_plan
@@ -49,7 +49,7 @@ def split_module(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     index = json.loads((dst / INDEX).read_text())
     a, b = shard(2), shard(3)
-    first, second = load_file(str(dst / a)), load_file(str(dst / b))
+    first, second = file_tensors(dst / a), file_tensors(dst / b)
     moved = [n for n in first if ".mlp.experts.0.up_proj.weight_scale" in n
              or ".mlp.experts.1.up_proj." in n]
     assert len(moved) == 4

@@ -18,12 +18,13 @@ import torch
 
 from conftest import ROOT
 from helpers import (
+    add_at,
     assert_audit_passes,
     audit_json,
+    checkpoint_tensors,
     cli_inproc,
     edit_tensor,
     kimi_moe_block,
-    load_tensors,
 )
 from kconvert.cli.base import COMPENSATIONS as CLI_COMPENSATIONS
 from kconvert.pruning.plan import PLAN_FILE, load_plan
@@ -59,15 +60,6 @@ def _reap(src: Path, dst: Path, data: Path, keep: int, *extra: str):
                       "--quiet", *extra)
 
 
-def _tensors(d: Path) -> dict[str, torch.Tensor]:
-    return {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_tensors(f).items()}
-
-
-def _bump(t: torch.Tensor) -> torch.Tensor:
-    t[5, 7] += 0.125
-    return t
-
-
 @pytest.fixture(scope="module")
 def made(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("compensate")
@@ -91,7 +83,7 @@ def test_output_loads_in_transformers_and_blocks_route_as_written(made, run):
     dst = made[run]
     cfg = json.loads((dst / "config.json").read_text())
     model = load_kimi_checkpoint(dst)
-    t = _tensors(dst)
+    t = checkpoint_tensors(dst)
     x = torch.randn(32, cfg["hidden_size"], generator=torch.Generator().manual_seed(0))
     for layer in range(cfg["first_k_dense_replace"], cfg["num_hidden_layers"]):
         with torch.no_grad():
@@ -106,7 +98,7 @@ def test_refit_matrices_are_recorded_and_the_rest_is_the_source(made, run):
     plan = load_plan(made[run] / PLAN_FILE)
     method = flags[flags.index("--compensate") + 1]
     assert plan.compensation == method
-    out, src = _tensors(made[run]), _tensors(FIXTURES[fixture])
+    out, src = checkpoint_tensors(made[run]), checkpoint_tensors(FIXTURES[fixture])
     applied = 0
     for key, entry in plan.layers.items():
         rec = entry.compensation
@@ -157,7 +149,7 @@ def test_audit_names_an_altered_refit_matrix(made, tmp_path):
     name = f"model.layers.{layer}.mlp.experts.3.down_proj.weight"
     assert name in entry.compensation.matrices_xxh3
     index = json.loads((dst / "model.safetensors.index.json").read_text())
-    edit_tensor(dst / index["weight_map"][name], name, _bump)
+    edit_tensor(dst / index["weight_map"][name], name, add_at((5, 7), 0.125))
     code, report = audit_json(dst, "--source", FIXTURES["trained"])
     assert code == 1
     found = [f for f in report["failures"] if f["check"] == "refit"]

@@ -25,13 +25,20 @@ from compressed_tensors.quantization.utils import calculate_qparams
 from safetensors.torch import save_file
 
 from conftest import ROOT
-from helpers import assert_audit_passes, audit_json, cli_inproc, edit_tensor, kimi_moe_block
+from helpers import (
+    assert_audit_passes,
+    audit_json,
+    checkpoint_tensors,
+    cli_inproc,
+    edit_tensor,
+    kimi_moe_block,
+)
 from kconvert.formats import Int4Codec
 from kconvert.pruning.plan import PLAN_FILE, load_plan
 from kconvert.pruning.reap import tensor_hash
 from kconvert.testing.fixture_weights import ct_int4_scheme
 from kconvert.testing.tiny_moe import corpus_ids, load_kimi_checkpoint, windows
-from oracles import ct_dense_tensors, load_tensors
+from oracles import ct_dense_tensors
 
 TRAINED = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
 INT4 = ROOT / "tests" / "fixtures" / "tiny-k2-thinking-int4"
@@ -107,7 +114,7 @@ def test_refit_is_written_in_the_source_format(made, run):
     src_cfg, dst_cfg = (json.loads((d / "config.json").read_text()) for d in (src_dir, dst))
     assert dst_cfg.get("quantization_config") == src_cfg.get("quantization_config")
     plan = load_plan(dst / PLAN_FILE)
-    out, src = load_tensors(dst), load_tensors(src_dir)
+    out, src = checkpoint_tensors(dst), checkpoint_tensors(src_dir)
     changed = 0
     for key, entry in plan.layers.items():
         rec = entry.compensation

@@ -14,11 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from conftest import ROOT
-from helpers import assert_audit_passes, audit_json, cli_inproc, kimi_moe_block
+from helpers import (
+    add_at,
+    assert_audit_passes,
+    audit_json,
+    checkpoint_tensors,
+    cli_inproc,
+    edit_tensor,
+    kimi_moe_block,
+)
 from kconvert.cli.base import REPAIRS as CLI_REPAIRS
 from kconvert.errors import KconvertError
 from kconvert.io.checkpoint import open_checkpoint
@@ -37,14 +43,6 @@ def _reap(dst: Path, data: Path, *extra: str) -> None:
     res = cli_inproc("reap", SRC, dst, "--data", data, "--keep", KEEP, "--samples", "12",
                      "--seq-len", SEQ, "--quiet", *extra)
     assert res.exit_code == 0, res.output
-
-
-def _tensors(d: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as h:
-            out.update({k: h.get_tensor(k).clone() for k in h.keys()})
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +84,7 @@ def test_repaired_rows_are_recorded_and_differ_from_source(made, method):
     assert plan.repair == method
     manifest = json.loads((made[method] / "kconvert-manifest.json").read_text())
     assert method in json.dumps(manifest["options"])
-    out, src = _tensors(made[method]), _tensors(SRC)
+    out, src = checkpoint_tensors(made[method]), checkpoint_tensors(SRC)
     applied = 0
     for key, entry in plan.layers.items():
         rec = entry.repair
@@ -116,7 +114,7 @@ def test_repaired_output_loads_in_transformers_and_routes_as_written(made, metho
     dst = made[method]
     cfg = json.loads((dst / "config.json").read_text())
     model = load_kimi_checkpoint(dst)
-    t = _tensors(dst)
+    t = checkpoint_tensors(dst)
     x = torch.randn(64, cfg["hidden_size"], generator=torch.Generator().manual_seed(0))
     for layer in range(cfg["first_k_dense_replace"], cfg["num_hidden_layers"]):
         with torch.no_grad():
@@ -136,11 +134,7 @@ def test_audit_names_layer_and_row_of_an_altered_repaired_row(made, tmp_path):
     name = f"model.layers.{layer}.mlp.gate.weight"
     index = json.loads((dst / "model.safetensors.index.json").read_text())
     shard = dst / index["weight_map"][name]
-    with safe_open(str(shard), "pt") as h:
-        tensors = {k: h.get_tensor(k).clone() for k in h.keys()}
-        meta = h.metadata()
-    tensors[name][5, 3] += 0.25
-    save_file(tensors, str(shard), metadata=meta)
+    edit_tensor(shard, name, add_at((5, 3), 0.25))
     code, report = audit_json(dst, "--source", str(SRC))
     assert code == 1
     found = [f for f in report["failures"] if f["group"] == "source" and f["check"] == "router"]

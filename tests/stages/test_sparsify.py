@@ -17,7 +17,7 @@ import torch
 from compressed_tensors.quantization import QuantizationConfig
 from nvfp4_reference import p48_keep
 
-from helpers import assert_audit_passes, cli_inproc
+from helpers import assert_audit_passes, checkpoint_tensors, cli_inproc
 from kconvert.formats.nvfp4_ct import Nvfp4Codec
 from kconvert.formats.nvfp4_pair_bitmask import (
     Nvfp4PairBitmaskCodec,
@@ -34,7 +34,6 @@ from oracles import (
     expert_modules,
     int4_scheme,
     kconvert_nvfp4,
-    load_tensors,
     raw_tensors,
 )
 
@@ -85,8 +84,8 @@ def test_every_chunk_keeps_its_two_best_pairs(sparsified):
     the largest |w| pairs of compressed-tensors' own decompression of the INT4 source."""
     src, make = sparsified
     dst = make("magnitude", "--method", "magnitude")
-    source = by_module(load_tensors(src))
-    out = by_module(load_tensors(dst))
+    source = by_module(checkpoint_tensors(src))
+    out = by_module(checkpoint_tensors(dst))
     scheme = int4_scheme(src)
     experts = expert_modules(out)
     assert experts
@@ -144,7 +143,7 @@ def test_output_decodes_like_compressed_tensors_and_a_written_out_reference(spar
     cfg = json.loads((dst / "config.json").read_text())
     qc = QuantizationConfig.model_validate(cfg["quantization_config"])
     assert "sparsity_config" not in cfg["quantization_config"]
-    out = by_module(load_tensors(dst))
+    out = by_module(checkpoint_tensors(dst))
     for module in expert_modules(out).values():
         sd = out[module]
         scheme = ct_scheme_for(module, qc)
@@ -181,7 +180,7 @@ def test_pair_bitmask_round_trip_is_byte_exact_and_smaller(sparsified, tmp_path)
         print(f"group {group}: pair-bitmask expert bytes = {ratio:.4f} x dense")
         assert 0.63 < ratio < 0.68
         # The layout itself, on the bytes: kept bytes in K order, 2 bits per chunk.
-        mods = by_module(load_tensors(sparse))
+        mods = by_module(checkpoint_tensors(sparse))
         module = next(iter(expert_modules(mods).values()))
         sd = mods[module]
         bits = torch.stack((sd["weight_sparse_mask"] & 0xF, sd["weight_sparse_mask"] >> 4),
