@@ -16,21 +16,11 @@ from pathlib import Path
 import pytest
 
 from conftest import BUNDLED
-from helpers import cli_inproc, small_fs
+from helpers import assert_user_error, cli_inproc, small_fs
 from kconvert.errors import KconvertError
 from kconvert.recipes import load_recipe
 
 MANIFEST = "kconvert-manifest.json"
-
-
-def assert_user_error(res, *said: str, code: int = 1) -> None:
-    """Exit `code` (1 bad input, 2 click's usage error) through the CLI's own exit (no escaped
-    exception), no traceback, and the message names what it should."""
-    assert res.exit_code == code, (res.exit_code, res.output, res.exception)
-    assert isinstance(res.exception, SystemExit), res.exception
-    assert "Traceback" not in res.output, res.output
-    for words in said:
-        assert words in res.output, (words, res.output)
 
 
 @pytest.fixture(scope="module")
@@ -194,18 +184,19 @@ def test_os_errors_are_one_line_naming_the_file(code, advice, tmp_path, monkeypa
 def test_full_and_read_only_file_systems_are_messages(tmp_path):
     """Real ENOSPC and EROFS: calibrate's statistics on a 16 KiB tmpfs (safetensors reports the
     full disk as a SafetensorError, not an OSError) and on a read-only one, and a conversion
-    into a read-only DST."""
+    into a read-only DST; each command in a process of its own that sees the tmpfs."""
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"input_ids": list(range(16))}) + "\n")
     calibrate = ["calibrate", BUNDLED, "--data", data, "--seq-len", 16, "--samples", 1,
                  "--device", "cpu", "--quiet", "-o"]
     with small_fs(tmp_path / "full", "size=16k") as full:
-        res = cli_inproc(*calibrate, full / "stats")
-        assert_user_error(res, str(full / "stats"), "ENOSPC", "free space")
+        res = full.kconvert(*calibrate, full.path / "stats")
+        assert_user_error(res, str(full.path / "stats"), "ENOSPC", "free space")
     with small_fs(tmp_path / "ro", "ro,size=16k") as ro:
-        assert_user_error(cli_inproc(*calibrate, ro / "stats"), str(ro / "stats"), "read-only")
-        res = cli_inproc("int4-to-nvfp4", BUNDLED, ro / "out", "--quiet")
-        assert_user_error(res, str(ro / "out"))
+        res = ro.kconvert(*calibrate, ro.path / "stats")
+        assert_user_error(res, str(ro.path / "stats"), "read-only")
+        res = ro.kconvert("int4-to-nvfp4", BUNDLED, ro.path / "out", "--quiet")
+        assert_user_error(res, str(ro.path / "out"))
 
 
 def test_os_error_without_a_file_name_names_the_output(tmp_path, monkeypatch):

@@ -8,17 +8,10 @@ import json
 import pytest
 
 from conftest import ROOT
-from helpers import cli_inproc
+from helpers import assert_user_error, cli_inproc
 from kconvert.evaluate.report import EvalReport
 
 TINY_MOE = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
-
-
-def assert_user_error(res, *said: str) -> None:
-    assert res.exit_code == 1, (res.exit_code, res.output, res.exception)
-    assert "Traceback" not in res.output, res.output
-    for words in said:
-        assert words in res.output, (words, res.output)
 
 
 @pytest.fixture(scope="module")

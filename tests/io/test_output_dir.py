@@ -311,12 +311,12 @@ def test_resume_rewrites_a_finished_shard_whose_bytes_changed(tmp_path, clean_ou
 def test_a_disk_too_small_is_refused_before_writing(tmp_path):
     src = src_copy(tmp_path)
     with small_fs(tmp_path / "fs", "size=2m") as fs:
-        res = cli_inproc("dequant", src, fs / "out", "--quiet")
-        assert res.exit_code == 1, res.stderr
-        assert "not enough disk space" in res.stderr and "bytes) free" in res.stderr
-        assert "including a margin of 1 MiB + 0.1%" in res.stderr  # the figure says so
-        assert "Traceback" not in res.stderr
-        assert not (fs / "out").exists()
+        proc = fs.kconvert("dequant", src, fs.path / "out", "--quiet")
+        assert proc.returncode == 1, proc.stderr
+        assert "not enough disk space" in proc.stderr and "bytes) free" in proc.stderr
+        assert "including a margin of 1 MiB + 0.1%" in proc.stderr  # the figure says so
+        assert "Traceback" not in proc.stderr
+        assert not fs.exists(fs.path / "out")
 
 
 def test_disk_full_mid_run_says_what_is_needed_then_resume_completes(tmp_path, monkeypatch,
@@ -345,9 +345,9 @@ def test_disk_full_mid_run_says_what_is_needed_then_resume_completes(tmp_path, m
 def test_read_only_dst_is_a_message(tmp_path, monkeypatch):
     src = src_copy(tmp_path)
     with small_fs(tmp_path / "ro", "size=1m,ro") as fs:
-        res = cli_inproc("dequant", src, fs / "out", "--quiet")
-        assert res.exit_code == 1, res.stderr
-        assert "read-only file system" in res.stderr and "Traceback" not in res.stderr
+        proc = fs.kconvert("dequant", src, fs.path / "out", "--quiet")
+        assert proc.returncode == 1, proc.stderr
+        assert "read-only file system" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_unwritable_dst_injected_is_a_message(tmp_path, monkeypatch):
