@@ -14,7 +14,7 @@ import shutil
 import struct
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -24,6 +24,7 @@ from click.testing import CliRunner, Result
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from conftest import BUNDLED
 from kconvert.cli import main
 from kconvert.convert import RunControl, convert
 from kconvert.recipes import load_recipe
@@ -96,6 +97,24 @@ def run_inproc(recipe: str, src: Path, dst: Path, block_scale: str | None = None
     run = {"quiet": True, "device": "cpu", **run}
     return convert(str(src), str(dst), load_recipe(recipe), settings, RunControl(**run),
                    echo=lambda *a, **k: None)
+
+
+def write_jsonl(path: Path, rows: Iterable[dict]) -> Path:
+    """A JSON-lines file at `path`, one row a line (calibration and eval data)."""
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def write_input_ids(path: Path, rows: Iterable[Sequence[int] | torch.Tensor]) -> Path:
+    """Token-id data at `path` as calibrate, eval and --data read it: one {"input_ids": [...]}
+    a line."""
+    return write_jsonl(path, ({"input_ids": r.tolist() if isinstance(r, torch.Tensor) else list(r)}
+                              for r in rows))
+
+
+def source_copy(tmp_path: Path) -> Path:
+    """A copy of the bundled fixture at tmp_path / "src", to edit or to watch for writes."""
+    return Path(shutil.copytree(BUNDLED, tmp_path / "src"))
 
 
 def snapshot(root: Path) -> dict[str, str]:
@@ -293,6 +312,22 @@ def kimi_moe_block(x: torch.Tensor, t: dict[str, torch.Tensor], layer: int, cfg:
             e = int(chosen[i, j])
             out[i] += g[i, j] * mlp(f"{p}experts.{e}.", x[i:i + 1])[0]
     return out
+
+
+def assert_moe_blocks_route_as_written(ckpt: Path, tokens: int, tol: float) -> None:
+    """transformers loads the dense checkpoint `ckpt` (kconvert.testing's strict loader), and
+    each of its MoE blocks computes on `tokens` random inputs what kimi_moe_block computes from
+    the tensors on disk, to `tol` (absolute and relative)."""
+    from kconvert.testing.tiny_moe import load_kimi_checkpoint
+
+    cfg = json.loads((ckpt / "config.json").read_text())
+    model, tensors = load_kimi_checkpoint(ckpt), checkpoint_tensors(ckpt)
+    x = torch.randn(tokens, cfg["hidden_size"], generator=torch.Generator().manual_seed(0))
+    for layer in range(cfg["first_k_dense_replace"], cfg["num_hidden_layers"]):
+        with torch.no_grad():
+            got = model.model.layers[layer].mlp(x[None])[0]
+        torch.testing.assert_close(got, kimi_moe_block(x, tensors, layer, cfg), atol=tol,
+                                   rtol=tol, msg=lambda m, layer=layer: f"layer {layer}: {m}")
 
 
 def obs_problem(b: int, m: int, k: int, tokens: int, seed: int, arithmetic: str

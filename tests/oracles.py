@@ -30,6 +30,7 @@ from compressed_tensors.quantization import (
 from compressed_tensors.quantization.lifecycle.forward import dequantize
 from compressed_tensors.quantization.utils import calculate_qparams
 from compressed_tensors.utils.match import match_name
+from safetensors.torch import save_file
 
 from helpers import checkpoint_tensors, shard_files
 from kconvert.convert import RunControl, convert
@@ -131,6 +132,18 @@ def ct_dense_tensors(d: Path) -> dict[str, torch.Tensor]:
         return {k: v.float() for k, v in tensors.items()}
     deq = CompressedTensorsDequantizer(str(d), dtype=torch.float32)
     return {k: v.float() for k, v in deq.process(tensors).items()}
+
+
+def dense_copy(src: Path, dst: Path) -> dict[str, torch.Tensor]:
+    """A dense fp32 checkpoint at dst (a new directory) of src's tensors as compressed-tensors
+    decodes them (ct_dense_tensors), its config without a quantization_config; the tensors."""
+    dense = {k: v.contiguous() for k, v in ct_dense_tensors(src).items()}
+    dst.mkdir()
+    save_file(dense, str(dst / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dense
 
 
 def by_module(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:

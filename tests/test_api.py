@@ -12,7 +12,7 @@ import pytest
 
 import kconvert
 from conftest import ROOT
-from helpers import audit_json, cli_inproc
+from helpers import audit_json, cli_inproc, write_input_ids
 from kconvert.errors import KconvertError, UsageError
 
 README = ROOT / "README.md"
@@ -66,9 +66,8 @@ def test_api_writes_the_cli_bytes(command, variant, options, fixture_dir, tmp_pa
 
 
 def test_calibrate_api_is_the_cli(fixture_dir, tmp_path):
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"input_ids": [(7 * i + j) % 500 for j in range(16)]})
-                            + "\n" for i in range(4)))
+    data = write_input_ids(tmp_path / "data.jsonl", ([(7 * i + j) % 500 for j in range(16)]
+                                                     for i in range(4)))
     src = fixture_dir("k2-int4-kimi")
     res = cli_inproc("calibrate", src, "--data", data, "-o", tmp_path / "cli", "--samples", 4,
                      "--seq-len", 16, "--device", "cpu", "--dtype", "float32", "--quiet")

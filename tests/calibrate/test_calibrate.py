@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -22,11 +21,10 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.utils import logging as hf_logging
 
 from conftest import BUNDLED
-from helpers import checkpoint_tensors
+from helpers import checkpoint_tensors, cli_inproc, write_jsonl
 from kconvert.calibrate.data import PAD_ID, load_calibration_data
 from kconvert.calibrate.run import measure_stats as calibrate
 from kconvert.calibrate.stats import CalibrationStats, load_stats, save_stats
-from kconvert.cli import calibrate_cmd
 from kconvert.convert import RunControl, convert
 from kconvert.errors import KconvertError
 from kconvert.io.checkpoint import open_checkpoint
@@ -333,15 +331,10 @@ def test_act_stats_feed_w4a4_quantize(tmp_path):
 
 # ------------------------------------------------------------------- 5. data
 
-def _jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 def test_input_ids_used_exactly_and_packed(tmp_path):
     exact = list(range(100, 108))  # exactly seq_len: one sequence by itself
     docs = [[1, 2, 3], list(range(4, 15)), [20]]  # 15 tokens: packed into 8 + 7 (+1 pad)
-    data = _jsonl(tmp_path / "d.jsonl", [{"input_ids": r} for r in [exact, *docs]])
+    data = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": r} for r in [exact, *docs]])
     ids = load_calibration_data(data, None, samples=10, seq_len=8, seed=0)
     assert ids.dtype == torch.long and ids.shape == (3, 8)
     rows = ids.tolist()
@@ -380,7 +373,7 @@ def test_text_and_messages_lines(tmp_path):
     tok_dir = _tokenizer_dir(tmp_path)
     rows = [{"text": "hello world the cat"}, {"messages": [
         {"role": "user", "content": "hello cat"}, {"role": "assistant", "content": "sat"}]}]
-    data = _jsonl(tmp_path / "d.jsonl", rows)
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
     ids = load_calibration_data(data, tok_dir, samples=4, seq_len=4, seed=0)
     stream = [t for t in ids.reshape(-1).tolist() if t != PAD_ID]
     text = [1, 2, 3, 4, 5]  # the tokenizer's own [BOS] is kept for text
@@ -405,22 +398,21 @@ def test_bad_data_lines(tmp_path):
 def test_cli(fixture_dir, tmp_path):
     src = fixture_dir("bf16")
     rows = [{"input_ids": [(7 * i + j) % 500 for j in range(16)]} for i in range(5)]
-    data = _jsonl(tmp_path / "d.jsonl", rows)
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
     out = tmp_path / "stats"
     args = [str(src), "--data", str(data), "-o", str(out), "--samples", "3", "--seq-len", "16",
             "--batch-size", "2", "--seed", "1", "--device", "cpu", "--dtype", "float32"]
-    res = CliRunner().invoke(calibrate_cmd, args)
+    res = cli_inproc("calibrate", *args)
     assert res.exit_code == 0, res.output
     meta = json.loads((out / "stats.json").read_text())
     assert (meta["samples"], meta["seq_len"], meta["tokens"], meta["seed"]) == (3, 16, 48, 1)
     assert meta["routing"] == ("sigmoid+bias selection, renormalised sigmoid weights x "
                                "routed_scaling_factor")
     assert (out / "act_stats.json").is_file() and (out / "stats.safetensors").is_file()
-    res = CliRunner().invoke(calibrate_cmd, args)
+    res = cli_inproc("calibrate", *args)
     assert res.exit_code == 1 and "--overwrite" in res.output
-    bad = _jsonl(tmp_path / "bad.jsonl", [{"input_ids": [600] * 16}])  # vocab is 512
-    res = CliRunner().invoke(calibrate_cmd, [args[0], "--data", str(bad), "-o",
-                                             str(tmp_path / "s2"), "--seq-len", "16"])
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"input_ids": [600] * 16}])  # vocab is 512
+    res = cli_inproc("calibrate", args[0], "--data", bad, "-o", tmp_path / "s2", "--seq-len", 16)
     assert res.exit_code == 1 and "token ids must lie in" in res.output
 
 

@@ -4,7 +4,6 @@ thread left to the main thread to report."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -13,7 +12,7 @@ import sys
 
 import torch
 
-from helpers import cli_subprocess
+from helpers import cli_subprocess, write_input_ids
 from kconvert.calibrate import startup
 
 PHASE = re.compile(r"kconvert: INFO: phase ([\w ]+): [\d.]+ s")
@@ -32,9 +31,7 @@ save_stats(measure_stats(ckpt, ids, "cpu", 2, dtype=torch.float32), sys.argv[3])
 
 
 def _data(path, rows: int = 3, seq: int = 16):
-    path.write_text("".join(json.dumps({"input_ids": [(7 * i + j) % 500 for j in range(seq)]})
-                            + "\n" for i in range(rows)))
-    return path
+    return write_input_ids(path, ([(7 * i + j) % 500 for j in range(seq)] for i in range(rows)))
 
 
 def test_calibrate_logs_its_phases_and_writes_the_same_bytes(fixture_dir, tmp_path):

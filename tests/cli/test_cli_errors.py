@@ -9,14 +9,13 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
 import struct
 from pathlib import Path
 
 import pytest
 
 from conftest import BUNDLED
-from helpers import assert_user_error, cli_inproc, small_fs
+from helpers import assert_user_error, cli_inproc, small_fs, source_copy, write_input_ids
 from kconvert.errors import KconvertError
 from kconvert.recipes import load_recipe
 
@@ -27,19 +26,12 @@ MANIFEST = "kconvert-manifest.json"
 def stats_dir(tmp_path_factory) -> Path:
     """Real `kconvert calibrate` statistics of the bundled fixture (for --stats)."""
     root = tmp_path_factory.mktemp("stats")
-    data = root / "ids.jsonl"
-    data.write_text("".join(json.dumps({"input_ids": [(5 * i + j) % 500 for j in range(16)]})
-                            + "\n" for i in range(4)))
+    data = write_input_ids(root / "ids.jsonl", ([(5 * i + j) % 500 for j in range(16)]
+                                                for i in range(4)))
     res = cli_inproc("calibrate", BUNDLED, "--data", data, "-o", root / "stats", "--samples", 4,
                      "--seq-len", 16, "--device", "cpu", "--quiet")
     assert res.exit_code == 0, res.output
     return root / "stats"
-
-
-def source_copy(tmp_path: Path) -> Path:
-    src = tmp_path / "src"
-    shutil.copytree(BUNDLED, src)
-    return src
 
 
 # ------------------------------------------------------------------ reap: --keep / --prune-ratio
@@ -136,8 +128,7 @@ def test_readers_must_be_positive(readers, tmp_path):
 
 def test_device_spec_is_checked_by_every_command(tmp_path):
     """`--device foo` used to reach torch.device() and end in a RuntimeError traceback."""
-    data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps({"input_ids": list(range(16))}) + "\n")
+    data = write_input_ids(tmp_path / "d.jsonl", [list(range(16))])
     commands = [
         ["int4-to-nvfp4", BUNDLED, tmp_path / "a"],
         ["run", "int4-to-nvfp4", BUNDLED, tmp_path / "b"],
@@ -185,8 +176,7 @@ def test_full_and_read_only_file_systems_are_messages(tmp_path):
     """Real ENOSPC and EROFS: calibrate's statistics on a 16 KiB tmpfs (safetensors reports the
     full disk as a SafetensorError, not an OSError) and on a read-only one, and a conversion
     into a read-only DST; each command in a process of its own that sees the tmpfs."""
-    data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps({"input_ids": list(range(16))}) + "\n")
+    data = write_input_ids(tmp_path / "d.jsonl", [list(range(16))])
     calibrate = ["calibrate", BUNDLED, "--data", data, "--seq-len", 16, "--samples", 1,
                  "--device", "cpu", "--quiet", "-o"]
     with small_fs(tmp_path / "full", "size=16k") as full:

@@ -9,13 +9,12 @@ import subprocess
 import sys
 import time
 from dataclasses import fields
-from pathlib import Path
 
 import click
 import pytest
 
 from conftest import BUNDLED
-from helpers import cli_inproc
+from helpers import cli_inproc, write_jsonl
 from kconvert.cli import main
 from kconvert.version import __version__
 
@@ -90,18 +89,13 @@ def test_cli_options_are_the_stage_kinds_options():
 
 # ------------------------------------------------------------------ calibration on the fixture
 
-def _jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 def test_calibrate_text_and_messages_on_the_bundled_fixture_offline(tmp_path):
     """The bundled fixture's tokenizer used to fail ("no attribute 'DeepseekV3Config'"), so
     `text`/`messages` lines could not be tried. Offline, with an empty Hugging Face cache."""
-    text = _jsonl(tmp_path / "text.jsonl", [
+    text = write_jsonl(tmp_path / "text.jsonl", [
         {"text": "Kimi converts a trillion parameters, shard by shard."},
         {"text": "Ünïcödé and digits 0123456789 encode as bytes."}])
-    chat = _jsonl(tmp_path / "chat.jsonl", [{"messages": [
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [
         {"role": "user", "content": "What is NVFP4?"},
         {"role": "assistant", "content": "A 4-bit float with FP8 block scales."}]}])
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -140,7 +134,7 @@ def test_every_fixture_variant_has_a_tokenizer_that_matches_its_config(variant, 
 
 def test_calibrate_messages_modes_and_summary(tmp_path):
     """"1 sequences" was printed; stats.safetensors was written 0600 beside 0644 JSON files."""
-    data = _jsonl(tmp_path / "d.jsonl", [{"input_ids": list(range(16))}])
+    data = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": list(range(16))}])
     out = tmp_path / "stats"
     res = cli_inproc("calibrate", BUNDLED, "--data", data, "-o", out, "--samples", "2", "--seq-len",
                      "16", "--device", "cpu")
@@ -158,7 +152,7 @@ def test_calibrate_messages_modes_and_summary(tmp_path):
 
 def test_samples_default_is_per_use_and_documented(tmp_path):
     """SparseGPT through `run` used 1024 sequences by default, through `sparsify` 128."""
-    data = _jsonl(tmp_path / "d.jsonl", [{"input_ids": list(range(i, i + 16))}
+    data = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": list(range(i, i + 16))}
                                          for i in range(2)])
     dst = tmp_path / "out"
     res = cli_inproc("run", "sparsify", BUNDLED, dst, "--method", "sparsegpt", "--data", data,

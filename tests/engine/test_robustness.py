@@ -56,6 +56,7 @@ from helpers import (
     run_inproc,
     set_at,
     snapshot,
+    source_copy,
 )
 from kconvert.errors import KconvertError
 from kconvert.testing.fixture_weights import FixtureDims
@@ -438,8 +439,7 @@ def test_bad_input_fails_cleanly(case: Case, tmp_path):
 
 
 def _src_copy(tmp_path: Path) -> tuple[Path, dict]:
-    src = tmp_path / "src"
-    shutil.copytree(BUNDLED, src)
+    src = source_copy(tmp_path)
     return src, snapshot(src)
 
 

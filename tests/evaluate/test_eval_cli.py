@@ -8,7 +8,7 @@ import json
 import pytest
 
 from conftest import ROOT
-from helpers import assert_user_error, cli_inproc
+from helpers import assert_user_error, cli_inproc, write_input_ids
 from kconvert.evaluate.report import EvalReport
 
 TINY_MOE = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
@@ -17,9 +17,7 @@ TINY_MOE = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     path = tmp_path_factory.mktemp("eval-data") / "d.jsonl"
-    rows = [{"input_ids": [(7 * i + 3 * j) % 250 for j in range(16)]} for i in range(3)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return write_input_ids(path, ([(7 * i + 3 * j) % 250 for j in range(16)] for i in range(3)))
 
 
 def test_committed_eval_schema_is_current():
@@ -81,10 +79,8 @@ def test_a_candidate_of_a_smaller_vocabulary_is_named_for_it(fixture_dir, tmp_pa
     """Token ids past the candidate's vocabulary used to fail its embedding first, blaming the
     ids; the vocabulary is what differs."""
     src, cand = fixture_dir("bf16", vocab=1024), fixture_dir("bf16")
-    data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"input_ids": [(97 * i + 31 * j) % 1000
-                                                      for j in range(16)]}) + "\n"
-                            for i in range(2)))
+    data = write_input_ids(tmp_path / "d.jsonl", ([(97 * i + 31 * j) % 1000 for j in range(16)]
+                                                  for i in range(2)))
     res = cli_inproc("eval", src, cand, "--data", data, "--seq-len", 16, "--device", "cpu", "-o",
                      tmp_path / "ev", "--quiet")
     assert_user_error(res, "vocab_size is 512 but the source's is 1024", str(cand))
@@ -96,12 +92,10 @@ def test_empty_data_and_bad_ids_are_refused(fixture_dir, tmp_path):
     empty.write_text("\n  \n")
     assert_user_error(cli_inproc("eval", src, src, "--data", empty), "eval data is empty",
                       str(empty))
-    big = tmp_path / "big.jsonl"
-    big.write_text(json.dumps({"input_ids": [1, 2, 600]}) + "\n")
+    big = write_input_ids(tmp_path / "big.jsonl", [[1, 2, 600]])
     assert_user_error(cli_inproc("eval", src, src, "--data", big, "--device", "cpu", "--quiet"),
                       "token ids must lie in 0..511")
-    one = tmp_path / "one.jsonl"
-    one.write_text(json.dumps({"input_ids": [5]}) + "\n")
+    one = write_input_ids(tmp_path / "one.jsonl", [[5]])
     res = cli_inproc("eval", src, src, "--data", one, "--seq-len", 1, "--device", "cpu")
     assert_user_error(res, "no position with a next token")
 

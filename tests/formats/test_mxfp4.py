@@ -22,6 +22,7 @@ from helpers import (
     checkpoint_tensors,
     cli_inproc,
     edit_tensor,
+    write_input_ids,
 )
 from kconvert.convert import RunControl, convert
 from kconvert.formats import Mxfp4Codec, QuarkMxfp4Codec, mxfp4
@@ -227,10 +228,8 @@ def test_eval_reads_an_mxfp4_checkpoint(tmp_path):
     dst = tmp_path / "mx"
     convert(str(TINY_MOE), str(dst), load_recipe("quantize"),
             {"format": "quark-mxfp4", "block_scale": "mse"}, QUIET)
-    data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"input_ids": [(7 * i + 3 * j) % 250
-                                                      for j in range(16)]}) + "\n"
-                            for i in range(2)))
+    data = write_input_ids(tmp_path / "d.jsonl", ([(7 * i + 3 * j) % 250 for j in range(16)]
+                                                  for i in range(2)))
     res = cli_inproc("eval", TINY_MOE, dst, "--data", data, "--seq-len", "16", "--samples", "2",
                      "--device", "cpu", "-o", tmp_path / "ev", "--quiet")
     assert res.exit_code == 0, res.output
@@ -302,8 +301,7 @@ def test_quantized_routers_read_everywhere(routers_out, tmp_path):
             {"targets": "experts,routers", "activations": "none"}, QUIET)
     twin = checkpoint_tensors(w4a16)
     assert set(twin) == set(s) and all(torch.equal(twin[n], t) for n, t in s.items())
-    data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps({"input_ids": list(range(3, 19))}) + "\n")
+    data = write_input_ids(tmp_path / "d.jsonl", [list(range(3, 19))])
     res = cli_inproc("eval", dq, w4a16, "--data", data, "--seq-len", "16", "--samples", "1",
                      "--device", "cpu", "-o", tmp_path / "ev", "--quiet")
     assert res.exit_code == 0, res.output

@@ -27,6 +27,7 @@ from helpers import (
     set_at,
     small_fs,
     snapshot,
+    source_copy,
 )
 from kconvert.errors import KconvertError
 from kconvert.io import lock, output_dir
@@ -57,12 +58,6 @@ def killed_at(event: str, *args, nth: int = 1) -> subprocess.CompletedProcess:
     return proc
 
 
-def src_copy(tmp_path: Path) -> Path:
-    src = tmp_path / "src"
-    shutil.copytree(BUNDLED, src)
-    return src
-
-
 def plan_file(tmp_path: Path) -> Path:
     path = tmp_path / "plan.json"
     path.write_text(json.dumps({"layers": {str(layer): {"keep": [0, 2, 3, 5, 8, 9, 12, 15]}
@@ -74,7 +69,7 @@ def plan_file(tmp_path: Path) -> Path:
 
 
 def test_overwrite_refuses_a_directory_that_is_not_a_kconvert_output(tmp_path):
-    src = src_copy(tmp_path)
+    src = source_copy(tmp_path)
     mine = tmp_path / "mydir"
     (mine / "sub").mkdir(parents=True)
     (mine / "precious.txt").write_text("keep")
@@ -89,7 +84,7 @@ def test_overwrite_refuses_a_directory_that_is_not_a_kconvert_output(tmp_path):
 def test_overwrite_refuses_files_named_as_recorded_but_not_the_recorded_files(tmp_path):
     """A copied manifest beside a user's file that has a recorded name: --overwrite compares
     sizes (shards) and hashes (other files) with the manifest and refuses, naming the file."""
-    src = src_copy(tmp_path)
+    src = source_copy(tmp_path)
     made = tmp_path / "made"
     assert cli_inproc("int4-to-nvfp4", src, made, "--quiet").exit_code == 0
     for name, content in (("model-00001-of-000004.safetensors", b"my data!!"),
@@ -109,7 +104,7 @@ def test_overwrite_refuses_files_named_as_recorded_but_not_the_recorded_files(tm
 
 
 def test_overwrite_that_fails_leaves_the_old_output_as_it_was(tmp_path):
-    src = src_copy(tmp_path)
+    src = source_copy(tmp_path)
     dst = tmp_path / "out"
     run_inproc("dequant", src, dst)
     old = snapshot(dst)
@@ -123,11 +118,11 @@ def test_overwrite_that_fails_leaves_the_old_output_as_it_was(tmp_path):
     with pytest.raises(KconvertError, match="NaN"):
         run_inproc("int4-to-nvfp4", src, dst, overwrite=True)
     assert snapshot(dst) == old
-    assert_audit_passes(dst, "--source", src_copy(tmp_path / "again"))
+    assert_audit_passes(dst, "--source", source_copy(tmp_path / "again"))
 
 
 def test_overwrite_swaps_when_there_is_room_and_deletes_first_when_not(tmp_path, monkeypatch):
-    src = src_copy(tmp_path)
+    src = source_copy(tmp_path)
     clean = tmp_path / "clean"
     run_inproc("int4-to-nvfp4", src, clean, block_scale="amax")
     dst = tmp_path / "out"
@@ -161,7 +156,7 @@ def test_overwrite_swaps_when_there_is_room_and_deletes_first_when_not(tmp_path,
 
 
 def test_overwrite_through_a_symlink_and_a_dangling_one(tmp_path):
-    src = src_copy(tmp_path)
+    src = source_copy(tmp_path)
     real_dir = tmp_path / "real"
     run_inproc("dequant", src, real_dir)
     link = tmp_path / "link"
@@ -179,7 +174,7 @@ def test_overwrite_through_a_symlink_and_a_dangling_one(tmp_path):
 
 
 def test_a_second_run_into_a_dst_in_use_is_refused_naming_the_holder(tmp_path):
-    src = src_copy(tmp_path)
+    src = source_copy(tmp_path)
     dst = tmp_path / "out"
     with lock.locked(dst, print):
         res = cli_inproc("dequant", src, dst, "--quiet")
@@ -190,7 +185,7 @@ def test_a_second_run_into_a_dst_in_use_is_refused_naming_the_holder(tmp_path):
 
 
 def test_concurrent_runs_one_is_refused_and_the_other_audits_clean(tmp_path):
-    src = src_copy(tmp_path)
+    src = source_copy(tmp_path)
     dst = tmp_path / "out"
     first = subprocess.Popen([*CLI, "int4-to-nvfp4", str(src), str(dst), "--quiet"],
                              stderr=subprocess.PIPE, text=True)
@@ -209,7 +204,7 @@ def test_concurrent_runs_one_is_refused_and_the_other_audits_clean(tmp_path):
 
 
 def test_the_lock_of_a_killed_run_is_released(tmp_path):
-    src = src_copy(tmp_path)
+    src = source_copy(tmp_path)
     dst = tmp_path / "out"
     killed_at("shard-done", "dequant", src, dst, "--quiet")
     assert (dst / ".kconvert" / "lock").exists()
@@ -309,7 +304,7 @@ def test_resume_rewrites_a_finished_shard_whose_bytes_changed(tmp_path, clean_ou
 
 
 def test_a_disk_too_small_is_refused_before_writing(tmp_path):
-    src = src_copy(tmp_path)
+    src = source_copy(tmp_path)
     with small_fs(tmp_path / "fs", "size=2m") as fs:
         proc = fs.kconvert("dequant", src, fs.path / "out", "--quiet")
         assert proc.returncode == 1, proc.stderr
@@ -343,7 +338,7 @@ def test_disk_full_mid_run_says_what_is_needed_then_resume_completes(tmp_path, m
 
 
 def test_read_only_dst_is_a_message(tmp_path, monkeypatch):
-    src = src_copy(tmp_path)
+    src = source_copy(tmp_path)
     with small_fs(tmp_path / "ro", "size=1m,ro") as fs:
         proc = fs.kconvert("dequant", src, fs.path / "out", "--quiet")
         assert proc.returncode == 1, proc.stderr
@@ -352,7 +347,7 @@ def test_read_only_dst_is_a_message(tmp_path, monkeypatch):
 
 def test_unwritable_dst_injected_is_a_message(tmp_path, monkeypatch):
     """Where no read-only file system can be mounted: the same error, injected."""
-    src = src_copy(tmp_path)
+    src = source_copy(tmp_path)
     real = Path.mkdir
 
     def mkdir(self, *a, **kw):
@@ -369,7 +364,7 @@ def test_unwritable_dst_injected_is_a_message(tmp_path, monkeypatch):
 
 
 def test_dry_run_on_a_non_empty_dst_writes_nothing(tmp_path):
-    src = src_copy(tmp_path)
+    src = source_copy(tmp_path)
     dst = tmp_path / "out"
     run_inproc("dequant", src, dst)
     before = snapshot(dst)

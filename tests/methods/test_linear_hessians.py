@@ -15,7 +15,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.utils import logging as hf_logging
 
 from conftest import BUNDLED, ROOT
-from helpers import assert_audit_passes, built_layer, cli_inproc, eval_logits
+from helpers import assert_audit_passes, built_layer, cli_inproc, eval_logits, write_input_ids
 from kconvert.calibrate.data import PAD_ID
 from kconvert.calibrate.run import measure_stats
 from kconvert.gpu_plan import Shapes
@@ -121,8 +121,7 @@ def test_quantize_gptq_attention_and_dense_mlp(tmp_path):
     vocab = json.loads((TINY_MOE / "config.json").read_text())["vocab_size"]
     data = tmp_path / "d.jsonl"
     g = torch.Generator().manual_seed(0)
-    data.write_text("".join(json.dumps({"input_ids": torch.randint(0, vocab, (64,), generator=g)
-                                        .tolist()}) + "\n" for _ in range(17)))
+    write_input_ids(data, (torch.randint(0, vocab, (64,), generator=g) for _ in range(17)))
     gptq, rtn, default = tmp_path / "gptq", tmp_path / "rtn", tmp_path / "default"
     res = cli_inproc("quantize", TINY_MOE, gptq, "--method", "gptq", "--data", data, "--seq-len",
                      "64", "--samples", "17", "--targets", targets, "--device", "cpu", "--quiet")

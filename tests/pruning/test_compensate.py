@@ -20,17 +20,18 @@ from conftest import ROOT
 from helpers import (
     add_at,
     assert_audit_passes,
+    assert_moe_blocks_route_as_written,
     audit_json,
     checkpoint_tensors,
     cli_inproc,
     edit_tensor,
-    kimi_moe_block,
+    write_input_ids,
 )
 from kconvert.cli.base import COMPENSATIONS as CLI_COMPENSATIONS
 from kconvert.pruning.plan import PLAN_FILE, load_plan
 from kconvert.pruning.reap import CRITERIA, keep_ids, plan_from_scores, tensor_hash
 from kconvert.stages.prune import COMPENSATIONS
-from kconvert.testing.tiny_moe import corpus_ids, load_kimi_checkpoint, windows
+from kconvert.testing.tiny_moe import corpus_ids, windows
 
 FIXTURES = {"trained": ROOT / "tests" / "fixtures" / "tiny-moe-trained",
             "96": ROOT / "tests" / "fixtures" / "tiny-moe-96"}
@@ -63,9 +64,8 @@ def _reap(src: Path, dst: Path, data: Path, keep: int, *extra: str):
 @pytest.fixture(scope="module")
 def made(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("compensate")
-    data = root / "calib.jsonl"
     ids = windows(corpus_ids("train"), 12, SEQ, torch.Generator().manual_seed(3))
-    data.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in ids))
+    data = write_input_ids(root / "calib.jsonl", ids)
     out = {"data": data}
     for name, (fixture, keep, flags) in RUNS.items():
         out[name] = root / name
@@ -80,15 +80,7 @@ def test_compensation_choices_agree():
 
 @pytest.mark.parametrize("run", [r for r in RUNS if not r.endswith("-again")])
 def test_output_loads_in_transformers_and_blocks_route_as_written(made, run):
-    dst = made[run]
-    cfg = json.loads((dst / "config.json").read_text())
-    model = load_kimi_checkpoint(dst)
-    t = checkpoint_tensors(dst)
-    x = torch.randn(32, cfg["hidden_size"], generator=torch.Generator().manual_seed(0))
-    for layer in range(cfg["first_k_dense_replace"], cfg["num_hidden_layers"]):
-        with torch.no_grad():
-            got = model.model.layers[layer].mlp(x[None])[0]
-        torch.testing.assert_close(got, kimi_moe_block(x, t, layer, cfg), atol=1e-5, rtol=1e-5)
+    assert_moe_blocks_route_as_written(made[run], tokens=32, tol=1e-5)
 
 
 @pytest.mark.parametrize("run", ["down", "router+down", "msan+bias+shared", "96-down",

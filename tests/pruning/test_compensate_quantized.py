@@ -22,23 +22,23 @@ import pytest
 import torch
 from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor
 from compressed_tensors.quantization.utils import calculate_qparams
-from safetensors.torch import save_file
 
 from conftest import ROOT
 from helpers import (
     assert_audit_passes,
+    assert_moe_blocks_route_as_written,
     audit_json,
     checkpoint_tensors,
     cli_inproc,
     edit_tensor,
-    kimi_moe_block,
+    write_input_ids,
 )
 from kconvert.formats import Int4Codec
 from kconvert.pruning.plan import PLAN_FILE, load_plan
 from kconvert.pruning.reap import tensor_hash
 from kconvert.testing.fixture_weights import ct_int4_scheme
-from kconvert.testing.tiny_moe import corpus_ids, load_kimi_checkpoint, windows
-from oracles import ct_dense_tensors
+from kconvert.testing.tiny_moe import corpus_ids, windows
+from oracles import dense_copy
 
 TRAINED = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
 INT4 = ROOT / "tests" / "fixtures" / "tiny-k2-thinking-int4"
@@ -62,9 +62,8 @@ CHECKED = [r for r in RUNS if not r.endswith("-again")]
 @pytest.fixture(scope="module")
 def made(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("compensate-quantized")
-    data = root / "calib.jsonl"
     ids = windows(corpus_ids("train"), 12, SEQ, torch.Generator().manual_seed(3))
-    data.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in ids))
+    data = write_input_ids(root / "calib.jsonl", ids)
     out = {"data": data, "int4": INT4}
     for name, flags in QUANTIZED.items():
         out[name] = root / name
@@ -145,19 +144,8 @@ def test_refit_is_written_in_the_source_format(made, run):
 def test_output_loads_and_its_blocks_route_as_written(made, run, tmp_path):
     """compressed-tensors decodes the output, transformers loads it, and every MoE block
     computes the routing written in the test over the decoded tensors."""
-    dst = made[f"run-{run}"]
-    dense = {k: v.contiguous() for k, v in ct_dense_tensors(dst).items()}
-    save_file(dense, str(tmp_path / "model.safetensors"))
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.pop("quantization_config")
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    model = load_kimi_checkpoint(tmp_path)
-    x = torch.randn(16, cfg["hidden_size"], generator=torch.Generator().manual_seed(0))
-    for layer in range(cfg["first_k_dense_replace"], cfg["num_hidden_layers"]):
-        with torch.no_grad():
-            got = model.model.layers[layer].mlp(x[None])[0]
-        torch.testing.assert_close(got, kimi_moe_block(x, dense, layer, cfg), atol=1e-4,
-                                   rtol=1e-4)
+    dense_copy(made[f"run-{run}"], tmp_path / "dense")
+    assert_moe_blocks_route_as_written(tmp_path / "dense", tokens=16, tol=1e-4)
 
 
 @pytest.mark.parametrize("run", CHECKED)

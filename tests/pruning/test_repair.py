@@ -19,11 +19,12 @@ from conftest import ROOT
 from helpers import (
     add_at,
     assert_audit_passes,
+    assert_moe_blocks_route_as_written,
     audit_json,
     checkpoint_tensors,
     cli_inproc,
     edit_tensor,
-    kimi_moe_block,
+    write_input_ids,
 )
 from kconvert.cli.base import REPAIRS as CLI_REPAIRS
 from kconvert.errors import KconvertError
@@ -32,7 +33,7 @@ from kconvert.options import REPAIRS
 from kconvert.pruning.plan import PLAN_FILE, load_plan, parse_plan
 from kconvert.pruning.reap import row_hashes
 from kconvert.stages.prune import prune_stage
-from kconvert.testing.tiny_moe import corpus_ids, load_kimi_checkpoint, windows
+from kconvert.testing.tiny_moe import corpus_ids, windows
 
 SRC = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
 KEEP = 12
@@ -48,9 +49,8 @@ def _reap(dst: Path, data: Path, *extra: str) -> None:
 @pytest.fixture(scope="module")
 def made(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("repair")
-    data = root / "calib.jsonl"
     ids = windows(corpus_ids("train"), 12, SEQ, torch.Generator().manual_seed(3))
-    data.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in ids))
+    data = write_input_ids(root / "calib.jsonl", ids)
     out = {"data": data}
     for method in ("none", "bias", "router"):
         out[method] = root / method
@@ -111,15 +111,7 @@ def test_repaired_rows_are_recorded_and_differ_from_source(made, method):
 
 @pytest.mark.parametrize("method", ["bias", "router"])
 def test_repaired_output_loads_in_transformers_and_routes_as_written(made, method):
-    dst = made[method]
-    cfg = json.loads((dst / "config.json").read_text())
-    model = load_kimi_checkpoint(dst)
-    t = checkpoint_tensors(dst)
-    x = torch.randn(64, cfg["hidden_size"], generator=torch.Generator().manual_seed(0))
-    for layer in range(cfg["first_k_dense_replace"], cfg["num_hidden_layers"]):
-        with torch.no_grad():
-            got = model.model.layers[layer].mlp(x[None])[0]
-        torch.testing.assert_close(got, kimi_moe_block(x, t, layer, cfg), atol=1e-5, rtol=1e-5)
+    assert_moe_blocks_route_as_written(made[method], tokens=64, tol=1e-5)
 
 
 @pytest.mark.parametrize("method", ["bias", "router"])

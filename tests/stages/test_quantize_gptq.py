@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import BUNDLED, ROOT
-from helpers import assert_audit_passes, cli_inproc, obs_problem
+from helpers import assert_audit_passes, cli_inproc, obs_problem, write_input_ids
 from kconvert.formats import nvfp4
 from kconvert.methods import obs
 from oracles import raw_tensors, sparsegpt_inverse_reference, sparsegpt_per_column
@@ -105,9 +105,8 @@ def test_gptq_judged_on_held_out_tokens():
 
 
 def _data(tmp_path, vocab: int):
-    data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"input_ids": [(7 * i + j) % vocab for j in range(16)]})
-                            + "\n" for i in range(4)))
+    data = write_input_ids(tmp_path / "d.jsonl", ([(7 * i + j) % vocab for j in range(16)]
+                                                  for i in range(4)))
     return data
 
 
@@ -201,8 +200,7 @@ def test_quantize_gptq_holds_tokens_out_where_there_are_enough(tmp_path):
     vocab = json.loads((TINY_MOE / "config.json").read_text())["vocab_size"]
     data = tmp_path / "d.jsonl"
     g = torch.Generator().manual_seed(0)
-    data.write_text("".join(json.dumps({"input_ids": torch.randint(0, vocab, (64,), generator=g)
-                                        .tolist()}) + "\n" for _ in range(32)))
+    write_input_ids(data, (torch.randint(0, vocab, (64,), generator=g) for _ in range(32)))
     dst = tmp_path / "q"
     res = cli_inproc("quantize", TINY_MOE, dst, "--method", "gptq", "--data", data, "--seq-len",
                      "64", "--samples", "32", "--targets", "experts,shared_experts", "--device",

@@ -19,7 +19,7 @@ import torch
 from nvfp4_reference import sparsegpt_inverse, sparsegpt_p48_nvfp4
 
 from conftest import BUNDLED, ROOT
-from helpers import assert_audit_passes, cli_inproc, obs_problem
+from helpers import assert_audit_passes, cli_inproc, obs_problem, write_input_ids
 from kconvert import options
 from kconvert.cli import base as cli
 from kconvert.errors import KconvertError
@@ -131,9 +131,7 @@ def test_sequential_hessians_follow_the_compressed_layers():
 def test_hessian_option_is_recorded_and_refused_without_sparsegpt(tmp_path):
     assert cli.HESSIANS == options.HESSIANS  # one list, kconvert.options (no mirror)
     assert sparsify.DEFAULT_HESSIAN in options.HESSIANS
-    data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"input_ids": list(range(i, i + 16))}) + "\n"
-                            for i in range(2)))
+    data = write_input_ids(tmp_path / "d.jsonl", (list(range(i, i + 16)) for i in range(2)))
     for mode in ("source", "sequential"):
         dst = tmp_path / mode
         res = cli_inproc("sparsify", BUNDLED, dst, "--method", "sparsegpt", "--hessian", mode,
