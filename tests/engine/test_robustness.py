@@ -49,14 +49,15 @@ from helpers import (
     S2,
     S3,
     S4,
-    cli,
+    cli_subprocess,
     data_bytes,
     edit_json,
     edit_tensor,
-    load_tensors,
+    file_tensors,
     run_inproc,
     set_at,
     snapshot,
+    source_copy,
 )
 from kconvert.errors import KconvertError
 from kconvert.testing.fixture_weights import FixtureDims
@@ -142,7 +143,7 @@ def big_moe_fixture(root: Path, layers: int, experts: int, inter: int,
     gen = torch.Generator().manual_seed(seed)
     # A source the structure checks accept: every MoE layer has a router (layer 1's), and the
     # shared experts are as wide as the config says (inter rows each, or none).
-    tensors = {k: v for k, v in load_tensors(shard).items() if ".mlp.experts." not in k
+    tensors = {k: v for k, v in file_tensors(shard).items() if ".mlp.experts." not in k
                and (sparse_bytes or ".mlp.shared_experts." not in k)}
     router = {k: v for k, v in tensors.items() if k.startswith("model.layers.1.mlp.gate.")}
     holes: dict[str, tuple[str, tuple[int, ...]]] = {}
@@ -419,7 +420,8 @@ def test_bad_input_fails_cleanly(case: Case, tmp_path):
     before = snapshot(src)
     dst = tmp_path / "out"
     if case.cli:
-        proc = cli("int4-to-nvfp4", src, dst, "--quiet", "--block-scale", "amax", *case.args)
+        proc = cli_subprocess("int4-to-nvfp4", src, dst, "--quiet", "--block-scale", "amax",
+                              *case.args)
         assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
         assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
         msg = proc.stderr
@@ -440,8 +442,7 @@ def test_bad_input_fails_cleanly(case: Case, tmp_path):
 
 
 def _src_copy(tmp_path: Path) -> tuple[Path, dict]:
-    src = tmp_path / "src"
-    shutil.copytree(BUNDLED, src)
+    src = source_copy(tmp_path)
     return src, snapshot(src)
 
 
@@ -485,7 +486,7 @@ def test_resume_refuses_a_dst_started_with_other_options(tmp_path):
     same options resume it, and the result equals a clean amax run."""
     src, _ = _src_copy(tmp_path)
     norm = "model.norm.weight"
-    good = load_tensors(src / S4)[norm]
+    good = file_tensors(src / S4)[norm]
     edit_tensor(src / S4, norm, set_at((0,), math.nan))  # fails on the last shard
     dst = tmp_path / "out"
     with pytest.raises(KconvertError, match="NaN"):
@@ -496,7 +497,7 @@ def test_resume_refuses_a_dst_started_with_other_options(tmp_path):
     state = snapshot(dst)
     before = snapshot(src)
 
-    proc = cli("int4-to-nvfp4", src, dst, "--quiet", "--resume", "--block-scale", "mse")
+    proc = cli_subprocess("int4-to-nvfp4", src, dst, "--quiet", "--resume", "--block-scale", "mse")
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert re.search(r"different (command|option)", proc.stderr), proc.stderr
     assert str(dst) in proc.stderr
@@ -581,7 +582,7 @@ def test_sigkill_mid_run_then_resume_is_byte_identical(multi, tmp_path):
         assert (dst / name).read_bytes() == (clean / name).read_bytes(), name
     kept = {n: (os.stat(dst / n).st_ino, os.stat(dst / n).st_mtime_ns) for n in done}
 
-    proc2 = cli(*args, "--resume")
+    proc2 = cli_subprocess(*args, "--resume")
     assert proc2.returncode == 0, proc2.stderr[-3000:]
     assert snapshot(dst) == snapshot(clean)  # every file incl. manifest, config, index
     assert not (dst / ".kconvert").exists()
@@ -652,7 +653,7 @@ def test_dry_run_writes_nothing_and_prints_the_role_table(multi, tmp_path):
     src, clean = multi
     before = snapshot(src)
     dst = tmp_path / "out"
-    proc = cli("int4-to-nvfp4", src, dst, "--dry-run")
+    proc = cli_subprocess("int4-to-nvfp4", src, dst, "--dry-run")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not dst.exists()
     assert snapshot(src) == before
