@@ -17,7 +17,7 @@ demo: install
 	$(BIN)/kconvert audit $(DEMO_DST) --source $(DEMO_SRC)
 
 test: install
-	$(BIN)/ruff check kconvert scripts tests
+	$(BIN)/ruff check kconvert scripts tests benchmarks
 	$(BIN)/python -m pytest -q
 
 install: $(VENV)/.installed

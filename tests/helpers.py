@@ -1,4 +1,4 @@
-"""Helpers shared by the tests that run conversions end to end: the command line in a
+"""Helpers shared by the tests: the command line in this process (click's runner) and in a
 subprocess, a conversion in-process exactly as the command line calls it, snapshots of a
 directory, edits of a source checkpoint, safetensors headers read straight from the bytes
 (independently of kconvert), and a real small file system."""
@@ -6,6 +6,7 @@ directory, edits of a source checkpoint, safetensors headers read straight from 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -13,15 +14,18 @@ import shutil
 import struct
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 import torch
+from click.testing import CliRunner, Result
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from conftest import BUNDLED
+from kconvert.cli import main
 from kconvert.convert import RunControl, convert
 from kconvert.recipes import load_recipe
 
@@ -38,9 +42,52 @@ MANIFEST = "kconvert-manifest.json"
 S1, S2, S3, S4 = (f"model-0000{i}-of-000004.safetensors" for i in (1, 2, 3, 4))
 
 
-def cli(*args, timeout: float = 300) -> subprocess.CompletedProcess:
+def cli_inproc(*args) -> Result:
+    """`kconvert ARGS` through its click entry point in this process (each argument str()-ed):
+    exit_code, output (stdout and stderr as a terminal shows them), stdout, stderr. Every
+    command turns its errors into an exit status; an exception that escapes that is a bug of
+    the command line and is raised here, not read as exit status 1."""
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def cli_subprocess(*args, timeout: float = 300, env: dict[str, str] | None = None
+                   ) -> subprocess.CompletedProcess:
+    """`kconvert ARGS` as a shell runs it: a fresh interpreter (environment `env`, else this
+    one's), the real exit status."""
     return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env=env)
+
+
+def assert_user_error(res: Result | subprocess.CompletedProcess, *said: str, code: int = 1
+                      ) -> None:
+    """A command refused as the user's error, from cli_inproc or a subprocess: exit `code` (1
+    bad input, 2 click's usage error) through the command line's own exit, no traceback, and
+    the message says each of `said`."""
+    if isinstance(res, subprocess.CompletedProcess):
+        status, output = res.returncode, res.stdout + res.stderr
+    else:
+        assert isinstance(res.exception, SystemExit), res.exception
+        status, output = res.exit_code, res.output
+    assert status == code, (status, output)
+    assert "Traceback" not in output, output
+    for words in said:
+        assert words in output, (words, output)
+
+
+def audit_json(ckpt: Path, *args) -> tuple[int, dict]:
+    """`kconvert audit CKPT --json ARGS` on the CPU through cli_inproc: the exit status (0 every
+    check passed, 1 some check failed; any other fails the test) and the JSON report."""
+    res = cli_inproc("audit", ckpt, "--json", "--quiet", "--device", "cpu", *args)
+    assert res.exit_code in (0, 1), res.output
+    return res.exit_code, json.loads(res.stdout)
+
+
+def assert_audit_passes(ckpt: Path, *args) -> dict:
+    """audit_json of a checkpoint that must pass every check: its report, else its failures
+    as the test's message."""
+    code, report = audit_json(ckpt, *args)
+    assert code == 0 and report["passed"], report["failures"]
+    return report
 
 
 def run_inproc(recipe: str, src: Path, dst: Path, block_scale: str | None = None,
@@ -50,6 +97,24 @@ def run_inproc(recipe: str, src: Path, dst: Path, block_scale: str | None = None
     run = {"quiet": True, "device": "cpu", **run}
     return convert(str(src), str(dst), load_recipe(recipe), settings, RunControl(**run),
                    echo=lambda *a, **k: None)
+
+
+def write_jsonl(path: Path, rows: Iterable[dict]) -> Path:
+    """A JSON-lines file at `path`, one row a line (calibration and eval data)."""
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def write_input_ids(path: Path, rows: Iterable[Sequence[int] | torch.Tensor]) -> Path:
+    """Token-id data at `path` as calibrate, eval and --data read it: one {"input_ids": [...]}
+    a line."""
+    return write_jsonl(path, ({"input_ids": r.tolist() if isinstance(r, torch.Tensor) else list(r)}
+                              for r in rows))
+
+
+def source_copy(tmp_path: Path) -> Path:
+    """A copy of the bundled fixture at tmp_path / "src", to edit or to watch for writes."""
+    return Path(shutil.copytree(BUNDLED, tmp_path / "src"))
 
 
 def snapshot(root: Path) -> dict[str, str]:
@@ -66,21 +131,49 @@ def snapshot(root: Path) -> dict[str, str]:
     return out
 
 
-def load_tensors(path: Path) -> dict[str, torch.Tensor]:
-    with safe_open(str(path), "pt") as fh:  # clone: get_tensor may alias the mapped file
+def file_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file, by name. Copies: a tensor safetensors returns is
+    backed by the mapped file, so it would change with an edit of the file in place, or fault
+    once the file is rewritten shorter."""
+    with safe_open(str(path), "pt") as fh:
         return {k: fh.get_tensor(k).clone() for k in fh.keys()}
 
 
+def shard_files(d: Path) -> list[Path]:
+    """The safetensors files of the checkpoint in directory d: those its index names, else
+    its one model.safetensors."""
+    index = d / INDEX
+    if index.is_file():
+        return [d / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return [d / "model.safetensors"]
+
+
+def checkpoint_tensors(d: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint in directory d, by name (file_tensors of its shards)."""
+    return {name: t for path in shard_files(d) for name, t in file_tensors(path).items()}
+
+
 def edit_tensor(path: Path, name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    tensors = load_tensors(path)
+    """Tensor `name` of the safetensors file at `path` replaced by fn(it), the rest kept."""
+    tensors = file_tensors(path)
     tensors[name] = fn(tensors[name]).contiguous()
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 def set_at(index: tuple, value: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """For edit_tensor: the element at `index` set to `value`."""
     def fn(t: torch.Tensor) -> torch.Tensor:
         t = t.clone()
         t[index] = value
+        return t
+    return fn
+
+
+def add_at(index: tuple, delta: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """For edit_tensor: `delta` added to the element at `index` (in the tensor's dtype)."""
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        t[index] += delta
         return t
     return fn
 
@@ -125,20 +218,76 @@ def data_bytes(path: Path) -> int:
     return path.stat().st_size - st_header(path)[1]
 
 
+@dataclasses.dataclass(frozen=True)
+class SmallFs:
+    """A real tmpfs mounted at `path`, seen by the commands `run` starts. Run as root, it is
+    mounted on this machine (`enter` empty); as another user, it is mounted in a user+mount
+    namespace of its own, which `enter` (nsenter) runs a command in: this process does not see
+    it, so a test looks at it only through `run` (e.g. `exists`)."""
+
+    path: Path
+    enter: tuple[str, ...]
+
+    def run(self, *argv, timeout: float = 300) -> subprocess.CompletedProcess:
+        return subprocess.run([*self.enter, *map(str, argv)], capture_output=True, text=True,
+                              timeout=timeout)
+
+    def kconvert(self, *args) -> subprocess.CompletedProcess:
+        """cli_subprocess where the file system is mounted."""
+        return self.run(*CLI, *args)
+
+    def exists(self, path: Path) -> bool:
+        probe = self.run("test", "-e", path)
+        assert probe.returncode in (0, 1) and not probe.stderr, probe.stderr
+        return probe.returncode == 0
+
+
 @contextlib.contextmanager
-def small_fs(where: Path, options: str) -> Iterator[Path]:
-    """A real tmpfs mounted at `where` with mount `options` (e.g. "size=16k", "ro,size=1m");
-    skips the test where mounting is not allowed (it needs root with CAP_SYS_ADMIN, e.g. not
-    in an unprivileged container)."""
+def small_fs(where: Path, options: str) -> Iterator[SmallFs]:
+    """A real tmpfs at `where` (a new directory) with mount `options` ("size=16k",
+    "ro,size=1m", ...). As root it is mounted here, and a refused mount fails the test: CI runs
+    the suite as root, and the disk-full and read-only tests must run there. As another user
+    it is mounted in a user+mount namespace (unshare --user --map-root-user --mount); the test
+    is skipped, saying why, only where that is refused too."""
     where.mkdir()
-    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
-                           capture_output=True, text=True)
-    if mount.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.strip() or 'not permitted'}")
+    mount = ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)]
+    if os.geteuid() == 0:
+        done = subprocess.run(mount, capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.fail(f"{' '.join(mount)} refused as root: {done.stderr.strip()}")
+        try:
+            yield _mounted(SmallFs(where, ()))
+        finally:
+            subprocess.run(["umount", "-l", str(where)], check=True)
+        return
+    missing = [tool for tool in ("unshare", "nsenter") if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(f"not root, and no {' or '.join(missing)} here to mount a tmpfs in a "
+                    "user+mount namespace")
+    # The namespace lives as long as this holder: it mounts, says so, then waits.
+    holder = subprocess.Popen(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+         '"$@" && echo mounted && exec sleep infinity', "sh", *mount],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        yield where
+        if holder.stdout.readline().strip() != "mounted":
+            holder.wait(timeout=60)
+            pytest.skip(f"not root, and no tmpfs can be mounted in a user+mount namespace "
+                        f"here (unshare --user --map-root-user --mount {' '.join(mount)}): "
+                        f"{holder.stderr.read().strip()}")
+        yield _mounted(SmallFs(where, ("nsenter", f"--target={holder.pid}", "--user",
+                                       "--mount", "--preserve-credentials")))
     finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
+        holder.kill()
+        holder.communicate()
+
+
+def _mounted(fs: SmallFs) -> SmallFs:
+    """fs, once its path is seen as a mount point where its commands run (else the test would
+    write to the ordinary directory beneath and prove nothing)."""
+    seen = fs.run("mountpoint", fs.path)
+    assert seen.returncode == 0, f"{fs.path} is no mount point: {seen.stdout}{seen.stderr}"
+    return fs
 
 
 def kimi_moe_block(x: torch.Tensor, t: dict[str, torch.Tensor], layer: int, cfg: dict
@@ -163,6 +312,22 @@ def kimi_moe_block(x: torch.Tensor, t: dict[str, torch.Tensor], layer: int, cfg:
             e = int(chosen[i, j])
             out[i] += g[i, j] * mlp(f"{p}experts.{e}.", x[i:i + 1])[0]
     return out
+
+
+def assert_moe_blocks_route_as_written(ckpt: Path, tokens: int, tol: float) -> None:
+    """transformers loads the dense checkpoint `ckpt` (kconvert.testing's strict loader), and
+    each of its MoE blocks computes on `tokens` random inputs what kimi_moe_block computes from
+    the tensors on disk, to `tol` (absolute and relative)."""
+    from kconvert.testing.tiny_moe import load_kimi_checkpoint
+
+    cfg = json.loads((ckpt / "config.json").read_text())
+    model, tensors = load_kimi_checkpoint(ckpt), checkpoint_tensors(ckpt)
+    x = torch.randn(tokens, cfg["hidden_size"], generator=torch.Generator().manual_seed(0))
+    for layer in range(cfg["first_k_dense_replace"], cfg["num_hidden_layers"]):
+        with torch.no_grad():
+            got = model.model.layers[layer].mlp(x[None])[0]
+        torch.testing.assert_close(got, kimi_moe_block(x, tensors, layer, cfg), atol=tol,
+                                   rtol=tol, msg=lambda m, layer=layer: f"layer {layer}: {m}")
 
 
 def obs_problem(b: int, m: int, k: int, tokens: int, seed: int, arithmetic: str

@@ -30,8 +30,9 @@ from compressed_tensors.quantization import (
 from compressed_tensors.quantization.lifecycle.forward import dequantize
 from compressed_tensors.quantization.utils import calculate_qparams
 from compressed_tensors.utils.match import match_name
-from safetensors.torch import load_file
+from safetensors.torch import save_file
 
+from helpers import checkpoint_tensors, shard_files
 from kconvert.convert import RunControl, convert
 from kconvert.formats import nvfp4
 from kconvert.formats.nvfp4_ct import Nvfp4Codec
@@ -97,13 +98,6 @@ def make_converter(fixture_dir, tmp_path_factory):
     return run
 
 
-def shard_files(d: Path) -> list[Path]:
-    index = d / "model.safetensors.index.json"
-    if index.is_file():
-        return [d / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    return [d / "model.safetensors"]
-
-
 def raw_tensors(d: Path) -> dict[str, tuple[str, list[int], bytes]]:
     """name -> (dtype, shape, raw bytes), parsed straight from the safetensors files."""
     out = {}
@@ -118,18 +112,11 @@ def raw_tensors(d: Path) -> dict[str, tuple[str, list[int], bytes]]:
     return out
 
 
-def load_tensors(d: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for path in shard_files(d):
-        out.update(load_file(str(path)))
-    return out
-
-
 def ct_dense_tensors(d: Path) -> dict[str, torch.Tensor]:
     """fp32 dense weights of a checkpoint, decoded by compressed-tensors (not by kconvert):
     its dequantizer for its own formats, its ModelOpt converter then NVFP4 decompressor for a
     ModelOpt export."""
-    tensors = load_tensors(d)
+    tensors = checkpoint_tensors(d)
     qc = json.loads((d / "config.json").read_text()).get("quantization_config")
     if qc is None:
         return {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
@@ -145,6 +132,18 @@ def ct_dense_tensors(d: Path) -> dict[str, torch.Tensor]:
         return {k: v.float() for k, v in tensors.items()}
     deq = CompressedTensorsDequantizer(str(d), dtype=torch.float32)
     return {k: v.float() for k, v in deq.process(tensors).items()}
+
+
+def dense_copy(src: Path, dst: Path) -> dict[str, torch.Tensor]:
+    """A dense fp32 checkpoint at dst (a new directory) of src's tensors as compressed-tensors
+    decodes them (ct_dense_tensors), its config without a quantization_config; the tensors."""
+    dense = {k: v.contiguous() for k, v in ct_dense_tensors(src).items()}
+    dst.mkdir()
+    save_file(dense, str(dst / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dense
 
 
 def by_module(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:

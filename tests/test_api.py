@@ -9,11 +9,10 @@ import subprocess
 import sys
 
 import pytest
-from click.testing import CliRunner
 
 import kconvert
 from conftest import ROOT
-from kconvert.cli import main
+from helpers import audit_json, cli_inproc, write_input_ids
 from kconvert.errors import KconvertError, UsageError
 
 README = ROOT / "README.md"
@@ -21,11 +20,6 @@ README = ROOT / "README.md"
 
 def shards(root) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(root.glob("*.safetensors"))}
-
-
-def cli(*args) -> None:
-    res = CliRunner().invoke(main, [*map(str, args)])
-    assert res.exit_code == 0, res.output
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +41,8 @@ def test_api_writes_the_cli_bytes(command, variant, options, fixture_dir, tmp_pa
     src = fixture_dir(variant)
     options = {k: (plan if v == "PLAN" else v) for k, v in options.items()}
     flags = [a for k, v in options.items() for a in (f"--{k.replace('_', '-')}", v)]
-    cli(command, src, tmp_path / "cli", *flags, "--device", "cpu", "--quiet")
+    res = cli_inproc(command, src, tmp_path / "cli", *flags, "--device", "cpu", "--quiet")
+    assert res.exit_code == 0, res.output
     function = getattr(kconvert, command.replace("-", "_"))
     result = function(str(src), str(tmp_path / "api"), device="cpu", **options)
     assert shards(tmp_path / "api") == shards(tmp_path / "cli")
@@ -56,26 +51,27 @@ def test_api_writes_the_cli_bytes(command, variant, options, fixture_dir, tmp_pa
     assert result.output == tmp_path / "api" and result.manifest.tensors.keys() == \
         cli_manifest["tensors"].keys()
     if command == "sparsify":  # densify and run_recipe on what sparsify wrote
-        cli("densify", tmp_path / "api", tmp_path / "cli-dense", "--device", "cpu", "--quiet")
+        res = cli_inproc("densify", tmp_path / "api", tmp_path / "cli-dense", "--device", "cpu",
+                         "--quiet")
+        assert res.exit_code == 0, res.output
         kconvert.densify(str(tmp_path / "api"), str(tmp_path / "api-dense"), device="cpu")
         assert shards(tmp_path / "api-dense") == shards(tmp_path / "cli-dense")
         kconvert.run_recipe("densify", str(tmp_path / "api"), str(tmp_path / "run-dense"),
                             device="cpu")
         assert shards(tmp_path / "run-dense") == shards(tmp_path / "cli-dense")
         report = kconvert.audit(str(tmp_path / "api-dense"), device="cpu")
-        res = CliRunner().invoke(main, ["audit", str(tmp_path / "api-dense"), "--json",
-                                        "--device", "cpu", "--quiet"])
-        assert report.passed and res.exit_code == 0
-        assert json.loads(res.output) == json.loads(json.dumps(report.to_json(), default=str))
+        code, cli_report = audit_json(tmp_path / "api-dense")
+        assert report.passed and code == 0
+        assert cli_report == json.loads(json.dumps(report.to_json(), default=str))
 
 
 def test_calibrate_api_is_the_cli(fixture_dir, tmp_path):
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"input_ids": [(7 * i + j) % 500 for j in range(16)]})
-                            + "\n" for i in range(4)))
+    data = write_input_ids(tmp_path / "data.jsonl", ([(7 * i + j) % 500 for j in range(16)]
+                                                     for i in range(4)))
     src = fixture_dir("k2-int4-kimi")
-    cli("calibrate", src, "--data", data, "-o", tmp_path / "cli", "--samples", 4, "--seq-len",
-        16, "--device", "cpu", "--dtype", "float32", "--quiet")
+    res = cli_inproc("calibrate", src, "--data", data, "-o", tmp_path / "cli", "--samples", 4,
+                     "--seq-len", 16, "--device", "cpu", "--dtype", "float32", "--quiet")
+    assert res.exit_code == 0, res.output
     stats = kconvert.calibrate(str(src), str(data), str(tmp_path / "api"), samples=4,
                                seq_len=16, device="cpu", dtype="float32")
     assert stats.moe_layers
@@ -96,7 +92,7 @@ def test_errors_are_the_cli_messages(fixture_dir, tmp_path):
     for call, kind, argv in cases:
         with pytest.raises(kind) as caught:
             call()
-        res = CliRunner().invoke(main, argv)
+        res = cli_inproc(*argv)
         code = 2 if kind is UsageError else 1  # click's usage error; bad input
         assert res.exit_code == code and str(caught.value) in res.output, (res.output, caught)
     with pytest.raises(UsageError, match="unknown option 'blocksize'"):

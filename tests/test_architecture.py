@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import ROOT
+from helpers import checkpoint_tensors
 from kconvert.formats import Codec, Encoded
 from kconvert.formats.linear import Batch, Transformed
 from kconvert.methods import Method
@@ -103,7 +104,7 @@ def test_every_cited_document_is_in_docs():
     """Code comments cite the specifications by file name (formats.md, p48.md, ...): each must
     exist in the repository's docs/ (or be a file the repository has at that path)."""
     cited = set()
-    for base in ("kconvert", "scripts", "tests"):
+    for base in ("kconvert", "benchmarks", "scripts", "tests"):
         for path in (ROOT / base).rglob("*.py"):
             cited.update(re.findall(r"\b([\w./-]+\.md)\b", path.read_text()))
     missing = sorted(c for c in cited
@@ -308,15 +309,6 @@ class RowInt8Codec(Codec):
         return {"quant_method": cls.config_family, "modules": len(modules)}, {"int8.json": {}}
 
 
-def _tensors(root: Path) -> dict:
-    from safetensors.torch import load_file
-
-    out = {}
-    for shard in sorted(root.glob("*.safetensors")):
-        out.update(load_file(shard))
-    return out
-
-
 def test_a_new_output_format_is_its_codec_plus_registration(tmp_path):
     """RowInt8Codec, registered by one `formats.register` call, is written by `quantize
     --format test-int8` with the bytes torch's own per-channel INT8 quantizer gives, read
@@ -354,7 +346,7 @@ def _convert_with_row_int8(tmp_path: Path) -> None:
     # the bytes: torch's quantize_per_channel on the source's decoded experts
     source = kconvert.dequant(str(BUNDLED), str(tmp_path / "f32"), dtype="F32", device="cpu")
     assert source.manifest is not None
-    want, got = _tensors(tmp_path / "f32"), _tensors(tmp_path / "q8")
+    want, got = checkpoint_tensors(tmp_path / "f32"), checkpoint_tensors(tmp_path / "q8")
     experts = [n.removesuffix(".weight") for n in want if ".experts." in n]
     assert experts and all(f"{e}.weight_q8" in got for e in experts)
     for e in experts:
@@ -368,7 +360,7 @@ def _convert_with_row_int8(tmp_path: Path) -> None:
     back = kconvert.dequant(str(tmp_path / "q8"), str(tmp_path / "back"), dtype="F32",
                             device="cpu")
     assert back.summary["dequantized_modules"] == len(experts)
-    decoded = _tensors(tmp_path / "back")
+    decoded = checkpoint_tensors(tmp_path / "back")
     for e in experts:
         assert torch.equal(decoded[f"{e}.weight"], RowInt8Codec.decode(
             {p: got[f"{e}.{p}"] for p in RowInt8Codec.params}, None))
@@ -427,7 +419,7 @@ def test_a_new_method_is_its_class_plus_registration(tmp_path, monkeypatch, meth
     made = command(str(BUNDLED), str(tmp_path / "out"), method=method.name, device="cpu")
     assert made.manifest.options[method.stage]["method"] == method.name
     kconvert.dequant(str(BUNDLED), str(tmp_path / "f32"), dtype="F32", device="cpu")
-    source, out = _tensors(tmp_path / "f32"), _tensors(tmp_path / "out")
+    source, out = checkpoint_tensors(tmp_path / "f32"), checkpoint_tensors(tmp_path / "out")
 
     def set_amax(module: str) -> torch.Tensor:
         """An expert's gate and up share their largest amax (one global scale)."""

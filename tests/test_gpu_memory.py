@@ -20,7 +20,7 @@ from kconvert import api, gpu_budget, gpu_plan
 from kconvert.calibrate.plan import forward, forward_plan
 from kconvert.cli import main
 from kconvert.cli.base import KconvertCommand
-from kconvert.engine.execute import GPU_ENCODE
+from kconvert.engine.execute import gpu_encode
 from kconvert.errors import KconvertError, UsageError
 from kconvert.evaluate.metrics import LOGIT_ELEMS
 from kconvert.gpu_budget import GpuContext, GpuRequest
@@ -126,7 +126,7 @@ def test_a_layer_beyond_the_budget_is_refused_with_what_it_needs():
 def test_sparsegpt_splits_the_budget_between_forward_and_obs_batches():
     fw = forward(KIMI, 128, 2048, 8, capture=True)
     plans = {b: plan_conversion(KIMI, b * GIB, "sparsify", KIMI.expert_set(),
-                                GpuWork(fw, KIMI_OBS), encode=GPU_ENCODE)
+                                GpuWork(fw, KIMI_OBS), encode=gpu_encode())
              for b in (40, 48, 60, 75, 139)}
     matrices = [p.obs_matrices for p in plans.values()]
     assert 1 <= matrices[0] < gpu_plan.OBS_BATCH <= matrices[2] <= matrices[-1] <= KIMI.experts
@@ -141,7 +141,7 @@ def test_sparsegpt_splits_the_budget_between_forward_and_obs_batches():
     p = plans[75]
     more = plan_conversion(KIMI, p.footprint.peak + KIMI_OBS.bytes_per_matrix // 2,
                            "sparsify", KIMI.expert_set(), GpuWork(fw, KIMI_OBS),
-                           encode=GPU_ENCODE)
+                           encode=gpu_encode())
     assert more.obs_matrices == p.obs_matrices
 
 
@@ -150,21 +150,21 @@ def test_a_budget_too_small_for_one_expert_is_refused():
     least = plan_conversion(KIMI, 40 * GIB, "sparsify", KIMI.expert_set(),
                             GpuWork(forward(KIMI, 128, 2048, 1, capture=True),
                                     Obs(KIMI_OBS.bytes_per_matrix, 1, KIMI.hidden)),
-                            encode=GPU_ENCODE)
+                            encode=gpu_encode())
     with pytest.raises(GpuMemoryError, match="--samples") as err:
         plan_conversion(KIMI, least.footprint.peak - 1, "sparsify", KIMI.expert_set(),
-                        GpuWork(fw, KIMI_OBS), encode=GPU_ENCODE)
+                        GpuWork(fw, KIMI_OBS), encode=gpu_encode())
     assert "sparsify needs at least" in str(err.value)
 
 
 def test_plain_conversion_items_shrink_with_the_budget():
-    big = plan_conversion(KIMI, 75 * GIB, "quantize", KIMI.expert_set(), encode=GPU_ENCODE)
-    small = plan_conversion(KIMI, 3 * GIB, "quantize", KIMI.expert_set(), encode=GPU_ENCODE)
-    assert big.work_elems == GPU_ENCODE.item_elems
+    big = plan_conversion(KIMI, 75 * GIB, "quantize", KIMI.expert_set(), encode=gpu_encode())
+    small = plan_conversion(KIMI, 3 * GIB, "quantize", KIMI.expert_set(), encode=gpu_encode())
+    assert big.work_elems == gpu_encode().item_elems
     assert KIMI.expert_set() <= small.work_elems < big.work_elems
     assert small.footprint.peak <= 3 * GIB
     with pytest.raises(GpuMemoryError):
-        plan_conversion(KIMI, GIB, "quantize", KIMI.expert_set(), encode=GPU_ENCODE)
+        plan_conversion(KIMI, GIB, "quantize", KIMI.expert_set(), encode=gpu_encode())
 
 
 def test_the_oom_line_quotes_the_allocator():
@@ -233,7 +233,7 @@ def _least_sparsify_bytes() -> int:
     plan = plan_conversion(s, 1 << 40, "sparsify", s.expert_set(),
                            GpuWork(forward(s, 2, 16, 1, capture=True),
                                    Obs(obs.batch_bytes(2 * s.moe_inter, s.hidden), 1, s.hidden)),
-                           encode=GPU_ENCODE)
+                           encode=gpu_encode())
     return plan.footprint.peak
 
 
@@ -341,7 +341,7 @@ def test_both_obs_stages_take_their_batches_from_the_one_plan():
         s = Shapes.from_config(ckpt.text_config)
         for stage in _obs_stages(ckpt):
             hessians = stage.calibration.hessians
-            plan = gpu_plan.plan_gpu(ckpt, [stage], 40 * GIB, stage.name, encode=GPU_ENCODE)
+            plan = gpu_plan.plan_gpu(ckpt, [stage], 40 * GIB, stage.name, encode=gpu_encode())
             assert hessians.gpu_plan is plan and plan.obs_matrices >= 1
             assert hessians.obs_budget(torch.device("cuda")) == plan.obs_bytes
             assert hessians.obs_budget(torch.device("cpu")) is None

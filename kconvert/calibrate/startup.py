@@ -11,7 +11,7 @@ main thread's first CUDA call (`device_ready`) waits only for what is left of it
 With -v each phase logs one line, "phase NAME: S s": imports (torch and kconvert's modules),
 open checkpoint, data, model code (transformers' DeepSeek-V3 modules and the config), CUDA
 start (what the main thread waited for the device), embedding, write; the thread logs
-"CUDA started on a thread in S s". scripts/bench_calibrate.py reads them.
+"CUDA started on a thread in S s". benchmarks/calibrate.py reads them.
 """
 
 from __future__ import annotations

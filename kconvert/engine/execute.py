@@ -23,7 +23,7 @@ from kconvert.formats import SOURCE_CODECS, nvfp4
 from kconvert.gpu_plan import Encode
 from kconvert.io.readahead import read_ahead
 
-# The engine's knobs, read at the start of each run (scripts/bench_cpu_engine.py sets them to
+# The engine's knobs, read at the start of each run (benchmarks/cpu_engine.py sets them to
 # measure what each is worth):
 #
 # On a CPU run the reader and writer threads get cores of their own, one in IO_CORE_EVERY of
@@ -31,7 +31,7 @@ from kconvert.io.readahead import read_ahead
 # kernels the rest. Sharing cores, an I/O thread preempts a kernel thread, and a parallel
 # kernel waits for its slowest thread: on the 16 cores of the H200 machine an expert matrix
 # took 27-33 ms end to end that way, 18-22 ms with two cores set apart
-# (scripts/results/README.md, bench_cpu_engine runs 2 and 3).
+# (benchmarks/results/README.md, cpu_engine runs 2 and 3).
 IO_CORE_EVERY = 8
 # Host buffers of at least MMAP_THRESHOLD bytes each get a mapping of their own, unmapped when
 # freed (see _fix_mmap_threshold); None leaves glibc's own sliding threshold on.

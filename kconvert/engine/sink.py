@@ -47,7 +47,7 @@ class ShardSink:
         """Content hashes of the output tensors that `result` completes. Runs in a thread of
         its own, beside the writer, one result after another in order (a tensor may span
         results): in the writer thread, hashing kept the writer, the pipeline's busiest
-        stage, busy 2.7 s longer per 15.5 GB (H200 machine; scripts/results/README.md)."""
+        stage, busy 2.7 s longer per 15.5 GB (H200 machine; benchmarks/results/README.md)."""
         digests = {}
         with events.span("hash", item=result.index, kind=result.kind, nbytes=result.nbytes):
             for name, data, _ in result.writes:

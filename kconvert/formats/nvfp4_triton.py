@@ -11,7 +11,7 @@ casts do, written out so that no backend's conversion instruction is relied on),
 points, the same fixed pairwise tree for each block's squared error (`nvfp4.block_sum`), and
 the same strict comparison order over the candidates. Launch with fp contraction off
 (`LAUNCH`). Tested on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1), counted
-on the GPU by scripts/bench_obs.py (part `kernel`).
+on the GPU by benchmarks/obs.py (part `kernel`).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Same arithmetic as the torch path, operation for operation: IEEE division (`div_
 Triton's fast division), a product then a subtraction (contraction into FMA is switched off
 on the GPU), the mask's comparisons and tie rule (`p48.top2_pairs`), so the masks, codes and
 W-hat are the torch path's; tested through Triton's interpreter on CPU tensors
-(TRITON_INTERPRET=1), counted on the GPU by scripts/bench_obs.py.
+(TRITON_INTERPRET=1), counted on the GPU by benchmarks/obs.py.
 """
 
 from __future__ import annotations

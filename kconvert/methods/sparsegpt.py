@@ -46,7 +46,7 @@ class SparseGpt(ObsMethod):
     """Joint p48 prune + NVFP4 quantize per scale block on calibration Hessians, each layer's
     from the already-compressed model (`hessian` "sequential") or from the unpruned source
     ("source", the default: measured on the trained tiny MoE,
-    scripts/results/sparsegpt_hessian_tiny_moe.md)."""
+    benchmarks/results/sparsegpt_hessian_tiny_moe.md)."""
 
     name = "sparsegpt"
     stage = "sparsify"

@@ -17,13 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
-from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import ROOT
-from helpers import st_header
-from kconvert.cli import main
+from helpers import audit_json, cli_inproc, st_header
 from kconvert.convert import RunControl, convert
 from kconvert.formats.p48 import check_packed as p48_check
 from kconvert.pruning.plan import PrunePlan, load_plan, plan_json_schema
@@ -83,13 +81,6 @@ def rewrite_shard(ckpt: Path, shard: str, edit, update_index: bool = True) -> No
 def copy(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
-
-
-def audit_json(ckpt: Path, *args: str) -> tuple[int, dict]:
-    """Run the click command (as `kconvert audit` will) and parse its --json report."""
-    res = CliRunner().invoke(main, ["audit", str(ckpt), "--json", "--quiet", *map(str, args)])
-    assert res.exit_code in (0, 1), res.output
-    return res.exit_code, json.loads(res.stdout)
 
 
 def failures(report: dict, group: str, check: str | None = None) -> list[dict]:
@@ -185,8 +176,8 @@ def outputs(fixture_dir, tmp_path_factory):
         src = bitmask if spec.requires_source == "nvfp4-pair-bitmask" else kimi
         prunes = any(s.get("stage") == "prune" for s in spec.stages)
         dst = root / f"run-{recipe}"
-        res = CliRunner().invoke(main, ["run", recipe, str(src), str(dst), "--quiet",
-                                        *(["--plan", str(plan)] if prunes else [])])
+        res = cli_inproc("run", recipe, src, dst, "--quiet",
+                         *(["--plan", str(plan)] if prunes else []))
         assert res.exit_code == 0, res.output
         made[f"run-{recipe}"] = (dst, src)
     assert sorted(made) == sorted(OUTPUTS)
@@ -299,16 +290,16 @@ def test_reported_error_matches_an_independent_decode(outputs):
 
 def test_table_output_and_exit_codes(outputs, tmp_path):
     out, src = outputs["int4-to-nvfp4-ct"]
-    res = CliRunner().invoke(main, ["audit", str(out), "--source", str(src), "--quiet"])
+    res = cli_inproc("audit", out, "--source", src, "--quiet")
     assert res.exit_code == 0, res.output
     lines = res.stdout.splitlines()
     assert any(line.split()[:3] == ["1", "16", "0..15"] for line in lines), res.stdout
     assert "PASS" in lines[-1]
-    res = CliRunner().invoke(main, ["audit", str(tmp_path / "nope"), "--quiet"])
+    res = cli_inproc("audit", tmp_path / "nope", "--quiet")
     assert res.exit_code == 1 and "not a directory" in res.output, res.output
     bad = copy(out, tmp_path / "bad")
     (bad / "config.json").write_text("{")
-    res = CliRunner().invoke(main, ["audit", str(bad), "--quiet"])
+    res = cli_inproc("audit", bad, "--quiet")
     assert res.exit_code == 1 and "config.json is not valid JSON" in res.stdout
 
 

@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 
+from helpers import audit_json
 from kconvert.audit import decode
 from kconvert.audit.context import open_side
 from kconvert.audit.decode import Bound, DecodeJob, compare
 from kconvert.checks.findings import Checks
-from kconvert.cli import main
 from kconvert.formats import DenseCodec, Fp8BlockCodec
 from kconvert.formats.linear import ModuleWork
 from kconvert.io.checkpoint import open_checkpoint
@@ -28,12 +27,6 @@ from kconvert.io.shards import TensorInfo
 from kconvert.model.names import parse_name
 
 MANIFEST = "kconvert-manifest.json"
-
-
-def audit_json(ckpt: Path) -> tuple[int, dict]:
-    res = CliRunner().invoke(main, ["audit", str(ckpt), "--json", "--quiet"])
-    assert res.exit_code in (0, 1), res.output
-    return res.exit_code, json.loads(res.stdout)
 
 
 def test_options_are_read_as_a_run_record(converted, tmp_path):

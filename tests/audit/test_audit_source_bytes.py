@@ -13,11 +13,9 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from click.testing import CliRunner
 
 from conftest import BUNDLED
-from helpers import INDEX, MANIFEST, run_inproc
-from kconvert.cli import main
+from helpers import INDEX, MANIFEST, audit_json, run_inproc
 
 
 def _span(ckpt: Path, name: str) -> tuple[Path, int, int]:
@@ -27,12 +25,6 @@ def _span(ckpt: Path, name: str) -> tuple[Path, int, int]:
         header = json.loads(fh.read(n))
     start, end = header[name]["data_offsets"]
     return shard, 8 + n + start, 8 + n + end
-
-
-def _audit(ckpt: Path, *args: str) -> tuple[int, dict]:
-    res = CliRunner().invoke(main, ["audit", str(ckpt), "--json", "--quiet", *map(str, args)])
-    assert res.exit_code in (0, 1), res.output
-    return res.exit_code, json.loads(res.stdout)
 
 
 @pytest.fixture(scope="module")
@@ -56,13 +48,13 @@ def test_changed_pass_through_tensor_fails_only_with_source(output, tmp_path, na
     man["tensors"][name]["hash"] = xxhash.xxh3_128(bytes(data[start:end])).hexdigest()
     (out / MANIFEST).write_text(json.dumps(man))
 
-    code, rep = _audit(out)
+    code, rep = audit_json(out)
     assert code == 0, rep["failures"]  # a manifest is not a signature: only the source knows
-    code, rep = _audit(out, "--source", BUNDLED)
+    code, rep = audit_json(out, "--source", BUNDLED)
     assert code == 1
     found = [f for f in rep["failures"] if f["group"] == "source" and f["check"] == "bytes"]
     assert [f["tensor"] for f in found] == [name], rep["failures"]
     assert "differs from source" in found[0]["message"]
     # and the unchanged output passes the same audit
-    code, rep = _audit(output, "--source", BUNDLED)
+    code, rep = audit_json(output, "--source", BUNDLED)
     assert code == 0, rep["failures"]

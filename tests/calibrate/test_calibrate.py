@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -22,10 +21,10 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.utils import logging as hf_logging
 
 from conftest import BUNDLED
+from helpers import checkpoint_tensors, cli_inproc, write_jsonl
 from kconvert.calibrate.data import PAD_ID, load_calibration_data
 from kconvert.calibrate.run import measure_stats as calibrate
 from kconvert.calibrate.stats import CalibrationStats, load_stats, save_stats
-from kconvert.cli import calibrate_cmd
 from kconvert.convert import RunControl, convert
 from kconvert.errors import KconvertError
 from kconvert.io.checkpoint import open_checkpoint
@@ -38,14 +37,6 @@ hf_logging.set_verbosity_error()
 N_SEQ, SEQ_LEN, BATCH = 3, 20, 2  # 3 sequences in batches of 2: a ragged last batch
 MOE_LAYERS = (1, 2)
 PROJS = ("gate_proj", "up_proj", "down_proj")
-
-
-def _tensors(d: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as h:
-            out.update({k: h.get_tensor(k) for k in h.keys()})
-    return out
 
 
 def _ids(pad: bool) -> torch.Tensor:
@@ -109,7 +100,7 @@ def _streamed(ckpt_dir: Path, ids: torch.Tensor) -> tuple[CalibrationStats, list
 @pytest.fixture(scope="module")
 def bf16(fixture_dir):
     d = fixture_dir("bf16")
-    return d, _load_reference(d, _tensors(d))
+    return d, _load_reference(d, checkpoint_tensors(d))
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +175,7 @@ def test_reap_saliency_counts_ean_match_direct_computation(bf16, fixture_dir, pa
     d, model = bf16
     ids, stats, _, _, routers = padded_run
     n_experts, k = model.config.n_routed_experts, model.config.num_experts_per_tok
-    ref = _independent_stats(_tensors(d), routers, ids != PAD_ID, n_experts)
+    ref = _independent_stats(checkpoint_tensors(d), routers, ids != PAD_ID, n_experts)
     real_tokens = int((ids != PAD_ID).sum())
     assert stats.meta["tokens"] == real_tokens and stats.meta["padding_tokens"] == 7
     assert stats.moe_layers == list(MOE_LAYERS)
@@ -206,7 +197,7 @@ def test_activation_stats_match_direct_computation(bf16, padded_run, tmp_path):
     d, model = bf16
     ids, stats, _, _, routers = padded_run
     n_experts = model.config.n_routed_experts
-    ref = _independent_stats(_tensors(d), routers, ids != PAD_ID, n_experts)
+    ref = _independent_stats(checkpoint_tensors(d), routers, ids != PAD_ID, n_experts)
     for layer in MOE_LAYERS:
         for e in range(n_experts):
             for proj in PROJS:
@@ -235,7 +226,7 @@ def test_activation_stats_match_direct_computation(bf16, padded_run, tmp_path):
     save_stats(stats, tmp_path)
     act = json.loads((tmp_path / "act_stats.json").read_text())
     assert set(act) == {"input_amax"}
-    files = _tensors(d)
+    files = checkpoint_tensors(d)
     linears = {n.removesuffix(".weight") for n in files if n.startswith("model.layers.")
                and "layernorm" not in n and ".mlp.gate." not in n}
     experts = {n for n in linears if ".mlp.experts." in n}
@@ -283,7 +274,7 @@ def test_unrouted_expert_gets_layer_max_in_act_stats():
 def _int4_dense_dir(src: Path, dst: Path) -> dict[str, torch.Tensor]:
     """A dense fp32 copy of an INT4 fixture, decoded by compressed-tensors (exact q*scale)."""
     scheme, dense, packed = ct_int4_scheme(), {}, {}
-    for name, t in _tensors(src).items():
+    for name, t in checkpoint_tensors(src).items():
         module, _, param = name.rpartition(".")
         if param in ("weight_packed", "weight_scale", "weight_shape"):
             packed.setdefault(module, {})[param] = t
@@ -331,7 +322,7 @@ def test_act_stats_feed_w4a4_quantize(tmp_path):
     convert(str(BUNDLED), str(tmp_path / "out"), load_recipe("int4-to-nvfp4"),
             {"act_stats": str(tmp_path / "stats" / "act_stats.json"), "block_scale": "amax"},
             RunControl(quiet=True))
-    out = _tensors(tmp_path / "out")
+    out = checkpoint_tensors(tmp_path / "out")
     amax = stats.act_stats()["input_amax"]
     base = "model.layers.2.mlp.experts.5"
     want = max(amax[f"{base}.gate_proj"], amax[f"{base}.up_proj"])
@@ -340,15 +331,10 @@ def test_act_stats_feed_w4a4_quantize(tmp_path):
 
 # ------------------------------------------------------------------- 5. data
 
-def _jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 def test_input_ids_used_exactly_and_packed(tmp_path):
     exact = list(range(100, 108))  # exactly seq_len: one sequence by itself
     docs = [[1, 2, 3], list(range(4, 15)), [20]]  # 15 tokens: packed into 8 + 7 (+1 pad)
-    data = _jsonl(tmp_path / "d.jsonl", [{"input_ids": r} for r in [exact, *docs]])
+    data = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": r} for r in [exact, *docs]])
     ids = load_calibration_data(data, None, samples=10, seq_len=8, seed=0)
     assert ids.dtype == torch.long and ids.shape == (3, 8)
     rows = ids.tolist()
@@ -387,7 +373,7 @@ def test_text_and_messages_lines(tmp_path):
     tok_dir = _tokenizer_dir(tmp_path)
     rows = [{"text": "hello world the cat"}, {"messages": [
         {"role": "user", "content": "hello cat"}, {"role": "assistant", "content": "sat"}]}]
-    data = _jsonl(tmp_path / "d.jsonl", rows)
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
     ids = load_calibration_data(data, tok_dir, samples=4, seq_len=4, seed=0)
     stream = [t for t in ids.reshape(-1).tolist() if t != PAD_ID]
     text = [1, 2, 3, 4, 5]  # the tokenizer's own [BOS] is kept for text
@@ -412,22 +398,21 @@ def test_bad_data_lines(tmp_path):
 def test_cli(fixture_dir, tmp_path):
     src = fixture_dir("bf16")
     rows = [{"input_ids": [(7 * i + j) % 500 for j in range(16)]} for i in range(5)]
-    data = _jsonl(tmp_path / "d.jsonl", rows)
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
     out = tmp_path / "stats"
     args = [str(src), "--data", str(data), "-o", str(out), "--samples", "3", "--seq-len", "16",
             "--batch-size", "2", "--seed", "1", "--device", "cpu", "--dtype", "float32"]
-    res = CliRunner().invoke(calibrate_cmd, args)
+    res = cli_inproc("calibrate", *args)
     assert res.exit_code == 0, res.output
     meta = json.loads((out / "stats.json").read_text())
     assert (meta["samples"], meta["seq_len"], meta["tokens"], meta["seed"]) == (3, 16, 48, 1)
     assert meta["routing"] == ("sigmoid+bias selection, renormalised sigmoid weights x "
                                "routed_scaling_factor")
     assert (out / "act_stats.json").is_file() and (out / "stats.safetensors").is_file()
-    res = CliRunner().invoke(calibrate_cmd, args)
+    res = cli_inproc("calibrate", *args)
     assert res.exit_code == 1 and "--overwrite" in res.output
-    bad = _jsonl(tmp_path / "bad.jsonl", [{"input_ids": [600] * 16}])  # vocab is 512
-    res = CliRunner().invoke(calibrate_cmd, [args[0], "--data", str(bad), "-o",
-                                             str(tmp_path / "s2"), "--seq-len", "16"])
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"input_ids": [600] * 16}])  # vocab is 512
+    res = cli_inproc("calibrate", args[0], "--data", bad, "-o", tmp_path / "s2", "--seq-len", 16)
     assert res.exit_code == 1 and "token ids must lie in" in res.output
 
 

@@ -4,7 +4,6 @@ thread left to the main thread to report."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -13,7 +12,7 @@ import sys
 
 import torch
 
-from helpers import CLI, cli
+from helpers import cli_subprocess, write_input_ids
 from kconvert.calibrate import startup
 
 PHASE = re.compile(r"kconvert: INFO: phase ([\w ]+): [\d.]+ s")
@@ -32,9 +31,7 @@ save_stats(measure_stats(ckpt, ids, "cpu", 2, dtype=torch.float32), sys.argv[3])
 
 
 def _data(path, rows: int = 3, seq: int = 16):
-    path.write_text("".join(json.dumps({"input_ids": [(7 * i + j) % 500 for j in range(seq)]})
-                            + "\n" for i in range(rows)))
-    return path
+    return write_input_ids(path, ([(7 * i + j) % 500 for j in range(seq)] for i in range(rows)))
 
 
 def test_calibrate_logs_its_phases_and_writes_the_same_bytes(fixture_dir, tmp_path):
@@ -44,13 +41,12 @@ def test_calibrate_logs_its_phases_and_writes_the_same_bytes(fixture_dir, tmp_pa
             "--device", "cpu", "--dtype", "float32"]
     # one intra-op thread in both processes below: the same summation order
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([*CLI, "calibrate", str(src), "-o", str(tmp_path / "cli"),
-                          *map(str, args), "-v"], capture_output=True, text=True, env=env)
+    res = cli_subprocess("calibrate", src, "-o", tmp_path / "cli", *args, "-v", env=env)
     assert res.returncode == 0, res.stderr
     assert PHASE.findall(res.stderr) == ["imports", "open checkpoint", "data", "model code",
                                          "embedding", "write"]
     assert "wrote " in res.stdout  # stdout flushed before the quick exit
-    quiet = cli("calibrate", src, "-o", tmp_path / "quiet", *args)
+    quiet = cli_subprocess("calibrate", src, "-o", tmp_path / "quiet", *args)
     assert quiet.returncode == 0 and not PHASE.findall(quiet.stderr + quiet.stdout)
     # the CLI's bytes are those of measure_stats called directly (no start-up step changes
     # what is measured), in a fresh process as the CLI's is (nothing of this test session)
@@ -66,11 +62,11 @@ def test_eval_and_reap_log_the_same_phases(fixture_dir, tmp_path):
     data = _data(tmp_path / "d.jsonl")
     common = ["--data", data, "--samples", 3, "--seq-len", 16, "--batch-size", 2, "--device",
               "cpu", "-v"]
-    res = cli("eval", src, src, *common)
+    res = cli_subprocess("eval", src, src, *common)
     assert res.returncode == 0, res.stderr
     assert PHASE.findall(res.stderr) == ["imports", "open checkpoint", "data", "model code",
                                          "embedding"]
-    res = cli("reap", src, tmp_path / "pruned", "--keep", 4, *common)
+    res = cli_subprocess("reap", src, tmp_path / "pruned", "--keep", 4, *common)
     assert res.returncode == 0, res.stderr
     assert PHASE.findall(res.stderr)[:3] == ["data", "model code", "embedding"]
 

@@ -10,8 +10,7 @@ import shutil
 
 import pytest
 
-from helpers import run_inproc
-from kconvert.audit.auditor import run_audit
+from helpers import assert_audit_passes, audit_json, run_inproc
 from kconvert.convert import RunControl, convert
 from kconvert.pruning.plan import load_plan
 from kconvert.recipes import load_recipe
@@ -20,12 +19,6 @@ from kconvert.testing.fixtures import kimi_quantization_config
 
 VARIANTS = ("k25-int4", "k26-int4")
 COMMANDS = ("int4-to-nvfp4", "dequant", "sparsify", "reap")
-
-
-def _audit(ckpt, source=None):
-    report = run_audit(ckpt, str(source) if source else None, device="cpu")
-    assert report.passed, report.render()
-    return report
 
 
 @pytest.fixture(scope="module")
@@ -55,15 +48,15 @@ def test_moonshot_sources_pass(fixture_dir, variant):
     assert "quantization_config" not in config
     want = kimi_quantization_config(k26=variant == "k26-int4")
     assert config["text_config"]["quantization_config"] == want
-    _audit(src)
+    assert_audit_passes(src)
 
 
 @pytest.mark.parametrize("command", COMMANDS)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_outputs_of_both_pass_with_and_without_source(outputs, variant, command):
     src, dst = outputs[(variant, command)]
-    _audit(dst)
-    _audit(dst, src)
+    assert_audit_passes(dst)
+    assert_audit_passes(dst, "--source", src)
 
 
 def test_a_config_that_mis_describes_a_module_still_fails(fixture_dir, tmp_path):
@@ -75,8 +68,8 @@ def test_a_config_that_mis_describes_a_module_still_fails(fixture_dir, tmp_path)
     qconfig = config["text_config"]["quantization_config"]
     qconfig["ignore"] = [e for e in qconfig["ignore"] if "self_attn" not in e]
     path.write_text(json.dumps(config))
-    report = run_audit(src, device="cpu")
-    failed = [f for f in report.findings if f.severity == "fail"]
-    assert not report.passed
-    assert failed and all("self_attn" in (f.tensor or "") for f in failed), report.render()
-    assert any("gives this module INT4" in f.message for f in failed)
+    code, report = audit_json(src)
+    failed = report["failures"]
+    assert code == 1 and not report["passed"]
+    assert failed and all("self_attn" in (f["tensor"] or "") for f in failed), failed
+    assert any("gives this module INT4" in f["message"] for f in failed)

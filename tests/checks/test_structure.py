@@ -14,11 +14,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kconvert.cli import main
+from helpers import audit_json, cli_inproc
 
 INDEX = "model.safetensors.index.json"
 MANIFEST = "kconvert-manifest.json"
@@ -47,18 +46,6 @@ def drop_tensors(ckpt: Path, prefix: str) -> list[str]:
 
 def weights(cfg: dict) -> dict:
     return cfg["quantization_config"]["config_groups"]["group_0"]["weights"]
-
-
-def cli(*args) -> tuple[int, str]:
-    res = CliRunner().invoke(main, [*map(str, args)])
-    assert res.exception is None or isinstance(res.exception, SystemExit), res.output
-    return res.exit_code, res.output
-
-
-def audit_report(ckpt: Path, *args) -> tuple[int, dict]:
-    res = CliRunner().invoke(main, ["audit", str(ckpt), "--json", "--quiet", *map(str, args)])
-    assert res.exit_code in (0, 1), res.output
-    return res.exit_code, json.loads(res.stdout)
 
 
 # ------------------------------------------------------------------ structure: refused
@@ -108,7 +95,7 @@ def broken(fixture_dir, tmp_path_factory):
 def test_audit_and_conversion_refuse_the_same_structure(broken, name, tmp_path):
     src = broken[name]
     _, _, text, check = STRUCTURE[name]
-    code, rep = audit_report(src)
+    code, rep = audit_json(src)
     assert code == 1
     messages = [f["message"] for f in rep["failures"]
                 if f"{f['group']}/{f['check']}" == check]
@@ -116,12 +103,12 @@ def test_audit_and_conversion_refuse_the_same_structure(broken, name, tmp_path):
     before = {p: p.read_bytes() for p in src.rglob("*") if p.is_file()}
     for command in (["int4-to-nvfp4"], ["dequant"], ["run", "sparsify"]):
         dst = tmp_path / command[-1]
-        code, out = cli(*command, src, dst, "--quiet")
-        assert code == 1, out
-        assert "kconvert: error: the source is not what its config says" in out, out
+        res = cli_inproc(*command, src, dst, "--quiet")
+        assert res.exit_code == 1, res.output
+        assert "kconvert: error: the source is not what its config says" in res.output, res.output
         # The audit's own words, its first failure's included.
-        assert text in out and rep["failures"][0]["message"] in out, out
-        assert ("config.json" in out) == (check == "structure/config"), out
+        assert text in res.output and rep["failures"][0]["message"] in res.output, res.output
+        assert ("config.json" in res.output) == (check == "structure/config"), res.output
         assert not dst.exists(), "a refused conversion wrote something"
     assert {p: p.read_bytes() for p in src.rglob("*") if p.is_file()} == before
 
@@ -158,13 +145,14 @@ def test_unknown_quantization_is_refused(fixture_dir, tmp_path, name):
     edit, value = UNKNOWN[name]
     src = Path(shutil.copytree(fixture_dir("k2-int4-kimi"), tmp_path / "src"))
     edit_config(src, edit)
-    code, rep = audit_report(src)
+    code, rep = audit_json(src)
     assert code == 1
     found = [f for f in rep["failures"] if f["check"] == "unknown-format"]
     assert len(found) == 1 and found[0]["file"] == "config.json", rep["failures"]
     assert value in found[0]["message"] and "tensors are quantized" in found[0]["message"]
-    code, out = cli("int4-to-nvfp4", src, tmp_path / "out", "--quiet")
-    assert code == 1 and value in out and str(src / "config.json") in out, out
+    res = cli_inproc("int4-to-nvfp4", src, tmp_path / "out", "--quiet")
+    assert res.exit_code == 1, res.output
+    assert value in res.output and str(src / "config.json") in res.output, res.output
     assert not (tmp_path / "out").exists()
 
 
@@ -172,7 +160,7 @@ def test_unknown_quantization_over_unquantized_tensors_warns(fixture_dir, tmp_pa
     """Nothing quantized, nothing the unknown block could mislead: a warning, not a failure."""
     src = Path(shutil.copytree(fixture_dir("bf16"), tmp_path / "src"))
     edit_config(src, lambda cfg: cfg.update(quantization_config={"quant_method": "gptq"}))
-    code, rep = audit_report(src)
+    code, rep = audit_json(src)
     assert code == 0, rep["failures"]
     assert any(w["check"] == "unknown-format" and "quant_method 'gptq'" in w["message"]
                for w in rep["warnings"]), rep["warnings"]
@@ -193,18 +181,18 @@ def test_contradicting_quantization_config_is_reported_and_followed(fixture_dir,
     src = Path(shutil.copytree(fixture_dir("k2-int4-kimi"), tmp_path / "src"))
     edit_config(src, edit)
     text = f"quantization_config says weights.{key} = {says}, the tensors are {actual}"
-    code, rep = audit_report(src)
+    code, rep = audit_json(src)
     assert code == 1
     named = [f for f in rep["failures"] if f["check"] == "scheme" and text in f["message"]]
     # Every routed expert projection of both MoE layers, each named by its tensor.
     assert len(named) == 2 * 16 * 3, rep["failures"]
     assert all(".mlp.experts." in f["tensor"] for f in named)
     dst = tmp_path / "out"
-    code, out = cli("int4-to-nvfp4", src, dst, "--quiet")
-    assert code == 0, out
-    warned = [line for line in out.splitlines() if text in line]
-    assert len(warned) == 1 and warned[0].startswith("kconvert: warning:"), out
+    res = cli_inproc("int4-to-nvfp4", src, dst, "--quiet")
+    assert res.exit_code == 0, res.output
+    warned = [line for line in res.output.splitlines() if text in line]
+    assert len(warned) == 1 and warned[0].startswith("kconvert: warning:"), res.output
     assert "96 times" in warned[0] and "following the tensors" in warned[0]
     for args in ((), ("--source", src)):
-        code, rep = audit_report(dst, *args)
+        code, rep = audit_json(dst, *args)
         assert code == 0, rep["failures"]

@@ -9,53 +9,29 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
 import struct
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from conftest import BUNDLED
-from helpers import small_fs
-from kconvert.cli import main
+from helpers import assert_user_error, cli_inproc, small_fs, source_copy, write_input_ids
 from kconvert.errors import KconvertError
 from kconvert.recipes import load_recipe
 
 MANIFEST = "kconvert-manifest.json"
 
 
-def cli(*args) -> object:
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def assert_user_error(res, *said: str, code: int = 1) -> None:
-    """Exit `code` (1 bad input, 2 click's usage error) through the CLI's own exit (no escaped
-    exception), no traceback, and the message names what it should."""
-    assert res.exit_code == code, (res.exit_code, res.output, res.exception)
-    assert isinstance(res.exception, SystemExit), res.exception
-    assert "Traceback" not in res.output, res.output
-    for words in said:
-        assert words in res.output, (words, res.output)
-
-
 @pytest.fixture(scope="module")
 def stats_dir(tmp_path_factory) -> Path:
     """Real `kconvert calibrate` statistics of the bundled fixture (for --stats)."""
     root = tmp_path_factory.mktemp("stats")
-    data = root / "ids.jsonl"
-    data.write_text("".join(json.dumps({"input_ids": [(5 * i + j) % 500 for j in range(16)]})
-                            + "\n" for i in range(4)))
-    res = cli("calibrate", BUNDLED, "--data", data, "-o", root / "stats", "--samples", 4,
-                   "--seq-len", 16, "--device", "cpu", "--quiet")
+    data = write_input_ids(root / "ids.jsonl", ([(5 * i + j) % 500 for j in range(16)]
+                                                for i in range(4)))
+    res = cli_inproc("calibrate", BUNDLED, "--data", data, "-o", root / "stats", "--samples", 4,
+                     "--seq-len", 16, "--device", "cpu", "--quiet")
     assert res.exit_code == 0, res.output
     return root / "stats"
-
-
-def source_copy(tmp_path: Path) -> Path:
-    src = tmp_path / "src"
-    shutil.copytree(BUNDLED, src)
-    return src
 
 
 # ------------------------------------------------------------------ reap: --keep / --prune-ratio
@@ -76,7 +52,7 @@ def test_keep_and_prune_ratio_are_range_checked(command, stats_dir, tmp_path):
     ]
     for i, (opts, said, code) in enumerate(cases):
         dst = tmp_path / f"out{i}"
-        res = cli(*command.split(), BUNDLED, dst, "--stats", stats_dir, *opts, "--quiet")
+        res = cli_inproc(*command.split(), BUNDLED, dst, "--stats", stats_dir, *opts, "--quiet")
         assert_user_error(res, said, code=code)
         assert not (dst / MANIFEST).exists()
 
@@ -87,8 +63,8 @@ def test_prune_ratio_without_n_routed_experts_names_config_and_key(stats_dir, tm
     del config["n_routed_experts"]
     (src / "config.json").write_text(json.dumps(config))
     for command in (["reap"], ["run", "reap"]):
-        res = cli(*command, src, tmp_path / "out", "--stats", stats_dir,
-                       "--prune-ratio", "0.5", "--quiet")
+        res = cli_inproc(*command, src, tmp_path / "out", "--stats", stats_dir, "--prune-ratio",
+                         "0.5", "--quiet")
         assert_user_error(res, "n_routed_experts", str(src / "config.json"))
         assert not (tmp_path / "out" / MANIFEST).exists()
 
@@ -111,7 +87,7 @@ def test_reap_needs_integer_routing_keys(key, value, said, stats_dir, tmp_path):
     plan.write_text(json.dumps({"criterion": "manual", "layers": {
         str(layer): {"keep": [0]} for layer in (1, 2)}}))
     for args in (["--stats", stats_dir, "--keep", "1"], ["--plan", plan]):
-        res = cli("reap", src, tmp_path / "out", *args, "--quiet")
+        res = cli_inproc("reap", src, tmp_path / "out", *args, "--quiet")
         assert_user_error(res, said)
         assert not (tmp_path / "out" / MANIFEST).exists()
 
@@ -121,7 +97,7 @@ def test_reap_needs_integer_routing_keys(key, value, said, stats_dir, tmp_path):
 def test_config_json_that_is_an_array(tmp_path):
     src = source_copy(tmp_path)
     (src / "config.json").write_text("[1, 2]")
-    res = cli("int4-to-nvfp4", src, tmp_path / "out", "--quiet")
+    res = cli_inproc("int4-to-nvfp4", src, tmp_path / "out", "--quiet")
     assert_user_error(res, "config.json", "not an object")
 
 
@@ -130,7 +106,7 @@ def test_broken_symlink_in_source_is_found_before_anything_is_written(tmp_path):
     src = source_copy(tmp_path)
     os.symlink(src / "no-such-file", src / "special_tokens_map.json")
     dst = tmp_path / "out"
-    res = cli("int4-to-nvfp4", src, dst, "--quiet")
+    res = cli_inproc("int4-to-nvfp4", src, dst, "--quiet")
     assert_user_error(res, str(src / "special_tokens_map.json"), "broken symlink")
     assert not dst.exists() or not any(dst.iterdir())
     # A symlinked directory is not walked into: its files would be lost without a word.
@@ -138,22 +114,21 @@ def test_broken_symlink_in_source_is_found_before_anything_is_written(tmp_path):
     (tmp_path / "extra").mkdir()
     (tmp_path / "extra" / "notes.txt").write_text("x")
     os.symlink(tmp_path / "extra", src / "extra")
-    assert_user_error(cli("int4-to-nvfp4", src, dst, "--quiet"), str(src / "extra"),
+    assert_user_error(cli_inproc("int4-to-nvfp4", src, dst, "--quiet"), str(src / "extra"),
                       "symlink to a directory")
     assert not dst.exists() or not any(dst.iterdir())
 
 
 @pytest.mark.parametrize("readers", ["0", "-1"])
 def test_readers_must_be_positive(readers, tmp_path):
-    res = cli("int4-to-nvfp4", BUNDLED, tmp_path / "out", "--readers", readers, "--quiet")
+    res = cli_inproc("int4-to-nvfp4", BUNDLED, tmp_path / "out", "--readers", readers, "--quiet")
     assert_user_error(res, "--readers", code=2)
     assert not (tmp_path / "out").exists()
 
 
 def test_device_spec_is_checked_by_every_command(tmp_path):
     """`--device foo` used to reach torch.device() and end in a RuntimeError traceback."""
-    data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps({"input_ids": list(range(16))}) + "\n")
+    data = write_input_ids(tmp_path / "d.jsonl", [list(range(16))])
     commands = [
         ["int4-to-nvfp4", BUNDLED, tmp_path / "a"],
         ["run", "int4-to-nvfp4", BUNDLED, tmp_path / "b"],
@@ -162,7 +137,8 @@ def test_device_spec_is_checked_by_every_command(tmp_path):
     ]
     for args in commands:
         for spec in ("foo", "cuda:x", "gpu"):
-            assert_user_error(cli(*args, "--device", spec, "--quiet"), "--device", spec, code=2)
+            assert_user_error(cli_inproc(*args, "--device", spec, "--quiet"), "--device", spec,
+                              code=2)
     assert not any((tmp_path / d).exists() for d in "abc")
 
 
@@ -189,7 +165,7 @@ def test_os_errors_are_one_line_naming_the_file(code, advice, tmp_path, monkeypa
         raise OSError(code, os.strerror(code), str(shard))
 
     monkeypatch.setattr(kconvert.convert, "convert", fail)
-    res = cli("int4-to-nvfp4", BUNDLED, dst, "--quiet")
+    res = cli_inproc("int4-to-nvfp4", BUNDLED, dst, "--quiet")
     assert_user_error(res, str(shard), os.strerror(code), errno.errorcode[code], advice)
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
     if code == errno.ENOSPC:
@@ -199,18 +175,18 @@ def test_os_errors_are_one_line_naming_the_file(code, advice, tmp_path, monkeypa
 def test_full_and_read_only_file_systems_are_messages(tmp_path):
     """Real ENOSPC and EROFS: calibrate's statistics on a 16 KiB tmpfs (safetensors reports the
     full disk as a SafetensorError, not an OSError) and on a read-only one, and a conversion
-    into a read-only DST."""
-    data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps({"input_ids": list(range(16))}) + "\n")
+    into a read-only DST; each command in a process of its own that sees the tmpfs."""
+    data = write_input_ids(tmp_path / "d.jsonl", [list(range(16))])
     calibrate = ["calibrate", BUNDLED, "--data", data, "--seq-len", 16, "--samples", 1,
                  "--device", "cpu", "--quiet", "-o"]
     with small_fs(tmp_path / "full", "size=16k") as full:
-        res = cli(*calibrate, full / "stats")
-        assert_user_error(res, str(full / "stats"), "ENOSPC", "free space")
+        res = full.kconvert(*calibrate, full.path / "stats")
+        assert_user_error(res, str(full.path / "stats"), "ENOSPC", "free space")
     with small_fs(tmp_path / "ro", "ro,size=16k") as ro:
-        assert_user_error(cli(*calibrate, ro / "stats"), str(ro / "stats"), "read-only")
-        res = cli("int4-to-nvfp4", BUNDLED, ro / "out", "--quiet")
-        assert_user_error(res, str(ro / "out"))
+        res = ro.kconvert(*calibrate, ro.path / "stats")
+        assert_user_error(res, str(ro.path / "stats"), "read-only")
+        res = ro.kconvert("int4-to-nvfp4", BUNDLED, ro.path / "out", "--quiet")
+        assert_user_error(res, str(ro.path / "out"))
 
 
 def test_os_error_without_a_file_name_names_the_output(tmp_path, monkeypatch):
@@ -221,14 +197,14 @@ def test_os_error_without_a_file_name_names_the_output(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(kconvert.convert, "convert", fail)
-    res = cli("int4-to-nvfp4", BUNDLED, tmp_path / "out", "--quiet")
+    res = cli_inproc("int4-to-nvfp4", BUNDLED, tmp_path / "out", "--quiet")
     assert_user_error(res, str(tmp_path / "out"), "free space")
 
 
 def test_dst_below_a_regular_file_is_a_message(tmp_path):
     """A real OSError (ENOTDIR) from the file system, not an injected one."""
     (tmp_path / "file").write_text("x")
-    res = cli("int4-to-nvfp4", BUNDLED, tmp_path / "file" / "out", "--quiet")
+    res = cli_inproc("int4-to-nvfp4", BUNDLED, tmp_path / "file" / "out", "--quiet")
     assert_user_error(res, str(tmp_path / "file"))
 
 
@@ -241,7 +217,7 @@ def test_ctrl_c_says_how_to_continue(tmp_path, monkeypatch):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(kconvert.convert, "convert", interrupted)
-    res = cli("int4-to-nvfp4", BUNDLED, tmp_path / "out", "--quiet")
+    res = cli_inproc("int4-to-nvfp4", BUNDLED, tmp_path / "out", "--quiet")
     assert res.exit_code == 130 and isinstance(res.exception, SystemExit), res.output
     assert "kconvert: interrupted" in res.stderr and "--resume" in res.stderr
     assert "Aborted!" not in res.output and "Traceback" not in res.output
@@ -254,7 +230,7 @@ def test_internal_error_keeps_traceback_and_says_it_is_a_bug(tmp_path, monkeypat
         raise ZeroDivisionError("division by zero")
 
     monkeypatch.setattr(kconvert.convert, "convert", fail)
-    res = cli("int4-to-nvfp4", BUNDLED, tmp_path / "out", "--quiet")
+    res = cli_inproc("int4-to-nvfp4", BUNDLED, tmp_path / "out", "--quiet")
     assert res.exit_code == 3 and isinstance(res.exception, SystemExit), res.output
     assert "Traceback" in res.stderr and "ZeroDivisionError" in res.stderr
     assert "bug in kconvert" in res.stderr and "report" in res.stderr
@@ -267,7 +243,7 @@ def test_kconvert_error_is_one_line_on_stderr(tmp_path, monkeypatch):
         raise KconvertError("something the user can fix", file="x.json")
 
     monkeypatch.setattr(kconvert.audit.auditor, "run_audit", fail)
-    res = cli("audit", tmp_path)
+    res = cli_inproc("audit", tmp_path)
     assert_user_error(res)
     assert res.stderr == "kconvert: error: something the user can fix (file x.json)\n"
 
@@ -279,7 +255,7 @@ def test_recipe_key_typo_is_an_error(tmp_path):
     recipe = tmp_path / "mine.toml"
     recipe.write_text('[[stages]]\nstage = "dequant"\n'
                       '[[stages]]\nstage = "quantize"\nblock_scal = "amax"\n')
-    res = cli("run", recipe, BUNDLED, tmp_path / "out", "--quiet")
+    res = cli_inproc("run", recipe, BUNDLED, tmp_path / "out", "--quiet")
     assert_user_error(res, "'block_scal'", "quantize", "did you mean 'block_scale'")
     assert not (tmp_path / "out").exists()
     # A key of another stage kind names the stage that takes it.
@@ -304,7 +280,7 @@ def test_recipe_key_typo_is_an_error(tmp_path):
 ])
 def test_run_refuses_options_no_stage_of_the_recipe_takes(opts, stage, tmp_path):
     """`run int4-to-nvfp4 ... --keep 4` used to keep every expert and exit 0."""
-    res = cli("run", "int4-to-nvfp4", BUNDLED, tmp_path / "out", *opts, "--quiet")
+    res = cli_inproc("run", "int4-to-nvfp4", BUNDLED, tmp_path / "out", *opts, "--quiet")
     assert_user_error(res, opts[0], "int4-to-nvfp4", f"option of stage {stage}", code=2)
     assert not (tmp_path / "out").exists()
 
@@ -325,7 +301,7 @@ def test_options_that_only_act_with_another_are_refused_alone(stats_dir, tmp_pat
         (["run", "sparsify", BUNDLED, tmp_path / "f", "--data", plan], "--data", "sparsegpt"),
     ]
     for args, *said in cases:
-        res = cli(*args, "--quiet")
+        res = cli_inproc(*args, "--quiet")
         assert res.exit_code == 2 and "Traceback" not in res.output, res.output
         assert all(s in res.output for s in said), (said, res.output)
         assert not (args[2] / MANIFEST).exists()
@@ -335,10 +311,10 @@ def test_revision_with_a_local_source_is_an_error(tmp_path):
     """--revision used to be ignored for a local SRC."""
     for args in (["int4-to-nvfp4", BUNDLED, tmp_path / "out"],
                  ["audit", BUNDLED, "--source", BUNDLED]):
-        res = cli(*args, "--revision", "v2", "--quiet")
+        res = cli_inproc(*args, "--revision", "v2", "--quiet")
         assert_user_error(res, "--revision v2", "local directory")
     assert not (tmp_path / "out" / MANIFEST).exists()
-    res = cli("audit", BUNDLED, "--revision", "v2", "--quiet")
+    res = cli_inproc("audit", BUNDLED, "--revision", "v2", "--quiet")
     assert res.exit_code == 2 and "--revision applies only with --source" in res.output
 
 
@@ -353,7 +329,7 @@ def test_revision_with_a_local_source_is_an_error(tmp_path):
 def test_options_that_do_not_go_together_are_usage_errors(args, said, stats_dir, tmp_path):
     """The README's rule: a usage error exits 2 (these exited 1, or were ignored)."""
     out = tmp_path / "out"
-    res = cli(*(a.format(src=BUNDLED, out=out, stats=stats_dir) for a in args), "--quiet")
+    res = cli_inproc(*(a.format(src=BUNDLED, out=out, stats=stats_dir) for a in args), "--quiet")
     assert_user_error(res, said, code=2)
     assert not out.exists()
 
@@ -370,7 +346,7 @@ def test_bad_recipe_files_are_messages_before_anything_is_written(tmp_path):
     for text, said in cases:
         recipe.write_bytes(text)
         out = tmp_path / "out"
-        res = cli("run", recipe, BUNDLED, out, "--quiet")
+        res = cli_inproc("run", recipe, BUNDLED, out, "--quiet")
         assert_user_error(res, said, str(recipe) if said != "unknown block_scale 'foo'" else said)
         assert not list(out.glob("*.safetensors")) and not (out / MANIFEST).exists()
 
@@ -392,11 +368,11 @@ def test_a_llama_config_is_refused_by_conversions_and_failed_by_the_audit(model_
     config = json.loads((src / "config.json").read_text())
     config["architectures"], config["model_type"] = ["LlamaForCausalLM"], model_type
     (src / "config.json").write_text(json.dumps(config))
-    res = cli("int4-to-nvfp4", src, tmp_path / "out", "--quiet")
+    res = cli_inproc("int4-to-nvfp4", src, tmp_path / "out", "--quiet")
     assert_user_error(res, "unsupported architecture ['LlamaForCausalLM']", "config.json")
-    res = cli("audit", src, "--quiet")
+    res = cli_inproc("audit", src, "--quiet")
     assert res.exit_code == 1 and "unsupported architecture" in res.output, res.output
-    res = cli("audit", BUNDLED, "--source", src, "--quiet")
+    res = cli_inproc("audit", BUNDLED, "--source", src, "--quiet")
     assert_user_error(res, "unsupported architecture")
 
 
@@ -413,11 +389,11 @@ def test_shard_problems_name_the_tensor_and_what_the_path_is(tmp_path):
     blob = json.dumps(header).encode()
     blob += b" " * (-len(blob) % 8)
     shard.write_bytes(struct.pack("<Q", len(blob)) + blob + raw[8 + n:])
-    res = cli("int4-to-nvfp4", src, tmp_path / "out", "--quiet")
+    res = cli_inproc("int4-to-nvfp4", src, tmp_path / "out", "--quiet")
     assert_user_error(res, victim, shard.name)
     other = source_copy(tmp_path / "dir")
     target = other / "model-00003-of-000004.safetensors"
     target.unlink()
     target.mkdir()
-    res = cli("int4-to-nvfp4", other, tmp_path / "out2", "--quiet")
+    res = cli_inproc("int4-to-nvfp4", other, tmp_path / "out2", "--quiet")
     assert_user_error(res, "is a directory, not a file", target.name)

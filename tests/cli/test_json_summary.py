@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from conftest import ROOT
-from helpers import MANIFEST, cli
+from helpers import MANIFEST, cli_subprocess
 from kconvert.model.names import parse_name
 from kconvert.run_summary import RunSummary
 
@@ -20,7 +20,7 @@ def test_committed_run_summary_schema_is_current():
 
 def test_json_summary_of_a_run(fixture_dir, tmp_path):
     src, dst = fixture_dir("k2-int4-kimi"), tmp_path / "out"
-    done = cli("dequant", src, dst, "--device", "cpu", "--json")
+    done = cli_subprocess("dequant", src, dst, "--device", "cpu", "--json")
     assert done.returncode == 0, done.stderr
     summary = RunSummary.model_validate_json(done.stdout)  # the whole of stdout
     manifest = json.loads((dst / MANIFEST).read_text())
@@ -39,14 +39,14 @@ def test_json_summary_of_a_run(fixture_dir, tmp_path):
 
 def test_json_summary_of_a_dry_run_and_of_a_failure(fixture_dir, tmp_path):
     src = fixture_dir("k2-int4-kimi")
-    done = cli("int4-to-nvfp4", src, tmp_path / "out", "--dry-run", "--json")
+    done = cli_subprocess("int4-to-nvfp4", src, tmp_path / "out", "--dry-run", "--json")
     assert done.returncode == 0, done.stderr
     summary = RunSummary.model_validate_json(done.stdout)
     assert summary.ok and summary.dry_run and summary.output is None
     assert "output format: compressed-tensors" in done.stderr  # the plan, off stdout
     assert not (tmp_path / "out").exists()
 
-    done = cli("dequant", tmp_path / "no-such-dir", tmp_path / "out2", "--json")
+    done = cli_subprocess("dequant", tmp_path / "no-such-dir", tmp_path / "out2", "--json")
     assert done.returncode != 0
     summary = RunSummary.model_validate_json(done.stdout)
     assert not summary.ok and summary.output is None

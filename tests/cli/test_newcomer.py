@@ -9,13 +9,12 @@ import subprocess
 import sys
 import time
 from dataclasses import fields
-from pathlib import Path
 
 import click
 import pytest
-from click.testing import CliRunner
 
 from conftest import BUNDLED
+from helpers import cli_inproc, write_jsonl
 from kconvert import options
 from kconvert.cli import main
 from kconvert.version import __version__
@@ -39,11 +38,10 @@ def test_help_is_fast_and_imports_no_torch():
 
 
 def test_short_help_and_version():
-    runner = CliRunner()
-    assert runner.invoke(main, ["-h"]).output == runner.invoke(main, ["--help"]).output
-    res = runner.invoke(main, ["run", "-h"])
+    assert cli_inproc("-h").output == cli_inproc("--help").output
+    res = cli_inproc("run", "-h")
     assert res.exit_code == 0 and "RECIPE SRC DST" in res.output
-    res = runner.invoke(main, ["--version"])
+    res = cli_inproc("--version")
     assert res.exit_code == 0 and __version__ in res.output
 
 
@@ -94,18 +92,13 @@ def test_cli_options_are_the_stage_kinds_options():
 
 # ------------------------------------------------------------------ calibration on the fixture
 
-def _jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 def test_calibrate_text_and_messages_on_the_bundled_fixture_offline(tmp_path):
     """The bundled fixture's tokenizer used to fail ("no attribute 'DeepseekV3Config'"), so
     `text`/`messages` lines could not be tried. Offline, with an empty Hugging Face cache."""
-    text = _jsonl(tmp_path / "text.jsonl", [
+    text = write_jsonl(tmp_path / "text.jsonl", [
         {"text": "Kimi converts a trillion parameters, shard by shard."},
         {"text": "Ünïcödé and digits 0123456789 encode as bytes."}])
-    chat = _jsonl(tmp_path / "chat.jsonl", [{"messages": [
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [
         {"role": "user", "content": "What is NVFP4?"},
         {"role": "assistant", "content": "A 4-bit float with FP8 block scales."}]}])
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -144,11 +137,10 @@ def test_every_fixture_variant_has_a_tokenizer_that_matches_its_config(variant, 
 
 def test_calibrate_messages_modes_and_summary(tmp_path):
     """"1 sequences" was printed; stats.safetensors was written 0600 beside 0644 JSON files."""
-    data = _jsonl(tmp_path / "d.jsonl", [{"input_ids": list(range(16))}])
+    data = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": list(range(16))}])
     out = tmp_path / "stats"
-    res = CliRunner().invoke(main, ["calibrate", str(BUNDLED), "--data", str(data), "-o",
-                                    str(out), "--samples", "2", "--seq-len", "16",
-                                    "--device", "cpu"])
+    res = cli_inproc("calibrate", BUNDLED, "--data", data, "-o", out, "--samples", "2", "--seq-len",
+                     "16", "--device", "cpu")
     assert res.exit_code == 0, res.output
     assert "the data gives 1 sequence of 16 tokens, fewer than --samples 2" in res.output
     assert "wrote " in res.output and "16 tokens, 2 MoE layers" in res.output
@@ -163,19 +155,17 @@ def test_calibrate_messages_modes_and_summary(tmp_path):
 
 def test_samples_default_is_per_use_and_documented(tmp_path):
     """SparseGPT through `run` used 1024 sequences by default, through `sparsify` 128."""
-    runner = CliRunner()
-    data = _jsonl(tmp_path / "d.jsonl", [{"input_ids": list(range(i, i + 16))}
+    data = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": list(range(i, i + 16))}
                                          for i in range(2)])
     dst = tmp_path / "out"
-    res = runner.invoke(main, ["run", "sparsify", str(BUNDLED), str(dst), "--method",
-                               "sparsegpt", "--data", str(data), "--seq-len", "16",
-                               "--device", "cpu", "--quiet"])
+    res = cli_inproc("run", "sparsify", BUNDLED, dst, "--method", "sparsegpt", "--data", data,
+                     "--seq-len", "16", "--device", "cpu", "--quiet")
     assert res.exit_code == 0, res.output
     manifest = json.loads((dst / "kconvert-manifest.json").read_text())
     assert manifest["options"]["sparsify"]["data"]["samples"] == 128  # as `sparsify` records
 
     def help_of(command: str) -> str:
-        return " ".join(runner.invoke(main, [command, "--help"]).output.split())
+        return " ".join(cli_inproc(command, "--help").output.split())
 
     assert "With --data: sequences. [default: 128;" in help_of("sparsify")
     assert "With --data: sequences. [default: 1024;" in help_of("reap")

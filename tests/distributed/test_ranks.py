@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+
+from helpers import file_tensors, write_input_ids
 
 HERE = Path(__file__).resolve().parent
 BUNDLED = HERE.parent / "fixtures" / "tiny-k2-thinking-int4"
@@ -84,9 +85,8 @@ def runs(tmp_path_factory):
     """One process, then 2 ranks (torchrun), a 2-rank job whose rank 1 is
     killed, and 3 ranks (torchrun) that also resume the killed job."""
     root = tmp_path_factory.mktemp("ranks")
-    data = root / "data.jsonl"
-    data.write_text("".join(json.dumps({"input_ids": [(7 * i + 3 * j) % 500 for j in range(16)]})
-                            + "\n" for i in range(6)))
+    data = write_input_ids(root / "data.jsonl", ([(7 * i + 3 * j) % 500 for j in range(16)]
+                                                 for i in range(6)))
     plan = root / "plan.json"  # the plan of the one-process `reap --data`
     one = root / "one"
     cmds = commands(one, data, plan)
@@ -147,8 +147,8 @@ def test_every_byte_as_one_process(runs, name, ranks):
 
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_calibration_statistics_as_one_process(runs, ranks):
-    one = load_file(str(runs["one"] / "stats" / "stats.safetensors"))
-    many = load_file(str(runs[ranks] / "stats" / "stats.safetensors"))
+    one = file_tensors(runs["one"] / "stats" / "stats.safetensors")
+    many = file_tensors(runs[ranks] / "stats" / "stats.safetensors")
     assert sorted(one) == sorted(many)
     summed = 0
     for name, t in one.items():
@@ -186,8 +186,7 @@ def test_killed_rank_fails_the_job_and_resume_with_other_rank_count_completes(ru
 def test_eval_refuses_ranks_with_a_usage_error(tmp_path):
     """eval compares whole models in one process: under torchrun every rank would run it all
     and write the same report, so it says so instead (exit 2, on every rank)."""
-    data = tmp_path / "data.jsonl"
-    data.write_text(json.dumps({"input_ids": list(range(16))}) + "\n")
+    data = write_input_ids(tmp_path / "data.jsonl", [list(range(16))])
     ranks = torchrun_argv(2, ["-m", "kconvert", "eval", str(BUNDLED), str(BUNDLED), "--data",
                               str(data), "--samples", "1", "--seq-len", "16", "--device", "cpu"])
     assert ranks.returncode != 0

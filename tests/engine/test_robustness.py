@@ -40,7 +40,8 @@ import torch
 import xxhash
 from safetensors import safe_open
 
-from conftest import BUNDLED, ROOT
+from benchmarks.harness import run_child
+from conftest import BUNDLED
 from helpers import (
     CLI,
     INDEX,
@@ -48,20 +49,22 @@ from helpers import (
     S2,
     S3,
     S4,
-    cli,
+    cli_subprocess,
     data_bytes,
     edit_json,
     edit_tensor,
-    load_tensors,
+    file_tensors,
     run_inproc,
     set_at,
     snapshot,
+    source_copy,
 )
 from kconvert.errors import KconvertError
 from kconvert.testing.fixture_weights import FixtureDims
 from kconvert.testing.fixtures import make_fixture
 
-PROBE = ROOT / "scripts" / "rss_probe.py"
+# The process floor of a conversion: python, torch and kconvert imported, nothing converted.
+BASELINE = [sys.executable, "-c", "import torch, kconvert.cli, kconvert.engine"]
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -140,7 +143,7 @@ def big_moe_fixture(root: Path, layers: int, experts: int, inter: int,
     gen = torch.Generator().manual_seed(seed)
     # A source the structure checks accept: every MoE layer has a router (layer 1's), and the
     # shared experts are as wide as the config says (inter rows each, or none).
-    tensors = {k: v for k, v in load_tensors(shard).items() if ".mlp.experts." not in k
+    tensors = {k: v for k, v in file_tensors(shard).items() if ".mlp.experts." not in k
                and (sparse_bytes or ".mlp.shared_experts." not in k)}
     router = {k: v for k, v in tensors.items() if k.startswith("model.layers.1.mlp.gate.")}
     holes: dict[str, tuple[str, tuple[int, ...]]] = {}
@@ -179,11 +182,12 @@ BOUND = 1 * GiB  # peak RSS of a conversion above the import-only baseline
 
 
 def probe(cmd: list) -> dict:
-    """Peak RSS of `cmd` run as the only child of a fresh probe process (see rss_probe.py)."""
-    out = subprocess.run([sys.executable, str(PROBE), "--quiet", "--", *map(str, cmd)],
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    """Peak RSS (MiB) and wall seconds of `cmd`, measured by the benchmarks' child runner: the
+    command's own peak, not this process's (benchmarks/harness.py says why that needs care)."""
+    out = run_child(cmd, timeout=600)
+    assert out.rc is not None, f"{cmd} did not end within 600 s"
+    return {"rc": out.rc, "maxrss_mb": (out.peak_rss_bytes or 0) / MiB, "wall_s": out.wall_s,
+            "stderr": out.stderr}
 
 
 def scratch_dir(tmp_path: Path, need: int) -> Path:
@@ -198,8 +202,8 @@ def scratch_dir(tmp_path: Path, need: int) -> Path:
 
 @pytest.fixture(scope="module")
 def rss_baseline() -> float:
-    res = probe(["baseline"])
-    assert res["rc"] == 0
+    res = probe(BASELINE)
+    assert res["rc"] == 0, res["stderr"]
     return res["maxrss_mb"]
 
 
@@ -229,7 +233,7 @@ def test_peak_rss_bounded_on_shard_three_times_the_bound(scratch, rss_baseline):
     assert size >= 3 * BOUND
     dst = work / "out"
     res = probe([*CLI, "dequant", src, dst, "--quiet"])
-    assert res["rc"] == 0
+    assert res["rc"] == 0, res["stderr"]
     out_shard = dst / shard.name
     assert out_shard.stat().st_size > size  # BF16 experts are 4x their INT4 bytes
     peak = res["maxrss_mb"] - rss_baseline
@@ -265,7 +269,7 @@ def test_peak_rss_does_not_grow_when_the_shard_doubles(scratch):
         sizes[layers] = shard.stat().st_size
         dst = work / "out"
         res = probe([*CLI, "dequant", src, dst, "--quiet"])
-        assert res["rc"] == 0
+        assert res["rc"] == 0, res["stderr"]
         peaks[layers] = res["maxrss_mb"]
         shutil.rmtree(work)
     print(f"\nRSS growth: shard {sizes[16] / MiB:.0f} MiB -> peak {peaks[16]:.0f} MiB; "
@@ -416,7 +420,8 @@ def test_bad_input_fails_cleanly(case: Case, tmp_path):
     before = snapshot(src)
     dst = tmp_path / "out"
     if case.cli:
-        proc = cli("int4-to-nvfp4", src, dst, "--quiet", "--block-scale", "amax", *case.args)
+        proc = cli_subprocess("int4-to-nvfp4", src, dst, "--quiet", "--block-scale", "amax",
+                              *case.args)
         assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
         assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
         msg = proc.stderr
@@ -437,8 +442,7 @@ def test_bad_input_fails_cleanly(case: Case, tmp_path):
 
 
 def _src_copy(tmp_path: Path) -> tuple[Path, dict]:
-    src = tmp_path / "src"
-    shutil.copytree(BUNDLED, src)
+    src = source_copy(tmp_path)
     return src, snapshot(src)
 
 
@@ -482,7 +486,7 @@ def test_resume_refuses_a_dst_started_with_other_options(tmp_path):
     same options resume it, and the result equals a clean amax run."""
     src, _ = _src_copy(tmp_path)
     norm = "model.norm.weight"
-    good = load_tensors(src / S4)[norm]
+    good = file_tensors(src / S4)[norm]
     edit_tensor(src / S4, norm, set_at((0,), math.nan))  # fails on the last shard
     dst = tmp_path / "out"
     with pytest.raises(KconvertError, match="NaN"):
@@ -493,7 +497,7 @@ def test_resume_refuses_a_dst_started_with_other_options(tmp_path):
     state = snapshot(dst)
     before = snapshot(src)
 
-    proc = cli("int4-to-nvfp4", src, dst, "--quiet", "--resume", "--block-scale", "mse")
+    proc = cli_subprocess("int4-to-nvfp4", src, dst, "--quiet", "--resume", "--block-scale", "mse")
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert re.search(r"different (command|option)", proc.stderr), proc.stderr
     assert str(dst) in proc.stderr
@@ -578,7 +582,7 @@ def test_sigkill_mid_run_then_resume_is_byte_identical(multi, tmp_path):
         assert (dst / name).read_bytes() == (clean / name).read_bytes(), name
     kept = {n: (os.stat(dst / n).st_ino, os.stat(dst / n).st_mtime_ns) for n in done}
 
-    proc2 = cli(*args, "--resume")
+    proc2 = cli_subprocess(*args, "--resume")
     assert proc2.returncode == 0, proc2.stderr[-3000:]
     assert snapshot(dst) == snapshot(clean)  # every file incl. manifest, config, index
     assert not (dst / ".kconvert").exists()
@@ -649,7 +653,7 @@ def test_dry_run_writes_nothing_and_prints_the_role_table(multi, tmp_path):
     src, clean = multi
     before = snapshot(src)
     dst = tmp_path / "out"
-    proc = cli("int4-to-nvfp4", src, dst, "--dry-run")
+    proc = cli_subprocess("int4-to-nvfp4", src, dst, "--dry-run")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not dst.exists()
     assert snapshot(src) == before

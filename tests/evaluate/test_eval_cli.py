@@ -6,32 +6,18 @@ from __future__ import annotations
 import json
 
 import pytest
-from click.testing import CliRunner
 
 from conftest import ROOT
-from kconvert.cli import main
+from helpers import assert_user_error, cli_inproc, write_input_ids
 from kconvert.evaluate.report import EvalReport
 
 TINY_MOE = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
 
 
-def cli(*args) -> object:
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def assert_user_error(res, *said: str) -> None:
-    assert res.exit_code == 1, (res.exit_code, res.output, res.exception)
-    assert "Traceback" not in res.output, res.output
-    for words in said:
-        assert words in res.output, (words, res.output)
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     path = tmp_path_factory.mktemp("eval-data") / "d.jsonl"
-    rows = [{"input_ids": [(7 * i + 3 * j) % 250 for j in range(16)]} for i in range(3)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return write_input_ids(path, ([(7 * i + 3 * j) % 250 for j in range(16)] for i in range(3)))
 
 
 def test_committed_eval_schema_is_current():
@@ -42,8 +28,8 @@ def test_committed_eval_schema_is_current():
 
 def test_cli_self_eval_in_bf16_writes_json_figure_and_table(data, tmp_path):
     out = tmp_path / "ev"
-    res = cli("eval", TINY_MOE, TINY_MOE, "--data", data, "--seq-len", 16, "--samples", 3,
-              "--batch-size", 2, "--device", "cpu", "-o", out, "--quiet")
+    res = cli_inproc("eval", TINY_MOE, TINY_MOE, "--data", data, "--seq-len", 16, "--samples", 3,
+                     "--batch-size", 2, "--device", "cpu", "-o", out, "--quiet")
     assert res.exit_code == 0, res.output
     assert "KL mean" in res.output and "top-1" in res.output
     report = EvalReport.model_validate_json((out / "eval.json").read_text())
@@ -62,9 +48,9 @@ def test_k25_and_k26_wrappers_are_their_language_model(fixture_dir, data, tmp_pa
     master weights the INT4 rounding shows."""
     k2 = fixture_dir("k2-int4-kimi")
     out = tmp_path / "ev"
-    res = cli("eval", k2, fixture_dir("k25-int4"), fixture_dir("k26-int4"), fixture_dir("bf16"),
-              "--data", data, "--seq-len", 16, "--dtype", "float32", "--device", "cpu",
-              "-o", out, "--quiet")
+    res = cli_inproc("eval", k2, fixture_dir("k25-int4"), fixture_dir("k26-int4"),
+                     fixture_dir("bf16"), "--data", data, "--seq-len", 16, "--dtype", "float32",
+                     "--device", "cpu", "-o", out, "--quiet")
     assert res.exit_code == 0, res.output
     k25, k26, bf16 = json.loads((out / "eval.json").read_text())["candidates"]
     for same in (k25, k26):
@@ -82,8 +68,8 @@ def test_k25_and_k26_wrappers_are_their_language_model(fixture_dir, data, tmp_pa
 ])
 def test_a_candidate_of_another_shape_is_refused(dims, said, fixture_dir, data, tmp_path):
     cand = fixture_dir("bf16", **dims)
-    res = cli("eval", fixture_dir("bf16"), cand, "--data", data, "--seq-len", 16,
-              "--device", "cpu", "-o", tmp_path / "ev", "--quiet")
+    res = cli_inproc("eval", fixture_dir("bf16"), cand, "--data", data, "--seq-len", 16, "--device",
+                     "cpu", "-o", tmp_path / "ev", "--quiet")
     assert_user_error(res, said, str(cand))
     assert res.output.count(str(cand)) == 2, res.output  # once in the text, once as the file
     assert not (tmp_path / "ev").exists()
@@ -93,12 +79,10 @@ def test_a_candidate_of_a_smaller_vocabulary_is_named_for_it(fixture_dir, tmp_pa
     """Token ids past the candidate's vocabulary used to fail its embedding first, blaming the
     ids; the vocabulary is what differs."""
     src, cand = fixture_dir("bf16", vocab=1024), fixture_dir("bf16")
-    data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"input_ids": [(97 * i + 31 * j) % 1000
-                                                      for j in range(16)]}) + "\n"
-                            for i in range(2)))
-    res = cli("eval", src, cand, "--data", data, "--seq-len", 16, "--device", "cpu", "-o",
-              tmp_path / "ev", "--quiet")
+    data = write_input_ids(tmp_path / "d.jsonl", ([(97 * i + 31 * j) % 1000 for j in range(16)]
+                                                  for i in range(2)))
+    res = cli_inproc("eval", src, cand, "--data", data, "--seq-len", 16, "--device", "cpu", "-o",
+                     tmp_path / "ev", "--quiet")
     assert_user_error(res, "vocab_size is 512 but the source's is 1024", str(cand))
 
 
@@ -106,20 +90,18 @@ def test_empty_data_and_bad_ids_are_refused(fixture_dir, tmp_path):
     src = fixture_dir("bf16")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n  \n")
-    assert_user_error(cli("eval", src, src, "--data", empty), "eval data is empty",
+    assert_user_error(cli_inproc("eval", src, src, "--data", empty), "eval data is empty",
                       str(empty))
-    big = tmp_path / "big.jsonl"
-    big.write_text(json.dumps({"input_ids": [1, 2, 600]}) + "\n")
-    assert_user_error(cli("eval", src, src, "--data", big, "--device", "cpu", "--quiet"),
+    big = write_input_ids(tmp_path / "big.jsonl", [[1, 2, 600]])
+    assert_user_error(cli_inproc("eval", src, src, "--data", big, "--device", "cpu", "--quiet"),
                       "token ids must lie in 0..511")
-    one = tmp_path / "one.jsonl"
-    one.write_text(json.dumps({"input_ids": [5]}) + "\n")
-    assert_user_error(cli("eval", src, src, "--data", one, "--seq-len", 1, "--device", "cpu"),
-                      "no position with a next token")
+    one = write_input_ids(tmp_path / "one.jsonl", [[5]])
+    res = cli_inproc("eval", src, src, "--data", one, "--seq-len", 1, "--device", "cpu")
+    assert_user_error(res, "no position with a next token")
 
 
 def test_a_candidate_is_required(fixture_dir, data):
-    res = cli("eval", fixture_dir("bf16"), "--data", data)
+    res = cli_inproc("eval", fixture_dir("bf16"), "--data", data)
     assert res.exit_code == 2 and "CANDIDATES" in res.output
 
 
@@ -128,8 +110,8 @@ def test_python_api_eval_gives_the_cli_report(fixture_dir, data, tmp_path):
     import kconvert
 
     src, cand = TINY_MOE, fixture_dir("k2-int4-kimi")
-    res = cli("eval", cand, cand, "--data", data, "--seq-len", 8, "--samples", 2,
-              "--device", "cpu", "--dtype", "float32", "-o", tmp_path / "cli", "--quiet")
+    res = cli_inproc("eval", cand, cand, "--data", data, "--seq-len", 8, "--samples", 2, "--device",
+                     "cpu", "--dtype", "float32", "-o", tmp_path / "cli", "--quiet")
     assert res.exit_code == 0, res.output
     got = kconvert.eval(str(cand), [str(cand)], str(data), str(tmp_path / "api"), samples=2,
                         seq_len=8, device="cpu", dtype="float32")

@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.utils import logging as hf_logging
 
+from helpers import checkpoint_tensors
 from oracles import (
     PROJS,
     by_module,
@@ -43,7 +44,6 @@ from oracles import (
     expert_modules,
     int4_scheme,
     kconvert_nvfp4,
-    load_tensors,
     make_converter,
     raw_tensors,
     u8,
@@ -70,7 +70,8 @@ def densify(src: Path, dst: Path, tensors: dict[str, torch.Tensor] | None = None
     block = cfg.pop("quantization_config", None)
     qc = QuantizationConfig.model_validate(block) if block else None
     dense = {}
-    for module, sd in by_module(tensors if tensors is not None else load_tensors(src)).items():
+    tensors = tensors if tensors is not None else checkpoint_tensors(src)
+    for module, sd in by_module(tensors).items():
         if "weight_packed" not in sd:
             dense.update({f"{module}.{p}": t for p, t in sd.items()})
             continue
@@ -179,7 +180,7 @@ def test_nvfp4_model_matches_int4_source(converted, reference, token_ids, tmp_pa
 def test_corrupted_global_scale_breaks_the_tolerance(converted, reference, token_ids, tmp_path):
     """The same check on an output whose expert 0 has its gate/up global scale doubled."""
     _, dst = converted("k2-int4-kimi")
-    tensors = load_tensors(dst)
+    tensors = checkpoint_tensors(dst)
     doubled = 0
     for (_, _, expert, proj), module in expert_modules(by_module(tensors)).items():
         if expert == 0 and proj in ("gate_proj", "up_proj"):
@@ -199,7 +200,7 @@ def test_dequant_is_int4_decode_rounded_to_bf16(converted, reference, token_ids,
     assert not any("quantization_config" in d for d in dicts(cfg))
     assert not (dst / "hf_quant_config.json").exists()
     scheme = int4_scheme(src)
-    src_mods, out = by_module(load_tensors(src)), load_tensors(dst)
+    src_mods, out = by_module(checkpoint_tensors(src)), checkpoint_tensors(dst)
     experts = expert_modules(src_mods)
     assert len(experts) == 2 * 16 * 3
     for module in experts.values():
@@ -224,7 +225,7 @@ def test_quantize_bf16_decompresses_correctly(converted, reference, token_ids, t
     src, dst = converted("bf16", "quantize")
     cfg = json.loads((dst / "config.json").read_text())
     qc = QuantizationConfig.model_validate(cfg["quantization_config"])
-    src_mods, out_mods = by_module(load_tensors(src)), by_module(load_tensors(dst))
+    src_mods, out_mods = by_module(checkpoint_tensors(src)), by_module(checkpoint_tensors(dst))
     experts = expert_modules(out_mods)
     assert len(experts) == 2 * 16 * 3
     for module in experts.values():
@@ -248,7 +249,7 @@ def test_quantize_bf16_amax_is_compressed_tensors_bytes(converted):
     exact values; compressed-tensors' extra bf16 rounding of it is a documented quirk that
     kconvert does not copy, formats.md §2)."""
     src, dst = converted("bf16", "quantize", block_scale="amax")
-    src_mods, out_mods = by_module(load_tensors(src)), by_module(load_tensors(dst))
+    src_mods, out_mods = by_module(checkpoint_tensors(src)), by_module(checkpoint_tensors(dst))
     experts = expert_modules(out_mods)
     assert len(experts) == 2 * 16 * 3
     bad_scales = bad_bytes = 0

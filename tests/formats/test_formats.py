@@ -39,7 +39,7 @@ from compressed_tensors.quantization import (
 )
 from compressed_tensors.quantization.utils import generate_gparam
 
-from helpers import run_inproc
+from helpers import checkpoint_tensors, run_inproc
 from kconvert.formats import nvfp4
 from kconvert.formats.int4 import Int4Codec
 from oracles import (
@@ -62,7 +62,6 @@ from oracles import (
     expert_modules,
     int4_scheme,
     kconvert_nvfp4,
-    load_tensors,
     nvfp4a16_scheme,
     raw_tensors,
     u8,
@@ -143,7 +142,7 @@ def test_int4_decode_of_fixture_checkpoint(fixture_dir, variant, shape_dtype):
 
     src = fixture_dir(variant)
     scheme = int4_scheme(src)
-    mods = by_module(load_tensors(src))
+    mods = by_module(checkpoint_tensors(src))
     ckpt = open_checkpoint(str(src))
     try:
         modules, _ = group_modules(ckpt.tensors, read_shape_values(ckpt))
@@ -238,7 +237,7 @@ def test_ct_quantization_config_validates(converted, block_scale):
         for field in ("num_bits", "type", "strategy", "group_size", "symmetric", "dynamic",
                       "scale_dtype"):
             assert getattr(scheme.weights, field) == getattr(preset, field), field
-    mods = by_module(load_tensors(dst))
+    mods = by_module(checkpoint_tensors(dst))
     for module, sd in mods.items():
         targeted = ct_scheme_for(module, qc) is not None
         is_nvfp4 = "weight_packed" in sd
@@ -253,7 +252,7 @@ def test_ct_output_decompresses_like_kconvert(converted, block_scale):
     _, dst = converted("k2-int4-kimi", block_scale=block_scale)
     qc = QuantizationConfig.model_validate(
         json.loads((dst / "config.json").read_text())["quantization_config"])
-    mods = by_module(load_tensors(dst))
+    mods = by_module(checkpoint_tensors(dst))
     nvfp4_mods = {m: sd for m, sd in mods.items() if "weight_packed" in sd}
     assert set(nvfp4_mods) == set(expert_modules(mods).values())
     assert len(nvfp4_mods) == 2 * 16 * 3
@@ -281,7 +280,7 @@ def test_amax_output_is_compressed_tensors_bytes(converted, variant):
     fused set's (gate+up) or the module's (down) range."""
     src, dst = converted(variant, block_scale="amax")
     scheme = int4_scheme(src)
-    src_mods, out_mods = by_module(load_tensors(src)), by_module(load_tensors(dst))
+    src_mods, out_mods = by_module(checkpoint_tensors(src)), by_module(checkpoint_tensors(dst))
     experts = expert_modules(out_mods)
     assert experts and set(experts) == set(expert_modules(src_mods))
     sets: dict[tuple, dict[str, str]] = defaultdict(dict)
@@ -307,7 +306,7 @@ def test_mse_block_scales_round_elements_like_compressed_tensors(converted):
     CT's compressor rounds it (only the block-scale choice differs from amax)."""
     src, dst = converted("k2-int4-kimi", block_scale="mse")
     scheme = int4_scheme(src)
-    src_mods, out_mods = by_module(load_tensors(src)), by_module(load_tensors(dst))
+    src_mods, out_mods = by_module(checkpoint_tensors(src)), by_module(checkpoint_tensors(dst))
     for module in expert_modules(out_mods).values():
         out = out_mods[module]
         w = ct_int4_fp32(src_mods[module], scheme)
@@ -326,7 +325,7 @@ def test_mse_block_scales_round_elements_like_compressed_tensors(converted):
 def test_gate_and_up_share_one_global_scale(converted, fmt):
     """formats.md §2: gate_proj and up_proj of every expert carry the same global scale."""
     _, dst = converted("k2-int4-kimi", format=fmt)
-    tensors = load_tensors(dst)
+    tensors = checkpoint_tensors(dst)
     mods = by_module(tensors)
     param = "weight_global_scale" if fmt == "compressed-tensors" else "weight_scale_2"
     scales: dict[tuple, dict[str, torch.Tensor]] = defaultdict(dict)
@@ -348,7 +347,7 @@ def _recomputed_rel_mse(src: Path, dst: Path) -> dict[str, float]:
     """module -> sum((w'-w)^2)/sum(w^2), w' decoded by CT from the output bytes, w by CT from
     the INT4 source, both in fp32; sums in fp64."""
     scheme_src, weights = int4_scheme(src), nvfp4a16_scheme()
-    src_mods, out_mods = by_module(load_tensors(src)), by_module(load_tensors(dst))
+    src_mods, out_mods = by_module(checkpoint_tensors(src)), by_module(checkpoint_tensors(dst))
     rel = {}
     for module in expert_modules(out_mods).values():
         w = ct_int4_fp32(src_mods[module], scheme_src).double()
@@ -398,7 +397,7 @@ def test_modelopt_tensor_layout(converted):
     weight_scale_2 F32 scalar []; no compressed-tensors parameter names."""
     src, dst = converted("k2-int4-kimi", format="modelopt")
     raw = raw_tensors(dst)
-    src_mods = by_module(load_tensors(src))
+    src_mods = by_module(checkpoint_tensors(src))
     mods: dict[str, dict[str, tuple]] = defaultdict(dict)
     for name, entry in raw.items():
         module, _, param = name.rpartition(".")
@@ -429,7 +428,7 @@ def test_modelopt_configs(converted):
     assert q["quant_algo"] == "W4A16_NVFP4"
     assert q["group_size"] == 16
     exclude = q["exclude_modules"]
-    mods = by_module(load_tensors(dst))
+    mods = by_module(checkpoint_tensors(dst))
     scale_params = {"weight_scale", "weight_scale_2", "input_scale"}
     for module, sd in mods.items():
         excluded = any(fnmatch.fnmatchcase(module, pat) for pat in exclude)
@@ -460,10 +459,10 @@ def test_modelopt_decodes_like_compressed_tensors_flavour(converted):
     whose scale rounds to the neighbouring FP8 code moves its 16 values by up to 1/8)."""
     _, dst_mo = converted("k2-int4-kimi", format="modelopt", block_scale="amax")
     _, dst_ct = converted("k2-int4-kimi", format="compressed-tensors", block_scale="amax")
-    ct_mods = by_module(load_tensors(dst_ct))
+    ct_mods = by_module(checkpoint_tensors(dst_ct))
     targets = [r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"]
     converter = ModelOptNvfp4Converter(targets=targets)
-    mapped = by_module(converter.validate(load_tensors(dst_mo)))  # raises on orphan scales
+    mapped = by_module(converter.validate(checkpoint_tensors(dst_mo)))  # raises on orphan scales
     weights = nvfp4a16_scheme()
     experts = expert_modules(ct_mods)
     assert set(expert_modules(mapped).values()) == set(experts.values())
@@ -488,7 +487,7 @@ def test_modelopt_decodes_like_compressed_tensors_flavour(converted):
 
 def test_k25_experts_quantized_under_language_model_prefix(converted):
     _, dst = converted("k25-int4")
-    mods = by_module(load_tensors(dst))
+    mods = by_module(checkpoint_tensors(dst))
     experts = expert_modules(mods)
     assert len(experts) == 2 * 16 * 3
     assert {k[0] for k in experts} == {"language_model.model."}
@@ -573,7 +572,7 @@ def test_nvfp4_matches_modelopt_reference_math(converted):
 
     src, dst = converted("k2-int4-kimi", format="modelopt", block_scale="amax")
     scheme = int4_scheme(src)
-    src_mods, out_mods = by_module(load_tensors(src)), by_module(load_tensors(dst))
+    src_mods, out_mods = by_module(checkpoint_tensors(src)), by_module(checkpoint_tensors(dst))
     experts = expert_modules(out_mods)
     by_set: dict[tuple, list[str]] = defaultdict(list)
     for (prefix, layer, expert, proj), module in experts.items():

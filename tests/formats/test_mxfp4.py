@@ -10,13 +10,20 @@ import shutil
 
 import pytest
 import torch
-from click.testing import CliRunner
 from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
 from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
 from compressed_tensors.quantization.utils import calculate_qparams
 
 from conftest import BUNDLED, ROOT
-from kconvert.cli import main
+from helpers import (
+    add_at,
+    assert_audit_passes,
+    audit_json,
+    checkpoint_tensors,
+    cli_inproc,
+    edit_tensor,
+    write_input_ids,
+)
 from kconvert.convert import RunControl, convert
 from kconvert.formats import Mxfp4Codec, QuarkMxfp4Codec, mxfp4
 from kconvert.formats.ct_config import CT_TARGETS
@@ -25,7 +32,7 @@ from kconvert.model.names import Role
 from kconvert.pruning.plan import parse_plan
 from kconvert.recipes import load_recipe
 from kconvert.stages.prune import prune_stage
-from oracles import by_module, load_tensors
+from oracles import by_module
 
 QUIET = RunControl(device="cpu", quiet=True)
 KEEP = {1: [0, 2, 3, 5, 8, 9, 12, 15], 2: [1, 2, 4, 6, 7, 10, 11, 14]}
@@ -88,7 +95,7 @@ def test_mse_rule_never_worse_per_block_and_lower_on_bf16_weights():
     amax = mxfp4.quantize(w, "amax")
     mse = mxfp4.quantize(w, "mse")
     ratio = float(mse.err_sq.sum() / amax.err_sq.sum())
-    assert ratio < 1.0, ratio  # full-size figures: scripts/mxfp4_quality.py
+    assert ratio < 1.0, ratio  # full-size figures: benchmarks/quality/mxfp4_quality.py
     # Per block: the amax rule's code is among the candidates, so no block gets worse.
     def block_err(q):
         return (mxfp4.dequantize(q.packed, q.scales) - w).square().reshape(2, 64, -1, 32).sum(-1)
@@ -133,7 +140,7 @@ def quark_out(tmp_path_factory):
 
 
 def test_compressed_tensors_layout_is_its_compressors_bytes_and_config(ct_out):
-    src, out = by_module(load_tensors(BUNDLED)), by_module(load_tensors(ct_out))
+    src, out = by_module(checkpoint_tensors(BUNDLED)), by_module(checkpoint_tensors(ct_out))
     experts = [m for m in out if ".mlp.experts." in m]
     assert len(experts) == 96
     for module in experts:
@@ -162,7 +169,7 @@ def test_dynamic_activations_declare_w4a4_in_the_config(tmp_path):
     acts = block["config_groups"]["group_0"]["input_activations"]
     want = preset_name_to_scheme("MXFP4", ["Linear"]).input_activations
     assert acts == want.model_dump(mode="json") and acts["dynamic"] is True
-    assert not any(n.endswith("input_global_scale") for n in load_tensors(dst))
+    assert not any(n.endswith("input_global_scale") for n in checkpoint_tensors(dst))
 
 
 def test_mxfp4_sources_decode_everywhere(quark_out, ct_out, tmp_path):
@@ -171,16 +178,14 @@ def test_mxfp4_sources_decode_everywhere(quark_out, ct_out, tmp_path):
     for out, codec in ((quark_out, QuarkMxfp4Codec), (ct_out, Mxfp4Codec)):
         dst = tmp_path / f"dq-{codec.name}"
         convert(str(out), str(dst), load_recipe("dequant"), {"dtype": "F32"}, QUIET)
-        mods, dq = by_module(load_tensors(out)), load_tensors(dst)
+        mods, dq = by_module(checkpoint_tensors(out)), checkpoint_tensors(dst)
         module = "model.layers.1.mlp.experts.3.down_proj"
         want = codec.decode({p: t.unsqueeze(0) for p, t in mods[module].items()}, None)[0]
         assert torch.equal(dq[module + ".weight"], want)
         assert "quantization_config" not in json.loads((dst / "config.json").read_text())
         for ckpt, source in ((out, BUNDLED), (dst, out)):
-            res = CliRunner().invoke(main, ["audit", str(ckpt), "--source", str(source),
-                                            "--quiet"])
-            assert res.exit_code == 0, res.output
-        res = CliRunner().invoke(main, ["inspect", str(out)])
+            assert_audit_passes(ckpt, "--source", source)
+        res = cli_inproc("inspect", out)
         assert res.exit_code == 0 and "routed_experts" in res.output, res.output
 
 
@@ -189,7 +194,7 @@ def test_reap_keeps_mxfp4_experts_byte_identical(quark_out, tmp_path):
     dst = tmp_path / "pruned"
     convert(str(quark_out), str(dst), load_recipe("reap"), {}, QUIET,
             prepare=lambda ckpt: {"prune": prune_stage(parse_plan(plan), ckpt)})
-    s, d = load_tensors(quark_out), load_tensors(dst)
+    s, d = checkpoint_tensors(quark_out), checkpoint_tensors(dst)
     for layer, keep in KEEP.items():
         for new, old in enumerate(keep):
             for proj in ("gate_proj", "up_proj", "down_proj"):
@@ -199,33 +204,21 @@ def test_reap_keeps_mxfp4_experts_byte_identical(quark_out, tmp_path):
                     assert a.dtype == torch.uint8 and torch.equal(a, b)
     assert json.loads((dst / "config.json").read_text())["quantization_config"]["quant_method"] \
         == "quark"
-    res = CliRunner().invoke(main, ["audit", str(dst), "--quiet"])
-    assert res.exit_code == 0, res.output
-
-
-def _audit(ckpt, *args) -> tuple[int, dict]:
-    res = CliRunner().invoke(main, ["audit", str(ckpt), "--json", "--quiet", *map(str, args)])
-    assert res.exit_code in (0, 1), res.output
-    return res.exit_code, json.loads(res.stdout)
+    assert_audit_passes(dst)
 
 
 def test_audit_catches_a_tampered_e8m0_scale(quark_out, tmp_path):
-    from safetensors.torch import load_file, save_file
-
     bad = tmp_path / "bad"
     shutil.copytree(quark_out, bad)
     name = "model.layers.2.mlp.experts.5.up_proj.weight_scale"
     shard = bad / json.loads((bad / "model.safetensors.index.json").read_text())[
         "weight_map"][name]
-    tensors = load_file(str(shard))
-    tensors[name] = tensors[name].clone()
-    tensors[name][7, 1] += 3  # one block 8x larger
-    save_file(tensors, str(shard), metadata={"format": "pt"})
-    code, rep = _audit(bad)
+    edit_tensor(shard, name, add_at((7, 1), 3))  # one block 8x larger
+    code, rep = audit_json(bad)
     assert code == 1
     assert any(f["group"] == "manifest" and f["tensor"] == name for f in rep["failures"]), rep
     (bad / "kconvert-manifest.json").unlink()
-    code, rep = _audit(bad, "--source", BUNDLED)
+    code, rep = audit_json(bad, "--source", BUNDLED)
     assert code == 1
     hits = [f for f in rep["failures"] if f["group"] == "source" and f["check"] == "decode"]
     assert [f["tensor"] for f in hits] == ["model.layers.2.mlp.experts.5.up_proj.weight"], rep
@@ -235,25 +228,20 @@ def test_eval_reads_an_mxfp4_checkpoint(tmp_path):
     dst = tmp_path / "mx"
     convert(str(TINY_MOE), str(dst), load_recipe("quantize"),
             {"format": "quark-mxfp4", "block_scale": "mse"}, QUIET)
-    data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"input_ids": [(7 * i + 3 * j) % 250
-                                                      for j in range(16)]}) + "\n"
-                            for i in range(2)))
-    res = CliRunner().invoke(main, ["eval", str(TINY_MOE), str(dst), "--data", str(data),
-                                    "--seq-len", "16", "--samples", "2", "--device", "cpu",
-                                    "-o", str(tmp_path / "ev"), "--quiet"])
+    data = write_input_ids(tmp_path / "d.jsonl", ([(7 * i + 3 * j) % 250 for j in range(16)]
+                                                  for i in range(2)))
+    res = cli_inproc("eval", TINY_MOE, dst, "--data", data, "--seq-len", "16", "--samples", "2",
+                     "--device", "cpu", "-o", tmp_path / "ev", "--quiet")
     assert res.exit_code == 0, res.output
     logits = json.loads((tmp_path / "ev" / "eval.json").read_text())["candidates"][0]["logits"]
     assert 0 < logits["kl_mean"] < 0.5
 
 
 def test_mxfp4_refuses_what_it_cannot_write(tmp_path):
-    res = CliRunner().invoke(main, ["int4-to-mxfp4", str(BUNDLED), str(tmp_path / "a"),
-                                    "--format", "quark-mxfp4", "--act-stats", str(BUNDLED /
-                                                                                  "config.json")])
+    res = cli_inproc("int4-to-mxfp4", BUNDLED, tmp_path / "a", "--format", "quark-mxfp4",
+                     "--act-stats", BUNDLED / "config.json")
     assert res.exit_code == 2 and "takes no --act-stats" in res.output, res.output
-    res = CliRunner().invoke(main, ["int4-to-nvfp4", str(BUNDLED), str(tmp_path / "b"),
-                                    "--activations", "dynamic"])
+    res = cli_inproc("int4-to-nvfp4", BUNDLED, tmp_path / "b", "--activations", "dynamic")
     assert res.exit_code == 2 and "MXFP4" in res.output, res.output
 
 
@@ -267,27 +255,21 @@ def routers_out(tmp_path_factory):
 
 
 def test_quantized_routers_are_audited_through_their_decode(routers_out, tmp_path):
-    from safetensors.torch import load_file, save_file
-
     router = "model.layers.1.mlp.gate"
-    t = load_tensors(routers_out)
+    t = checkpoint_tensors(routers_out)
     assert t[router + ".weight"].dtype == torch.uint8 and t[router + ".weight_scale"].shape == \
         (16, 4)
     block = json.loads((routers_out / "config.json").read_text())["quantization_config"]
     assert router not in block["exclude"] and "lm_head" in block["exclude"]
-    code, _ = _audit(routers_out, "--source", BUNDLED)
-    assert code == 0
+    assert_audit_passes(routers_out, "--source", BUNDLED)
     bad = tmp_path / "bad"
     shutil.copytree(routers_out, bad)
     (bad / "kconvert-manifest.json").unlink()
     name = router + ".weight_scale"
     shard = bad / json.loads((bad / "model.safetensors.index.json").read_text())[
         "weight_map"][name]
-    tensors = load_file(str(shard))
-    tensors[name] = tensors[name].clone()
-    tensors[name][6, 2] += 2  # one block of row 6, 4x larger
-    save_file(tensors, str(shard), metadata={"format": "pt"})
-    code, rep = _audit(bad, "--source", BUNDLED)
+    edit_tensor(shard, name, add_at((6, 2), 2))  # one block of row 6, 4x larger
+    code, rep = audit_json(bad, "--source", BUNDLED)
     assert code == 1
     hits = [f for f in rep["failures"] if f["check"] == "router"]
     assert len(hits) == 1 and "row 6 " in hits[0]["message"], rep["failures"]
@@ -299,40 +281,35 @@ def test_quantized_routers_read_everywhere(routers_out, tmp_path):
     pruned = tmp_path / "pruned"
     convert(str(routers_out), str(pruned), load_recipe("reap"), {}, QUIET,
             prepare=lambda ckpt: {"prune": prune_stage(parse_plan(plan), ckpt)})
-    s, d = load_tensors(routers_out), load_tensors(pruned)
+    s, d = checkpoint_tensors(routers_out), checkpoint_tensors(pruned)
     for layer, keep in KEEP.items():
         for p in QuarkMxfp4Codec.params:
             name = f"model.layers.{layer}.mlp.gate.{p}"
             assert torch.equal(d[name], s[name][torch.tensor(keep)])
-    res = CliRunner().invoke(main, ["audit", str(pruned), "--quiet"])
-    assert res.exit_code == 0, res.output
+    assert_audit_passes(pruned)
     dq = tmp_path / "dq"
     convert(str(routers_out), str(dq), load_recipe("dequant"), {"dtype": "F32"}, QUIET)
     router = "model.layers.2.mlp.gate"
     want = QuarkMxfp4Codec.decode({p: s[f"{router}.{p}"].unsqueeze(0)
                                    for p in QuarkMxfp4Codec.params}, None)[0]
-    assert torch.equal(load_tensors(dq)[router + ".weight"], want)
-    code, _ = _audit(dq, "--source", routers_out)
-    assert code == 0
+    assert torch.equal(checkpoint_tensors(dq)[router + ".weight"], want)
+    assert_audit_passes(dq, "--source", routers_out)
     # eval runs a W4A4 output with its activations quantized (tests/evaluate/
     # test_mxfp4_w4a4_eval.py): the weights alone are compared on the W4A16 twin.
     w4a16 = tmp_path / "w4a16"
     convert(str(BUNDLED), str(w4a16), load_recipe("int4-to-mxfp4"),
             {"targets": "experts,routers", "activations": "none"}, QUIET)
-    twin = load_tensors(w4a16)
+    twin = checkpoint_tensors(w4a16)
     assert set(twin) == set(s) and all(torch.equal(twin[n], t) for n, t in s.items())
-    data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps({"input_ids": list(range(3, 19))}) + "\n")
-    res = CliRunner().invoke(main, ["eval", str(dq), str(w4a16), "--data", str(data),
-                                    "--seq-len", "16", "--samples", "1", "--device", "cpu",
-                                    "-o", str(tmp_path / "ev"), "--quiet"])
+    data = write_input_ids(tmp_path / "d.jsonl", [list(range(3, 19))])
+    res = cli_inproc("eval", dq, w4a16, "--data", data, "--seq-len", "16", "--samples", "1",
+                     "--device", "cpu", "-o", tmp_path / "ev", "--quiet")
     assert res.exit_code == 0, res.output
     logits = json.loads((tmp_path / "ev" / "eval.json").read_text())["candidates"][0]["logits"]
     assert logits["kl_mean"] < 1e-6  # the same weights, decoded by eval or by dequant
 
 
 def test_routers_only_in_quarks_format(tmp_path):
-    res = CliRunner().invoke(main, ["int4-to-mxfp4", str(BUNDLED), str(tmp_path / "a"),
-                                    "--format", "mxfp4-pack-quantized", "--targets",
-                                    "experts,routers"])
+    res = cli_inproc("int4-to-mxfp4", BUNDLED, tmp_path / "a", "--format", "mxfp4-pack-quantized",
+                     "--targets", "experts,routers")
     assert res.exit_code == 2 and "only quark-mxfp4" in res.output, res.output

@@ -10,7 +10,6 @@ import json
 import pytest
 import quark.torch.kernel as quark_kernel  # the oracle, a test dependency: never skipped
 import torch
-from click.testing import CliRunner
 from quark.torch.quantization.config.config import QConfig
 from quark.torch.quantization.config.template import (
     MXFP4Scheme,
@@ -24,11 +23,10 @@ from quark.torch.utils.numerics import to_e8m0_uint8
 from quark.torch.utils.pack import create_pack_method
 
 from conftest import BUNDLED
-from kconvert.cli import main
+from helpers import assert_audit_passes, checkpoint_tensors
 from kconvert.convert import RunControl, convert
 from kconvert.formats import mxfp4
 from kconvert.recipes import load_recipe
-from oracles import load_tensors
 
 # AMD's Kimi recipe as Quark's exclude patterns: everything but the routed experts and the
 # routers (Quark's linear-weight rule takes `mlp.gate.weight` for a linear's).
@@ -78,7 +76,7 @@ def test_int4_to_mxfp4_is_quarks_file_to_file_export(tmp_path, scheme, activatio
     convert(str(BUNDLED), str(out), load_recipe("int4-to-mxfp4"),
             {"block_scale": "amax", "activations": activations, "targets": targets},
             RunControl(device="cpu", quiet=True))
-    a, b = load_tensors(out), load_tensors(ref)
+    a, b = checkpoint_tensors(out), checkpoint_tensors(ref)
     assert set(a) == set(b)
     experts = [n for n in a if ".mlp.experts." in n]
     assert len(experts) == 192
@@ -89,5 +87,4 @@ def test_int4_to_mxfp4_is_quarks_file_to_file_export(tmp_path, scheme, activatio
     assert ours == theirs
     # Quark's own output passes kconvert's audit against the INT4 source: its routers, when
     # quantized, are checked row by row through their decode.
-    res = CliRunner().invoke(main, ["audit", str(ref), "--source", str(BUNDLED), "--quiet"])
-    assert res.exit_code == 0, res.output
+    assert_audit_passes(ref, "--source", BUNDLED)

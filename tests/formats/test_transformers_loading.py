@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import BUNDLED, ROOT
-from helpers import run_inproc
+from helpers import checkpoint_tensors, run_inproc
 from kconvert.convert import RunControl, convert
 from kconvert.pruning.plan import load_plan
 from kconvert.recipes import load_recipe
@@ -33,7 +33,6 @@ from oracles import (
     ct_int4_fp32,
     ct_nvfp4_fp32,
     int4_scheme,
-    load_tensors,
     nvfp4a16_scheme,
 )
 
@@ -67,7 +66,7 @@ def _reference(src: Path, out: Path) -> Path:
     scheme = (int4_scheme(src) if qconfig and qconfig["format"] == "pack-quantized"
               else nvfp4a16_scheme())
     tensors = {}
-    for module, params in by_module(load_tensors(src)).items():
+    for module, params in by_module(checkpoint_tensors(src)).items():
         if "weight_packed" in params and "weight_shape" in params:
             tensors[f"{module}.weight"] = ct_int4_fp32(params, scheme).to(torch.bfloat16)
         elif "weight_packed" in params:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import huggingface_hub
@@ -20,7 +19,7 @@ from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils import SafetensorsFileMetadata, TensorInfo, filter_repo_objects
 
 import kconvert
-from helpers import CLI, COMMIT, INDEX, MANIFEST, hub_cache, snapshot, st_header
+from helpers import COMMIT, INDEX, MANIFEST, cli_subprocess, hub_cache, snapshot, st_header
 from kconvert.errors import KconvertError
 
 CARRIED = {"tokenizer_config.json": "{}", "chat_template.jinja": "{{ messages }}",
@@ -152,8 +151,8 @@ def test_missing_source_says_what_was_tried(tmp_path, monkeypatch):
 
 def test_cli_takes_token_and_cache_dir(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_TOKEN": "hf_env"}
-    done = subprocess.run([*CLI, "dequant", "kimi/none", str(tmp_path / "out"), "--cache-dir",
-                           str(tmp_path)], capture_output=True, text=True, env=env, timeout=120)
+    done = cli_subprocess("dequant", "kimi/none", tmp_path / "out", "--cache-dir", tmp_path,
+                          env=env, timeout=120)
     assert done.returncode != 0
     assert "source directory does not exist: 'kimi/none' is no local directory" in done.stderr
     assert "Traceback" not in done.stderr

@@ -15,11 +15,20 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from conftest import BUNDLED
-from helpers import CLI, S2, edit_tensor, run_inproc, set_at, small_fs, snapshot
-from kconvert.audit.auditor import run_audit
+from helpers import (
+    CLI,
+    S2,
+    assert_audit_passes,
+    cli_inproc,
+    edit_tensor,
+    run_inproc,
+    set_at,
+    small_fs,
+    snapshot,
+    source_copy,
+)
 from kconvert.errors import KconvertError
 from kconvert.io import lock, output_dir
 
@@ -42,25 +51,11 @@ main()
 """
 
 
-def kc(*args) -> subprocess.CompletedProcess:
-    """The CLI in this process (no interpreter start-up), as a CompletedProcess."""
-    from kconvert.cli import main
-
-    res = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
-    return subprocess.CompletedProcess(args, res.exit_code, res.stdout, res.stderr)
-
-
 def killed_at(event: str, *args, nth: int = 1) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, "-c", KILLER, event, str(nth), *map(str, args)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, (event, proc.returncode, proc.stderr[-2000:])
     return proc
-
-
-def src_copy(tmp_path: Path) -> Path:
-    src = tmp_path / "src"
-    shutil.copytree(BUNDLED, src)
-    return src
 
 
 def plan_file(tmp_path: Path) -> Path:
@@ -70,33 +65,28 @@ def plan_file(tmp_path: Path) -> Path:
     return path
 
 
-def audited(dst: Path, src: Path) -> None:
-    report = run_audit(dst, source=str(src), device="cpu")
-    assert report.passed, report.render()
-
-
 # ------------------------------------------------------------------------------ --overwrite
 
 
 def test_overwrite_refuses_a_directory_that_is_not_a_kconvert_output(tmp_path):
-    src = src_copy(tmp_path)
+    src = source_copy(tmp_path)
     mine = tmp_path / "mydir"
     (mine / "sub").mkdir(parents=True)
     (mine / "precious.txt").write_text("keep")
     before = snapshot(mine)
-    proc = kc("int4-to-nvfp4", src, mine, "--overwrite", "--quiet")
-    assert proc.returncode == 1, proc.stderr
-    assert "precious.txt" in proc.stderr and "sub" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    res = cli_inproc("int4-to-nvfp4", src, mine, "--overwrite", "--quiet")
+    assert res.exit_code == 1, res.stderr
+    assert "precious.txt" in res.stderr and "sub" in res.stderr
+    assert "Traceback" not in res.stderr
     assert snapshot(mine) == before
 
 
 def test_overwrite_refuses_files_named_as_recorded_but_not_the_recorded_files(tmp_path):
     """A copied manifest beside a user's file that has a recorded name: --overwrite compares
     sizes (shards) and hashes (other files) with the manifest and refuses, naming the file."""
-    src = src_copy(tmp_path)
+    src = source_copy(tmp_path)
     made = tmp_path / "made"
-    assert kc("int4-to-nvfp4", src, made, "--quiet").returncode == 0
+    assert cli_inproc("int4-to-nvfp4", src, made, "--quiet").exit_code == 0
     for name, content in (("model-00001-of-000004.safetensors", b"my data!!"),
                           ("tokenizer_config.json", b"{}")):
         mine = tmp_path / f"mine-{name}"
@@ -104,17 +94,17 @@ def test_overwrite_refuses_files_named_as_recorded_but_not_the_recorded_files(tm
         shutil.copy(made / "kconvert-manifest.json", mine)
         (mine / name).write_bytes(content)
         before = snapshot(mine)
-        proc = kc("int4-to-nvfp4", src, mine, "--overwrite", "--quiet")
-        assert proc.returncode == 1, proc.stderr
-        assert "not what the kconvert output in DST recorded" in proc.stderr
-        assert name in proc.stderr and "Traceback" not in proc.stderr
+        res = cli_inproc("int4-to-nvfp4", src, mine, "--overwrite", "--quiet")
+        assert res.exit_code == 1, res.stderr
+        assert "not what the kconvert output in DST recorded" in res.stderr
+        assert name in res.stderr and "Traceback" not in res.stderr
         assert snapshot(mine) == before
     # the real output is still replaced
-    assert kc("int4-to-nvfp4", src, made, "--overwrite", "--quiet").returncode == 0
+    assert cli_inproc("int4-to-nvfp4", src, made, "--overwrite", "--quiet").exit_code == 0
 
 
 def test_overwrite_that_fails_leaves_the_old_output_as_it_was(tmp_path):
-    src = src_copy(tmp_path)
+    src = source_copy(tmp_path)
     dst = tmp_path / "out"
     run_inproc("dequant", src, dst)
     old = snapshot(dst)
@@ -128,11 +118,11 @@ def test_overwrite_that_fails_leaves_the_old_output_as_it_was(tmp_path):
     with pytest.raises(KconvertError, match="NaN"):
         run_inproc("int4-to-nvfp4", src, dst, overwrite=True)
     assert snapshot(dst) == old
-    audited(dst, src_copy(tmp_path / "again"))
+    assert_audit_passes(dst, "--source", source_copy(tmp_path / "again"))
 
 
 def test_overwrite_swaps_when_there_is_room_and_deletes_first_when_not(tmp_path, monkeypatch):
-    src = src_copy(tmp_path)
+    src = source_copy(tmp_path)
     clean = tmp_path / "clean"
     run_inproc("int4-to-nvfp4", src, clean, block_scale="amax")
     dst = tmp_path / "out"
@@ -162,11 +152,11 @@ def test_overwrite_swaps_when_there_is_room_and_deletes_first_when_not(tmp_path,
             echo=said.append)
     assert any("beside the old one" in s for s in said), said
     assert not [p for p in tmp_path.iterdir() if "kconvert" in p.name]  # no staging left
-    audited(dst, src)
+    assert_audit_passes(dst, "--source", src)
 
 
 def test_overwrite_through_a_symlink_and_a_dangling_one(tmp_path):
-    src = src_copy(tmp_path)
+    src = source_copy(tmp_path)
     real_dir = tmp_path / "real"
     run_inproc("dequant", src, real_dir)
     link = tmp_path / "link"
@@ -176,26 +166,26 @@ def test_overwrite_through_a_symlink_and_a_dangling_one(tmp_path):
         "int4-to-nvfp4"
     dangling = tmp_path / "dangling"
     dangling.symlink_to(tmp_path / "nowhere")
-    proc = kc("int4-to-nvfp4", src, dangling, "--overwrite", "--quiet")
-    assert proc.returncode == 1 and "does not exist" in proc.stderr, proc.stderr
+    res = cli_inproc("int4-to-nvfp4", src, dangling, "--overwrite", "--quiet")
+    assert res.exit_code == 1 and "does not exist" in res.stderr, res.stderr
 
 
 # ------------------------------------------------------------------------------ the lock
 
 
 def test_a_second_run_into_a_dst_in_use_is_refused_naming_the_holder(tmp_path):
-    src = src_copy(tmp_path)
+    src = source_copy(tmp_path)
     dst = tmp_path / "out"
     with lock.locked(dst, print):
-        proc = kc("dequant", src, dst, "--quiet")
-    assert proc.returncode == 1, proc.stderr
-    assert f"pid {os.getpid()}" in proc.stderr and "another kconvert run" in proc.stderr
+        res = cli_inproc("dequant", src, dst, "--quiet")
+    assert res.exit_code == 1, res.stderr
+    assert f"pid {os.getpid()}" in res.stderr and "another kconvert run" in res.stderr
     assert not (dst / MANIFEST).exists()
     assert not dst.exists()  # the holder created DST and left nothing behind
 
 
 def test_concurrent_runs_one_is_refused_and_the_other_audits_clean(tmp_path):
-    src = src_copy(tmp_path)
+    src = source_copy(tmp_path)
     dst = tmp_path / "out"
     first = subprocess.Popen([*CLI, "int4-to-nvfp4", str(src), str(dst), "--quiet"],
                              stderr=subprocess.PIPE, text=True)
@@ -210,16 +200,16 @@ def test_concurrent_runs_one_is_refused_and_the_other_audits_clean(tmp_path):
     assert rc2 == 1 and ("another kconvert run" in err2 or "not empty" in err2), err2
     assert "Traceback" not in err2
     assert json.loads((dst / MANIFEST).read_text())["command"] == "int4-to-nvfp4"
-    audited(dst, src)
+    assert_audit_passes(dst, "--source", src)
 
 
 def test_the_lock_of_a_killed_run_is_released(tmp_path):
-    src = src_copy(tmp_path)
+    src = source_copy(tmp_path)
     dst = tmp_path / "out"
     killed_at("shard-done", "dequant", src, dst, "--quiet")
     assert (dst / ".kconvert" / "lock").exists()
     run_inproc("dequant", src, dst, resume=True)
-    audited(dst, src)
+    assert_audit_passes(dst, "--source", src)
 
 
 # ------------------------------------------------------------------------------ kill + resume
@@ -240,7 +230,7 @@ def clean_outputs(tmp_path_factory):
     for name, args in COMMANDS.items():
         a = args(root)
         outs[name] = root / name
-        assert kc(a[0], BUNDLED, outs[name], *a[1:], "--quiet").returncode == 0
+        assert cli_inproc(a[0], BUNDLED, outs[name], *a[1:], "--quiet").exit_code == 0
     return outs
 
 
@@ -257,10 +247,10 @@ def test_kill_at_every_phase_then_resume_is_identical_and_audits(command, phase,
     assert (dst / ".kconvert").is_dir()
     if phase != "manifest-written":
         assert not (dst / MANIFEST).exists()
-    proc = kc(args[0], src, dst, *args[1:], "--quiet", "--resume")
-    assert proc.returncode == 0, proc.stderr
+    res = cli_inproc(args[0], src, dst, *args[1:], "--quiet", "--resume")
+    assert res.exit_code == 0, res.stderr
     assert snapshot(dst) == snapshot(clean_outputs[command])
-    audited(dst, src)
+    assert_audit_passes(dst, "--source", src)
 
 
 def test_disk_full_at_the_manifest_then_resume(tmp_path, monkeypatch, clean_outputs):
@@ -283,7 +273,7 @@ def test_disk_full_at_the_manifest_then_resume(tmp_path, monkeypatch, clean_outp
     monkeypatch.setattr(convert_module, "write_text", real)
     run_inproc("dequant", src, dst, resume=True)
     assert snapshot(dst) == snapshot(clean_outputs["dequant"])
-    audited(dst, src)
+    assert_audit_passes(dst, "--source", src)
 
 
 def test_resume_rewrites_a_finished_shard_whose_bytes_changed(tmp_path, clean_outputs):
@@ -297,31 +287,31 @@ def test_resume_rewrites_a_finished_shard_whose_bytes_changed(tmp_path, clean_ou
         fh.seek(-1, os.SEEK_CUR)
         fh.write(bytes([byte[0] ^ 0xFF]))
     flipped = victim.read_bytes()
-    proc = kc("dequant", src, dst, "--quiet", "--resume", "--trust-complete")
-    assert proc.returncode == 0, proc.stderr
+    res = cli_inproc("dequant", src, dst, "--quiet", "--resume", "--trust-complete")
+    assert res.exit_code == 0, res.stderr
     assert victim.read_bytes() == flipped  # trusted: kept as it is, as documented
     shutil.rmtree(dst)
     killed_at("shard-done", "dequant", src, dst, "--quiet", nth=2)
     victim.write_bytes(flipped)
-    proc = kc("dequant", src, dst, "--resume")
-    assert proc.returncode == 0, proc.stderr
-    assert f"{victim.name}: tensor" in proc.stdout and "writing the shard again" in proc.stdout
+    res = cli_inproc("dequant", src, dst, "--resume")
+    assert res.exit_code == 0, res.stderr
+    assert f"{victim.name}: tensor" in res.stdout and "writing the shard again" in res.stdout
     assert snapshot(dst) == snapshot(clean_outputs["dequant"])
-    audited(dst, src)
+    assert_audit_passes(dst, "--source", src)
 
 
 # ------------------------------------------------------------------------------ disk space
 
 
 def test_a_disk_too_small_is_refused_before_writing(tmp_path):
-    src = src_copy(tmp_path)
+    src = source_copy(tmp_path)
     with small_fs(tmp_path / "fs", "size=2m") as fs:
-        proc = kc("dequant", src, fs / "out", "--quiet")
+        proc = fs.kconvert("dequant", src, fs.path / "out", "--quiet")
         assert proc.returncode == 1, proc.stderr
         assert "not enough disk space" in proc.stderr and "bytes) free" in proc.stderr
         assert "including a margin of 1 MiB + 0.1%" in proc.stderr  # the figure says so
         assert "Traceback" not in proc.stderr
-        assert not (fs / "out").exists()
+        assert not fs.exists(fs.path / "out")
 
 
 def test_disk_full_mid_run_says_what_is_needed_then_resume_completes(tmp_path, monkeypatch,
@@ -348,16 +338,16 @@ def test_disk_full_mid_run_says_what_is_needed_then_resume_completes(tmp_path, m
 
 
 def test_read_only_dst_is_a_message(tmp_path, monkeypatch):
-    src = src_copy(tmp_path)
+    src = source_copy(tmp_path)
     with small_fs(tmp_path / "ro", "size=1m,ro") as fs:
-        proc = kc("dequant", src, fs / "out", "--quiet")
+        proc = fs.kconvert("dequant", src, fs.path / "out", "--quiet")
         assert proc.returncode == 1, proc.stderr
         assert "read-only file system" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_unwritable_dst_injected_is_a_message(tmp_path, monkeypatch):
     """Where no read-only file system can be mounted: the same error, injected."""
-    src = src_copy(tmp_path)
+    src = source_copy(tmp_path)
     real = Path.mkdir
 
     def mkdir(self, *a, **kw):
@@ -374,11 +364,11 @@ def test_unwritable_dst_injected_is_a_message(tmp_path, monkeypatch):
 
 
 def test_dry_run_on_a_non_empty_dst_writes_nothing(tmp_path):
-    src = src_copy(tmp_path)
+    src = source_copy(tmp_path)
     dst = tmp_path / "out"
     run_inproc("dequant", src, dst)
     before = snapshot(dst)
-    proc = kc("int4-to-nvfp4", src, dst, "--dry-run")
-    assert proc.returncode == 0, proc.stderr
-    assert "output format" in proc.stdout
+    res = cli_inproc("int4-to-nvfp4", src, dst, "--dry-run")
+    assert res.exit_code == 0, res.stderr
+    assert "output format" in res.stdout
     assert snapshot(dst) == before

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 from huggingface_hub import constants, hf_hub_download
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 import kconvert
-from helpers import CLI, INDEX, MANIFEST, snapshot
+from helpers import CLI, INDEX, MANIFEST, cli_subprocess, file_tensors, snapshot
 from kconvert import events
 from kconvert.engine.source_order import source_order
 from kconvert.engine.work import build_work_plan
@@ -49,7 +49,7 @@ def split_module(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     index = json.loads((dst / INDEX).read_text())
     a, b = shard(2), shard(3)
-    first, second = load_file(str(dst / a)), load_file(str(dst / b))
+    first, second = file_tensors(dst / a), file_tensors(dst / b)
     moved = [n for n in first if ".mlp.experts.0.up_proj.weight_scale" in n
              or ".mlp.experts.1.up_proj." in n]
     assert len(moved) == 4
@@ -324,9 +324,8 @@ def test_reading_the_source_twice_or_locally_is_refused(hub, sources, tmp_path):
     with pytest.raises(UsageError, match="is not one"):
         kconvert.dequant(str(sources[REPO]), str(tmp_path / "o3"), stream=True)
     assert not hub.requests  # refused before anything was fetched
-    done = subprocess.run([*CLI, "reap", REPO, str(tmp_path / "o4"), "--stream", "--data",
-                           str(data), "--keep", "8"], capture_output=True, text=True,
-                          env={**os.environ, "HF_ENDPOINT": hub.url}, timeout=120)
+    done = cli_subprocess("reap", REPO, tmp_path / "o4", "--stream", "--data", data, "--keep",
+                          8, env={**os.environ, "HF_ENDPOINT": hub.url}, timeout=120)
     assert done.returncode == 2 and "--stream reads each source shard once" in done.stderr
 
 

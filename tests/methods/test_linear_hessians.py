@@ -11,15 +11,13 @@ from __future__ import annotations
 import json
 
 import torch
-from click.testing import CliRunner
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.utils import logging as hf_logging
 
 from conftest import BUNDLED, ROOT
-from helpers import built_layer, eval_logits
+from helpers import assert_audit_passes, built_layer, cli_inproc, eval_logits, write_input_ids
 from kconvert.calibrate.data import PAD_ID
 from kconvert.calibrate.run import measure_stats
-from kconvert.cli import main
 from kconvert.gpu_plan import Shapes
 from kconvert.io.checkpoint import open_checkpoint
 from kconvert.model.names import Role, parse_name
@@ -114,11 +112,6 @@ def test_planned_linear_shapes_are_transformers_layers():
                                       (mlp.down_proj.out_features, mlp.down_proj.in_features)]
 
 
-def _run(*args: str) -> tuple[int, str]:
-    res = CliRunner().invoke(main, [*args, "--device", "cpu", "--quiet"])
-    return res.exit_code, res.output
-
-
 def test_quantize_gptq_attention_and_dense_mlp(tmp_path):
     """1,088 calibration tokens (136 held out): every targeted attention and dense MLP linear
     is quantized by GPTQ on its input Gram and judged on held-out tokens, never recorded worse
@@ -128,15 +121,15 @@ def test_quantize_gptq_attention_and_dense_mlp(tmp_path):
     vocab = json.loads((TINY_MOE / "config.json").read_text())["vocab_size"]
     data = tmp_path / "d.jsonl"
     g = torch.Generator().manual_seed(0)
-    data.write_text("".join(json.dumps({"input_ids": torch.randint(0, vocab, (64,), generator=g)
-                                        .tolist()}) + "\n" for _ in range(17)))
+    write_input_ids(data, (torch.randint(0, vocab, (64,), generator=g) for _ in range(17)))
     gptq, rtn, default = tmp_path / "gptq", tmp_path / "rtn", tmp_path / "default"
-    code, out = _run("quantize", str(TINY_MOE), str(gptq), "--method", "gptq", "--data",
-                     str(data), "--seq-len", "64", "--samples", "17", "--targets", targets)
-    assert code == 0, out
-    assert _run("quantize", str(TINY_MOE), str(rtn), "--method", "rtn", "--targets",
-                targets)[0] == 0
-    assert _run("quantize", str(TINY_MOE), str(default), "--targets", targets)[0] == 0
+    res = cli_inproc("quantize", TINY_MOE, gptq, "--method", "gptq", "--data", data, "--seq-len",
+                     "64", "--samples", "17", "--targets", targets, "--device", "cpu", "--quiet")
+    assert res.exit_code == 0, res.output
+    assert cli_inproc("quantize", TINY_MOE, rtn, "--method", "rtn", "--targets", targets,
+                      "--device", "cpu", "--quiet").exit_code == 0
+    assert cli_inproc("quantize", TINY_MOE, default, "--targets", targets, "--device", "cpu",
+                      "--quiet").exit_code == 0
     assert raw_tensors(rtn) == raw_tensors(default)
     man = json.loads((gptq / "kconvert-manifest.json").read_text())
     assert man["options"]["quantize"]["gptq_targets"] == ["attention", "dense_mlp"]
@@ -154,8 +147,7 @@ def test_quantize_gptq_attention_and_dense_mlp(tmp_path):
         same = got[f"{module}.weight_packed"] == ref[f"{module}.weight_packed"]
         assert same or c["method"] == "gptq", module
     assert any(got[f"{m}.weight_packed"] != ref[f"{m}.weight_packed"] for m in choices)
-    code, out = _run("audit", str(gptq), "--source", str(TINY_MOE))
-    assert code == 0, out
+    assert_audit_passes(gptq, "--source", TINY_MOE)
     ids = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(9))
     for logits in eval_logits(TINY_MOE, [gptq, rtn], ids):
         assert logits.kl_mean < 0.1 and logits.top1_agreement > 0.8

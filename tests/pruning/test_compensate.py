@@ -15,16 +15,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 
 from conftest import ROOT
-from helpers import edit_tensor, kimi_moe_block, load_tensors
-from kconvert.cli import main
+from helpers import (
+    add_at,
+    assert_audit_passes,
+    assert_moe_blocks_route_as_written,
+    audit_json,
+    checkpoint_tensors,
+    cli_inproc,
+    edit_tensor,
+    write_input_ids,
+)
 from kconvert.cli.base import COMPENSATIONS as CLI_COMPENSATIONS
 from kconvert.pruning.plan import PLAN_FILE, load_plan
 from kconvert.pruning.reap import CRITERIA, keep_ids, plan_from_scores, tensor_hash
 from kconvert.stages.prune import COMPENSATIONS
-from kconvert.testing.tiny_moe import corpus_ids, load_kimi_checkpoint, windows
+from kconvert.testing.tiny_moe import corpus_ids, windows
 
 FIXTURES = {"trained": ROOT / "tests" / "fixtures" / "tiny-moe-trained",
             "96": ROOT / "tests" / "fixtures" / "tiny-moe-96"}
@@ -50,33 +57,15 @@ RUNS = {  # name -> (fixture, keep, flags)
 
 def _reap(src: Path, dst: Path, data: Path, keep: int, *extra: str):
     samples = [] if "--samples" in extra else ["--samples", "12"]
-    return CliRunner().invoke(main, ["reap", str(src), str(dst), "--data", str(data), "--keep",
-                                     str(keep), *samples, "--seq-len", str(SEQ), "--quiet",
-                                     *extra])
-
-
-def _tensors(d: Path) -> dict[str, torch.Tensor]:
-    return {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_tensors(f).items()}
-
-
-def _bump(t: torch.Tensor) -> torch.Tensor:
-    t[5, 7] += 0.125
-    return t
-
-
-def _audit(ckpt: Path, src: Path) -> tuple[int, dict]:
-    res = CliRunner().invoke(main, ["audit", str(ckpt), "--json", "--quiet", "--source",
-                                    str(src)])
-    assert res.exit_code in (0, 1), res.output
-    return res.exit_code, json.loads(res.stdout)
+    return cli_inproc("reap", src, dst, "--data", data, "--keep", keep, *samples, "--seq-len", SEQ,
+                      "--quiet", *extra)
 
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("compensate")
-    data = root / "calib.jsonl"
     ids = windows(corpus_ids("train"), 12, SEQ, torch.Generator().manual_seed(3))
-    data.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in ids))
+    data = write_input_ids(root / "calib.jsonl", ids)
     out = {"data": data}
     for name, (fixture, keep, flags) in RUNS.items():
         out[name] = root / name
@@ -91,15 +80,7 @@ def test_compensation_choices_agree():
 
 @pytest.mark.parametrize("run", [r for r in RUNS if not r.endswith("-again")])
 def test_output_loads_in_transformers_and_blocks_route_as_written(made, run):
-    dst = made[run]
-    cfg = json.loads((dst / "config.json").read_text())
-    model = load_kimi_checkpoint(dst)
-    t = _tensors(dst)
-    x = torch.randn(32, cfg["hidden_size"], generator=torch.Generator().manual_seed(0))
-    for layer in range(cfg["first_k_dense_replace"], cfg["num_hidden_layers"]):
-        with torch.no_grad():
-            got = model.model.layers[layer].mlp(x[None])[0]
-        torch.testing.assert_close(got, kimi_moe_block(x, t, layer, cfg), atol=1e-5, rtol=1e-5)
+    assert_moe_blocks_route_as_written(made[run], tokens=32, tol=1e-5)
 
 
 @pytest.mark.parametrize("run", ["down", "router+down", "msan+bias+shared", "96-down",
@@ -109,7 +90,7 @@ def test_refit_matrices_are_recorded_and_the_rest_is_the_source(made, run):
     plan = load_plan(made[run] / PLAN_FILE)
     method = flags[flags.index("--compensate") + 1]
     assert plan.compensation == method
-    out, src = _tensors(made[run]), _tensors(FIXTURES[fixture])
+    out, src = checkpoint_tensors(made[run]), checkpoint_tensors(FIXTURES[fixture])
     applied = 0
     for key, entry in plan.layers.items():
         rec = entry.compensation
@@ -150,8 +131,7 @@ def test_same_command_twice_writes_the_same_bytes(made, run):
 
 @pytest.mark.parametrize("run", ["router+down", "bias", "96-down"])
 def test_audit_passes(made, run):
-    code, report = _audit(made[run], FIXTURES[RUNS[run][0]])
-    assert code == 0, report["failures"]
+    assert_audit_passes(made[run], "--source", FIXTURES[RUNS[run][0]])
 
 
 def test_audit_names_an_altered_refit_matrix(made, tmp_path):
@@ -161,8 +141,8 @@ def test_audit_names_an_altered_refit_matrix(made, tmp_path):
     name = f"model.layers.{layer}.mlp.experts.3.down_proj.weight"
     assert name in entry.compensation.matrices_xxh3
     index = json.loads((dst / "model.safetensors.index.json").read_text())
-    edit_tensor(dst / index["weight_map"][name], name, _bump)
-    code, report = _audit(dst, FIXTURES["trained"])
+    edit_tensor(dst / index["weight_map"][name], name, add_at((5, 7), 0.125))
+    code, report = audit_json(dst, "--source", FIXTURES["trained"])
     assert code == 1
     found = [f for f in report["failures"] if f["check"] == "refit"]
     assert len(found) == 1 and found[0]["tensor"] == name, report["failures"]
@@ -187,17 +167,14 @@ def test_man_and_msan_rank_by_routed_token_means():
 def test_keep_beside_a_plan(made, tmp_path):
     plan = made["down"].parent / "msan" / PLAN_FILE
     src = FIXTURES["trained"]
-    ok = CliRunner().invoke(main, ["reap", str(src), str(tmp_path / "a"), "--plan", str(plan),
-                                   "--keep", "12", "--quiet"])
+    ok = cli_inproc("reap", src, tmp_path / "a", "--plan", plan, "--keep", "12", "--quiet")
     assert ok.exit_code == 0, ok.output
-    bad = CliRunner().invoke(main, ["reap", str(src), str(tmp_path / "b"), "--plan", str(plan),
-                                    "--keep", "10", "--quiet"])
+    bad = cli_inproc("reap", src, tmp_path / "b", "--plan", plan, "--keep", "10", "--quiet")
     assert bad.exit_code == 2
     assert "--keep 10" in bad.output and "keeps 12" in bad.output
 
 
 def test_compensation_needs_data(made, tmp_path):
-    res = CliRunner().invoke(main, ["reap", str(FIXTURES["trained"]), str(tmp_path / "o"),
-                                    "--plan", str(made["down"] / PLAN_FILE), "--compensate",
-                                    "down"])
+    res = cli_inproc("reap", FIXTURES["trained"], tmp_path / "o", "--plan",
+                     made["down"] / PLAN_FILE, "--compensate", "down")
     assert res.exit_code == 2 and "--data" in res.output

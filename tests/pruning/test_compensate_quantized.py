@@ -20,20 +20,25 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor
 from compressed_tensors.quantization.utils import calculate_qparams
-from safetensors.torch import save_file
 
 from conftest import ROOT
-from helpers import edit_tensor, kimi_moe_block
-from kconvert.cli import main
+from helpers import (
+    assert_audit_passes,
+    assert_moe_blocks_route_as_written,
+    audit_json,
+    checkpoint_tensors,
+    cli_inproc,
+    edit_tensor,
+    write_input_ids,
+)
 from kconvert.formats import EncodeSpec, Int4Codec
 from kconvert.pruning.plan import PLAN_FILE, load_plan
 from kconvert.pruning.reap import tensor_hash
 from kconvert.testing.fixture_weights import ct_int4_scheme
-from kconvert.testing.tiny_moe import corpus_ids, load_kimi_checkpoint, windows
-from oracles import ct_dense_tensors, load_tensors
+from kconvert.testing.tiny_moe import corpus_ids, windows
+from oracles import dense_copy
 
 TRAINED = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
 INT4 = ROOT / "tests" / "fixtures" / "tiny-k2-thinking-int4"
@@ -54,25 +59,20 @@ RUNS = {  # name -> (source, keep, flags, the block-scale rule the plan must rec
 CHECKED = [r for r in RUNS if not r.endswith("-again")]
 
 
-def _cli(*args: str):
-    return CliRunner().invoke(main, [*map(str, args), "--quiet"])
-
-
 @pytest.fixture(scope="module")
 def made(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("compensate-quantized")
-    data = root / "calib.jsonl"
     ids = windows(corpus_ids("train"), 12, SEQ, torch.Generator().manual_seed(3))
-    data.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in ids))
+    data = write_input_ids(root / "calib.jsonl", ids)
     out = {"data": data, "int4": INT4}
     for name, flags in QUANTIZED.items():
         out[name] = root / name
-        res = _cli("quantize", TRAINED, out[name], *flags)
+        res = cli_inproc("quantize", TRAINED, out[name], *flags, "--quiet")
         assert res.exit_code == 0, res.output
     for name, (source, keep, flags, _) in RUNS.items():
         out[f"run-{name}"] = root / f"run-{name}"
-        res = _cli("reap", out[source], out[f"run-{name}"], "--data", data, "--keep", keep,
-                   "--samples", 12, "--seq-len", SEQ, *flags)
+        res = cli_inproc("reap", out[source], out[f"run-{name}"], "--data", data, "--keep", keep,
+                         "--samples", 12, "--seq-len", SEQ, *flags, "--quiet")
         assert res.exit_code == 0, res.output
     # the re-fitted matrices were spilled beside DST, and the scratch directory is gone
     assert not list(root.glob(".kconvert-refit-*"))
@@ -113,7 +113,7 @@ def test_refit_is_written_in_the_source_format(made, run):
     src_cfg, dst_cfg = (json.loads((d / "config.json").read_text()) for d in (src_dir, dst))
     assert dst_cfg.get("quantization_config") == src_cfg.get("quantization_config")
     plan = load_plan(dst / PLAN_FILE)
-    out, src = load_tensors(dst), load_tensors(src_dir)
+    out, src = checkpoint_tensors(dst), checkpoint_tensors(src_dir)
     changed = 0
     for key, entry in plan.layers.items():
         rec = entry.compensation
@@ -144,32 +144,13 @@ def test_refit_is_written_in_the_source_format(made, run):
 def test_output_loads_and_its_blocks_route_as_written(made, run, tmp_path):
     """compressed-tensors decodes the output, transformers loads it, and every MoE block
     computes the routing written in the test over the decoded tensors."""
-    dst = made[f"run-{run}"]
-    dense = {k: v.contiguous() for k, v in ct_dense_tensors(dst).items()}
-    save_file(dense, str(tmp_path / "model.safetensors"))
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.pop("quantization_config")
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    model = load_kimi_checkpoint(tmp_path)
-    x = torch.randn(16, cfg["hidden_size"], generator=torch.Generator().manual_seed(0))
-    for layer in range(cfg["first_k_dense_replace"], cfg["num_hidden_layers"]):
-        with torch.no_grad():
-            got = model.model.layers[layer].mlp(x[None])[0]
-        torch.testing.assert_close(got, kimi_moe_block(x, dense, layer, cfg), atol=1e-4,
-                                   rtol=1e-4)
-
-
-def _audit(ckpt: Path, src: Path) -> tuple[int, dict]:
-    res = CliRunner().invoke(main, ["audit", str(ckpt), "--json", "--quiet", "--source",
-                                    str(src)])
-    assert res.exit_code in (0, 1), res.output
-    return res.exit_code, json.loads(res.stdout)
+    dense_copy(made[f"run-{run}"], tmp_path / "dense")
+    assert_moe_blocks_route_as_written(tmp_path / "dense", tokens=16, tol=1e-4)
 
 
 @pytest.mark.parametrize("run", CHECKED)
 def test_audit_passes(made, run):
-    code, report = _audit(made[f"run-{run}"], made[RUNS[run][0]])
-    assert code == 0, report["failures"]
+    assert_audit_passes(made[f"run-{run}"], "--source", made[RUNS[run][0]])
 
 
 def _flip(t: torch.Tensor) -> torch.Tensor:
@@ -186,7 +167,7 @@ def test_audit_names_an_altered_refit_parameter(made, run, param, tmp_path):
     name = f"model.layers.{layer}.mlp.experts.3.down_proj.{param}"
     index = json.loads((dst / "model.safetensors.index.json").read_text())
     edit_tensor(dst / index["weight_map"][name], name, _flip)
-    code, report = _audit(dst, made[RUNS[run][0]])
+    code, report = audit_json(dst, "--source", made[RUNS[run][0]])
     assert code == 1
     found = [f for f in report["failures"] if f["check"] == "refit"]
     assert len(found) == 1 and found[0]["tensor"] == name, report["failures"]
@@ -203,9 +184,9 @@ def test_same_command_twice_writes_the_same_bytes(made):
 
 def test_a_p48_sparse_source_is_refused(made, tmp_path):
     sparse = tmp_path / "p48"
-    res = _cli("sparsify", made["nvfp4"], sparse)
+    res = cli_inproc("sparsify", made["nvfp4"], sparse, "--quiet")
     assert res.exit_code == 0, res.output
-    res = _cli("reap", sparse, tmp_path / "out", "--data", made["data"], "--keep", 12,
-               "--samples", 12, "--seq-len", SEQ, "--compensate", "down")
+    res = cli_inproc("reap", sparse, tmp_path / "out", "--data", made["data"], "--keep", 12,
+                     "--samples", 12, "--seq-len", SEQ, "--compensate", "down", "--quiet")
     assert res.exit_code == 1 and "paired-4:8" in res.output and "kconvert: error:" in res.output
     assert not (tmp_path / "out").exists()

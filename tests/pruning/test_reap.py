@@ -12,39 +12,25 @@ import json
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
+from helpers import checkpoint_tensors
 from kconvert.convert import RunControl, convert
 from kconvert.errors import KconvertError
 from kconvert.pruning.plan import parse_plan
 from kconvert.recipes import load_recipe
 from kconvert.stages.prune import prune_stage
-from oracles import ct_dense_tensors
+from oracles import dense_copy
 
 QUIET = RunControl(quiet=True)
 KEEP = {1: [0, 2, 3, 5, 8, 9, 12, 15], 2: [1, 2, 4, 6, 7, 10, 11, 14]}
 PLAN = {"criterion": "manual", "layers": {str(k): {"keep": v} for k, v in KEEP.items()}}
 
 
-def _tensors(d) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as h:
-            out.update({k: h.get_tensor(k) for k in h.keys()})
-    return out
-
-
 def _model(d, tmp_path, tag: str, mask: dict[int, list[int]] | None = None):
     """transformers model of checkpoint d (dense fp32), optionally with experts unroutable."""
     dense_dir = tmp_path / f"dense-{tag}"
-    dense_dir.mkdir()
-    state = ct_dense_tensors(d)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(dense_dir / "model.safetensors"))
-    config = json.loads((d / "config.json").read_text())
-    config.pop("quantization_config", None)
-    (dense_dir / "config.json").write_text(json.dumps(config))
+    state = dense_copy(d, dense_dir)
     cfg = DeepseekV3Config.from_pretrained(dense_dir)
     cfg.model_type = "deepseek_v3"  # transformers fuses per-expert tensors only for this type
     model = DeepseekV3ForCausalLM.from_pretrained(dense_dir, config=cfg, dtype=torch.float32)
@@ -91,7 +77,7 @@ def test_router_rows_bias_and_kept_experts_are_the_planned_source_bytes(fixture_
     dst = tmp_path / "pruned"
     convert(str(src), str(dst), load_recipe("reap"), {}, QUIET,
             prepare=lambda ckpt: {"prune": prune_stage(parse_plan(PLAN), ckpt)})
-    s, d = _tensors(src), _tensors(dst)
+    s, d = checkpoint_tensors(src), checkpoint_tensors(dst)
     p = "language_model.model.layers"
     for layer, keep in KEEP.items():
         rows = torch.tensor(keep)

@@ -14,13 +14,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from conftest import ROOT
-from helpers import kimi_moe_block
-from kconvert.cli import main
+from helpers import (
+    add_at,
+    assert_audit_passes,
+    assert_moe_blocks_route_as_written,
+    audit_json,
+    checkpoint_tensors,
+    cli_inproc,
+    edit_tensor,
+    write_input_ids,
+)
 from kconvert.cli.base import REPAIRS as CLI_REPAIRS
 from kconvert.errors import KconvertError
 from kconvert.io.checkpoint import open_checkpoint
@@ -28,7 +33,7 @@ from kconvert.options import REPAIRS
 from kconvert.pruning.plan import PLAN_FILE, load_plan, parse_plan
 from kconvert.pruning.reap import row_hashes
 from kconvert.stages.prune import prune_stage
-from kconvert.testing.tiny_moe import corpus_ids, load_kimi_checkpoint, windows
+from kconvert.testing.tiny_moe import corpus_ids, windows
 
 SRC = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
 KEEP = 12
@@ -36,32 +41,16 @@ SEQ = 64
 
 
 def _reap(dst: Path, data: Path, *extra: str) -> None:
-    res = CliRunner().invoke(main, ["reap", str(SRC), str(dst), "--data", str(data), "--keep",
-                                    str(KEEP), "--samples", "12", "--seq-len", str(SEQ),
-                                    "--quiet", *extra])
+    res = cli_inproc("reap", SRC, dst, "--data", data, "--keep", KEEP, "--samples", "12",
+                     "--seq-len", SEQ, "--quiet", *extra)
     assert res.exit_code == 0, res.output
-
-
-def _tensors(d: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as h:
-            out.update({k: h.get_tensor(k).clone() for k in h.keys()})
-    return out
-
-
-def _audit(ckpt: Path, *args: str) -> tuple[int, dict]:
-    res = CliRunner().invoke(main, ["audit", str(ckpt), "--json", "--quiet", *args])
-    assert res.exit_code in (0, 1), res.output
-    return res.exit_code, json.loads(res.stdout)
 
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("repair")
-    data = root / "calib.jsonl"
     ids = windows(corpus_ids("train"), 12, SEQ, torch.Generator().manual_seed(3))
-    data.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in ids))
+    data = write_input_ids(root / "calib.jsonl", ids)
     out = {"data": data}
     for method in ("none", "bias", "router"):
         out[method] = root / method
@@ -95,7 +84,7 @@ def test_repaired_rows_are_recorded_and_differ_from_source(made, method):
     assert plan.repair == method
     manifest = json.loads((made[method] / "kconvert-manifest.json").read_text())
     assert method in json.dumps(manifest["options"])
-    out, src = _tensors(made[method]), _tensors(SRC)
+    out, src = checkpoint_tensors(made[method]), checkpoint_tensors(SRC)
     applied = 0
     for key, entry in plan.layers.items():
         rec = entry.repair
@@ -122,21 +111,12 @@ def test_repaired_rows_are_recorded_and_differ_from_source(made, method):
 
 @pytest.mark.parametrize("method", ["bias", "router"])
 def test_repaired_output_loads_in_transformers_and_routes_as_written(made, method):
-    dst = made[method]
-    cfg = json.loads((dst / "config.json").read_text())
-    model = load_kimi_checkpoint(dst)
-    t = _tensors(dst)
-    x = torch.randn(64, cfg["hidden_size"], generator=torch.Generator().manual_seed(0))
-    for layer in range(cfg["first_k_dense_replace"], cfg["num_hidden_layers"]):
-        with torch.no_grad():
-            got = model.model.layers[layer].mlp(x[None])[0]
-        torch.testing.assert_close(got, kimi_moe_block(x, t, layer, cfg), atol=1e-5, rtol=1e-5)
+    assert_moe_blocks_route_as_written(made[method], tokens=64, tol=1e-5)
 
 
 @pytest.mark.parametrize("method", ["bias", "router"])
 def test_audit_passes_on_repaired_output(made, method):
-    code, report = _audit(made[method], "--source", str(SRC))
-    assert code == 0, report["failures"]
+    assert_audit_passes(made[method], "--source", str(SRC))
 
 
 def test_audit_names_layer_and_row_of_an_altered_repaired_row(made, tmp_path):
@@ -146,12 +126,8 @@ def test_audit_names_layer_and_row_of_an_altered_repaired_row(made, tmp_path):
     name = f"model.layers.{layer}.mlp.gate.weight"
     index = json.loads((dst / "model.safetensors.index.json").read_text())
     shard = dst / index["weight_map"][name]
-    with safe_open(str(shard), "pt") as h:
-        tensors = {k: h.get_tensor(k).clone() for k in h.keys()}
-        meta = h.metadata()
-    tensors[name][5, 3] += 0.25
-    save_file(tensors, str(shard), metadata=meta)
-    code, report = _audit(dst, "--source", str(SRC))
+    edit_tensor(shard, name, add_at((5, 3), 0.25))
+    code, report = audit_json(dst, "--source", str(SRC))
     assert code == 1
     found = [f for f in report["failures"] if f["group"] == "source" and f["check"] == "router"]
     assert len(found) == 1, report["failures"]
@@ -170,8 +146,7 @@ def test_a_repaired_plan_file_alone_is_refused(made):
 
 def test_repair_without_data_is_refused(made, tmp_path):
     plan = made["none"] / PLAN_FILE
-    res = CliRunner().invoke(main, ["reap", str(SRC), str(tmp_path / "o"), "--plan", str(plan),
-                                    "--repair", "bias"])
+    res = cli_inproc("reap", SRC, tmp_path / "o", "--plan", plan, "--repair", "bias")
     assert res.exit_code != 0 and "--data" in res.output
 
 

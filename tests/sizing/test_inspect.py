@@ -9,11 +9,9 @@ import re
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 import kconvert
-from helpers import data_bytes, st_header
-from kconvert.cli import main
+from helpers import cli_inproc, data_bytes, st_header
 from kconvert.errors import KconvertError
 from kconvert.testing.fixture_weights import FixtureDims
 from kconvert.testing.header_only import KIMI_K2_THINKING, kimi_int4_shards, write_header_only
@@ -45,14 +43,13 @@ def selected(sizes: dict[str, int], pattern: str) -> int:
 @pytest.fixture(scope="module")
 def outputs(fixture_dir, tmp_path_factory):
     """Real outputs of the commands whose sizes inspect predicts, made by the CLI."""
-    runner = CliRunner()
     made = {}
 
     def make(key: str, variant: str, *args: str) -> Path:
         if key not in made:
             dst = tmp_path_factory.mktemp(key) / "out"
-            res = runner.invoke(main, [args[0], str(fixture_dir(variant)), str(dst),
-                                       *args[1:], "--device", "cpu", "--quiet"])
+            res = cli_inproc(args[0], fixture_dir(variant), dst, *args[1:], "--device", "cpu",
+                             "--quiet")
             assert res.exit_code == 0, res.output
             made[key] = dst
         return made[key]
@@ -170,14 +167,14 @@ def test_bad_combinations_are_usage_errors(fixture_dir):
                           ({"keep": 2}, "fewer than num_experts_per_tok")):
         with pytest.raises(KconvertError, match=re.escape(words)):
             kconvert.inspect(src, **kwargs)
-    res = CliRunner().invoke(main, ["inspect", src, "--p48", "dense", "--as", "bf16"])
+    res = cli_inproc("inspect", src, "--p48", "dense", "--as", "bf16")
     assert res.exit_code != 0 and "--p48 writes NVFP4" in res.output
 
 
 def test_cli_json_is_the_api_report(fixture_dir):
     src = str(fixture_dir("k25-int4"))
     args = ["--as", "nvfp4", "--gpus", "4", "--pp", "2", "--gpu-mem", "0.01", "--context", "50"]
-    res = CliRunner().invoke(main, ["inspect", src, *args, "--json"])
+    res = cli_inproc("inspect", src, *args, "--json")
     assert res.exit_code == 0, res.output
     data = json.loads(res.output)
     api = kconvert.inspect(src, as_format="nvfp4", gpus=4, pp=2, gpu_mem=0.01, context=50)
@@ -187,7 +184,7 @@ def test_cli_json_is_the_api_report(fixture_dir):
     for key in ("kv_bytes_per_token", "per_gpu_bytes", "max_context_tokens"):
         assert isinstance(data[key], int)
     assert data["parallelism"]["tp"] == 2 and data["context"]["tokens"] == 50
-    table = CliRunner().invoke(main, ["inspect", src, *args])
+    table = cli_inproc("inspect", src, *args)
     assert "routed_experts" in table.output and "longest context" in table.output
 
 

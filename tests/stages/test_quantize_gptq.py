@@ -15,11 +15,9 @@ import json
 
 import pytest
 import torch
-from click.testing import CliRunner
 
 from conftest import BUNDLED, ROOT
-from helpers import obs_problem
-from kconvert.cli import main
+from helpers import assert_audit_passes, cli_inproc, obs_problem, write_input_ids
 from kconvert.formats import nvfp4
 from kconvert.methods import obs
 from oracles import raw_tensors, sparsegpt_inverse_reference, sparsegpt_per_column
@@ -107,15 +105,9 @@ def test_gptq_judged_on_held_out_tokens():
 
 
 def _data(tmp_path, vocab: int):
-    data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"input_ids": [(7 * i + j) % vocab for j in range(16)]})
-                            + "\n" for i in range(4)))
+    data = write_input_ids(tmp_path / "d.jsonl", ([(7 * i + j) % vocab for j in range(16)]
+                                                  for i in range(4)))
     return data
-
-
-def _run(*args: str) -> tuple[int, str]:
-    res = CliRunner().invoke(main, [*args, "--device", "cpu", "--quiet"])
-    return res.exit_code, res.output
 
 
 def test_int4_to_nvfp4_gptq_end_to_end(tmp_path):
@@ -124,11 +116,13 @@ def test_int4_to_nvfp4_gptq_end_to_end(tmp_path):
     against the source clean; `--method rtn` writes exactly the default run's bytes."""
     data = _data(tmp_path, 64)
     gptq, rtn, default = tmp_path / "gptq", tmp_path / "rtn", tmp_path / "default"
-    code, out = _run("int4-to-nvfp4", str(BUNDLED), str(gptq), "--method", "gptq", "--data",
-                     str(data), "--seq-len", "16", "--samples", "4")
-    assert code == 0, out
-    assert _run("int4-to-nvfp4", str(BUNDLED), str(rtn), "--method", "rtn")[0] == 0
-    assert _run("int4-to-nvfp4", str(BUNDLED), str(default))[0] == 0
+    res = cli_inproc("int4-to-nvfp4", BUNDLED, gptq, "--method", "gptq", "--data", data,
+                     "--seq-len", "16", "--samples", "4", "--device", "cpu", "--quiet")
+    assert res.exit_code == 0, res.output
+    assert cli_inproc("int4-to-nvfp4", BUNDLED, rtn, "--method", "rtn", "--device", "cpu",
+                      "--quiet").exit_code == 0
+    assert cli_inproc("int4-to-nvfp4", BUNDLED, default, "--device", "cpu",
+                      "--quiet").exit_code == 0
     assert raw_tensors(rtn) == raw_tensors(default)
     man = json.loads((gptq / "kconvert-manifest.json").read_text())
     assert man["options"]["quantize"]["method"] == "gptq"
@@ -145,8 +139,7 @@ def test_int4_to_nvfp4_gptq_end_to_end(tmp_path):
     for module, c in man["obs"].items():
         same = got[f"{module}.weight_packed"] == ref[f"{module}.weight_packed"]
         assert same == (c["method"] == "rtn") or (same and c["method"] == "gptq")
-    code, out = _run("audit", str(gptq), "--source", str(BUNDLED))
-    assert code == 0, out
+    assert_audit_passes(gptq, "--source", BUNDLED)
 
 
 def test_quantize_gptq_shared_expert_and_usage(tmp_path):
@@ -157,10 +150,10 @@ def test_quantize_gptq_shared_expert_and_usage(tmp_path):
     vocab = json.loads((TINY_MOE / "config.json").read_text())["vocab_size"]
     data = _data(tmp_path, vocab)
     dst = tmp_path / "q"
-    code, out = _run("quantize", str(TINY_MOE), str(dst), "--method", "gptq", "--data",
-                     str(data), "--seq-len", "16", "--samples", "4", "--targets",
-                     "experts,shared_experts,attention")
-    assert code == 0, out
+    res = cli_inproc("quantize", TINY_MOE, dst, "--method", "gptq", "--data", data, "--seq-len",
+                     "16", "--samples", "4", "--targets", "experts,shared_experts,attention",
+                     "--device", "cpu", "--quiet")
+    assert res.exit_code == 0, res.output
     man = json.loads((dst / "kconvert-manifest.json").read_text())
     assert man["options"]["quantize"]["gptq_targets"] == ["attention", "routed_expert",
                                                           "shared_expert"]
@@ -171,17 +164,19 @@ def test_quantize_gptq_shared_expert_and_usage(tmp_path):
     assert {c["judged_on"] for c in man["obs"].values()} == {"calibration"}
     assert all(c["gptq_error"] < c["rtn_error"] or c["method"] == "rtn"
                for c in man["obs"].values())
-    code, out = _run("audit", str(dst), "--source", str(TINY_MOE))
-    assert code == 0, out
-    code, out = _run("quantize", str(TINY_MOE), str(tmp_path / "a"), "--data", str(data))
-    assert code == 2 and "--data serves --method gptq" in out
+    assert_audit_passes(dst, "--source", TINY_MOE)
+    res = cli_inproc("quantize", TINY_MOE, tmp_path / "a", "--data", data, "--device", "cpu",
+                     "--quiet")
+    assert res.exit_code == 2 and "--data serves --method gptq" in res.output
     for command, src in (("quantize", TINY_MOE), ("int4-to-nvfp4", BUNDLED)):
-        code, out = _run(command, str(src), str(tmp_path / "b"), "--method", "gptq")
-        assert code == 2 and "--method gptq needs calibration data" in out, out
+        res = cli_inproc(command, src, tmp_path / "b", "--method", "gptq", "--device", "cpu",
+                         "--quiet")
+        assert res.exit_code == 2, res.output
+        assert "--method gptq needs calibration data" in res.output, res.output
         assert not (tmp_path / "b").exists()
-    code, out = _run("run", "quantize", str(TINY_MOE), str(tmp_path / "c"), "--method",
-                     "sparsegpt")
-    assert code == 2 and "is a sparsify method" in out
+    res = cli_inproc("run", "quantize", TINY_MOE, tmp_path / "c", "--method", "sparsegpt",
+                     "--device", "cpu", "--quiet")
+    assert res.exit_code == 2 and "is a sparsify method" in res.output
 
 
 def test_gptq_is_nvfp4_only(tmp_path):
@@ -189,12 +184,14 @@ def test_gptq_is_nvfp4_only(tmp_path):
     error before any write, and int4-to-mxfp4 offers no --method."""
     data = _data(tmp_path, 64)
     dst = tmp_path / "mx"
-    code, out = _run("quantize", str(BUNDLED), str(dst), "--format", "quark-mxfp4", "--method",
-                     "gptq", "--data", str(data), "--seq-len", "16", "--samples", "4")
-    assert code == 2 and "--method gptq writes NVFP4" in out, out
+    res = cli_inproc("quantize", BUNDLED, dst, "--format", "quark-mxfp4", "--method", "gptq",
+                     "--data", data, "--seq-len", "16", "--samples", "4", "--device", "cpu",
+                     "--quiet")
+    assert res.exit_code == 2 and "--method gptq writes NVFP4" in res.output, res.output
     assert not dst.exists() or not any(dst.iterdir())
-    code, out = _run("int4-to-mxfp4", str(BUNDLED), str(dst), "--method", "gptq")
-    assert code == 2 and "--method" in out
+    res = cli_inproc("int4-to-mxfp4", BUNDLED, dst, "--method", "gptq", "--device", "cpu",
+                     "--quiet")
+    assert res.exit_code == 2 and "--method" in res.output
 
 
 def test_quantize_gptq_holds_tokens_out_where_there_are_enough(tmp_path):
@@ -203,13 +200,12 @@ def test_quantize_gptq_holds_tokens_out_where_there_are_enough(tmp_path):
     vocab = json.loads((TINY_MOE / "config.json").read_text())["vocab_size"]
     data = tmp_path / "d.jsonl"
     g = torch.Generator().manual_seed(0)
-    data.write_text("".join(json.dumps({"input_ids": torch.randint(0, vocab, (64,), generator=g)
-                                        .tolist()}) + "\n" for _ in range(32)))
+    write_input_ids(data, (torch.randint(0, vocab, (64,), generator=g) for _ in range(32)))
     dst = tmp_path / "q"
-    code, out = _run("quantize", str(TINY_MOE), str(dst), "--method", "gptq", "--data",
-                     str(data), "--seq-len", "64", "--samples", "32", "--targets",
-                     "experts,shared_experts")
-    assert code == 0, out
+    res = cli_inproc("quantize", TINY_MOE, dst, "--method", "gptq", "--data", data, "--seq-len",
+                     "64", "--samples", "32", "--targets", "experts,shared_experts", "--device",
+                     "cpu", "--quiet")
+    assert res.exit_code == 0, res.output
     judged = {m: c["judged_on"] for m, c in json.loads(
         (dst / "kconvert-manifest.json").read_text())["obs"].items()}
     assert {j for m, j in judged.items() if ".shared_experts." in m} == {"held-out"}

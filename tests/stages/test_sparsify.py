@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 from compressed_tensors.quantization import QuantizationConfig
 from nvfp4_reference import p48_keep
 
-from kconvert.cli import main
+from helpers import assert_audit_passes, checkpoint_tensors, cli_inproc
 from kconvert.formats.nvfp4_ct import Nvfp4Codec
 from kconvert.formats.nvfp4_pair_bitmask import (
     Nvfp4PairBitmaskCodec,
@@ -35,23 +34,10 @@ from oracles import (
     expert_modules,
     int4_scheme,
     kconvert_nvfp4,
-    load_tensors,
     raw_tensors,
 )
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-
-
-def run_cli(*args: str) -> None:
-    res = CliRunner().invoke(main, [*args, "--quiet"], catch_exceptions=False)
-    assert res.exit_code == 0, res.output
-
-
-def audit_ok(dst: Path, src: Path | None = None) -> str:
-    args = ["audit", str(dst)] + (["--source", str(src)] if src else [])
-    res = CliRunner().invoke(main, args, catch_exceptions=False)
-    assert res.exit_code == 0, res.output
-    return res.output
 
 
 def reference_decode(packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
@@ -82,9 +68,11 @@ def sparsified(fixture_dir, tmp_path_factory):
         if name not in out:
             dst = tmp_path_factory.mktemp(name) / "out"
             if recipe:
-                run_cli("run", recipe, str(source), str(dst), *opts)
+                res = cli_inproc("run", recipe, source, dst, *opts, "--quiet")
+                assert res.exit_code == 0, res.output
             else:
-                run_cli("sparsify", str(source), str(dst), "--pattern", "p48", *opts)
+                res = cli_inproc("sparsify", source, dst, "--pattern", "p48", *opts, "--quiet")
+                assert res.exit_code == 0, res.output
             out[name] = dst
         return out[name]
 
@@ -96,8 +84,8 @@ def test_every_chunk_keeps_its_two_best_pairs(sparsified):
     the largest |w| pairs of compressed-tensors' own decompression of the INT4 source."""
     src, make = sparsified
     dst = make("magnitude", "--method", "magnitude")
-    source = by_module(load_tensors(src))
-    out = by_module(load_tensors(dst))
+    source = by_module(checkpoint_tensors(src))
+    out = by_module(checkpoint_tensors(dst))
     scheme = int4_scheme(src)
     experts = expert_modules(out)
     assert experts
@@ -125,8 +113,8 @@ def test_every_chunk_keeps_its_two_best_pairs(sparsified):
 def test_audit_checks_every_chunk_and_catches_a_bad_byte(sparsified, tmp_path):
     src, make = sparsified
     dst = make("magnitude", "--method", "magnitude")
-    report = audit_ok(dst, src)
-    assert "p48" in report
+    report = assert_audit_passes(dst, "--source", src)
+    assert report["checks"]["p48"]["run"] > 0
     manifest = read_manifest(dst / "kconvert-manifest.json")
     assert manifest.options["sparsify"]["pattern"] == "p48"
     # Write -0 (0x08) into a pruned pair of one expert: the bytes are no longer p48.
@@ -143,7 +131,7 @@ def test_audit_checks_every_chunk_and_catches_a_bad_byte(sparsified, tmp_path):
     blob = (bad / shard).read_bytes()
     at = blob.index(data)
     (bad / shard).write_bytes(blob[:at + zero_at] + b"\x08" + blob[at + zero_at + 1:])
-    res = CliRunner().invoke(main, ["audit", str(bad)])
+    res = cli_inproc("audit", bad)
     assert res.exit_code != 0
     assert name.rsplit(".", 1)[0] in res.output
 
@@ -155,7 +143,7 @@ def test_output_decodes_like_compressed_tensors_and_a_written_out_reference(spar
     cfg = json.loads((dst / "config.json").read_text())
     qc = QuantizationConfig.model_validate(cfg["quantization_config"])
     assert "sparsity_config" not in cfg["quantization_config"]
-    out = by_module(load_tensors(dst))
+    out = by_module(checkpoint_tensors(dst))
     for module in expert_modules(out).values():
         sd = out[module]
         scheme = ct_scheme_for(module, qc)
@@ -166,7 +154,7 @@ def test_output_decodes_like_compressed_tensors_and_a_written_out_reference(spar
         assert torch.equal(ours, ref)
         if group == "16":  # compressed-tensors' own decompression (its compressor: group 16)
             assert torch.equal(ct_nvfp4_fp32(sd, scheme), ours)
-    audit_ok(dst, src)
+    assert_audit_passes(dst, "--source", src)
 
 
 def test_pair_bitmask_round_trip_is_byte_exact_and_smaller(sparsified, tmp_path):
@@ -176,9 +164,10 @@ def test_pair_bitmask_round_trip_is_byte_exact_and_smaller(sparsified, tmp_path)
         sparse = make(f"g{group}-bitmask", "--group-size", group, "--storage", "pair-bitmask")
         cfg = json.loads((sparse / "config.json").read_text())["quantization_config"]
         assert cfg["paired48_sparse"] == {"layout": "pair-bitmask", "version": 1}
-        audit_ok(sparse, src)
+        assert_audit_passes(sparse, "--source", src)
         back = tmp_path / f"back{group}"
-        run_cli("densify", str(sparse), str(back))
+        res = cli_inproc("densify", sparse, back, "--quiet")
+        assert res.exit_code == 0, res.output
         assert raw_tensors(back) == raw_tensors(dense)
         assert json.loads((back / "config.json").read_text()) == json.loads(
             (dense / "config.json").read_text())
@@ -191,7 +180,7 @@ def test_pair_bitmask_round_trip_is_byte_exact_and_smaller(sparsified, tmp_path)
         print(f"group {group}: pair-bitmask expert bytes = {ratio:.4f} x dense")
         assert 0.63 < ratio < 0.68
         # The layout itself, on the bytes: kept bytes in K order, 2 bits per chunk.
-        mods = by_module(load_tensors(sparse))
+        mods = by_module(checkpoint_tensors(sparse))
         module = next(iter(expert_modules(mods).values()))
         sd = mods[module]
         bits = torch.stack((sd["weight_sparse_mask"] & 0xF, sd["weight_sparse_mask"] >> 4),
@@ -221,10 +210,12 @@ def test_one_pass_equals_stages_one_after_another(sparsified, tmp_path):
     one = make("one-pass", "--group-size", "32", "--storage", "pair-bitmask",
                recipe="int4-p48-nvfp4")
     f32 = tmp_path / "f32"
-    run_cli("dequant", str(src), str(f32), "--dtype", "F32")
+    res = cli_inproc("dequant", src, f32, "--dtype", "F32", "--quiet")
+    assert res.exit_code == 0, res.output
     staged = tmp_path / "staged"
-    run_cli("sparsify", str(f32), str(staged), "--group-size", "32", "--storage",
-            "pair-bitmask")
+    res = cli_inproc("sparsify", f32, staged, "--group-size", "32", "--storage", "pair-bitmask",
+                     "--quiet")
+    assert res.exit_code == 0, res.output
     assert raw_tensors(one) == raw_tensors(staged)
 
     plan = tmp_path / "plan.json"
@@ -233,13 +224,16 @@ def test_one_pass_equals_stages_one_after_another(sparsified, tmp_path):
     plan.write_text(json.dumps({"criterion": "manual", "layers": {
         str(layer): {"keep": keep} for layer in (1, 2)}}))
     pruned_one = tmp_path / "pruned-one"
-    run_cli("run", "reap-p48-nvfp4", str(src), str(pruned_one), "--plan", str(plan))
+    res = cli_inproc("run", "reap-p48-nvfp4", src, pruned_one, "--plan", plan, "--quiet")
+    assert res.exit_code == 0, res.output
     pruned = tmp_path / "pruned"
-    run_cli("reap", str(src), str(pruned), "--plan", str(plan))
+    res = cli_inproc("reap", src, pruned, "--plan", plan, "--quiet")
+    assert res.exit_code == 0, res.output
     pruned_staged = tmp_path / "pruned-staged"
-    run_cli("sparsify", str(pruned), str(pruned_staged))
+    res = cli_inproc("sparsify", pruned, pruned_staged, "--quiet")
+    assert res.exit_code == 0, res.output
     assert raw_tensors(pruned_one) == raw_tensors(pruned_staged)
-    audit_ok(pruned_one, src)
+    assert_audit_passes(pruned_one, "--source", src)
 
 
 def test_sparsify_refuses_what_it_cannot_do(sparsified, tmp_path):
@@ -250,6 +244,6 @@ def test_sparsify_refuses_what_it_cannot_do(sparsified, tmp_path):
         (["--storage", "pair-bitmask", "--format", "modelopt"], "compressed-tensors"),
     ]
     for i, (opts, said) in enumerate(cases):
-        res = CliRunner().invoke(main, ["sparsify", str(src), str(tmp_path / str(i)), *opts])
+        res = cli_inproc("sparsify", src, tmp_path / str(i), *opts)
         assert res.exit_code != 0 and said in res.output, res.output
         assert not (tmp_path / str(i) / "kconvert-manifest.json").exists()

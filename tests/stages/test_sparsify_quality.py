@@ -13,9 +13,9 @@ held-out text by code that is not kconvert's: transformers' own model routes the
 from __future__ import annotations
 
 import torch
-from safetensors import safe_open
 
 from conftest import ROOT
+from helpers import checkpoint_tensors
 from kconvert.calibrate.run import measure_stats as calibrate
 from kconvert.calibrate.stats import save_stats
 from kconvert.convert import RunControl, convert
@@ -37,13 +37,10 @@ PROJS = ("gate_proj", "up_proj", "down_proj")
 def _weights(d, layer: int) -> dict[tuple[int, str], torch.Tensor]:
     """Routed expert weights of one layer, fp32, straight from a dense checkpoint's files."""
     out = {}
-    for path in sorted(d.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                parts = name.split(".")
-                if name.startswith(f"model.layers.{layer}.mlp.experts.") and name.endswith(
-                        ".weight"):
-                    out[(int(parts[5]), parts[6])] = f.get_tensor(name).float()
+    for name, t in checkpoint_tensors(d).items():
+        parts = name.split(".")
+        if name.startswith(f"model.layers.{layer}.mlp.experts.") and name.endswith(".weight"):
+            out[(int(parts[5]), parts[6])] = t.float()
     return out
 
 
@@ -121,6 +118,6 @@ def test_sparsegpt_beats_wanda_beats_magnitude(tmp_path):
     assert rec["dense-nvfp4"] < rec["sparsegpt"]  # half the pairs gone must cost something
     # The two Hessian sources tie on the whole model's loss (within 0.0003 here and by
     # `kconvert eval`'s KL); the default (source) costs one forward per layer, not two
-    # (scripts/results/sparsegpt_hessian_tiny_moe.md).
+    # (benchmarks/results/sparsegpt_hessian_tiny_moe.md).
     loss = {k: dl for k, (_, dl) in results.items()}
     assert abs(loss["sparsegpt"] - loss["sparsegpt-sequential"]) <= 0.002

@@ -16,14 +16,12 @@ import json
 
 import pytest
 import torch
-from click.testing import CliRunner
 from nvfp4_reference import sparsegpt_inverse, sparsegpt_p48_nvfp4
 
 from conftest import BUNDLED, ROOT
-from helpers import obs_problem
+from helpers import assert_audit_passes, cli_inproc, obs_problem, write_input_ids
 from kconvert import options
 from kconvert.cli import base as cli
-from kconvert.cli import main
 from kconvert.errors import KconvertError
 from kconvert.formats import nvfp4
 from kconvert.io.checkpoint import open_checkpoint
@@ -133,20 +131,15 @@ def test_sequential_hessians_follow_the_compressed_layers():
 def test_hessian_option_is_recorded_and_refused_without_sparsegpt(tmp_path):
     assert cli.HESSIANS == options.HESSIANS  # one list, kconvert.options (no mirror)
     assert SparseGpt.settings == ("hessian",)  # the default: options.HESSIANS[0]
-    data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"input_ids": list(range(i, i + 16))}) + "\n"
-                            for i in range(2)))
-    runner = CliRunner()
+    data = write_input_ids(tmp_path / "d.jsonl", (list(range(i, i + 16)) for i in range(2)))
     for mode in ("source", "sequential"):
         dst = tmp_path / mode
-        res = runner.invoke(main, ["sparsify", str(BUNDLED), str(dst), "--method", "sparsegpt",
-                                   "--hessian", mode, "--data", str(data), "--seq-len", "16",
-                                   "--samples", "2", "--device", "cpu", "--quiet"])
+        res = cli_inproc("sparsify", BUNDLED, dst, "--method", "sparsegpt", "--hessian", mode,
+                         "--data", data, "--seq-len", "16", "--samples", "2", "--device", "cpu",
+                         "--quiet")
         assert res.exit_code == 0, res.output
         manifest = json.loads((dst / "kconvert-manifest.json").read_text())
         assert manifest["options"]["sparsify"]["hessian"] == mode
-        res = runner.invoke(main, ["audit", str(dst)])
-        assert res.exit_code == 0, res.output
-    res = runner.invoke(main, ["sparsify", str(BUNDLED), str(tmp_path / "m"), "--hessian",
-                               "source", "--quiet"])
+        assert_audit_passes(dst)
+    res = cli_inproc("sparsify", BUNDLED, tmp_path / "m", "--hessian", "source", "--quiet")
     assert res.exit_code == 1 and "--hessian serves --method sparsegpt" in res.output

@@ -7,19 +7,11 @@ import json
 import torch
 from compressed_tensors.quantization import QuantizationConfig
 from compressed_tensors.quantization.utils import generate_gparam
-from safetensors import safe_open
 
 from conftest import BUNDLED
+from helpers import checkpoint_tensors
 from kconvert.convert import RunControl, convert
 from kconvert.recipes import load_recipe
-
-
-def _tensors(d):
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as h:
-            out.update({k: h.get_tensor(k) for k in h.keys()})
-    return out
 
 
 def test_input_scales_from_activation_stats(tmp_path):
@@ -36,7 +28,7 @@ def test_input_scales_from_activation_stats(tmp_path):
         dst = tmp_path / fmt
         convert(str(BUNDLED), str(dst), load_recipe("int4-to-nvfp4"),
                 {"act_stats": str(stats), "format": fmt}, RunControl(quiet=True))
-        t = _tensors(dst)
+        t = checkpoint_tensors(dst)
         for layer in (1, 2):
             for e in range(16):
                 base = f"model.layers.{layer}.mlp.experts.{e}"

@@ -4,43 +4,38 @@ MXFP4 amax and mse, each W4A16 and W4A4 (activations quantized at run time, as s
 emulates them, kconvert/evaluate/activations.py), AMD's full recipe (routers too) and NVFP4
 mse, through the CLI's default path (`convert` with the `quantize` recipe and `--format` /
 `--activations` / `--targets`, as `kconvert quantize` runs it). NVFP4's W4A4 row (which needs
-calibration) is read from scripts/results/eval_tiny_moe_w4a4.json, measured by
-scripts/eval_pipelines.py on the same held-out sequences.
+calibration) is read from benchmarks/results/eval_tiny_moe_w4a4.json, measured by
+eval_pipelines on the same held-out sequences.
 
 Weight error: Kimi-K2-style INT4 experts (gate/up 2048x7168, down 7168x2048; codes by
 round-to-nearest of Gaussian weights on a per-32 bf16 scale, as an RTN INT4 release is made)
 decoded exactly, and the same Gaussian weights in BF16; the sum of squared error of the
 MXFP4 decode against the fp32 source, mse over amax. CPU, a few experts.
 
-    python scripts/mxfp4_quality.py [--experts 2] [--samples 64] [--seq-len 256]
-        [--out scripts/results/mxfp4_quality]   # -> .json and .md
+    python -m benchmarks mxfp4_quality [--experts 2] [--samples 64] [--seq-len 256]
+        [--out benchmarks/results/mxfp4_quality]   # -> .json and .md
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spin-waiting threads on a shared CPU
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks.harness import REPO, Timer, arguments, record
+from kconvert.convert import RunControl, convert
+from kconvert.evaluate.run import evaluate
+from kconvert.formats import mxfp4, nvfp4
+from kconvert.io.checkpoint import open_checkpoint
+from kconvert.recipes import load_recipe
+from kconvert.testing.tiny_moe import heldout_ids
 
-from kconvert.convert import RunControl, convert  # noqa: E402
-from kconvert.evaluate.run import evaluate  # noqa: E402
-from kconvert.formats import mxfp4, nvfp4  # noqa: E402
-from kconvert.io.checkpoint import open_checkpoint  # noqa: E402
-from kconvert.recipes import load_recipe  # noqa: E402
-from kconvert.testing.tiny_moe import heldout_ids  # noqa: E402
-
-SRC = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
+SRC = REPO / "tests" / "fixtures" / "tiny-moe-trained"
 SHAPES = {"gate/up": (2048, 7168), "down": (7168, 2048)}  # Kimi-K2's routed expert linears
 CANDIDATES = {  # name -> quantize settings (the CLI's --format / --block-scale / ...)
     "mxfp4-amax": {"format": "quark-mxfp4", "block_scale": "amax", "activations": "none"},
@@ -61,8 +56,8 @@ WHAT = {
     "mxfp4-amax-w4a4-routers": "AMD's recipe: experts and routers MXFP4 W4A4 (amax)",
     "nvfp4-mse": "NVFP4 W4A16 experts, block scales by mse",
 }
-# NVFP4 W4A4 (calibrated static input scales): its row of scripts/eval_pipelines.py's run.
-NVFP4_W4A4 = ROOT / "scripts" / "results" / "eval_tiny_moe_w4a4.json"
+# NVFP4 W4A4 (calibrated static input scales): its row of eval_pipelines's run.
+NVFP4_W4A4 = REPO / "benchmarks" / "results" / "eval_tiny_moe_w4a4.json"
 
 
 def int4_rtn(w: torch.Tensor) -> torch.Tensor:
@@ -80,7 +75,7 @@ def weight_errors(experts: int) -> dict:
     for label, (rows, cols) in SHAPES.items():
         w = torch.randn(experts, rows, cols, generator=gen) * 0.02
         for source, x in (("int4", int4_rtn(w)), ("bf16", w.bfloat16().float())):
-            t0 = time.perf_counter()
+            made = Timer()
             err = {r: float(mxfp4.quantize(x, r).err_sq.sum()) for r in mxfp4.RULES}
             nv = nvfp4.quantize(x, x.abs().amax(dim=(1, 2)), "mse")
             ref = float(x.double().square().sum())
@@ -89,7 +84,7 @@ def weight_errors(experts: int) -> dict:
                 "rel_err_amax": err["amax"] / ref, "rel_err_mse": err["mse"] / ref,
                 "mse_over_amax": err["mse"] / err["amax"],
                 "nvfp4_mse_rel_err": float(nv.err_sq.sum()) / ref,
-                "seconds": time.perf_counter() - t0}
+                "seconds": made.elapsed()}
             print(f"{label:8s} {source}: MXFP4 rel err amax {err['amax'] / ref:.5f}, "
                   f"mse {err['mse'] / ref:.5f} (ratio {err['mse'] / err['amax']:.4f}); "
                   f"NVFP4 mse {float(nv.err_sq.sum()) / ref:.5f}", flush=True)
@@ -130,14 +125,14 @@ def nvfp4_w4a4(samples: int, seq_len: int) -> dict | None:
                                           "nll_source", "nll_candidate")}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str]) -> None:
+    ap = arguments("mxfp4_quality", __doc__)
     ap.add_argument("--experts", type=int, default=2, help="experts per shape")
     ap.add_argument("--samples", type=int, default=64, help="held-out sequences")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "mxfp4_quality"))
-    a = ap.parse_args()
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "mxfp4_quality"))
+    a = ap.parse_args(argv)
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     weights = weight_errors(a.experts)
     kl = eval_candidates(a.samples, a.seq_len, a.batch_size)
@@ -146,13 +141,14 @@ def main() -> None:
     if nv is not None:
         kl["nvfp4-mse-w4a4"] = nv
         what["nvfp4-mse-w4a4"] = ("NVFP4 W4A4 experts (mse, calibrated input scales), from "
-                                  f"{NVFP4_W4A4.relative_to(ROOT)}")
-    result = {"weights": weights, "eval": kl, "what": what, "eval_data": {
+                                  f"{NVFP4_W4A4.relative_to(REPO)}")
+    result = {"record": record("mxfp4_quality", gpu=False), "weights": weights, "eval": kl,
+              "what": what, "eval_data": {
         "source": "tests/fixtures/tiny-moe-trained", "samples": a.samples,
         "seq_len": a.seq_len, "heldout_seed": 0, "dtype": "float32", "device": "cpu",
         "candidates": CANDIDATES}}
     Path(a.out + ".json").write_text(json.dumps(result, indent=2) + "\n")
-    lines = ["# MXFP4 block-scale rules (scripts/mxfp4_quality.py)", "",
+    lines = ["# MXFP4 block-scale rules (benchmarks/quality/mxfp4_quality.py)", "",
              "| weights | MXFP4 amax rel err | MXFP4 mse rel err | mse / amax | "
              "NVFP4 mse rel err |",
              "|---|---|---|---|---|"]
@@ -167,7 +163,3 @@ def main() -> None:
               f"{v['top1_agreement']:.4f} | {v['nll_candidate']:.4f} |" for k, v in kl.items()]
     Path(a.out + ".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-
-
-if __name__ == "__main__":
-    main()

@@ -10,25 +10,20 @@ beats RTN, `obs.quantize_batches`), Hessians from the calibration tokens (down's
 source gate/up, `--hessian source`); then the layer output sum_e g_e down_e(silu(gate_e x) *
 up_e x) of each is compared with the INT4 layer's on calibration and on held-out tokens.
 
-    python scripts/obs_layer_error.py [--experts 4] [--tokens 2800]
-        [--out scripts/results/obs_layer_error_cpu.json]
+    python -m benchmarks obs_layer_error [--experts 4] [--tokens 2800]
+        [--out benchmarks/results/obs_layer_error_cpu.json]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
-import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from kconvert.formats import nvfp4  # noqa: E402
-from kconvert.methods import obs  # noqa: E402
+from benchmarks.harness import REPO, Timer, arguments, record
+from kconvert.formats import nvfp4
+from kconvert.methods import obs
 
 HIDDEN, INTER = 7168, 2048
 
@@ -54,15 +49,15 @@ def decoded(w: torch.Tensor, codes: torch.Tensor | None) -> torch.Tensor:
     return nvfp4.dequantize(q.packed, q.block_scales, q.global_scale)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str]) -> None:
+    ap = arguments("obs_layer_error", __doc__)
     ap.add_argument("--experts", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=2800, help="calibration tokens per expert")
-    ap.add_argument("--out", default=str(ROOT / "scripts" / "results" /
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" /
                                          "obs_layer_error_cpu.json"))
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     torch.set_num_threads(2)
-    t0 = time.perf_counter()
+    timer = Timer()
     gen = torch.Generator().manual_seed(0)
     mix = torch.randn(HIDDEN, HIDDEN, generator=gen) / HIDDEN ** 0.5 * 0.5 + torch.eye(HIDDEN)
     chan = torch.randn(HIDDEN, generator=gen).mul(0.5).exp()
@@ -99,15 +94,12 @@ def main() -> None:
                 err[method][part] += float(d.square().sum(dtype=torch.float64))
         print(f"expert {e}: {choices[-2:]}, errors so far {err}, reference {ref}", flush=True)
     rel = {m: {p: v / ref[p] for p, v in parts.items()} for m, parts in err.items()}
-    res = {"experts": a.experts, "tokens_per_expert": a.tokens, "hidden": HIDDEN,
+    res = {"record": record("obs_layer_error", gpu=False), "experts": a.experts,
+           "tokens_per_expert": a.tokens, "hidden": HIDDEN,
            "inter": INTER, "relative_output_error": rel,
            "gptq_over_rtn": {p: rel["gptq"][p] / rel["rtn"][p] for p in ref},
-           "choices": choices, "seconds": round(time.perf_counter() - t0, 1),
-           "command": f"python scripts/obs_layer_error.py --experts {a.experts} --tokens "
+           "choices": choices, "seconds": round(timer.elapsed(), 1),
+           "command": f"python -m benchmarks obs_layer_error --experts {a.experts} --tokens "
                       f"{a.tokens}"}
     Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in res.items() if k != "choices"}, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+    print(json.dumps({k: v for k, v in res.items() if k not in ("choices", "record")}, indent=1))

@@ -2,10 +2,10 @@
 
     git archive REV kconvert pipelines | tar -x -C /tmp/old      # a tree to compare with
     ROOT=/tmp/kbench OUT=... VARIANTS="old=/tmp/old,cuda new=.,cuda old=/tmp/old,cuda new=.,cuda" \
-        python scripts/bench_ab.py
+        python -m benchmarks ab
 
-Builds ROOT/src as bench_convert.py does (anchor_convert.make_src: 15.5 GB with DIMS=full,
-MOE_LAYERS=1; DIMS=tiny makes a tiny set, to check the script in seconds) if it is not there.
+Builds ROOT/src as `convert full` does (anchor_convert.make_src: 15.5 GB with DIMS=full,
+MOE_LAYERS=1; DIMS=tiny makes a tiny set, to check the bench in seconds) if it is not there.
 Each variant NAME=TREE,DEVICE runs `int4-to-nvfp4` (mse) from the kconvert package in TREE, page
 cache dropped first, timed in-process after imports (on the CPU also after numba's cached
 kernels are loaded), to os.sync(). Interleave the variants: this disk's speed drifts within a
@@ -16,25 +16,33 @@ copy -> transform item boundary (from one `compute` event to the next). A tree w
 has no timing events (before kconvert.events.TIMING_EVENTS, e.g. the tree before the
 packages) is timed by wall and peak RSS only: writer_busy and copy_to_xform_waits_s are null
 and `events` false.
-Writes OUT/ab.json.
+Writes OUT/ab_<device>_<date>_<code>.json.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
+import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_convert as bc
+from benchmarks.harness import (
+    child_env,
+    drop_page_cache,
+    kconvert_sha,
+    record,
+    result_path,
+    run_child,
+    save,
+)
+from benchmarks.synthetic import anchor_set
 
+# Runs with TREE first on its path (its working directory and PYTHONPATH), so kconvert is
+# TREE's; benchmarks comes from this repository.
 CHILD = r'''
 import contextlib, json, os, sys, time
-src, dst, tree, device, scripts = sys.argv[1:6]
-sys.path.insert(0, tree)
-sys.path.insert(1, scripts)
+src, dst, tree, device = sys.argv[1:5]
 import kconvert
 import kconvert.cli as cli
 assert kconvert.__file__.startswith(tree), kconvert.__file__
@@ -52,8 +60,8 @@ def listen(event, info):
 if timed:
     events.subscribe(listen, timings=True)
 if device == "cpu":
-    import bench_convert
-    bench_convert.load_cpu_kernels()
+    from benchmarks.inprocess import load_cpu_kernels
+    load_cpu_kernels()
 t = time.perf_counter()
 with contextlib.suppress(SystemExit):
     cli.main(["int4-to-nvfp4", src, dst, "--device", device, "--quiet", "--overwrite"],
@@ -69,27 +77,29 @@ print("RESULT", json.dumps({
 '''
 
 
-def main() -> None:
-    os.environ.setdefault("DIMS", "full")
-    os.environ.setdefault("MOE_LAYERS", "1")
-    root = bc.ROOT
+def main(argv: list[str]) -> None:
+    if argv:
+        raise SystemExit(__doc__)
+    root = Path(os.environ.get("ROOT", "/tmp/kbench"))
     root.mkdir(parents=True, exist_ok=True)
     src = root / "src"
     if not (src / "config.json").exists():
-        bc.load_anchor_ns()["make_src"](str(src))
+        anchor_set(src, os.environ.get("DIMS", "full"), int(os.environ.get("MOE_LAYERS", "1")))
+    rec = record("ab", scratch=root)
+    out = result_path(rec)
     results, hash_sets = [], {}
     for spec in os.environ["VARIANTS"].split():
         name, rest = spec.split("=", 1)
-        tree, device = rest.rsplit(",", 1)
-        bc.rm(root / "kc")
-        bc.drop_caches()
-        env = bc.env_with(**({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {}))
-        p = subprocess.run([sys.executable, "-c", CHILD, str(src), str(root / "kc"),
-                            str(Path(tree).resolve()), device, str(bc.REPO / "scripts")],
-                           env=env, capture_output=True, text=True, cwd=bc.REPO)
-        got = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT")]
-        r = {"variant": name, "device": device,
-             **(json.loads(got[-1][7:]) if got else {"error": p.stderr[-1500:]})}
+        tree_name, device = rest.rsplit(",", 1)
+        tree = Path(tree_name).resolve()
+        shutil.rmtree(root / "kc", ignore_errors=True)
+        drop_page_cache()
+        env = child_env(tree, **({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {}))
+        c = run_child([sys.executable, "-c", CHILD, src, root / "kc", tree, device], env=env,
+                      cwd=tree)
+        r = {"variant": name, "device": device, "tree": str(tree),
+             "kconvert_sha256": kconvert_sha(tree),
+             **(c.result or {"error": c.stderr[-1500:]})}
         manifest = root / "kc" / "kconvert-manifest.json"
         if manifest.is_file():
             tensors = json.loads(manifest.read_text())["tensors"]
@@ -97,10 +107,4 @@ def main() -> None:
             r["same_hashes_as_earlier_runs"] = hash_sets.setdefault(device, hashes) == hashes
         results.append(r)
         print(json.dumps(r), flush=True)
-        bc.OUT.mkdir(parents=True, exist_ok=True)
-        (bc.OUT / "ab.json").write_text(json.dumps(
-            {"machine": bc.machine(), "results": results}, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+        save({"record": rec, "results": results}, out)

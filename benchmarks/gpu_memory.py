@@ -1,14 +1,14 @@
-"""Benchmark: one GPU memory budget for every GPU command (issue 26 item 3, docs/gpu-memory.md)
-on the full-size one-MoE-layer set, in one device call.
+"""One GPU memory budget for every GPU command (issue 26 item 3, docs/gpu-memory.md) on the
+full-size one-MoE-layer set, in one device call.
 
 Device (one H100 80 GB; DEADLINE_S (510 s) ends a call within 9 minutes, the set included; the
 whole list is estimated at 9-11 minutes, so a second call with the same line on the same held
 machine may be needed for the last runs):
-    ROOT=/tmp/kbench python3 scripts/bench_gpu_memory.py $OUT/bench_gpu_memory.json
+    ROOT=/tmp/kbench python3 -m benchmarks gpu_memory $OUT/bench_gpu_memory.json
 CPU smoke test (tiny dims, --device cpu, a few minutes):
-    python scripts/bench_gpu_memory.py --tiny /tmp/bench_gpu_memory_tiny.json
+    python -m benchmarks gpu_memory --tiny /tmp/bench_gpu_memory_tiny.json
 
-Builds (or reuses) bench_calibrate's set in ROOT/calib-src (layer 0 dense, layer 1 MoE with 384
+Builds (or reuses) synthetic.kimi_set in ROOT/calib-src (layer 0 dense, layer 1 MoE with 384
 INT4 experts, Kimi-K2 shapes, a 16k vocabulary) and SEQS (128) random sequences of SEQ (2048)
 tokens, then runs each command in its own process through the command line, at its default
 options (but the data, and OBS_SAMPLES (16) calibration sequences for sparsegpt and gptq), once
@@ -22,17 +22,17 @@ and two induced out-of-memory cases of sparsify --method sparsegpt, each expecti
   oom-runtime  --gpu-memory 40GiB with HOG_GIB (36) GiB taken in the process before the
                command starts (memory the plan does not know of): the allocator runs out
                mid-run (GPU only)
-Per run: exit code, wall seconds, the budget (resolved in the command's process, as the
-command resolves it), torch.cuda.max_memory_reserved() and max_memory_allocated() of the
+Per run: exit code, wall seconds, peak RSS, the budget (resolved in the command's process, as
+the command resolves it), torch.cuda.max_memory_reserved() and max_memory_allocated() of the
 command's own process and whether the peak reserved is within the budget (the wrapper: this
-script run as `--child PEAK_JSON HOG_BYTES -- ARGS` imports kconvert's command line and runs
-ARGS in its own process; an atexit hook writes the figures when the command exits), the
-`-v` log's own "GPU memory: peak" line, nvidia-smi's peak memory.used of the card (the CUDA
-context and memory outside torch's allocator included), the command's notes and last lines,
-and for conversions whether DST holds a manifest. The JSON is rewritten after every run; a
-run that would start too close to DEADLINE_S (510 s after the start) is skipped and recorded,
-and the same command line on the same (still held) machine runs only what is missing (the
-set and ROOT/bench_gpu_memory.state.json are still there), writing every run to the JSON.
+bench run as `--child HOG_BYTES -- ARGS` imports kconvert's command line and runs ARGS in its
+own process; an atexit hook reports the figures when the command exits), the `-v` log's own
+"GPU memory: peak" line, nvidia-smi's peak memory.used of the card (the CUDA context and
+memory outside torch's allocator included), the command's notes and last lines, and for
+conversions whether DST holds a manifest. The JSON is rewritten after every run; a run that
+would start too close to DEADLINE_S (510 s after the start) is skipped and recorded, and the
+same command line on the same (still held) machine runs only what is missing (the set and
+ROOT/bench_gpu_memory.state.json are still there), writing every run to the JSON.
 `COMMANDS=gptq-linears` runs int4-to-nvfp4 --method gptq --targets experts,attention,dense_mlp
 (the attention and dense-MLP Hessians from forward hooks), only when named.
 Env: ROOT, SEQS, SEQ, OBS_SAMPLES, BUDGETS (default,40GiB), COMMANDS, HOG_GIB, DEADLINE_S,
@@ -41,32 +41,39 @@ TIMEOUT (per run, 300 s).
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import json
 import os
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
+from benchmarks.harness import (
+    GIB,
+    GpuSampler,
+    Timer,
+    arguments,
+    child_env,
+    record,
+    report,
+    result_path,
+    run_child,
+    save,
+)
+from benchmarks.synthetic import TINY, dims_from_env, kimi_set, random_ids, write_ids
 
-GIB = 1 << 30
 # Rough seconds of each run on one H100 (a run is skipped when less than this is left).
 EXPECT_S = {"calibrate": 35, "eval": 40, "reap": 45, "sparsify": 90, "gptq": 110,
             "gptq-linears": 120, "oom-refused": 20, "oom-runtime": 30}
 
 
-def child(peak_file: str, hog_bytes: int, argv: list[str]) -> None:
+def child(hog_bytes: int, argv: list[str]) -> None:
     """Run `kconvert ARGV` in this process (after taking `hog_bytes` of GPU memory); at exit
-    write the budget it resolves and torch's peak reserved/allocated GPU memory."""
+    report the budget it resolves and torch's peak reserved/allocated GPU memory."""
     import torch
 
     info: dict = {}
+    hog = None
     if torch.cuda.is_available() and "cpu" not in argv:
         from kconvert.gpu_budget import GpuRequest, size_option
 
@@ -75,18 +82,16 @@ def child(peak_file: str, hog_bytes: int, argv: list[str]) -> None:
         # before the hog: what the command resolves
         info["budget"] = GpuRequest(dev, size_option(spec)).context.budget
         info["card_bytes"] = torch.cuda.get_device_properties(dev).total_memory
+        info["hog_bytes"] = hog_bytes
         if hog_bytes:
-            info["hog"] = torch.empty(hog_bytes, dtype=torch.uint8, device=dev)
+            hog = torch.empty(hog_bytes, dtype=torch.uint8, device=dev)
 
-    def record() -> None:
-        info.pop("hog", None)
-        if "budget" in info:
-            info["max_memory_reserved"] = torch.cuda.max_memory_reserved()
-            info["max_memory_allocated"] = torch.cuda.max_memory_allocated()
-            info["hog_bytes"] = hog_bytes
-        Path(peak_file).write_text(json.dumps(info))
+    def at_exit() -> None:
+        nonlocal hog
+        hog = None
+        report(info)
 
-    atexit.register(record)
+    atexit.register(at_exit)
     from kconvert.cli import exit_now, main
 
     try:  # as the kconvert program runs it (kconvert.cli.run): exit handlers, then the exit
@@ -95,37 +100,26 @@ def child(peak_file: str, hog_bytes: int, argv: list[str]) -> None:
         exit_now(exc.code)
 
 
-def run(root: Path, name: str, argv: list[str], timeout: float, hog_bytes: int = 0,
+def run(name: str, argv: list[str], timeout: float, hog_bytes: int = 0,
         dst: Path | None = None) -> dict:
-    from bench_obs import GpuSampler
-
-    peak_file = root / f"peak-{name}.json"
-    peak_file.unlink(missing_ok=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(HERE.parent), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    t0 = time.perf_counter()
     with GpuSampler() as gpu:
-        try:
-            res = subprocess.run([sys.executable, __file__, "--child", str(peak_file),
-                                  str(hog_bytes), "--", *argv], capture_output=True, text=True,
-                                 env=env, timeout=timeout)
-            code, out = res.returncode, res.stdout + res.stderr
-        except subprocess.TimeoutExpired as exc:
-            code = "timeout"
-            out = "".join(x.decode() if isinstance(x, bytes) else x or ""
-                          for x in (exc.stdout, exc.stderr))
-    wall = round(time.perf_counter() - t0, 1)
-    peak = json.loads(peak_file.read_text()) if peak_file.is_file() else {}
-    lines = [ln for ln in out.splitlines() if ln.strip()]
-    got: dict = {"run": name, "argv": argv, "exit_code": code, "wall_s": wall, **peak,
+        c = run_child([sys.executable, "-m", "benchmarks", "gpu_memory", "--child",
+                       str(hog_bytes), "--", *argv], env=child_env(), timeout=timeout)
+    code = "timeout" if c.timed_out else c.rc
+    out = c.stdout + c.stderr
+    peak = c.result
+    lines = [ln for ln in out.splitlines() if ln.strip() and not ln.startswith("RESULT ")]
+    got: dict = {"run": name, "argv": argv, "exit_code": code, "wall_s": round(c.wall_s, 1),
+                 "peak_rss_gb": c.peak_rss_gb, **peak,
                  "notes": [ln for ln in lines if ln.startswith("note:")][-4:],
                  "peak_log": [ln for ln in lines if "GPU memory: peak" in ln][-1:],
                  "errors": [ln for ln in lines if ln.startswith("kconvert: error")
                             or "internal error" in ln or "Traceback" in ln][-3:],
                  **gpu.summary()}
-    if "budget" in peak and "max_memory_reserved" in peak:
-        got["within_budget"] = peak["max_memory_reserved"] <= peak["budget"]
-        got["peak_reserved_gib"] = round(peak["max_memory_reserved"] / GIB, 2)
+    reserved = c.peak_gpu_reserved_bytes
+    if "budget" in peak and reserved is not None:
+        got["within_budget"] = reserved <= peak["budget"]
+        got["peak_reserved_gib"] = round(reserved / GIB, 2)
         got["budget_gib"] = round(peak["budget"] / GIB, 2)
     if dst is not None:
         got["manifest"] = (dst / "kconvert-manifest.json").is_file()
@@ -142,7 +136,7 @@ def least_budget(src: Path, samples: int, seq: int) -> int:
     """The smallest budget whose SparseGPT plan fits on this set (kconvert.gpu_plan), found
     by bisection: one sequence per forward step, one expert per OBS batch at the least."""
     from kconvert.calibrate.plan import forward
-    from kconvert.engine.execute import GPU_ENCODE
+    from kconvert.engine.execute import gpu_encode
     from kconvert.gpu_plan import GpuMemoryError, Shapes, plan_conversion
     from kconvert.methods import obs
     from kconvert.options import BATCH_SIZE
@@ -154,35 +148,35 @@ def least_budget(src: Path, samples: int, seq: int) -> int:
     while lo < hi:
         mid = (lo + hi) // 2
         try:
-            plan_conversion(s, mid, "sparsify", s.expert_set(), work, encode=GPU_ENCODE)
+            plan_conversion(s, mid, "sparsify", s.expert_set(), work, encode=gpu_encode())
             hi = mid
         except GpuMemoryError:
             lo = mid + 1
     return lo
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("out", help="JSON results file")
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["--child"]:
+        child(int(argv[1]), argv[3:])
+        return
+    ap = arguments("gpu_memory", __doc__)
+    ap.add_argument("out", nargs="?", help="JSON results file (default: in OUT)")
     ap.add_argument("--tiny", action="store_true", help="tiny dims on the CPU (a check)")
-    args = ap.parse_args()
-    start = time.perf_counter()
-    # with --tiny still in sys.argv, bench_calibrate's import sets the tiny DIMS, SEQS, SEQ and
-    # ROOT in the environment
-    import bench_calibrate
+    args = ap.parse_args(argv)
+    timer = Timer(deadline_s=float(os.environ.get("DEADLINE_S", 510)))
+    if args.tiny:
+        os.environ.update(SEQS="4", SEQ="32")
+        os.environ.setdefault("ROOT", "/tmp/kbench-tiny")
     import torch
 
     root = Path(os.environ.get("ROOT", "/tmp/kbench"))
     root.mkdir(parents=True, exist_ok=True)
-    src = root / "calib-src"
-    bench_calibrate.ensure_checkpoint(src)
-    make_s = round(time.perf_counter() - start, 1)
+    dims = TINY if args.tiny else dims_from_env()
+    src = kimi_set(root, dims)
+    make_s = round(timer.elapsed(), 1)
     seqs, seq = int(os.environ.get("SEQS", 128)), int(os.environ.get("SEQ", 2048))
     obs_samples = int(os.environ.get("OBS_SAMPLES", min(16, seqs)))
-    ids = torch.randint(0, bench_calibrate.V, (seqs, seq),
-                        generator=torch.Generator().manual_seed(0))
-    data = root / f"gpu-memory-{seqs}x{seq}.jsonl"
-    data.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in ids.tolist()))
+    data = write_ids(root / f"gpu-memory-{seqs}x{seq}.jsonl", random_ids(seqs, seq, dims.vocab))
     gpu = torch.cuda.is_available() and not args.tiny
     device = [] if gpu else ["--device", "cpu"]
     d = ["--data", str(data), "--seq-len", str(seq)]
@@ -217,15 +211,15 @@ def main() -> None:
     if gpu:
         runs.append(("oom-runtime", [*oom, "--gpu-memory", "40GiB"],
                      int(float(os.environ.get("HOG_GIB", 36)) * GIB), dsts["oom"]))
-    for name, argv in commands.items():
+    for name, argv_ in commands.items():
         for budget in budgets:
             extra = [] if budget == "default" else ["--gpu-memory", budget]
-            runs.append((f"{name}@{budget}", [*argv, *extra, "-v"], 0, dsts.get(name)))
-    result: dict = {"device": torch.cuda.get_device_name() if gpu else "cpu",
-                    "make_s": make_s, "seqs": seqs, "seq_len": seq, "obs_samples": obs_samples,
+            runs.append((f"{name}@{budget}", [*argv_, *extra, "-v"], 0, dsts.get(name)))
+    rec = record("gpu_memory", gpu=gpu, scratch=root)
+    result: dict = {"record": rec, "device": rec["device"]["name"], "make_s": make_s,
+                    "seqs": seqs, "seq_len": seq, "obs_samples": obs_samples,
                     "least_sparsify_budget": least, "runs": []}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = result_path(rec, args.out)
     # What an earlier call on this machine measured (ROOT survives while the machine is held):
     # the same command line goes on where DEADLINE_S stopped it.
     state = root / "bench_gpu_memory.state.json"
@@ -235,19 +229,19 @@ def main() -> None:
         if all(before.get(k) == result[k] for k in ("device", "seqs", "seq_len", "obs_samples")):
             earlier = {r["run"]: r for r in before["runs"] if "skipped" not in r}
             result["calls"] = before.get("calls", 1) + 1
-    deadline = float(os.environ.get("DEADLINE_S", 510))
-    for name, argv, hog, dst in runs:
-        left = deadline - (time.perf_counter() - start)
+    for name, argv_, hog, dst in runs:
         if name in earlier:
             got = {**earlier[name], "earlier_call": True}
-        elif gpu and left < EXPECT_S[name.split("@")[0]]:
-            got = {"run": name, "skipped": f"{left:.0f} s left of DEADLINE_S {deadline:.0f}"}
+        elif gpu and timer.late(EXPECT_S[name.split("@")[0]]):
+            got = {"run": name, "skipped": f"{timer.left():.0f} s left of DEADLINE_S "
+                                           f"{timer.deadline_s:.0f}"}
         else:
-            got = run(root, name, [*argv, *device],
-                      min(float(os.environ.get("TIMEOUT", 300)), max(left, 30)), hog, dst)
+            got = run(name, [*argv_, *device],
+                      min(float(os.environ.get("TIMEOUT", 300)), max(timer.left(), 30)), hog,
+                      dst)
         result["runs"].append(got)
         for path in (out, state):
-            path.write_text(json.dumps(result, indent=1))
+            save(result, path)
         print(f"{name:<22} exit {got.get('exit_code', '-')!s:<7} {got.get('wall_s', '-'):>7} s"
               f"  peak reserved {got.get('peak_reserved_gib', '-')} of "
               f"{got.get('budget_gib', '-')} GiB  nvidia-smi "
@@ -260,15 +254,8 @@ def main() -> None:
     result["all_passed"] = len(done) == len(result["runs"]) and all(
         r["expected"] if r["run"].startswith("oom-")
         else r["exit_code"] == 0 and r.get("within_budget", True) for r in done)
-    result["total_s"] = round(time.perf_counter() - start, 1)
+    result["total_s"] = round(timer.elapsed(), 1)
     for path in (out, state):
-        path.write_text(json.dumps(result, indent=1))
+        save(result, path)
     print(f"wrote {out} after {result['total_s']} s: "
           f"{'every run as expected' if result['all_passed'] else 'NOT ALL AS EXPECTED'}")
-
-
-if __name__ == "__main__":
-    if len(sys.argv) > 4 and sys.argv[1] == "--child":
-        child(sys.argv[2], int(sys.argv[3]), sys.argv[5:])
-    else:
-        main()

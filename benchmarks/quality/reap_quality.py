@@ -10,39 +10,35 @@ windows of 256 training bytes (seed 1); held-out: `heldout_ids(64 * 256, seed=0)
 its outputs (compensation re-encodes the re-fitted matrices in NVFP4) are compared with the
 BF16 model and with the NVFP4 source.
 
-    PYTHONPATH=$PWD python scripts/reap_quality.py --out scripts/results/reap_quality_tiny_moe
+    python -m benchmarks reap_quality --out benchmarks/results/reap_quality_tiny_moe
         [--fixtures trained 96] [--keeps 75 50 25] [--configs none down ...] [--only-50 ...]
-    PYTHONPATH=$PWD python scripts/reap_quality.py --fixtures trained-nvfp4 --keeps 75 50 25 \
+    python -m benchmarks reap_quality --fixtures trained-nvfp4 --keeps 75 50 25 \
         --configs none router+down --only-50 down \
-        --out scripts/results/reap_quality_nvfp4_tiny_moe
+        --out benchmarks/results/reap_quality_nvfp4_tiny_moe
 
 Writes OUT + ".json" (every number, each configuration's CLI flags and the plan's per-layer
-guard records) after each fixture, and OUT + ".md" (the table). CPU only; about a minute of CPU per
-configuration on 2 cores.
+guard records, and the run's record) after each fixture, and OUT + ".md" (the table). CPU only;
+about a minute of CPU per configuration on 2 cores.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spin-waiting threads on a shared CPU
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks.harness import REPO, arguments, child_env, record, run_child
+from benchmarks.synthetic import write_ids
+from kconvert.testing.tiny_moe import corpus_ids, heldout_ids, windows
 
-from kconvert.testing.tiny_moe import corpus_ids, heldout_ids, windows  # noqa: E402
-
-FIXTURES = {"trained": ROOT / "tests" / "fixtures" / "tiny-moe-trained",
-            "96": ROOT / "tests" / "fixtures" / "tiny-moe-96"}
+FIXTURES = {"trained": REPO / "tests" / "fixtures" / "tiny-moe-trained",
+            "96": REPO / "tests" / "fixtures" / "tiny-moe-96"}
 # A quantized source made first by `kconvert quantize`: name -> (BF16 fixture, flags, what).
 # Its outputs are evaluated against the BF16 fixture (what a user feels: quantization and
 # pruning together; the unpruned quantized source is a row of its own) and against the
@@ -68,15 +64,22 @@ CONFIGS = {
 SEQ, CALIB, HELD = 256, 64, 64
 
 
-def write_jsonl(path: Path, rows: torch.Tensor) -> None:
-    path.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in rows))
+def write_data(tmp: Path) -> tuple[Path, Path]:
+    """The calibration text (CALIB training windows of SEQ bytes, seed 1) and the held-out
+    text (`heldout_ids(HELD * SEQ, seed=0)`) as --data files in `tmp`."""
+    calib = write_ids(tmp / "calib.jsonl", windows(corpus_ids("train"), CALIB, SEQ,
+                                                   torch.Generator().manual_seed(1)))
+    return calib, write_ids(tmp / "held.jsonl", heldout_ids(HELD * SEQ, seed=0).reshape(-1, SEQ))
 
 
 def kconvert(*args: str) -> float:
-    t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "kconvert", *args], check=True, cwd=ROOT,
-                   env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    return time.perf_counter() - t0
+    """`python -m kconvert ARGS` in its own process (its output passed through); its wall
+    seconds. A failure stops the measurement with its output."""
+    c = run_child([sys.executable, "-m", "kconvert", *args], env=child_env(), cwd=REPO,
+                  echo=lambda line: print(line, end="", flush=True))
+    if c.rc:
+        raise SystemExit(f"kconvert {' '.join(args)} exited {c.rc}:\n{c.stderr[-3000:]}")
+    return c.wall_s
 
 
 def evaluate(reference: Path, candidates: list[Path], held: Path, out: Path) -> list[dict]:
@@ -97,9 +100,7 @@ def run_fixture(name: str, keeps: list[int], configs: list[str], only_50: list[s
     else:
         reference = src = FIXTURES[name]
     experts = json.loads((src / "config.json").read_text())["n_routed_experts"]
-    calib, held = tmp / "calib.jsonl", tmp / "held.jsonl"
-    write_jsonl(calib, windows(corpus_ids("train"), CALIB, SEQ, torch.Generator().manual_seed(1)))
-    write_jsonl(held, heldout_ids(HELD * SEQ, seed=0).reshape(-1, SEQ))
+    calib, held = write_data(tmp)
     made = []
     for pct in keeps:
         keep = round(experts * pct / 100)
@@ -149,9 +150,10 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "reap_quality_tiny_moe"))
+def main(argv: list[str]) -> None:
+    ap = arguments("reap_quality", __doc__)
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" /
+                                         "reap_quality_tiny_moe"))
     ap.add_argument("--fixtures", nargs="+", default=list(FIXTURES),
                     choices=[*FIXTURES, *QUANTIZED])
     ap.add_argument("--keeps", nargs="+", type=int, default=[75, 50, 25])
@@ -160,7 +162,8 @@ def main() -> None:
     ap.add_argument("--only-50", nargs="*", default=["man", "msan", "bias", "shared",
                                                      "msan+router+down"],
                     choices=list(CONFIGS), help="configurations made at keep 50%% only")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    rec = record("reap_quality", gpu=False)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     results: list[dict] = []
@@ -168,12 +171,8 @@ def main() -> None:
         for name in a.fixtures:
             results += run_fixture(name, a.keeps, a.configs, a.only_50, Path(tmp))
             out.with_suffix(".json").write_text(json.dumps(
-                {"calibration": f"{CALIB} x {SEQ} training bytes, seed 1",
+                {"record": rec, "calibration": f"{CALIB} x {SEQ} training bytes, seed 1",
                  "heldout": f"heldout_ids({HELD} * {SEQ}, seed=0)", "results": results},
                  indent=1, default=str) + "\n")
             out.with_suffix(".md").write_text(table(results))
     print(table(results))
-
-
-if __name__ == "__main__":
-    main()

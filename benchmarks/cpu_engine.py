@@ -1,9 +1,9 @@
 """The CPU path end to end per expert matrix, under engine variants: where the time goes.
 
-    ROOT=/tmp/kbench OUT=... VARIANTS=base,every1000000,gil python scripts/bench_cpu_engine.py
+    ROOT=/tmp/kbench OUT=... VARIANTS=base,every1000000,gil python -m benchmarks cpu_engine
 
 Builds two shards of full-size INT4 experts (CPU_SIZES, default 8 and 32, as
-bench_convert.make_expert_set makes them), then runs one child process per variant. Each child
+synthetic.expert_set makes them), then runs one child process per variant. Each child
 converts the bundled fixture first (numba loads or compiles its kernels), then both shards REPS
 times (default 2) in-process, page cache warm, with `--device cpu`. Per matrix, as the slope
 between the two shards (start-up costs cancel): wall, compute thread busy (the engine's
@@ -24,21 +24,20 @@ gate+up item (2 x 2048x7168), for comparison. Variants (set in the child only):
   r<N>          --readers N
   nt<N>         NUMBA_NUM_THREADS=N
   dyn           numba.set_parallel_chunksize(8): dynamic scheduling
-Prints one JSON line per variant; writes OUT/cpu_engine.json.
+Prints one JSON line per variant; writes OUT/cpu_engine_<device>_<date>_<code>.json.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_convert as bc
+from benchmarks.harness import REPO, Timer, child_env, log, record, result_path, run_child, save
+from benchmarks.synthetic import FIXTURE, expert_set
 
+# Runs in this repository (its working directory): numba is patched before kconvert loads.
 CHILD = r'''
 import contextlib, json, os, re, resource, statistics, sys, time
 variant, root, fixture, sizes = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
@@ -54,10 +53,11 @@ if variant == "gil":
 if variant == "dyn":
     numba.set_parallel_chunksize(8)
 import torch
-sys.path.insert(0, os.getcwd())
+from benchmarks.encode import fused
+from benchmarks.synthetic import random_int4
 from kconvert import events
 from kconvert.engine import execute
-from kconvert.formats import nvfp4, nvfp4_cpu
+from kconvert.formats import nvfp4_cpu
 from kconvert.io import hashing, shards
 import kconvert.cli as cli
 if variant.startswith("every"):
@@ -111,15 +111,13 @@ for key in ("wall", "compute", "kernel", "amax", "cpu", "minflt", "nivcsw"):
     scale = 1e3 if key in ("wall", "compute", "kernel", "amax", "cpu") else 1
     out[key + ("_ms" if scale > 1 else "") + "_per_matrix"] = [
         round((b[key] - a[key]) / matrices * scale, 2) for a, b in zip(runs[small], runs[large])]
-g = torch.Generator().manual_seed(0)
-packed = torch.randint(-2**31, 2**31 - 1, (2, 2048, 7168 // 8), dtype=torch.int32, generator=g)
-scale = (torch.rand(2, 2048, 7168 // 32, generator=g) * 0.004 + 0.001).to(torch.bfloat16)
+packed, scale = random_int4(2, 2048, 7168, torch.Generator().manual_seed(0), "cpu")
 alone = []
 for _ in range(6):
     for k in busy:
         busy[k] = 0.0
     t = time.perf_counter()
-    nvfp4.quantize_int4(packed, scale, nvfp4.int4_amax(packed, scale), "mse")
+    fused(packed, scale, "mse")
     alone.append(((time.perf_counter() - t) / 2, busy["kernel"] / 2, busy["amax"] / 2))
 out["alone_ms_per_matrix"] = dict(zip(("all", "kernel", "amax"), (
     round(statistics.median(x[i] for x in alone[1:]) * 1e3, 2) for i in range(3))))
@@ -127,37 +125,32 @@ print("RESULT", json.dumps(out), flush=True)
 '''
 
 
-def main() -> None:
-    root = bc.ROOT
+def main(argv: list[str]) -> None:
+    if argv:
+        raise SystemExit(__doc__)
+    root = Path(os.environ.get("ROOT", "/tmp/kbench"))
     root.mkdir(parents=True, exist_ok=True)
+    timer = Timer(deadline_s=float(os.environ.get("DEADLINE_S", "540")))
     sizes = os.environ.get("CPU_SIZES", "8,32")
     for n in (int(x) for x in sizes.split(",")):
         if not (root / f"cpu{n}" / "config.json").exists():
-            bc.make_expert_set(root / f"cpu{n}", n)
-    env = bc.env_with(CUDA_VISIBLE_DEVICES="")
+            expert_set(root / f"cpu{n}", n)
+    rec = record("cpu_engine", gpu=False, scratch=root)
+    out = result_path(rec)
     results = []
     for variant in os.environ.get("VARIANTS", "base,every1000000,gil").split(","):
-        if bc.late():
-            print("deadline: skipped", variant, flush=True)
+        if timer.late():
+            log("deadline: skipped", variant)
             continue
         extra = {}
         if variant.startswith("nt"):
             extra["NUMBA_NUM_THREADS"] = variant[2:]
         if variant == "gil":
             extra["NUMBA_CACHE_DIR"] = str(root / "numba_gil")
-        t = time.perf_counter()
-        p = subprocess.run([sys.executable, "-c", CHILD, variant, str(root), str(bc.FIXTURE),
-                            sizes], env={**env, **extra}, capture_output=True, text=True,
-                           cwd=bc.REPO)
-        got = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT")]
-        r = json.loads(got[-1][7:]) if got else {"variant": variant, "err": p.stderr[-1500:]}
-        r["process_s"] = round(time.perf_counter() - t, 1)
+        c = run_child([sys.executable, "-c", CHILD, variant, root, FIXTURE, sizes],
+                      env=child_env(CUDA_VISIBLE_DEVICES="", **extra), cwd=REPO)
+        r = c.result or {"variant": variant, "err": c.stderr[-1500:]}
+        r["process_s"] = round(c.wall_s, 1)
         results.append(r)
         print(json.dumps(r), flush=True)
-        bc.OUT.mkdir(parents=True, exist_ok=True)
-        (bc.OUT / "cpu_engine.json").write_text(json.dumps(
-            {"machine": bc.machine(), "sizes": sizes, "results": results}, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+        save({"record": rec, "sizes": sizes, "results": results}, out)

@@ -13,23 +13,20 @@ Calibration (REAP scores, Wanda norms, activation amax, SparseGPT and GPTQ Hessi
 training windows; eval on held-out windows
 (`heldout_ids(..., seed=0, window=SEQ)`), in fp32 on the CPU, every candidate in one eval pass.
 
-    python scripts/eval_pipelines.py [--samples 64] [--seq-len 256] [--calib 64] [--draws 3]
-        [--only obs] [--out scripts/results/eval_tiny_moe]   # -> .md and .json
+    python -m benchmarks eval_pipelines [--samples 64] [--seq-len 256] [--calib 64]
+        [--draws 3] [--only obs] [--out benchmarks/results/eval_tiny_moe]   # -> .md and .json
 
 Prints the table; writes the table and orderings to OUT + ".md", and the eval report plus what
-each candidate is to OUT + ".json".
+each candidate is (and the run's record) to OUT + ".json".
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
 import statistics
-import sys
 import tempfile
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -37,23 +34,21 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spin-waiting threads on a
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks.harness import REPO, Timer, arguments, record
+from kconvert.calibrate.run import measure_stats
+from kconvert.calibrate.stats import ACT_FILE, save_stats
+from kconvert.convert import RunControl, convert
+from kconvert.evaluate.run import evaluate
+from kconvert.io.checkpoint import open_checkpoint
+from kconvert.methods.hessians import Calibration, CalibrationHessians
+from kconvert.pruning.plan import parse_plan
+from kconvert.pruning.reap import plan_from_scores, scores_of
+from kconvert.pruning.repair import RepairSettings, RouterRepair, with_repair
+from kconvert.recipes import load_recipe
+from kconvert.stages.prune import prune_stage
+from kconvert.testing.tiny_moe import corpus_ids, heldout_ids, windows
 
-from kconvert.calibrate.run import measure_stats  # noqa: E402
-from kconvert.calibrate.stats import ACT_FILE, save_stats  # noqa: E402
-from kconvert.convert import RunControl, convert  # noqa: E402
-from kconvert.evaluate.run import evaluate  # noqa: E402
-from kconvert.io.checkpoint import open_checkpoint  # noqa: E402
-from kconvert.methods.hessians import Calibration, CalibrationHessians  # noqa: E402
-from kconvert.pruning.plan import parse_plan  # noqa: E402
-from kconvert.pruning.reap import plan_from_scores, scores_of  # noqa: E402
-from kconvert.pruning.repair import RepairSettings, RouterRepair, with_repair  # noqa: E402
-from kconvert.recipes import load_recipe  # noqa: E402
-from kconvert.stages.prune import prune_stage  # noqa: E402
-from kconvert.testing.tiny_moe import corpus_ids, heldout_ids, windows  # noqa: E402
-
-SRC = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
+SRC = REPO / "tests" / "fixtures" / "tiny-moe-trained"
 EXPERTS = 24
 KEEPS = {"75%": 18, "50%": 12, "25%": 6}
 # `--only obs`: the OBS engine's comparison (RTN amax and mse, GPTQ mse, p48 magnitude and
@@ -91,14 +86,14 @@ def build(tmp: Path, calib: torch.Tensor, draws: int, only: set[str] | None = No
     def run(name: str, recipe: str, what: str, options: dict | None = None, prepare=None):
         if only is not None and name not in only:
             return
-        t0 = time.perf_counter()
+        made = Timer()
         manifest = convert(str(SRC), str(tmp / name), load_recipe(recipe), options or {},
                            RunControl(quiet=True), prepare=prepare)
         if manifest.obs:  # GPTQ: how many matrices kept GPTQ's result over RTN's
             kept = sum(e.method == "gptq" for e in manifest.obs.values())
             what += f" (GPTQ kept for {kept}/{len(manifest.obs)} matrices)"
         out[name] = (tmp / name, what)
-        print(f"built {name} in {time.perf_counter() - t0:.1f} s", flush=True)
+        print(f"built {name} in {made.elapsed():.1f} s", flush=True)
 
     def calibration(ck):
         return Calibration(CalibrationHessians(ck, calib, torch.device("cpu"), 16))
@@ -217,33 +212,32 @@ def orderings(kl: dict[str, float], draws: int) -> list[str]:
     return lines
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str]) -> None:
+    ap = arguments("eval_pipelines", __doc__)
     ap.add_argument("--samples", type=int, default=64, help="held-out sequences")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--calib", type=int, default=64, help="calibration windows of 256")
     ap.add_argument("--draws", type=int, default=3, help="random pruning plans per keep")
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "eval_tiny_moe"))
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "eval_tiny_moe"))
     ap.add_argument("--only", default=None,
                     help="comma-separated candidate names (default: every pipeline); `obs` "
                          "names the OBS engine's comparison: " + ",".join(OBS_NAMES))
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     torch.set_num_threads(min(2, os.cpu_count() or 1))
-    t0 = time.perf_counter()
+    timer = Timer()
     calib = windows(corpus_ids("train"), a.calib, 256, torch.Generator().manual_seed(1))
     held = heldout_ids(a.samples * a.seq_len, seed=0, window=a.seq_len).reshape(-1, a.seq_len)
     with tempfile.TemporaryDirectory(prefix="eval-pipelines-") as tmp:
         built = build(Path(tmp), calib, a.draws, only_names(a.only))
-        t_eval = time.perf_counter()
         opened = [open_checkpoint(str(p)) for p in (SRC, *(d for d, _ in built.values()))]
         try:
-            report = evaluate(opened[0], opened[1:], held, "cpu", a.batch_size,
-                              dtype=torch.float32, labels=list(built), quiet=False)
+            report = timer("eval", evaluate, opened[0], opened[1:], held, "cpu",
+                           a.batch_size, dtype=torch.float32, labels=list(built), quiet=False)
         finally:
             for ckpt in opened:
                 ckpt.close()
-        eval_s = time.perf_counter() - t_eval
+        eval_s = timer.seconds["eval"]
     what = {name: desc for name, (_, desc) in built.items()}
     data = report.model_dump(mode="json")
     data.update(source="tests/fixtures/tiny-moe-trained", source_identity={},
@@ -257,9 +251,9 @@ def main() -> None:
         f"{a.samples} held-out sequences of {a.seq_len} bytes ({data['tokens']} positions); "
         f"calibration on {a.calib} training windows of 256. Source NLL "
         f"{first['nll_source']:.4f} nats/byte (perplexity {first['ppl_source']:.3f}). "
-        f"Made by `python scripts/eval_pipelines.py --samples {a.samples} --seq-len "
+        f"Made by `python -m benchmarks eval_pipelines --samples {a.samples} --seq-len "
         f"{a.seq_len} --calib {a.calib} --draws {a.draws}"
-        f"{f' --only {a.only}' if a.only else ''}`: {time.perf_counter() - t0:.0f} s "
+        f"{f' --only {a.only}' if a.only else ''}`: {timer.elapsed():.0f} s "
         f"in all, {eval_s:.0f} s of it the eval of {len(built)} candidates.",
         "",
         *table(data, what),
@@ -281,9 +275,6 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text("\n".join(md))
     out.with_suffix(".json").write_text(json.dumps(
-        {"what": what, "settings": vars(a) | {"out": None}, "eval": data}, indent=1) + "\n")
+        {"record": record("eval_pipelines", gpu=False), "what": what,
+         "settings": vars(a) | {"out": None}, "eval": data}, indent=1) + "\n")
     print("\n".join(md))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,9 +1,9 @@
 """`kconvert audit` against a bare read of the bytes it must read.
 
-    python scripts/bench_audit.py DIR [--source SRC] [--device DEV] [--readers N] [--tree T]
+    python -m benchmarks audit DIR [--source SRC] [--device DEV] [--readers N] [--tree T]
 
-DIR is a kconvert output (e.g. the full-size set `scripts/bench_convert.py full` writes); SRC
-defaults to the source its manifest records. Timed, each in its own process:
+DIR is a kconvert output (e.g. the full-size set `python -m benchmarks convert full` writes);
+SRC defaults to the source its manifest records. Timed, each in its own process:
   read_s          every *.safetensors file of DIR read once with N threads of 16 MiB preads
   audit_s         `kconvert audit DIR` (run_audit after imports; the process wall beside it)
   read_source_s   the same bare read over DIR and SRC
@@ -14,19 +14,27 @@ all runs are hot.
 --tree times the audit of another kconvert tree (its root, e.g. the tree before a change,
 `git archive REV kconvert pipelines | tar -x -C T`), side by side with this one's in one run.
 Prints one JSON line with the times and the ratios audit_s / read_s and
-audit_source_s / read_source_s.
+audit_source_s / read_source_s (and writes it, with its record, to OUT).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from benchmarks.harness import (
+    REPO,
+    arguments,
+    child_env,
+    drop_page_cache,
+    record,
+    result_path,
+    run_child,
+    save,
+)
 
 PIECE = 16 << 20
 READ = r"""
@@ -55,16 +63,6 @@ print(time.perf_counter() - t, int(report.passed))
 """
 
 
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as fh:
-            fh.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def shards(root: Path) -> list[str]:
     return sorted(str(p) for p in root.rglob("*.safetensors"))
 
@@ -79,31 +77,27 @@ def warm(files: list[str]) -> None:
         list(pool.map(read, files))
 
 
-def timed(args: list[str], cold: bool, tree: Path | None = None
-          ) -> tuple[float, float, str]:
+def timed(args: list[str], cold: bool, tree: Path = REPO) -> tuple[float, float, str]:
     """(seconds the child reports, process wall seconds, its report); the child imports
-    kconvert from `tree` (default: this repository)."""
+    kconvert from `tree`."""
     if cold:
-        drop_caches()
-    t = time.perf_counter()
-    res = subprocess.run([sys.executable, "-c", *args], capture_output=True, text=True,
-                         cwd=tree or Path(__file__).resolve().parent.parent)
-    wall = time.perf_counter() - t
-    if res.returncode:
-        raise SystemExit(f"{args[1:]} failed:\n{res.stderr[-3000:]}")
-    inner, extra = res.stdout.split()[-2:]
-    return float(inner), wall, extra
+        drop_page_cache()
+    c = run_child([sys.executable, "-c", *args], env=child_env(tree), cwd=tree)
+    if c.rc:
+        raise SystemExit(f"{args[1:]} failed:\n{c.stderr[-3000:]}")
+    inner, extra = c.stdout.split()[-2:]
+    return float(inner), c.wall_s, extra
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str]) -> None:
+    ap = arguments("audit", __doc__)
     ap.add_argument("dir", type=Path)
     ap.add_argument("--source", type=Path)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--readers", type=int, default=8, help="threads of the bare read")
     ap.add_argument("--hot", action="store_true", help="never drop the page cache")
     ap.add_argument("--tree", type=Path, help="also time the audit of this kconvert tree")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     a.dir = a.dir.resolve()
     source = a.source
     if source is None:
@@ -111,9 +105,10 @@ def main() -> None:
         source = Path(manifest["source"]["path"])
     source = source.resolve()
     out_files, src_files = shards(a.dir), shards(source)
-    cold = not a.hot and drop_caches()
+    cold = not a.hot and drop_page_cache() is None
     if not cold:
         warm(out_files + src_files)
+    rec = record("audit", gpu=a.device != "cpu")
     res: dict = {"dir": str(a.dir), "source": str(source), "cache": "cold" if cold else "hot",
                  "bytes": sum(os.path.getsize(f) for f in out_files),
                  "source_bytes": sum(os.path.getsize(f) for f in src_files)}
@@ -133,7 +128,4 @@ def main() -> None:
     res["ratio"] = round(res["audit_s"] / res["read_s"], 3)
     res["ratio_source"] = round(res["audit_source_s"] / res["read_source_s"], 3)
     print(json.dumps(res))
-
-
-if __name__ == "__main__":
-    main()
+    save({"record": rec, **res}, result_path(rec))

@@ -1,10 +1,10 @@
-"""Benchmark: the OBS engine (kconvert.methods.obs) on one full-size Kimi MoE layer: RTN, GPTQ
+"""The OBS engine (kconvert.methods.obs) on one full-size Kimi MoE layer: RTN, GPTQ
 and SparseGPT side by side, the fused Triton in-block loop against the torch loop.
 
-    python3 scripts/bench_obs.py --json /tmp/kbench-out/bench_obs.json       # H100, ~5 min
-    python3 scripts/bench_obs.py --tiny --json /tmp/bench_obs_tiny.json      # CPU check, ~1 min
+    python3 -m benchmarks obs --json /tmp/kbench-out/bench_obs.json       # H100, ~5 min
+    python3 -m benchmarks obs --tiny --json /tmp/bench_obs_tiny.json      # CPU check, ~1 min
 
-    PARTS=inverse,encode python3 scripts/bench_obs.py --json /tmp/kbench-out/inv.json  # ~1 min
+    PARTS=inverse,encode python3 -m benchmarks obs --json /tmp/kbench-out/inv.json  # ~1 min
 
 Parts (PARTS=stage,kernel,e2e by default; a JSON line each on stdout, all in --json):
   stage   384 synthetic experts (gate+up as one [4096, 7168] matrix sharing a 7168^2 Hessian,
@@ -46,7 +46,7 @@ Parts (PARTS=stage,kernel,e2e by default; a JSON line each on stdout, all in --j
           (stage's `rtn_compare`): block-scale choice, fake_quantize, one output error, the
           whole comparison.
   e2e     `kconvert int4-to-nvfp4 --method rtn`, `--method gptq --data` and `kconvert sparsify
-          --method sparsegpt --data` on bench_calibrate's full-size one-MoE-layer INT4
+          --method sparsegpt --data` on synthetic.kimi_set's full-size one-MoE-layer INT4
           checkpoint (SEQS x SEQ random tokens, 16 x 2048 by default), each audited
           (`kconvert audit --source`); wall seconds, GPU peak memory (nvidia-smi) and mean
           utilisation; a failed run is recorded (its exit code and last line), not fatal.
@@ -59,91 +59,37 @@ keeps torch.backends.cuda.matmul.allow_tf32 off; prepare_inverse forces it off).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
 import shutil
-import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
+from benchmarks.harness import (
+    GpuSampler,
+    Timer,
+    arguments,
+    child_env,
+    record,
+    result_path,
+    run_child,
+    save,
+    sync,
+)
+from benchmarks.synthetic import dims_from_env, kimi_set, random_ids, write_ids
+from kconvert.engine.execute import CHUNK_ELEMS, gpu_encode
+from kconvert.formats import nvfp4
+from kconvert.methods import obs, sparsegpt, triangular
 
-from kconvert.engine.execute import CHUNK_ELEMS, GPU_ENCODE  # noqa: E402
-from kconvert.formats import nvfp4  # noqa: E402
-from kconvert.methods import obs, sparsegpt, triangular  # noqa: E402
-
-ROOT = Path(os.environ.get("ROOT", "/tmp/kbench"))
 METHODS = {"gptq": None, "sparsegpt": sparsegpt.p48_mask}
 
 
 def encode_chunk(dev: torch.device) -> int:
     """The encoder's chunk as the engine sizes it (kconvert.engine.execute)."""
     return CHUNK_ELEMS.get(dev.type, CHUNK_ELEMS["cpu"])
-
-
-class GpuSampler:
-    """nvidia-smi's utilisation and memory.used, sampled on a thread while a part runs."""
-
-    def __init__(self) -> None:
-        self.samples: list[tuple[float, float]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.2):
-            try:
-                line = subprocess.run(
-                    ["nvidia-smi", "--query-gpu=utilization.gpu,memory.used",
-                     "--format=csv,noheader,nounits", "-i", "0"],
-                    capture_output=True, text=True, timeout=5).stdout.split(",")
-                self.samples.append((float(line[0]), float(line[1])))
-            except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
-                return
-
-    def __enter__(self) -> GpuSampler:
-        if torch.cuda.is_available():
-            self._thread.start()
-        return self
-
-    def __exit__(self, *_exc) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
-
-    def summary(self) -> dict:
-        if not self.samples:
-            return {}
-        util = [u for u, _ in self.samples]
-        return {"gpu_util_mean_pct": round(sum(util) / len(util), 1),
-                "gpu_mem_used_peak_gib": round(max(m for _, m in self.samples) / 1024, 1)}
-
-
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-class Phases:
-    """Seconds per phase, with the device synchronised at each boundary."""
-
-    def __init__(self, dev: torch.device) -> None:
-        self.dev, self.s = dev, {}
-
-    def __call__(self, name: str, fn, *args, **kw):
-        sync(self.dev)
-        t0 = time.perf_counter()
-        out = fn(*args, **kw)
-        sync(self.dev)
-        self.s[name] = self.s.get(name, 0.0) + time.perf_counter() - t0
-        return out
 
 
 def problem(dev: torch.device, e: int, rows: int, k: int, tokens: int, gen: torch.Generator
@@ -154,7 +100,7 @@ def problem(dev: torch.device, e: int, rows: int, k: int, tokens: int, gen: torc
     return w, x
 
 
-def run_batch(ph: Phases, method: str, w: torch.Tensor, x: torch.Tensor, kernel: str
+def run_batch(ph: Timer, method: str, w: torch.Tensor, x: torch.Tensor, kernel: str
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """One batch through Hessian, inverse, loop, RTN comparison (gptq) and encode."""
     e, rows, _ = w.shape
@@ -208,33 +154,30 @@ def obs_share(dev: torch.device, method: str) -> int | None:
     work = obs.gpu_work(s, forward(s, SPARSEGPT_SAMPLES, SEQ_LEN, BATCH_SIZE, capture=True),
                         shared=False, against_rtn=method == "gptq")
     return plan_conversion(s, GpuRequest(dev).context.budget, method, s.expert_set(), work,
-                           encode=GPU_ENCODE).obs_bytes
+                           encode=gpu_encode()).obs_bytes
 
 
 def stage_part(dev: torch.device, method: str, experts: int, dims, tokens: int, kernel: str
                ) -> dict:
     """All `experts` of a layer, gate+up then down, in batches; seconds per phase."""
     gen = torch.Generator(device=dev).manual_seed(0)
-    ph = Phases(dev)
+    ph = Timer(dev)
     hidden, inter = dims
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     batches = {}
-    seconds = 0.0
+    stage = Timer(dev)
     share = obs_share(dev, method)
     for name, rows, k in (("gate_up", 2 * inter, hidden), ("down", hidden, inter)):
         step = obs.experts_per_batch(rows, k, share, against_rtn=method == "gptq")
         batches[name] = step
         for start in range(0, experts, step):
             w, x = problem(dev, min(step, experts - start), rows, k, tokens, gen)
-            sync(dev)
-            t0 = time.perf_counter()
-            run_batch(ph, method, w, x, kernel)
-            sync(dev)
-            seconds += time.perf_counter() - t0  # the making of the problem is not timed
+            with stage.span("stage"):  # the making of the problem is not timed
+                run_batch(ph, method, w, x, kernel)
             del w, x
     out = {"experts": experts, "batch_experts": batches, "kernel": kernel,
-           "stage_s": round(seconds, 2), "phases_s": {k: round(v, 2) for k, v in ph.s.items()}}
+           "stage_s": round(stage.seconds.get("stage", 0.0), 2), "phases_s": ph.rounded(2)}
     if dev.type == "cuda":
         out["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
     return out
@@ -247,11 +190,11 @@ def kernel_part(dev: torch.device, dims, tokens: int, e: int) -> dict:
     for method in METHODS:
         got = {}
         for kernel in ("torch", "triton"):
-            ph = Phases(dev)
+            ph = Timer(dev)
             w, x = problem(dev, e, 2 * inter, hidden, tokens,
                            torch.Generator(device=dev).manual_seed(1))
             got[kernel] = run_batch(ph, method, w, x, kernel)
-            got[kernel + "_s"] = round(ph.s["loop"], 2)
+            got[kernel + "_s"] = round(ph.seconds["loop"], 2)
             del w, x
         out[method] = {
             "torch_loop_s": got["torch_s"], "triton_loop_s": got["triton_s"],
@@ -261,11 +204,11 @@ def kernel_part(dev: torch.device, dims, tokens: int, e: int) -> dict:
     w, _ = problem(dev, e, 2 * inter, hidden, 1, torch.Generator(device=dev).manual_seed(1))
     blocks = w.reshape(-1, hidden // 16, 16)
     gs = nvfp4.tensor_scale(w.abs().amax((1, 2))).repeat_interleave(2 * inter)[:, None]
-    ph = Phases(dev)
+    ph = Timer(dev)
     codes = {k: ph(k, nvfp4.choose_block_codes, blocks, gs, "mse", kernel=k)
              for k in ("torch", "triton")}
-    out["rtn_block_codes"] = {"torch_s": round(ph.s["torch"], 3),
-                              "triton_s": round(ph.s["triton"], 3),
+    out["rtn_block_codes"] = {"torch_s": round(ph.seconds["torch"], 3),
+                              "triton_s": round(ph.seconds["triton"], 3),
                               "codes_differing": int((codes["torch"] != codes["triton"]).sum()),
                               "codes": codes["torch"].numel()}
     return {"experts": e, **out}
@@ -273,19 +216,15 @@ def kernel_part(dev: torch.device, dims, tokens: int, e: int) -> dict:
 
 def timed(dev: torch.device, fn, *args, **kw) -> tuple[float, object]:
     """(seconds, result) of one call, the device synchronised before and after."""
-    sync(dev)
-    t0 = time.perf_counter()
-    out = fn(*args, **kw)
-    sync(dev)
-    return round(time.perf_counter() - t0, 3), out
+    (seconds,), out = Timer(dev).each(1, fn, *args, **kw)
+    return round(seconds, 3), out
 
 
 def best_of_two(dev: torch.device, fn, *args, **kw) -> tuple[float, object]:
     """(the smaller seconds of two calls, the second's result): the first pays for the
     allocator's growth and any one-time set-up."""
-    first = timed(dev, fn, *args, **kw)[0]
-    second, out = timed(dev, fn, *args, **kw)
-    return min(first, second), out
+    times, out = Timer(dev).each(2, fn, *args, **kw)
+    return round(min(times), 3), out
 
 
 def hessians(x: torch.Tensor) -> torch.Tensor:
@@ -391,53 +330,50 @@ def encode_part(dev: torch.device, dims, tokens: int, e: int) -> dict:
     return out
 
 
-def cli(*args: str) -> tuple[float, int, str]:
-    """(wall seconds, exit code, last line of output) of one kconvert command."""
-    t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, "-m", "kconvert.cli", *args], capture_output=True,
-                         text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                             [str(HERE.parent), *filter(None, [os.environ.get("PYTHONPATH")])])})
-    lines = (res.stdout + res.stderr).strip().splitlines()
-    return round(time.perf_counter() - t0, 2), res.returncode, lines[-1] if lines else ""
+def cli(*args: str) -> tuple[float, int, str, int]:
+    """(wall seconds, exit code, last line of output, peak RSS bytes) of one kconvert
+    command."""
+    c = run_child([sys.executable, "-m", "kconvert.cli", *args], env=child_env())
+    lines = c.output.strip().splitlines()
+    return round(c.wall_s, 2), c.rc, lines[-1] if lines else "", c.peak_rss_bytes or 0
 
 
-def e2e_part(tiny: bool, dev: str) -> dict:
+def e2e_part(root: Path, tiny: bool, dev: str) -> dict:
     if tiny:
         from kconvert.testing.fixture_weights import FixtureDims
         from kconvert.testing.fixtures import make_fixture
 
-        src = make_fixture(ROOT / "fixture", "k2-int4-kimi", FixtureDims())
+        src = make_fixture(root / "fixture", "k2-int4-kimi", FixtureDims())
         seqs, seq, vocab = 16, 64, FixtureDims().vocab
         make_s = 0.0
     else:
-        import bench_calibrate
-
-        src = ROOT / "calib-src"
-        t0 = time.perf_counter()
-        if not (src / "config.json").exists():
-            bench_calibrate.make_checkpoint(src)
-        make_s = round(time.perf_counter() - t0, 1)
+        made = Timer()
+        dims = dims_from_env()
+        src = kimi_set(root, dims)
+        make_s = round(made.elapsed(), 1)
         seqs, seq, vocab = (int(os.environ.get("SEQS", 16)), int(os.environ.get("SEQ", 2048)),
-                            bench_calibrate.V)
-    ids = torch.randint(0, vocab, (seqs, seq), generator=torch.Generator().manual_seed(0))
-    data = ROOT / "calib.jsonl"
-    data.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in ids.tolist()))
+                            dims.vocab)
+    data = write_ids(root / "calib.jsonl", random_ids(seqs, seq, vocab))
     calib = ["--data", str(data), "--samples", str(seqs), "--seq-len", str(seq)]
     runs = {"rtn": ["int4-to-nvfp4", "--method", "rtn"],
             "gptq": ["int4-to-nvfp4", "--method", "gptq", *calib],
             "sparsegpt": ["sparsify", "--pattern", "p48", "--method", "sparsegpt", *calib]}
     out: dict = {"make_s": make_s, "seqs": seqs, "seq_len": seq}
+    peaks = [0]
     for name, args in runs.items():
-        dst = ROOT / f"out-{name}"
+        dst = root / f"out-{name}"
         shutil.rmtree(dst, ignore_errors=True)
         with GpuSampler() as gpu:
-            wall, code, last = cli(args[0], str(src), str(dst), *args[1:], "--device", dev,
-                                   "--quiet")
+            wall, code, last, peak = cli(args[0], str(src), str(dst), *args[1:], "--device",
+                                         dev, "--quiet")
+        peaks.append(peak)
         got = {"wall_s": wall, "exit": code, **gpu.summary()}
         if code:
             got["error"] = last
         else:
-            audit_s, audit_code, audit_last = cli("audit", str(dst), "--source", str(src))
+            audit_s, audit_code, audit_last, peak = cli("audit", str(dst), "--source",
+                                                        str(src))
+            peaks.append(peak)
             manifest = json.loads((dst / "kconvert-manifest.json").read_text())
             choices = [c["method"] for c in manifest.get("obs", {}).values()]
             got.update(audit_s=audit_s, audit="passed" if audit_code == 0 else audit_last,
@@ -446,16 +382,15 @@ def e2e_part(tiny: bool, dev: str) -> dict:
         shutil.rmtree(dst, ignore_errors=True)
         out[name] = got
         print("e2e", name, got, flush=True)
-    out["children_peak_rss_gib"] = round(
-        resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, 2)
+    out["children_peak_rss_gib"] = round(max(peaks) / 2**30, 2)
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str]) -> None:
+    ap = arguments("obs", __doc__)
     ap.add_argument("--tiny", action="store_true", help="small sizes, CPU (a check)")
-    ap.add_argument("--json", required=True, help="where to write the results")
-    args = ap.parse_args()
+    ap.add_argument("--json", help="where to write the results (default: in OUT)")
+    args = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 products (torch's default, stated)
     if dev.type == "cpu":
@@ -466,13 +401,14 @@ def main() -> None:
     tokens = int(os.environ.get("TOKENS", 300 if args.tiny else 2800))
     kernel = os.environ.get("KERNEL", "auto")
     parts = os.environ.get("PARTS", "stage,kernel,e2e").split(",")
-    ROOT.mkdir(parents=True, exist_ok=True)
-    res: dict = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-                 "tiny": args.tiny, "tokens_per_expert": tokens}
+    root = Path(os.environ.get("ROOT", "/tmp/kbench"))
+    root.mkdir(parents=True, exist_ok=True)
+    rec = record("obs", gpu=dev.type == "cuda", scratch=root)
+    res: dict = {"device": rec["device"]["name"], "tiny": args.tiny, "tokens_per_expert": tokens}
     triton_ok = dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-    t0 = time.perf_counter()
+    warmed = Timer()
     warm(dev, ["torch", kernel] + (["triton"] if triton_ok else []))
-    res["warm_s"] = round(time.perf_counter() - t0, 1)
+    res["warm_s"] = round(warmed.elapsed(), 1)
     extra_experts = int(os.environ.get("KERNEL_EXPERTS", 2 if args.tiny else 16))
     if "stage" in parts:
         res["stage"] = {}
@@ -496,12 +432,7 @@ def main() -> None:
             res["encode"] = encode_part(dev, dims, tokens, extra_experts)
         print("encode", res["encode"], flush=True)
     if "e2e" in parts:
-        res["e2e"] = e2e_part(args.tiny, dev.type)
+        res["e2e"] = e2e_part(root, args.tiny, dev.type)
     res["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(res, indent=1))
+    save({"record": rec, **res}, result_path(rec, args.json))
     print(json.dumps(res))
-
-
-if __name__ == "__main__":
-    main()

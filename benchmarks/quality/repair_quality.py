@@ -6,7 +6,7 @@ text, as tests/pruning/test_reap_quality.py), load source and pruned model whole
 transformers' DeepseekV3ForCausalLM (model_type "deepseek_v3", fp32), and measure on held-out
 text the mean per-token KL(source || pruned) and the NLL increase (nats per byte).
 
-    PYTHONPATH=$PWD python scripts/repair_quality.py --out scripts/results/repair_tiny_moe
+    python -m benchmarks repair_quality --out benchmarks/results/repair_tiny_moe
 
 writes OUT with .json and .md suffixes (the .md: the table in README's REAP part); CPU, about
 5 minutes on 2 cores.
@@ -14,11 +14,9 @@ writes OUT with .json and .md suffixes (the .md: the table in README's REAP part
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import tempfile
-import time
 from pathlib import Path
 
 # Spin-waiting OpenMP threads slow small CPU steps ~10x on a shared machine (docs/tiny-moe.md).
@@ -26,6 +24,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 
+from benchmarks.harness import REPO, Timer, arguments, record
 from kconvert.calibrate.run import measure_stats
 from kconvert.convert import RunControl, convert
 from kconvert.io.checkpoint import open_checkpoint
@@ -35,8 +34,7 @@ from kconvert.recipes import load_recipe
 from kconvert.stages.prune import prune_stage
 from kconvert.testing.tiny_moe import corpus_ids, heldout_ids, load_kimi_checkpoint, windows
 
-ROOT = Path(__file__).resolve().parents[1]
-SRC = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
+SRC = REPO / "tests" / "fixtures" / "tiny-moe-trained"
 KEEPS = (18, 12, 6)  # of 24
 METHODS = ("none", "bias", "router")
 
@@ -94,11 +92,11 @@ def table(results: list[dict], source_nll: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "repair_tiny_moe"))
+def main(argv: list[str]) -> None:
+    ap = arguments("repair_quality", __doc__)
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "repair_tiny_moe"))
     ap.add_argument("--heldout-tokens", type=int, default=16384)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(2)
     calib = windows(corpus_ids("train"), 64, 256, torch.Generator().manual_seed(1))
     held = heldout_ids(args.heldout_tokens, seed=0).reshape(-1, 256)
@@ -108,22 +106,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for keep in KEEPS:
             for method in METHODS:
-                t0 = time.perf_counter()
+                made = Timer()
                 dst = Path(tmp) / f"{keep}-{method}"
                 layers = prune(keep, method, calib, dst)
                 r = {"keep": keep, "method": method, **compare(source, log_probs(dst, held), held),
                      "layers": layers, "heldout_tokens": held.numel(),
-                     "seconds": round(time.perf_counter() - t0, 1)}
+                     "seconds": round(made.elapsed(), 1)}
                 print(json.dumps({k: v for k, v in r.items() if k != "layers"}), flush=True)
                 results.append(r)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(
-        {"source_nll": source_nll, "calibration": "64 x 256 training bytes, seed 1",
-         "results": results}, indent=1) + "\n")
+        {"record": record("repair_quality", gpu=False), "source_nll": source_nll,
+         "calibration": "64 x 256 training bytes, seed 1", "results": results}, indent=1) + "\n")
     out.with_suffix(".md").write_text(table(results, source_nll))
     print(table(results, source_nll))
-
-
-if __name__ == "__main__":
-    main()

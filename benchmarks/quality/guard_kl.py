@@ -6,7 +6,7 @@ re-fitted down_proj matrices) only when the block's mean squared output error on
 calibration tokens falls. This script asks, for each layer the guard judged, whether the
 model felt the same: for each fixture (both trained tiny MoEs) at keep 50% and each fitting
 configuration, it makes plain REAP and the configuration through the command line's default
-path (scripts/reap_quality.py's settings), then builds one hybrid per MoE layer: the plain
+path (reap_quality's settings), then builds one hybrid per MoE layer: the plain
 output with that one layer's tensors taken from the configuration's output. ONE `kconvert eval`
 per fixture compares every output with the source on held-out text. Per layer it records the
 guard's held-out error before/after and the model's KL of the hybrid against plain REAP's;
@@ -16,7 +16,7 @@ the summary gives the agreement and the rank correlation of the two relative cha
 A layer whose fit the guard refused holds plain REAP's tensors in both outputs, so its hybrid
 equals plain REAP: it is reported (the guard's figures) but cannot be ablated.
 
-    PYTHONPATH=$PWD python scripts/guard_kl.py --out scripts/results/guard_kl_tiny_moe
+    python -m benchmarks guard_kl --out benchmarks/results/guard_kl_tiny_moe
         [--fixtures trained 96] [--configs bias router down router+down]
 
 Writes the --out path with .json (every figure) and .md (the table). CPU, about 10 minutes
@@ -25,19 +25,16 @@ per fixture on 2 cores.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from reap_quality import (
+from benchmarks.harness import REPO, arguments, record
+from benchmarks.quality.reap_quality import (
     CALIB,
     CONFIGS,
     FIXTURES,
@@ -45,10 +42,8 @@ from reap_quality import (
     SEQ,
     evaluate,
     kconvert,
-    write_jsonl,
+    write_data,
 )
-
-from kconvert.testing.tiny_moe import corpus_ids, heldout_ids, windows
 
 FITTED = ("repair", "compensation")
 
@@ -78,10 +73,10 @@ def hybrid(plain: Path, fitted: Path, layer: str, dst: Path) -> int:
     return changed
 
 
-def guard_change(record: dict) -> tuple[bool, float]:
+def guard_change(fit: dict) -> tuple[bool, float]:
     """(applied, relative change of the held-out block error) of one fit record."""
-    before, after = record["heldout_mse_before"], record["heldout_mse_after"]
-    return record["applied"], (after - before) / before
+    before, after = fit["heldout_mse_before"], fit["heldout_mse_after"]
+    return fit["applied"], (after - before) / before
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -95,9 +90,7 @@ def run_fixture(name: str, configs: list[str], tmp: Path) -> list[dict]:
     src = FIXTURES[name]
     experts = json.loads((src / "config.json").read_text())["n_routed_experts"]
     keep = experts // 2
-    calib, held = tmp / "calib.jsonl", tmp / "held.jsonl"
-    write_jsonl(calib, windows(corpus_ids("train"), CALIB, SEQ, torch.Generator().manual_seed(1)))
-    write_jsonl(held, heldout_ids(HELD * SEQ, seed=0).reshape(-1, SEQ))
+    calib, held = write_data(tmp)
     plain_dir = tmp / f"{name}-none"
     plain_plan = reap(src, plain_dir, calib, keep, "none")
     rows, candidates = [], [plain_dir]
@@ -105,17 +98,17 @@ def run_fixture(name: str, configs: list[str], tmp: Path) -> list[dict]:
         out = tmp / f"{name}-{config}"
         plan = reap(src, out, calib, keep, config)
         candidates.append(out)
-        for layer, record in sorted(plan.items(), key=lambda kv: int(kv[0])):
-            same_kept = record["keep"] == plain_plan[layer]["keep"]
+        for layer, entry in sorted(plan.items(), key=lambda kv: int(kv[0])):
+            same_kept = entry["keep"] == plain_plan[layer]["keep"]
             for part in FITTED:
-                if part not in record:
+                if part not in entry:
                     continue
-                applied, guard = guard_change(record[part])
+                applied, guard = guard_change(entry[part])
                 row = {"fixture": name, "keep": keep, "of": experts, "config": config,
                        "layer": int(layer), "part": part, "applied": applied,
                        "same_kept": same_kept, "guard_heldout_change": guard,
-                       "heldout_mse_before": record[part]["heldout_mse_before"],
-                       "heldout_mse_after": record[part]["heldout_mse_after"]}
+                       "heldout_mse_before": entry[part]["heldout_mse_before"],
+                       "heldout_mse_after": entry[part]["heldout_mse_after"]}
                 rows.append(row)
         for layer in sorted(plan, key=int):
             # one hybrid per layer (router rows and matrices of a layer together)
@@ -173,13 +166,14 @@ def table(rows: list[dict], summ: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="scripts/results/guard_kl_tiny_moe")
+def main(argv: list[str]) -> None:
+    ap = arguments("guard_kl", __doc__)
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "guard_kl_tiny_moe"))
     ap.add_argument("--fixtures", nargs="+", default=list(FIXTURES), choices=list(FIXTURES))
     ap.add_argument("--configs", nargs="+", default=["bias", "router", "down", "router+down"],
                     choices=[c for c in CONFIGS if c not in ("none",)])
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    rec = record("guard_kl", gpu=False)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
@@ -190,12 +184,8 @@ def main() -> None:
             rows += run_fixture(name, a.configs, fixture_tmp)
             summ = summary(rows)
             out.with_suffix(".json").write_text(json.dumps(
-                {"calibration": f"{CALIB} x {SEQ} training bytes, seed 1",
+                {"record": rec, "calibration": f"{CALIB} x {SEQ} training bytes, seed 1",
                  "heldout": f"heldout_ids({HELD} * {SEQ}, seed=0)", "summary": summ,
                  "rows": rows}, indent=1) + "\n")
             out.with_suffix(".md").write_text(table(rows, summ))
     print(table(rows, summary(rows)))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,206 @@
+"""The benchmarks' harness (benchmarks/harness.py), on the CPU: what a result records and how
+it is named, the child runner measuring real children, and `python -m benchmarks` finding and
+importing every bench it lists."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks import grouped_experts, harness
+from benchmarks.__main__ import BENCHES
+from conftest import ROOT
+
+MB = 1 << 20
+GIT = ["git", "-c", "user.name=bench", "-c", "user.email=bench@example.invalid"]
+
+
+def git(tree: Path, *args: str) -> str:
+    return subprocess.run([*GIT, *args], cwd=tree, check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def test_the_record_says_where_on_what_and_with_which_command():
+    rec = harness.record("unit", gpu=False)
+    assert rec["bench"] == "unit"
+    assert rec["date"] == time.strftime("%Y-%m-%d")
+    assert rec["argv"] == sys.orig_argv
+    assert rec["machine"]["cpu_count"] == os.cpu_count()
+    assert "torch" in rec["machine"]["packages"]
+    assert rec["device"] == {"kind": "cpu", "name": "cpu", "count": 0}
+    assert rec["source"]["kconvert_sha256"] == harness.kconvert_sha(ROOT)
+    assert rec["source"]["git_commit"] == git(ROOT, "rev-parse", "HEAD")
+
+
+def test_the_source_hash_follows_the_code_with_and_without_git(tmp_path):
+    tree = tmp_path / "tree"
+    (tree / "kconvert").mkdir(parents=True)
+    (tree / "kconvert" / "a.py").write_text("A = 1\n")
+    before = harness.source(tree)
+    assert set(before) == {"tree", "kconvert_sha256"}  # no git here: the content hash alone
+    assert harness.code_tag(before) == "src" + before["kconvert_sha256"][:8]
+    git(tree, "init", "-q")
+    git(tree, "add", "-A")
+    git(tree, "commit", "-qm", "code")
+    clean = harness.source(tree)
+    assert clean["git_commit"] == git(tree, "rev-parse", "HEAD")
+    assert clean["git_dirty"] is False
+    assert harness.code_tag(clean) == clean["git_commit"][:7]
+    (tree / "benchmarks" / "results").mkdir(parents=True)
+    (tree / "benchmarks" / "results" / "new.json").write_text("{}")  # a result is not code
+    assert harness.source(tree)["git_dirty"] is False
+    (tree / "kconvert" / "a.py").write_text("A = 2\n")
+    dirty = harness.source(tree)
+    assert dirty["git_dirty"] is True
+    assert dirty["kconvert_sha256"] != clean["kconvert_sha256"]
+    assert harness.code_tag(dirty) == clean["git_commit"][:7] + "-dirty"
+
+
+def test_results_are_named_by_bench_device_date_and_code(tmp_path, monkeypatch):
+    h100 = {"kind": "cuda", "name": "NVIDIA H100 80GB HBM3", "count": 1}
+    assert harness.device_tag(h100) == "H100"
+    assert harness.device_tag({**h100, "name": "NVIDIA H200", "count": 2}) == "H200x2"
+    assert harness.device_tag({"kind": "cpu", "name": "cpu", "count": 0}) == "cpu"
+    rec = {"bench": "convert", "date": "2026-11-27", "device": h100,
+           "source": {"git_commit": "3f2a1c9d" + "0" * 32, "git_dirty": True,
+                      "kconvert_sha256": "ab" * 8}}
+    assert harness.result_name(rec) == "convert_H100_2026-11-27_3f2a1c9-dirty.json"
+    assert harness.result_name(rec, "full") == "convert_H100_2026-11-27_3f2a1c9-dirty_full.json"
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert harness.result_path(rec) == tmp_path / "convert_H100_2026-11-27_3f2a1c9-dirty.json"
+    assert harness.result_path(rec, "given.json") == Path("given.json")
+
+
+def test_the_child_runner_measures_the_childs_own_peak_rss():
+    """A parent that holds 300 MiB: a bare fork+exec child's wait4 peak reads the parent's
+    300 MiB (Linux carries it across exec); through the runner a child that holds nothing
+    reads tens of MiB, and one that holds 200 MiB reads 200 MiB more."""
+    held = bytearray(300 * MB)
+    held[::4096] = b"\1" * len(held[::4096])
+    naive = subprocess.Popen([sys.executable, "-c", "pass"])
+    assert os.wait4(naive.pid, 0)[2].ru_maxrss * 1024 > 300 * MB  # the pollution
+    small = harness.run_child([sys.executable, "-c", "pass"])
+    big = harness.run_child([sys.executable, "-c", "x = bytearray(200 << 20); "
+                             "x[::4096] = b'\\1' * len(x[::4096])"])
+    del held
+    assert small.rc == big.rc == 0
+    assert small.peak_rss_bytes < 100 * MB
+    assert 190 * MB < big.peak_rss_bytes - small.peak_rss_bytes < 260 * MB
+
+
+def test_a_childs_own_report_agrees_with_the_runners_peak_rss():
+    """A child that reports (harness.report) its own peak RSS: it is the runner's figure."""
+    code = ("from benchmarks.harness import report; x = bytearray(150 << 20); "
+            "x[::4096] = b'\\1' * len(x[::4096]); report({'held_mib': 150})")
+    c = harness.run_child([sys.executable, "-c", code], env=harness.child_env())
+    assert c.rc == 0 and c.result["held_mib"] == 150
+    assert c.peak_gpu_reserved_bytes is None  # it never used CUDA
+    assert abs(c.result["vmhwm_gb"] - c.peak_rss_gb) < 0.01
+    assert c.peak_rss_bytes > 150 * MB
+
+
+def test_the_child_runner_returns_status_output_and_result_line():
+    code = ("import json, sys, time; print('hello'); print('warn', file=sys.stderr); "
+            "time.sleep(0.3); print('RESULT ' + json.dumps({'n': 3})); sys.exit(3)")
+    echoed: list[str] = []
+    c = harness.run_child([sys.executable, "-c", code], echo=echoed.append)
+    assert c.rc == 3 and not c.timed_out
+    assert c.stdout.splitlines() == ["hello", 'RESULT {"n": 3}']
+    assert c.stderr == "warn\n"
+    assert c.result == {"n": 3}
+    assert sorted(echoed) == ["hello\n", "warn\n"]  # every line but the result
+    assert c.lines[-1][0] - c.lines[0][0] > 0.25  # stamped as they came
+    assert 0.3 < c.wall_s < 30
+    assert 0 < c.lines[0][0] <= c.lines[-1][0] <= c.wall_s  # from the command's own start
+    merged = harness.run_child([sys.executable, "-c", code], merge=True)
+    assert merged.stderr == "" and "warn" in merged.stdout
+    signalled = harness.run_child([sys.executable, "-c",
+                                   "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"])
+    assert signalled.rc == -15
+    missing = harness.run_child(["/nonexistent/command"])
+    assert missing.rc not in (0, None) and "nonexistent" in missing.stderr
+
+
+def test_the_child_runner_kills_the_whole_command_at_its_timeout(tmp_path):
+    pid_file = tmp_path / "pid"
+    c = harness.run_child(["sh", "-c", f"sleep 60 & echo $! > {pid_file}; wait"], timeout=1)
+    assert c.timed_out and c.rc is None and c.peak_rss_bytes is None
+    assert c.wall_s < 30
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # gone, or a zombie no one has reaped yet
+        stat = Path(f"/proc/{grandchild}/stat")
+        if not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] in "ZX":
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"the command's own child {grandchild} still runs after the timeout")
+
+
+def test_the_child_runner_hands_the_commands_pid_to_its_watcher():
+    seen: list[int] = []
+
+    class Own:
+        def __init__(self, pid: int) -> None:
+            seen.append(pid)
+            deadline = time.monotonic() + 10  # the pid may not have exec'd the command yet
+            while b"sleep" not in (cmdline := Path(f"/proc/{pid}/cmdline").read_bytes()):
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+            self.cmdline = cmdline
+
+        def finish(self) -> dict:
+            return {"cmdline": self.cmdline}
+
+    c = harness.run_child([sys.executable, "-c", "import time; time.sleep(2)"], watch=Own)
+    assert b"time.sleep(2)" in c.watched["cmdline"]  # the command's pid, not the launcher's
+    assert len(seen) == 1
+
+
+def test_the_timer_sums_spans_and_times_each_call():
+    timer = harness.Timer(deadline_s=60)
+    for _ in range(2):
+        with timer.span("nap"):
+            time.sleep(0.05)
+    assert timer("sum", sum, [1, 2]) == 3
+    assert 0.1 <= timer.seconds["nap"] < 5
+    times, out = timer.each(3, time.sleep, 0.01)
+    assert len(times) == 3 and all(t >= 0.01 for t in times) and out is None
+    assert not timer.late() and timer.late(need_s=120)
+
+
+def test_a_bench_run_on_the_cpu_writes_its_result_with_the_record(tmp_path):
+    """grouped_experts --tiny end to end: the loop, grouped_mm and padded bmm agree, and the
+    file it writes carries the record."""
+    out = tmp_path / "grouped.json"
+    grouped_experts.main(["--tiny", str(out)])
+    res = json.loads(out.read_text())
+    assert res["record"]["bench"] == "grouped_experts"
+    assert res["record"]["device"]["kind"] == "cpu"
+    assert res["loop_s"] > 0 and res["grouped_s"] > 0
+    assert res["grouped_max_abs_diff"] < 1e-4 and res["bmm_max_abs_diff"] < 1e-4
+
+
+def test_every_bench_is_listed_imports_and_has_a_main():
+    """A module of the package with a main() is a bench `python -m benchmarks` must list;
+    each listed one imports (kconvert's internals they call included)."""
+    package = ROOT / "benchmarks"
+    with_main = {".".join(p.relative_to(ROOT).with_suffix("").parts)
+                 for p in package.rglob("*.py") if p.name != "__main__.py"
+                 and any(isinstance(n, ast.FunctionDef) and n.name == "main"
+                         for n in ast.parse(p.read_text()).body)}
+    assert with_main == set(BENCHES.values())
+    for module in BENCHES.values():
+        assert callable(importlib.import_module(module).main), module
+    listing = subprocess.run([sys.executable, "-m", "benchmarks"], cwd=ROOT, check=True,
+                             capture_output=True, text=True).stdout
+    assert all(f"  {name} " in listing for name in BENCHES)
