@@ -324,9 +324,23 @@ def method_option(choices: tuple[str, ...], help_text: str):
 
 
 SPARSIFY_METHOD_HELP = ("Mask selection: magnitude (data-free), wanda (--stats), sparsegpt "
-                        "(--data) [default: magnitude].")
-QUANTIZE_METHOD_HELP = ("rtn (round to nearest) or gptq (error-compensated on --data, kept per "
-                        "matrix where it beats rtn) [default: rtn].")
+                        "(--data), learned (--data: masks and values trained per expert from "
+                        "sparsegpt's, kept per expert where they beat it; docs/learned.md) "
+                        "[default: magnitude].")
+QUANTIZE_METHOD_HELP = ("rtn (round to nearest), gptq (error-compensated on --data, kept per "
+                        "matrix where it beats rtn) or learned (--data: routed experts' values "
+                        "trained from gptq's, kept per expert where they beat it) "
+                        "[default: rtn].")
+# What every data-driven method takes (kconvert.methods: the OBS engine's and the learned).
+DATA_METHOD_OPTIONS = [
+    click.option("--hessian", type=click.Choice(HESSIANS), default=None,
+                 help="A data-driven method's layer inputs: from the already-compressed model "
+                      "(sequential) or the source [default: source]."),
+    click.option("--steps", type=click.IntRange(min=1), default=None,
+                 help="--method learned: training steps per expert [default: 100]."),
+    click.option("--tokens", type=click.IntRange(min=1), default=None,
+                 help="--method learned: routed tokens per expert per step [default: 256]."),
+]
 
 
 SPARSIFY_OPTIONS = [
@@ -339,9 +353,7 @@ SPARSIFY_OPTIONS = [
     click.option("--storage", type=click.Choice(STORAGES), default=None,
                  help="dense (zeros inside weight_packed) or pair-bitmask (kept bytes + "
                       "4-bit masks, ~0.65x) [default: dense]."),
-    click.option("--hessian", type=click.Choice(HESSIANS), default=None,
-                 help="SparseGPT's layer inputs: from the already-compressed model "
-                      "(sequential) or the unpruned source [default: source]."),
+    *DATA_METHOD_OPTIONS,
 ]
 
 
@@ -349,8 +361,10 @@ SPARSIFY_OPTIONS = [
 QUANTIZE_METHOD_OPTIONS = [
     method_option(options.QUANTIZE_METHODS, QUANTIZE_METHOD_HELP),
     click.option("--data", type=click.Path(exists=True, dir_okay=False), default=None,
-                 help="Calibration JSONL for GPTQ (run layer by layer beside the conversion)."),
+                 help="Calibration JSONL for gptq and learned (run layer by layer beside the "
+                      "conversion)."),
     *calibration_options(SPARSEGPT_SAMPLES, "With --data: sequences."),
+    *DATA_METHOD_OPTIONS,
 ]
 
 

@@ -108,9 +108,9 @@ densify = conversion_command(
     *QUANTIZE_OPTIONS,
     *prune_options(None, f"With --data: sequences [default: {REAP_SAMPLES} for a prune stage's "
                          f"REAP calibration, {SPARSEGPT_SAMPLES} for SparseGPT and GPTQ]."),
-    method_option(METHODS + QUANTIZE_METHODS, "A sparsify stage's mask selection (magnitude, "
-                  "wanda, sparsegpt), or in a recipe without one the quantize method (rtn, "
-                  "gptq)."),
+    method_option(tuple(dict.fromkeys(METHODS + QUANTIZE_METHODS)), "A sparsify stage's mask "
+                  "selection (magnitude, wanda, sparsegpt, learned), or in a recipe without one "
+                  "the quantize method (rtn, gptq, learned)."),
     *SPARSIFY_OPTIONS, *RUN_OPTIONS])
 def run_recipe(recipe: str, src: str, dst: str, **params) -> None:
     """Run RECIPE (a pipelines/ name or a .toml path) on SRC into DST.

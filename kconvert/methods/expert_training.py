@@ -30,8 +30,9 @@ from kconvert.formats import nvfp4, p48
 ADAM_BETAS = (0.9, 0.99)
 ADAM_EPS = 1e-12
 # Logits start at the one-shot pattern's advantage: +PRIOR for it, 0 for the four patterns
-# sharing one pair with it, -PRIOR for its complement (MaskLLM's and MoESQ's prior), so that
-# at the first step's scale and temperature the one-shot pattern is drawn almost always.
+# sharing one pair with it, -PRIOR for its complement (MaskLLM's and MoESQ's prior): at the
+# first step's scale and temperature the one-shot pattern has about three quarters of the
+# probability, so the others are explored from the start.
 PRIOR = 0.05
 
 
