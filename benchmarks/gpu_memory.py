@@ -34,7 +34,10 @@ would start too close to DEADLINE_S (510 s after the start) is skipped and recor
 same command line on the same (still held) machine runs only what is missing (the set and
 ROOT/bench_gpu_memory.state.json are still there), writing every run to the JSON.
 `COMMANDS=gptq-linears` runs int4-to-nvfp4 --method gptq --targets experts,attention,dense_mlp
-(the attention and dense-MLP Hessians from forward hooks), only when named.
+(the attention and dense-MLP Hessians from forward hooks), only when named; likewise
+`learned-p48` (sparsify --method learned), `learned-nvfp4` (int4-to-nvfp4 --method learned),
+each at default options with its -v per-layer phase lines kept, and `calibrate-only` (their
+calibration alone: 128 sequences, what they run before training).
 Env: ROOT, SEQS, SEQ, OBS_SAMPLES, BUDGETS (default,40GiB), COMMANDS, HOG_GIB, DEADLINE_S,
 TIMEOUT (per run, 300 s).
 """
@@ -64,7 +67,8 @@ from benchmarks.synthetic import TINY, dims_from_env, kimi_set, random_ids, writ
 
 # Rough seconds of each run on one H100 (a run is skipped when less than this is left).
 EXPECT_S = {"calibrate": 35, "eval": 40, "reap": 45, "sparsify": 90, "gptq": 110,
-            "gptq-linears": 120, "oom-refused": 20, "oom-runtime": 30}
+            "gptq-linears": 120, "oom-refused": 20, "oom-runtime": 30, "learned-p48": 200,
+            "learned-nvfp4": 200, "calibrate-only": 35}
 
 
 def child(hog_bytes: int, argv: list[str]) -> None:
@@ -113,6 +117,8 @@ def run(name: str, argv: list[str], timeout: float, hog_bytes: int = 0,
                  "peak_rss_gb": c.peak_rss_gb, **peak,
                  "notes": [ln for ln in lines if ln.startswith("note:")][-4:],
                  "peak_log": [ln for ln in lines if "GPU memory: peak" in ln][-1:],
+                 # the learned method's seconds per phase and its choices (`-v`)
+                 "learned_log": [ln for ln in lines if "learned written for" in ln][-8:],
                  "errors": [ln for ln in lines if ln.startswith("kconvert: error")
                             or "internal error" in ln or "Traceback" in ln][-3:],
                  **gpu.summary()}
@@ -195,12 +201,21 @@ def main(argv: list[str]) -> None:
         "calibrate": ["calibrate", str(src), *d, "-o", str(out_dir / "stats"), "--overwrite"],
         "eval": ["eval", str(src), str(src), *d, "--quiet"],
         "reap": ["reap", str(src), str(dsts["reap"]), *d, "--prune-ratio", "0.5", "--quiet"],
+        # the learned methods at their default options and --samples (issue 36); their
+        # calibration alone is `calibrate-only` (the same forward, statistics written)
+        "learned-p48": ["sparsify", str(src), str(dsts["sparsify"]), "--method", "learned",
+                        *d],
+        "learned-nvfp4": ["int4-to-nvfp4", str(src), str(dsts["gptq"]), "--method", "learned",
+                          *d],
+        "calibrate-only": ["calibrate", str(src), *d, "--samples", "128", "-o",
+                           str(out_dir / "stats-128"), "--overwrite"],
     }
     wanted = os.environ.get("COMMANDS")
     if wanted:
         commands = {k: v for k, v in commands.items() if k in wanted.split(",")}
-    else:
-        del commands["gptq-linears"]  # beyond issue 26's five: asked for by name
+    else:  # beyond issue 26's five: asked for by name
+        for name in ("gptq-linears", "learned-p48", "learned-nvfp4", "calibrate-only"):
+            del commands[name]
     budgets = os.environ.get("BUDGETS", "default,40GiB").split(",")
     least = least_budget(src, obs_samples, seq)
     oom = ["sparsify", str(src), str(dsts["oom"]), "--pattern", "p48", "--method", "sparsegpt",

@@ -12,11 +12,12 @@ result.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 
 import torch
 
-from kconvert.devices import deterministic
+from kconvert.devices import Stopwatch, deterministic
 from kconvert.errors import KconvertError
 from kconvert.formats import nvfp4, p48
 from kconvert.formats.linear import Batch, Transformed
@@ -27,6 +28,8 @@ from kconvert.methods.obs_method import ObsMethod
 from kconvert.methods.sparsegpt import SparseGpt
 from kconvert.model.names import Role
 from kconvert.options import SEED
+
+log = logging.getLogger(__name__)
 
 # Defaults from the quality-versus-time curves on the tiny MoEs and the full-size layer's
 # error curve (docs/learned.md, "Steps and tokens").
@@ -101,18 +104,26 @@ class Learned(ObsMethod):
         return self.oneshot_method.transform_batch(batch)
 
     def transform(self, batches: list[Batch]) -> list[Transformed]:
-        made = [self.oneshot_method.transform_batch(b) for b in batches]
+        watch = Stopwatch(batches[0].weights.device)
+        with watch.phase("one-shot"):
+            made = [self.oneshot_method.transform_batch(b) for b in batches]
         out = [Transformed(m.weights.clone(), m.codes.clone(), _records(m, b))
                for m, b in zip(made, batches, strict=True)]
         experts = _expert_slots(batches)
         if experts:
             layer = next(iter(experts))[0]
-            routing = self._layer_routing(layer)
+            with watch.phase("routing"):
+                routing = self._layer_routing(layer)
             ids = sorted(e for _, e in experts)
             for start in range(0, len(ids), self._per_batch(batches)):
                 chunk = ids[start:start + self._per_batch(batches)]
                 self._learn(layer, chunk, [experts[(layer, e)] for e in chunk], batches, made,
-                            out, routing)
+                            out, routing, watch)
+            chose = [r for o in out for r in o.records if r and "oneshot" in r]
+            log.info("layer %d experts %d-%d: %s; learned written for %d of %d matrices",
+                     layer, ids[0], ids[-1], ", ".join(f"{k} {v:.2f} s" for k, v in
+                                                      watch.seconds.items()),
+                     sum(r["method"] == self.name for r in chose), len(chose))
         if self.calibration.hessians.sequential:
             for b, m in zip(batches, out, strict=True):
                 self.write_back(b, m)
@@ -164,13 +175,44 @@ class Learned(ObsMethod):
 
     def _learn(self, layer: int, ids: list[int], slots: list[dict[str, tuple[int, int]]],
                batches: list[Batch], made: list[Transformed], out: list[Transformed],
-               routing: _Routing) -> None:
+               routing: _Routing, watch: Stopwatch) -> None:
         """Train experts `ids` of `layer` and write the winners into `out`."""
         first = batches[slots[0]["gate_proj"][0]]
         enc = et.Encoding(first.spec.group(first.codec), first.spec.rule,
                           first.codec.arithmetic, first.spec.local_dtype)
         device = first.weights.device
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        with torch.no_grad(), watch.phase("data"):
+            source, oneshot, experts = self._problem(ids, slots, batches, made, routing, enc,
+                                                     dtype)
+        fit_tokens = [len(x) for x in experts.x]
+        generator = torch.Generator(device=device)
+        generator.manual_seed(self.train_settings.seed * 1_000_003 + layer * 1009 + ids[0])
+        with torch.enable_grad(), deterministic(), watch.phase("train"):
+            values, codes = et.train(experts, enc, self.train_settings, generator, dtype)
+        del experts
+        with torch.no_grad(), watch.phase("guard"):
+            for i, e in enumerate(ids):
+                x = routing.x[routing.held[e]].to(device, dtype)
+                g = routing.held_g[e].to(device)
+                enough = len(x) >= HELDOUT_MIN and fit_tokens[i] >= MIN_FIT_TOKENS
+                y = _outputs(x, source, i, dtype)
+                learned = float(_error(x, y, g, values, i, dtype)) if enough else None
+                baseline = float(_error(x, y, g, oneshot, i, dtype)) if enough else None
+                chose = learned is not None and learned < baseline
+                record = {"method": self.name if chose else self.oneshot.name,
+                          "learned_error": learned, "oneshot_error": baseline,
+                          "oneshot": self.oneshot.name, "steps": self.train_settings.steps,
+                          "fit_tokens": fit_tokens[i], "held_out_tokens": len(x)}
+                self._write(slots[i], i, values, codes, out, chose, record)
+
+    def _problem(self, ids: list[int], slots: list[dict[str, tuple[int, int]]],
+                 batches: list[Batch], made: list[Transformed], routing: _Routing,
+                 enc: et.Encoding, dtype: torch.dtype
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], et.Experts]:
+        """(the experts' source matrices, the one-shot result's written values, the training
+        problem), stacked as gate_up [E, 2I, H] and down [E, H, I]."""
+        device = batches[0].weights.device
 
         def stacked(get) -> dict[str, torch.Tensor]:
             return {"gate_up": torch.stack([torch.cat([get(s["gate_proj"]), get(s["up_proj"])])
@@ -184,39 +226,19 @@ class Learned(ObsMethod):
 
         source = stacked(lambda s: batches[s[0]].weights[s[1]])
         oneshot = stacked(lambda s: _values(made[s[0]], batches[s[0]], s[1], enc))
-        gs = stacked(row_gs)
-        keep = None
-        if self.sparse:
-            keep = {n: _support(v) for n, v in oneshot.items()}
+        keep = {n: _support(v) for n, v in oneshot.items()} if self.sparse else None
+        # where the one-shot pruned, training starts from the source's weight
         start = {n: torch.where(keep[n].repeat_interleave(2, -1), oneshot[n], source[n])
                  if keep is not None else oneshot[n] for n in source}
         x_fit = [routing.x[routing.fit[e]].to(device, dtype) for e in ids]
-        with torch.no_grad():
-            y_fit = [_outputs(x, source, i, dtype) for i, x in enumerate(x_fit)]
-        experts = et.Experts(start, keep, gs, x_fit, y_fit,
-                             [routing.fit_g[e].to(device) for e in ids])
-        generator = torch.Generator(device=device)
-        generator.manual_seed(self.train_settings.seed * 1_000_003 + layer * 1009 + ids[0])
-        with torch.enable_grad(), deterministic():
-            values, codes = et.train(experts, enc, self.train_settings, generator, dtype)
-        with torch.no_grad():
-            for i, e in enumerate(ids):
-                x = routing.x[routing.held[e]].to(device, dtype)
-                g = routing.held_g[e].to(device)
-                enough = len(x) >= HELDOUT_MIN and len(x_fit[i]) >= MIN_FIT_TOKENS
-                y = _outputs(x, source, i, dtype)
-                learned = float(_error(x, y, g, values, i, dtype)) if enough else float("inf")
-                baseline = float(_error(x, y, g, oneshot, i, dtype)) if enough else 0.0
-                chose = learned < baseline
-                record = {"method": self.name if chose else self.oneshot.name,
-                          "learned_error": learned if enough else None,
-                          "oneshot_error": baseline if enough else None,
-                          "oneshot": self.oneshot.name, "steps": self.train_settings.steps,
-                          "fit_tokens": len(x_fit[i]), "held_out_tokens": len(x)}
-                self._write(slots[i], i, values, codes, out, chose, record, enc)
+        y_fit = [_outputs(x, source, i, dtype).to(dtype) for i, x in enumerate(x_fit)]
+        return source, oneshot, et.Experts(start, keep, stacked(row_gs), x_fit, y_fit,
+                                           [routing.fit_g[e].to(device) for e in ids])
 
     def _write(self, slot: dict[str, tuple[int, int]], i: int, values, codes, out, chose: bool,
-               record: dict, enc: et.Encoding) -> None:
+               record: dict) -> None:
+        """Expert i's gate, up and down into their batches' rows of `out` where `chose`, and
+        its record into each."""
         inter = values["down"].shape[-1]
         parts = {"gate_proj": ("gate_up", slice(0, inter)), "up_proj": ("gate_up",
                                                                          slice(inter, None)),
