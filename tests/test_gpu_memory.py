@@ -340,7 +340,7 @@ def test_both_obs_stages_take_their_batches_from_the_one_plan():
     try:
         s = Shapes.from_config(ckpt.text_config)
         for stage in _obs_stages(ckpt):
-            hessians = stage.calibration.hessians
+            hessians = stage.method.calibration.hessians
             plan = gpu_plan.plan_gpu(ckpt, [stage], 40 * GIB, stage.name, encode=gpu_encode())
             assert hessians.gpu_plan is plan and plan.obs_matrices >= 1
             assert hessians.obs_budget(torch.device("cuda")) == plan.obs_bytes

@@ -134,8 +134,13 @@ def prepare_method(stage: str) -> Callable[[tuple[dict, ...], dict[str, Any], Gp
             method = method_named(stage, tables[0].get("method"))
         except KconvertError as exc:
             raise UsageError(str(exc)) from exc
+        needs_here = {m.needs for m in methods_of(stage).values()}
+        # an unused --data or --stats is named by the recipe's first stage with methods (the
+        # stage --method goes to)
+        first = next(t["stage"] for t in stages if methods_of(t["stage"])) == stage
         for option, need in (("data", "data"), ("stats", "stats")):
-            if options.get(option) is None or method.needs == need:
+            if (options.get(option) is None or method.needs == need or need not in needs_here
+                    or not first):
                 continue
             if not any(_uses(t, option) for t in stages if t["stage"] != stage):
                 users = [n for n, m in methods_of(stage).items() if m.needs == need]
