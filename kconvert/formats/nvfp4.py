@@ -42,6 +42,7 @@ from kconvert.formats.nvfp4_grid import (
     block_sum,
     cut_points,
     pack_codes,
+    round_e2m1,
     unpack_codes,
 )
 
@@ -116,7 +117,7 @@ def _check_rule(rule: str) -> None:
         raise ValueError(f"the block-scale rule must be 'amax' or 'mse', not {rule!r}")
 
 
-def _amax_block_scale(blocks: torch.Tensor, gs: torch.Tensor,
+def amax_block_codes(blocks: torch.Tensor, gs: torch.Tensor,
                       local_dtype: torch.dtype = torch.float32,
                       arithmetic: str = "compressed-tensors") -> torch.Tensor:
     """FP8 block scale codes (uint8 bits of float8_e4m3fn) by the amax rule.
@@ -171,7 +172,7 @@ def _choose(blocks: torch.Tensor, gs: torch.Tensor, rule: str, local_dtype: torc
             ) -> torch.Tensor:
     """Block scale codes [N, nb] by `rule`."""
     mag = blocks.abs()
-    d = _amax_block_scale(blocks, gs, local_dtype, arithmetic)
+    d = amax_block_codes(blocks, gs, local_dtype, arithmetic)
     err = _block_error(mag, d, gs, cuts, lut, arithmetic)
     if rule == "mse":
         base = d.to(torch.int16)
@@ -309,7 +310,7 @@ def quantize(
             # come from torch, and given codes are used as they are (no search).
             codes_in = block_codes is not None or local_dtype != torch.float32
             if block_codes is None and codes_in:
-                codes.copy_(_amax_block_scale(blocks, gsi, local_dtype, arithmetic))
+                codes.copy_(amax_block_codes(blocks, gsi, local_dtype, arithmetic))
             with _KERNEL_LAUNCH:
                 cpu.quantize_rows(blocks.reshape(-1, k).contiguous().numpy(),
                                   gsi[:, 0].contiguous().numpy(), codes.numpy(), codes_in,
@@ -489,9 +490,34 @@ def decode_steps(packed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
             * step.unsqueeze(-1)).reshape(b, m, k)
 
 
-__all__ = ["BLOCK", "BLOCK_SIZES", "CHOOSERS", "E2M1", "FP4_MAX", "FP8_MAX", "FP8_VALUES",
-           "GLOBAL_NUMERATOR", "MSE_CODE_OFFSETS", "ZERO_BLOCK_SCALE", "ZERO_CODE", "Quantized",
-           "block_step", "block_sum",
-           "choose_block_codes", "cpu_threads", "cut_points", "decode_steps", "dequantize",
-           "fake_quantize", "global_scale", "int4_amax", "pack_codes", "quantize",
-           "quantize_int4", "unpack_codes", "warm_cpu_kernels"]
+__all__ = [
+    "BLOCK",
+    "BLOCK_SIZES",
+    "CHOOSERS",
+    "E2M1",
+    "FP4_MAX",
+    "FP8_MAX",
+    "FP8_VALUES",
+    "GLOBAL_NUMERATOR",
+    "MSE_CODE_OFFSETS",
+    "ZERO_BLOCK_SCALE",
+    "ZERO_CODE",
+    "Quantized",
+    "amax_block_codes",
+    "block_step",
+    "block_sum",
+    "choose_block_codes",
+    "cpu_threads",
+    "cut_points",
+    "decode_steps",
+    "dequantize",
+    "fake_quantize",
+    "global_scale",
+    "int4_amax",
+    "pack_codes",
+    "quantize",
+    "quantize_int4",
+    "round_e2m1",
+    "unpack_codes",
+    "warm_cpu_kernels",
+]

@@ -2,7 +2,7 @@
 
 Eager torch makes ~12 full passes over a matrix per candidate block scale; on a CPU that is
 memory-bound and far slower than the per-block work needs to be. These kernels do the same
-float32 operations in the same order as the torch path (`nvfp4._amax_block_scale`,
+float32 operations in the same order as the torch path (`nvfp4.amax_block_codes`,
 `_block_error`, `_nibbles`: true divisions, a multiply and a subtract for the error, the fixed
 pairwise block sum, strict comparisons against the same cut points, round-to-nearest-even into
 FP8), so their bytes are identical to the torch path's; tests hold the two together.
@@ -173,14 +173,14 @@ def _encode_row(x, gs, codes, codes_in, offsets, block, modelopt, packed, ws):
         if codes_in:
             for lane in range(LANES):
                 base[lane] = codes[b0 + lane] if lane < n else _ZERO
-        elif modelopt:  # nvfp4._amax_block_scale, ModelOpt's arithmetic
+        elif modelopt:  # nvfp4.amax_block_codes, ModelOpt's arithmetic
             six_g = _SIX * gs
             for lane in range(LANES):
                 v = vec[lane] / six_g
                 v = np.float32(1.0) if v == 0 else v
                 vec[lane] = v if v > _MIN_SCALE or v != v else _MIN_SCALE
             _fp8_codes(vec, base)
-        else:  # nvfp4._amax_block_scale with local dtype fp32
+        else:  # nvfp4.amax_block_codes with local dtype fp32
             for lane in range(LANES):
                 vec[lane] = gs * (vec[lane] / _SIX)
             _fp8_codes(vec, base)

@@ -38,6 +38,18 @@ def cut_points(device: torch.device) -> torch.Tensor:
     return torch.where(torch.isin(cuts, torch.tensor(TIE_UP, device=device)), down, cuts)
 
 
+def round_e2m1(y: torch.Tensor) -> torch.Tensor:
+    """y rounded to the E2M1 grid (+-{0, 0.5, 1, 1.5, 2, 3, 4, 6}, saturating at 6) by
+    arithmetic alone, with the ties `cut_points` gives (to even: 0.25 -> 0, 0.75 -> 1,
+    1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4): the grid's step is 0.5 below 2, 1 up
+    to 4 and 2 above, and torch.round rounds half to even. Elementwise only (no table, no
+    search), so a compiler fuses it with what comes before and after."""
+    a = y.abs()
+    q = torch.where(a < 2, torch.round(a * 2) / 2,
+                    torch.where(a < 4, torch.round(a), (torch.round(a / 2) * 2).clamp(max=6)))
+    return torch.where(y < 0, -q, q)
+
+
 def block_sum(x: torch.Tensor) -> torch.Tensor:
     """Sum over the last dim (16 or 32) as a fixed pairwise tree: the same bits on every device."""
     while x.shape[-1] > 1:

@@ -16,16 +16,25 @@ allowed patterns. A step:
 Export takes each chunk's most likely pattern (ties to the lower pattern index), zeroes its
 pruned pairs (+0) and quantizes by the rule: exactly what the codec writes. Every random draw
 comes from a generator seeded by (seed, layer, experts), so a run is reproducible.
+
+The weight path of a step (soft mask, E2M1 rounding) and the optimiser's update are
+elementwise passes over every weight, the bulk of a step's memory traffic: on a GPU each is
+compiled (torch.compile) into a few fused kernels; the same functions run eagerly on a CPU.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kconvert.formats import nvfp4, p48
+
+log = logging.getLogger(__name__)
 
 ADAM_BETAS = (0.9, 0.99)
 ADAM_EPS = 1e-12
@@ -88,9 +97,55 @@ def quantized(w: torch.Tensor, gs: torch.Tensor, enc: Encoding) -> tuple[torch.T
     return values.reshape(w.shape), codes.reshape(*lead, k // enc.group)
 
 
-def straight_through(w: torch.Tensor, gs: torch.Tensor, enc: Encoding) -> torch.Tensor:
-    """w quantized forward, the identity backward (no gradient through the block scales)."""
-    return w + (quantized(w, gs, enc)[0] - w).detach()
+def block_codes(w: torch.Tensor, gs: torch.Tensor, enc: Encoding) -> torch.Tensor:
+    """The block-scale codes [..., R, K/group] the encoder picks for w [..., R, K] by
+    `enc.rule` (its Triton kernel on a GPU)."""
+    *lead, k = w.shape
+    codes = nvfp4.choose_block_codes(w.detach().reshape(-1, k // enc.group, enc.group).float(),
+                                     gs.reshape(-1, 1).float(), enc.rule, enc.local_dtype,
+                                     enc.arithmetic)
+    return codes.reshape(*lead, k // enc.group)
+
+
+def straight_through(w: torch.Tensor, codes: torch.Tensor, gs: torch.Tensor, group: int,
+                     arithmetic: str) -> torch.Tensor:
+    """w [..., R, K] rounded to NVFP4's grid on block-scale codes [..., R, K/group] and per-row
+    per-tensor scales gs [..., R] forward (the encoder's values), the identity backward (no
+    gradient through the scales)."""
+    with torch.no_grad():
+        step = nvfp4.block_step(codes, gs.unsqueeze(-1), arithmetic)
+        blocks = w.reshape(*w.shape[:-1], -1, group)
+        q = (nvfp4.round_e2m1(blocks / step) * step).reshape(w.shape)
+    return w + (q - w).detach()
+
+
+def _masked(w: torch.Tensor, logits: torch.Tensor, noise: torch.Tensor, scale: torch.Tensor,
+            temperature: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """w times a Gumbel-softmax sample of its element masks (noise: -log(-log(u)))."""
+    probs = torch.softmax((logits * scale + noise) / temperature, dim=-1)
+    return w * (probs @ masks).reshape(w.shape)
+
+
+def _adam(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+          step: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor) -> None:
+    """One Adam update in place: p -= step * m_hat / (sqrt(v_hat) + eps)."""
+    b1, b2 = ADAM_BETAS
+    m.mul_(b1).add_(grad, alpha=1 - b1)
+    v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+    p.sub_((m / c1) / ((v / c2).sqrt() + ADAM_EPS) * step)
+
+
+# Whether the weight path and the update are compiled on a GPU (the benchmark compares both).
+COMPILE = True
+
+
+@functools.cache
+def _compiled(fn: Callable, device_type: str) -> Callable:
+    """`fn` compiled into fused kernels on a GPU (torch.compile; shapes fixed per batch size),
+    as it is on a CPU."""
+    if device_type != "cuda" or not COMPILE:
+        return fn
+    return torch.compile(fn, dynamic=False)
 
 
 def expert_outputs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -111,17 +166,11 @@ def initial_logits(keep: torch.Tensor) -> torch.Tensor:
     return PRIOR * (overlap - 1.0)
 
 
-def soft_mask(logits: torch.Tensor, scale: float, temperature: float,
-              generator: torch.Generator | None) -> torch.Tensor:
-    """A Gumbel-softmax sample of element masks [..., R, K] from logits [..., R, K/8, 6]
-    (no noise without a generator: the expected pattern weights)."""
-    z = logits * scale
-    if generator is not None:
-        u = torch.rand(z.shape, generator=generator, device=z.device).clamp_(1e-10, 1 - 1e-7)
-        z = z - torch.log(-torch.log(u))
-    probs = torch.softmax(z / temperature, dim=-1)
-    m = probs @ p48.patterns(logits.device)
-    return m.reshape(*logits.shape[:-2], -1)
+def soft_mask(logits: torch.Tensor, scale: float, temperature: float) -> torch.Tensor:
+    """The expected element masks [..., R, K] of logits [..., R, K/8, 6] at a scale and
+    temperature (a step's sample adds Gumbel noise to the scaled logits: `_masked`)."""
+    probs = torch.softmax(logits * scale / temperature, dim=-1)
+    return (probs @ p48.patterns(logits.device)).reshape(*logits.shape[:-2], -1)
 
 
 def hard_mask(logits: torch.Tensor) -> torch.Tensor:
@@ -143,21 +192,20 @@ class Adam:
     """Adam over a list of tensors, each update scaled per row group (the trainer's own: its
     step is a fraction of each matrix's RMS, which torch's optimisers do not take)."""
 
-    def __init__(self, params: list[torch.Tensor], scales: list[torch.Tensor | float]):
+    def __init__(self, params: list[torch.Tensor], scales: list[torch.Tensor]):
         self.params, self.scales = params, scales
         self.m = [torch.zeros_like(p) for p in params]
         self.v = [torch.zeros_like(p) for p in params]
         self.t = 0
+        self.update = _compiled(_adam, params[0].device.type)
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
         self.t += 1
-        b1, b2 = ADAM_BETAS
-        c1, c2 = 1 - b1 ** self.t, 1 - b2 ** self.t
+        dev = self.params[0].device
+        c1, c2 = (torch.tensor(1 - b ** self.t, device=dev) for b in ADAM_BETAS)
         for p, m, v, s in zip(self.params, self.m, self.v, self.scales, strict=True):
-            m.mul_(b1).add_(p.grad, alpha=1 - b1)
-            v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
-            p.sub_((m / c1) / ((v / c2).sqrt_().add_(ADAM_EPS)) * (lr * s))
+            self.update(p, p.grad, m, v, s * lr, c1, c2)
             p.grad = None
 
 
@@ -180,27 +228,35 @@ def relative_error(out: torch.Tensor, y: torch.Tensor, g: torch.Tensor) -> torch
 
 def train(experts: Experts, enc: Encoding, settings: TrainSettings, generator: torch.Generator,
           compute_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Train `experts` and export them: (values per matrix on the NVFP4 grid, pruned entries
-    +0, block codes per matrix) as the encoder writes them."""
+    """Train `experts` (their `w` in place) and export them: (values per matrix on the NVFP4
+    grid, pruned entries +0, block codes per matrix) as the encoder writes them."""
     names = list(experts.w)
-    weights = {n: experts.w[n].clone().requires_grad_(True) for n in names}
+    dev = experts.w[names[0]].device
+    weights = {n: experts.w[n].requires_grad_(True) for n in names}
     logits = ({n: initial_logits(experts.keep[n]).requires_grad_(True) for n in names}
               if experts.keep is not None else {})
-    rms = [experts.w[n].square().mean((-1, -2), keepdim=True).sqrt_().clamp_(min=1e-12)
-           for n in names]
+    rms = [w.detach().square().mean((-1, -2), keepdim=True).sqrt_().clamp_(min=1e-12)
+           for w in weights.values()]
     # the logits' step is mask_lr: the weights' base lr times this ratio
-    ratio = settings.mask_lr / settings.lr if settings.lr else 0.0
+    ratio = torch.tensor(settings.mask_lr / settings.lr if settings.lr else 0.0, device=dev)
     opt = Adam([*weights.values(), *logits.values()], [*rms, *([ratio] * len(logits))])
+    masks = p48.patterns(dev)
+    quantize = _compiled(straight_through, dev.type)
+    masked = _compiled(_masked, dev.type)
     for step in range(settings.steps):
         x, y, g = _sample(experts, settings.tokens, generator)
-        scale = _schedule(step, settings.steps, settings.logit_scale)
-        temperature = _schedule(step, settings.steps, settings.temperature)
+        scale = torch.tensor(_schedule(step, settings.steps, settings.logit_scale), device=dev)
+        temperature = torch.tensor(_schedule(step, settings.steps, settings.temperature),
+                                   device=dev)
         q = {}
         for n in names:
             w = weights[n]
             if logits:
-                w = w * soft_mask(logits[n], scale, temperature, generator)
-            q[n] = straight_through(w, experts.gs[n], enc)
+                u = torch.rand(logits[n].shape, generator=generator, device=dev)
+                noise = -torch.log(-torch.log(u.clamp_(1e-10, 1 - 1e-7)))
+                w = masked(w, logits[n], noise, scale, temperature, masks)
+            codes = block_codes(w, experts.gs[n], enc)
+            q[n] = quantize(w, codes, experts.gs[n], enc.group, enc.arithmetic)
         out = expert_outputs(x.to(compute_dtype), q["gate_up"], q["down"])
         relative_error(out, y, g).sum().backward()
         opt.step(settings.lr * _lr_factor(step, settings.steps))

@@ -107,7 +107,8 @@ class Learned(ObsMethod):
         watch = Stopwatch(batches[0].weights.device)
         with watch.phase("one-shot"):
             made = [self.oneshot_method.transform_batch(b) for b in batches]
-        out = [Transformed(m.weights.clone(), m.codes.clone(), _records(m, b))
+        # the one-shot results are written where learning does not win: `out` starts as them
+        out = [Transformed(m.weights, m.codes, _records(m, b))
                for m, b in zip(made, batches, strict=True)]
         experts = _expert_slots(batches)
         if experts:
@@ -183,8 +184,8 @@ class Learned(ObsMethod):
         device = first.weights.device
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         with torch.no_grad(), watch.phase("data"):
-            source, oneshot, experts = self._problem(ids, slots, batches, made, routing, enc,
-                                                     dtype)
+            experts, held, baseline = self._problem(ids, slots, batches, made, routing, enc,
+                                                    dtype)
         fit_tokens = [len(x) for x in experts.x]
         generator = torch.Generator(device=device)
         generator.manual_seed(self.train_settings.seed * 1_000_003 + layer * 1009 + ids[0])
@@ -192,16 +193,13 @@ class Learned(ObsMethod):
             values, codes = et.train(experts, enc, self.train_settings, generator, dtype)
         del experts
         with torch.no_grad(), watch.phase("guard"):
-            for i, e in enumerate(ids):
-                x = routing.x[routing.held[e]].to(device, dtype)
-                g = routing.held_g[e].to(device)
+            for i, (x, y, g) in enumerate(held):
                 enough = len(x) >= HELDOUT_MIN and fit_tokens[i] >= MIN_FIT_TOKENS
-                y = _outputs(x, source, i, dtype)
                 learned = float(_error(x, y, g, values, i, dtype)) if enough else None
-                baseline = float(_error(x, y, g, oneshot, i, dtype)) if enough else None
-                chose = learned is not None and learned < baseline
+                chose = learned is not None and learned < baseline[i]
                 record = {"method": self.name if chose else self.oneshot.name,
-                          "learned_error": learned, "oneshot_error": baseline,
+                          "learned_error": learned,
+                          "oneshot_error": baseline[i] if enough else None,
                           "oneshot": self.oneshot.name, "steps": self.train_settings.steps,
                           "fit_tokens": fit_tokens[i], "held_out_tokens": len(x)}
                 self._write(slots[i], i, values, codes, out, chose, record)
@@ -209,9 +207,10 @@ class Learned(ObsMethod):
     def _problem(self, ids: list[int], slots: list[dict[str, tuple[int, int]]],
                  batches: list[Batch], made: list[Transformed], routing: _Routing,
                  enc: et.Encoding, dtype: torch.dtype
-                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], et.Experts]:
-        """(the experts' source matrices, the one-shot result's written values, the training
-        problem), stacked as gate_up [E, 2I, H] and down [E, H, I]."""
+                 ) -> tuple[et.Experts, list[tuple[torch.Tensor, ...]], list[float]]:
+        """(the training problem, stacked as gate_up [E, 2I, H] and down [E, H, I]; per expert
+        its held-out tokens' inputs, source outputs and router weights; per expert the one-shot
+        result's error on them). The source and one-shot matrices are not held past this."""
         device = batches[0].weights.device
 
         def stacked(get) -> dict[str, torch.Tensor]:
@@ -225,15 +224,23 @@ class Learned(ObsMethod):
             return gs.expand(b.weights.shape[1]).to(device)
 
         source = stacked(lambda s: batches[s[0]].weights[s[1]])
-        oneshot = stacked(lambda s: _values(made[s[0]], batches[s[0]], s[1], enc))
-        keep = {n: _support(v) for n, v in oneshot.items()} if self.sparse else None
-        # where the one-shot pruned, training starts from the source's weight
-        start = {n: torch.where(keep[n].repeat_interleave(2, -1), oneshot[n], source[n])
-                 if keep is not None else oneshot[n] for n in source}
         x_fit = [routing.x[routing.fit[e]].to(device, dtype) for e in ids]
         y_fit = [_outputs(x, source, i, dtype).to(dtype) for i, x in enumerate(x_fit)]
-        return source, oneshot, et.Experts(start, keep, stacked(row_gs), x_fit, y_fit,
-                                           [routing.fit_g[e].to(device) for e in ids])
+        held = []
+        for i, e in enumerate(ids):
+            x = routing.x[routing.held[e]].to(device, dtype)
+            held.append((x, _outputs(x, source, i, dtype), routing.held_g[e].to(device)))
+        oneshot = stacked(lambda s: _values(made[s[0]], batches[s[0]], s[1], enc))
+        baseline = [float(_error(x, y, g, oneshot, i, dtype)) for i, (x, y, g) in
+                    enumerate(held)]
+        keep = None
+        if self.sparse:  # where the one-shot pruned, training starts from the source's weight
+            keep = {n: _support(v) for n, v in oneshot.items()}
+            for n, v in oneshot.items():
+                torch.where(keep[n].repeat_interleave(2, -1), v, source[n], out=v)
+        del source
+        return et.Experts(oneshot, keep, stacked(row_gs), x_fit, y_fit,
+                          [routing.fit_g[e].to(device) for e in ids]), held, baseline
 
     def _write(self, slot: dict[str, tuple[int, int]], i: int, values, codes, out, chose: bool,
                record: dict) -> None:
@@ -269,11 +276,12 @@ class LearnedNvfp4(Learned):
 
 def training_bytes(hidden: int, inter: int, sparse: bool, tokens: int) -> int:
     """Device bytes training one expert holds: per weight the fp32 master, its gradient and
-    Adam's two moments, the step's masked, quantized and bf16 copies, and with p48 the pattern
-    logits (6 per 8 weights) with their gradient and moments and the soft mask's temporaries;
+    Adam's two moments (16), the step's masked, quantized, straight-through and bf16 copies
+    and what autograd keeps of them (24), and with p48 the pattern logits (6 per 8 weights)
+    with their gradient and moments (12) and a step's noise, probabilities and soft mask (20);
     its fit tokens' inputs and reference outputs (bf16); a step's activations and their
     gradients."""
-    per_weight = 4 * 4 + 3 * 4 + 2 + ((6 * 4 * 4) // 8 + 3 * 4 if sparse else 0)
+    per_weight = 40 + (32 if sparse else 0)
     data = MAX_FIT_TOKENS * hidden * 2 * 2
     step = tokens * (hidden * (2 + 2 + 4 + 4) + 3 * inter * (2 + 4) * 2)
     return 3 * hidden * inter * per_weight + data + step
