@@ -15,9 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from kconvert.engine.stage import Stage, StageRecord
 from kconvert.errors import KconvertError, UsageError
 from kconvert.gpu_budget import GpuRequest
+from kconvert.gpu_plan import GpuPlan, GpuWork, Shapes
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.methods import Method, method_named, methods_of
 from kconvert.methods.hessians import Calibration
@@ -64,6 +67,33 @@ class StageKind:
     def options(self) -> tuple[str, ...]:
         """Every option name the kind takes, recipe settings and command-line inputs."""
         return self.settings + self.input_options
+
+
+class MethodStage(Stage):
+    """A stage whose claimed modules get their values from a method (kconvert.methods): the
+    engine's hooks that are the method's (its layer order, work-item size, GPU footprint and
+    plan, its files and its close) go to it."""
+
+    method: Method
+
+    @property
+    def ordered_layers(self) -> bool:  # type: ignore[override]
+        return self.method.ordered_layers
+
+    def input_files(self) -> list[str]:
+        return self.method.input_files()
+
+    def close(self) -> None:
+        self.method.close()
+
+    def work_elems(self, device: torch.device) -> int | None:
+        return self.method.work_elems(device)
+
+    def gpu_work(self, shapes: Shapes) -> GpuWork | None:
+        return self.method.gpu_work(shapes)
+
+    def use_gpu_plan(self, plan: GpuPlan) -> None:
+        self.method.use_gpu_plan(plan)
 
 
 def stage_settings(stages: tuple[dict, ...], given: dict[str, Any],

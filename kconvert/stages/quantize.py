@@ -9,20 +9,19 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-import torch
 from pydantic import Field
 
-from kconvert.engine.stage import Stage, StageRecord
+from kconvert.engine.stage import StageRecord
 from kconvert.errors import KconvertError, UsageError
 from kconvert.formats import OUTPUT_CODECS, DenseCodec, stored_as
 from kconvert.formats.linear import ModuleWork
-from kconvert.gpu_plan import GpuPlan, GpuWork, Shapes
 from kconvert.methods import Method, MethodInputs, methods_of
 from kconvert.methods.hessians import Calibration
 from kconvert.model.names import TARGET_ROLES, Role
 from kconvert.options import ACTIVATIONS, BLOCK_SCALE_RULES
 from kconvert.stages.base import (
     CALIBRATION_OPTIONS,
+    MethodStage,
     StageKind,
     check_needs,
     method_setting_names,
@@ -53,7 +52,7 @@ class QuantizeRecord(StageRecord):
 
 
 @dataclass(frozen=True)
-class Quantize(Stage):
+class Quantize(MethodStage):
     """Targeted modules become NVFP4 or MXFP4 in the chosen on-disk format.
 
     A quantized module that is not a target but is in another format is decoded to BF16:
@@ -87,9 +86,6 @@ class Quantize(Stage):
             return bool(self.codec.dynamic_activations)
         return self.activations == "dynamic"
 
-    @property
-    def ordered_layers(self) -> bool:
-        return self.method.ordered_layers
 
     @cached_property
     def input_amax(self) -> dict[str, float]:
@@ -102,7 +98,7 @@ class Quantize(Stage):
             raise KconvertError(f"bad activation statistics: {exc}", file=self.act_stats) from exc
 
     def input_files(self) -> list[str]:
-        return ([self.act_stats] if self.act_stats else []) + self.method.input_files()
+        return ([self.act_stats] if self.act_stats else []) + super().input_files()
 
     def record(self) -> QuantizeRecord:
         record = QuantizeRecord(targets=sorted(r.value for r in self.targets), format=self.fmt,
@@ -112,17 +108,9 @@ class Quantize(Stage):
             record.activations = "dynamic" if self.dynamic_activations else "none"
         return record
 
-    def close(self) -> None:
-        self.method.close()
 
-    def work_elems(self, device: torch.device) -> int | None:
-        return self.method.work_elems(device)
 
-    def gpu_work(self, shapes: Shapes) -> GpuWork | None:
-        return self.method.gpu_work(shapes)
 
-    def use_gpu_plan(self, plan: GpuPlan) -> None:
-        self.method.use_gpu_plan(plan)
 
     def claim(self, m: ModuleWork) -> None:
         codec = self.codec

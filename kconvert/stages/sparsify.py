@@ -13,19 +13,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-import torch
 from pydantic import Field
 
-from kconvert.engine.stage import Stage, StageRecord
+from kconvert.engine.stage import StageRecord
 from kconvert.errors import KconvertError
 from kconvert.formats.linear import ModuleWork
-from kconvert.gpu_plan import GpuPlan, GpuWork, Shapes
 from kconvert.methods import Method, MethodInputs
 from kconvert.methods.hessians import Calibration
 from kconvert.model.names import Role
 from kconvert.options import SPARSIFY_STORAGES
 from kconvert.stages.base import (
     CALIBRATION_OPTIONS,
+    MethodStage,
     StageKind,
     check_needs,
     method_setting_names,
@@ -53,7 +52,7 @@ class SparsifyRecord(StageRecord):
 
 
 @dataclass(frozen=True)
-class Sparsify(Stage):
+class Sparsify(MethodStage):
     method: Method = field(compare=False)
     group_size: int = 16
     storage: str = "dense"
@@ -66,9 +65,6 @@ class Sparsify(Stage):
             raise KconvertError(f"unknown --storage {self.storage!r}; choose from "
                                 f"{SPARSIFY_STORAGES}")
 
-    @property
-    def ordered_layers(self) -> bool:
-        return self.method.ordered_layers
 
     def claim(self, m: ModuleWork) -> None:
         if m.tn.role is not Role.ROUTED_EXPERT:
@@ -86,17 +82,9 @@ class Sparsify(Stage):
         return SparsifyRecord(pattern="p48", group_size=self.group_size, storage=self.storage,
                               targets=[Role.ROUTED_EXPERT.value], **self.method.record())
 
-    def close(self) -> None:
-        self.method.close()
 
-    def work_elems(self, device: torch.device) -> int | None:
-        return self.method.work_elems(device)
 
-    def gpu_work(self, shapes: Shapes) -> GpuWork | None:
-        return self.method.gpu_work(shapes)
 
-    def use_gpu_plan(self, plan: GpuPlan) -> None:
-        self.method.use_gpu_plan(plan)
 
 
 def build(settings: dict, calibration: Calibration | None) -> Sparsify:
