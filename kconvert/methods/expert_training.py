@@ -15,7 +15,8 @@ allowed patterns. A step:
               cosine from `lr` to a tenth; temperature and scale annealed linearly
 Export takes each chunk's most likely pattern (ties to the lower pattern index), zeroes its
 pruned pairs (+0) and quantizes by the rule: exactly what the codec writes. Every random draw
-comes from a generator seeded by (seed, layer, experts), so a run is reproducible.
+comes from a generator seeded by (seed, layer, experts) (the tokens of a step, and the seed of
+each step's Gumbel noise, whose draws a counter-based hash makes), so a run is reproducible.
 
 The weight path of a step (soft mask, E2M1 rounding) and the optimiser's update are
 elementwise passes over every weight, the bulk of a step's memory traffic: on a GPU each is
@@ -119,9 +120,24 @@ def straight_through(w: torch.Tensor, codes: torch.Tensor, gs: torch.Tensor, gro
     return w + (q - w).detach()
 
 
-def _masked(w: torch.Tensor, logits: torch.Tensor, noise: torch.Tensor, scale: torch.Tensor,
+def counter_uniform(shape: torch.Size, seed: torch.Tensor) -> torch.Tensor:
+    """Uniform draws in (0, 1) (24 bits) of a counter-based generator: element i's is a hash
+    (splitmix64's finaliser) of i and `seed` (an int64 tensor). Elementwise integer arithmetic
+    only, so the same bits on every device, and a compiler fuses it into its consumer instead
+    of writing the draws out."""
+    x = (torch.arange(shape.numel(), dtype=torch.int64, device=seed.device).reshape(shape)
+         + seed * 0x3C6EF372FE94F82B) * -0x61C8864680B583EB  # 0x9E3779B97F4A7C15
+    x = (x ^ ((x >> 30) & 0x3FFFFFFFF)) * -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9
+    x = (x ^ ((x >> 27) & 0x1FFFFFFFFF)) * -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
+    x = x ^ ((x >> 31) & 0x1FFFFFFFF)
+    return (((x >> 40) & 0xFFFFFF).float() + 0.5) / (1 << 24)
+
+
+def _masked(w: torch.Tensor, logits: torch.Tensor, seed: torch.Tensor, scale: torch.Tensor,
             temperature: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
-    """w times a Gumbel-softmax sample of its element masks (noise: -log(-log(u)))."""
+    """w times a Gumbel-softmax sample of its element masks, the noise -log(-log(u)) of
+    `counter_uniform` draws keyed by `seed`."""
+    noise = -torch.log(-torch.log(counter_uniform(logits.shape, seed)))
     probs = torch.softmax((logits * scale + noise) / temperature, dim=-1)
     return w * (probs @ masks).reshape(w.shape)
 
@@ -252,9 +268,8 @@ def train(experts: Experts, enc: Encoding, settings: TrainSettings, generator: t
         for n in names:
             w = weights[n]
             if logits:
-                u = torch.rand(logits[n].shape, generator=generator, device=dev)
-                noise = -torch.log(-torch.log(u.clamp_(1e-10, 1 - 1e-7)))
-                w = masked(w, logits[n], noise, scale, temperature, masks)
+                seed = torch.randint(1 << 62, (), generator=generator, device=dev)
+                w = masked(w, logits[n], seed, scale, temperature, masks)
             codes = block_codes(w, experts.gs[n], enc)
             q[n] = quantize(w, codes, experts.gs[n], enc.group, enc.arithmetic)
         out = expert_outputs(x.to(compute_dtype), q["gate_up"], q["down"])
