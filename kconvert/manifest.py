@@ -64,7 +64,8 @@ class LearnedEntry(BaseModel):
     oneshot: str = Field(description="the method it started from and was judged against")
     learned_error: float | None = Field(description="sum over held-out routed tokens of "
                                         "g^2 |f(x) - f_source(x)|^2 of the expert as learned "
-                                        "(None: too few tokens to judge)")
+                                        "(None: too few tokens to judge, or training "
+                                        "diverged)")
     oneshot_error: float | None = Field(description="the same of the one-shot result")
     steps: int
     fit_tokens: int = Field(description="the expert's routed tokens it trained on")

@@ -13,6 +13,7 @@ result.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -196,6 +197,8 @@ class Learned(ObsMethod):
             for i, (x, y, g) in enumerate(held):
                 enough = len(x) >= HELDOUT_MIN and fit_tokens[i] >= MIN_FIT_TOKENS
                 learned = float(_error(x, y, g, values, i, dtype)) if enough else None
+                if learned is not None and not math.isfinite(learned):
+                    learned = None  # training diverged: nothing to judge, the one-shot stays
                 chose = learned is not None and learned < baseline[i]
                 record = {"method": self.name if chose else self.oneshot.name,
                           "learned_error": learned,
