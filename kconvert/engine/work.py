@@ -328,7 +328,8 @@ def _copy_items(copies: list[tuple[TensorInfo, str, tuple[int, ...] | None]],
 
 
 def _transform_items(modules: list[ModuleWork], work_elems: int) -> list[TransformItem]:
-    """Fused sets of one layer and role, batched up to `work_elems` decoded elements."""
+    """Fused sets of one layer and role, batched up to `work_elems` decoded elements (beyond
+    it where a method takes whole experts and the set is the same expert's)."""
     sets: dict[str, list[ModuleWork]] = {}
     for m in modules:
         sets.setdefault(m.tn.fused_set, []).append(m)
@@ -338,12 +339,19 @@ def _transform_items(modules: list[ModuleWork], work_elems: int) -> list[Transfo
         return (tn.layer if tn.layer is not None else -1, tn.role.value,
                 tn.expert if tn.expert is not None else -1, tn.fused_set)
 
+    def same_expert(a: list[ModuleWork], b: list[ModuleWork]) -> bool:
+        """Sets of one routed expert whose method takes whole experts (WeightTransform.unit)."""
+        m = b[0]
+        return (m.transform is not None and m.transform.unit == "expert"
+                and m.tn.role is Role.ROUTED_EXPERT and a[0].tn.expert == m.tn.expert)
+
     items, current, elems, key = [], [], 0, None
     for fused in sorted(sets.values(), key=order):
         fused.sort(key=lambda m: m.module)
         n = sum(m.shape[0] * m.shape[1] for m in fused)
         this_key = (fused[0].tn.layer, fused[0].tn.role)
-        if current and (this_key != key or elems + n > work_elems):
+        full = elems + n > work_elems and not (current and same_expert(current[-1], fused))
+        if current and (this_key != key or full):
             items.append(TransformItem(current))
             current, elems = [], 0
         current.append(fused)

@@ -174,3 +174,35 @@ def test_sequential_inputs_are_recorded_and_change_later_layers(tmp_path):
     later = [k for k in a if ".layers.3.mlp.experts." in k]
     assert all(torch.equal(a[k], b[k]) for k in first)  # layer 1's inputs are the source's
     assert any(not torch.equal(a[k], b[k]) for k in later)
+
+
+def test_work_items_never_split_an_expert_for_a_method_that_trains_whole_experts():
+    """With items of one matrix's size, a method whose unit is the expert still gets each routed
+    expert's gate, up and down in one item; a per-matrix method's items split them."""
+    from conftest import BUNDLED
+    from kconvert.engine.stage import Stage
+    from kconvert.engine.work import TransformItem, build_work_plan
+    from kconvert.io.checkpoint import open_checkpoint
+    from kconvert.model.names import Role
+
+    class Claim(Stage):
+        name = "claim"
+
+        def __init__(self, unit: str):
+            self.transform = type("T", (), {"unit": unit})()
+
+        def claim(self, m):
+            if m.tn.role is Role.ROUTED_EXPERT:
+                m.out_codec, m.group_size, m.transform = Nvfp4Codec, 16, self.transform
+                m.stages.append(self.name)
+
+    ckpt = open_checkpoint(str(BUNDLED))
+    try:
+        for unit, whole in (("expert", True), ("matrix", False)):
+            plan = build_work_plan(ckpt, [Claim(unit)], 1)  # every set over the item size
+            experts = [{(m.tn.layer, m.tn.expert) for s in it.sets for m in s}
+                       for it in plan.items if isinstance(it, TransformItem)]
+            seen = [e for part in experts for e in part]
+            assert (len(seen) == len(set(seen))) == whole, unit
+    finally:
+        ckpt.close()
