@@ -47,7 +47,7 @@ def problem(experts: int, hidden: int, inter: int, sparse: bool, dev: torch.devi
 def measure(experts: int, dims: tuple[int, int], sparse: bool, compiled: bool, steps: int,
             tokens: int, dev: torch.device) -> dict:
     from kconvert.methods import expert_training as et
-    from kconvert.methods.learned import STEPS, training_bytes
+    from kconvert.methods.learned import LearnedNvfp4, LearnedP48, training_bytes
 
     et.COMPILE = compiled
     et._compiled.cache_clear()
@@ -66,7 +66,8 @@ def measure(experts: int, dims: tuple[int, int], sparse: bool, compiled: bool, s
         del ex
     per = out["timed_s"] / steps / experts
     out.update(step_s=round(out["timed_s"] / steps, 4), expert_step_ms=round(per * 1e3, 3),
-               layer_384_default_steps_s=round(per * 384 * STEPS, 1),
+               layer_384_default_steps_s=round(
+                   per * 384 * (LearnedP48 if sparse else LearnedNvfp4).steps, 1),
                planned_bytes_per_expert=training_bytes(*dims, sparse, tokens))
     if dev.type == "cuda":
         out["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)

@@ -337,7 +337,8 @@ DATA_METHOD_OPTIONS = [
                  help="A data-driven method's layer inputs: from the already-compressed model "
                       "(sequential) or the source [default: source]."),
     click.option("--steps", type=click.IntRange(min=1), default=None,
-                 help="--method learned: training steps per expert [default: 100]."),
+                 help="--method learned: training steps per expert [default: 25 for p48, 50 "
+                      "for NVFP4]."),
     click.option("--tokens", type=click.IntRange(min=1), default=None,
                  help="--method learned: routed tokens per expert per step [default: 256]."),
 ]

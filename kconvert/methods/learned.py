@@ -66,13 +66,17 @@ class Learned(ObsMethod):
     settings = ("hessian", "steps", "tokens")
     oneshot: type[ObsMethod]
     sparse: bool
+    steps: int  # the default number of steps
+    lr: float
+    mask_lr: float = 0.0
 
     def __init__(self, inputs) -> None:
         super().__init__(inputs)
         self.oneshot_method = self.oneshot(inputs)
         self.train_settings = et.TrainSettings(
-            steps=int(inputs.settings.get("steps", STEPS)),
-            tokens=int(inputs.settings.get("tokens", TOKENS)), lr=LR, mask_lr=MASK_LR,
+            steps=int(inputs.settings.get("steps", self.steps)),
+            tokens=int(inputs.settings.get("tokens", TOKENS)), lr=self.lr,
+            mask_lr=self.mask_lr,
             seed=SEED)
         self._routing: tuple[int, _Routing] | None = None
 
@@ -267,6 +271,7 @@ class LearnedP48(Learned):
     stage = "sparsify"
     oneshot = SparseGpt
     sparse = True
+    steps, lr, mask_lr = P48_STEPS, P48_LR, P48_MASK_LR
 
 
 class LearnedNvfp4(Learned):
@@ -275,6 +280,7 @@ class LearnedNvfp4(Learned):
     stage = "quantize"
     oneshot = Gptq
     sparse = False
+    steps, lr = NVFP4_STEPS, NVFP4_LR
 
 
 def training_bytes(hidden: int, inter: int, sparse: bool, tokens: int) -> int:

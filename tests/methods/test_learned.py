@@ -150,7 +150,7 @@ def test_learned_p48_end_to_end_guarded_audited_and_the_same_twice(tmp_path):
 def test_the_guard_keeps_the_one_shot_bytes_where_learning_is_worse(tmp_path, monkeypatch):
     data = _calibration(tmp_path)
     oneshot = _sparsify(tmp_path, "sparsegpt", "sparsegpt", data)
-    monkeypatch.setattr(learned, "LR", 5.0)  # steps far too large: training only hurts
+    monkeypatch.setattr(learned.LearnedP48, "lr", 5.0)  # steps far too large: training hurts
     worse = _sparsify(tmp_path, "worse", "learned", data, steps=4)
     obs = json.loads((worse / "kconvert-manifest.json").read_text())["obs"]
     assert {r["method"] for r in obs.values()} == {"sparsegpt"}
