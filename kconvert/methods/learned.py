@@ -32,12 +32,12 @@ from kconvert.options import SEED
 
 log = logging.getLogger(__name__)
 
-# Defaults from the quality-versus-time curves on the tiny MoEs and the full-size layer's
-# error curve (docs/learned.md, "Steps and tokens").
-STEPS = 100
+# Defaults from the quality-versus-time curves on the trained tiny MoE and the full-size layer's
+# seconds per step on one H100 (docs/learned.md, "Steps and tokens"): p48 (its patterns and
+# values), then dense NVFP4 (values only).
 TOKENS = 256
-LR = 2e-3
-MASK_LR = 2e-3
+P48_STEPS, P48_LR, P48_MASK_LR = 25, 4e-2, 2e-2
+NVFP4_STEPS, NVFP4_LR = 50, 5e-3
 # An expert with fewer routed tokens than this to fit on keeps the one-shot result.
 MIN_FIT_TOKENS = 64
 # The most fit tokens an expert trains on (evenly spaced where it has more): bounds the
