@@ -47,6 +47,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -118,7 +119,8 @@ def run(name: str, argv: list[str], timeout: float, hog_bytes: int = 0,
                  "notes": [ln for ln in lines if ln.startswith("note:")][-4:],
                  "peak_log": [ln for ln in lines if "GPU memory: peak" in ln][-1:],
                  # the learned method's seconds per phase and its choices (`-v`)
-                 "learned_log": [ln for ln in lines if "learned written for" in ln][-8:],
+                 "learned_log": [ln for ln in lines if "learned written for" in ln][-3:],
+                 "learned_phases_s": learned_phases(lines),
                  "errors": [ln for ln in lines if ln.startswith("kconvert: error")
                             or "internal error" in ln or "Traceback" in ln][-3:],
                  **gpu.summary()}
@@ -136,6 +138,18 @@ def run(name: str, argv: list[str], timeout: float, hog_bytes: int = 0,
     if code != 0 and not name.startswith("oom-"):
         got["output_tail"] = out[-2000:]
     return got
+
+
+def learned_phases(lines: list[str]) -> dict[str, float]:
+    """The learned method's seconds per phase summed over its -v lines (one per work item:
+    "one-shot 0.39 s, routing 0.00 s, data 0.06 s, train 1.01 s, guard 0.00 s"), and the
+    items."""
+    total: dict[str, float] = {}
+    items = [ln for ln in lines if "learned written for" in ln]
+    for ln in items:
+        for name, seconds in re.findall(r"([a-z-]+) ([0-9.]+) s", ln.split(": ", 2)[-1]):
+            total[name] = round(total.get(name, 0.0) + float(seconds), 2)
+    return {**total, "items": len(items)} if items else {}
 
 
 def least_budget(src: Path, samples: int, seq: int) -> int:
@@ -188,7 +202,8 @@ def main(argv: list[str]) -> None:
     d = ["--data", str(data), "--seq-len", str(seq)]
     obs_d = [*d, "--samples", str(obs_samples)]
     out_dir = root / "gpu-memory-out"
-    dsts = {name: out_dir / name for name in ("reap", "sparsify", "gptq", "gptq-linears", "oom")}
+    dsts = {name: out_dir / name for name in ("reap", "sparsify", "gptq", "gptq-linears", "oom",
+                                              "learned-p48", "learned-nvfp4")}
     # the OBS commands first: the longest runs, and the ones an 80 GB card ran out of before
     commands = {
         "sparsify": ["sparsify", str(src), str(dsts["sparsify"]), "--pattern", "p48",
@@ -203,10 +218,10 @@ def main(argv: list[str]) -> None:
         "reap": ["reap", str(src), str(dsts["reap"]), *d, "--prune-ratio", "0.5", "--quiet"],
         # the learned methods at their default options and --samples (issue 36); their
         # calibration alone is `calibrate-only` (the same forward, statistics written)
-        "learned-p48": ["sparsify", str(src), str(dsts["sparsify"]), "--method", "learned",
+        "learned-p48": ["sparsify", str(src), str(dsts["learned-p48"]), "--method", "learned",
                         *d],
-        "learned-nvfp4": ["int4-to-nvfp4", str(src), str(dsts["gptq"]), "--method", "learned",
-                          *d],
+        "learned-nvfp4": ["int4-to-nvfp4", str(src), str(dsts["learned-nvfp4"]), "--method",
+                          "learned", *d],
         "calibrate-only": ["calibrate", str(src), *d, "--samples", "128", "-o",
                            str(out_dir / "stats-128"), "--overwrite"],
     }

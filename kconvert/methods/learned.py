@@ -285,12 +285,12 @@ class LearnedNvfp4(Learned):
 
 def training_bytes(hidden: int, inter: int, sparse: bool, tokens: int) -> int:
     """Device bytes training one expert holds: per weight the fp32 master, its gradient and
-    Adam's two moments (16), the step's masked, quantized, straight-through and bf16 copies
-    and what autograd keeps of them (24), and with p48 the pattern logits (6 per 8 weights)
-    with their gradient and moments (12) and a step's noise, probabilities and soft mask (20);
-    its fit tokens' inputs and reference outputs (bf16); a step's activations and their
-    gradients."""
-    per_weight = 40 + (32 if sparse else 0)
+    Adam's two moments (16) and a step's compiled weight path (16), and with p48 the pattern
+    logits (6 per 8 weights) with their gradient and moments (12) and the soft mask autograd
+    keeps (4); its fit tokens' inputs and reference outputs (bf16); a step's activations and
+    their gradients. (Measured on one H100: 29.8 bytes a weight dense, 43 with p48, the data
+    and activations included: benchmarks/results/README.md.)"""
+    per_weight = 32 + (16 if sparse else 0)
     data = MAX_FIT_TOKENS * hidden * 2 * 2
     step = tokens * (hidden * (2 + 2 + 4 + 4) + 3 * inter * (2 + 4) * 2)
     return 3 * hidden * inter * per_weight + data + step
