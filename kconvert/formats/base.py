@@ -86,6 +86,9 @@ class Encoded:
     # float32 [B]: the per-tensor scale in compressed-tensors' form, 2688 / amax, which the
     # manifest records whatever the flavour (None: the format has no per-tensor scale).
     recorded_scale: torch.Tensor | None = None
+    # Per matrix, what the manifest records of how it was encoded beyond its error (the
+    # exact MXFP4 cast's block counts, {"cast": {...}}); None: nothing.
+    records: list[dict] | None = None
 
     def module(self, i: int) -> dict[str, torch.Tensor]:
         """Matrix i's parameters."""
@@ -94,7 +97,7 @@ class Encoded:
     def map(self, move: Callable[[torch.Tensor], torch.Tensor]) -> Encoded:
         """The same encoding with every tensor passed through `move` (e.g. to the host)."""
         def each(value):
-            return None if value is None else move(value)
+            return move(value) if isinstance(value, torch.Tensor) else value
 
         return Encoded({p: move(t) for p, t in self.params.items()},
                        *(each(getattr(self, f.name)) for f in fields(self)[1:]))

@@ -135,7 +135,7 @@ def _wildcard(pattern: str) -> re.Pattern:
 def modelopt_exclude(modules: list[OutputModule], names: list[str]) -> list[str]:
     """Wildcard patterns for every linear left unquantized (vLLM #45102: they carry no scales)."""
     excluded_modules = {m.out_module for m in modules
-                        if (m.out_codec or m.codec) is not ModeloptNvfp4Codec}
+                        if not issubclass(m.out_codec or m.codec, ModeloptNvfp4Codec)}
     patterns = {re.sub(r"\.layers\.\d+\.", ".layers.*.", e) for e in excluded_modules}
     for name in names:
         if name.endswith("mlp.gate.weight"):
