@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-__all__ = ["MANIFEST", "Manifest", "ObsEntry", "read_manifest", "render_manifest"]
+__all__ = ["MANIFEST", "CastEntry", "Manifest", "ObsEntry", "read_manifest", "render_manifest"]
 
 MANIFEST = "kconvert-manifest.json"
 SCHEMA_ID = "kconvert-manifest/1"
@@ -54,6 +54,13 @@ class ObsEntry(BaseModel):
                     "calibration: all its tokens (too few to hold any out)")
 
 
+class CastEntry(BaseModel):
+    exact_blocks: int = Field(description="32-element MXFP4 blocks cast exactly: the source's "
+                                          "codes under scales that decode them bit for bit")
+    blocks: int = Field(description="all the module's 32-element blocks; the others follow "
+                                    "the block-scale rule")
+
+
 class SourceEntry(BaseModel):
     path: str | None = None
     repo: str | None = None
@@ -91,6 +98,9 @@ class Manifest(BaseModel):
     obs: dict[str, ObsEntry] = Field(
         default_factory=dict, description="quantize --method gptq: module -> GPTQ or RTN, "
                                           "whichever has the smaller output error")
+    cast: dict[str, CastEntry] = Field(
+        default_factory=dict, description="quantize --cast exact: module -> its MXFP4 blocks "
+                                          "cast exactly, of all (docs/formats.md §7)")
 
 
 def render_manifest(manifest: Manifest) -> str:

@@ -19,6 +19,10 @@ EVAL_SAMPLES = 128  # eval's --samples
 
 # FP8 block-scale rules of NVFP4 encoding (formats/nvfp4.py).
 BLOCK_SCALE_RULES = ("amax", "mse")
+# quantize's --cast: how an MXFP4 source becomes NVFP4: decoded and encoded by the block-scale
+# rule ("none"), or its codes kept with exact scales where NVFP4 holds them, the other blocks
+# by the rule ("exact", kconvert.formats.nvfp4_cast).
+CASTS = ("none", "exact")
 
 # Options that only act beside another one: given alone they would be silently dropped.
 ONLY_WITH = {

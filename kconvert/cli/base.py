@@ -23,6 +23,7 @@ from kconvert.errors import KconvertError, UsageError
 from kconvert.options import (
     BATCH_SIZE,
     BLOCK_SCALE_RULES,
+    CASTS,
     GPU_MEMORY_HELP,
     SEED,
     SEQ_LEN,
@@ -251,7 +252,13 @@ QUANTIZE_OPTIONS = [
                       "compressed-tensors; int4-to-mxfp4: quark-mxfp4]."),
     click.option("--block-scale", type=click.Choice(BLOCK_SCALE_RULES), default=None,
                  help="Block-scale rule: amax (the format's own tool's bytes) or mse "
-                      "(min block error) [default: mse]."),
+                      "(min block error) [default: mse]; with --cast exact, the rule of "
+                      "the blocks that cannot be cast exactly."),
+    click.option("--cast", type=click.Choice(CASTS), default=None,
+                 help="MXFP4 source -> NVFP4: exact keeps its codes and gives each block the "
+                      "scale that decodes them to the source's values bit for bit wherever "
+                      "FP8 holds it (ModelOpt's cast), the rest by --block-scale, counted in "
+                      "the manifest [default: none; mxfp4-to-nvfp4: exact]."),
     click.option("--activations", type=click.Choice(ACTIVATIONS), default=None,
                  help="MXFP4 only: dynamic declares W4A4, activations quantized per 32 at "
                       "run time (AMD's recipe), none is weight-only [default: dynamic for "

@@ -148,8 +148,13 @@ class ExactCast:
     and E8M0 scales (on any device) and records per matrix its exact blocks."""
 
     @classmethod
-    def reads_packed(cls, source: type[Codec], device: torch.device) -> bool:
+    def casts(cls, source: type[Codec]) -> bool:
+        """Whether modules in `source`'s format are cast (MXFP4, either layout)."""
         return issubclass(source, Mxfp4Codec)
+
+    @classmethod
+    def reads_packed(cls, source: type[Codec], device: torch.device) -> bool:
+        return cls.casts(source)
 
     @classmethod
     def packed_amax(cls, source: type[Codec], params: dict[str, torch.Tensor]) -> torch.Tensor:

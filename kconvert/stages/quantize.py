@@ -16,11 +16,12 @@ from kconvert.engine.stage import Stage, StageRecord
 from kconvert.errors import KconvertError, UsageError
 from kconvert.formats import OUTPUT_CODECS, DenseCodec, stored_as
 from kconvert.formats.linear import ModuleWork
+from kconvert.formats.nvfp4_cast import CAST_CODECS
 from kconvert.gpu_plan import GpuPlan, GpuWork, Shapes
 from kconvert.methods import Method, MethodInputs, methods_of
 from kconvert.methods.hessians import Calibration
 from kconvert.model.names import TARGET_ROLES, Role
-from kconvert.options import ACTIVATIONS, BLOCK_SCALE_RULES
+from kconvert.options import ACTIVATIONS, BLOCK_SCALE_RULES, CASTS
 from kconvert.stages.base import (
     CALIBRATION_OPTIONS,
     StageKind,
@@ -36,6 +37,9 @@ class QuantizeRecord(StageRecord):
     format: str = Field(description="compressed-tensors | modelopt | mxfp4-pack-quantized | "
                                     "quark-mxfp4")
     block_scale: str = Field(description="block-scale rule: amax | mse")
+    cast: str | None = Field(None, description="exact: MXFP4 sources cast to NVFP4 with their "
+                             "codes kept where NVFP4 holds their scales, the other blocks by "
+                             "block_scale")
     act_stats: str | None = Field(description="activation statistics file (W4A4), or None")
     activations: str | None = Field(None, description="MXFP4 activations: none (W4A16) or "
                                     "dynamic (W4A4, quantized at run time)")
@@ -66,6 +70,8 @@ class Quantize(Stage):
     # MXFP4 only: "dynamic" declares W4A4 with activations quantized at run time (what AMD's
     # MXFP4 recipe does), "none" weight-only; None: the format's own default.
     activations: str | None = None
+    # "exact": MXFP4 sources keep their codes and get exact scales (kconvert.formats.nvfp4_cast).
+    cast: str = "none"
     name: str = "quantize"
 
     @property
@@ -105,6 +111,8 @@ class Quantize(Stage):
                                 **self.method.record())
         if self.codec.dynamic_activations is not None:  # NVFP4's stay as they were
             record.activations = "dynamic" if self.dynamic_activations else "none"
+        if self.cast != "none":
+            record.cast = self.cast
         return record
 
     def close(self) -> None:
@@ -148,6 +156,8 @@ class Quantize(Stage):
                                 + (f"; use {' or '.join(others)}" if others else ""),
                                 tensor=m.module)
         m.out_codec = stored_as(codec, m.storage)
+        if self.cast != "none":
+            m.out_codec = self._cast_codec(m)
         m.group_size = block
         if codec.dynamic_activations is not None:
             m.dynamic_activations = self.dynamic_activations
@@ -158,6 +168,24 @@ class Quantize(Stage):
                                     "decides this module's (its own --method)", tensor=m.module)
             m.transform = self.method
         m.stages.append(self.name)
+
+    def _cast_codec(self, m: ModuleWork):
+        """The codec that casts m exactly: m must be MXFP4, left to its codes."""
+        cast = CAST_CODECS.get(m.out_codec)  # type: ignore[arg-type]
+        if cast is None:
+            raise KconvertError(f"--cast {self.cast} writes dense NVFP4 (compressed-tensors or "
+                                f"modelopt), not {m.out_codec.description} "  # type: ignore[union-attr]
+                                f"(block size {m.group_size or m.out_codec.default_group_size}"
+                                f", {m.storage} storage)", tensor=m.module)
+        if not cast.casts(m.codec):
+            raise KconvertError(f"--cast {self.cast} casts MXFP4 modules; this one is "
+                                f"{m.codec.description}: leave its role out of --targets or "
+                                "drop --cast", file=m.primary.file.name, tensor=m.module)
+        if m.transform is not None or self.method.transforms(m):
+            raise KconvertError(f"--cast {self.cast} keeps the source's codes; a method that "
+                                "changes the weights (a sparsify stage, --method gptq) cannot "
+                                "run with it", tensor=m.module)
+        return cast
 
 
 # What --targets may name: the linears' roles, and the MoE routers (AMD's MXFP4 recipe).
@@ -196,6 +224,9 @@ def build(settings: dict, calibration: Calibration | None) -> Quantize:
     if scale_rule not in BLOCK_SCALE_RULES:  # a recipe file's value: checked before any write
         raise KconvertError(f"unknown block_scale {scale_rule!r}; choose from "
                             f"{list(BLOCK_SCALE_RULES)}")
+    cast = settings.get("cast") or "none"
+    if cast not in CASTS:
+        raise KconvertError(f"unknown cast {cast!r}; choose from {list(CASTS)}")
     method, own = method_settings(Quantize.name, settings)
     if not method.supports(codec):
         formats = [f for f, c in OUTPUT_CODECS.items() if method.supports(c)]
@@ -206,11 +237,11 @@ def build(settings: dict, calibration: Calibration | None) -> Quantize:
     return Quantize(targets=targets, method=method(MethodInputs(targets, calibration,
                                                                 settings=own)),
                     fmt=fmt, scale_rule=scale_rule, act_stats=settings.get("act_stats"),
-                    activations=activations)
+                    activations=activations, cast=cast)
 
 
 KIND = StageKind(Quantize.name, build, QuantizeRecord,
-                 settings=("targets", "format", "block_scale", "act_stats", "activations",
-                           "method", *method_setting_names(Quantize.name)),
+                 settings=("targets", "format", "block_scale", "cast", "act_stats",
+                           "activations", "method", *method_setting_names(Quantize.name)),
                  input_options=CALIBRATION_OPTIONS, input_type=Calibration,
                  prepare=prepare_method(Quantize.name))
