@@ -18,7 +18,7 @@ from kconvert.audit.context import AuditContext
 from kconvert.checks.findings import Checks
 from kconvert.formats import mxfp4
 from kconvert.formats.linear import ModuleWork
-from kconvert.formats.nvfp4_cast import CAST_CODECS, E4M3_KMAX, E4M3_KMIN, MX_BLOCK_BYTES
+from kconvert.formats.nvfp4_cast import CAST_CODECS, exact_blocks, stored_exponent
 
 SRC = "source"
 
@@ -36,18 +36,14 @@ def check_module(ctx: AuditContext, m: ModuleWork, s: ModuleWork, out: dict[str,
     """The blocks of `m` the cast holds exactly against source module `s`'s bytes."""
     checks = Checks()
     where = {"tensor": m.primary.name}
-    scale = out[m.codec.global_scale_param].float().reshape(())
-    mantissa, exponent = torch.frexp(scale)
-    if not checks.check(SRC, bool(mantissa == 0.5), "cast", f"per-tensor scale "
-                        f"{float(scale)!r} is not a power of two: not an exact cast", **where):
+    scale = out[m.codec.global_scale_param]
+    m_exp = stored_exponent(scale, m.codec.arithmetic)
+    if not checks.check(SRC, m_exp is not None, "cast", f"per-tensor scale "
+                        f"{float(scale.reshape(()))!r} is not a power of two: not an exact "
+                        "cast", **where):
         return checks
-    # ModelOpt stores 2^m, compressed-tensors 2^-m (kconvert.formats.nvfp4 ARITHMETIC).
-    m_exp = int(exponent) - 1
-    m_exp = m_exp if m.codec.arithmetic == "modelopt" else -m_exp
     packed, scales = (src[p] for p in s.codec.params)
-    delta = scales.to(torch.int32) - mxfp4.BIAS - m_exp
-    exact = (delta >= E4M3_KMIN) & (delta <= E4M3_KMAX) & (scales != mxfp4.NAN_CODE)
-    exact |= (packed.view(*scales.shape, MX_BLOCK_BYTES) & 0x77).amax(-1) == 0
+    exact = exact_blocks(packed[None], scales[None], torch.tensor([m_exp]))[0]
     rows, cols = m.shape
     want = s.codec.decode({p: t.unsqueeze(0) for p, t in src.items()}, (rows, cols))[0]
     got = m.codec.decode({p: out[p].unsqueeze(0) for p in m.codec.params}, (rows, cols))[0]

@@ -70,6 +70,28 @@ def _exponent_m(amax: torch.Tensor) -> torch.Tensor:
     return exponent.to(torch.int32) - 1
 
 
+def stored_exponent(scale: torch.Tensor, arithmetic: str) -> int | None:
+    """m of a per-tensor scale as `arithmetic` stores it (ModelOpt's 2^m, compressed-tensors'
+    2^-m), None when it is not a power of two (no exact cast wrote it)."""
+    mantissa, exponent = torch.frexp(scale.float().reshape(()))
+    if float(mantissa) != 0.5:
+        return None
+    m = int(exponent) - 1
+    return m if arithmetic == "modelopt" else -m
+
+
+def exact_blocks(packed: torch.Tensor, scales: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """bool [B, M, K/32]: the blocks of MXFP4 matrices (packed [B, M, K/2], E8M0 scales
+    [B, M, K/32]) that NVFP4 holds exactly under per-tensor scales 2^m (m int [B])."""
+    b, rows, nb = scales.shape
+    delta = scales.to(torch.int32) - BIAS - m.to(scales.device).view(b, 1, 1)
+    exact = (delta >= E4M3_KMIN) & (delta <= E4M3_KMAX) & (scales != NAN_CODE)
+    if not bool(exact.all()):
+        zero = (packed.view(b, rows, nb, MX_BLOCK_BYTES) & 0x77).amax(-1) == 0
+        exact |= zero  # every code +-0: any scale decodes it
+    return exact
+
+
 def _squares(packed: torch.Tensor, scales: torch.Tensor, chunk_rows: int) -> torch.Tensor:
     """float64 [B]: the sum of squared values of MXFP4 matrices, from their bytes."""
     b, m, half = packed.shape
@@ -93,18 +115,16 @@ def cast(packed: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, rule: s
     matrices packed [B, M, K/2] (uint8, even element low) with E8M0 scales [B, M, K/32]:
     exact blocks cast, the others encoded by `rule`. Returns the encoding and int64 [B] the
     32-element source blocks cast exactly."""
-    b, m, half = packed.shape
+    b, _, half = packed.shape
     nb = scales.shape[-1]
     if half != nb * MX_BLOCK_BYTES:
         raise ValueError(f"MXFP4 packed {list(packed.shape)} does not fit scales "
                          f"{list(scales.shape)}")
     device = packed.device
     gs = nvfp4.tensor_scale(amax.to(device), arithmetic)
-    delta = scales.to(torch.int32) - BIAS - _exponent_m(amax).to(device).view(b, 1, 1)
-    exact = (delta >= E4M3_KMIN) & (delta <= E4M3_KMAX) & (scales != NAN_CODE)
-    blocks = packed.view(b, m, nb, MX_BLOCK_BYTES)
-    if not bool(exact.all()):
-        exact |= (blocks & 0x77).amax(-1) == 0  # every code +-0: any scale decodes it
+    m_exp = _exponent_m(amax).to(device)
+    exact = exact_blocks(packed, scales, m_exp)
+    delta = scales.to(torch.int32) - BIAS - m_exp.view(b, 1, 1)
     codes = _POW2_CODES.to(device)[(delta.clamp(E4M3_KMIN, E4M3_KMAX) - E4M3_KMIN).long()]
     codes = codes.repeat_interleave(2, dim=-1)  # both 16-halves of a 32-block
     err = torch.zeros(b, dtype=torch.float64, device=device)
