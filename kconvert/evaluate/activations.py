@@ -119,7 +119,7 @@ def emulate(layer: nn.Module, moe: MoEBlock | None, prefix: str,
     for module in [*scales, *dynamic]:
         tn = parse_name(module + ".weight")
         if tn.role is Role.ROUTED_EXPERT:
-            key = (1 if tn.proj == "down_proj" else 0, tn.expert)
+            key = (1 if tn.part == "down" else 0, tn.expert)
             if module in dynamic:
                 mx_experts.add(key)
             else:

@@ -12,6 +12,7 @@ from kconvert.errors import KconvertError
 from kconvert.formats import nvfp4
 from kconvert.formats.base import Encoded, OutputModule
 from kconvert.formats.nvfp4_ct import Nvfp4Codec
+from kconvert.model.names import Role, language_model_name, parse_name
 from kconvert.version import __version__
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
@@ -132,18 +133,28 @@ def _wildcard(pattern: str) -> re.Pattern:
     return re.compile(".*".join(re.escape(p) for p in pattern.split("*")))
 
 
+# Linears kconvert never quantizes: routers, and Kimi-K3's latent projections and AttnRes
+# projections (with their norms, as ModelOpt's own K3 export lists them).
+UNQUANTIZED_ROLES = (Role.ROUTER_WEIGHT, Role.LATENT, Role.ATTN_RES)
+
+
 def modelopt_exclude(modules: list[OutputModule], names: list[str]) -> list[str]:
-    """Wildcard patterns for every linear left unquantized (vLLM #45102: they carry no scales)."""
+    """Wildcard patterns for every linear left unquantized (vLLM #45102: they carry no scales).
+    A language model's patterns are also given without the wrapper's `language_model.` prefix:
+    a config in `text_config` names its modules so (docs/kimi.md), as ModelOpt's K3 export
+    spells them both ways."""
     excluded_modules = {m.out_module for m in modules
                         if not issubclass(m.out_codec or m.codec, ModeloptNvfp4Codec)}
     patterns = {re.sub(r"\.layers\.\d+\.", ".layers.*.", e) for e in excluded_modules}
     for name in names:
-        if name.endswith("mlp.gate.weight"):
-            patterns.add(re.sub(r"\.layers\.\d+\.", ".layers.*.", name[: -len(".weight")]))
+        tn = parse_name(name)
+        if tn.role in UNQUANTIZED_ROLES and tn.param == "weight":
+            patterns.add(re.sub(r"\.layers\.\d+\.", ".layers.*.", tn.module))
         elif name.startswith(("lm_head.", "language_model.lm_head.")):
             patterns.add(name.rsplit(".", 1)[0])
         elif name.startswith(("vision_tower.", "mm_projector.")):
             patterns.add(name.split(".", 1)[0] + "*")
+    patterns |= {p for p in map(language_model_name, patterns) if p is not None}
     return sorted(patterns)
 
 
