@@ -23,6 +23,12 @@ BLOCK_SCALE_RULES = ("amax", "mse")
 # rule ("none"), or its codes kept with exact scales where NVFP4 holds them, the other blocks
 # by the rule ("exact", kconvert.formats.nvfp4_cast).
 CASTS = ("none", "exact")
+# quantize's --input-scale: the per-tensor input scale of NVFP4 W4A4 routed experts: each
+# expert's own calibrated amax ("expert"), its layer's largest over experts, gate/up and down
+# apart ("layer-max", ModelOpt 0.45's export), or 1.0 ("one", Kimi-K3 NVFP4; FlashInfer's
+# unified MoE API); the default was chosen by measurement (README, "Input scales").
+INPUT_SCALES = ("expert", "layer-max", "one")
+INPUT_SCALE = "expert"
 
 # Options that only act beside another one: given alone they would be silently dropped.
 ONLY_WITH = {

@@ -25,6 +25,8 @@ from kconvert.options import (
     BLOCK_SCALE_RULES,
     CASTS,
     GPU_MEMORY_HELP,
+    INPUT_SCALE,
+    INPUT_SCALES,
     SEED,
     SEQ_LEN,
     SPARSEGPT_SAMPLES,
@@ -266,6 +268,12 @@ QUANTIZE_OPTIONS = [
     click.option("--act-stats", type=click.Path(exists=True, dir_okay=False), default=None,
                  help="Calibration statistics JSON {\"input_amax\": {module: amax}}: "
                       "listed modules become W4A4 with input scales."),
+    click.option("--input-scale", type=click.Choice(INPUT_SCALES), default=None,
+                 help="NVFP4 W4A4 routed experts' input scales: expert (each its own "
+                      "calibrated amax), layer-max (the layer's largest, gate/up and down "
+                      "apart: what FlashInfer backends run, ModelOpt 0.45's export), one "
+                      "(1.0 without --act-stats: Kimi-K3 NVFP4, FlashInfer's unified MoE API) "
+                      f"[default: {INPUT_SCALE}]."),
     click.option("--targets", default=None,
                  help="Comma list of experts,shared_experts,dense_mlp,attention "
                       "[default: experts]."),

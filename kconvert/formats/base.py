@@ -52,6 +52,8 @@ class OutputModule(Linear, Protocol):
     group_size: int
     # W4A4 whose activations the engine quantizes at run time (MXFP4): no input scales.
     dynamic_activations: bool
+    # W4A4 NVFP4: the policy its input scale follows (kconvert.options.INPUT_SCALES).
+    input_scale_policy: str | None
 
     @property
     def has_input_scale(self) -> bool: ...
@@ -238,3 +240,11 @@ class Codec:
 
 # Parameters that belong to a format but that a decode does not need (W4A4 input scales).
 OPTIONAL_PARAMS = {"input_scale", "input_global_scale"}
+# The quantization_config key (kconvert's own; loaders ignore it) that says which policy the
+# routed experts' W4A4 input scales follow (kconvert.options.INPUT_SCALES).
+INPUT_SCALE_POLICY = "input_scale_policy"
+
+
+def input_scale_policy(modules: list[OutputModule]) -> str | None:
+    """The input-scale policy of an output's W4A4 modules (one per output), or None."""
+    return next((m.input_scale_policy for m in modules if m.input_scale_policy), None)

@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterable, Mapping
 
 from kconvert.errors import KconvertError
-from kconvert.formats.base import Linear, OutputModule
+from kconvert.formats.base import INPUT_SCALE_POLICY, Linear, OutputModule, input_scale_policy
 from kconvert.model.names import Role
 
 # compressed-tensors target regexes per role (vLLM matches them against module names): the
@@ -128,6 +128,9 @@ def compressed_tensors_config(modules: list[OutputModule], has_vision: bool) -> 
     }
     for codec in codecs:
         codec.edit_config(qconfig)
+    policy = input_scale_policy(modules)
+    if policy is not None:
+        qconfig[INPUT_SCALE_POLICY] = policy
     return qconfig
 
 

@@ -10,7 +10,7 @@ import torch
 
 from kconvert.errors import KconvertError
 from kconvert.formats import nvfp4
-from kconvert.formats.base import Encoded, OutputModule
+from kconvert.formats.base import INPUT_SCALE_POLICY, Encoded, OutputModule, input_scale_policy
 from kconvert.formats.nvfp4_ct import Nvfp4Codec
 from kconvert.model.names import Role, language_model_name, parse_name
 from kconvert.version import __version__
@@ -126,6 +126,8 @@ def config_block(hf_quant: dict) -> dict:
                    "quant_algo": quant["quant_algo"]}
     if quant.get("kv_cache_quant_algo"):
         block["kv_cache_scheme"] = quant["kv_cache_quant_algo"]
+    if INPUT_SCALE_POLICY in quant:
+        block[INPUT_SCALE_POLICY] = quant[INPUT_SCALE_POLICY]
     return {**block, "producer": hf_quant["producer"], "quant_method": QUANT_METHOD}
 
 
@@ -167,5 +169,8 @@ def modelopt_config(modules: list[OutputModule], names: list[str]) -> tuple[dict
     w4a4 = any(m.has_input_scale for m in modules)
     quant = {"quant_algo": "NVFP4" if w4a4 else "W4A16_NVFP4", "kv_cache_quant_algo": None,
              "group_size": nvfp4.BLOCK, "exclude_modules": exclude}
+    policy = input_scale_policy(modules)
+    if policy is not None:
+        quant[INPUT_SCALE_POLICY] = policy
     hf_quant = {"producer": producer, "quantization": quant}
     return config_block(hf_quant), hf_quant
