@@ -28,7 +28,7 @@ CASTS = ("none", "exact")
 # apart ("layer-max", ModelOpt 0.45's export), or 1.0 ("one", Kimi-K3 NVFP4; FlashInfer's
 # unified MoE API); the default was chosen by measurement (README, "Input scales").
 INPUT_SCALES = ("expert", "layer-max", "one")
-INPUT_SCALE = "expert"
+INPUT_SCALE = "layer-max"
 
 # Options that only act beside another one: given alone they would be silently dropped.
 ONLY_WITH = {
