@@ -4,8 +4,10 @@ BF16 model, beside NVFP4 quantized from BF16 directly; each cast's exact blocks 
 `audit --source` counts them.
 
 The MXFP4 source is the tiny MoE's routed experts by `quantize --format mxfp4-pack-quantized`
-(compressed-tensors' layout, K3's; amax rule) and by `--format quark-mxfp4` (AMD's); eval in
-fp32 on the CPU on held-out windows, as benchmarks/quality/eval_pipelines.py measures.
+(compressed-tensors' layout, K3's; amax rule) and by `--format quark-mxfp4` (AMD's), both
+weight-only (`--activations none`: the cast is W4A16, and Quark's W4A4 default would make the
+source's activations 4-bit too); eval in fp32 on the CPU on held-out windows, as
+benchmarks/quality/eval_pipelines.py measures.
 
     python -m benchmarks exact_cast [--samples 64] [--seq-len 256]
         [--out benchmarks/results/exact_cast_tiny_moe]   # -> .json and .md
@@ -67,7 +69,7 @@ def main(argv: list[str]) -> None:
         for layout in LAYOUTS:
             mx = root / layout
             convert(str(SRC), str(mx), load_recipe("quantize"),
-                    {"format": layout, "block_scale": "amax"}, quiet)
+                    {"format": layout, "block_scale": "amax", "activations": "none"}, quiet)
             casts = {}
             for fmt in FORMATS:
                 casts[f"{layout} -> {fmt}"] = root / f"{layout}-{fmt}"
@@ -89,8 +91,8 @@ def main(argv: list[str]) -> None:
         mx, bf = r.get("kl_vs_mxfp4"), r["kl_vs_bf16"]
         cast = ("-" if "audit_notes" not in r else
                 ("pass; " if r["audit_passed"] else "FAIL; ") + " ".join(r["audit_notes"]))
-        rows.append(f"| {name} | {mx['kl_mean'] if mx else '-'} | "
-                    f"{mx['top1_agreement'] if mx else '-'} | {bf['kl_mean']:.6f} | "
+        vs_source = (f"{mx['kl_mean']:.6f} | {mx['top1_agreement']:.4f}" if mx else "- | -")
+        rows.append(f"| {name} | {vs_source} | {bf['kl_mean']:.6f} | "
                     f"{bf['top1_agreement']:.4f} | {cast} |")
     md = ["# The exact MXFP4 -> NVFP4 cast on the trained tiny MoE", "",
           f"Source: tests/fixtures/tiny-moe-trained (BF16), routed experts quantized to MXFP4 "
