@@ -171,3 +171,15 @@ def test_what_the_cast_cannot_do_is_refused(mx_source, tmp_path):
     assert_user_error(cli_inproc("mxfp4-to-nvfp4", src, tmp_path / "c", "--targets",
                                  "experts,attention", "--device", "cpu"),
                       "--cast exact casts MXFP4 modules", "model.layers.0.self_attn")
+
+
+def test_a_nan_exponent_stops_the_cast(mx_source, tmp_path):
+    """E8M0 255 is MXFP4's NaN: the cast's amax is NaN, and the run stops naming the module."""
+    src = tmp_path / "src"
+    shutil.copytree(mx_source("mxfp4-pack-quantized"), src)
+    module = "model.layers.2.mlp.experts.4.gate_proj"
+    edit_tensor(tensor_file(src, f"{module}.weight_scale"), f"{module}.weight_scale",
+                lambda t: t.index_put_((torch.tensor(1), torch.tensor(1)),
+                                       torch.tensor(255, dtype=torch.uint8)))
+    res = cli_inproc("mxfp4-to-nvfp4", src, tmp_path / "nv", "--device", "cpu", "--quiet")
+    assert_user_error(res, "NaN or Inf in the source weights", module)
