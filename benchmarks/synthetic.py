@@ -1,6 +1,6 @@
 """Every synthetic Kimi-K2-shaped shard set the benchmarks build, and their token data.
 
-Two builders, each with its reasons:
+Three builders, each with its reasons:
 - `kimi_set`: our own, for the data-driven commands (calibrate, eval, reap, sparsify, gptq):
   layer 0 dense, MOE_LAYERS MoE layers of routed INT4 experts and a BF16 shared expert, MLA
   attention, real Kimi-K2 shapes (FULL) but a 16k vocabulary (only the embedding lookup
@@ -10,6 +10,10 @@ Two builders, each with its reasons:
   (its `make_src`, `int4_expert`, config), read from its source and run here, so that kconvert
   converts exactly the set the llm-compressor anchor is timed on. anchor_convert.py is the
   outside reference and is called as it is, never edited or copied.
+- `mxfp4_set`: the MXFP4 twin of an INT4 set, its routed experts in compressed-tensors'
+  `mxfp4-pack-quantized` (Kimi-K3's expert format: group 32, uint8 E8M0), made by kconvert's
+  own `int4-to-mxfp4` (amax rule: compressed-tensors' bytes), for the exact MXFP4 -> NVFP4
+  cast (`python -m benchmarks convert cast`).
 """
 
 from __future__ import annotations
@@ -300,6 +304,21 @@ def expert_set(dst: Path, n_experts: int, seed: int = 0) -> int:
                num_hidden_layers=1, first_k_dense_replace=0)
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     return 3 * n_experts
+
+
+def mxfp4_set(int4_src: Path, dst: Path, device: str = "cpu") -> Path:
+    """`dst`: the routed experts of the INT4 set `int4_src` as compressed-tensors MXFP4
+    (`kconvert int4-to-mxfp4 --format mxfp4-pack-quantized`), everything else as it is; built
+    unless `dst` is there from the same source (a stamp beside it says which)."""
+    from kconvert.api import int4_to_mxfp4
+
+    stamp, made = dst.with_suffix(".source"), str(int4_src.resolve())
+    if not (dst / "kconvert-manifest.json").is_file() or not stamp.is_file() \
+            or stamp.read_text() != made:
+        int4_to_mxfp4(str(int4_src), str(dst), format="mxfp4-pack-quantized", device=device,
+                      overwrite=dst.exists())
+        stamp.write_text(made)
+    return dst
 
 
 def split_shards(single: Path, dst: Path, shards: int) -> None:

@@ -9,8 +9,8 @@ from kconvert.errors import KconvertError
 from kconvert.version import __version__
 
 # One function per command (kconvert.api).
-API = ("int4_to_nvfp4", "int4_to_mxfp4", "quantize", "dequant", "reap", "sparsify", "densify",
-       "calibrate", "eval", "audit", "inspect", "run_recipe")
+API = ("int4_to_nvfp4", "int4_to_mxfp4", "mxfp4_to_nvfp4", "quantize", "dequant", "reap",
+       "sparsify", "densify", "calibrate", "eval", "audit", "inspect", "run_recipe")
 
 __all__ = ["API", "KconvertError", "__version__", *API]
 

@@ -99,7 +99,7 @@ def run_recipe(recipe: str, src: str, dst: str, *, revision: str | None = None,
     into DST. `gpu_memory` ('40GiB', or bytes) is the GPU memory budget of every step on a GPU
     (kconvert.gpu_budget; default: what the card has free less a safety margin).
     `options` are the stage options by name (`format`,
-    `block_scale`, `targets`, `act_stats`, `dtype`, `keep`, `prune_ratio`, `criterion`,
+    `block_scale`, `cast`, `targets`, `act_stats`, `dtype`, `keep`, `prune_ratio`, `criterion`,
     `plan`, `stats`, `data`, `samples`, `seq_len`, `batch_size`, `seed`, `save_stats`,
     `repair`, `compensate`, `pattern`, `method`, `group_size`, `storage`); one the recipe
     does not use is an error."""
@@ -147,6 +147,14 @@ def int4_to_mxfp4(src: str, dst: str, **kwargs) -> ConversionResult:
     (quark-mxfp4 | mxfp4-pack-quantized), `block_scale` (mse | amax), `targets`,
     `activations` (dynamic | none), and the run controls of `run_recipe`."""
     return run_recipe("int4-to-mxfp4", src, dst, **kwargs)
+
+
+def mxfp4_to_nvfp4(src: str, dst: str, **kwargs) -> ConversionResult:
+    """`kconvert mxfp4-to-nvfp4`: MXFP4 -> NVFP4, the codes kept and exact wherever NVFP4
+    holds the scales (`cast="exact"`; docs/formats.md §7). Options: `format`
+    (compressed-tensors | modelopt), `block_scale` (the blocks outside the exact window),
+    `targets`, `act_stats`, and the run controls of `run_recipe`."""
+    return run_recipe("mxfp4-to-nvfp4", src, dst, **kwargs)
 
 
 def quantize(src: str, dst: str, **kwargs) -> ConversionResult:
@@ -230,6 +238,7 @@ __all__ = [
     "inspect",
     "int4_to_mxfp4",
     "int4_to_nvfp4",
+    "mxfp4_to_nvfp4",
     "quantize",
     "reap",
     "run_recipe",

@@ -260,7 +260,7 @@ def _prepare_run(ckpt: Checkpoint, recipe: Recipe, settings: Mapping[str, object
              len(plan.outputs))
     for warning in validate_source(ckpt.config, ckpt.tensors, plan.modules, ckpt.root):
         say(f"kconvert: warning: {warning}")
-    if recipe.requires_source and not any(m.codec.name == recipe.requires_source
+    if recipe.requires_source and not any(recipe.requires_source in (m.codec.name, m.codec.grid)
                                           for m in plan.modules):
         raise KconvertError(f"{recipe.name} needs a source with {recipe.requires_source} modules "
                             "and this one has none", file=str(ckpt.root / "config.json"))

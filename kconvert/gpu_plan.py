@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kconvert.errors import KconvertError
+from kconvert.model.arch import arch_of
 
 # Bytes per token of one decoder layer's forward, in units of the compute dtype's element,
 # beyond the terms counted exactly: residual stream copies (input, norm, attention output,
@@ -81,11 +82,12 @@ class Shapes:
 
     @classmethod
     def from_config(cls, text: dict) -> Shapes:
+        arch = arch_of(text)  # DeepSeek-V3's or Kimi-K3's key names
         return cls(hidden=text["hidden_size"], moe_inter=text.get("moe_intermediate_size") or 0,
                    dense_inter=text["intermediate_size"],
-                   experts=text.get("n_routed_experts") or 0,
-                   shared=text.get("n_shared_experts") or 0,
-                   top_k=text.get("num_experts_per_tok") or 0,
+                   experts=arch.get("experts") or 0,
+                   shared=arch.get("shared") or 0,
+                   top_k=arch.get("top_k") or 0,
                    heads=text["num_attention_heads"],
                    q_lora=text.get("q_lora_rank") or 0, kv_lora=text["kv_lora_rank"],
                    qk_nope=text["qk_nope_head_dim"], qk_rope=text["qk_rope_head_dim"],

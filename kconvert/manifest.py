@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-__all__ = ["MANIFEST", "LearnedEntry", "Manifest", "ObsEntry", "read_manifest",
+__all__ = ["MANIFEST", "CastEntry", "LearnedEntry", "Manifest", "ObsEntry", "read_manifest",
            "render_manifest"]
 
 MANIFEST = "kconvert-manifest.json"
@@ -72,6 +72,13 @@ class LearnedEntry(BaseModel):
     held_out_tokens: int = Field(description="every 8th of its routed tokens, judged on")
 
 
+class CastEntry(BaseModel):
+    exact_blocks: int = Field(description="32-element MXFP4 blocks cast exactly: the source's "
+                                          "codes under scales that decode them bit for bit")
+    blocks: int = Field(description="all the module's 32-element blocks; the others follow "
+                                    "the block-scale rule")
+
+
 class SourceEntry(BaseModel):
     path: str | None = None
     repo: str | None = None
@@ -111,6 +118,9 @@ class Manifest(BaseModel):
                                           "its choice (gptq: GPTQ or RTN; learned: learned or "
                                           "the one-shot result), whichever has the smaller "
                                           "held-out output error")
+    cast: dict[str, CastEntry] = Field(
+        default_factory=dict, description="quantize --cast exact: module -> its MXFP4 blocks "
+                                          "cast exactly, of all (docs/formats.md §7)")
 
 
 def render_manifest(manifest: Manifest) -> str:

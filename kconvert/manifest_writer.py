@@ -13,6 +13,7 @@ from kconvert.formats import OUTPUT_CODECS
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.files import human_bytes
 from kconvert.manifest import (
+    CastEntry,
     FileEntry,
     FusedSetEntry,
     LayerEntry,
@@ -54,8 +55,12 @@ def build_manifest(ckpt: Checkpoint, plan: WorkPlan, records: dict[str, dict], c
             continue
         rel = st["err_sq"] / st["ref_sq"] if st["ref_sq"] else 0.0
         by_layer.setdefault(str(m.tn.layer), []).append(rel)
-    obs = {m: (LearnedEntry if "oneshot" in st["obs"] else ObsEntry)(**st["obs"])
-           for m, st in sorted(stats.items()) if st.get("obs")}
+    # A module's record: its method's choice (GPTQ against RTN, learned against the one-shot),
+    # or its encoder's ("cast").
+    records = {m: st["obs"] for m, st in sorted(stats.items()) if st.get("obs")}
+    obs = {m: (LearnedEntry if "oneshot" in r else ObsEntry)(**r) for m, r in records.items()
+           if "cast" not in r}
+    cast = {m: CastEntry(**r["cast"]) for m, r in records.items() if "cast" in r}
     for layer, rels in sorted(by_layer.items()):
         layers[layer] = LayerEntry(quantized_modules=len(rels), rel_mse_mean=sum(rels) / len(rels),
                                    rel_mse_max=max(rels))
@@ -64,6 +69,9 @@ def build_manifest(ckpt: Checkpoint, plan: WorkPlan, records: dict[str, dict], c
     files = {shard: FileEntry(bytes=(root / shard).stat().st_size, tensors=len(e))
              for shard, e in plan.shard_entries.items()}
     summary = summary_numbers(plan, by_layer, files)
+    if cast:
+        summary["cast_exact_blocks"] = sum(c.exact_blocks for c in cast.values())
+        summary["cast_blocks"] = sum(c.blocks for c in cast.values())
     if distributed.launched():  # how the run was spread; the bytes are the same on any count
         summary["world_size"] = distributed.world()
     return Manifest(
@@ -72,7 +80,7 @@ def build_manifest(ckpt: Checkpoint, plan: WorkPlan, records: dict[str, dict], c
         non_weight_files=non_weight, generated_files=generated,
         tensors=dict(sorted(tensors.items())),
         fused_sets=dict(sorted(fused_sets.items())), layers=layers,
-        summary=summary, dropped=dropped, obs=obs,
+        summary=summary, dropped=dropped, obs=obs, cast=cast,
     )
 
 
@@ -116,6 +124,9 @@ def summary_line(manifest: Manifest, dst: str) -> str:
         written = OUTPUT_CODECS[fmt].description if fmt in OUTPUT_CODECS else fmt
         parts.append(f"{s['quantized_modules']} modules quantized to {written} (relative squared "
                      f"error mean {s['rel_mse_mean']:.2e}, max {s['rel_mse_max']:.2e})")
+    if s.get("cast_blocks"):
+        parts.append(f"{s['cast_exact_blocks']} of {s['cast_blocks']} MXFP4 blocks cast "
+                     "exactly")
     if s.get("dequantized_modules"):
         parts.append(f"{s['dequantized_modules']} modules dequantized")
     if s.get("relaid_modules"):

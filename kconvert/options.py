@@ -19,6 +19,16 @@ EVAL_SAMPLES = 128  # eval's --samples
 
 # FP8 block-scale rules of NVFP4 encoding (formats/nvfp4.py).
 BLOCK_SCALE_RULES = ("amax", "mse")
+# quantize's --cast: how an MXFP4 source becomes NVFP4: decoded and encoded by the block-scale
+# rule ("none"), or its codes kept with exact scales where NVFP4 holds them, the other blocks
+# by the rule ("exact", kconvert.formats.nvfp4_cast).
+CASTS = ("none", "exact")
+# quantize's --input-scale: the per-tensor input scale of NVFP4 W4A4 routed experts: each
+# expert's own calibrated amax ("expert"), its layer's largest over experts, gate/up and down
+# apart ("layer-max", ModelOpt 0.45's export), or 1.0 ("one", Kimi-K3 NVFP4; FlashInfer's
+# unified MoE API); the default was chosen by measurement (README, "Input scales").
+INPUT_SCALES = ("expert", "layer-max", "one")
+INPUT_SCALE = "layer-max"
 
 # Options that only act beside another one: given alone they would be silently dropped.
 ONLY_WITH = {

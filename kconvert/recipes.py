@@ -1,7 +1,8 @@
 """Recipes: declarative TOML files in `pipelines/` naming the stages of a conversion.
 
 A recipe is a list of `[[stages]]` tables (`stage = ` a kind of kconvert.stages.KINDS, plus
-that stage's settings) and optionally `requires_source`, a codec the source must contain.
+that stage's settings) and optionally `requires_source`, a codec (by name, or by the grid it
+stores: "mxfp4" is either MXFP4 layout) the source must contain.
 Command-line options override the recipe's stage settings.
 
 Each stage kind declares which options it takes; a recipe key or a command-line option that no

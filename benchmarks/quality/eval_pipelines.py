@@ -110,7 +110,7 @@ def build(tmp: Path, calib: torch.Tensor, draws: int, only: set[str] | None = No
             "scales), RTN where GPTQ is not better", {"method": "gptq", "targets": targets},
             lambda ck: {"quantize": calibration(ck)})
     run("w4a4", "quantize", "NVFP4 W4A4 experts (mse block scales, calibrated input amax)",
-        {"act_stats": str(tmp / "stats" / ACT_FILE)})
+        {"act_stats": str(tmp / "stats" / ACT_FILE), "input_scale": "expert"})
     for pct, keep in KEEPS.items():
         plans = {f"reap-{crit}-{pct}": plan_from_scores(scores, keep, crit)
                  for crit in ("reap", "frequency")}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from kconvert.audit import manifest_checks, p48, scales, source, stream
+from kconvert.audit import input_scales, manifest_checks, p48, scales, source, stream
 from kconvert.audit.context import AuditContext, open_side
 from kconvert.audit.report import Report
 from kconvert.checks.quant_config import check_quant_config
@@ -67,6 +67,7 @@ def _run_families(ctx: AuditContext) -> None:
     stream.run(ctx)
     p48.check_declared(ctx)
     scales.check_fused_sets(ctx)
+    input_scales.check_input_scales(ctx)
     _after_stream(ctx)
     r.fill_scales_column()
 

@@ -18,13 +18,14 @@ from __future__ import annotations
 import functools
 import queue
 import sys
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
-from kconvert.audit import p48, scales
+from kconvert.audit import cast, p48, scales
 from kconvert.audit.bits import first_difference, where
 from kconvert.audit.context import ROUTER_ROLES, AuditContext, StoredScales
 from kconvert.audit.decode import DecodeJob, bound
@@ -92,6 +93,7 @@ class Read:
     stored: StoredScales | None = None
     job: DecodeJob | None = None
     p48: dict[str, torch.Tensor] | None = None  # a module's tensors, to check for p48
+    cast: Callable[[], Checks] | None = None  # the exact cast's check of a module
 
 
 class BufferPool:
@@ -187,6 +189,7 @@ class Stream:
         self.pool = BufferPool(ctx.chunk)
         self.hashes = TensorHashes()
         self.refit = ctx.refit
+        self.cast_tally: Counter = Counter()  # exact-cast blocks checked (kconvert.audit.cast)
 
     def read(self, unit: Unit) -> Read:
         """Read a unit and run its checks (in a reader thread)."""
@@ -240,6 +243,9 @@ class Stream:
                           f"logical shape {list(m.shape)} but source {s.module} is "
                           f"{list(s.shape)}", tensor=m.primary.name):
             got.job = DecodeJob(m, s, out, src, bound(ctx, m))
+            if cast.declared_for(ctx, m, s):
+                got.cast = functools.partial(cast.check_module, ctx, m, s, out, src,
+                                             self.cast_tally)
         return got
 
     def announce(self, units: list[Unit], window: int) -> Iterator[Unit]:
@@ -309,8 +315,11 @@ def run(ctx: AuditContext) -> None:
                 worker.run(functools.partial(p48.check_module, unit.module, got.p48))
             if got.job is not None:
                 worker.decode(got.job)
+            if got.cast is not None:
+                worker.run(got.cast)
             for buf in got.buffers:
                 stream.pool.give(buf)
             worker.collect()
             bar.update(unit.nbytes)
         worker.finish()
+    cast.note(ctx, stream.cast_tally)

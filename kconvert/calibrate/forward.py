@@ -20,6 +20,7 @@ from torch import nn
 from kconvert.calibrate.data import PAD_ID
 from kconvert.errors import KconvertError
 from kconvert.io.checkpoint import Checkpoint
+from kconvert.model.arch import arch_of
 from kconvert.model.names import Role, parse_name
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -33,7 +34,14 @@ def model_config(ckpt: Checkpoint):
     """transformers' DeepseekV3Config from the checkpoint's text config ("kimi_k2" read as
     "deepseek_v3", the architecture it is), attention through SDPA. transformers' DeepSeek-V3
     modules (seconds to import) are imported here, before the layers need them, so that the
-    import runs while the device starts (kconvert.calibrate.startup)."""
+    import runs while the device starts (kconvert.calibrate.startup).
+
+    Every data-driven command (calibrate, eval, REAP's calibration and repair, GPTQ,
+    SparseGPT) builds its model here: a family whose forward kconvert does not implement
+    (Kimi-K3) is refused here, for all of them."""
+    unsupported = arch_of(ckpt.text_config).unsupported_forward()
+    if unsupported is not None:
+        raise KconvertError(unsupported, file=str(ckpt.root / "config.json"))
     from transformers.models.deepseek_v3 import modeling_deepseek_v3  # noqa: F401
     from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
 

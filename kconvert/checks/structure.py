@@ -8,8 +8,10 @@ warnings.
 
 Structure: top level and text_config agree; routing parameters in range; every layer index
 within num_hidden_layers (+ MTP); dense layers hold a full MLP and no experts; per MoE layer
-router rows == bias entries == expert count == n_routed_experts, expert ids exactly 0..N-1,
-every expert complete and alike; logical shapes as configured.
+router rows == bias entries == expert count == the configured experts, expert ids exactly
+0..N-1, every expert complete and alike; logical shapes as configured; in Kimi-K3 each layer's
+attention tensors are those of the kind (KDA or MLA) its linear_attn_config gives it. Config
+keys are read by the model family's names (kconvert.model.arch).
 """
 
 from __future__ import annotations
@@ -32,13 +34,19 @@ from kconvert.formats.base import Linear
 from kconvert.formats.dense import FLOAT_DTYPES
 from kconvert.io.checkpoint import CONFIG
 from kconvert.io.shards import TensorInfo
+from kconvert.model.arch import Arch, arch_of
 from kconvert.model.names import Role, TensorName, parse_name
 
-PROJS = ("gate_proj", "up_proj", "down_proj")
+PARTS = {"gate", "up", "down"}
+# Attention projections only one kind of Kimi-K3 layer has (both have q/o/g projections).
+ONLY_IN = {"mla": {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"},
+           "kda": {"q_conv1d", "k_conv1d", "v_conv1d", "A_log", "dt_bias", "f_a_proj",
+                   "f_b_proj", "b_proj"}}
 SHOWN = 3  # failures a refused conversion quotes (`kconvert audit` lists every one)
 # Keys that must agree between a K2.5/K2.6 config's top level and its text_config.
 SEMANTIC_KEYS = {"quantization_config", "hidden_size", "num_hidden_layers", "n_routed_experts",
-                 "num_experts_per_tok", "vocab_size", "tie_word_embeddings",
+                 "num_experts_per_tok", "num_experts", "num_experts_per_token",
+                 "vocab_size", "tie_word_embeddings",
                  "moe_intermediate_size", "intermediate_size", "first_k_dense_replace",
                  "n_group", "topk_group", "n_shared_experts", "num_attention_heads"}
 
@@ -102,14 +110,14 @@ def check_config(checks: Checks, config: dict) -> None:
             elif not same:
                 checks.warn(S, "config", f"top level {key} = {short(config[key])} differs from "
                             f"text_config.{key} = {short(tc[key])}", file=CONFIG)
-    n = tc.get("n_routed_experts")
-    k = tc.get("num_experts_per_tok")
+    arch = arch_of(tc)
+    n, k = arch.get("experts"), arch.get("top_k")
     if _is_int(n) and _is_int(k):
-        checks.check(S, 1 <= k <= n, "config", f"num_experts_per_tok {k} is not in "
-                     f"1..n_routed_experts {n}", file=CONFIG)
+        checks.check(S, 1 <= k <= n, "config", f"{arch.top_k_key} {k} is not in "
+                     f"1..{arch.experts_key} {n}", file=CONFIG)
     ng, tg = tc.get("n_group"), tc.get("topk_group")
     if _is_int(n) and _is_int(ng) and ng > 0:
-        checks.check(S, n % ng == 0, "config", f"n_routed_experts {n} is not divisible by "
+        checks.check(S, n % ng == 0, "config", f"{arch.experts_key} {n} is not divisible by "
                      f"n_group {ng} (group-limited routing needs equal groups)", file=CONFIG)
         if _is_int(tg):
             checks.check(S, 1 <= tg <= ng, "config", f"topk_group {tg} is not in 1..n_group "
@@ -148,7 +156,8 @@ def check_layers(checks: Checks, config: dict, tensors: dict[str, TensorInfo],
         if tn.layer is not None:
             by_layer[tn.layer].append(tn)
     has_experts = any(tn.role is Role.ROUTED_EXPERT for tns in by_layer.values() for tn in tns)
-    n_cfg = _int_key(checks, tc, "n_routed_experts", None, required=has_experts)
+    arch = arch_of(tc)
+    n_cfg = _int_key(checks, tc, arch.experts_key, None, required=has_experts)
     n_layers = _int_key(checks, tc, "num_hidden_layers", None, required=True)
     if n_layers is None:
         n_layers = max(by_layer, default=-1) + 1
@@ -158,7 +167,8 @@ def check_layers(checks: Checks, config: dict, tensors: dict[str, TensorInfo],
     hidden = _int_key(checks, tc, "hidden_size", None)
     moe_inter = _int_key(checks, tc, "moe_intermediate_size", None)
     inter = _int_key(checks, tc, "intermediate_size", None)
-    n_shared = _int_key(checks, tc, "n_shared_experts", 1) or 1
+    n_shared = _int_key(checks, tc, arch.shared_key, 1) or 1
+    expert_in = arch.expert_input if _is_int(arch.expert_input) else None
 
     total = n_layers + nextn
     for layer in sorted(by_layer):
@@ -173,7 +183,7 @@ def check_layers(checks: Checks, config: dict, tensors: dict[str, TensorInfo],
                         layer=layer)
 
     out = Layers()
-    # A config without a usable n_routed_experts was reported above; its MoE layers are still
+    # A config without a usable expert count was reported above; its MoE layers are still
     # checked (against their own expert count) rather than called dense.
     moe_model = n_cfg is not None or has_experts
     out.moe = [L for L in sorted(by_layer)
@@ -182,29 +192,31 @@ def check_layers(checks: Checks, config: dict, tensors: dict[str, TensorInfo],
     for layer, tns in sorted(by_layer.items()):
         if layer in out.moe:
             _check_moe_layer(checks, out.rows[layer], layer, tns, tensors, n_cfg, hidden,
-                             needs_bias)
+                             needs_bias, arch.experts_key)
+            _check_attention_kind(checks, arch, layer, tns)
             continue
         roles = {tn.role for tn in tns}
         checks.check(S, Role.ROUTED_EXPERT not in roles and Role.ROUTER_WEIGHT not in roles,
                      "layers", "dense layer (first_k_dense_replace / moe_layer_freq) holds "
                      "routed experts or a router", layer=layer)
         if layer < n_layers:
-            have = {tn.proj for tn in tns if tn.role is Role.DENSE_MLP}
-            checks.check(S, have == set(PROJS), "layers", f"dense MLP has projections "
-                         f"{sorted(p for p in have if p)}, needs gate_proj, up_proj, down_proj",
+            have = {tn.part for tn in tns if tn.role is Role.DENSE_MLP}
+            checks.check(S, have == PARTS, "layers", f"dense MLP has projections "
+                         f"{sorted(p for p in have if p)}, needs gate, up and down",
                          layer=layer)
             out.rows[layer]["experts"] = "dense"
+        _check_attention_kind(checks, arch, layer, tns)
     for m in modules:
         want = None
         if m.tn.role is Role.ROUTED_EXPERT:
-            want = (moe_inter, hidden)
+            want = (moe_inter, expert_in)
         elif m.tn.role is Role.SHARED_EXPERT and moe_inter is not None:
             want = (moe_inter * n_shared, hidden)
         elif m.tn.role is Role.DENSE_MLP:
             want = (inter, hidden)
         if want is None or None in want:
             continue
-        if m.tn.proj == "down_proj":
+        if m.tn.part == "down":
             want = (want[1], want[0])
         checks.check(S, tuple(m.shape) == want, "shape", f"logical shape {list(m.shape)}, "
                      f"config says {list(want)}", tensor=m.primary.name)
@@ -213,7 +225,7 @@ def check_layers(checks: Checks, config: dict, tensors: dict[str, TensorInfo],
 
 def _check_moe_layer(checks: Checks, row: dict[str, str], layer: int, tns: list[TensorName],
                      tensors: dict[str, TensorInfo], n_cfg: int | None, hidden: int | None,
-                     needs_bias: bool) -> None:
+                     needs_bias: bool, experts_key: str) -> None:
     S = "structure"
     router_params = {tn.param: tensors[tn.name] for tn in tns if tn.role is Role.ROUTER_WEIGHT}
     router = next((tn for tn in tns if tn.role is Role.ROUTER_WEIGHT and tn.param == "weight"),
@@ -226,8 +238,8 @@ def _check_moe_layer(checks: Checks, row: dict[str, str], layer: int, tns: list[
             experts[tn.expert][tn.proj][tn.param] = tensors[tn.name]
     ids = sorted(experts)
     row["experts"] = str(len(ids))
-    counts = {"n_routed_experts": n_cfg, "expert ids": len(ids)}
-    if checks.check(S, router is not None, "router", "MoE layer has no mlp.gate.weight",
+    counts = {experts_key: n_cfg, "expert ids": len(ids)}
+    if checks.check(S, router is not None, "router", "MoE layer has no router (gate.weight)",
                     layer=layer):
         info = tensors[router.name]
         counts["router rows"] = info.shape[0] if info.shape else None
@@ -250,7 +262,7 @@ def _check_moe_layer(checks: Checks, row: dict[str, str], layer: int, tns: list[
         checks.check(S, len(info.shape) == 1, "bias", f"bias shape {list(info.shape)} is not "
                      "[N]", tensor=bias.name)
     elif needs_bias:
-        checks.add(S, "bias", "topk_method noaux_tc but no mlp.gate.e_score_correction_bias",
+        checks.add(S, "bias", "topk_method noaux_tc but no gate.e_score_correction_bias",
                    layer=layer)
     values = {k: v for k, v in counts.items() if v is not None}
     if not checks.check(S, len(set(values.values())) == 1, "counts",
@@ -277,20 +289,21 @@ def _check_experts_alike(checks: Checks, layer: int,
                          ids: list[int]) -> None:
     """Every expert complete and alike: the layer's most common parameter set and layout."""
     S = "structure"
+    projs = sorted({proj for e in ids for proj in experts[e]})  # gate/up/down_proj or w1/w2/w3
     ref_params = {proj: Counter(frozenset(p) for p in (experts[e].get(proj, {})
                                                        for e in ids)).most_common(1)[0][0]
-                  for proj in PROJS}
+                  for proj in projs}
     layouts: dict[tuple[str, str], Counter] = defaultdict(Counter)
     for e in ids:
         for proj, params in experts[e].items():
             for p, info in params.items():
                 layouts[(proj, p)][(info.dtype, info.shape)] += 1
     for e in ids:
-        for proj in PROJS:
+        for proj in projs:
             have = set(experts[e].get(proj, {}))
             want = set(ref_params[proj])
             anyinfo = next(iter(next(iter(experts[e].values())).values()))
-            tname = anyinfo.name.split(".mlp.experts.")[0] + f".mlp.experts.{e}.{proj}"
+            tname = anyinfo.name.split(f".experts.{e}.")[0] + f".experts.{e}.{proj}"
             if not have:
                 checks.add(S, "experts", f"expert {e} has no {proj}", layer=layer, tensor=tname)
                 continue
@@ -304,6 +317,19 @@ def _check_experts_alike(checks: Checks, layer: int,
                              f"{info.dtype}{list(info.shape)} but the layer's other experts "
                              f"have {common[0]}{list(common[1])}", layer=layer,
                              tensor=info.name)
+
+
+def _check_attention_kind(checks: Checks, arch: Arch, layer: int, tns: list[TensorName]) -> None:
+    """In a model with KDA layers: the layer's attention holds no projection of the other kind
+    than the one linear_attn_config gives it (0-based here, 1-based there)."""
+    if not arch.kda_layers:
+        return
+    kind = arch.attention(layer)
+    other = "mla" if kind == "kda" else "kda"
+    wrong = sorted({tn.proj for tn in tns if tn.role is Role.ATTENTION} & ONLY_IN[other])
+    checks.check("structure", not wrong, "attention", f"linear_attn_config makes layer {layer} "
+                 f"{kind.upper()} (1-based {layer + 1}) but it holds {other.upper()} tensors "
+                 f"{wrong}", layer=layer)
 
 
 def _ranges(ids: list[int]) -> str:

@@ -26,6 +26,7 @@ from kconvert.cli.convert import (
     dequant,
     int4_to_mxfp4,
     int4_to_nvfp4,
+    mxfp4_to_nvfp4,
     quantize,
     reap,
     run_recipe,
@@ -42,8 +43,8 @@ def main() -> None:
     """Convert and compress Kimi-K2 family MoE checkpoints shard by shard."""
 
 
-for command in (int4_to_nvfp4, int4_to_mxfp4, quantize, dequant, reap, sparsify, densify,
-                run_recipe, calibrate_cmd, eval_cmd, audit, inspect_cmd):
+for command in (int4_to_nvfp4, int4_to_mxfp4, mxfp4_to_nvfp4, quantize, dequant, reap, sparsify,
+                densify, run_recipe, calibrate_cmd, eval_cmd, audit, inspect_cmd):
     main.add_command(command)
 
 

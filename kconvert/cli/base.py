@@ -23,7 +23,10 @@ from kconvert.errors import KconvertError, UsageError
 from kconvert.options import (
     BATCH_SIZE,
     BLOCK_SCALE_RULES,
+    CASTS,
     GPU_MEMORY_HELP,
+    INPUT_SCALE,
+    INPUT_SCALES,
     SEED,
     SEQ_LEN,
     SPARSEGPT_SAMPLES,
@@ -251,7 +254,13 @@ QUANTIZE_OPTIONS = [
                       "compressed-tensors; int4-to-mxfp4: quark-mxfp4]."),
     click.option("--block-scale", type=click.Choice(BLOCK_SCALE_RULES), default=None,
                  help="Block-scale rule: amax (the format's own tool's bytes) or mse "
-                      "(min block error) [default: mse]."),
+                      "(min block error) [default: mse]; with --cast exact, the rule of "
+                      "the blocks that cannot be cast exactly."),
+    click.option("--cast", type=click.Choice(CASTS), default=None,
+                 help="MXFP4 source -> NVFP4: exact keeps its codes and gives each block the "
+                      "scale that decodes them to the source's values bit for bit wherever "
+                      "FP8 holds it (ModelOpt's cast), the rest by --block-scale, counted in "
+                      "the manifest [default: none; mxfp4-to-nvfp4: exact]."),
     click.option("--activations", type=click.Choice(ACTIVATIONS), default=None,
                  help="MXFP4 only: dynamic declares W4A4, activations quantized per 32 at "
                       "run time (AMD's recipe), none is weight-only [default: dynamic for "
@@ -259,6 +268,12 @@ QUANTIZE_OPTIONS = [
     click.option("--act-stats", type=click.Path(exists=True, dir_okay=False), default=None,
                  help="Calibration statistics JSON {\"input_amax\": {module: amax}}: "
                       "listed modules become W4A4 with input scales."),
+    click.option("--input-scale", type=click.Choice(INPUT_SCALES), default=None,
+                 help="NVFP4 W4A4 routed experts' input scales: expert (each its own "
+                      "calibrated amax), layer-max (the layer's largest, gate/up and down "
+                      "apart: what FlashInfer backends run, ModelOpt 0.45's export), one "
+                      "(1.0 without --act-stats: Kimi-K3 NVFP4, FlashInfer's unified MoE API) "
+                      f"[default: {INPUT_SCALE}]."),
     click.option("--targets", default=None,
                  help="Comma list of experts,shared_experts,dense_mlp,attention "
                       "[default: experts]."),

@@ -82,6 +82,9 @@ int4_to_nvfp4 = conversion_command(
 int4_to_mxfp4 = conversion_command(
     "int4-to-mxfp4", "INT4 pack-quantized SRC -> MXFP4 DST in one pass (AMD Quark's layout by "
                      "default; dequant + quantize).", QUANTIZE_OPTIONS)
+mxfp4_to_nvfp4 = conversion_command(
+    "mxfp4-to-nvfp4", "MXFP4 SRC (compressed-tensors or Quark) -> NVFP4 DST, its codes kept: "
+                      "exact wherever NVFP4 holds the scales (--cast exact).", QUANTIZE_OPTIONS)
 quantize = conversion_command("quantize", "Any SRC -> NVFP4 or MXFP4 (--format) on the "
                                           "targeted modules; --method gptq for NVFP4.",
                               QUANTIZE_OPTIONS + QUANTIZE_METHOD_OPTIONS)

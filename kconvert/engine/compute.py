@@ -166,7 +166,7 @@ def compute_item(plan: WorkPlan, item: Item, bufs: list[torch.Tensor], device: t
         if i not in batches:  # read packed by its encoder
             spec = EncodeSpec(plan.scale_rule, ms[0].group_size, chunk_elems=chunk_elems)
             enc = out_codec.encode_packed(group.codec, params, spec, a)
-            encoded.append((ms, enc.map(_to_host), _to_host(recorded), None))
+            encoded.append((ms, enc.map(_to_host), _to_host(recorded), enc.records))
             continue
         batch, out = batches[i], made[i]
         enc = out_codec.encode(out.weights, batch.spec, amax=a, codes=out.codes)

@@ -30,6 +30,7 @@ from torch import nn
 from kconvert.calibrate.forward import MoEBlock
 from kconvert.checks.quant_config import governed_name, quant_blocks
 from kconvert.formats import detect_codec, mxfp4
+from kconvert.formats.base import INPUT_SCALE_POLICY
 from kconvert.formats.linear import module_params
 from kconvert.formats.nvfp4_grid import BLOCK, E2M1, FP4_MAX, FP8_MAX, cut_points
 from kconvert.io.checkpoint import Checkpoint
@@ -72,12 +73,36 @@ def fake_quantize(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 def input_scales(ckpt: Checkpoint, tensors: dict[str, TensorInfo]) -> dict[str, torch.Tensor]:
     """Module name -> quantization scale g of every module of a decoder layer's tensors that
-    stores an input scale (empty for weight-only checkpoints)."""
+    stores an input scale (empty for weight-only checkpoints), as an engine serving the
+    input-scale policy the config declares runs it (`served`)."""
     out = {}
     for name, info in tensors.items():
         module, param = name.rsplit(".", 1)
         if param in INPUT_SCALE_PARAMS:
             out[module] = global_input_scale(ckpt.reader_for(info).read(info), param)
+    policy = next((q[INPUT_SCALE_POLICY] for _, q in quant_blocks(ckpt.config)
+                   if INPUT_SCALE_POLICY in q), None)
+    return served(out, policy)
+
+
+def served(scales: dict[str, torch.Tensor], policy: str | None) -> dict[str, torch.Tensor]:
+    """The quantization scales g a W4A4 engine serving `policy` (kconvert.options.INPUT_SCALES;
+    None or "expert": each module's own) runs a layer's modules with: "layer-max" the routed
+    experts' largest input amax (smallest g) over the layer, gates and ups together and downs
+    apart, as vLLM's FlashInfer backends take it; "one" g = 1 for every module."""
+    if policy == "one":
+        return {m: torch.ones((), dtype=torch.float32) for m in scales}
+    if policy != "layer-max":
+        return scales
+    groups: dict[tuple, list[str]] = {}
+    for module in scales:
+        tn = parse_name(module + ".weight")
+        if tn.role is Role.ROUTED_EXPERT:
+            groups.setdefault((tn.layer, tn.part == "down"), []).append(module)
+    out = dict(scales)
+    for members in groups.values():
+        g = torch.stack([scales[m] for m in members]).min()
+        out.update(dict.fromkeys(members, g))
     return out
 
 
@@ -119,7 +144,7 @@ def emulate(layer: nn.Module, moe: MoEBlock | None, prefix: str,
     for module in [*scales, *dynamic]:
         tn = parse_name(module + ".weight")
         if tn.role is Role.ROUTED_EXPERT:
-            key = (1 if tn.proj == "down_proj" else 0, tn.expert)
+            key = (1 if tn.part == "down" else 0, tn.expert)
             if module in dynamic:
                 mx_experts.add(key)
             else:

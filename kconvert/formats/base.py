@@ -52,6 +52,8 @@ class OutputModule(Linear, Protocol):
     group_size: int
     # W4A4 whose activations the engine quantizes at run time (MXFP4): no input scales.
     dynamic_activations: bool
+    # W4A4 NVFP4: the policy its input scale follows (kconvert.options.INPUT_SCALES).
+    input_scale_policy: str | None
 
     @property
     def has_input_scale(self) -> bool: ...
@@ -86,6 +88,9 @@ class Encoded:
     # float32 [B]: the per-tensor scale in compressed-tensors' form, 2688 / amax, which the
     # manifest records whatever the flavour (None: the format has no per-tensor scale).
     recorded_scale: torch.Tensor | None = None
+    # Per matrix, what the manifest records of how it was encoded beyond its error (the
+    # exact MXFP4 cast's block counts, {"cast": {...}}); None: nothing.
+    records: list[dict] | None = None
 
     def module(self, i: int) -> dict[str, torch.Tensor]:
         """Matrix i's parameters."""
@@ -94,7 +99,7 @@ class Encoded:
     def map(self, move: Callable[[torch.Tensor], torch.Tensor]) -> Encoded:
         """The same encoding with every tensor passed through `move` (e.g. to the host)."""
         def each(value):
-            return None if value is None else move(value)
+            return move(value) if isinstance(value, torch.Tensor) else value
 
         return Encoded({p: move(t) for p, t in self.params.items()},
                        *(each(getattr(self, f.name)) for f in fields(self)[1:]))
@@ -235,3 +240,11 @@ class Codec:
 
 # Parameters that belong to a format but that a decode does not need (W4A4 input scales).
 OPTIONAL_PARAMS = {"input_scale", "input_global_scale"}
+# The quantization_config key (kconvert's own; loaders ignore it) that says which policy the
+# routed experts' W4A4 input scales follow (kconvert.options.INPUT_SCALES).
+INPUT_SCALE_POLICY = "input_scale_policy"
+
+
+def input_scale_policy(modules: list[OutputModule]) -> str | None:
+    """The input-scale policy of an output's W4A4 modules (one per output), or None."""
+    return next((m.input_scale_policy for m in modules if m.input_scale_policy), None)

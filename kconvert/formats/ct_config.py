@@ -12,15 +12,20 @@ import re
 from collections.abc import Iterable, Mapping
 
 from kconvert.errors import KconvertError
-from kconvert.formats.base import Linear, OutputModule
+from kconvert.formats.base import INPUT_SCALE_POLICY, Linear, OutputModule, input_scale_policy
 from kconvert.model.names import Role
 
-# compressed-tensors target regexes per role (vLLM matches them against module names).
+# compressed-tensors target regexes per role (vLLM matches them against module names): the
+# first is DeepSeek-V3's spelling, the others Kimi-K3's (block_sparse_moe, experts w1/w2/w3;
+# KDA's projections). A config lists those that name a module it quantizes (`ct_targets`).
 CT_TARGETS = {
-    Role.ROUTED_EXPERT: r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$",
-    Role.SHARED_EXPERT: r"re:.*mlp\.shared_experts\.(gate|up|down)_proj$",
-    Role.DENSE_MLP: r"re:.*mlp\.(gate|up|down)_proj$",
-    Role.ATTENTION: r"re:.*self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)$",
+    Role.ROUTED_EXPERT: (r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$",
+                         r"re:.*block_sparse_moe\.experts\.\d+\.(w1|w2|w3)$"),
+    Role.SHARED_EXPERT: (r"re:.*mlp\.shared_experts\.(gate|up|down)_proj$",
+                         r"re:.*block_sparse_moe\.shared_experts\.(gate|up|down)_proj$"),
+    Role.DENSE_MLP: (r"re:.*mlp\.(gate|up|down)_proj$",),
+    Role.ATTENTION: (r"re:.*self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)$",
+                     r"re:.*self_attn\.(q_proj|k_proj|v_proj|g_proj|f_a_proj|f_b_proj|b_proj)$"),
 }
 QUANT_METHOD = "compressed-tensors"  # the config family's quant_method
 
@@ -30,6 +35,12 @@ def target_matches(name: str, target: str, linear: bool) -> bool:
     if target.startswith("re:"):
         return re.match(target[3:], name) is not None
     return target == name or (target == "Linear" and linear)
+
+
+def ct_targets(role: Role, modules: Iterable[Linear]) -> list[str]:
+    """The target regexes of `role` that name one of `modules` (those of the role) at least."""
+    names = [m.tn.module for m in modules if m.tn.role is role]
+    return [t for t in CT_TARGETS[role] if any(target_matches(n, t, True) for n in names)]
 
 
 def scheme_for(qconfig: dict, name: str, linear: bool) -> tuple[dict | None, str | None]:
@@ -92,10 +103,12 @@ def compressed_tensors_config(modules: list[OutputModule], has_vision: bool) -> 
 
     w4a4 = any(m.has_input_scale or m.dynamic_activations for m in modules)
     codecs = {m.out_codec or m.codec for m in modules}
+    quantized = [m for m in modules if (m.out_codec or m.codec).config_family == QUANT_METHOD]
     written = next(c for c in codecs if c.config_family == QUANT_METHOD and c.ct_presets)
     groups = {}
     for i, (group_size, roles) in enumerate(_roles_by_group(modules).items()):
-        scheme = preset_name_to_scheme(written.ct_presets[w4a4], [CT_TARGETS[r] for r in roles])
+        targets = [t for r in roles for t in ct_targets(r, quantized)]
+        scheme = preset_name_to_scheme(written.ct_presets[w4a4], targets)
         scheme.weights.group_size = group_size
         scheme.format = written.ct_format
         groups[f"group_{i}"] = scheme
@@ -115,6 +128,9 @@ def compressed_tensors_config(modules: list[OutputModule], has_vision: bool) -> 
     }
     for codec in codecs:
         codec.edit_config(qconfig)
+    policy = input_scale_policy(modules)
+    if policy is not None:
+        qconfig[INPUT_SCALE_POLICY] = policy
     return qconfig
 
 

@@ -39,6 +39,9 @@ class ModuleWork:
     stages: list[str] = field(default_factory=list)
     # Calibrated activation amax (W4A4 input scale); shared by the module's fused set.
     input_amax: float | None = None
+    # The input-scale policy that amax follows (kconvert.options.INPUT_SCALES), which the
+    # output's config declares.
+    input_scale_policy: str | None = None
     # W4A4 with activations quantized at run time (MXFP4), declared in the config only.
     dynamic_activations: bool = False
     dense_dtype: str = "BF16"  # what a decoded module is written as (F32: exact INT4 values)

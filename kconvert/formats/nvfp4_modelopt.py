@@ -10,8 +10,9 @@ import torch
 
 from kconvert.errors import KconvertError
 from kconvert.formats import nvfp4
-from kconvert.formats.base import Encoded, OutputModule
+from kconvert.formats.base import INPUT_SCALE_POLICY, Encoded, OutputModule, input_scale_policy
 from kconvert.formats.nvfp4_ct import Nvfp4Codec
+from kconvert.model.names import Role, language_model_name, parse_name
 from kconvert.version import __version__
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
@@ -125,6 +126,8 @@ def config_block(hf_quant: dict) -> dict:
                    "quant_algo": quant["quant_algo"]}
     if quant.get("kv_cache_quant_algo"):
         block["kv_cache_scheme"] = quant["kv_cache_quant_algo"]
+    if INPUT_SCALE_POLICY in quant:
+        block[INPUT_SCALE_POLICY] = quant[INPUT_SCALE_POLICY]
     return {**block, "producer": hf_quant["producer"], "quant_method": QUANT_METHOD}
 
 
@@ -132,18 +135,28 @@ def _wildcard(pattern: str) -> re.Pattern:
     return re.compile(".*".join(re.escape(p) for p in pattern.split("*")))
 
 
+# Linears kconvert never quantizes: routers, and Kimi-K3's latent projections and AttnRes
+# projections (with their norms, as ModelOpt's own K3 export lists them).
+UNQUANTIZED_ROLES = (Role.ROUTER_WEIGHT, Role.LATENT, Role.ATTN_RES)
+
+
 def modelopt_exclude(modules: list[OutputModule], names: list[str]) -> list[str]:
-    """Wildcard patterns for every linear left unquantized (vLLM #45102: they carry no scales)."""
+    """Wildcard patterns for every linear left unquantized (vLLM #45102: they carry no scales).
+    A language model's patterns are also given without the wrapper's `language_model.` prefix:
+    a config in `text_config` names its modules so (docs/kimi.md), as ModelOpt's K3 export
+    spells them both ways."""
     excluded_modules = {m.out_module for m in modules
-                        if (m.out_codec or m.codec) is not ModeloptNvfp4Codec}
+                        if not issubclass(m.out_codec or m.codec, ModeloptNvfp4Codec)}
     patterns = {re.sub(r"\.layers\.\d+\.", ".layers.*.", e) for e in excluded_modules}
     for name in names:
-        if name.endswith("mlp.gate.weight"):
-            patterns.add(re.sub(r"\.layers\.\d+\.", ".layers.*.", name[: -len(".weight")]))
+        tn = parse_name(name)
+        if tn.role in UNQUANTIZED_ROLES and tn.param == "weight":
+            patterns.add(re.sub(r"\.layers\.\d+\.", ".layers.*.", tn.module))
         elif name.startswith(("lm_head.", "language_model.lm_head.")):
             patterns.add(name.rsplit(".", 1)[0])
         elif name.startswith(("vision_tower.", "mm_projector.")):
             patterns.add(name.split(".", 1)[0] + "*")
+    patterns |= {p for p in map(language_model_name, patterns) if p is not None}
     return sorted(patterns)
 
 
@@ -156,5 +169,8 @@ def modelopt_config(modules: list[OutputModule], names: list[str]) -> tuple[dict
     w4a4 = any(m.has_input_scale for m in modules)
     quant = {"quant_algo": "NVFP4" if w4a4 else "W4A16_NVFP4", "kv_cache_quant_algo": None,
              "group_size": nvfp4.BLOCK, "exclude_modules": exclude}
+    policy = input_scale_policy(modules)
+    if policy is not None:
+        quant[INPUT_SCALE_POLICY] = policy
     hf_quant = {"producer": producer, "quantization": quant}
     return config_block(hf_quant), hf_quant

@@ -26,8 +26,11 @@ from kconvert.manifest import MANIFEST
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-SUPPORTED_MODEL_TYPES = {"kimi_k2", "deepseek_v3"}
-SUPPORTED_ARCHITECTURES = {"DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration"}
+# Kimi-K2 / DeepSeek-V3 (and the K2.5/K2.6 wrapper), and Kimi-K3 (its wrapper, text_config
+# "kimi_linear"; kconvert.model.arch says what each family's config calls things).
+SUPPORTED_MODEL_TYPES = {"kimi_k2", "deepseek_v3", "kimi_linear"}
+SUPPORTED_ARCHITECTURES = {"DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration",
+                           "KimiK3ForConditionalGeneration"}
 # Files that describe weights and are regenerated for the output, never copied.
 GENERATED_FILES = {INDEX, CONFIG, "hf_quant_config.json", MANIFEST,
                    "reap-plan.json"}
@@ -221,7 +224,7 @@ def architecture_problem(config: dict) -> str | None:
     if archs - SUPPORTED_ARCHITECTURES or (model_type is not None and model_type not in
                                            SUPPORTED_MODEL_TYPES) or not (archs or model_type):
         return (f"unsupported architecture {sorted(archs)} / model_type {model_type!r}: "
-                "kconvert handles the Kimi-K2 / DeepSeek-V3 family")
+                "kconvert handles the Kimi-K2 / DeepSeek-V3 family and Kimi-K3")
     return None
 
 

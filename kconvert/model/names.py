@@ -1,8 +1,13 @@
-"""The one place that knows how Kimi-K2 / DeepSeek-V3 tensor names are spelled.
+"""The one place that knows how Kimi-K2 / DeepSeek-V3 and Kimi-K3 tensor names are spelled.
 
 Every name is parsed into a `TensorName`: its role (routed expert, router bias, vision, ...),
 the decoder layer and expert id where there is one, the module path and the parameter suffix.
 Names this module does not recognise get the role OTHER and pass through untouched.
+
+Kimi-K3 (docs/kimi.md "Kimi-K3") spells its MoE block `block_sparse_moe` and its routed
+experts `experts.E.w1|w2|w3` (gate, down, up); its latent projections, AttnRes tensors and
+KDA attention have roles of their own. KDA and MLA layers both hold a `self_attn.g_proj`: the
+name cannot tell them apart, the config's layer lists do (kconvert.model.arch).
 """
 
 from __future__ import annotations
@@ -24,6 +29,11 @@ class Role(StrEnum):
     LM_HEAD = "lm_head"
     VISION = "vision"
     PROJECTOR = "projector"
+    # Kimi-K3: routed_expert_down_proj / routed_expert_up_proj (hidden <-> the experts'
+    # latent) and routed_expert_norm; the AttnRes residual tensors (*_res_norm, *_res_proj,
+    # output_attn_res_*).
+    LATENT = "latent_projection"
+    ATTN_RES = "attn_res"
     OTHER = "other"
 
 
@@ -53,6 +63,11 @@ def register_param_suffixes(suffixes: tuple[str, ...]) -> None:
         raise ValueError(f"a parameter suffix holds no dot: {suffixes}")
     PARAM_SUFFIXES.update(suffixes)
 
+# What each projection of an MLP is, whatever the spelling (Kimi-K3's experts: w1 gate, w3 up,
+# w2 down).
+MLP_PART = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down",
+            "w1": "gate", "w3": "up", "w2": "down"}
+
 # Targets a user can name in --targets, mapped to the roles they select.
 TARGET_ROLES: dict[str, Role] = {
     "experts": Role.ROUTED_EXPERT,
@@ -64,10 +79,16 @@ TARGET_ROLES: dict[str, Role] = {
 _LAYER = re.compile(
     r"^(?P<prefix>language_model\.model\.|language_model\.|model\.)layers\.(?P<layer>\d+)\.(?P<rest>.+)$"
 )
-_EXPERT = re.compile(r"^mlp\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$")
-_SHARED = re.compile(r"^mlp\.shared_experts\.(?P<proj>gate_proj|up_proj|down_proj)$")
+_MOE = r"(?:mlp|block_sparse_moe)"  # DeepSeek-V3's MoE block, Kimi-K3's
+_EXPERT = re.compile(rf"^{_MOE}\.experts\.(?P<expert>\d+)\."
+                     r"(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)$")
+_SHARED = re.compile(rf"^{_MOE}\.shared_experts\.(?P<proj>gate_proj|up_proj|down_proj)$")
 _DENSE = re.compile(r"^mlp\.(?P<proj>gate_proj|up_proj|down_proj)$")
-_ATTN = re.compile(r"^self_attn\.(?P<proj>[a-z_]+)$")
+_ROUTER = re.compile(rf"^{_MOE}\.gate$")
+_LATENT = re.compile(r"^block_sparse_moe\.routed_expert_(?P<proj>down_proj|up_proj|norm)$")
+_ATTN_RES = re.compile(r"^(?P<proj>(?:self_attention|mlp|output_attn)_res_(?:norm|proj))$")
+# KDA's names hold digits (q_conv1d) and capitals (A_log), and some have no parameter suffix.
+_ATTN = re.compile(r"^self_attn\.(?P<proj>[A-Za-z0-9_]+)$")
 _TOP = re.compile(r"^(?P<prefix>language_model\.model\.|language_model\.|model\.)(?P<rest>.+)$")
 
 
@@ -85,19 +106,24 @@ class TensorName:
     param: str = ""
 
     @property
+    def part(self) -> str | None:
+        """"gate", "up" or "down" for an MLP's projection (routed, shared or dense), else
+        None."""
+        if self.role in (Role.ROUTED_EXPERT, Role.SHARED_EXPERT, Role.DENSE_MLP):
+            return MLP_PART.get(self.proj or "")
+        return None
+
+    @property
     def fused_set(self) -> str:
         """Name of the group of linears that must share one NVFP4 global scale.
 
-        Serving engines fuse gate_proj and up_proj into one GEMM with ONE global scale
-        (formats.md §2), and likewise q_a_proj with kv_a_proj_with_mqa; every other linear
-        is its own set.
+        Serving engines fuse gate_proj and up_proj (K3: w1 and w3) into one GEMM with ONE
+        global scale (formats.md §2), and likewise q_a_proj with kv_a_proj_with_mqa; every
+        other linear is its own set.
         """
-        if self.proj in ("gate_proj", "up_proj") and self.role in (
-            Role.ROUTED_EXPERT,
-            Role.SHARED_EXPERT,
-            Role.DENSE_MLP,
-        ):
-            return self.module.rsplit(".", 1)[0] + ".gate_up_proj"
+        if self.part in ("gate", "up"):
+            return self.module.rsplit(".", 1)[0] + (
+                ".w13" if self.proj in ("w1", "w3") else ".gate_up_proj")
         if self.role is Role.ATTENTION and self.proj in ("q_a_proj", "kv_a_proj_with_mqa"):
             return self.module.rsplit(".", 1)[0] + ".q_a_kv_a_proj"
         return self.module
@@ -105,7 +131,7 @@ class TensorName:
     def with_expert(self, expert: int) -> TensorName:
         """The same parameter of another expert id (used when experts are renumbered)."""
         assert self.role is Role.ROUTED_EXPERT and self.layer is not None
-        module = f"{self.prefix}layers.{self.layer}.mlp.experts.{expert}.{self.proj}"
+        module = self.module.replace(f".experts.{self.expert}.", f".experts.{expert}.", 1)
         return replace(self, name=f"{module}.{self.param}", expert=expert, module=module)
 
 
@@ -139,7 +165,8 @@ def parse_name(name: str) -> TensorName:
             return TensorName(name, Role.OTHER, module=module, param=param)
         rest = top["rest"]
         role = (Role.EMBEDDING if rest.startswith("embed_tokens.") else
-                Role.NORM if rest.startswith("norm.") else Role.OTHER)
+                Role.NORM if rest.startswith("norm.") else
+                Role.ATTN_RES if rest.startswith("output_attn_res_") else Role.OTHER)
         return TensorName(name, role, top["prefix"], module=module, param=param)
 
     prefix, layer, rest = m["prefix"], int(m["layer"]), m["rest"]
@@ -150,8 +177,12 @@ def parse_name(name: str) -> TensorName:
         role, proj = Role.SHARED_EXPERT, sh["proj"]
     elif (d := _DENSE.match(rest)) is not None:
         role, proj = Role.DENSE_MLP, d["proj"]
-    elif rest == "mlp.gate":
+    elif _ROUTER.match(rest) is not None:
         role = Role.ROUTER_BIAS if param == "e_score_correction_bias" else Role.ROUTER_WEIGHT
+    elif (lat := _LATENT.match(rest)) is not None:
+        role, proj = Role.LATENT, lat["proj"]
+    elif (res := _ATTN_RES.match(rest)) is not None:
+        role, proj = Role.ATTN_RES, res["proj"]
     elif rest.endswith("layernorm"):
         role = Role.NORM
     elif (a := _ATTN.match(rest)) is not None:

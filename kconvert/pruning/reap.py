@@ -19,6 +19,7 @@ from safetensors import safe_open
 from kconvert.calibrate.stats import STATS_FILE
 from kconvert.errors import KconvertError, UsageError
 from kconvert.io.checkpoint import Checkpoint
+from kconvert.model.arch import arch_of
 from kconvert.model.names import Role, parse_name
 from kconvert.options import PRUNE_CRITERIA
 from kconvert.pruning.plan import PruneLayer, PrunePlan
@@ -160,11 +161,13 @@ def row_hashes(rows: torch.Tensor) -> list[str]:
 
 
 def routing_limits(ckpt: Checkpoint) -> tuple[int, int]:
-    """(n_routed_experts, num_experts_per_tok) from the config, both required positive
-    integers: without num_experts_per_tok no keep can be checked against the router's top-k
+    """(routed experts, the router's top-k) from the config (n_routed_experts and
+    num_experts_per_tok, Kimi-K3's num_experts and num_experts_per_token), both required
+    positive integers: without the top-k no keep can be checked against the router's
     (transformers' default, 8, would then refuse a model pruned below it)."""
     text, out = ckpt.text_config, []
-    for key in ("n_routed_experts", "num_experts_per_tok"):
+    arch = arch_of(text)
+    for key in (arch.experts_key, arch.top_k_key):
         value = text.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             found = "is missing" if value is None else f"is {value!r}, not a positive integer"
@@ -195,6 +198,7 @@ def keep_count(ckpt: Checkpoint, keep: int | None, prune_ratio: float | None) ->
         raise KconvertError("give exactly one of --keep N and --prune-ratio R")
     config = str(ckpt.root / "config.json")
     n_routed, top_k = routing_limits(ckpt)
+    arch = arch_of(ckpt.text_config)
     if keep is None:
         if not 0 <= prune_ratio < 1:
             raise KconvertError(f"--prune-ratio {prune_ratio} is not in [0, 1)")
@@ -203,8 +207,8 @@ def keep_count(ckpt: Checkpoint, keep: int | None, prune_ratio: float | None) ->
     else:
         asked = f"--keep {keep}"
     if keep > n_routed:
-        raise KconvertError(f"{asked}: more than the n_routed_experts={n_routed}", file=config)
+        raise KconvertError(f"{asked}: more than the {arch.experts_key}={n_routed}", file=config)
     if keep < top_k:
-        raise KconvertError(f"{asked}: fewer than num_experts_per_tok={top_k}, the experts the "
+        raise KconvertError(f"{asked}: fewer than {arch.top_k_key}={top_k}, the experts the "
                             "router picks per token; keep at least that many", file=config)
     return keep

@@ -22,12 +22,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kconvert.errors import KconvertError
+from kconvert.model.arch import arch_of
 from kconvert.model.names import Role, TensorName
 
 KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1}
 GIB = 1 << 30
 REPLICATED_ROLES = {Role.ROUTER_WEIGHT, Role.ROUTER_BIAS, Role.NORM, Role.VISION,
-                    Role.PROJECTOR, Role.OTHER}
+                    Role.PROJECTOR, Role.OTHER, Role.ATTN_RES, Role.LATENT}
 REPLICATED_ATTENTION = {"q_a_proj", "kv_a_proj_with_mqa"}
 FIRST_STAGE_ROLES = {Role.EMBEDDING, Role.VISION, Role.PROJECTOR}
 
@@ -116,13 +117,22 @@ def kv_bytes_per_token_layer(text_config: dict, kv_dtype: str) -> int:
     return width * KV_DTYPE_BYTES[kv_dtype]
 
 
-def max_context_tokens(weights_per_gpu: list[int], num_layers: int, pp: int,
+def kv_layers_per_stage(text_config: dict, num_layers: int, pp: int) -> list[int]:
+    """Per pipeline stage, its layers that hold a per-token KV cache: every layer of an MLA
+    model; Kimi-K3's MLA layers only (its KDA layers keep a fixed-size state instead)."""
+    arch = arch_of(text_config)
+    return [sum(arch.attention(layer) == "mla" for layer in run)
+            for run in stage_layers(num_layers, pp)]
+
+
+def max_context_tokens(weights_per_gpu: list[int], kv_layers: list[int],
                        kv_per_token_layer: int, gpu_mem_bytes: int) -> int:
     """Longest context (tokens of KV cache) that fits beside the weights on every stage's
-    GPUs; 0 when the weights alone do not fit."""
+    GPUs (`kv_layers`: each stage's layers holding a KV cache); 0 when the weights alone do
+    not fit."""
     fits = []
-    for weights, layers in zip(weights_per_gpu, stage_layers(num_layers, pp), strict=True):
+    for weights, layers in zip(weights_per_gpu, kv_layers, strict=True):
         free = gpu_mem_bytes - weights
-        per_token = kv_per_token_layer * len(layers)
+        per_token = kv_per_token_layer * layers
         fits.append(max(free, 0) // per_token if per_token else 0)
     return min(fits)

@@ -8,6 +8,7 @@ from kconvert.engine.execute import gpu_encode
 from kconvert.evaluate.metrics import LOGIT_ELEMS
 from kconvert.gpu_plan import GpuMemoryError, Shapes, plan_conversion, plan_forward
 from kconvert.methods import obs
+from kconvert.model.arch import arch_of
 from kconvert.options import BATCH_SIZE, EVAL_SAMPLES, REAP_SAMPLES, SEQ_LEN, SPARSEGPT_SAMPLES
 from kconvert.pruning.repair import REPAIR_TOKENS, stream_bytes
 
@@ -38,7 +39,11 @@ def command_plans(text_config: dict, budget: int) -> dict[str, dict]:
         "quantize": lambda: plan_conversion(s, budget, "quantize", least, encode=gpu_encode()),
     }
     out = {}
+    unsupported = arch_of(text_config).unsupported_forward()
     for name, make in makers.items():
+        if unsupported is not None and name != "quantize":  # each runs the forward
+            out[name] = {"fits": False, "error": unsupported}
+            continue
         try:
             plan = make()
         except GpuMemoryError as exc:

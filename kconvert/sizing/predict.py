@@ -38,6 +38,8 @@ COMPONENTS: dict[str, tuple[Role, ...]] = {
     "dense_mlp": (Role.DENSE_MLP,),
     "attention": (Role.ATTENTION,),
     "router": (Role.ROUTER_WEIGHT, Role.ROUTER_BIAS),
+    "latent_projection": (Role.LATENT,),
+    "attn_res": (Role.ATTN_RES,),
     "embeddings_lm_head": (Role.EMBEDDING, Role.LM_HEAD),
     "vision_projector": (Role.VISION, Role.PROJECTOR),
     "other": (Role.NORM, Role.OTHER),

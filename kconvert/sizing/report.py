@@ -12,9 +12,9 @@ from kconvert.sizing.deploy import (
     GIB,
     Parallelism,
     kv_bytes_per_token_layer,
+    kv_layers_per_stage,
     max_context_tokens,
     per_gpu_bytes,
-    stage_layers,
 )
 from kconvert.sizing.predict import COMPONENTS, Options, component_bytes, predict
 
@@ -27,7 +27,7 @@ class Fit:
     per_stage_gpu_bytes: list[int]
     kv_dtype: str
     kv_bytes_per_token_layer: int
-    stage_layers: list[int]  # decoder layers per pipeline stage
+    stage_layers: list[int]  # decoder layers per pipeline stage holding a per-token KV cache
     gpu_mem_bytes: int | None = None
     context: int | None = None
 
@@ -43,9 +43,8 @@ class Fit:
     def max_context_tokens(self) -> int | None:
         if self.gpu_mem_bytes is None:
             return None
-        return max_context_tokens(self.per_stage_gpu_bytes, sum(self.stage_layers),
-                                  self.parallelism.pp, self.kv_bytes_per_token_layer,
-                                  self.gpu_mem_bytes)
+        return max_context_tokens(self.per_stage_gpu_bytes, self.stage_layers,
+                                  self.kv_bytes_per_token_layer, self.gpu_mem_bytes)
 
 
 @dataclass
@@ -122,7 +121,7 @@ class InspectReport:
         lines.append(f"GPUs: {par.gpus} (TP {par.tp}, EP {par.ep}, PP {par.pp}): "
                      f"{human_bytes(fit.per_gpu_bytes)} of weights on the fullest GPU")
         lines.append(f"KV cache ({fit.kv_dtype}, MLA): {self.kv_bytes_per_token:,} bytes per "
-                     f"token over {self.num_layers} layers, "
+                     f"token over {sum(fit.stage_layers)} layers, "
                      f"{fit.kv_bytes_per_token_per_gpu:,} per GPU")
         if fit.gpu_mem_bytes is not None:
             tokens = fit.max_context_tokens
@@ -174,7 +173,7 @@ def inspect_checkpoint(src: str, options: Options, *, gpus: int | None = None,
         num_layers = int(text.get("num_hidden_layers", 0))
         per_layer = kv_bytes_per_token_layer(text, kv_dtype)
         fit = Fit(par, per_gpu_bytes(prediction.tensors, num_layers, par), kv_dtype, per_layer,
-                  [len(r) for r in stage_layers(num_layers, par.pp)],
+                  kv_layers_per_stage(text, num_layers, par.pp),
                   None if gpu_mem is None else int(gpu_mem * mem_util * GIB), context)
         source = [(parse_name(n), i.nbytes) for n, i in ckpt.tensors.items()]
         budget = GpuRequest(pick_device("auto"), size_option(gpu_memory)).context.plan_budget
@@ -190,7 +189,7 @@ def inspect_checkpoint(src: str, options: Options, *, gpus: int | None = None,
             output_file_bytes=prediction.file_bytes,
             output_components=prediction.components, output_tensors=len(prediction.tensors),
             num_layers=num_layers, max_position_embeddings=text.get("max_position_embeddings"),
-            kv_bytes_per_token=per_layer * num_layers, fit=fit, warnings=warnings,
+            kv_bytes_per_token=per_layer * sum(fit.stage_layers), fit=fit, warnings=warnings,
             hub_disk=hub_disk(prediction.plan, window, token),
             gpu_budget=budget, gpu_plans=command_plans(text, budget))
     finally:

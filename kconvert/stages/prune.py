@@ -18,6 +18,7 @@ from kconvert.engine.stage import Stage, StageRecord
 from kconvert.errors import KconvertError, UsageError
 from kconvert.gpu_budget import GpuRequest
 from kconvert.io.checkpoint import Checkpoint
+from kconvert.model.arch import arch_of
 from kconvert.model.names import Role, TensorName
 from kconvert.options import COMPENSATIONS, REAP_SAMPLES, REPAIRS, calibration_run
 from kconvert.pruning.plan import PLAN_FILE, PrunePlan, load_plan
@@ -87,8 +88,9 @@ class Prune(Stage):
     def edit_config(self, text_config: dict) -> None:
         # Group-limited routing needs equal experts per group; kept ids rarely are, so routing
         # falls back to one group (Kimi already has n_group = topk_group = 1).
-        text_config["n_routed_experts"] = self.kept
-        text_config["n_group"] = 1
+        arch = arch_of(text_config)  # DeepSeek-V3's key names or Kimi-K3's
+        text_config[arch.experts_key] = self.kept
+        text_config[arch.groups_key] = 1
         text_config["topk_group"] = 1
 
     def record(self) -> PruneRecord:
@@ -159,10 +161,11 @@ def prune_stage(plan: PrunePlan, ckpt: Checkpoint,
     sizes = {len(k) for k in planned.values()}
     if len(sizes) != 1:
         raise KconvertError(f"plan keeps different numbers of experts per layer {sorted(sizes)}; "
-                            "config.json has one n_routed_experts")
+                            "config.json has one expert count")
     kept = sizes.pop()
     if kept < top_k:
-        raise KconvertError(f"cannot keep {kept} experts: fewer than num_experts_per_tok={top_k}")
+        raise KconvertError(f"cannot keep {kept} experts: fewer than "
+                            f"{arch_of(text).top_k_key}={top_k}")
     plan_json = json.dumps(plan.model_dump(mode="json", exclude_none=True), indent=1,
                            sort_keys=True)
     return Prune(keep=tuple((layer, tuple(planned[layer])) for layer in layers),

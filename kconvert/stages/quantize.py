@@ -15,10 +15,11 @@ from kconvert.engine.stage import StageRecord
 from kconvert.errors import KconvertError, UsageError
 from kconvert.formats import OUTPUT_CODECS, DenseCodec, stored_as
 from kconvert.formats.linear import ModuleWork
+from kconvert.formats.nvfp4_cast import CAST_CODECS
 from kconvert.methods import Method, MethodInputs, methods_of
 from kconvert.methods.hessians import Calibration
-from kconvert.model.names import TARGET_ROLES, Role
-from kconvert.options import ACTIVATIONS, BLOCK_SCALE_RULES
+from kconvert.model.names import TARGET_ROLES, Role, parse_name
+from kconvert.options import ACTIVATIONS, BLOCK_SCALE_RULES, CASTS, INPUT_SCALE, INPUT_SCALES
 from kconvert.stages.base import (
     CALIBRATION_OPTIONS,
     MethodStage,
@@ -35,7 +36,15 @@ class QuantizeRecord(StageRecord):
     format: str = Field(description="compressed-tensors | modelopt | mxfp4-pack-quantized | "
                                     "quark-mxfp4")
     block_scale: str = Field(description="block-scale rule: amax | mse")
+    cast: str | None = Field(None, description="exact: MXFP4 sources cast to NVFP4 with their "
+                             "codes kept where NVFP4 holds their scales, the other blocks by "
+                             "block_scale")
     act_stats: str | None = Field(description="activation statistics file (W4A4), or None")
+    input_scale: str | None = Field(None, description="W4A4 routed experts' input scales: "
+                                    "expert | layer-max | one")
+    input_scale_filled: list[str] | None = Field(
+        None, description="expert policy: modules never routed in calibration (input amax 0), "
+                          "given their layer's largest")
     activations: str | None = Field(None, description="MXFP4 activations: none (W4A16) or "
                                     "dynamic (W4A4, quantized at run time)")
     method: str | None = Field(default=None, description="gptq when not round-to-nearest")
@@ -67,9 +76,14 @@ class Quantize(MethodStage):
     # found there is W4A4 and gets an input scale (2688/amax in compressed-tensors, amax/2688
     # in ModelOpt); without statistics the output is W4A16.
     act_stats: str | None = None
+    # W4A4 routed experts' input scale (options.INPUT_SCALES); "one" is W4A4 without
+    # statistics: every target's input scale 1.0.
+    input_scale: str = INPUT_SCALE
     # MXFP4 only: "dynamic" declares W4A4 with activations quantized at run time (what AMD's
     # MXFP4 recipe does), "none" weight-only; None: the format's own default.
     activations: str | None = None
+    # "exact": MXFP4 sources keep their codes and get exact scales (kconvert.formats.nvfp4_cast).
+    cast: str = "none"
     name: str = "quantize"
 
     @property
@@ -86,9 +100,14 @@ class Quantize(MethodStage):
             return bool(self.codec.dynamic_activations)
         return self.activations == "dynamic"
 
+    @property
+    def w4a4(self) -> bool:
+        """Whether targets get input scales (calibrated, or 1.0)."""
+        return self.act_stats is not None or self.input_scale == "one"
 
     @cached_property
-    def input_amax(self) -> dict[str, float]:
+    def calibrated(self) -> dict[str, float]:
+        """The activation statistics' input amax per module, as calibrated."""
         if self.act_stats is None:
             return {}
         try:
@@ -97,6 +116,16 @@ class Quantize(MethodStage):
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise KconvertError(f"bad activation statistics: {exc}", file=self.act_stats) from exc
 
+    @cached_property
+    def policy(self) -> tuple[dict[str, float], list[str]]:
+        """(input amax per module under the input-scale policy, the experts never routed in
+        calibration that took their layer's largest)."""
+        return policy_amax(self.calibrated, self.input_scale)
+
+    @property
+    def input_amax(self) -> dict[str, float]:
+        return self.policy[0]
+
     def input_files(self) -> list[str]:
         return ([self.act_stats] if self.act_stats else []) + super().input_files()
 
@@ -104,8 +133,14 @@ class Quantize(MethodStage):
         record = QuantizeRecord(targets=sorted(r.value for r in self.targets), format=self.fmt,
                                 block_scale=self.scale_rule, act_stats=self.act_stats,
                                 **self.method.record())
+        if self.w4a4 and self.codec.input_scale_param is not None:
+            record.input_scale = self.input_scale
+            if self.policy[1]:
+                record.input_scale_filled = self.policy[1]
         if self.codec.dynamic_activations is not None:  # NVFP4's stay as they were
             record.activations = "dynamic" if self.dynamic_activations else "none"
+        if self.cast != "none":
+            record.cast = self.cast
         return record
 
 
@@ -122,7 +157,10 @@ class Quantize(MethodStage):
                 m.out_codec = DenseCodec
                 m.stages.append("dequant")
             return
-        m.input_amax = self.input_amax.get(m.module)
+        m.input_amax = (ONE_AMAX if self.input_scale == "one" and self.w4a4
+                        else self.input_amax.get(m.module))
+        if m.input_amax is not None:
+            m.input_scale_policy = self.input_scale
         if self.act_stats is not None and m.input_amax is None:
             # One config group describes every target: all W4A4 or none.
             raise KconvertError("activation statistics have no input amax for this "
@@ -141,6 +179,8 @@ class Quantize(MethodStage):
                                 + (f"; use {' or '.join(others)}" if others else ""),
                                 tensor=m.module)
         m.out_codec = stored_as(codec, m.storage)
+        if self.cast != "none":
+            m.out_codec = self._cast_codec(m)
         m.group_size = block
         if codec.dynamic_activations is not None:
             m.dynamic_activations = self.dynamic_activations
@@ -151,6 +191,62 @@ class Quantize(MethodStage):
                                     "decides this module's (its own --method)", tensor=m.module)
             m.transform = self.method
         m.stages.append(self.name)
+
+    def _cast_codec(self, m: ModuleWork):
+        """The codec that casts m exactly: m must be MXFP4, left to its codes."""
+        cast = CAST_CODECS.get(m.out_codec)  # type: ignore[arg-type]
+        if cast is None:
+            raise KconvertError(f"--cast {self.cast} writes dense NVFP4 (compressed-tensors or "
+                                f"modelopt), not {m.out_codec.description} "  # type: ignore[union-attr]
+                                f"(block size {m.group_size or m.out_codec.default_group_size}"
+                                f", {m.storage} storage)", tensor=m.module)
+        if not cast.casts(m.codec):
+            raise KconvertError(f"--cast {self.cast} casts MXFP4 modules; this one is "
+                                f"{m.codec.description}: leave its role out of --targets or "
+                                "drop --cast", file=m.primary.file.name, tensor=m.module)
+        if m.transform is not None or self.method.transforms(m):
+            raise KconvertError(f"--cast {self.cast} keeps the source's codes; a method that "
+                                "changes the weights (a sparsify stage, --method gptq) cannot "
+                                "run with it", tensor=m.module)
+        return cast
+
+
+# The input amax whose scale is 1.0 in both NVFP4 flavours (2688 / amax, amax / 2688).
+ONE_AMAX = 2688.0
+
+
+def policy_amax(calibrated: dict[str, float], policy: str) -> tuple[dict[str, float], list[str]]:
+    """Input amax per module under an input-scale policy (options.INPUT_SCALES), and the
+    routed experts whose calibrated amax is 0 (never routed) that took their layer's largest,
+    as ModelOpt's export fills them (a zero scale gives inf, then NaN, in the engines: vLLM
+    #45212). "layer-max": every routed expert's gate and up the largest over the layer's
+    experts' gates and ups, its down the largest of their downs; other modules keep theirs."""
+    if policy == "one":
+        return {}, []
+    largest: dict[tuple, float] = {}
+    for module, amax in calibrated.items():
+        key = _expert_group(module)
+        if key is not None:
+            largest[key] = max(largest.get(key, 0.0), amax)
+    out, filled = dict(calibrated), []
+    for module, amax in calibrated.items():
+        key = _expert_group(module)
+        if key is None:
+            continue
+        if policy == "layer-max":
+            out[module] = largest[key]
+        elif amax == 0.0 and largest[key] > 0.0:
+            out[module], filled = largest[key], [*filled, module]
+    return out, sorted(filled)
+
+
+def _expert_group(module: str) -> tuple | None:
+    """(layer, "w13" | "down") of a routed expert's linear, the group layer-max takes the
+    largest over; None for any other module."""
+    tn = parse_name(f"{module}.weight")
+    if tn.role is not Role.ROUTED_EXPERT:
+        return None
+    return tn.prefix, tn.layer, "down" if tn.part == "down" else "w13"
 
 
 # What --targets may name: the linears' roles, and the MoE routers (AMD's MXFP4 recipe).
@@ -180,6 +276,19 @@ def build(settings: dict, calibration: Calibration | None) -> Quantize:
     if settings.get("act_stats") is not None and dynamic is not None:
         raise UsageError(f"--format {fmt} quantizes activations at run time "
                          "(--activations dynamic); it takes no --act-stats")
+    input_scale = settings.get("input_scale") or INPUT_SCALE
+    if input_scale not in INPUT_SCALES:
+        raise KconvertError(f"unknown input_scale {input_scale!r}; choose from "
+                            f"{list(INPUT_SCALES)}")
+    if settings.get("input_scale") is not None:
+        if dynamic is not None:
+            raise UsageError(f"--input-scale is for NVFP4 W4A4; --format {fmt} quantizes "
+                             "activations at run time with no input scale")
+        if (input_scale == "one") == (settings.get("act_stats") is not None):
+            raise UsageError("--input-scale one writes 1.0 without statistics: give no "
+                             "--act-stats" if input_scale == "one" else
+                             f"--input-scale {input_scale} takes the calibrated input amax: "
+                             "give --act-stats")
     targets = parse_targets(settings.get("targets", ["experts"]))
     if Role.ROUTER_WEIGHT in targets and not codec.quantizes_routers:
         others = [f for f, c in OUTPUT_CODECS.items() if c.quantizes_routers]
@@ -189,6 +298,9 @@ def build(settings: dict, calibration: Calibration | None) -> Quantize:
     if scale_rule not in BLOCK_SCALE_RULES:  # a recipe file's value: checked before any write
         raise KconvertError(f"unknown block_scale {scale_rule!r}; choose from "
                             f"{list(BLOCK_SCALE_RULES)}")
+    cast = settings.get("cast") or "none"
+    if cast not in CASTS:
+        raise KconvertError(f"unknown cast {cast!r}; choose from {list(CASTS)}")
     method, own = method_settings(Quantize.name, settings)
     if not method.supports(codec):
         formats = [f for f, c in OUTPUT_CODECS.items() if method.supports(c)]
@@ -199,11 +311,12 @@ def build(settings: dict, calibration: Calibration | None) -> Quantize:
     return Quantize(targets=targets, method=method(MethodInputs(targets, calibration,
                                                                 settings=own)),
                     fmt=fmt, scale_rule=scale_rule, act_stats=settings.get("act_stats"),
-                    activations=activations)
+                    activations=activations, cast=cast, input_scale=input_scale)
 
 
 KIND = StageKind(Quantize.name, build, QuantizeRecord,
-                 settings=("targets", "format", "block_scale", "act_stats", "activations",
-                           "method", *method_setting_names(Quantize.name)),
+                 settings=("targets", "format", "block_scale", "cast", "act_stats",
+                           "input_scale", "activations", "method",
+                           *method_setting_names(Quantize.name)),
                  input_options=CALIBRATION_OPTIONS, input_type=Calibration,
                  prepare=prepare_method(Quantize.name))

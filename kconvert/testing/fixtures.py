@@ -13,6 +13,9 @@ at toy dimensions. The variants:
   projector shards, tokenizer / remote-code files that must pass through untouched), with
   Moonshot's quantization_config in ``text_config`` only; ``k26-int4``: the same with K2.6's
   ignore list.
+* ``k3-mxfp4``: a Kimi-K3-shaped model (kconvert.testing.fixture_k3): latent MoE with MXFP4
+  routed experts ``block_sparse_moe.experts.E.w1|w2|w3`` (compressed-tensors' compressor),
+  KDA and MLA attention, AttnRes, vision; the quantization_config in ``text_config``.
 * ``bf16``: the same model unquantized (plain BF16 experts, no ``quantization_config``); it loads
   with ``transformers.DeepseekV3ForCausalLM`` and is the reference for accuracy checks.
 
@@ -39,6 +42,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from kconvert.testing import fixture_k3
 from kconvert.testing.fixture_weights import (
     GROUP_SIZE,
     VISION,
@@ -55,7 +59,7 @@ from kconvert.testing.fixture_weights import (
     vision_tensors,
 )
 
-VARIANTS = ("k2-int4-ct", "k2-int4-kimi", "k25-int4", "k26-int4", "bf16")
+VARIANTS = ("k2-int4-ct", "k2-int4-kimi", "k25-int4", "k26-int4", "k3-mxfp4", "bf16")
 MULTIMODAL = ("k25-int4", "k26-int4")
 
 
@@ -265,7 +269,7 @@ def _tokenizer_json(vocab: int) -> bytes:
     return (tok.to_str(pretty=True) + "\n").encode()
 
 
-def _side_files(d: FixtureDims, rng: Rng, multimodal: bool) -> dict[str, bytes]:
+def _side_files(d: FixtureDims, rng: Rng, variant: str) -> dict[str, bytes]:
     """Tokenizer, templates and remote-code files that a converter must pass through untouched.
 
     `tiktoken.model` and `tokenization_kimi.py` stand in for Kimi's own tokenizer (remote code
@@ -290,7 +294,11 @@ def _side_files(d: FixtureDims, rng: Rng, multimodal: bool) -> dict[str, bytes]:
             }
         ),
     }
-    if multimodal:
+    if variant == "k3-mxfp4":
+        files["configuration_kimi_k3.py"] = _STUB_PY.format(what="KimiK3Config").encode()
+        files["modeling_kimi_k3.py"] = _STUB_PY.format(
+            what="KimiK3ForConditionalGeneration").encode()
+    elif variant in MULTIMODAL:
         files["configuration_kimi_k25.py"] = _CONFIG_PY.format(
             what="KimiK25Config", base="Kimi_K25Config", model_type="kimi_k25").encode()
         files["modeling_kimi_k25.py"] = _STUB_PY.format(
@@ -345,6 +353,10 @@ def make_fixture(
     out.mkdir(parents=True, exist_ok=True)
 
     rng = Rng(seed)
+    if variant == "k3-mxfp4":
+        bos, eos = _special_ids(dims.vocab)
+        return _write(out, fixture_k3.shards(dims, rng), fixture_k3.config(dims, bos, eos),
+                      _side_files(dims, rng, variant))
     quant: Callable[[torch.Tensor], Tensors] | None
     if variant == "bf16":
         quant = None
@@ -373,7 +385,14 @@ def make_fixture(
     if multimodal:  # drawn last so the language model matches k2-int4-kimi for the same seed
         proj, vision = vision_tensors(dims, rng)
         shards += [proj, vision]
+    config = (_k25_config(dims, k26=variant == "k26-int4") if multimodal
+              else k2_config(dims, quantized=quant is not None))
+    return _write(out, shards, config, _side_files(dims, rng, variant))
 
+
+def _write(out: Path, shards: list[Tensors], config: dict[str, Any],
+           side_files: dict[str, bytes]) -> Path:
+    """The shards (model-0000i-of-00000n), their index, config.json and the side files."""
     n = len(shards)
     weight_map: dict[str, str] = {}
     total = 0
@@ -386,11 +405,8 @@ def make_fixture(
             total += v.numel() * v.element_size()
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_bytes(json_bytes(index))
-
-    config = (_k25_config(dims, k26=variant == "k26-int4") if multimodal
-              else k2_config(dims, quantized=quant is not None))
     (out / "config.json").write_bytes(json_bytes(config))
-    for fname, data in _side_files(dims, rng, multimodal).items():
+    for fname, data in side_files.items():
         (out / fname).write_bytes(data)
     return out
 

@@ -173,7 +173,8 @@ def outputs(fixture_dir, tmp_path_factory):
     made["densify"] = (run(bitmask, root / "densify", "densify"), bitmask)
     for recipe in RECIPES:  # as `kconvert run NAME` runs them
         spec = load_recipe(recipe)
-        src = bitmask if spec.requires_source == "nvfp4-pair-bitmask" else kimi
+        src = {"nvfp4-pair-bitmask": bitmask,
+               "mxfp4": made.get("run-int4-to-mxfp4", (kimi,))[0]}.get(spec.requires_source, kimi)
         prunes = any(s.get("stage") == "prune" for s in spec.stages)
         dst = root / f"run-{recipe}"
         res = cli_inproc("run", recipe, src, dst, "--quiet",

@@ -320,8 +320,8 @@ def test_act_stats_feed_w4a4_quantize(tmp_path):
         ckpt.close()
     save_stats(stats, tmp_path / "stats")
     convert(str(BUNDLED), str(tmp_path / "out"), load_recipe("int4-to-nvfp4"),
-            {"act_stats": str(tmp_path / "stats" / "act_stats.json"), "block_scale": "amax"},
-            RunControl(quiet=True))
+            {"act_stats": str(tmp_path / "stats" / "act_stats.json"), "block_scale": "amax",
+             "input_scale": "expert"}, RunControl(quiet=True))
     out = checkpoint_tensors(tmp_path / "out")
     amax = stats.act_stats()["input_amax"]
     base = "model.layers.2.mlp.experts.5"

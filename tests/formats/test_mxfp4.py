@@ -151,7 +151,7 @@ def test_compressed_tensors_layout_is_its_compressors_bytes_and_config(ct_out):
         assert torch.equal(out[module]["weight_scale"], scales), module
     block = json.loads((ct_out / "config.json").read_text())["quantization_config"]
     qc = QuantizationConfig.model_validate(block)
-    scheme = preset_name_to_scheme("MXFP4A16", [CT_TARGETS[Role.ROUTED_EXPERT]])
+    scheme = preset_name_to_scheme("MXFP4A16", [CT_TARGETS[Role.ROUTED_EXPERT][0]])
     scheme.format = "mxfp4-pack-quantized"
     assert {k: g.model_dump(mode="json") for k, g in qc.config_groups.items()} == {
         "group_0": scheme.model_dump(mode="json")}

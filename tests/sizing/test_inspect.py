@@ -223,6 +223,8 @@ def test_full_size_kimi_k2_thinking_from_headers(full_size):
         "dense_mlp": 2 * 3 * 18432 * h,
         "attention": 61 * attention,
         "router": n_moe * (384 * h * 2 + 384 * 4),
+        "latent_projection": 0,  # Kimi-K3's
+        "attn_res": 0,  # Kimi-K3's
         "embeddings_lm_head": 2 * 2 * 163840 * h,
         "vision_projector": 0,
         "other": 61 * norms + 2 * h,

@@ -27,7 +27,8 @@ def test_input_scales_from_activation_stats(tmp_path):
     for fmt in ("compressed-tensors", "modelopt"):
         dst = tmp_path / fmt
         convert(str(BUNDLED), str(dst), load_recipe("int4-to-nvfp4"),
-                {"act_stats": str(stats), "format": fmt}, RunControl(quiet=True))
+                {"act_stats": str(stats), "format": fmt, "input_scale": "expert"},
+                RunControl(quiet=True))
         t = checkpoint_tensors(dst)
         for layer in (1, 2):
             for e in range(16):
