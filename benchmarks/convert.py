@@ -427,7 +427,7 @@ def cast(run: Run) -> None:
     variants = [("exact_cuda", "cuda", ()), ("exact_modelopt_cuda", "cuda",
                                              ("--format", "modelopt")), ("exact_cpu", "cpu", ())]
     for label, device, extra in variants:
-        if device == "cuda" and not gpu:
+        if (device == "cuda" and not gpu) or (device == "cpu" and os.environ.get("CPU") == "0"):
             continue
         env = None
         if device == "cpu":
