@@ -15,7 +15,8 @@ BENCHES = {name: f"benchmarks.{name}" for name in (
     "grouped_experts", "learned", "multi_gpu", "obs", "repair", "sparsegpt_batch", "sparsify",
     "stream", "torchrun")} | {name: f"benchmarks.quality.{name}" for name in (
     "eval_pipelines", "reap_quality", "repair_quality", "guard_kl", "mxfp4_quality",
-    "obs_layer_error", "learned_quality", "input_scales", "exact_cast")}
+    "obs_layer_error", "learned_quality", "learned_sweep", "input_scales",
+    "exact_cast")}
 
 
 def summary(module: str, width: int = 78) -> str:
