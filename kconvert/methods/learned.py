@@ -121,8 +121,16 @@ class Learned(ObsMethod):
             with watch.phase("routing"):
                 routing = self._layer_routing(layer)
             ids = sorted(e for _, e in experts)
-            for start in range(0, len(ids), self._per_batch(batches)):
-                chunk = ids[start:start + self._per_batch(batches)]
+            # an expert with too few tokens to fit or to judge keeps the one-shot result
+            few = [e for e in ids if len(routing.fit[e]) < MIN_FIT_TOKENS
+                   or len(routing.held[e]) < HELDOUT_MIN]
+            for e in few:
+                self._write(experts[(layer, e)], 0, {}, {}, out, False, self._record(
+                    None, None, len(routing.fit[e]), len(routing.held[e])))
+            trained = [e for e in ids if e not in few]
+            per = self._per_batch(batches)
+            for start in range(0, len(trained), per):
+                chunk = trained[start:start + per]
                 self._learn(layer, chunk, [experts[(layer, e)] for e in chunk], batches, made,
                             out, routing, watch)
             chose = [r for o in out for r in o.records if r and "oneshot" in r]
@@ -170,7 +178,8 @@ class Learned(ObsMethod):
         for t, w in zip(tokens.split(counts), g.split(counts), strict=True):
             out = torch.zeros(len(t), dtype=torch.bool, device=t.device)
             out[HELDOUT_EVERY - 1::HELDOUT_EVERY] = True
-            every = -(-int((~out).sum()) // MAX_FIT_TOKENS)  # evenly spaced, at most the cap
+            # evenly spaced, at most the cap
+            every = max(1, -(-int((~out).sum()) // MAX_FIT_TOKENS))
             fit.append(t[~out][::every])
             held.append(t[out])
             fit_g.append(w[~out][::every])
@@ -199,17 +208,21 @@ class Learned(ObsMethod):
         del experts
         with torch.no_grad(), watch.phase("guard"):
             for i, (x, y, g) in enumerate(held):
-                enough = len(x) >= HELDOUT_MIN and fit_tokens[i] >= MIN_FIT_TOKENS
-                learned = float(_error(x, y, g, values, i, dtype)) if enough else None
-                if learned is not None and not math.isfinite(learned):
+                learned = float(_error(x, y, g, values, i, dtype))
+                if not math.isfinite(learned):
                     learned = None  # training diverged: nothing to judge, the one-shot stays
                 chose = learned is not None and learned < baseline[i]
-                record = {"method": self.name if chose else self.oneshot.name,
-                          "learned_error": learned,
-                          "oneshot_error": baseline[i] if enough else None,
-                          "oneshot": self.oneshot.name, "steps": self.train_settings.steps,
-                          "fit_tokens": fit_tokens[i], "held_out_tokens": len(x)}
-                self._write(slots[i], i, values, codes, out, chose, record)
+                self._write(slots[i], i, values, codes, out, chose,
+                            self._record(learned, baseline[i], fit_tokens[i], len(x)))
+
+    def _record(self, learned: float | None, oneshot: float | None, fit: int, held: int
+                ) -> dict:
+        """What the manifest records of one expert's matrices (kconvert.manifest.LearnedEntry):
+        learned where its error is strictly below the one-shot's."""
+        chose = learned is not None and oneshot is not None and learned < oneshot
+        return {"method": self.name if chose else self.oneshot.name, "learned_error": learned,
+                "oneshot_error": oneshot, "oneshot": self.oneshot.name,
+                "steps": self.train_settings.steps, "fit_tokens": fit, "held_out_tokens": held}
 
     def _problem(self, ids: list[int], slots: list[dict[str, tuple[int, int]]],
                  batches: list[Batch], made: list[Transformed], routing: _Routing,
@@ -251,15 +264,15 @@ class Learned(ObsMethod):
 
     def _write(self, slot: dict[str, tuple[int, int]], i: int, values, codes, out, chose: bool,
                record: dict) -> None:
-        """Expert i's gate, up and down into their batches' rows of `out` where `chose`, and
-        its record into each."""
-        inter = values["down"].shape[-1]
-        parts = {"gate_proj": ("gate_up", slice(0, inter)), "up_proj": ("gate_up",
-                                                                         slice(inter, None)),
-                 "down_proj": ("down", slice(None))}
-        for proj, (name, rows) in parts.items():
+        """Expert i's gate, up and down (of the stacked `values` and `codes`) into their
+        batches' rows of `out` where `chose`, and its record into each."""
+        for proj in ("gate_proj", "up_proj", "down_proj"):
             b, j = slot[proj]
             if chose:
+                name = "down" if proj == "down_proj" else "gate_up"
+                inter = values["down"].shape[-1]
+                rows = {"gate_proj": slice(0, inter), "up_proj": slice(inter, None),
+                        "down_proj": slice(None)}[proj]
                 out[b].weights[j] = values[name][i, rows]
                 out[b].codes[j] = codes[name][i, rows]
             out[b].records[j] = record

@@ -206,3 +206,22 @@ def test_work_items_never_split_an_expert_for_a_method_that_trains_whole_experts
             assert (len(seen) == len(set(seen))) == whole, unit
     finally:
         ckpt.close()
+
+
+def test_experts_with_too_few_tokens_keep_the_one_shot_result(tmp_path):
+    """Two short sequences leave every expert of the bundled checkpoint fewer held-out tokens
+    than the guard needs: nothing is trained, every record says so, the bytes are SparseGPT's."""
+    from conftest import BUNDLED
+
+    data = write_input_ids(tmp_path / "d.jsonl", [list(range(i, i + 32)) for i in range(2)])
+    outs = {}
+    for method in ("sparsegpt", "learned"):
+        outs[method] = tmp_path / method
+        kconvert.sparsify(str(BUNDLED), str(outs[method]), method=method, data=str(data),
+                          samples=2, seq_len=32, device="cpu")
+    obs = json.loads((outs["learned"] / "kconvert-manifest.json").read_text())["obs"]
+    assert obs and all(r["method"] == "sparsegpt" and r["learned_error"] is None
+                       and r["held_out_tokens"] < 128 for r in obs.values())
+    one, learned_out = checkpoint_tensors(outs["sparsegpt"]), checkpoint_tensors(outs["learned"])
+    assert one.keys() == learned_out.keys()
+    assert all(torch.equal(one[k], learned_out[k]) for k in one)
