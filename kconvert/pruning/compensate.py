@@ -8,8 +8,9 @@ renormalised routing g'_j, plus the shared expert's down_proj W_s on its activat
 calibration tokens is a least-squares problem: ridge regression (pulled toward the source
 matrix, not toward zero) in float64. The shared expert (every token) and then each kept expert
 in ascending id (its routed tokens) are solved in turn on the residual the others leave,
-`sweeps` times (block Gauss-Seidel); everything is in a fixed order, so the result does not
-depend on thread counts.
+`sweeps` times (block Gauss-Seidel); everything is in a fixed order, so the same run writes
+the same bytes (at the same torch thread count: BLAS splits its sums by threads, so another
+count may round differently).
 
 Each matrix's system is solved in the smaller of two equal forms (`Normal`): over its inputs
 (A^T A + lam I) X = A^T R, or, when it sees fewer tokens than it has inputs (a Kimi expert
