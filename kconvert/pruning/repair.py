@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import errno
 import functools
 import logging
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +42,7 @@ from kconvert.calibrate.forward import MoEBlock, embed, model_config, padding_aw
 from kconvert.devices import Stopwatch, deterministic
 from kconvert.errors import KconvertError
 from kconvert.io.checkpoint import Checkpoint
+from kconvert.io.files import human_bytes
 from kconvert.model.names import Role, parse_name
 from kconvert.options import COMPENSATIONS, REPAIRS
 from kconvert.pruning import recode
@@ -434,7 +437,19 @@ class RouterRepair:
         if self.spill is None:
             return tensors
         path = self.spill / f"layer-{layer}.pt"
-        torch.save(tensors, path)
+        try:
+            torch.save(tensors, path)
+        except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as either
+            path.unlink(missing_ok=True)
+            nbytes = sum(t.nbytes for t in tensors.values())
+            free = shutil.disk_usage(self.spill).free
+            if getattr(exc, "errno", None) not in (errno.ENOSPC, errno.EDQUOT) and free >= nbytes:
+                raise
+            raise KconvertError(
+                f"the disk filled up while spilling layer {layer}'s re-fitted matrices "
+                f"({human_bytes(nbytes)}, {human_bytes(free)} free): compensation keeps every "
+                "layer's re-fitted down_proj matrices on DST's file system until they are "
+                "written; free space there and run again", file=str(path)) from exc
         return torch.load(path, mmap=True, weights_only=True)
 
     def down_sources(self, layer: int, keep: list[int]) -> list[recode.SourceLinear]:

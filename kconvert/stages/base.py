@@ -11,6 +11,7 @@ lists them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,7 @@ from kconvert.options import calibration_run
 
 # The command-line options that say which calibration data a command reads and how it runs
 # (REAP's saliency for a prune stage, a data-driven method's inputs for the others).
-CALIBRATION_OPTIONS = ("data", "samples", "seq_len", "batch_size", "seed")
+CALIBRATION_OPTIONS = ("data", "samples", "seq_len", "batch_size", "seed", "allow_short_data")
 # What a method's need is given by (kconvert.methods.base.NEEDS).
 NEED_OPTIONS = {"data": "calibration data: --data FILE",
                 "stats": "--stats DIR (from `kconvert calibrate`)"}
@@ -137,10 +138,18 @@ def prepare_method(stage: str) -> Callable[[tuple[dict, ...], dict[str, Any], Gp
         for option, need in (("data", "data"), ("stats", "stats")):
             if options.get(option) is None or method.needs == need:
                 continue
-            if not any(_uses(t, option) for t in stages if t["stage"] != stage):
-                users = [n for n, m in methods_of(stage).items() if m.needs == need]
-                raise UsageError(f"--{option} serves --method {' or '.join(users)}; this run's "
-                                 f"{stage} method is {method.name}")
+            # an option none of this kind's methods takes is another stage kind's to judge
+            if not any(m.needs == need for m in methods_of(stage).values()) or any(
+                    _uses(t, option) for t in stages if t["stage"] != stage):
+                continue
+            # the message is the same whichever stage kind of the recipe finds it first
+            users = [n for t in stages for n, m in methods_of(t["stage"]).items()
+                     if m.needs == need]
+            chosen = ", ".join(f"{t['stage']} method is "
+                               f"{method_named(t['stage'], t.get('method')).name}"
+                               for t in stages if methods_of(t["stage"]))
+            raise UsageError(f"--{option} serves --method {' or '.join(users)}; this run's "
+                             f"{chosen}")
         if method.needs == "stats" and tables[0].get("stats") is None:
             raise UsageError(f"--method {method.name} needs {NEED_OPTIONS['stats']}")
         if method.needs != "data":
@@ -149,9 +158,21 @@ def prepare_method(stage: str) -> Callable[[tuple[dict, ...], dict[str, Any], Gp
             raise UsageError(f"--method {method.name} needs {NEED_OPTIONS['data']}")
 
         def make(ckpt: Checkpoint) -> Calibration:
+            from kconvert.calibrate.data import load_calibration_data, real_tokens, shortfall
+
             samples, seq_len, batch_size, seed = calibration_run(options, method.samples)
-            return Calibration.from_file(ckpt, options["data"], samples, seq_len, batch_size,
-                                         seed, gpu.device)
+            # The data's checks before any work (vocabulary, --samples x --seq-len filled), and
+            # what of it the run uses, for the manifest.
+            used = load_calibration_data(
+                options["data"], ckpt.root, samples, seq_len, seed,
+                vocab=ckpt.text_config["vocab_size"],
+                short=shortfall(bool(options.get("allow_short_data")),
+                                options.get("echo") or (lambda _message: None)))
+            calibration = Calibration.from_file(ckpt, options["data"], samples, seq_len,
+                                                batch_size, seed, gpu.device)
+            return dataclasses.replace(calibration, data={
+                **(calibration.data or {}), "samples": used.shape[0],
+                "tokens": real_tokens(used)})
 
         return make
 

@@ -140,9 +140,10 @@ def test_calibrate_messages_modes_and_summary(tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": list(range(16))}])
     out = tmp_path / "stats"
     res = cli_inproc("calibrate", BUNDLED, "--data", data, "-o", out, "--samples", "2", "--seq-len",
-                     "16", "--device", "cpu")
+                     "16", "--device", "cpu", "--allow-short-data")
     assert res.exit_code == 0, res.output
-    assert "the data gives 1 sequence of 16 tokens, fewer than --samples 2" in res.output
+    assert ("kconvert: warning: " + str(data) + " holds 16 tokens in 1 line(s): 1 full "
+            "sequence(s) of 16 tokens, fewer than --samples 2 x --seq-len 16") in res.output
     assert "wrote " in res.output and "16 tokens, 2 MoE layers" in res.output
     umask = os.umask(0)
     os.umask(umask)
@@ -158,11 +159,15 @@ def test_samples_default_is_per_use_and_documented(tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": list(range(i, i + 16))}
                                          for i in range(2)])
     dst = tmp_path / "out"
-    res = cli_inproc("run", "sparsify", BUNDLED, dst, "--method", "sparsegpt", "--data", data,
-                     "--seq-len", "16", "--device", "cpu", "--quiet")
+    args = ["run", "sparsify", BUNDLED, dst, "--method", "sparsegpt", "--data", data,
+            "--seq-len", "16", "--device", "cpu", "--quiet"]
+    res = cli_inproc(*args)  # the 2 sequences here cannot fill the default, which it names
+    assert res.exit_code == 1 and "fewer than --samples 128 x --seq-len 16" in res.output
+    res = cli_inproc(*args, "--allow-short-data")
     assert res.exit_code == 0, res.output
     manifest = json.loads((dst / "kconvert-manifest.json").read_text())
-    assert manifest["options"]["sparsify"]["data"]["samples"] == 128  # as `sparsify` records
+    used = manifest["options"]["sparsify"]["data"]
+    assert (used["samples"], used["tokens"]) == (2, 32)  # what was used, not asked
 
     def help_of(command: str) -> str:
         return " ".join(cli_inproc(command, "--help").output.split())
