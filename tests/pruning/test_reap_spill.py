@@ -108,7 +108,14 @@ def test_a_killed_runs_spill_is_removed_by_resume_and_overwrite(data, tmp_path, 
     assert_audit_passes(dst, "--source", SRC)
 
 
-def test_dst_inside_src_is_refused_before_any_work(data, tmp_path):
+def test_dst_inside_src_is_refused_before_any_work(data, tmp_path, monkeypatch):
+    """The run was refused only after its calibration, which spilled beside DST: into SRC."""
+    from kconvert.calibrate import run
+
+    def watched(*_args, **_kwargs):
+        raise AssertionError(f"the calibration ran; SRC then held {sorted(snapshot(src))}")
+
+    monkeypatch.setattr(run, "measure_stats", watched)
     src = Path(shutil.copytree(SRC, tmp_path / "src"))
     before = snapshot(src)
     res = cli_inproc("reap", src, src / "pruned", "--data", data, *REAP, "--compensate", "down")
