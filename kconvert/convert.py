@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from kconvert import distributed, events
+from kconvert.calibrate.startup import start_device
 from kconvert.checks.structure import validate_source
 from kconvert.devices import pick_device
 from kconvert.dry_run import print_dry_run
@@ -124,6 +125,8 @@ def convert(src: str, dst: str, recipe: Recipe, settings: Mapping[str, object],
     `run`'s device and --gpu-memory.
     """
     request = gpu if gpu is not None else GpuRequest(run.device, run.gpu_memory)
+    if not run.dry_run:
+        start_device(request.device)  # CUDA starts while SRC opens and the stages prepare
     ckpt = open_source(src, revision, run)
     log.info("opened %s: %d shard(s), %d tensors, recipe %s", ckpt.root, len(ckpt.shards),
              len(ckpt.weight_map), recipe.name)

@@ -65,8 +65,8 @@ class P48Result:
         return not self.over_two and not self.neg_zero
 
 
-# Packed bytes checked per step (whole rows): the step's int64 temporaries stay in the cache.
-CHECK_BYTES = 1 << 20
+# Packed bytes checked per step (whole rows): the step's temporaries stay in the cache.
+CHECK_BYTES = 4 << 20
 
 
 def check_packed(packed: torch.Tensor) -> P48Result:
@@ -76,61 +76,40 @@ def check_packed(packed: torch.Tensor) -> P48Result:
     be nonzero, and a pruned pair must be stored as 0x00: so at most 2 bytes per chunk may
     differ from 0x00 (a kept pair may still quantize to zero or -0).
 
-    At read speed: the bytes are read as int64 words of two chunks each, and each chunk's
-    count of nonzero bytes is made by a few bitwise operations on the words (no per-byte
-    tensors), a step of whole rows at a time.
+    At read speed: a step of whole rows at a time, each chunk's count of bytes other than 0x00
+    made by reading its 4 flags as one int32 word (a few operations on the words, no
+    reduction); only a step with a chunk over the count is looked at again, to tell a third
+    nonzero pair from a -0.
     """
     packed = packed.reshape(packed.shape[0] if packed.dim() > 1 else 1, -1)
     rows, half = packed.shape
-    if half % (2 * PAIRS):  # NVFP4 rows are whole 16-element blocks: two chunks a word
-        raise ValueError(f"packed rows of {half} bytes are not whole 16-element blocks")
-    words = _words(packed)  # [rows, half / 8]
+    if half % PAIRS:
+        raise ValueError(f"packed rows of {half} bytes are not whole 8-element chunks")
     res = P48Result(chunks=rows * (half // PAIRS))
-    step = max(1, CHECK_BYTES // half)
+    step = max(1, CHECK_BYTES // max(half, 1))
     for r0 in range(0, rows, step):
-        w = words[r0:r0 + step]
-        counts = (_nonzero_bytes(w & 0x7777777777777777), _nonzero_bytes(w))
-        over = _more_than_keep(counts[0])
-        negz = _more_than_keep(counts[1]) & ~over
-        res.over_two += _chunks(over)
-        res.neg_zero += _chunks(negz)
-        if res.first is None and bool((over | negz).any()):
-            r, word = (int(v) for v in (over | negz).nonzero()[0])
-            low = int(over[r, word] | negz[r, word]) & 1  # the word's first chunk is bad
-            c = 2 * word + (0 if low else 1)
-            bit = 1 if low else 1 << 32
-            res.first_kind = "nonzero" if int(over[r, word]) & bit else "neg_zero"
-            res.first = (r0 + r, c, [int(b) for b in packed[r0 + r, PAIRS * c:PAIRS * (c + 1)]])
+        part = packed[r0:r0 + step]
+        bad = _over_keep(part != 0)
+        if not bool(bad.any()):
+            continue
+        over = _over_keep((part & 0x77) != 0) != 0
+        bad = bad != 0
+        res.over_two += int(over.sum())
+        res.neg_zero += int((bad & ~over).sum())
+        if res.first is None:
+            r, c = (int(v) for v in bad.nonzero()[0])
+            res.first = (r0 + r, c, [int(b) for b in part[r, PAIRS * c:PAIRS * (c + 1)]])
+            res.first_kind = "nonzero" if bool(over[r, c]) else "neg_zero"
     return res
 
 
-def _words(packed: torch.Tensor) -> torch.Tensor:
-    """Packed bytes [M, K/2] as int64 words [M, K/16] (a copy where the bytes are not
-    aligned to them)."""
-    try:
-        return packed.view(torch.int64)
-    except RuntimeError:
-        return packed.contiguous().clone().view(torch.int64)
-
-
-def _nonzero_bytes(x: torch.Tensor) -> torch.Tensor:
-    """Per chunk of int64 words x (two chunks of 4 bytes each), its count of nonzero bytes:
-    in bits 0-7 for the low chunk and 32-39 for the high one."""
-    y = x | (x >> 4)  # each byte's high nibble onto its low one (bits 4-7 are dropped next)
-    y &= 0x0F0F0F0F0F0F0F0F
-    y |= y >> 2
-    y |= y >> 1
-    y &= 0x0101010101010101  # bit 0 of each byte: the byte is nonzero
-    y += y >> 16  # bytes 0 and 4 gather the flags of their chunk's 4 bytes
-    y += y >> 8
-    return y & 0x000000FF000000FF
-
-
-def _more_than_keep(counts: torch.Tensor) -> torch.Tensor:
-    """The words' chunk counts above KEEP, as bits: 0x1 (low chunk), 0x100000000 (high)."""
-    return ((counts + (0x80 - KEEP - 1) * 0x0000000100000001) >> 7) & 0x0000000100000001
-
-
-def _chunks(flags: torch.Tensor) -> int:
-    """How many chunks the words' flags (_more_than_keep) mark."""
-    return int((flags & 1).sum()) + int((flags >> 32).sum())
+def _over_keep(flags: torch.Tensor) -> torch.Tensor:
+    """Per chunk of byte flags [..., K/2] (bool, a tensor of the caller's own), nonzero where
+    more than KEEP of its 4 are set [..., K/8] (int32): the chunk's flags read as one
+    little-endian word, added by two shifts into its low byte (at most 4), and KEEP + 1 or
+    more carried into bit 3."""
+    words = flags.view(torch.uint8).view(torch.int32)
+    words += words >> 16  # bytes 0 and 1: flags 0+2 and 1+3
+    words += words >> 8  # byte 0: the count (bytes above it are not looked at)
+    words += 7 - KEEP
+    return words.bitwise_and_(8)

@@ -51,12 +51,11 @@ def from_data(ckpt: Checkpoint, options: dict, gpu: GpuRequest, keep: int, crite
               repair: str, compensate: str, echo: Callable[[str], None]) -> FromData:
     """The plan of `reap --data` (module docstring)."""
     from kconvert.calibrate.data import load_calibration_data, real_tokens, shortfall
-    from kconvert.calibrate.startup import phase, start_device
+    from kconvert.calibrate.startup import phase
 
     samples, seq_len, batch_size, seed = calibration_run(options, REAP_SAMPLES)
     data = options["data"]
-    if not options.get("dry_run"):
-        start_device(gpu.device)  # CUDA starts while the data and transformers load
+    # (CUDA is starting on a thread since the run began: kconvert.convert)
     with phase("data"):
         ids = load_calibration_data(data, ckpt.root, samples, seq_len, seed,
                                     vocab=ckpt.text_config["vocab_size"],

@@ -44,7 +44,7 @@ def _chunks(rows: int, half: int, seed: int, bad_rate: float) -> torch.Tensor:
     return b.reshape(rows, half)
 
 
-@pytest.mark.parametrize("rows,half,bad_rate,seed", [
+@pytest.mark.parametrize("rows,half,bad_rate,seed", [(3, 4, 0.5, 4), 
     (37, 64, 0.05, 0), (5, 8, 0.5, 1), (300, 512, 0.001, 2), (64, 4096, 0.0, 3)])
 def test_check_packed_is_the_rule_chunk_by_chunk(rows, half, bad_rate, seed, monkeypatch):
     monkeypatch.setattr(p48, "CHECK_BYTES", 4096)  # several steps of rows
@@ -63,6 +63,6 @@ def test_check_packed_is_the_rule_chunk_by_chunk(rows, half, bad_rate, seed, mon
                                                               got.first)
 
 
-def test_rows_of_half_a_block_are_refused():
-    with pytest.raises(ValueError, match="not whole 16-element blocks"):
-        p48.check_packed(torch.zeros(2, 12, dtype=torch.uint8))
+def test_rows_of_part_of_a_chunk_are_refused():
+    with pytest.raises(ValueError, match="not whole 8-element chunks"):
+        p48.check_packed(torch.zeros(2, 6, dtype=torch.uint8))
