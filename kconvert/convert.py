@@ -325,7 +325,7 @@ def _execute(plan: WorkPlan, ws: Workspace, device: torch.device, done: dict[str
                       for m in plan.modules)
         if device.type == "cpu" and encodes:
             bar.set_description("loading CPU kernels (the first run after installing compiles "
-                                "them, ~15 s)")
+                                "them: 10-50 s by the cores)")
             nvfp4.warm_cpu_kernels()
             bar.set_description(name)
         return execute(plan, ws.root, device, done, bar.update, readers=run.readers,

@@ -44,8 +44,8 @@ def _chunks(rows: int, half: int, seed: int, bad_rate: float) -> torch.Tensor:
     return b.reshape(rows, half)
 
 
-@pytest.mark.parametrize("rows,half,bad_rate,seed", [(3, 4, 0.5, 4), 
-    (37, 64, 0.05, 0), (5, 8, 0.5, 1), (300, 512, 0.001, 2), (64, 4096, 0.0, 3)])
+@pytest.mark.parametrize("rows,half,bad_rate,seed", [
+    (3, 4, 0.5, 4), (37, 64, 0.05, 0), (5, 8, 0.5, 1), (300, 512, 0.001, 2), (64, 4096, 0.0, 3)])
 def test_check_packed_is_the_rule_chunk_by_chunk(rows, half, bad_rate, seed, monkeypatch):
     monkeypatch.setattr(p48, "CHECK_BYTES", 4096)  # several steps of rows
     packed = _chunks(rows, half, seed, bad_rate)
