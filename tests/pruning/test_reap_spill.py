@@ -174,11 +174,10 @@ def test_summary_and_json_say_what_the_guard_did(data, tmp_path):
 
 
 def test_compensate_and_repair_without_data_say_they_need_it(tmp_path):
+    """It used to say only "give --data FILE, --stats DIR or --plan FILE" (or that --keep
+    needs one of them)."""
     for flags in (["--compensate", "down"], ["--repair", "bias"]):
-        res = cli_inproc("reap", SRC, tmp_path / "o", "--keep", "12", *flags)
-        assert_user_error(res, f"{flags[0]} applies only with --data", code=2)
-        res = cli_inproc("reap", SRC, tmp_path / "o", "--keep", "12", "--stats", tmp_path,
-                         *flags)
-        assert_user_error(res, f"{flags[0]} {flags[1]}", "needs calibration data",
-                          "give --data FILE", code=2)
+        for source in ([], ["--stats", tmp_path]):
+            res = cli_inproc("reap", SRC, tmp_path / "o", "--keep", "12", *source, *flags)
+            assert_user_error(res, f"{flags[0]} applies only with --data", code=2)
 
