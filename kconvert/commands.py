@@ -13,7 +13,7 @@ from kconvert.gpu_budget import GpuRequest
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.manifest import Manifest
 from kconvert.options import ONLY_WITH
-from kconvert.recipes import Recipe, check_options, load_recipe
+from kconvert.recipes import Recipe, check_format, check_options, load_recipe
 from kconvert.stages import KINDS
 from kconvert.stages.base import stage_settings
 from kconvert.stages.quantize import parse_targets
@@ -36,6 +36,7 @@ def run_conversion(recipe_name: str, src: str, dst: str, options: Mapping[str, o
         parse_targets(given["targets"])
     recipe = load_recipe(recipe_name)
     check_options(recipe, given)
+    check_format(recipe, given.get("format"))
     if run.stream and "data" in given:
         raise UsageError("--stream reads each source shard once, as it arrives, and --data "
                          "calibrates on the source (every shard) before or beside the "
@@ -52,8 +53,12 @@ def run_conversion(recipe_name: str, src: str, dst: str, options: Mapping[str, o
     # conversion after it share the budget it resolves.
     gpu = GpuRequest(run.device, run.gpu_memory)
     # Through the module, so that a test can stand in for convert.convert.
+    # What a stage's preparation gets beside the options: the run's DST (REAP's spill lives
+    # in its state folder), whether it is a dry run (nothing is calibrated) and where its
+    # notes go.
+    prepared = {**given, "dst": str(dst), "dry_run": run.dry_run, "echo": echo}
     return convert.convert(src, dst, recipe, settings, run, revision=revision, echo=echo,
-                           prepare=preparer(recipe, {**given, "dst": str(dst)}, gpu), gpu=gpu)
+                           prepare=preparer(recipe, prepared, gpu), gpu=gpu)
 
 
 def check_run_control(run: convert.RunControl) -> None:

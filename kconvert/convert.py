@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from kconvert import distributed, events
+from kconvert.calibrate.startup import start_device
 from kconvert.checks.structure import validate_source
 from kconvert.devices import pick_device
 from kconvert.dry_run import print_dry_run
@@ -42,7 +43,7 @@ from kconvert.formats.dense import DenseCodec
 from kconvert.formats.nvfp4_modelopt import HF_QUANT_CONFIG
 from kconvert.formats.quant_config import output_config, rewrite_config
 from kconvert.gpu_budget import GpuContext, GpuRequest
-from kconvert.gpu_plan import GpuPlan, gib, plan_gpu
+from kconvert.gpu_plan import GpuMemoryError, GpuPlan, gib, plan_gpu
 from kconvert.io import lock, output_dir
 from kconvert.io.checkpoint import (
     GENERATED_FILES,
@@ -95,11 +96,16 @@ class RunControl:
             object.__setattr__(self, "device", pick_device(self.device))
 
 
-def _fingerprint(ckpt: Checkpoint, command: str, options: dict) -> str:
-    """Identifies what a run writes: same source layout + same command/options -> same bytes."""
+def _fingerprint(ckpt: Checkpoint, command: str, options: dict) -> tuple[str, dict]:
+    """Identifies what a run writes: same source layout + same command/options -> same bytes.
+    Returns the digest and what it is made of (a resume that does not match says which part
+    differs)."""
     layout = sorted((n, i.dtype, list(i.shape), i.file.name) for n, i in ckpt.tensors.items())
     blob = json.dumps([__version__, command, options, ckpt.identity, layout], sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()
+    parts = {"kconvert": __version__, "command": command, "options": options,
+             "source": ckpt.identity, "source tensor layout": hashlib.sha256(
+                 json.dumps(layout).encode()).hexdigest()}
+    return hashlib.sha256(blob.encode()).hexdigest(), parts
 
 
 def _stats_hash(stages: list[Stage]) -> str | None:
@@ -119,20 +125,37 @@ def convert(src: str, dst: str, recipe: Recipe, settings: Mapping[str, object],
     `run`'s device and --gpu-memory.
     """
     request = gpu if gpu is not None else GpuRequest(run.device, run.gpu_memory)
+    if not run.dry_run:
+        start_device(request.device)  # CUDA starts while SRC opens and the stages prepare
     ckpt = open_source(src, revision, run)
     log.info("opened %s: %d shard(s), %d tensors, recipe %s", ckpt.root, len(ckpt.shards),
              len(ckpt.weight_map), recipe.name)
     if "repo" in ckpt.identity and distributed.is_main():
         echo(f"{src}@{ckpt.identity['revision']}: files in {ckpt.root}")
+    main = distributed.is_main()
     try:
-        # What a stage prepares on the GPU (REAP's calibration) resolves the run's budget
-        # once its data and imports are loaded (calibrate.plan), and plans and caps itself
-        # within it; the conversion after it takes the same GpuContext.
-        inputs = prepare(ckpt) if prepare is not None else {}
-        context = request.context
-        # a stage that prepared calibration inputs runs forward batches beside the conversion
-        with context.enforced(recipe.name, "--batch-size --samples" if inputs else ""):
-            return _convert(ckpt, Path(dst), recipe, settings, inputs, run, context, echo)
+        # DST is checked, and its lock taken, before any work: a calibration never runs for a
+        # DST that would be refused, nor beside another run into it.
+        distributed.from_main(lambda: output_dir.check_dst(ckpt.root, Path(dst), run.resume,
+                                                           run.overwrite, run.dry_run))
+        target = output_dir.resolve_dst(Path(dst))
+        with contextlib.ExitStack() as held:
+            if main and not run.dry_run:
+                held.enter_context(lock.locked(target, echo))
+            # What a stage prepares on the GPU (REAP's calibration) resolves the run's budget
+            # once its data and imports are loaded (calibrate.plan), and plans and caps itself
+            # within it; the conversion after it takes the same GpuContext. A prepared stage
+            # (REAP's, with its spill under DST's state folder) is closed however the run ends.
+            with events.span("phase", name="prepare"):
+                inputs = prepare(ckpt) if prepare is not None else {}
+            for made in inputs.values():
+                if isinstance(made, Stage):
+                    held.callback(made.close)
+            context = request.context
+            # a stage that prepared calibration inputs runs forward batches beside the
+            # conversion
+            with context.enforced(recipe.name, "--batch-size --samples" if inputs else ""):
+                return _convert(ckpt, target, recipe, settings, inputs, run, context, echo)
     finally:
         ckpt.close()
 
@@ -159,9 +182,6 @@ def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, settings: Mapping[str,
              ) -> Manifest | None:
     main = distributed.is_main()
     say = echo if main else (lambda _message: None)
-    distributed.from_main(lambda: output_dir.check_dst(ckpt.root, dst, run.resume,
-                                                       run.overwrite, run.dry_run))
-    dst = output_dir.resolve_dst(dst)
     stages, plan, gpu = distributed.agree(lambda: _prepare_run(ckpt, recipe, settings, inputs,
                                                                run, context, say))
     device = context.device
@@ -170,7 +190,7 @@ def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, settings: Mapping[str,
             print_dry_run(plan, echo)
             for line in gpu.lines(recipe.name) if gpu is not None else ():
                 echo(line)
-            if device.type != "cuda":
+            if device.type != "cuda" and gpu is not None:
                 echo(f"(planned for a {gib(gpu.budget)} budget: --gpu-memory, else an 80 GB "
                      "H100's default; this run's device has no GPU)")
             disk = hub_disk(plan, run.stream_window, run.token)
@@ -181,33 +201,34 @@ def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, settings: Mapping[str,
     # The manifest's options: a RunRecord, typed, so the audit can read it.
     recorded = RunRecord(recipe=recipe.name, **{s.name: s.record() for s in stages}).model_dump(
         mode="json", exclude_unset=True)
-    fingerprint = _fingerprint(ckpt, recipe.name, {**recorded, "act_stats": _stats_hash(stages)})
+    fingerprint, started_by = _fingerprint(ckpt, recipe.name,
+                                           {**recorded, "act_stats": _stats_hash(stages)})
     planned = _planned(ckpt, plan, run)
     ws: Workspace | None = None
     try:
-        # Rank 0 holds DST's lock and prepares DST; every rank then writes its share of shards
-        # (all of them in a one-process run) and rank 0 writes the files that say "done".
-        with lock.locked(dst, echo) if main else contextlib.nullcontext():
-            ws, done = distributed.from_main(lambda: output_dir.prepare(
-                dst, planned, fingerprint, run.resume, run.overwrite, run.trust_complete,
-                plan.shard_entries, echo))
-            share = (share_shards(plan, set(done), distributed.world())[distributed.rank()]
-                     if distributed.world() > 1 else None)
-            stream = start_stream(plan, done, ws.state / SOURCE_DIR, run.stream_window, say)
-            try:
-                mine = distributed.agree(lambda: _execute(
-                    plan, ws, device, done, run, recipe.name, share, stream))
-            finally:
-                for stage in stages:
-                    stage.close()
-            if stream is not None:
-                stream.finish()
-            records = {s: r for got in distributed.all_gather_object(mine) for s, r in got.items()}
-            manifest = distributed.agree(
-                lambda: _finish(ckpt, ws, plan, records, recipe.name, recorded) if main else None)
-            if main:
-                output_dir.commit(ws, echo)
-                events.emit("run-finished", dst=str(dst))
+        # Rank 0 holds DST's lock (taken by `convert`) and prepares DST; every rank then writes
+        # its share of shards (all of them in a one-process run) and rank 0 writes the files
+        # that say "done".
+        ws, done = distributed.from_main(lambda: output_dir.prepare(
+            dst, planned, (fingerprint, started_by), run.resume, run.overwrite,
+            run.trust_complete, plan.shard_entries, echo))
+        share = (share_shards(plan, set(done), distributed.world())[distributed.rank()]
+                 if distributed.world() > 1 else None)
+        stream = start_stream(plan, done, ws.state / SOURCE_DIR, run.stream_window, say)
+        try:
+            mine = distributed.agree(lambda: _execute(
+                plan, ws, device, done, run, recipe.name, share, stream))
+        finally:
+            for stage in stages:
+                stage.close()
+        if stream is not None:
+            stream.finish()
+        records = {s: r for got in distributed.all_gather_object(mine) for s, r in got.items()}
+        manifest = distributed.agree(
+            lambda: _finish(ckpt, ws, plan, records, recipe.name, recorded) if main else None)
+        if main:
+            output_dir.commit(ws, echo)
+            events.emit("run-finished", dst=str(dst))
     except OSError as exc:
         if exc.errno in NO_SPACE:
             left = sum(n for s, n in planned.shard_bytes.items()
@@ -239,9 +260,19 @@ def _prepare_run(ckpt: Checkpoint, recipe: Recipe, settings: Mapping[str, object
     # GPU items as the GPU memory plan sizes them (engine.execute.gpu_encode). On a CPU, items
     # of 2^24 elements (~one expert matrix; the fused kernel is per row anyway) keep the
     # decode temporaries to ~200 MB (measured in tests/test_robustness.py).
-    gpu = None
-    if device.type == "cuda" or run.dry_run:
-        gpu = plan_gpu(ckpt, stages, context.plan_budget, recipe.name, encode=gpu_encode())
+    def gpu_plan(budget: int, largest: int | None = None) -> GpuPlan | None:
+        """The plan on a GPU; on a CPU (a dry run shows it) what the run would need on one:
+        told, never a refusal of a run on this device."""
+        try:
+            return plan_gpu(ckpt, stages, budget, recipe.name, largest, encode=gpu_encode())
+        except GpuMemoryError as exc:
+            if device.type == "cuda":
+                raise
+            say(f"note: on a GPU with a {gib(budget)} budget this run would not fit ({exc}); "
+                f"on {device} it runs without a GPU memory plan")
+            return None
+
+    gpu = gpu_plan(context.plan_budget) if device.type == "cuda" or run.dry_run else None
     if device.type == "cuda":
         work_elems = gpu.work_elems
     else:
@@ -254,7 +285,7 @@ def _prepare_run(ckpt: Checkpoint, recipe: Recipe, settings: Mapping[str, object
     largest = max((sum(m.shape[0] * m.shape[1] for fused in item.sets for m in fused)
                     for item in plan.items if isinstance(item, TransformItem)), default=0)
     if gpu is not None and largest > (gpu.work_elems or 0):  # a fused set beyond the item size
-        gpu = plan_gpu(ckpt, stages, gpu.budget, recipe.name, largest, encode=gpu_encode())
+        gpu = gpu_plan(gpu.budget, largest)
     log.info("planned on %s: %d modules, %d work items, %d output shard(s), %d tensors",
              device, len(plan.modules), len(plan.items), len(plan.shard_entries),
              len(plan.outputs))
@@ -294,7 +325,7 @@ def _execute(plan: WorkPlan, ws: Workspace, device: torch.device, done: dict[str
                       for m in plan.modules)
         if device.type == "cpu" and encodes:
             bar.set_description("loading CPU kernels (the first run after installing compiles "
-                                "them, ~15 s)")
+                                "them: 10-50 s by the cores)")
             nvfp4.warm_cpu_kernels()
             bar.set_description(name)
         return execute(plan, ws.root, device, done, bar.update, readers=run.readers,

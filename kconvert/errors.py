@@ -21,6 +21,12 @@ class KconvertError(Exception):
         super().__init__(f"{message} ({where})" if where else message)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what `timeout`, Slurm and `docker stop` send), raised in the main thread while a
+    command runs, so that the run stops as on Ctrl-C: its clean-up runs and the command line
+    says how to continue."""
+
+
 class UsageError(KconvertError):
     """Options that do not go together or are missing: the command line reports it as a usage
     error (exit code 2), like a misspelt option."""

@@ -84,6 +84,11 @@ class SourceEntry(BaseModel):
     repo: str | None = None
     revision: str | None = None
     commit: str | None = None
+    fingerprint: str | None = Field(
+        default=None, description="sha256 of the source's config.json and, per shard, its "
+        "name, size, header and first and last MiB of tensor data "
+        "(kconvert.io.checkpoint.Checkpoint.fingerprint): `audit --source` refuses a source "
+        "whose fingerprint differs; absent where the shards were streamed")
 
 
 class FileEntry(BaseModel):

@@ -76,7 +76,8 @@ def build_manifest(ckpt: Checkpoint, plan: WorkPlan, records: dict[str, dict], c
         summary["world_size"] = distributed.world()
     return Manifest(
         tool={"name": "kconvert", "version": __version__}, command=command, options=options,
-        source=SourceEntry(**ckpt.identity), output_format=fmt, files=files,
+        source=SourceEntry(**ckpt.identity, fingerprint=ckpt.fingerprint()),
+        output_format=fmt, files=files,
         non_weight_files=non_weight, generated_files=generated,
         tensors=dict(sorted(tensors.items())),
         fused_sets=dict(sorted(fused_sets.items())), layers=layers,
@@ -99,7 +100,8 @@ def summary_numbers(plan: WorkPlan, by_layer: dict[str, list[float]],
             modules["dequantized"] += 1
         modules["sparsified"] += "sparsify" in m.stages
     rels = [r for rs in by_layer.values() for r in rs]
-    return {"tensors": len(plan.outputs), "bytes": sum(f.bytes for f in files.values()),
+    stages = {k: v for stage in plan.stages for k, v in stage.summary().items()}
+    return {**stages, "tensors": len(plan.outputs), "bytes": sum(f.bytes for f in files.values()),
             "shards": len(files), "quantized_modules": modules["quantized"],
             "dequantized_modules": modules["dequantized"], "relaid_modules": modules["relaid"],
             "sparsified_modules": modules["sparsified"],
@@ -117,6 +119,12 @@ def summary_line(manifest: Manifest, dst: str) -> str:
              f"{human_bytes(s['bytes'])}"]
     if s.get("pruned_experts"):
         parts.append(f"{s['pruned_experts']} routed experts pruned")
+    for what, name in (("repair", "router repair"), ("compensation", "compensation")):
+        if f"{what}_applied_layers" in s:
+            applied, refused = s[f"{what}_applied_layers"], s[f"{what}_refused_layers"]
+            parts.append(f"{name} applied in {applied} of {applied + refused} MoE layers"
+                         + (f" (refused by its guard in {refused}: the source's kept)"
+                            if refused else ""))
     if s.get("sparsified_modules"):
         parts.append(f"{s['sparsified_modules']} modules made paired-4:8 sparse")
     if s.get("quantized_modules"):

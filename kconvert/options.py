@@ -32,8 +32,10 @@ INPUT_SCALE = "layer-max"
 
 # Options that only act beside another one: given alone they would be silently dropped.
 ONLY_WITH = {
+    # first: what needs --data says so before --keep asks for a source of scores
+    "repair": ("data",), "compensate": ("data",),
     "samples": ("data",), "seq_len": ("data",), "batch_size": ("data",), "seed": ("data",),
-    "save_stats": ("data",),
+    "save_stats": ("data",), "allow_short_data": ("data",),
     "keep": ("data", "stats", "plan"), "prune_ratio": ("data", "stats", "plan"),
     "criterion": ("data", "stats"),
 }

@@ -2,8 +2,9 @@
 
 A recipe is a list of `[[stages]]` tables (`stage = ` a kind of kconvert.stages.KINDS, plus
 that stage's settings) and optionally `requires_source`, a codec (by name, or by the grid it
-stores: "mxfp4" is either MXFP4 layout) the source must contain.
-Command-line options override the recipe's stage settings.
+stores: "mxfp4" is either MXFP4 layout) the source must contain, and `grid`, the 4-bit grid
+its name promises ("nvfp4" for int4-to-nvfp4): a --format of another grid is refused, naming
+the recipe that writes it. Command-line options override the recipe's stage settings.
 
 Each stage kind declares which options it takes; a recipe key or a command-line option that no
 stage of the recipe takes is an error naming the stages that would.
@@ -19,10 +20,11 @@ from pathlib import Path
 
 from kconvert.engine.stage import Stage
 from kconvert.errors import KconvertError, UsageError
+from kconvert.formats import OUTPUT_CODECS
 from kconvert.stages import KINDS
 from kconvert.stages.base import stage_settings
 
-RECIPE_KEYS = ("name", "description", "requires_source", "stages")
+RECIPE_KEYS = ("name", "description", "requires_source", "grid", "stages")
 
 
 # Stages that encode their modules: a dequant after one of them would undo it.
@@ -42,6 +44,7 @@ class Recipe:
     description: str
     stages: tuple[dict, ...]
     requires_source: str | None = None
+    grid: str | None = None  # the grid its output is in, where its name promises one
 
     @property
     def kinds(self) -> list[str]:
@@ -78,8 +81,12 @@ def load_recipe(name_or_path: str) -> Recipe:
         raise KconvertError(f"stage dequant after {encoding[0]} would decode what {encoding[0]} "
                             "encodes: dequant comes first (it decodes the source)",
                             file=str(path))
+    grid = data.get("grid")
+    if grid is not None and grid not in {c.grid for c in OUTPUT_CODECS.values()}:
+        raise KconvertError(f"unknown grid {grid!r}; formats write "
+                            f"{sorted({c.grid for c in OUTPUT_CODECS.values()})}", file=str(path))
     return Recipe(data.get("name", path.stem), data.get("description", ""), stages,
-                  data.get("requires_source"))
+                  data.get("requires_source"), grid)
 
 
 def _did_you_mean(name: str, choices: Iterable[str]) -> str:
@@ -155,3 +162,21 @@ def build_stages(recipe: Recipe, settings: Mapping[str, object],
                 raise KconvertError(f"recipe {recipe.name}: {name} must be followed by a {later} "
                                     f"stage ({why})")
     return stages
+
+
+def check_format(recipe: Recipe, fmt: str | None) -> None:
+    """Refuse a --format whose grid is not the one the recipe promises (int4-to-mxfp4
+    --format compressed-tensors would write NVFP4 under an MXFP4 recipe's name and record),
+    naming the built-in recipes of the same stages that write that grid."""
+    if fmt is None or recipe.grid is None or fmt not in OUTPUT_CODECS:
+        return
+    grid = OUTPUT_CODECS[fmt].grid
+    if grid == recipe.grid:
+        return
+    others = sorted(r.name for p in builtin_dir().glob("*.toml")
+                    if (r := load_recipe(str(p))).grid == grid and r.kinds == recipe.kinds
+                    and r.requires_source == recipe.requires_source)
+    instead = " or ".join(f"`kconvert {o} --format {fmt}`" for o in others) or \
+        f"`kconvert quantize --format {fmt}`"
+    raise UsageError(f"--format {fmt} writes {grid.upper()}, and {recipe.name} writes "
+                     f"{recipe.grid.upper()}: run {instead}")

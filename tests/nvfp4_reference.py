@@ -7,7 +7,8 @@ independent references the mse-search and SparseGPT tests compare kconvert again
   compares them), the amax rule's block code and the `mse` window the README documents (the
   amax code -2 .. +7, clamped to the positive finite codes).
 - p48 (p48.md): in every chunk of 4 pairs the 2 highest scores are kept, ties to the lower pair.
-- SparseGPT (Frantar & Alistarh 2023, Algorithm 1, with joint quantization as in its §3.5/GPTQ):
+- SparseGPT (Frantar & Alistarh 2023, Algorithm 1, with joint quantization as in its §3.5/GPTQ;
+  without the mask, GPTQ's loop):
   U = chol((H + damp I)^-1) upper; columns left to right; at the start of every scale block
   the mask is chosen on the error-updated weights by w^2 / U_jj^2, then the block's FP8 scale
   on the masked weights; each column is quantized (pruned entries 0), its error
@@ -89,6 +90,25 @@ def best_code(mag: torch.Tensor, gs: torch.Tensor, rule: str,
     return window.gather(-1, errors.argmin(-1, keepdim=True))[..., 0]
 
 
+def output_error(w: torch.Tensor, q: torch.Tensor, h: torch.Tensor) -> float:
+    """sum over matrices of tr((W - Q) H (W - Q)^T), for w, q [B, M, K] and h [B, K, K], in
+    float64."""
+    d = (w - q).double()
+    return float(torch.einsum("bmk,bkl,bml->", d, h.double(), d))
+
+
+def on_grid(w: torch.Tensor, codes: torch.Tensor, gs: torch.Tensor, group: int,
+            arithmetic: str = "compressed-tensors") -> bool:
+    """Whether every value of w [B, M, K] is an E2M1 value times its block's step (codes
+    [B, M, K/group], row global scales gs [B, M]): rounding it to that grid gives it back."""
+    b, m, k = w.shape
+    step = step_of(codes.reshape(b * m, -1).long(), gs.reshape(b * m),
+                   arithmetic).repeat_interleave(group, -1)
+    flat = w.reshape(b * m, k)
+    again = torch.where(flat < 0, -1.0, 1.0) * round_e2m1(flat.abs() / step) * step
+    return bool(torch.equal(again, flat))
+
+
 def p48_keep(pair: torch.Tensor) -> torch.Tensor:
     """Keep mask of pair scores [..., K/2]: per chunk of 4, the 2 highest, ties to the lower
     index (plain loops)."""
@@ -111,10 +131,11 @@ def sparsegpt_inverse(h: torch.Tensor, percdamp: float = 0.1) -> torch.Tensor:
 
 
 def sparsegpt_p48_nvfp4(w: torch.Tensor, h: torch.Tensor, gs: torch.Tensor, group: int,
-                        rule: str, arithmetic: str = "compressed-tensors"
+                        rule: str, arithmetic: str = "compressed-tensors", prune: bool = True
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """SparseGPT's joint p48 prune + NVFP4 quantization of w [B, M, K] with Hessians
-    h [B, K, K] and row global scales gs [B, M] (module docstring). Returns (W-hat on the
+    h [B, K, K] and row global scales gs [B, M] (module docstring); without `prune`, GPTQ's
+    loop (Frantar et al., Algorithm 1) on the NVFP4 grid: no mask. Returns (W-hat on the
     NVFP4 grid, block codes [B, M, K/group])."""
     b, m, k = w.shape
     u = sparsegpt_inverse(h).float()
@@ -127,7 +148,8 @@ def sparsegpt_p48_nvfp4(w: torch.Tensor, h: torch.Tensor, gs: torch.Tensor, grou
             cols = w[:, :, j:j + group]
             d = u[:, range(j, j + group), range(j, j + group)]  # [B, G]
             obs = cols.square() / d[:, None].square()
-            keep = p48_keep(obs[..., 0::2] + obs[..., 1::2]).repeat_interleave(2, -1)
+            keep = (p48_keep(obs[..., 0::2] + obs[..., 1::2]).repeat_interleave(2, -1) if prune
+                    else torch.ones_like(obs, dtype=torch.bool))
             masked = torch.where(keep, cols, 0.0).abs().reshape(b * m, 1, group)
             code = best_code(masked, rows_gs, rule, arithmetic)  # [B*M, 1]
             codes[:, :, j // group] = code.reshape(b, m)

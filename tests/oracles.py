@@ -245,18 +245,6 @@ def u8(t: torch.Tensor) -> torch.Tensor:
 SPARSEGPT_PERCDAMP = 0.1
 
 
-def sparsegpt_inverse_reference(h: torch.Tensor, percdamp: float = SPARSEGPT_PERCDAMP
-                                ) -> torch.Tensor:
-    """SparseGPT's U = chol((H + damp I)^-1) (upper) as its paper's code computes it: Cholesky,
-    explicit inverse, Cholesky again; with kconvert's unit diagonal for untouched columns."""
-    h = h.float().clone()
-    diag = h.diagonal(dim1=-2, dim2=-1)
-    diag.masked_fill_(diag == 0, 1.0)
-    diag += percdamp * diag.mean(-1, keepdim=True)
-    inverse = torch.cholesky_inverse(torch.linalg.cholesky(h))
-    return torch.linalg.cholesky(inverse, upper=True)
-
-
 def inverse_by_solve(h: torch.Tensor, percdamp: float = SPARSEGPT_PERCDAMP) -> torch.Tensor:
     """obs.prepare_inverse as it was before its blocked triangular inverse: the same damping
     and flipped Cholesky, then one solve_triangular against the identity (every column a full
@@ -268,49 +256,6 @@ def inverse_by_solve(h: torch.Tensor, percdamp: float = SPARSEGPT_PERCDAMP) -> t
     lower = torch.linalg.cholesky(h.flip(-2, -1))
     eye = torch.eye(lower.shape[-1], dtype=lower.dtype).expand_as(lower)
     return torch.linalg.solve_triangular(lower, eye, upper=False).flip(-2, -1)
-
-
-def sparsegpt_per_column(w: torch.Tensor, u: torch.Tensor, gs: torch.Tensor, group_size: int,
-                         rule: str, arithmetic: str = "compressed-tensors", blocksize: int = 128,
-                         prune: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first p48 + NVFP4 SparseGPT loop, kept as the reference: one column at a time, each
-    column's error propagated by a rank-1 update to the rest of its lazy block, one matrix
-    product per block for the later columns (p48.md, "Mask selection" 3). Without `prune` it
-    is GPTQ's loop (Frantar et al., Algorithm 1) on the NVFP4 grid: no mask."""
-    from kconvert.formats import p48
-
-    b, m, k = w.shape
-    step = blocksize if k % blocksize == 0 else group_size
-    w = w.float().clone()
-    codes = torch.empty(b, m, k // group_size, dtype=torch.uint8, device=w.device)
-    row_gs = gs.reshape(b * m, 1)
-    for i1 in range(0, k, step):
-        i2 = i1 + step
-        w1 = w[:, :, i1:i2].clone()
-        err1 = torch.empty_like(w1)
-        u1 = u[:, i1:i2, i1:i2]
-        d = u1.diagonal(dim1=-2, dim2=-1)
-        for j0 in range(0, step, group_size):
-            cols = slice(j0, j0 + group_size)
-            obs = w1[:, :, cols].square() / d[:, None, cols].square()
-            keep = (p48.top2_pairs(obs[..., 0::2] + obs[..., 1::2]).repeat_interleave(2, -1)
-                    if prune else torch.ones_like(obs, dtype=torch.bool))
-            masked = torch.where(keep, w1[:, :, cols], 0.0)
-            c = nvfp4.choose_block_codes(masked.reshape(b * m, 1, group_size), row_gs, rule,
-                                         torch.float32, arithmetic)
-            codes[:, :, (i1 + j0) // group_size] = c.reshape(b, m)
-            for j in range(j0, j0 + group_size):
-                col = w1[:, :, j]
-                q = nvfp4.fake_quantize(col.reshape(b * m, 1, 1), c, row_gs,
-                                        arithmetic).reshape(b, m)
-                q = torch.where(keep[:, :, j - j0], q, 0.0)
-                err = (col - q) / d[:, None, j]
-                w1[:, :, j:] -= err.unsqueeze(-1) * u1[:, None, j, j:]
-                w1[:, :, j] = q
-                err1[:, :, j] = err
-        w[:, :, i1:i2] = w1
-        w[:, :, i2:] -= torch.bmm(err1, u[:, i1:i2, i2:])
-    return w, codes
 
 
 def per_expert_routed(moe, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor

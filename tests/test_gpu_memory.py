@@ -237,17 +237,17 @@ def _least_sparsify_bytes() -> int:
     return plan.footprint.peak
 
 
-def test_dry_run_prints_the_plan_and_refuses_a_budget_below_one_expert(tmp_path):
+def test_dry_run_prints_the_plan_and_notes_a_budget_below_one_expert(tmp_path):
     res = _sparsegpt(tmp_path, tmp_path / "a", "--dry-run", "--gpu-memory", "40GiB")
     assert res.exit_code == 0, res.output
     assert "GPU memory for sparsify:" in res.output and "of a 40.0 GiB budget" in res.output
     assert "expert matrices per OBS batch" in res.output and "while solving an OBS batch" \
         in res.output
     least = _least_sparsify_bytes()
+    # a dry run on the CPU says what the run would need on a GPU, and does not refuse it
     res = _sparsegpt(tmp_path, tmp_path / "b", "--dry-run", "--gpu-memory", str(least - 1))
-    assert res.exit_code == 1, res.output
-    lines = [ln for ln in res.output.splitlines() if ln.strip()]
-    assert lines[-1].startswith("kconvert: error: sparsify needs at least")
+    assert res.exit_code == 0, res.output
+    assert "this run would not fit (sparsify needs at least" in res.output
     assert "Traceback" not in res.output and "internal error" not in res.output
     assert not (tmp_path / "b").exists()
     res = CliRunner().invoke(main, ["quantize", str(BUNDLED), str(tmp_path / "q"), "--dry-run"])

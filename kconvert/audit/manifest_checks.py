@@ -156,10 +156,38 @@ def check_recorded(ctx: AuditContext) -> None:
                 "after conversion?)", file=rel)
     _check_output_format(ctx)
     _check_record(ctx)
-    if (ctx.source is not None and man.source.path
-            and Path(man.source.path).resolve() != ctx.source.root):
-        r.notes.append(f"the manifest's source is {man.source.path}; auditing against "
-                       f"{ctx.report.source} (recorded errors refer to the former)")
+    if ctx.source is not None:
+        _check_source_identity(ctx)
+
+
+def _check_source_identity(ctx: AuditContext) -> None:
+    """--source is the checkpoint the output was made from: its content fingerprint (or Hub
+    commit) is the one the manifest records; a source at another path with the same content
+    is noted. With --plan the source may be one upstream of the recorded one (the checkpoint a
+    pruning step pruned, audited through the plan): another one is then noted, as it is where
+    the manifest records neither."""
+    r, recorded, src = ctx.report, ctx.manifest.source, ctx.source.ckpt
+    moved = bool(recorded.path) and Path(recorded.path).resolve() != src.root
+    if recorded.fingerprint is not None and (got := src.fingerprint()) is not None:
+        why = "its content fingerprint (config, shard headers, first and last MiB of each shard)"
+        want = recorded.fingerprint
+    elif recorded.commit and src.identity.get("commit"):
+        why, got, want = "its Hub commit", src.identity["commit"], recorded.commit
+    else:
+        if moved:
+            r.notes.append(f"the manifest's source is {recorded.path}; auditing against "
+                           f"{r.source} (recorded errors refer to the former)")
+        return
+    made_from = recorded.path or f"{recorded.repo}@{recorded.commit}"
+    if got != want and r.plan is not None:
+        r.notes.append(f"the manifest's source is {made_from}; {r.source} is another "
+                       "checkpoint, audited through --plan as one upstream of it")
+        return
+    if r.check(M, got == want, "source", f"--source is not the checkpoint this output was "
+               f"made from ({made_from}): {why} is {got[:16]}..., the manifest records "
+               f"{want[:16]}...", file=str(src.root)) and moved:
+        r.notes.append(f"the manifest's source is {recorded.path}; {r.source} has the same "
+                       "content")
 
 
 def _check_output_format(ctx: AuditContext) -> None:

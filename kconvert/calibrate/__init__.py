@@ -55,11 +55,15 @@ def calibrate_to(src: str, data: str, output: str, *, samples: int = REAP_SAMPLE
                  device: str = "auto", dtype: str = "bfloat16", tokenizer: str | None = None,
                  revision: str | None = None, overwrite: bool = False,
                  progress: Callable[[str], None] | None = None,
-                 gpu_memory: str | int | None = None) -> CalibrationStats:
+                 gpu_memory: str | int | None = None,
+                 allow_short_data: bool = False,
+                 warn: Callable[[str], None] | None = None) -> CalibrationStats:
     """`kconvert calibrate SRC --data FILE -o OUTPUT` in the Python API
     (kconvert.calibrate(...)): the statistics, also written to OUTPUT (stats.safetensors,
     stats.json, act_stats.json). `gpu_memory` ('40GiB' or bytes) is the GPU memory budget
-    (kconvert.gpu_budget; default: what the card has free less a safety margin)."""
+    (kconvert.gpu_budget; default: what the card has free less a safety margin). Data that
+    cannot fill `samples` sequences of `seq_len` tokens is an error, or with
+    `allow_short_data` a warning, to `warn` (default: `progress`)."""
     from kconvert.calibrate.startup import phase
     from kconvert.gpu_budget import size_option
 
@@ -69,7 +73,8 @@ def calibrate_to(src: str, data: str, output: str, *, samples: int = REAP_SAMPLE
     return run_calibration(src, data, output, samples, seq_len, batch_size, seed, device,
                            dtype, tokenizer, revision, overwrite,
                            progress=progress or (lambda _message: None),
-                           gpu_memory=size_option(gpu_memory))
+                           gpu_memory=size_option(gpu_memory),
+                           allow_short_data=allow_short_data, warn=warn)
 
 
 callable_package(__name__, calibrate_to)

@@ -1,9 +1,16 @@
-"""Calibration data: JSONL of token ids, text or chats, packed into fixed-length sequences."""
+"""Calibration data: JSONL of token ids, text or chats, packed into fixed-length sequences.
+
+Checked as it is read, so that a data-driven command fails before any model work: a token id
+beyond the model's vocabulary names its file, line and id; text without a tokenizer says so;
+data that cannot fill --samples sequences of --seq-len tokens says what it holds (an error, or
+with the command's --allow-short-data a warning, and the command records what it used).
+"""
 
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -13,9 +20,29 @@ from kconvert.errors import KconvertError
 
 PAD_ID = -1
 
+# Files one of which a tokenizer directory holds (transformers' tokenizer files; Kimi ships
+# tokenizer_config.json with tiktoken.model).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+                   "tiktoken.model", "vocab.json")
+ALLOW_SHORT = "--allow-short-data"
+
+
+def shortfall(allow: bool, echo: Callable[[str], None]) -> Callable[[str], None]:
+    """`short` for load_calibration_data: data that cannot fill --samples x --seq-len is an
+    error, or with --allow-short-data (`allow`) a warning line through `echo`."""
+    def refuse(message: str) -> None:
+        raise KconvertError(f"{message}; lower --samples or --seq-len, give more data, or pass "
+                            f"{ALLOW_SHORT} to run on what it holds")
+
+    def warn(message: str) -> None:
+        echo(f"kconvert: warning: {message}; running on what it holds ({ALLOW_SHORT})")
+
+    return warn if allow else refuse
+
 
 def load_calibration_data(path: str | Path, tokenizer_dir: str | Path | None, samples: int,
-                          seq_len: int, seed: int) -> torch.LongTensor:
+                          seq_len: int, seed: int, *, vocab: int | None = None,
+                          short: Callable[[str], None] | None = None) -> torch.LongTensor:
     """Calibration sequences [n, seq_len] (n <= samples) from a JSONL file.
 
     Each line is an object with one of:
@@ -27,7 +54,10 @@ def load_calibration_data(path: str | Path, tokenizer_dir: str | Path | None, sa
     one sequence by itself; every other line is appended to a packing stream that is cut into
     `seq_len` pieces (a long document continues in the next sequence). Once `samples`
     sequences exist the rest is not tokenized. If the data runs out first, the stream's
-    remainder becomes a last sequence right-padded with PAD_ID, which calibration never counts.
+    remainder becomes a last sequence right-padded with PAD_ID, which calibration never counts,
+    and `short` (if given) is called with what the data holds (`shortfall`).
+    `vocab`: the model's vocabulary size; a token id at or beyond it is an error naming the
+    file, line and id.
     """
     path = Path(path)
     if samples < 1 or seq_len < 1:
@@ -58,25 +88,40 @@ def load_calibration_data(path: str | Path, tokenizer_dir: str | Path | None, sa
             if ids is None:
                 raise KconvertError(f"line {lineno}: input_ids must be a list of non-negative "
                                     "integers", file=str(path))
-            if len(ids) == seq_len:
-                seqs.append(ids)
-                continue
         elif "text" in obj or "messages" in obj:
             if tokenizer is None:
-                tokenizer = _load_tokenizer(tokenizer_dir)
+                tokenizer = _load_tokenizer(tokenizer_dir, lineno, path)
             ids = np.asarray(_tokenize(tokenizer, obj, where), dtype=np.int64)
         else:
             raise KconvertError(f"line {lineno} has none of input_ids, text, messages",
                                 file=str(path))
+        if vocab is not None and len(ids) and int(ids.max()) >= vocab:
+            raise KconvertError(f"line {lineno}: token id {int(ids.max())} is beyond the "
+                                f"model's vocabulary (vocab_size {vocab}: ids 0..{vocab - 1})",
+                                file=str(path))
+        if "input_ids" in obj and len(ids) == seq_len:
+            seqs.append(ids)
+            continue
         stream = np.concatenate([stream, ids])
         pieces = min(len(stream) // seq_len, samples - len(seqs))
         seqs.extend(stream[i * seq_len:(i + 1) * seq_len] for i in range(pieces))
         stream = stream[pieces * seq_len:]
+    full = len(seqs)
     if len(seqs) < samples and len(stream):
         seqs.append(np.concatenate([stream, np.full(seq_len - len(stream), PAD_ID)]))
     if not seqs:
         raise KconvertError("calibration data holds no tokens", file=str(path))
+    if full < samples and short is not None:
+        rest = f" and one of {len(stream)}" if len(stream) else ""
+        short(f"{path} holds {full * seq_len + len(stream)} tokens in {len(lines)} line(s): "
+              f"{full} full sequence(s) of {seq_len} tokens{rest}, fewer than --samples "
+              f"{samples} x --seq-len {seq_len}")
     return torch.from_numpy(np.stack(seqs).astype(np.int64, copy=False))
+
+
+def real_tokens(ids: torch.Tensor) -> int:
+    """The tokens of calibration sequences that are not padding."""
+    return int((ids != PAD_ID).sum())
 
 
 def _token_ids(ids, line: str) -> np.ndarray | None:
@@ -99,9 +144,14 @@ def _token_ids(ids, line: str) -> np.ndarray | None:
     return arr.astype(np.int64, copy=False)
 
 
-def _load_tokenizer(tokenizer_dir):
-    if tokenizer_dir is None:
-        raise KconvertError("calibration data has text or messages but no tokenizer was given")
+def _load_tokenizer(tokenizer_dir, lineno: int, path: Path):
+    if tokenizer_dir is None or not any((Path(tokenizer_dir) / f).is_file()
+                                        for f in TOKENIZER_FILES):
+        where = f"{tokenizer_dir} has no tokenizer ({', '.join(TOKENIZER_FILES)})" \
+            if tokenizer_dir is not None else "no tokenizer was given"
+        raise KconvertError(f"line {lineno} has text or messages, which need a tokenizer, and "
+                            f"{where}; give token ids (input_ids) instead, or a tokenizer "
+                            "directory (--tokenizer, where the command takes it)", file=str(path))
     from transformers import AutoTokenizer
 
     try:

@@ -359,7 +359,9 @@ def embed(ckpt: Checkpoint, ids: torch.Tensor, dtype: torch.dtype,
     pad = ids == PAD_ID
     real = ids[~pad]
     if real.numel() and (int(real.min()) < 0 or int(real.max()) >= vocab):
-        raise KconvertError(f"token ids must lie in 0..{vocab - 1} (or be {PAD_ID}, padding)")
+        bad = int(real.max()) if int(real.max()) >= vocab else int(real.min())
+        raise KconvertError(f"token id {bad} is outside the embedding's vocabulary (ids 0.."
+                            f"{vocab - 1})", file=info.file.name, tensor=info.name)
     used = torch.unique(real)
     row_bytes = info.nbytes // vocab
     if used.numel() > vocab // 4:

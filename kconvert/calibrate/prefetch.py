@@ -83,9 +83,10 @@ class LayerPrefetcher(Generic[J, T]):
     `read(job)` reads a layer's bytes to host memory; `build(job, raw)` decodes them on the
     device into the layer the loop computes. `ahead` False loads each layer only when the loop
     asks for it (no thread). `device_bytes` bounds the device memory the next layer may take
-    while the current one runs: on a GPU what the command's GPU memory plan leaves
-    (GpuPlan.prefetch_bytes; None: nothing, its bytes wait in pinned host memory), on a CPU
-    the decoded layer's bytes (None: unbounded)."""
+    while the current one runs (None: unbounded, a CPU run without a plan): on a GPU what the
+    command's GPU memory plan leaves (GpuPlan.prefetch_bytes), its bytes copied and its decode
+    with temporaries; on a CPU the decoded layer. A layer that does not fit waits in (pinned)
+    host memory and is built when the loop asks for it."""
 
     read: Callable[[J], LayerBytes]
     build: Callable[[J, LayerBytes], T]
@@ -131,21 +132,21 @@ class LayerPrefetcher(Generic[J, T]):
         t0 = time.perf_counter()
         raw = self.read(job)
         if stream is None:
-            fits = self.device_bytes is None or raw.decoded_nbytes <= self.device_bytes
-            built = self.build(job, raw) if fits else None
+            built = self.build(job, raw) if self._fits(raw.decoded_nbytes) else None
             return _Ahead(raw, built, time.perf_counter() - t0)
         built = None
         with torch.cuda.stream(stream):
-            if raw.nbytes <= self._budget(0):
+            if self._fits(raw.nbytes):
                 raw = raw.to(self.device)
-                if raw.decoded_nbytes + decode_bytes(self.device) <= self._budget(raw.nbytes):
+                if self._fits(raw.decoded_nbytes + decode_bytes(self.device), held=raw.nbytes):
                     built = self.build(job, raw)
             stream.synchronize()
         return _Ahead(raw, built, time.perf_counter() - t0)
 
-    def _budget(self, held: int) -> int:
-        """GPU bytes the next layer may still take, `held` of them already on the device."""
-        return (self.device_bytes or 0) - held
+    def _fits(self, nbytes: int, held: int = 0) -> bool:
+        """Whether `nbytes` more of the next layer fit in the device share, `held` of it
+        already on the device."""
+        return self.device_bytes is None or held + nbytes <= self.device_bytes
 
     def _timing(self, label: str, raw: LayerBytes | None, read_s: float, wait_s: float
                 ) -> LayerTiming:

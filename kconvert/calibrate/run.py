@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from kconvert import distributed
-from kconvert.calibrate.data import PAD_ID, load_calibration_data
+from kconvert.calibrate.data import PAD_ID, load_calibration_data, shortfall
 from kconvert.calibrate.forward import (
     ForwardContext,
     InputGram,
@@ -252,11 +252,16 @@ def run_calibration(src: str, data: str, out: str, samples: int, seq_len: int, b
                     seed: int, device: str, dtype: str, tokenizer: str | None,
                     revision: str | None, overwrite: bool,
                     progress: Callable[[str], None],
-                    gpu_memory: int | None = None) -> CalibrationStats:
+                    gpu_memory: int | None = None,
+                    allow_short_data: bool = False,
+                    warn: Callable[[str], None] | None = None) -> CalibrationStats:
     """`kconvert calibrate`: calibrate SRC on the JSONL `data` and write the statistics to
     `out`; `progress` gets the notes, per-layer lines and the closing summary. `gpu_memory`:
-    --gpu-memory in bytes (kconvert.gpu_budget)."""
+    --gpu-memory in bytes (kconvert.gpu_budget). Data that cannot fill `samples` sequences of
+    `seq_len` tokens is an error, or with `allow_short_data` a warning (the statistics'
+    `samples` and `tokens` say what was used); warnings go to `warn` (default: `progress`)."""
     from kconvert.io.checkpoint import open_checkpoint
+    from kconvert.io.directories import check_output_dir
 
     if not distributed.is_main():
         progress = _quiet
@@ -269,11 +274,12 @@ def run_calibration(src: str, data: str, out: str, samples: int, seq_len: int, b
     with phase("open checkpoint"):
         ckpt = open_checkpoint(src, revision)
     try:
+        check_output_dir(out_dir, [ckpt.root], "the statistics directory (-o)")
         with phase("data"):
-            ids = load_calibration_data(data, tokenizer or ckpt.root, samples, seq_len, seed)
-        if ids.shape[0] < samples:
-            progress(f"note: the data gives {_plural(ids.shape[0], 'sequence')} of {seq_len} "
-                     f"tokens, fewer than --samples {samples}")
+            ids = load_calibration_data(
+                data, tokenizer or ckpt.root, samples, seq_len, seed,
+                vocab=ckpt.text_config["vocab_size"],
+                short=shortfall(allow_short_data, warn or progress))
         compute = getattr(torch, dtype)
         with planned_forward(gpu, ckpt, ids.shape, batch_size, compute, "calibrate") as plan:
             stats = measure_stats(

@@ -1,5 +1,6 @@
 """Start-up of the data-driven commands (calibrate, eval, reap --data): what runs before the
-first decoder layer and after the last, timed, and the GPU started on a thread of its own.
+first decoder layer and after the last, timed, and the GPU started on a thread of its own (a
+conversion starts it so too, while it opens SRC: kconvert.convert).
 
 Python's imports (torch, then transformers' DeepSeek-V3 modules: seconds, and transformers'
 module imports pull in torch._dynamo, torch.distributed.tensor and scipy whatever is used)

@@ -8,18 +8,21 @@ exit 1, an internal error keeps its traceback, says it is a bug, and exits 3.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import re
+import signal
 import sys
+import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import click
 from click.core import ParameterSource
 
 from kconvert import options
-from kconvert.errors import KconvertError, UsageError
+from kconvert.errors import KconvertError, Terminated, UsageError
 from kconvert.options import (
     BATCH_SIZE,
     BLOCK_SCALE_RULES,
@@ -70,10 +73,11 @@ OS_ADVICE = {
 
 # Exit status: 0 done (audit: every check passed); 2 a usage error (click's own: an unknown or
 # missing option, options that do not go together); 1 bad input, an I/O failure or a failed
-# audit check; 3 an internal error (a bug in kconvert).
+# audit check; 3 an internal error (a bug in kconvert); 130 Ctrl-C, 143 SIGTERM.
 EXIT_BAD_INPUT = 1
 EXIT_BUG = 3
 EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT (128 + 2)
+EXIT_TERMINATED = 143  # SIGTERM (128 + 15)
 
 BUG_REPORT = ("kconvert: internal error: this is a bug in kconvert {version}, not a problem "
               "with your input. Please report it (an issue in the kconvert repository) with "
@@ -133,6 +137,10 @@ class KconvertCommand(click.Command):
             help="Log the steps of the run to stderr (-vv: details too)."))
 
     def invoke(self, ctx: click.Context):
+        with _sigterm_interrupts():
+            return self._invoke(ctx)
+
+    def _invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except (click.ClickException, click.exceptions.Exit, click.Abort):
@@ -154,11 +162,33 @@ class KconvertCommand(click.Command):
             traceback.print_exc()
             click.echo(BUG_REPORT.format(version=__version__), err=True)
             ctx.exit(EXIT_BUG)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             hint = ("; nothing unfinished was marked complete: the same command with --resume "
                     "keeps every finished shard") if "resume" in ctx.params else ""
-            click.echo(f"\nkconvert: interrupted{hint}", err=True)
-            ctx.exit(EXIT_INTERRUPTED)
+            terminated = isinstance(exc, Terminated)
+            click.echo(f"\nkconvert: {'terminated (SIGTERM)' if terminated else 'interrupted'}"
+                       f"{hint}", err=True)
+            ctx.exit(EXIT_TERMINATED if terminated else EXIT_INTERRUPTED)
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """While a command runs in the main thread, SIGTERM raises Terminated there, as Ctrl-C
+    raises KeyboardInterrupt: clean-up runs (a spill removed, the lock released) and the
+    command says how to continue. A second SIGTERM ends the process at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(_signum, _frame) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise Terminated
+
+    before = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 class KconvertGroup(click.Group):
@@ -299,6 +329,9 @@ def calibration_options(samples_default: int | None, samples_help: str) -> list:
                      show_default=True,
                      help="With --data: sequences per step."),
         click.option("--seed", default=SEED, show_default=True, help="With --data: data order."),
+        click.option("--allow-short-data", is_flag=True, default=None,
+                     help="With --data: run on what it holds when it cannot fill --samples "
+                          "sequences of --seq-len tokens (a warning; otherwise an error)."),
     ]
 
 

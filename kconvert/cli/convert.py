@@ -43,7 +43,8 @@ def _run(recipe_name: str, src: str, dst: str, params: dict) -> None:
         if result.manifest is not None and not run["quiet"]:
             click.echo(result.summary_line())
         return
-    from kconvert.run_summary import RunSummary
+    from kconvert import events
+    from kconvert.run_summary import RunSummary, WrittenBytes
 
     messages: list[str] = []
 
@@ -52,13 +53,18 @@ def _run(recipe_name: str, src: str, dst: str, params: dict) -> None:
         click.echo(message, err=True)
 
     start = time.perf_counter()
+    written = WrittenBytes()
+    unsubscribe = events.subscribe(written, timings=True)
     try:
         summary = run_recipe(recipe_name, src, dst, **run, **options, echo=note).to_summary()
     except Exception as exc:
         # The same error then reaches KconvertCommand, which prints it and sets the exit code.
         click.echo(RunSummary.failed(recipe_name, src, run["dry_run"], str(exc),
-                                     time.perf_counter() - start, messages).model_dump_json())
+                                     time.perf_counter() - start, messages,
+                                     written.total).model_dump_json())
         raise
+    finally:
+        unsubscribe()
     click.echo(summary.model_dump_json())
 
 

@@ -32,6 +32,9 @@ FORWARD_OPTIONS = [
                  show_default=True, help="Compute dtype of weights and hidden states."),
     click.option("--tokenizer", default=None,
                  help="Tokenizer directory for text/messages lines [default: SRC]."),
+    click.option("--allow-short-data", is_flag=True,
+                 help="Run on what --data holds when it cannot fill --samples sequences of "
+                      "--seq-len tokens (a warning; otherwise an error)."),
 ]
 
 
@@ -48,14 +51,15 @@ FORWARD_OPTIONS = [
 @click.option("--overwrite", is_flag=True, help="Replace statistics already in the directory.")
 @click.option("--quiet", is_flag=True, help="No per-layer progress.")
 def calibrate_cmd(src, data, out, samples, seq_len, batch_size, seed, device, gpu_memory, dtype,
-                  tokenizer, revision, overwrite, quiet):
+                  tokenizer, allow_short_data, revision, overwrite, quiet):
     """Layer-streamed calibration of SRC: REAP saliency, expert counts, activation stats."""
     # kconvert.api's calibrate, without importing the rest of the API (audit, convert, sizing)
     from kconvert.calibrate import calibrate_to as calibrate
 
     calibrate(src, data, out, samples=samples, seq_len=seq_len, batch_size=batch_size,
               seed=seed, device=device, gpu_memory=gpu_memory, dtype=dtype, tokenizer=tokenizer,
-              revision=revision, overwrite=overwrite, progress=echo_unless_quiet(quiet))
+              revision=revision, overwrite=overwrite, progress=echo_unless_quiet(quiet),
+              allow_short_data=allow_short_data, warn=lambda m: click.echo(m, err=True))
 
 
 @click.command("eval", cls=KconvertCommand)
@@ -71,7 +75,7 @@ def calibrate_cmd(src, data, out, samples, seq_len, batch_size, seed, device, gp
 @apply_options(FORWARD_OPTIONS)
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def eval_cmd(src, candidates, data, out, samples, seq_len, batch_size, seed, device, gpu_memory,
-             dtype, tokenizer, quiet):
+             dtype, tokenizer, allow_short_data, quiet):
     """Compare each CANDIDATE with SRC on the same tokens, layer by layer.
 
     Per decoder layer: accumulated and local relative error of the hidden states; at the end:
@@ -84,7 +88,8 @@ def eval_cmd(src, candidates, data, out, samples, seq_len, batch_size, seed, dev
         from kconvert.evaluate.run import run_eval
 
     run_eval(src, list(candidates), data, out, samples, seq_len, batch_size, seed, device, dtype,
-             tokenizer, quiet, echo=click.echo, gpu_memory=gpu_memory)
+             tokenizer, quiet, echo=click.echo, gpu_memory=gpu_memory,
+             allow_short_data=allow_short_data)
 
 
 @click.command("audit", cls=KconvertCommand)

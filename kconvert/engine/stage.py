@@ -66,6 +66,11 @@ class Stage:
         statistics of W4A4): a resumed run checks they are unchanged."""
         return []
 
+    def summary(self) -> dict[str, int]:
+        """What the stage did, in numbers, for the manifest's summary beside the modules
+        counted there (e.g. REAP's layers whose repair the guard applied or refused)."""
+        return {}
+
     def output_files(self) -> dict[str, str]:
         """Files (name -> text) this stage adds to the output, e.g. the pruning plan."""
         return {}

@@ -298,7 +298,9 @@ def _check_replacement(info: TensorInfo, out_name: str, shape: tuple[int, ...],
     if tuple(value.shape) != tuple(shape) or value.dtype != info.torch_dtype:
         raise KconvertError(f"computed tensor {value.dtype}{list(value.shape)} cannot replace "
                             f"{info.dtype}{list(shape)}", tensor=out_name)
-    if value.is_floating_point() and not bool(torch.isfinite(value.float()).all()):
+    # a dry run's placeholders (on the meta device) hold no values to check
+    if value.device.type != "meta" and value.is_floating_point() \
+            and not bool(torch.isfinite(value.float()).all()):
         raise KconvertError("computed tensor holds NaN/Inf", tensor=out_name)
 
 
@@ -369,7 +371,10 @@ def describe(plan: WorkPlan) -> list[tuple[str, str, str, int, int, int, int]]:
     for m in plan.modules:
         source = m.primary.dtype if m.codec is DenseCodec else m.codec.name
         if m.out_codec is None:
-            out, n_out = "copy", len(m.params)
+            # its parameters as written: copied, or computed by a stage (a re-fitted matrix)
+            written = {plan.outputs[n].stage for p in m.params
+                       if (n := f"{m.out_module}.{p}") in plan.outputs}
+            out, n_out = "+".join(sorted(written)) or "copy", len(m.params)
             out_bytes = sum(i.nbytes for i in m.params.values())
         else:
             out = m.dense_dtype if m.out_codec is DenseCodec else m.out_codec.name

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from kconvert.calibrate.data import PAD_ID, load_calibration_data
+from kconvert.calibrate.data import PAD_ID, load_calibration_data, shortfall
 from kconvert.calibrate.forward import (
     ForwardContext,
     embed,
@@ -259,12 +259,15 @@ def _compare_logits(streams: list[Stream], batches: list[slice], valid: torch.Te
 def run_eval(src: str, candidates: list[str], data: str, out: str | None, samples: int,
              seq_len: int, batch_size: int, seed: int, device: str, dtype: str,
              tokenizer: str | None, quiet: bool, echo: Callable[[str], None],
-             gpu_memory: int | None = None) -> EvalReport:
+             gpu_memory: int | None = None, allow_short_data: bool = False) -> EvalReport:
     """`kconvert eval`: SRC against each candidate on the JSONL `data`; the table goes to
     `echo`, eval.json and eval.png to `out` when it is given. `gpu_memory`: --gpu-memory in
-    bytes (kconvert.gpu_budget)."""
+    bytes (kconvert.gpu_budget). Data that cannot fill `samples` sequences of `seq_len`
+    tokens is an error, or with `allow_short_data` a warning (the report's `tokens` say what
+    was used)."""
     from kconvert import distributed
     from kconvert.io.checkpoint import open_checkpoint
+    from kconvert.io.directories import check_output_dir
 
     if distributed.world() > 1:
         # Each rank would run the whole comparison on its own and write the same report.
@@ -278,12 +281,13 @@ def run_eval(src: str, candidates: list[str], data: str, out: str | None, sample
         with phase("open checkpoint"):
             for path in [src, *candidates]:
                 opened.append(open_checkpoint(path))
+        if out is not None:
+            check_output_dir(Path(out), [c.root for c in opened], "the eval directory (-o)")
         with phase("data"):
-            ids = load_calibration_data(data, tokenizer or opened[0].root, samples, seq_len,
-                                        seed)
-        if ids.shape[0] < samples and not quiet:
-            echo(f"note: the data gives {ids.shape[0]} sequence(s) of {seq_len} tokens, "
-                 f"fewer than --samples {samples}")
+            ids = load_calibration_data(
+                data, tokenizer or opened[0].root, samples, seq_len, seed,
+                vocab=opened[0].text_config["vocab_size"],
+                short=shortfall(allow_short_data, echo))
         compute = getattr(torch, dtype)
         with planned_forward(gpu, opened[0], ids.shape, batch_size, compute, "eval",
                              models=len(opened), logit_elems=LOGIT_ELEMS["cuda"]) as plan:

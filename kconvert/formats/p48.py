@@ -79,7 +79,7 @@ def apply_pair_mask(w: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class P48Result:
-    """What a check of packed bytes found; `first` locates the first bad chunk."""
+    """What a check of packed bytes found; `first` locates the first bad chunk in row order."""
 
     chunks: int = 0
     over_two: int = 0  # chunks with 3 or 4 nonzero pairs
@@ -92,27 +92,51 @@ class P48Result:
         return not self.over_two and not self.neg_zero
 
 
+# Packed bytes checked per step (whole rows): the step's temporaries stay in the cache.
+CHECK_BYTES = 4 << 20
+
+
 def check_packed(packed: torch.Tensor) -> P48Result:
     """Paired-4:8 over packed NVFP4 bytes [M, K/2].
 
     A byte is a nonzero pair iff (byte & 0x77) != 0 (0x8 is -0). At most 2 pairs per chunk may
     be nonzero, and a pruned pair must be stored as 0x00: so at most 2 bytes per chunk may
     differ from 0x00 (a kept pair may still quantize to zero or -0).
+
+    At read speed: a step of whole rows at a time, each chunk's count of bytes other than 0x00
+    made by reading its 4 flags as one int32 word (a few operations on the words, no
+    reduction); only a step with a chunk over the count is looked at again, to tell a third
+    nonzero pair from a -0.
     """
     packed = packed.reshape(packed.shape[0] if packed.dim() > 1 else 1, -1)
     rows, half = packed.shape
     if half % PAIRS:
         raise ValueError(f"packed rows of {half} bytes are not whole 8-element chunks")
-    chunks = packed.reshape(rows, half // PAIRS, PAIRS)
-    nonzero = ((chunks & 0x77) != 0).sum(-1)
-    stored = (chunks != 0).sum(-1)
-    over = nonzero > KEEP
-    negz = (stored > KEEP) & ~over
-    res = P48Result(chunks=rows * (half // PAIRS), over_two=int(over.sum()),
-                    neg_zero=int(negz.sum()))
-    for mask, kind in ((over, "nonzero"), (negz, "neg_zero")):
-        if res.first is None and bool(mask.any()):
-            r, c = (int(v) for v in mask.nonzero()[0])
-            res.first = (r, c, [int(b) for b in chunks[r, c]])
-            res.first_kind = kind
+    res = P48Result(chunks=rows * (half // PAIRS))
+    step = max(1, CHECK_BYTES // max(half, 1))
+    for r0 in range(0, rows, step):
+        part = packed[r0:r0 + step]
+        bad = _over_keep(part != 0)
+        if not bool(bad.any()):
+            continue
+        over = _over_keep((part & 0x77) != 0) != 0
+        bad = bad != 0
+        res.over_two += int(over.sum())
+        res.neg_zero += int((bad & ~over).sum())
+        if res.first is None:
+            r, c = (int(v) for v in bad.nonzero()[0])
+            res.first = (r0 + r, c, [int(b) for b in part[r, PAIRS * c:PAIRS * (c + 1)]])
+            res.first_kind = "nonzero" if bool(over[r, c]) else "neg_zero"
     return res
+
+
+def _over_keep(flags: torch.Tensor) -> torch.Tensor:
+    """Per chunk of byte flags [..., K/2] (bool, a tensor of the caller's own), nonzero where
+    more than KEEP of its 4 are set [..., K/8] (int32): the chunk's flags read as one
+    little-endian word, added by two shifts into its low byte (at most 4), and KEEP + 1 or
+    more carried into bit 3."""
+    words = flags.view(torch.uint8).view(torch.int32)
+    words += words >> 16  # bytes 0 and 1: flags 0+2 and 1+3
+    words += words >> 8  # byte 0: the count (bytes above it are not looked at)
+    words += 7 - KEEP
+    return words.bitwise_and_(8)

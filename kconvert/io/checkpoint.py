@@ -12,6 +12,7 @@ inconsistency as a finding instead).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -36,6 +37,10 @@ GENERATED_FILES = {INDEX, CONFIG, "hf_quant_config.json", MANIFEST,
                    "reap-plan.json"}
 SKIPPED_DIRS = {".git", ".cache", ".kconvert"}
 log = logging.getLogger(__name__)
+# Tensor bytes at each end of a shard that its content fingerprint reads (Checkpoint.fingerprint).
+FINGERPRINT_BYTES = 1 << 20
+
+
 # Weight files of a Hub repo that are fetched only when the index names them (a repo may hold
 # other formats of the same weights beside the safetensors: original/*.pth, *.bin).
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
@@ -83,6 +88,26 @@ class Checkpoint:
                 info = self.readers[file].tensors[name]
                 values[name] = tuple(int(v) for v in self.readers[file].read(info).tolist())
         return values
+
+    def fingerprint(self) -> str | None:
+        """sha256 of what identifies the checkpoint's content without reading it all:
+        config.json, and per shard its name, size, header and its first and last MiB of tensor
+        data (a retrained or edited checkpoint of the same layout differs there); None when a
+        shard is not a file under root (a streamed run's, deleted once converted)."""
+        digest = hashlib.sha256((self.root / CONFIG).read_bytes())
+        for shard in self.shards:
+            path = self.root / shard
+            if not path.is_file():
+                return None
+            size = path.stat().st_size
+            with path.open("rb") as fh:
+                head = fh.read(8)
+                start = 8 + int.from_bytes(head, "little")
+                digest.update(f"{shard}\0{size}\0".encode() + head + fh.read(start - 8))
+                digest.update(fh.read(min(FINGERPRINT_BYTES, size - start)))
+                fh.seek(max(start, size - FINGERPRINT_BYTES))
+                digest.update(fh.read())
+        return digest.hexdigest()
 
     def other_files(self) -> list[str]:
         """Every file that is not a weight shard or a regenerated file, relative to root."""

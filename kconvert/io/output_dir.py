@@ -12,7 +12,8 @@ Rules, so that no run ever loses data or passes off a half-written output as com
   old output as it was; without room for both, the old output is deleted first (and said so).
 - Run state lives in `<workspace>/.kconvert/`: `run.json` (what the run writes), `done/` (a record
   per finished shard: its tensors' content hashes), `partial/` (shards being written) and `tmp/`
-  (temporary names of whole-file writes). kconvert's temporary files never sit among the outputs.
+  (temporary names of whole-file writes); `DST/.kconvert/refit/` holds REAP compensation's
+  spill during the run. kconvert's temporary files never sit among the outputs.
 - `--resume` keeps a finished shard only if its header, size and every tensor's content hash
   still match its record (`--trust-complete` skips the hashing).
 """
@@ -32,6 +33,7 @@ from pathlib import Path
 
 from kconvert import events
 from kconvert.errors import KconvertError
+from kconvert.io.directories import overlaps
 from kconvert.io.files import hash_file, human_bytes, write_json
 from kconvert.io.hashing import TensorHashes
 from kconvert.io.lock import LOCK_FILE, STATE_DIR, acquire, holder_of, in_use, unwritable
@@ -39,6 +41,9 @@ from kconvert.io.shards import plan_header, read_header
 from kconvert.manifest import MANIFEST
 
 RUN_FILE = "run.json"
+# Under the state folder: where REAP's compensation spills re-fitted matrices during its
+# calibration (kconvert.stages.prune_data), removed when the run ends.
+REFIT_DIR = "refit"
 STAGING_SUFFIX = ".kconvert-new"
 # Room kept free beyond the planned bytes (file system metadata, rounding to blocks): this
 # much plus a thousandth of the output.
@@ -79,8 +84,7 @@ def resolve_dst(dst: str | Path) -> Path:
 
 def check_dst(src_root: Path, dst: Path, resume: bool, overwrite: bool, dry_run: bool) -> None:
     """Refuse a DST that overlaps SRC, is not a directory, or is in use without permission."""
-    s, d = src_root.resolve(), dst.resolve()
-    if s == d or s in d.parents or d in s.parents:
+    if overlaps(src_root, dst):
         raise KconvertError("DST must not be SRC, inside it, or contain it (the source is "
                             "never modified)", file=str(dst))
     if resume and overwrite:
@@ -204,10 +208,12 @@ class Planned:
     other_bytes: int
 
 
-def prepare(dst: Path, planned: Planned, fingerprint: str, resume: bool, overwrite: bool,
-            trust_complete: bool, shard_entries: ShardEntries,
+def prepare(dst: Path, planned: Planned, fingerprint: tuple[str, dict], resume: bool,
+            overwrite: bool, trust_complete: bool, shard_entries: ShardEntries,
             echo: Callable[[str], None]) -> tuple[Workspace, dict[str, dict]]:
     """The workspace to write into and the records of shards already complete (resume).
+    `fingerprint`: the digest of what the run writes and what it is made of (recorded in the
+    run state, so that a --resume of another run says what differs).
 
     Called with the lock held, after every input check: only here is anything deleted.
     """
@@ -223,14 +229,15 @@ def prepare(dst: Path, planned: Planned, fingerprint: str, resume: bool, overwri
         ws.root.mkdir(parents=True, exist_ok=True)
         for sub in ("partial", "done", "tmp"):
             (ws.state / sub).mkdir(parents=True, exist_ok=True)
-        write_json(ws.state / RUN_FILE, {"fingerprint": fingerprint, "files": planned.files},
+        write_json(ws.state / RUN_FILE, {"fingerprint": fingerprint[0],
+                                         "started_by": fingerprint[1], "files": planned.files},
                    ws.tmp(RUN_FILE))
     except OSError as exc:
         raise unwritable(ws.root, exc) from exc
     return ws, done
 
 
-def _resumed(dst: Path, fingerprint: str, planned: Planned, trust_complete: bool,
+def _resumed(dst: Path, fingerprint: tuple[str, dict], planned: Planned, trust_complete: bool,
              shard_entries: ShardEntries, echo) -> tuple[Workspace, dict[str, dict]]:
     staging = _staging(dst)
     if (staging / STATE_DIR / RUN_FILE).is_file():
@@ -247,10 +254,30 @@ def _resumed(dst: Path, fingerprint: str, planned: Planned, trust_complete: bool
     else:
         return Workspace(dst, dst), {}
     recorded = json.loads((ws.state / RUN_FILE).read_text())
-    if recorded.get("fingerprint") != fingerprint:
+    if recorded.get("fingerprint") != fingerprint[0]:
+        differs = _differences(recorded.get("started_by") or {}, fingerprint[1])
         raise KconvertError("--resume: DST was started by a different command, options or "
-                            "source; use --overwrite", file=str(ws.root))
+                            f"source ({differs or 'an earlier kconvert did not record which'}); "
+                            "use --overwrite to start again", file=str(ws.root))
     return ws, _complete_shards(ws, shard_entries, trust_complete, echo)
+
+
+def _differences(then: dict, now: dict, limit: int = 3) -> str:
+    """What differs between the run that started DST and this one, as dotted keys with both
+    values (`then` empty: nothing recorded)."""
+    if not then:
+        return ""
+
+    def flat(d: dict, prefix: str = "") -> dict[str, object]:
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+        return out
+
+    a, b = flat(then), flat(now)
+    keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    shown = [f"{k}: {a.get(k, '(none)')} then, {b.get(k, '(none)')} now" for k in keys[:limit]]
+    return "; ".join(shown) + (f"; and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
 def _replacement(dst: Path, planned: Planned, echo) -> Workspace:
@@ -279,7 +306,7 @@ def _replacement(dst: Path, planned: Planned, echo) -> Workspace:
     for entry in dst.iterdir():
         if entry.name == STATE_DIR:
             for inner in entry.iterdir():
-                if inner.name != LOCK_FILE:
+                if inner.name not in (LOCK_FILE, REFIT_DIR):  # the run's own
                     _remove(inner)
         else:
             _remove(entry)

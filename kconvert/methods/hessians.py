@@ -20,12 +20,13 @@ import contextlib
 import hashlib
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kconvert.calibrate.data import PAD_ID, load_calibration_data
+from kconvert.calibrate.data import PAD_ID, load_calibration_data, real_tokens
 from kconvert.calibrate.plan import forward
 from kconvert.errors import KconvertError
 from kconvert.gpu_plan import GpuPlan, GpuWork, Shapes
@@ -246,9 +247,14 @@ class Calibration:
 
     @classmethod
     def from_file(cls, ckpt: Checkpoint, path: str, samples: int, seq_len: int,
-                  batch_size: int, seed: int, device: torch.device) -> Calibration:
-        """Calibration on `samples` sequences of `seq_len` tokens from the JSONL `path`."""
-        ids = load_calibration_data(path, ckpt.root, samples, seq_len, seed)
+                  batch_size: int, seed: int, device: torch.device,
+                  short: Callable[[str], None] | None = None) -> Calibration:
+        """Calibration on `samples` sequences of `seq_len` tokens from the JSONL `path`, its
+        ids checked against the vocabulary when read (data that cannot fill them: `short`,
+        kconvert.calibrate.data.load_calibration_data); the record says what was used."""
+        ids = load_calibration_data(path, ckpt.root, samples, seq_len, seed,
+                                    vocab=ckpt.text_config["vocab_size"], short=short)
         digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
         return cls(CalibrationHessians(ckpt, ids, device, batch_size),
-                   {"sha256": digest, "samples": samples, "seq_len": seq_len, "seed": seed})
+                   {"sha256": digest, "samples": ids.shape[0], "seq_len": seq_len, "seed": seed,
+                    "tokens": real_tokens(ids)})

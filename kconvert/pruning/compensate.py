@@ -8,8 +8,9 @@ renormalised routing g'_j, plus the shared expert's down_proj W_s on its activat
 calibration tokens is a least-squares problem: ridge regression (pulled toward the source
 matrix, not toward zero) in float64. The shared expert (every token) and then each kept expert
 in ascending id (its routed tokens) are solved in turn on the residual the others leave,
-`sweeps` times (block Gauss-Seidel); everything is in a fixed order, so the result does not
-depend on thread counts.
+`sweeps` times (block Gauss-Seidel); everything is in a fixed order, so the same run writes
+the same bytes (at the same torch thread count: BLAS splits its sums by threads, so another
+count may round differently).
 
 Each matrix's system is solved in the smaller of two equal forms (`Normal`): over its inputs
 (A^T A + lam I) X = A^T R, or, when it sees fewer tokens than it has inputs (a Kimi expert
@@ -20,11 +21,16 @@ product with it, and in the token form the residual a solve leaves is lam Y.
 
 `which` picks the matrices: "shared" (the shared expert's down_proj only) or "down" (the
 shared expert's and every kept expert's down_proj).
+
+Each layer takes, of the ridges tried, the one whose re-fit has the lowest error on the
+held-out tokens (`Refit.best`), and the re-fit is written only where its held-out error as
+written (quantized matrices decoded again) is below the source matrices' (`Judged.applied`,
+the guard).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -125,6 +131,39 @@ class Normal:
         return torch.linalg.cholesky(g)
 
 
+def mse(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).double().square().mean()) if a.numel() else 0.0
+
+
+@dataclass(frozen=True)
+class Judged:
+    """A layer's block-output mean squared errors against the unpruned block, on the fit and
+    the held-out tokens, with the source matrices (before) and the re-fitted ones as written
+    (after)."""
+
+    fit_mse_before: float
+    fit_mse_after: float
+    heldout_mse_before: float
+    heldout_mse_after: float
+
+    @property
+    def applied(self) -> bool:
+        """The guard: the re-fit is written only where it lowers the held-out error."""
+        return self.heldout_mse_after < self.heldout_mse_before
+
+    @classmethod
+    def of(cls, fit: Block, held: Block, written: Callable[[int], torch.Tensor],
+           fit_target: torch.Tensor, held_target: torch.Tensor) -> Judged:
+        """The errors of the blocks on the fit and held-out tokens with their source matrices
+        and with matrix b = written(b)."""
+        dims = fit_target.shape[1]
+        n_fit, n_held = fit_target.shape[0], held_target.shape[0]
+        return cls(fit_mse_before=mse(fit.output(n_fit, dims), fit_target),
+                   fit_mse_after=mse(fit.output(n_fit, dims, written), fit_target),
+                   heldout_mse_before=mse(held.output(n_held, dims), held_target),
+                   heldout_mse_after=mse(held.output(n_held, dims, written), held_target))
+
+
 class Refit:
     """The re-fit of the first `count` matrices of a block (`fit` tokens, `target` their
     unpruned output) and its judge (`held`: the held-out tokens' pieces, same matrices).
@@ -176,6 +215,21 @@ class Refit:
                         residual[rows] = (r - a @ change).float()
                         offsets[b] = x.float()
         return offsets
+
+    def best(self, ridges: Sequence[float], sweeps: int, held_target: torch.Tensor
+             ) -> tuple[float, list[torch.Tensor | None]]:
+        """Of `ridges`, the one whose re-fit has the lowest mean squared error against
+        `held_target` on the held-out tokens (ties: the smaller ridge), and its offsets; only
+        the best offsets so far are held."""
+        best = None
+        for ridge in ridges:
+            offsets = self.solve(ridge, sweeps)
+            with self.watch.phase("compensation choice"):
+                got = (mse(self.held_output(offsets), held_target), ridge, offsets)
+            if best is None or got[:2] < best[:2]:
+                best = got
+            del offsets, got
+        return best[1], best[2]
 
     def matrix(self, offsets: list[torch.Tensor | None], b: int) -> torch.Tensor:
         """Matrix b re-fitted [hidden, inter], fp32 on the features' device."""

@@ -26,8 +26,11 @@ output error is the routed part's error.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import errno
 import functools
 import logging
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,10 +42,11 @@ from kconvert.calibrate.forward import MoEBlock, embed, model_config, padding_aw
 from kconvert.devices import Stopwatch, deterministic
 from kconvert.errors import KconvertError
 from kconvert.io.checkpoint import Checkpoint
+from kconvert.io.files import human_bytes
 from kconvert.model.names import Role, parse_name
 from kconvert.options import COMPENSATIONS, REPAIRS
 from kconvert.pruning import recode
-from kconvert.pruning.compensate import Refit, Routing, block
+from kconvert.pruning.compensate import Judged, Refit, Routing, block, mse
 from kconvert.pruning.plan import LayerCompensation, LayerRepair, PrunePlan
 from kconvert.pruning.reap import CRITERIA, keep_ids, row_hashes, tensor_hash, with_means
 
@@ -128,10 +132,6 @@ def routed_output(moe: MoEBlock, router: nn.Module, x: torch.Tensor,
         src = ids if expert_ids is None else expert_ids[ids]
         out[s:s + chunk] = torch.einsum("tk,tkh->th", w, expert_outputs(moe, xs, src))
     return out
-
-
-def mse(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).double().square().mean()) if a.numel() else 0.0
 
 
 @dataclass
@@ -383,10 +383,11 @@ class RouterRepair:
     def _compensate(self, layer: int, moe: MoEBlock, x: torch.Tensor, target: torch.Tensor,
                     n_fit: int, router: nn.Module, watch: Stopwatch) -> None:
         """Re-fit the layer's down_proj matrices (kconvert.pruning.compensate) on the fit
-        tokens at each ridge, take the ridge with the lowest held-out error, and encode its
-        matrices in the source's format; when their held-out error as written (decoded again)
-        is below the source matrices', write them into `moe` (the stream moves on with what
-        is written) and keep their encoded parameters for the output."""
+        tokens at each ridge, take the ridge with the lowest held-out error (Refit.best), and
+        encode its matrices in the source's format; when the guard passes them (Judged.applied:
+        their held-out error as written, decoded again, below the source matrices'), write
+        them into `moe` (the stream moves on with what is written) and keep their encoded
+        parameters for the output."""
         s, keep = self.settings, self.kept[layer]
         sources = self.down_sources(layer, keep)
         w, ids = route(router, x)
@@ -398,52 +399,37 @@ class RouterRepair:
             pieces = block(moe, keep, fitted_on, x[:n_fit], down, shared_down)
             held = block(moe, keep, held_on, x[n_fit:], down, shared_down)
         count = 1 if s.compensate == "shared" else len(sources)
-        dims, n_held = target.shape[1], x.shape[0] - n_fit
-        refit = Refit(pieces, target[:n_fit], held, n_held, count, watch)
-        before = {"fit_mse_before": mse(refit.fit_before, target[:n_fit]),
-                  "heldout_mse_before": mse(refit.held_before, target[n_fit:])}
-        # the ridge is chosen per layer by the held-out error of the re-fitted matrices
-        # (ties: the smaller ridge); only the best offsets so far are held
-        best = None
-        for ridge in s.ridges:
-            offsets = refit.solve(ridge, s.sweeps)
-            with watch.phase("compensation choice"):
-                got = (mse(refit.held_output(offsets), target[n_fit:]), ridge, offsets)
-            if best is None or got[:2] < best[:2]:
-                best = got
-            del offsets, got
-        _, ridge, offsets = best
+        n_held = x.shape[0] - n_fit
+        fit_target, held_target = target[:n_fit], target[n_fit:]
+        refit = Refit(pieces, fit_target, held, n_held, count, watch)
+        ridge, offsets = refit.best(s.ridges, s.sweeps, held_target)
         with watch.phase("compensation encode"):
             encoded = recode.encode(self.ckpt, sources[:count],
                                     functools.partial(refit.matrix, offsets), self.block_scale,
                                     x.device)
-        del best, offsets, refit
+        del offsets, refit
 
         def written(b: int) -> torch.Tensor:
             return recode.decode(sources[b], encoded[b], x.device) if b < count \
                 else pieces.weight(b)
 
         with watch.phase("compensation guard"):
-            errors = {
-                **before,
-                "fit_mse_after": mse(pieces.output(n_fit, dims, written), target[:n_fit]),
-                "heldout_mse_after": mse(held.output(n_held, dims, written), target[n_fit:])}
-            applied = errors["heldout_mse_after"] < errors["heldout_mse_before"]
-            hashes, kept = {}, {}
-            if applied:
-                for i, (lin, params) in enumerate(zip(sources, encoded, strict=False)):
-                    for param, t in params.items():
-                        name = output_name(f"{lin.module}.{param}", i - 1)
-                        kept[name] = t.cpu()
-                        hashes[name] = tensor_hash(kept[name])
-                    into = shared_down if i == 0 else moe.experts.down[keep[i - 1]]
-                    into.copy_(written(i).to(into.dtype))
-                self.matrices.update(self._spilled(layer, kept))
+            judged = Judged.of(pieces, held, written, fit_target, held_target)
+        hashes, kept = {}, {}
+        if judged.applied:
+            for i, (lin, params) in enumerate(zip(sources, encoded, strict=False)):
+                for param, t in params.items():
+                    name = output_name(f"{lin.module}.{param}", i - 1)
+                    kept[name] = t.cpu()
+                    hashes[name] = tensor_hash(kept[name])
+                into = shared_down if i == 0 else moe.experts.down[keep[i - 1]]
+                into.copy_(written(i).to(into.dtype))
+            self.matrices.update(self._spilled(layer, kept))
         ruled = any(lin.codec.uses_scale_rule for lin in sources[:count])
         self.compensations[layer] = LayerCompensation(
-            method=s.compensate, applied=applied, fit_tokens=n_fit,
+            method=s.compensate, applied=judged.applied, fit_tokens=n_fit,
             heldout_tokens=n_held, ridge=ridge, matrices_xxh3=hashes,
-            block_scale=self.block_scale if ruled else None, **errors)
+            block_scale=self.block_scale if ruled else None, **dataclasses.asdict(judged))
 
     def _spilled(self, layer: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`tensors` written to the spill directory and memory-mapped back (file pages, which
@@ -451,7 +437,19 @@ class RouterRepair:
         if self.spill is None:
             return tensors
         path = self.spill / f"layer-{layer}.pt"
-        torch.save(tensors, path)
+        try:
+            torch.save(tensors, path)
+        except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as either
+            path.unlink(missing_ok=True)
+            nbytes = sum(t.nbytes for t in tensors.values())
+            free = shutil.disk_usage(self.spill).free
+            if getattr(exc, "errno", None) not in (errno.ENOSPC, errno.EDQUOT) and free >= nbytes:
+                raise
+            raise KconvertError(
+                f"the disk filled up while spilling layer {layer}'s re-fitted matrices "
+                f"({human_bytes(nbytes)}, {human_bytes(free)} free): compensation keeps every "
+                "layer's re-fitted down_proj matrices on DST's file system until they are "
+                "written; free space there and run again", file=str(path)) from exc
         return torch.load(path, mmap=True, weights_only=True)
 
     def down_sources(self, layer: int, keep: list[int]) -> list[recode.SourceLinear]:

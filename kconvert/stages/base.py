@@ -28,7 +28,7 @@ from kconvert.options import calibration_run
 
 # The command-line options that say which calibration data a command reads and how it runs
 # (REAP's saliency for a prune stage, a data-driven method's inputs for the others).
-CALIBRATION_OPTIONS = ("data", "samples", "seq_len", "batch_size", "seed")
+CALIBRATION_OPTIONS = ("data", "samples", "seq_len", "batch_size", "seed", "allow_short_data")
 # What a method's need is given by (kconvert.methods.base.NEEDS).
 NEED_OPTIONS = {"data": "calibration data: --data FILE",
                 "stats": "--stats DIR (from `kconvert calibrate`)"}
@@ -164,18 +164,21 @@ def prepare_method(stage: str) -> Callable[[tuple[dict, ...], dict[str, Any], Gp
             method = method_named(stage, tables[0].get("method"))
         except KconvertError as exc:
             raise UsageError(str(exc)) from exc
-        needs_here = {m.needs for m in methods_of(stage).values()}
-        # an unused --data or --stats is named by the recipe's first stage with methods (the
-        # stage --method goes to)
-        first = next(t["stage"] for t in stages if methods_of(t["stage"])) == stage
         for option, need in (("data", "data"), ("stats", "stats")):
-            if (options.get(option) is None or method.needs == need or need not in needs_here
-                    or not first):
+            if options.get(option) is None or method.needs == need:
                 continue
-            if not any(_uses(t, option) for t in stages if t["stage"] != stage):
-                users = [n for n, m in methods_of(stage).items() if m.needs == need]
-                raise UsageError(f"--{option} serves --method {' or '.join(users)}; this run's "
-                                 f"{stage} method is {method.name}")
+            # an option none of this kind's methods takes is another stage kind's to judge
+            if not any(m.needs == need for m in methods_of(stage).values()) or any(
+                    _uses(t, option) for t in stages if t["stage"] != stage):
+                continue
+            # the message is the same whichever stage kind of the recipe finds it first
+            users = [n for t in stages for n, m in methods_of(t["stage"]).items()
+                     if m.needs == need]
+            chosen = ", ".join(f"{t['stage']} method is "
+                               f"{method_named(t['stage'], t.get('method')).name}"
+                               for t in stages if methods_of(t["stage"]))
+            raise UsageError(f"--{option} serves --method {' or '.join(users)}; this run's "
+                             f"{chosen}")
         if method.needs == "stats" and tables[0].get("stats") is None:
             raise UsageError(f"--method {method.name} needs {NEED_OPTIONS['stats']}")
         if method.needs != "data":
@@ -184,9 +187,14 @@ def prepare_method(stage: str) -> Callable[[tuple[dict, ...], dict[str, Any], Gp
             raise UsageError(f"--method {method.name} needs {NEED_OPTIONS['data']}")
 
         def make(ckpt: Checkpoint) -> Calibration:
+            from kconvert.calibrate.data import shortfall
+
             samples, seq_len, batch_size, seed = calibration_run(options, method.samples)
-            return Calibration.from_file(ckpt, options["data"], samples, seq_len, batch_size,
-                                         seed, gpu.device)
+            # the data's checks before any work (vocabulary, --samples x --seq-len filled)
+            return Calibration.from_file(
+                ckpt, options["data"], samples, seq_len, batch_size, seed, gpu.device,
+                shortfall(bool(options.get("allow_short_data")),
+                          options.get("echo") or (lambda _message: None)))
 
         return make
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import tempfile
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -20,7 +20,7 @@ from kconvert.gpu_budget import GpuRequest
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.model.arch import arch_of
 from kconvert.model.names import Role, TensorName
-from kconvert.options import COMPENSATIONS, REAP_SAMPLES, REPAIRS, calibration_run
+from kconvert.options import COMPENSATIONS, REPAIRS
 from kconvert.pruning.plan import PLAN_FILE, PrunePlan, load_plan
 from kconvert.pruning.reap import (
     compensated_tensors,
@@ -39,6 +39,10 @@ class PruneRecord(StageRecord):
                                "router); absent: none")
     compensate: str | None = Field(default=None, description="down_proj compensation (shared "
                                    "or down); absent: none")
+    data: dict | None = Field(default=None, description="--data: the calibration data (sha256, "
+                              "seed) and what of it was used (samples: sequences, padded last "
+                              "one included; seq_len; tokens: real tokens); absent: a plan or "
+                              "statistics given")
 
 
 @dataclass(frozen=True)
@@ -56,8 +60,13 @@ class Prune(Stage):
     compensate: str = "none"
     # (output name, tensor) of every repaired router and re-fitted down_proj
     replaced: tuple[tuple[str, torch.Tensor], ...] = field(default=(), compare=False)
-    # the directory the re-fitted matrices were spilled to, removed when the run ends
-    scratch: tempfile.TemporaryDirectory | None = field(default=None, compare=False)
+    # the directory the re-fitted matrices were spilled to (under DST's state folder), removed
+    # when the run ends
+    spill: Path | None = field(default=None, compare=False)
+    # --data: what identifies the calibration data and what of it was used (PruneRecord.data)
+    data: dict | None = None
+    # the layers whose repair / compensation the guard applied or refused (`summary`)
+    outcomes: tuple[tuple[str, int], ...] = ()
     name: str = "prune"
 
     @cached_property
@@ -100,14 +109,19 @@ class Prune(Stage):
             record.repair = self.repair
         if self.compensate != "none":
             record.compensate = self.compensate
+        if self.data is not None:
+            record.data = self.data
         return record
+
+    def summary(self) -> dict[str, int]:
+        return dict(self.outcomes)
 
     def output_files(self) -> dict[str, str]:
         return {PLAN_FILE: self.plan_json}
 
     def close(self) -> None:
-        if self.scratch is not None:
-            self.scratch.cleanup()
+        if self.spill is not None:
+            shutil.rmtree(self.spill, ignore_errors=True)
 
 
 def build(settings: dict, prune: Prune | None) -> Prune:
@@ -172,50 +186,56 @@ def prune_stage(plan: PrunePlan, ckpt: Checkpoint,
                  plan_json=plan_json, repair=plan.repair or "none",
                  compensate=plan.compensation or "none",
                  replaced=repaired_tensors(plan, ckpt, rows or {})
-                 + compensated_tensors(plan, matrices or {}))
+                 + compensated_tensors(plan, matrices or {}), outcomes=guard_outcomes(plan))
+
+
+def guard_outcomes(plan: PrunePlan) -> tuple[tuple[str, int], ...]:
+    """For the manifest's summary: the layers whose router repair and compensation the guard
+    applied, and those it refused (their source rows / matrices written)."""
+    out = []
+    for what, key in (("repair", "repair"), ("compensation", "compensation")):
+        records = [getattr(v, key) for v in plan.layers.values()
+                   if getattr(v, key) is not None]
+        if records:
+            applied = sum(r.applied for r in records)
+            out += [(f"{what}_applied_layers", applied),
+                    (f"{what}_refused_layers", len(records) - applied)]
+    return tuple(out)
 
 
 def prepare(stages: tuple[dict, ...], options: dict, gpu: GpuRequest
             ) -> Callable[[Checkpoint], Prune]:
     """The Prune stage from --plan, or a plan from --stats or --data (REAP calibration, with
-    router repair in the same pass when --repair or the recipe asks for it, its micro-batch
-    within the run's GPU memory budget, `gpu`'s). The options are checked now, before the
-    source is opened."""
+    router repair and compensation in the same pass when --repair, --compensate or the recipe
+    asks for them, its micro-batch within the run's GPU memory budget, `gpu`'s;
+    kconvert.stages.prune_data). The options are checked now, before the source is opened;
+    `options` also holds the run's `dst`, `dry_run` and `echo` (kconvert.commands)."""
     plan, stats, data = options.get("plan"), options.get("stats"), options.get("data")
+    repair = options.get("repair") or next(
+        (s["repair"] for s in stages if s["stage"] == Prune.name and "repair" in s), "none")
+    compensate = options.get("compensate") or next(
+        (s["compensate"] for s in stages if s["stage"] == Prune.name and "compensate" in s),
+        "none")
+    # what needs --data first: the message names the option that needs it
+    if repair != "none" and data is None:
+        raise UsageError(f"--repair {repair} fits the router during REAP's calibration, which "
+                         "needs calibration data: give --data FILE")
+    if compensate != "none" and data is None:
+        raise UsageError(f"--compensate {compensate} re-fits matrices during REAP's calibration, "
+                         "which needs calibration data: give --data FILE")
     if sum(x is not None for x in (plan, stats, data)) > 1:
         raise UsageError("give only one of --plan, --stats and --data")
     if plan is None and stats is None and data is None:
         raise UsageError("give --data FILE, --stats DIR or --plan FILE")
-    repair = options.get("repair") or next(
-        (s["repair"] for s in stages if s["stage"] == Prune.name and "repair" in s), "none")
-    if repair != "none" and data is None:
-        raise UsageError(f"repair {repair} fits the router during calibration: give --data FILE")
-    compensate = options.get("compensate") or next(
-        (s["compensate"] for s in stages if s["stage"] == Prune.name and "compensate" in s),
-        "none")
-    if compensate != "none" and data is None:
-        raise UsageError(f"compensate {compensate} re-fits matrices during calibration: give "
-                         "--data FILE")
 
     def make(ckpt: Checkpoint) -> Prune:
-        from kconvert.calibrate.data import load_calibration_data
-        from kconvert.calibrate.plan import planned_forward
-        from kconvert.calibrate.run import measure_stats
-        from kconvert.calibrate.startup import phase, start_device
-        from kconvert.calibrate.stats import save_stats
         from kconvert.pruning.reap import (
             check_plan_keep,
             keep_count,
             plan_from_scores,
             scores_from_stats,
-            scores_of,
         )
-        from kconvert.pruning.repair import (
-            RepairSettings,
-            RouterRepair,
-            stream_bytes,
-            with_repair,
-        )
+        from kconvert.stages import prune_data
 
         if plan is not None:
             loaded = load_plan(plan)
@@ -223,46 +243,26 @@ def prepare(stages: tuple[dict, ...], options: dict, gpu: GpuRequest
             return prune_stage(loaded, ckpt)
         keep = keep_count(ckpt, options.get("keep"), options.get("prune_ratio"))
         criterion = options.get("criterion") or "reap"
-        fixer, scratch = None, None
+        echo = options.get("echo") or (lambda _message: None)
         if stats is not None:
             scores = scores_from_stats(stats)
-        else:
-            samples, seq_len, batch_size, seed = calibration_run(options, REAP_SAMPLES)
-            start_device(gpu.device)  # CUDA starts while the data and transformers load
-            with phase("data"):
-                ids = load_calibration_data(data, ckpt.root, samples, seq_len, seed)
-            refit = repair != "none" or compensate != "none"
-            stream = (stream_bytes(ckpt.text_config["hidden_size"], torch.bfloat16.itemsize,
-                                   ids.numel()) if refit else 0)
-            with planned_forward(gpu, ckpt, ids.shape, batch_size, torch.bfloat16,
-                                 "REAP's calibration", repair_bytes=stream) as memory:
-                if refit:
-                    scratch = (spill_directory(options.get("dst")) if compensate != "none"
-                               else None)
-                    fixer = RouterRepair(
-                        ckpt, ids, RepairSettings(repair, keep, criterion, compensate=compensate),
-                        gpu.device, batch_size=batch_size if memory is None else memory.batch_size,
-                        spill=Path(scratch.name) if scratch else None)
-                measured = measure_stats(ckpt, ids, gpu.device, batch_size, on_weights=fixer,
-                                         gpu_plan=memory)
-            if options.get("save_stats"):
-                save_stats(measured, options["save_stats"])
-            scores = scores_of(measured)
-        made = plan_from_scores(scores, keep, criterion, ckpt.identity)
-        if fixer is None:
+            made = plan_from_scores(scores, keep, criterion, ckpt.identity)
+            prune_data.note_unrouted(made, scores, echo)
             return prune_stage(made, ckpt)
-        stage = prune_stage(with_repair(made, fixer), ckpt, fixer.rows, fixer.matrices)
-        return dataclasses.replace(stage, scratch=scratch)
+        made = prune_data.from_data(ckpt, options, gpu, keep, criterion, repair, compensate,
+                                    echo)
+        try:
+            stage = prune_stage(made.plan, ckpt, made.rows, made.matrices)
+        except BaseException:
+            if made.spill is not None:
+                shutil.rmtree(made.spill, ignore_errors=True)
+            raise
+        if made.placeholders is not None:  # a dry run: what the run would repair or re-fit
+            stage = dataclasses.replace(stage, repair=repair, compensate=compensate,
+                                        replaced=made.placeholders)
+        return dataclasses.replace(stage, spill=made.spill, data=made.data)
 
     return make
-
-
-def spill_directory(dst: str | None) -> tempfile.TemporaryDirectory:
-    """A scratch directory for re-fitted matrices beside DST (same file system, whose free
-    space the output needs anyway), or in the system's temporary directory without one."""
-    parent = Path(dst).resolve().parent if dst is not None else None
-    return tempfile.TemporaryDirectory(prefix=".kconvert-refit-",
-                                       dir=parent if parent and parent.is_dir() else None)
 
 
 KIND = StageKind(Prune.name, build, PruneRecord, input_type=Prune, prepare=prepare,

@@ -413,7 +413,8 @@ def test_cli(fixture_dir, tmp_path):
     assert res.exit_code == 1 and "--overwrite" in res.output
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"input_ids": [600] * 16}])  # vocab is 512
     res = cli_inproc("calibrate", args[0], "--data", bad, "-o", tmp_path / "s2", "--seq-len", 16)
-    assert res.exit_code == 1 and "token ids must lie in" in res.output
+    assert res.exit_code == 1 and "line 1: token id 600 is beyond the model's vocabulary" \
+        in res.output
 
 
 def test_same_statistics_give_the_same_bytes(tmp_path):

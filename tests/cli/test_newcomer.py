@@ -13,7 +13,7 @@ from dataclasses import fields
 import click
 import pytest
 
-from conftest import BUNDLED
+from conftest import BUNDLED, ROOT
 from helpers import cli_inproc, write_jsonl
 from kconvert import options
 from kconvert.cli import main
@@ -140,9 +140,10 @@ def test_calibrate_messages_modes_and_summary(tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": list(range(16))}])
     out = tmp_path / "stats"
     res = cli_inproc("calibrate", BUNDLED, "--data", data, "-o", out, "--samples", "2", "--seq-len",
-                     "16", "--device", "cpu")
+                     "16", "--device", "cpu", "--allow-short-data")
     assert res.exit_code == 0, res.output
-    assert "the data gives 1 sequence of 16 tokens, fewer than --samples 2" in res.output
+    assert ("kconvert: warning: " + str(data) + " holds 16 tokens in 1 line(s): 1 full "
+            "sequence(s) of 16 tokens, fewer than --samples 2 x --seq-len 16") in res.output
     assert "wrote " in res.output and "16 tokens, 2 MoE layers" in res.output
     umask = os.umask(0)
     os.umask(umask)
@@ -158,11 +159,15 @@ def test_samples_default_is_per_use_and_documented(tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": list(range(i, i + 16))}
                                          for i in range(2)])
     dst = tmp_path / "out"
-    res = cli_inproc("run", "sparsify", BUNDLED, dst, "--method", "sparsegpt", "--data", data,
-                     "--seq-len", "16", "--device", "cpu", "--quiet")
+    args = ["run", "sparsify", BUNDLED, dst, "--method", "sparsegpt", "--data", data,
+            "--seq-len", "16", "--device", "cpu", "--quiet"]
+    res = cli_inproc(*args)  # the 2 sequences here cannot fill the default, which it names
+    assert res.exit_code == 1 and "fewer than --samples 128 x --seq-len 16" in res.output
+    res = cli_inproc(*args, "--allow-short-data")
     assert res.exit_code == 0, res.output
     manifest = json.loads((dst / "kconvert-manifest.json").read_text())
-    assert manifest["options"]["sparsify"]["data"]["samples"] == 128  # as `sparsify` records
+    used = manifest["options"]["sparsify"]["data"]
+    assert (used["samples"], used["tokens"]) == (2, 32)  # what was used, not asked
 
     def help_of(command: str) -> str:
         return " ".join(cli_inproc(command, "--help").output.split())
@@ -172,3 +177,19 @@ def test_samples_default_is_per_use_and_documented(tmp_path):
     assert ("[default: 1024 for a prune stage's REAP calibration, 128 for SparseGPT and GPTQ]"
             in help_of("run"))
     assert "With --data: sequences. [default: 128;" in help_of("quantize")
+
+
+def test_the_calibration_data_script_feeds_the_bundled_checkpoints(tmp_path):
+    """No calibration data shipped and no command made any (the trained tiny MoE has no
+    tokenizer): scripts/make_calibration_data.py writes token ids both bundled kinds read."""
+    data = tmp_path / "calib.jsonl"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_calibration_data.py"),
+                           str(data), "--samples", "2", "--seq-len", "16"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(ln)["input_ids"] for ln in data.read_text().splitlines()]
+    assert len(rows) == 2 and all(len(r) == 16 for r in rows)
+    for src in (BUNDLED, ROOT / "tests" / "fixtures" / "tiny-moe-trained"):
+        res = cli_inproc("calibrate", src, "--data", data, "-o", tmp_path / src.name,
+                         "--samples", "2", "--seq-len", "16", "--device", "cpu", "--quiet")
+        assert res.exit_code == 0, res.output

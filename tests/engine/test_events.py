@@ -110,9 +110,11 @@ def test_bytes_add_up_to_the_source_and_output_files(recorded):
 def test_phases_nest_and_run_events_reach_every_listener(recorded):
     timed, plain, _ = recorded
     phases = {info["name"]: info for e, info in timed if e == "phase"}
-    assert sorted(phases) == ["build_work_plan", "execute", "read_shape_values"]
-    shapes, plan, run = (phases[n] for n in ("read_shape_values", "build_work_plan", "execute"))
-    assert plan["start"] <= shapes["start"] <= shapes["end"] <= plan["end"] <= run["start"]
+    assert sorted(phases) == ["build_work_plan", "execute", "prepare", "read_shape_values"]
+    prepare, shapes, plan, run = (phases[n] for n in ("prepare", "read_shape_values",
+                                                      "build_work_plan", "execute"))
+    assert prepare["end"] <= plan["start"] <= shapes["start"] <= shapes["end"] <= plan["end"] \
+        <= run["start"]
     items = [info for e, info in timed if e in ITEM_STEPS]
     assert all(run["start"] <= info["start"] <= info["end"] <= run["end"] for info in items)
     # A listener that did not ask for timings gets the run events only, the same ones.

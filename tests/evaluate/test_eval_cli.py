@@ -49,8 +49,8 @@ def test_k25_and_k26_wrappers_are_their_language_model(fixture_dir, data, tmp_pa
     k2 = fixture_dir("k2-int4-kimi")
     out = tmp_path / "ev"
     res = cli_inproc("eval", k2, fixture_dir("k25-int4"), fixture_dir("k26-int4"),
-                     fixture_dir("bf16"), "--data", data, "--seq-len", 16, "--dtype", "float32",
-                     "--device", "cpu", "-o", out, "--quiet")
+                     fixture_dir("bf16"), "--data", data, "--seq-len", 16, "--samples", 3,
+                     "--dtype", "float32", "--device", "cpu", "-o", out, "--quiet")
     assert res.exit_code == 0, res.output
     k25, k26, bf16 = json.loads((out / "eval.json").read_text())["candidates"]
     for same in (k25, k26):
@@ -68,8 +68,8 @@ def test_k25_and_k26_wrappers_are_their_language_model(fixture_dir, data, tmp_pa
 ])
 def test_a_candidate_of_another_shape_is_refused(dims, said, fixture_dir, data, tmp_path):
     cand = fixture_dir("bf16", **dims)
-    res = cli_inproc("eval", fixture_dir("bf16"), cand, "--data", data, "--seq-len", 16, "--device",
-                     "cpu", "-o", tmp_path / "ev", "--quiet")
+    res = cli_inproc("eval", fixture_dir("bf16"), cand, "--data", data, "--seq-len", 16,
+                     "--samples", 3, "--device", "cpu", "-o", tmp_path / "ev", "--quiet")
     assert_user_error(res, said, str(cand))
     assert res.output.count(str(cand)) == 2, res.output  # once in the text, once as the file
     assert not (tmp_path / "ev").exists()
@@ -81,8 +81,8 @@ def test_a_candidate_of_a_smaller_vocabulary_is_named_for_it(fixture_dir, tmp_pa
     src, cand = fixture_dir("bf16", vocab=1024), fixture_dir("bf16")
     data = write_input_ids(tmp_path / "d.jsonl", ([(97 * i + 31 * j) % 1000 for j in range(16)]
                                                   for i in range(2)))
-    res = cli_inproc("eval", src, cand, "--data", data, "--seq-len", 16, "--device", "cpu", "-o",
-                     tmp_path / "ev", "--quiet")
+    res = cli_inproc("eval", src, cand, "--data", data, "--seq-len", 16, "--samples", 2,
+                     "--device", "cpu", "-o", tmp_path / "ev", "--quiet")
     assert_user_error(res, "vocab_size is 512 but the source's is 1024", str(cand))
 
 
@@ -94,9 +94,11 @@ def test_empty_data_and_bad_ids_are_refused(fixture_dir, tmp_path):
                       str(empty))
     big = write_input_ids(tmp_path / "big.jsonl", [[1, 2, 600]])
     assert_user_error(cli_inproc("eval", src, src, "--data", big, "--device", "cpu", "--quiet"),
-                      "token ids must lie in 0..511")
+                      "line 1: token id 600 is beyond the model's vocabulary (vocab_size 512: "
+                      "ids 0..511)", str(big))
     one = write_input_ids(tmp_path / "one.jsonl", [[5]])
-    res = cli_inproc("eval", src, src, "--data", one, "--seq-len", 1, "--device", "cpu")
+    res = cli_inproc("eval", src, src, "--data", one, "--seq-len", 1, "--samples", 1,
+                     "--device", "cpu")
     assert_user_error(res, "no position with a next token")
 
 

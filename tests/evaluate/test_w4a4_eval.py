@@ -5,8 +5,9 @@ stored global input scale, E2M1 values), as vLLM's reference emulation of its ke
 The quantize-dequantize is written here from that description (tests/nvfp4_reference.py for
 the FP8 and E2M1 grids); the W4A4 candidates' MoE layers are compared with their W4A16 twins
 (same weight bytes) whose routed-expert inputs go through the quantize-dequantize written here
-with the scales read here from the files; and the eval of a W4A4 candidate differs from its
-W4A16 twin's.
+with the scales read here from the files; attention's linears likewise, on a candidate
+quantized with the statistics `kconvert calibrate` measures (which store attention's input
+scales too); and the eval of a W4A4 candidate differs from its W4A16 twin's.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from nvfp4_reference import fp8_value, round_e2m1
 from safetensors import safe_open
 
 from conftest import ROOT
-from helpers import built_layer, eval_logits
+from helpers import built_layer, cli_inproc, eval_logits
 from kconvert.convert import RunControl, convert
 from kconvert.evaluate import activations
 from kconvert.recipes import load_recipe
@@ -139,3 +140,51 @@ def test_w4a4_eval_differs_from_its_w4a16_twin(twins):
     w4a16, w4a4 = eval_logits(SRC, [twins["compressed-tensors", "w4a16"],
                                      twins["compressed-tensors", "w4a4"]], ids)
     assert w4a4.kl_mean > w4a16.kl_mean > 0
+
+
+ATTENTION = ("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj", "o_proj")
+
+
+@pytest.fixture(scope="module")
+def attention_twins(tmp_path_factory):
+    """W4A4 and W4A16 twins quantized on experts and attention, with the input statistics
+    `kconvert calibrate` measures (its act_stats.json: every linear, attention included)."""
+    tmp = tmp_path_factory.mktemp("w4a4-attention")
+    ids = heldout_ids(4 * 32, seed=3, window=32).reshape(4, 32)
+    data = tmp / "d.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in ids))
+    stats = tmp / "stats"
+    res = cli_inproc("calibrate", SRC, "--data", data, "-o", stats, "--samples", 4, "--seq-len",
+                     32, "--device", "cpu", "--quiet")
+    assert res.exit_code == 0, res.output
+    out = {}
+    for name, extra in (("w4a16", []), ("w4a4", ["--act-stats", stats / "act_stats.json"])):
+        out[name] = tmp / name
+        res = cli_inproc("quantize", SRC, out[name], "--targets", "experts,attention",
+                         "--device", "cpu", "--quiet", *extra)
+        assert res.exit_code == 0, res.output
+    return out
+
+
+@pytest.mark.parametrize("layer", [0, 2])  # a dense layer's attention, an MoE layer's
+def test_attention_sees_its_inputs_quantized_with_its_stored_scales(attention_twins, layer):
+    """Each attention linear of the W4A4 output as eval builds it (evaluate.activations) equals
+    its W4A16 twin (same weight bytes) on inputs quantized here with the scale read here from
+    the files; and differs from the twin on plain inputs."""
+    w4a4, w4a16 = attention_twins["w4a4"], attention_twins["w4a16"]
+    g = torch.Generator().manual_seed(layer)
+    prefix = f"model.layers.{layer}.self_attn."
+    with built_layer(w4a4, layer, torch.float32) as (ckpt, tensors, raw, a4), \
+            built_layer(w4a16, layer, torch.float32) as (_, _, _, a16):
+        scales = activations.input_scales(ckpt, tensors)
+        assert {prefix + n for n in ATTENTION} <= set(scales)
+        activations.emulate(a4.module, a4.moe, raw.prefix, scales)
+        for name in ATTENTION:
+            stored = float(_read(w4a4, f"{prefix}{name}.input_global_scale"))
+            quantized, plain = a4.module.self_attn.get_submodule(name), \
+                a16.module.self_attn.get_submodule(name)
+            x = torch.randn(3, 5, quantized.in_features, generator=g) * 2
+            with torch.no_grad():
+                got, want, unquantized = quantized(x), plain(qdq(x, stored)), plain(x)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)
+            assert (got - unquantized).abs().max() > 1e-3, name

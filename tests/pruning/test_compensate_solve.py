@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kconvert.devices import Stopwatch
-from kconvert.pruning.compensate import Block, Refit
+from kconvert.pruning.compensate import Block, Judged, Refit
 
 INTER, HIDDEN, TOKENS, HELD = 16, 8, 60, 24
 ROWS_PER_EXPERT = (40, 10, 0, 5, 25)  # > INTER: input form; < INTER: token form
@@ -89,3 +89,65 @@ def test_refit_extremes_and_one_matrix():
     assert {"compensation setup", "compensation factor", "compensation solve"} <= set(
         watch.seconds)
 
+
+
+RIDGES = (1e-3, 1e-2, 1e-1, 1.0)
+
+
+def _with_heldout_target(seed: int, noise: float):
+    """A block problem whose fit and held-out targets both come from the same true matrices,
+    plus `noise` on every output."""
+    g = torch.Generator().manual_seed(seed)
+    weights = [torch.randn(HIDDEN, INTER, generator=g) for _ in range(len(ROWS_PER_EXPERT) + 1)]
+    fit, held = _pieces(TOKENS, g, weights), _pieces(HELD, g, weights)
+    truth = [w + 0.3 * torch.randn(HIDDEN, INTER, generator=g) for w in weights]
+    fit_target = fit.output(TOKENS, HIDDEN, lambda b: truth[b])
+    fit_target += noise * torch.randn(TOKENS, HIDDEN, generator=g)
+    held_target = held.output(HELD, HIDDEN, lambda b: truth[b])
+    held_target += noise * torch.randn(HELD, HIDDEN, generator=g)
+    return fit, held, fit_target, held_target
+
+
+def _mse(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).double().square().mean())
+
+
+@pytest.mark.parametrize("noise,lowest", [(0.05, 1e-1), (3.0, 1.0)])
+def test_the_ridge_taken_has_the_lowest_heldout_error(noise, lowest):
+    """Each ridge's held-out error from the oracle's matrices; the crafted problems put the
+    lowest at a middle ridge and at the last one."""
+    fit, held, fit_target, held_target = _with_heldout_target(0, noise)
+    errors = {}
+    for ridge in RIDGES:
+        want = _oracle(fit, fit_target, ridge, 2)
+        errors[ridge] = _mse(held.output(HELD, HIDDEN, lambda b, w=want: w[b].float()),
+                             held_target)
+    assert min(errors, key=errors.get) == lowest, errors
+    refit = Refit(fit, fit_target, held, HELD, len(fit.weights), Stopwatch(torch.device("cpu")))
+    ridge, offsets = refit.best(RIDGES, 2, held_target)
+    assert ridge == lowest
+    assert _mse(refit.held_output(offsets), held_target) == pytest.approx(errors[lowest],
+                                                                         rel=1e-4)
+
+
+def test_the_guard_refuses_a_refit_that_raises_the_heldout_error():
+    """Held-out targets the source matrices compute exactly: any re-fit can only move the
+    held-out output away from them, so the guard must refuse; with held-out targets from the
+    same truth as the fit's, it applies. Judged's errors against those computed here."""
+    fit, held, fit_target, truth_held = _with_heldout_target(0, 0.05)
+    exact_held = held.output(HELD, HIDDEN)
+    for held_target, applied in ((exact_held, False), (truth_held, True)):
+        refit = Refit(fit, fit_target, held, HELD, len(fit.weights),
+                      Stopwatch(torch.device("cpu")))
+        _, offsets = refit.best(RIDGES, 2, held_target)
+        refitted = [refit.matrix(offsets, b) for b in range(len(fit.weights))]
+        judged = Judged.of(fit, held, lambda b, m=refitted: m[b], fit_target, held_target)
+        assert judged.applied is applied
+        assert judged == Judged(
+            fit_mse_before=_mse(fit.output(TOKENS, HIDDEN), fit_target),
+            fit_mse_after=_mse(fit.output(TOKENS, HIDDEN, lambda b, m=refitted: m[b]),
+                               fit_target),
+            heldout_mse_before=_mse(held.output(HELD, HIDDEN), held_target),
+            heldout_mse_after=_mse(held.output(HELD, HIDDEN, lambda b, m=refitted: m[b]),
+                                   held_target))
+    assert judged.fit_mse_after < judged.fit_mse_before

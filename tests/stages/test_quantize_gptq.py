@@ -1,6 +1,8 @@
 """GPTQ (`quantize --method gptq`): the OBS engine without a mask against GPTQ's per-column loop
-(tests/oracles.py), never worse than RTN per matrix, RTN's bytes where RTN is kept, and the
-command line end to end (manifest record, audit against the source, usage errors).
+written from its paper with no kconvert code (tests/nvfp4_reference.py: its own FP8 scale
+choice, E2M1 rounding and inverse), never worse than RTN per matrix, RTN's bytes where RTN is
+kept, and the command line end to end (manifest record, audit against the source, usage
+errors).
 
 Tolerance against the per-column loop as for SparseGPT (p48.md, "Mask selection" 3): the
 batched loop sums each column's error updates in another order and U comes from another
@@ -15,12 +17,13 @@ import json
 
 import pytest
 import torch
+from nvfp4_reference import on_grid, output_error, sparsegpt_p48_nvfp4
 
 from conftest import BUNDLED, ROOT
 from helpers import assert_audit_passes, cli_inproc, obs_problem, write_input_ids
 from kconvert.formats import nvfp4
 from kconvert.methods import obs
-from oracles import raw_tensors, sparsegpt_inverse_reference, sparsegpt_per_column
+from oracles import raw_tensors
 
 TINY_MOE = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
 
@@ -33,23 +36,18 @@ def test_gptq_loop_matches_the_per_column_loop(shape, group, rule, arithmetic):
     b, m, k, tokens = shape
     w, h, gs = obs_problem(b, m, k, tokens, seed=k, arithmetic=arithmetic)
     row_gs = gs.repeat_interleave(m).reshape(b, m)
-    ref_w, ref_codes = sparsegpt_per_column(w, sparsegpt_inverse_reference(h), row_gs, group,
-                                            rule, arithmetic, prune=False)
+    ref_w, ref_codes = sparsegpt_p48_nvfp4(w, h, row_gs, group, rule, arithmetic, prune=False)
     new_w, new_codes = obs.obs_quantize(w, obs.prepare_inverse(h), row_gs, group, rule,
                                         arithmetic=arithmetic)
-    ref_err = float(obs.output_error(w, ref_w, h).sum())
-    new_err = float(obs.output_error(w, new_w, h).sum())
-    differ = int((ref_codes != new_codes).sum())
+    ref_err, new_err = output_error(w, ref_w, h), output_error(w, new_w, h)
+    differ = int((ref_codes != new_codes.long()).sum())
     print(f"{shape} g{group} {rule}: codes differing {differ}/{ref_codes.numel()}, values "
           f"differing {int((ref_w != new_w).sum())}/{w.numel()}, error {ref_err:.5f} -> "
           f"{new_err:.5f}")
     assert differ <= ref_codes.numel() // 1000
     assert new_err <= ref_err * 1.01
-    # W-hat is on the NVFP4 grid of its codes
-    blocks = new_w.reshape(b * m, -1, group)
-    again = nvfp4.fake_quantize(blocks, new_codes.reshape(b * m, -1),
-                                row_gs.reshape(-1, 1), arithmetic)
-    assert torch.equal(again.reshape(new_w.shape), new_w)
+    assert on_grid(new_w, new_codes, row_gs, group, arithmetic)
+    assert on_grid(ref_w, ref_codes, row_gs, group, arithmetic)
 
 
 def _batches(w, h, gs):
@@ -67,8 +65,8 @@ def test_gptq_kept_only_where_it_beats_rtn():
     assert [c.method for c in choices] == ["gptq"] * 3
     for i, c in enumerate(choices):
         assert c.gptq_error < c.rtn_error
-        assert c.gptq_error == pytest.approx(float(obs.output_error(
-            w[i:i + 1], out[i:i + 1], h[i:i + 1]).sum()), rel=1e-6)
+        assert c.gptq_error == pytest.approx(output_error(w[i:i + 1], out[i:i + 1],
+                                                          h[i:i + 1]), rel=1e-5)
     diagonal = torch.diag_embed(h.diagonal(dim1=-2, dim2=-1))
     out, codes, choices = _batches(w, diagonal, gs)
     assert [c.method for c in choices] == ["rtn"] * 3
@@ -99,8 +97,8 @@ def test_gptq_judged_on_held_out_tokens():
         "compressed-tensors").reshape(w.shape)
     for i in range(2):
         assert torch.equal(out[i], w[i])  # RTN: the encoder rounds the target itself
-        assert choices[i].rtn_error == pytest.approx(float(obs.output_error(
-            w[i:i + 1], rtn[i:i + 1], held[i:i + 1]).sum()), rel=1e-6)
+        assert choices[i].rtn_error == pytest.approx(output_error(
+            w[i:i + 1], rtn[i:i + 1], held[i:i + 1]), rel=1e-5)
         assert choices[i].rtn_error <= choices[i].gptq_error
 
 

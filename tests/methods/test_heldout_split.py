@@ -1,0 +1,57 @@
+"""GPTQ's held-out tokens stay out of the expert fit (CalibrationHessians.split_hessians): the
+fit's Hessian and the held-out one, against Hessians rebuilt here from the matrix's inputs with
+every 8th of its tokens held out, and the two adding up to X^T X of all of them (so no token is
+in both, and none is lost). For the shared expert (every token), a routed expert with enough
+routed tokens to hold 128 out, and their down_proj inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import ROOT
+from kconvert.io.checkpoint import open_checkpoint
+from kconvert.methods.hessians import CalibrationHessians
+from kconvert.testing.tiny_moe import corpus_ids, windows
+
+SRC = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
+EVERY, LEAST = 8, 128  # every 8th token held out, where that holds out at least 128
+
+
+@pytest.fixture(scope="module")
+def handed_over():
+    ids = windows(corpus_ids("train"), 48, 128, torch.Generator().manual_seed(2))
+    ckpt = open_checkpoint(str(SRC))
+    hessians = CalibrationHessians(ckpt, ids, torch.device("cpu"), 8, dtype=torch.float32)
+    try:
+        yield hessians
+    finally:
+        hessians.close()
+        ckpt.close()
+
+
+def _rebuilt(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    held = [i for i in range(x.shape[0]) if i % EVERY == EVERY - 1]
+    fit = [i for i in range(x.shape[0]) if i % EVERY != EVERY - 1]
+    assert len(held) >= LEAST and not set(held) & set(fit)
+    xf, xh = x[fit].double(), x[held].double()
+    return xf.T @ xf, xh.T @ xh
+
+
+def test_held_out_tokens_are_out_of_the_fit(handed_over):
+    layer = 1
+    moe = handed_over.moe_layer(layer)
+    counts = torch.tensor([moe.routed_inputs(e).shape[0] for e in range(moe.n_experts)])
+    busiest = int(counts.argmax())
+    assert counts[busiest] >= EVERY * LEAST, counts
+    for expert in (None, busiest):
+        for proj in ("gate_proj", "down_proj"):
+            x = handed_over.inputs(layer, expert, proj)
+            split = handed_over.split_hessians(layer, expert, proj)
+            assert split.held_out is not None
+            fit, held = _rebuilt(x)
+            scale = float(fit.abs().max())
+            for got, want in ((split.fit, fit), (split.held_out, held),
+                              (split.fit + split.held_out, x.double().T @ x.double())):
+                torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * scale,
+                                           msg=lambda m, e=expert, p=proj: f"{e} {p}: {m}")
