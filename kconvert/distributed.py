@@ -223,8 +223,14 @@ def from_main(step: Callable[[], T]) -> T:
     return broadcast_object(result)
 
 
+def own_batch_ids(n_batches: int) -> range:
+    """The batches (0..n_batches-1, in order) this rank runs: batch b on rank b % world."""
+    return range(rank(), n_batches, world())
+
+
 def own_batches(n_items: int, batch: int) -> list[int]:
     """Indices of the items (sequences) this rank runs: whole batches of `batch` items, batch b
-    on rank b % world, so each batch is computed exactly as in a one-process run."""
-    starts = range(0, n_items, batch)[rank()::world()]
-    return [i for s in starts for i in range(s, min(s + batch, n_items))]
+    on rank b % world (`own_batch_ids`), so each batch is computed exactly as in a one-process
+    run."""
+    return [i for b in own_batch_ids(-(-n_items // batch))
+            for i in range(b * batch, min((b + 1) * batch, n_items))]

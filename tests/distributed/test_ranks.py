@@ -1,7 +1,8 @@
 """Commands under torch.distributed (gloo on the CPU, 2 and 3 ranks) write what one process
 writes: every byte of every shard and file, the manifest but for its recorded world size, the
-calibration statistics within 1e-6 relative and the same REAP plan. A rank killed mid-run
-fails the job with no manifest, and `--resume` with another number of ranks completes it.
+calibration statistics within 1e-6 relative, the same REAP plan and eval's metrics bit for bit
+(the bundled fixture and the trained tiny MoE). A rank killed mid-run fails the job with no
+manifest, and `--resume` with another number of ranks completes it.
 
 Each job runs all its commands in one process group (rank_main.py): one start-up of torch per
 rank for the whole module."""
@@ -22,13 +23,15 @@ from helpers import file_tensors, write_input_ids
 
 HERE = Path(__file__).resolve().parent
 BUNDLED = HERE.parent / "fixtures" / "tiny-k2-thinking-int4"
+TRAINED = HERE.parent / "fixtures" / "tiny-moe-trained"
 MANIFEST = "kconvert-manifest.json"
-CONVERSIONS = ("nvfp4", "sparse", "bf16", "reap-plan", "reap-data")
+CONVERSIONS = ("nvfp4", "sparse", "bf16", "trained-nvfp4", "reap-plan", "reap-data")
+EVALS = ("eval", "eval-trained")
 
 
 def commands(out: Path, data: Path, plan: Path) -> list[list[str]]:
     """Every command the test compares, writing under `out`. 6 sequences in batches of 2: the
-    calibration's 3 batches fall unevenly on 2 ranks and one each on 3."""
+    calibration's 3 batches fall unevenly on 2 ranks and one each on 3 (eval's too)."""
     src, cpu = str(BUNDLED), ["--device", "cpu", "--quiet"]
     calib = ["--data", str(data), "--samples", "6", "--seq-len", "16", "--batch-size", "2"]
     return [  # calibrate first: a fresh process in every job (see the fixture)
@@ -37,6 +40,11 @@ def commands(out: Path, data: Path, plan: Path) -> list[list[str]]:
         ["int4-to-nvfp4", src, str(out / "nvfp4"), *cpu],
         ["sparsify", "--method", "magnitude", src, str(out / "sparse"), *cpu],
         ["dequant", src, str(out / "bf16"), *cpu],
+        ["eval", src, str(out / "nvfp4"), str(out / "sparse"), *calib, "-o",
+         str(out / "eval"), "--dtype", "float32", *cpu],
+        ["quantize", str(TRAINED), str(out / "trained-nvfp4"), *cpu],
+        ["eval", str(TRAINED), str(out / "trained-nvfp4"), *calib, "-o",
+         str(out / "eval-trained"), *cpu],
         ["reap", *calib, "--keep", "12", src, str(out / "reap-data"), *cpu],
         ["reap", "--plan", str(plan), src, str(out / "reap-plan"), *cpu],
     ]
@@ -183,12 +191,17 @@ def test_killed_rank_fails_the_job_and_resume_with_other_rank_count_completes(ru
     assert world == 3 and m_one == m_resumed
 
 
-def test_eval_refuses_ranks_with_a_usage_error(tmp_path):
-    """eval compares whole models in one process: under torchrun every rank would run it all
-    and write the same report, so it says so instead (exit 2, on every rank)."""
-    data = write_input_ids(tmp_path / "data.jsonl", [list(range(16))])
-    ranks = torchrun_argv(2, ["-m", "kconvert", "eval", str(BUNDLED), str(BUNDLED), "--data",
-                              str(data), "--samples", "1", "--seq-len", "16", "--device", "cpu"])
-    assert ranks.returncode != 0
-    assert ranks.stderr.count("eval runs in one process: run it without torchrun") >= 2
-    assert "exitcode  : 2" in ranks.stderr  # torchrun's summary of the failed ranks
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("name", EVALS)
+def test_eval_metrics_as_one_process(runs, name, ranks):
+    """Every metric bit for bit (sums folded in batch order, KL values joined in batch
+    order); the report written once, by rank 0."""
+    one = json.loads((runs["one"] / name / "eval.json").read_text())
+    many = json.loads((runs[ranks] / name / "eval.json").read_text())
+    for key in ("samples", "seq_len", "tokens", "scored_tokens"):
+        assert one[key] == many[key], key
+    assert len(one["candidates"]) == len(many["candidates"]) >= 1
+    for a, b in zip(one["candidates"], many["candidates"], strict=True):
+        assert a["logits"] == b["logits"]
+        assert a["layers"] == b["layers"]
+        assert a["logits"]["kl_mean"] > 0  # the candidates differ from the source
