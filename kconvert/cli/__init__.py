@@ -20,6 +20,7 @@ import threading
 
 import click
 
+from kconvert import distributed
 from kconvert.cli.base import KconvertGroup
 from kconvert.cli.convert import (
     densify,
@@ -67,6 +68,8 @@ def exit_now(code: int | str | None) -> None:
     if isinstance(code, str):  # sys.exit's message
         print(code, file=sys.stderr)
     status = 0 if code is None else code if isinstance(code, int) else 1
+    if status:
+        distributed.mark_failed()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -14,7 +14,6 @@ import torch
 from kconvert import distributed
 from kconvert.calibrate.data import PAD_ID, load_calibration_data
 from kconvert.calibrate.forward import (
-    ForwardContext,
     embed,
     layer_forward,
     load_head,
@@ -22,6 +21,7 @@ from kconvert.calibrate.forward import (
     position_embeddings,
 )
 from kconvert.calibrate.load import build_layer, read_layer, tensors_by_layer
+from kconvert.calibrate.moe import ForwardContext
 from kconvert.calibrate.plan import planned_forward
 from kconvert.calibrate.prefetch import LayerPrefetcher
 from kconvert.calibrate.startup import device_ready, phase, start_device

@@ -212,10 +212,10 @@ class CalibrationHessians:
         if expert is None:
             target = getattr(moe.shared_experts, proj).weight
         elif proj == "down_proj":
-            target = moe.experts.down[expert]
+            target = moe.experts.down[moe.experts.index(expert)]
         else:
             rows = slice(0, moe.inter) if proj == "gate_proj" else slice(moe.inter, None)
-            target = moe.experts.gate_up[expert, rows]
+            target = moe.experts.gate_up[moe.experts.index(expert), rows]
         if proj != "down_proj":
             self._replaced.add((layer, expert))
         with torch.no_grad():
