@@ -28,11 +28,13 @@ total rows it is given (on a GPU; a CPU runs one product per expert): see the do
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from itertools import pairwise
 
 import torch
 
 from kconvert import distributed
+from kconvert.calibrate.moe import Experts, MoEBlock
 from kconvert.io.shards import TensorInfo
 from kconvert.model.names import Role, parse_name
 
@@ -72,6 +74,14 @@ def blocks(sizes: list[int], ranks: int) -> list[range]:
     return [range(a, b) for a, b in pairwise(cuts)]
 
 
+def model_ranks(layer_tensors: dict[int, dict[str, TensorInfo]], n_experts: int,
+                moe_layers: Iterable[int]) -> dict[int, ExpertRanks]:
+    """The blocks of every MoE layer (`layer_tensors`: each decoder layer's tensors, as
+    calibrate.load.tensors_by_layer gives them): what the calibration reads and what a
+    conversion beside it computes on each rank."""
+    return {layer: ExpertRanks.of_layer(layer_tensors[layer], n_experts) for layer in moe_layers}
+
+
 class ExpertRanks:
     """Every rank's block of a MoE layer's routed experts (in rank order, ascending ids) and
     the exchange of their rows (module docstring)."""
@@ -91,7 +101,24 @@ class ExpertRanks:
                 sizes[tn.expert] += info.nbytes
         return cls(blocks(sizes, distributed.world()))
 
-    def exchange(self, moe, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+    def gather(self, experts: Experts) -> Experts | None:
+        """Every rank's block of decoded experts joined on rank 0, as one process decodes them
+        (REAP's repair runs there); None on the other ranks."""
+        sizes = [len(block) for block in self.owned]
+        main = distributed.is_main()
+
+        def to_main(t: torch.Tensor) -> torch.Tensor:
+            return distributed.all_to_all(t, [t.shape[0]] + [0] * (len(sizes) - 1),
+                                          sizes if main else [0] * len(sizes))
+
+        gate_up, down = to_main(experts.gate_up), to_main(experts.down)
+        return Experts(gate_up, down, experts.names) if main else None
+
+    def owner(self, expert: int) -> int:
+        """The rank that holds expert `expert`."""
+        return next(r for r, block in enumerate(self.owned) if expert in block)
+
+    def exchange(self, moe: MoEBlock, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
                  tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """One step of the exchange for MoE block `moe` (kconvert.calibrate.moe.MoEBlock):
         this rank's batch x [t, hidden] with its router's top-k `indices` and `weights`
@@ -127,7 +154,7 @@ class ExpertRanks:
         return distributed.all_to_all(torch.cat(outs), [f.shape[0] for f in outs],
                                       [b - a for a, b in pairwise(bounds)])
 
-    def _serve(self, moe, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+    def _serve(self, moe: MoEBlock, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                offset: int) -> torch.Tensor:
         """The expert outputs of one sender's pairs routed to this rank's experts: tokens x
         [n, hidden] with their top-k `ids` [n, k] and gate `weights` [n * k]; `offset`: where

@@ -15,15 +15,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from kconvert.errors import KconvertError
-
-if TYPE_CHECKING:
-    from kconvert.calibrate.expert_ranks import ExpertRanks
 
 # Rows per step of the per-expert activation statistics (fp32 temporaries of rows x width).
 GROUP_STAT_ROWS = 1 << 15
@@ -93,6 +90,14 @@ class Experts:
         return expert - self.first
 
 
+class Exchange(Protocol):
+    """An expert-parallel layer's exchange (kconvert.calibrate.expert_ranks.ExpertRanks)."""
+
+    def exchange(self, moe: MoEBlock, x: torch.Tensor, indices: torch.Tensor,
+                 weights: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor
+                 ) -> torch.Tensor: ...
+
+
 class MoEBlock(nn.Module):
     """DeepseekV3MoE with our routed experts (grouped matrix products over each expert's
     tokens), which accumulate the REAP and activation statistics. `gate` and `shared_experts` are
@@ -100,7 +105,7 @@ class MoEBlock(nn.Module):
     `ranks` (torchrun), expert-parallel: `experts` holds this rank's share."""
 
     def __init__(self, cfg, ctx: ForwardContext, experts: Experts, device: torch.device,
-                 ranks: ExpertRanks | None = None):
+                 ranks: Exchange | None = None):
         from transformers.activations import ACT2FN
         from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
             DeepseekV3MLP,

@@ -10,7 +10,7 @@ import torch
 
 from kconvert import distributed
 from kconvert.calibrate.data import PAD_ID, load_calibration_data
-from kconvert.calibrate.expert_ranks import ExpertRanks, note_small_run
+from kconvert.calibrate.expert_ranks import model_ranks, note_small_run
 from kconvert.calibrate.forward import (
     InputGram,
     embed,
@@ -76,12 +76,15 @@ def measure_stats(
     its inputs captured (`moe.expert_inputs(e)`: the OBS engine's expert Hessians), and the
     input Grams of the linears of the roles in `grams` (attention, dense MLP: fused set ->
     forward.InputGram, every `held_every`-th real row held apart when > 0); it is called for
-    every MoE layer and every layer with such linears. With `rerun_moe`, each MoE layer then
+    every MoE layer and every layer with such linears (under torchrun on every rank, its
+    block holding this rank's experts and the rows routed to them,
+    kconvert.calibrate.expert_ranks). With `rerun_moe`, each MoE layer then
     runs again on the same inputs with the weights `on_captured` left in it, and that run's
     outputs go on to the next layer (SparseGPT's sequential Hessians; the statistics are the
     first run's); `on_weights(L, module)` sees
     transformers' decoder layer L with its weights loaded after its statistics were taken,
-    hooks removed (a second stream may run it: REAP router repair); `meta` is merged into the
+    hooks removed (a second stream may run it: REAP router repair; under torchrun it runs on
+    rank 0 alone, with every routed expert gathered there); `meta` is merged into the
     recorded meta. `prefetch` and `prefetch_bytes`: the layer prefetcher's `ahead` and
     `device_bytes` (kconvert.calibrate.prefetch).
     """
@@ -98,17 +101,14 @@ def measure_stats(
     if grams and distributed.world() > 1:
         raise KconvertError("the input Hessians of attention and dense MLP linears are built "
                             "from every token in one process; run without torchrun")
-    if on_weights is not None and distributed.world() > 1:
-        raise KconvertError("REAP router repair fits on one process's tokens; run --repair "
-                            "without torchrun")
     say = progress if progress is not None and distributed.is_main() else (lambda _msg: None)
     with phase("model code"):
         cfg = model_config(ckpt)
     n_layers = cfg.num_hidden_layers
     layer_tensors = tensors_by_layer(ckpt, n_layers)
     # Under torchrun every MoE layer is expert-parallel (kconvert.calibrate.expert_ranks).
-    ranks = ({layer: ExpertRanks.of_layer(layer_tensors[layer], cfg.n_routed_experts)
-              for layer in range(cfg.first_k_dense_replace, n_layers)}
+    ranks = (model_ranks(layer_tensors, cfg.n_routed_experts,
+                         range(cfg.first_k_dense_replace, n_layers))
              if distributed.world() > 1 else {})
 
     t0 = time.perf_counter()
@@ -222,7 +222,13 @@ def measure_stats(
                                     "with its compressed experts")
             del layer_input
         if on_weights is not None:
-            on_weights(layer, loaded.module)
+            if loaded.moe is not None and loaded.moe.ranks is not None:
+                # every expert on rank 0, where the hook runs, as one process holds them
+                experts = ranks[layer].gather(loaded.moe.experts)
+                if experts is not None:
+                    loaded.moe.experts, loaded.moe.ranks = experts, None
+            if distributed.is_main():
+                on_weights(layer, loaded.module)
         if device.type == "cuda":  # layer L's kernels done before its memory can be reused
             torch.cuda.synchronize(device)
         del loaded, forward  # layer L's weights go before the prefetcher starts on L+2

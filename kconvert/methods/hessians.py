@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from kconvert import distributed
 from kconvert.calibrate.data import PAD_ID, load_calibration_data
 from kconvert.calibrate.plan import forward
 from kconvert.errors import KconvertError
@@ -195,6 +196,9 @@ class CalibrationHessians:
             raise KconvertError(f"the OBS engine asked for layer {layer} expert {expert}'s "
                                 "down_proj Hessian after its gate/up were replaced")
         with torch.no_grad():  # gate/up need only the routed inputs, not down's
+            if expert is None and moe.ranks is not None:
+                raise KconvertError("the shared expert's Hessian comes from every token, which "
+                                    "an expert-parallel layer does not gather (torchrun)")
             if expert is None:
                 x = moe.captured()[0]
                 if proj == "down_proj":
@@ -223,8 +227,21 @@ class CalibrationHessians:
 
     def close(self) -> None:
         """Stop the calibration pass (the layers after the last one asked for are not needed)
-        and wait for its thread; safe to call more than once, and after an error."""
+        and wait for its thread; safe to call more than once, and after an error. Under
+        torchrun the pass runs to its end instead, handing its layers over to no one: every
+        rank's pass runs the same collectives (the expert-parallel exchange, the sums of the
+        statistics), so no rank may stop before the others (an error on this rank is reported
+        to the others after it, kconvert.distributed.agree)."""
         if self._thread is None or self._closed:
+            return
+        if distributed.world() > 1:
+            self._current = None
+            while not self._done:
+                self._release.set()
+                got = self._handoffs.get()
+                self._done = got is None or isinstance(got, BaseException)
+            self._thread.join()
+            self._closed = True
             return
         self._closed = True
         self._current = None

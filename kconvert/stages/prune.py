@@ -10,10 +10,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from pydantic import Field
 
+from kconvert import distributed
 from kconvert.engine.stage import Stage, StageRecord
 from kconvert.errors import KconvertError, UsageError
 from kconvert.gpu_budget import GpuRequest
@@ -28,6 +30,9 @@ from kconvert.pruning.reap import (
     routing_limits,
 )
 from kconvert.stages.base import CALIBRATION_OPTIONS, StageKind
+
+if TYPE_CHECKING:
+    from kconvert.pruning.repair import RouterRepair
 
 
 class PruneRecord(StageRecord):
@@ -242,6 +247,8 @@ def prepare(stages: tuple[dict, ...], options: dict, gpu: GpuRequest
                         spill=Path(scratch.name) if scratch else None)
                 measured = measure_stats(ckpt, ids, gpu.device, batch_size, on_weights=fixer,
                                          gpu_plan=memory)
+                if fixer is not None:
+                    share_repair(fixer)
             if options.get("save_stats"):
                 save_stats(measured, options["save_stats"])
             scores = scores_of(measured)
@@ -252,6 +259,28 @@ def prepare(stages: tuple[dict, ...], options: dict, gpu: GpuRequest
         return dataclasses.replace(stage, scratch=scratch)
 
     return make
+
+
+def share_repair(fixer: RouterRepair) -> None:
+    """Under torchrun, rank 0's repair (the repair stream runs there alone,
+    kconvert.calibrate.run.measure_stats) on every rank: its rows and records in a broadcast,
+    its re-fitted matrices through rank 0's spill files (beside DST, on a file system every
+    rank sees), memory-mapped, or in the broadcast where nothing was spilled."""
+    if distributed.world() == 1:
+        return
+    spilled = fixer.spill is not None
+    sent = distributed.broadcast_object(
+        (fixer.rows, fixer.kept, fixer.records, fixer.compensations,
+         sorted(str(f) for f in fixer.spill.glob("layer-*.pt")) if spilled else fixer.matrices)
+        if distributed.is_main() else None)
+    if distributed.is_main():
+        return
+    fixer.rows, fixer.kept, fixer.records, fixer.compensations, matrices = sent
+    if not spilled:
+        fixer.matrices = matrices
+        return
+    for path in matrices:
+        fixer.matrices.update(torch.load(path, mmap=True, weights_only=True))
 
 
 def spill_directory(dst: str | None) -> tempfile.TemporaryDirectory:
