@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +35,8 @@ from kconvert.gpu_plan import GpuPlan, GpuWork, Shapes
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.methods.obs import HELDOUT_EVERY, HELDOUT_MIN, HessianSplit, gpu_work
 from kconvert.model.names import Role
+
+log = logging.getLogger(__name__)
 
 
 class _Closed(Exception):
@@ -78,6 +82,7 @@ class CalibrationHessians:
         self._release = threading.Event()
         self._thread: threading.Thread | None = None
         self._current: _Handoff | None = None
+        self._times = (0.0, 0.0)  # the current layer: seconds waited for it, when it came
         self._done = False
         self._closed = False
         self.device = device
@@ -155,8 +160,9 @@ class CalibrationHessians:
             if self._done:
                 raise KconvertError(f"calibration handed over no layer {layer}")
             if self._current is not None:
-                self._current = None
+                self._let_go()
                 self._release.set()  # calibration may free this layer and go on
+            asked = time.perf_counter()
             got = self._handoffs.get()
             if isinstance(got, BaseException):
                 self._done = True
@@ -165,10 +171,21 @@ class CalibrationHessians:
                 self._done = True
                 continue
             self._current = got
+            self._times = (time.perf_counter() - asked, time.perf_counter())
         if self._current.layer != layer:
             raise KconvertError(f"the OBS engine needs layers in ascending order; layer "
                                 f"{layer} was asked for after layer {self._current.layer}")
         return self._current
+
+    def _let_go(self) -> None:
+        """The engine is done with the layer it holds: -v logs where that layer's seconds
+        went (the forward the engine waited for, then its own work on the layer: the OBS
+        solve of this rank's matrices of it)."""
+        if self._current is not None:
+            waited, handed = self._times
+            log.info("OBS layer %d: %.2f s waiting for its calibration forward, %.2f s "
+                     "solving it", self._current.layer, waited, time.perf_counter() - handed)
+        self._current = None
 
     def hessian(self, layer: int, expert: int | None, proj: str) -> torch.Tensor:
         """X^T X [in, in] (fp32, on the device) over the tokens routed to the source expert
@@ -235,7 +252,7 @@ class CalibrationHessians:
         if self._thread is None or self._closed:
             return
         if distributed.world() > 1:
-            self._current = None
+            self._let_go()
             while not self._done:
                 self._release.set()
                 got = self._handoffs.get()
@@ -244,7 +261,7 @@ class CalibrationHessians:
             self._closed = True
             return
         self._closed = True
-        self._current = None
+        self._let_go()
         while self._thread.is_alive():
             self._release.set()
             with contextlib.suppress(queue.Empty):  # unblock a pending hand-over

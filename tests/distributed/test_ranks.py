@@ -58,6 +58,7 @@ def commands(out: Path, data: Path, trained: Path, plan: Path) -> list[list[str]
         ["eval", str(TRAINED), str(out / "trained-nvfp4"), *calib, "-o",
          str(out / "eval-trained"), *cpu],
         KILLED["gptq"](src, out / "gptq", calib),
+        [*KILLED["gptq"](src, out / "gptq-dry-run", calib), "--dry-run"],
         ["sparsify", "--method", "sparsegpt", "--hessian", "sequential", src,
          str(out / "sparsegpt"), *calib, *cpu],
         ["reap", str(TRAINED), str(out / "reap-repair"), "--data", str(trained), "--samples",
@@ -160,7 +161,7 @@ def runs(tmp_path_factory):
         *commands(root / "three", data, trained, plan), *resumes]))
     assert three.returncode == 0, three.stderr[-4000:]
     return {"root": root, "one": one, 2: root / "two", 3: root / "three", "killed": killed,
-            "after_kill": after_kill}
+            "after_kill": after_kill, "printed": {2: two.stdout, 3: three.stdout}}
 
 
 def files(root: Path) -> dict[str, bytes]:
@@ -186,6 +187,14 @@ def test_every_byte_as_one_process(runs, name, ranks):
     m_many, w_many = manifest_without_world(runs[ranks] / name / MANIFEST)
     assert (w_one, w_many) == (None, ranks)
     assert m_one == m_many
+
+
+@pytest.mark.parametrize(("ranks", "experts", "sequences"), [(2, 8, 4), (3, 6, 2)])
+def test_dry_run_prints_what_each_rank_holds(runs, ranks, experts, sequences):
+    """GPTQ's --dry-run under torchrun: the GPU memory plan of a rank (rank 0's, the busiest)
+    with its share of each MoE layer's 16 routed experts and of the 6 sequences."""
+    assert (f"per rank: {experts} of 16 routed experts per MoE layer (expert-parallel), the "
+            f"hidden states of {sequences} of 6 sequences") in runs["printed"][ranks]
 
 
 def test_the_repair_compared_was_applied(runs):
