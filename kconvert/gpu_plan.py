@@ -178,7 +178,8 @@ class Forward:
     # states), `job_sequences` the whole job's; with `ranks` > 1 a MoE layer is
     # expert-parallel: the rank holds its block of routed experts, exchanges the routed rows
     # with the others each micro-batch and, capturing, keeps the rows routed to its experts
-    # from every rank; `gathered`: it also holds every routed expert (REAP's repair on rank 0).
+    # from every rank (in a buffer for all the job's tokens); `gathered`: it also holds every
+    # routed expert (REAP's repair on rank 0).
     ranks: int = field(default=1, kw_only=True)
     job_sequences: int = field(default=0, kw_only=True)
     gathered: bool = field(default=False, kw_only=True)
@@ -353,7 +354,9 @@ def forward_footprint(s: Shapes, fw: Forward, batch: int, hidden_on_device: bool
     if not fw.models:
         resident.update(weights)
     if fw.capture:
-        kept = int(fw.job_tokens() * fw.held_fraction(s)) if fw.ranks > 1 else tokens
+        # expert-parallel, a buffer for every token of the job: each token routed to one of
+        # the rank's experts comes once (Forward.held_fraction of them)
+        kept = fw.job_tokens() if fw.ranks > 1 else tokens
         resident["captured layer inputs"] = kept * (s.hidden * d + s.top_k * 8)
     if fw.repair_bytes:
         resident["repair stream"] = fw.repair_bytes

@@ -165,8 +165,8 @@ def measure_stats(
         t_loaded = time.perf_counter()
         if loaded.moe is not None:
             loaded.moe.capture = on_captured is not None
-            # expert-parallel: the rows routed here from every rank, as many as come
-            loaded.moe.capture_rows = 0 if ranks else n_real
+            # expert-parallel: the rows routed here from every rank, each token at most once
+            loaded.moe.capture_rows = int(valid.sum()) if ranks else n_real
         rerun = rerun_moe and loaded.moe is not None
         layer_input = hidden.clone() if rerun else None
 

@@ -20,7 +20,6 @@ import threading
 
 import click
 
-from kconvert import distributed
 from kconvert.cli.base import KconvertGroup
 from kconvert.cli.convert import (
     densify,
@@ -68,8 +67,9 @@ def exit_now(code: int | str | None) -> None:
     if isinstance(code, str):  # sys.exit's message
         print(code, file=sys.stderr)
     status = 0 if code is None else code if isinstance(code, int) else 1
-    if status:
-        distributed.mark_failed()
+    ranks = sys.modules.get("kconvert.distributed")  # loaded where a command used it
+    if status and ranks is not None:
+        ranks.mark_failed()  # leave the process group at once: the others' collectives fail
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

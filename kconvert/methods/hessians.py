@@ -68,6 +68,11 @@ class CalibrationHessians:
 
     def __init__(self, ckpt: Checkpoint, input_ids: torch.Tensor, device: torch.device,
                  batch_size: int, dtype: torch.dtype = torch.bfloat16):
+        if device.type == "cuda" and device.index is None:
+            # the pass runs on a thread of its own, whose current device would be GPU 0: it
+            # takes this (main) thread's, a torchrun rank's own GPU (distributed.init)
+            distributed.init()
+            device = torch.device("cuda", torch.cuda.current_device())
         self._args = (ckpt, input_ids, device, batch_size, dtype)
         self.input_ids, self.batch_size, self.dtype = input_ids, batch_size, dtype
         self.sequential = False
@@ -91,6 +96,8 @@ class CalibrationHessians:
         from kconvert.calibrate.run import measure_stats
 
         ckpt, ids, device, batch_size, dtype = self._args
+        if device.type == "cuda":  # this thread's collectives and "cuda" tensors go there
+            torch.cuda.set_device(device)
 
         def hand_over(layer: int, moe, grams: dict) -> None:
             self._handoffs.put(_Handoff(layer, moe, grams))
