@@ -134,12 +134,10 @@ class ShardSink:
             self.on_done(shard)
 
     def finish_empty(self) -> None:
-        """Shards with no data bytes at all (possible only for zero-size tensors), and shared
-        shards this rank owns but writes nothing into (their record part empty)."""
+        """Shards with no data bytes at all (possible only for zero-size tensors); a shared
+        shard this rank owns but writes nothing into is finished with the others' parts."""
         for shard, left in self.remaining.items():
-            if left == 0 and shard in self.shared:
-                self.parts.setdefault(shard, {"tensors": {}, "modules": {}})
-            elif left == 0 and shard not in self.done:
+            if left == 0 and shard not in self.done and shard not in self.shared:
                 self.writers[shard] = ShardWriter(
                     self.dst / shard, self.state / "partial" / shard, self.entries[shard])
                 self._finish(shard)
