@@ -1,34 +1,45 @@
-"""The distributed commands with 1 and N ranks on one multi-GPU host (issue 18).
+"""The data-driven commands and a conversion on 1, 2 and 4 ranks of one multi-GPU host (issue 38).
 
-One device call on a multi-GPU kind (e.g. nvidia-h100-x2), ~8-9 minutes with the sets to build:
-    ROOT=/tmp/kbench python3 -m benchmarks multi_gpu $OUT/multi_gpu.json
-CPU smoke test (tiny dims, gloo, 2 ranks; a minute):
+On a 4-GPU kind (nvidia-h100-x4), in two calls (one call's 10 minutes do not hold every part;
+the second builds a two-MoE-layer set, ~30 s, so that GPTQ's second layer is a steady one):
+    ROOT=/tmp/kbench RANKS=1,2,4 PARTS=calibrate python3 -m benchmarks multi_gpu \\
+        $OUT/multi_gpu_calibrate.json
+    ROOT=/tmp/kbench RANKS=1,2,4 PARTS=gptq,reap,eval MOE_LAYERS=2 python3 -m benchmarks \\
+        multi_gpu $OUT/multi_gpu_gptq.json
+CPU check (tiny dims, gloo, 1 and 2 ranks; a few minutes here):
     python -m benchmarks multi_gpu --tiny /tmp/multi_gpu_tiny.json
 
-Parts, each a `python -m kconvert` process (plain for 1 rank, torchrun for N: one rank per GPU,
-NCCL), timed whole:
-- calibrate: synthetic.kimi_set's full-size one-MoE-layer set (MLA, 384 INT4 experts),
-  at 0.5M and 2M tokens (256 and 1024 x 2048 input_ids), page cache warm (the set is read once
-  first): process wall, per-layer seconds from -v, the MoE layer's scaling efficiency
-  (t1 / (N * tN)), and the statistics of N ranks against 1 (max relative difference).
-- reap --data at 0.5M tokens with 1 and N ranks: the plans must keep the same experts.
-- int4-to-nvfp4 on ROUTED experts of full size (synthetic.expert_set split into SHARDS
-  shards; needs ../shared/bench/anchor_convert.py as .bench/, like `convert`):
-  page cache dropped before each run, 1 and N ranks, bytes compared, against the concurrent
-  read+write floor of the same bytes (`convert`'s `_iofloor`).
-- sparsify --method sparsegpt and eval run in one process only: the bench records their
-  refusal under torchrun (exit 2 for eval) on the tiny fixture rather than timing them.
+Each run is a `python -m kconvert` process (plain for 1 rank, torchrun for N: one rank per GPU,
+NCCL), timed whole, with -v; rank 0's per-layer lines give the MoE layer's seconds. Parts, on
+synthetic.kimi_set's full-size set (MLA, 384 INT4 experts; MOE_LAYERS MoE layers, default 1),
+page cache warm:
+- calibrate at each TOKENS (default 0.5M and 2M: 256 and 1024 x 2048 input_ids): process wall,
+  MoE-layer seconds, scaling efficiency t1 / (N tN) of the MoE layer and of the process, and
+  the statistics of N ranks against 1 (largest relative difference, and how many tensors are
+  bit-equal). `faster_than_one` says whether N ranks beat one: the crossover the -v note of an
+  expert-parallel calibration is about (calibrate.expert_ranks.MIN_TOKENS_PER_RANK).
+- gptq: `quantize --method gptq` on GPTQ_SEQS sequences (default 128 x 2048): process wall,
+  MoE-layer seconds (rank 0's -v "OBS layer" line of the last MoE layer: the calibration
+  forward its engine waited for, then the OBS solve of the rank's experts; with MOE_LAYERS=2
+  the second layer is a steady-state one), efficiency, output bytes against 1 rank.
+- reap: `reap --data` on the first TOKENS entry: wall, efficiency, same kept experts.
+- eval: the set against its `int4-to-nvfp4` conversion (made once, 1 rank) on EVAL_SEQS
+  sequences (default 128): wall, efficiency, every metric equal to 1 rank's.
+- convert: int4-to-nvfp4 of synthetic.expert_set's full-size routed experts split in SHARDS
+  (needs ../shared/bench/anchor_convert.py as .bench/, like `convert`), page cache dropped
+  before each run, bytes compared.
 NCCL's NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends, inherited and set here).
 
-Env: ROOT, RANKS (default: the GPU count), N_EXPERTS (192), SHARDS (8), PARTS
-(calibrate,reap,convert,refusals), DEADLINE_S (520: later parts are skipped, the JSON says so),
-SEQ (2048), BATCH (8), DIMS.
+Env: ROOT, RANKS (default 1,2,4 up to the GPU count), PARTS (calibrate,gptq,reap,eval),
+TOKENS (label:sequences,...), GPTQ_SEQS, EVAL_SEQS, MOE_LAYERS, N_EXPERTS (192), SHARDS (8),
+DEADLINE_S (540: later runs are skipped, the JSON says which), SEQ (2048), BATCH (8), DIMS.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 from dataclasses import dataclass
@@ -48,7 +59,6 @@ from benchmarks.harness import (
 )
 from benchmarks.outputs import same_output
 from benchmarks.synthetic import (
-    FIXTURE,
     TINY,
     Dims,
     dims_from_env,
@@ -58,6 +68,9 @@ from benchmarks.synthetic import (
     write_ids,
 )
 
+# A -v line of kconvert.methods.hessians: where a MoE layer's seconds went in GPTQ/SparseGPT.
+OBS_LINE = re.compile(r"INFO: OBS layer (?P<layer>\d+): (?P<waited>[\d.]+) s waiting for its "
+                      r"calibration forward, (?P<solving>[\d.]+) s solving it")
 # NCCL's NVLink multicast off for every rank, as the device machines require.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1"}
@@ -66,12 +79,14 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 @dataclass
 class Bench:
     root: Path
-    ranks: int
+    ranks: list[int]
     dev: str
     dims: Dims
     seq: int
     batch: int
-    tokens: dict[str, int]
+    tokens: dict[str, int]  # label -> sequences
+    gptq_seqs: int
+    eval_seqs: int
     timer: Timer
     out: Path
     res: dict
@@ -88,7 +103,7 @@ class Bench:
 
     def run(self, ranks: int, args: list[str], drop: bool = False) -> dict:
         """One command on `ranks` ranks: wall seconds, exit status, the -v layer lines of
-        rank 0."""
+        rank 0 and the MoE layers' seconds."""
         if drop:
             drop_page_cache()
         c = run_child([*launcher(ranks), *args], env=child_env(**NO_MULTICAST), cwd=REPO)
@@ -98,10 +113,29 @@ class Bench:
                    "compute": float(m["compute"])} for m in LAYER_LINE.finditer(c.stderr)]
         if layers:
             res["layers"] = layers
-            res["moe_layer_s"] = sum(lay["wall"] for lay in layers if lay["layer"] != "layer 0")
+            res["moe_layer_s"] = round(sum(lay["wall"] for lay in layers
+                                           if not lay["layer"].endswith("layer 0")), 2)
+        obs = [{"layer": int(m["layer"]), "waited": float(m["waited"]),
+                "solving": float(m["solving"])} for m in OBS_LINE.finditer(c.stderr)]
+        if obs:
+            # the last MoE layer's: the forward its engine waited for and its solve (with one
+            # MoE layer the wait holds the start-up and layer 0 too: MOE_LAYERS=2 for GPTQ)
+            res["obs_layers"] = obs
+            res["moe_layer_s"] = round(obs[-1]["waited"] + obs[-1]["solving"], 2)
+        notes = [ln.strip() for ln in c.stderr.splitlines() if "one process may be as fast" in ln]
+        if notes:
+            res["note"] = notes[0]
         if c.rc:
             res["tail"] = (c.stdout[-1500:] + c.stderr[-2500:]).strip()
         return res
+
+    def each_rank_count(self, what: str, run) -> dict[int, dict]:
+        """`run(ranks)` for every rank count not past the deadline -> its result."""
+        out = {}
+        for ranks in self.ranks:
+            if not self.past_deadline(f"{what} {ranks} ranks"):
+                out[ranks] = run(ranks)
+        return out
 
 
 def launcher(ranks: int) -> list[str]:
@@ -118,17 +152,25 @@ def stats_difference(a: Path, b: Path) -> dict:
     one, many = load_file(str(a / "stats.safetensors")), load_file(str(b / "stats.safetensors"))
     if sorted(one) != sorted(many):
         return {"same_names": False}
-    worst = 0.0
+    worst, equal = 0.0, 0
     for name, t in one.items():
+        equal += bool(t.equal(many[name]))
         t, u = t.double(), many[name].double()
         worst = max(worst, float(((t - u).abs() / t.abs().clamp_min(1e-30)).max()))
-    return {"same_names": True, "max_rel_diff": worst}
+    return {"same_names": True, "max_rel_diff": worst, "bit_equal": equal, "tensors": len(one)}
 
 
-def efficiency(one: dict, many: dict, key: str) -> float | None:
-    if one.get(key) and many.get(key):
-        return round(one[key] / (many["ranks"] * many[key]), 3)
-    return None
+def scaling(runs: dict[int, dict]) -> None:
+    """Per run of N > 1 ranks: efficiency t1 / (N tN) of the MoE layer and of the process, and
+    whether it beat one rank."""
+    one = runs.get(1)
+    for ranks, r in runs.items():
+        if ranks == 1 or one is None or r["rc"] or one["rc"]:
+            continue
+        for key in ("moe_layer_s", "wall_s"):
+            if one.get(key) and r.get(key):
+                r[f"efficiency_{key.removesuffix('_s')}"] = round(one[key] / (ranks * r[key]), 3)
+        r["faster_than_one"] = r["wall_s"] < one["wall_s"]
 
 
 def data_file(b: Bench, seqs: int) -> Path:
@@ -138,49 +180,92 @@ def data_file(b: Bench, seqs: int) -> Path:
     return data
 
 
+def calib_args(b: Bench, seqs: int) -> list[str]:
+    return ["--data", str(data_file(b, seqs)), "--samples", str(seqs), "--seq-len", str(b.seq),
+            "--batch-size", str(b.batch), "--device", b.dev, "-v"]
+
+
 def part_calibrate(b: Bench, src: Path) -> None:
     for label, seqs in b.tokens.items():
-        data = data_file(b, seqs)
-        common = ["--data", str(data), "--samples", str(seqs), "--seq-len", str(b.seq),
-                  "--batch-size", str(b.batch), "--device", b.dev, "-v"]
-        runs = {}
-        for ranks in (1, b.ranks):
-            if b.past_deadline(f"calibrate {label} {ranks} ranks"):
-                continue
-            out = b.root / f"stats-{label}-{ranks}"
-            runs[ranks] = b.run(ranks, ["calibrate", str(src), "-o", str(out), "--overwrite",
-                                        *common])
-        entry: dict = {"tokens": seqs * b.seq, "runs": list(runs.values())}
-        if len(runs) == 2 and all(r["rc"] == 0 for r in runs.values()):
-            one, many = runs[1], runs[b.ranks]
-            entry["efficiency_moe_layer"] = efficiency(one, many, "moe_layer_s")
-            entry["efficiency_wall"] = efficiency(one, many, "wall_s")
-            entry["statistics"] = stats_difference(b.root / f"stats-{label}-1",
-                                                   b.root / f"stats-{label}-{b.ranks}")
-        b.res["calibrate"][label] = entry
+        runs = b.each_rank_count(f"calibrate {label}", lambda ranks, label=label, seqs=seqs: b.run(
+            ranks, ["calibrate", str(src), "-o", str(b.root / f"stats-{label}-{ranks}"),
+                    "--overwrite", *calib_args(b, seqs)]))
+        scaling(runs)
+        for ranks, r in runs.items():
+            if ranks > 1 and r["rc"] == 0 and runs.get(1, {}).get("rc") == 0:
+                r["statistics"] = stats_difference(b.root / f"stats-{label}-1",
+                                                   b.root / f"stats-{label}-{ranks}")
+        b.res["calibrate"][label] = {"tokens": seqs * b.seq, "runs": list(runs.values())}
         b.save()
+
+
+def part_gptq(b: Bench, src: Path) -> None:
+    outs = {}
+
+    def run(ranks: int) -> dict:
+        dst = outs[ranks] = b.root / f"gptq-{ranks}"
+        shutil.rmtree(dst, ignore_errors=True)
+        return b.run(ranks, ["quantize", "--method", "gptq", str(src), str(dst), "--quiet",
+                             *calib_args(b, b.gptq_seqs)])
+
+    runs = b.each_rank_count("gptq", run)
+    scaling(runs)
+    for ranks, r in runs.items():
+        if ranks > 1 and r["rc"] == 0 and runs.get(1, {}).get("rc") == 0:
+            r["same_bytes"] = same_output(outs[1], outs[ranks])
+    for dst in outs.values():
+        shutil.rmtree(dst, ignore_errors=True)
+    b.res["gptq"] = {"tokens": b.gptq_seqs * b.seq, "runs": list(runs.values())}
+    b.save()
 
 
 def part_reap(b: Bench, src: Path) -> None:
     seqs = next(iter(b.tokens.values()))
-    data = data_file(b, seqs)
     plans = {}
-    for ranks in (1, b.ranks):
-        if b.past_deadline(f"reap {ranks} ranks"):
-            continue
+
+    def run(ranks: int) -> dict:
         dst = b.root / f"reap-{ranks}"
         r = b.run(ranks, ["reap", str(src), str(dst), "--keep", str(b.dims.experts // 2),
-                          "--overwrite", "--data", str(data), "--samples", str(seqs),
-                          "--seq-len", str(b.seq), "--batch-size", str(b.batch), "--device",
-                          b.dev, "-v"])
+                          "--overwrite", "--quiet", *calib_args(b, seqs)])
         if r["rc"] == 0:
-            plans[ranks] = json.loads((dst / "reap-plan.json").read_text())
+            plan = json.loads((dst / "reap-plan.json").read_text())
+            plans[ranks] = {layer: entry["keep"] for layer, entry in plan["layers"].items()}
         shutil.rmtree(dst, ignore_errors=True)
-        b.res["reap"]["runs"].append(r)
-    if len(plans) == 2:
-        kept = [{layer: entry["keep"] for layer, entry in p["layers"].items()} for p in
-                plans.values()]
-        b.res["reap"]["same_kept_experts"] = kept[0] == kept[1]
+        return r
+
+    runs = b.each_rank_count("reap", run)
+    scaling(runs)
+    for ranks, r in runs.items():
+        if ranks > 1 and ranks in plans and 1 in plans:
+            r["same_kept_experts"] = plans[ranks] == plans[1]
+    b.res["reap"] = {"tokens": seqs * b.seq, "runs": list(runs.values())}
+    b.save()
+
+
+def part_eval(b: Bench, src: Path) -> None:
+    candidate = b.root / "eval-candidate"
+    if not (candidate / "kconvert-manifest.json").exists():
+        shutil.rmtree(candidate, ignore_errors=True)
+        made = b.run(1, ["int4-to-nvfp4", str(src), str(candidate), "--device", b.dev,
+                         "--quiet"])
+        b.res["eval_candidate"] = made
+    reports = {}
+
+    def run(ranks: int) -> dict:
+        out = b.root / f"eval-{ranks}"
+        r = b.run(ranks, ["eval", str(src), str(candidate), "-o", str(out), "--quiet",
+                          *calib_args(b, b.eval_seqs)])
+        if r["rc"] == 0:
+            report = json.loads((out / "eval.json").read_text())
+            reports[ranks] = [(c["logits"], c["layers"]) for c in report["candidates"]]
+        return r
+
+    runs = b.each_rank_count("eval", run)
+    scaling(runs)
+    for ranks, r in runs.items():
+        if ranks > 1 and ranks in reports and 1 in reports:
+            r["same_metrics"] = reports[ranks] == reports[1]
+    b.res["eval"] = {"tokens": b.eval_seqs * b.seq, "runs": list(runs.values())}
     b.save()
 
 
@@ -188,98 +273,89 @@ def part_convert(b: Bench) -> None:
     n, shards = int(os.environ.get("N_EXPERTS", "192")), int(os.environ.get("SHARDS", "8"))
     src = sharded_expert_set(b.root, n, shards)
     src_bytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
-    b.res["convert"] = {"experts": n, "shards": shards, "source_bytes": src_bytes, "runs": []}
     outs = {}
-    for ranks in (1, b.ranks):
-        if b.past_deadline(f"int4-to-nvfp4 {ranks} ranks"):
-            continue
-        dst = b.root / f"convert-{ranks}"
+
+    def run(ranks: int) -> dict:
+        dst = outs[ranks] = b.root / f"convert-{ranks}"
         shutil.rmtree(dst, ignore_errors=True)
-        b.res["convert"]["runs"].append(b.run(ranks, ["int4-to-nvfp4", str(src), str(dst),
-                                                      "--device", b.dev, "--quiet"], drop=True))
-        outs[ranks] = dst
-        b.save()
-    if len(outs) == 2:
-        b.res["convert"]["same_bytes"] = same_output(outs[1], outs[b.ranks])
-        dst_bytes = sum(p.stat().st_size for p in outs[1].glob("*.safetensors"))
-        for d in outs.values():
-            shutil.rmtree(d, ignore_errors=True)
-        drop_page_cache()
-        floor = run_child([sys.executable, "-m", "benchmarks", "convert", "_iofloor", src,
-                           b.root / "floor", dst_bytes], env=child_env())
-        b.res["convert"]["io_floor_concurrent"] = floor.result or floor.stderr[-1500:]
+        return b.run(ranks, ["int4-to-nvfp4", str(src), str(dst), "--device", b.dev,
+                             "--quiet"], drop=True)
+
+    runs = b.each_rank_count("int4-to-nvfp4", run)
+    scaling(runs)
+    for ranks, r in runs.items():
+        if ranks > 1 and 1 in outs and r["rc"] == 0:
+            r["same_bytes"] = same_output(outs[1], outs[ranks])
+    for d in outs.values():
+        shutil.rmtree(d, ignore_errors=True)
+    b.res["convert"] = {"experts": n, "shards": shards, "source_bytes": src_bytes,
+                        "runs": list(runs.values())}
     b.save()
 
 
-def part_refusals(b: Bench) -> None:
-    """What the commands that run in one process say under torchrun (the tiny fixture)."""
-    data = b.root / "refusal.jsonl"
-    data.write_text(json.dumps({"input_ids": list(range(16))}) + "\n")
-    common = ["--data", str(data), "--samples", "1", "--seq-len", "16", "--device", "cpu"]
-    for name, args in (("eval", ["eval", str(FIXTURE), str(FIXTURE), *common]),
-                       ("sparsify_sparsegpt", ["sparsify", "--method", "sparsegpt",
-                                               str(FIXTURE), str(b.root / "refused"),
-                                               *common])):
-        r = b.run(2, args)
-        r["says"] = [ln for ln in r.pop("tail", "").splitlines() if "kconvert: error" in ln
-                     or "Error:" in ln][:2]
-        b.res["refusals"][name] = r
-    b.save()
+def rank_counts(gpus: int) -> list[int]:
+    """RANKS, else 1, 2, 4 up to the GPU count (at least 1 and 2: gloo on a CPU)."""
+    given = os.environ.get("RANKS")
+    if given:
+        return [int(x) for x in given.split(",")]
+    return [n for n in (1, 2, 4) if n <= max(gpus, 2)]
 
 
 def main(argv: list[str]) -> None:
     ap = arguments("multi_gpu", __doc__)
     ap.add_argument("out", nargs="?", help="JSON results file (default: in OUT)")
-    ap.add_argument("--tiny", action="store_true", help="tiny dims on the CPU, gloo, 2 ranks")
+    ap.add_argument("--tiny", action="store_true", help="tiny dims on the CPU, gloo, 1 and 2 "
+                    "ranks")
     a = ap.parse_args(argv)
     if a.tiny:
-        os.environ.update(SEQ="32", BATCH="2")
-        for k, v in (("ROOT", "/tmp/kbench-multi-tiny"), ("RANKS", "2"),
-                     ("PARTS", "calibrate,reap,refusals")):
+        for k, v in (("ROOT", "/tmp/kbench-multi-tiny"), ("RANKS", "1,2"), ("SEQ", "32"),
+                     ("BATCH", "2"), ("TOKENS", "small:4,large:16"), ("GPTQ_SEQS", "8"),
+                     ("EVAL_SEQS", "6"), ("PARTS", "calibrate,gptq,reap,eval")):
             os.environ.setdefault(k, v)
     import torch
 
-    timer = Timer(deadline_s=float(os.environ.get("DEADLINE_S", 520)))
+    timer = Timer(deadline_s=float(os.environ.get("DEADLINE_S", 540)))
     root = Path(os.environ.get("ROOT", "/tmp/kbench"))
     root.mkdir(parents=True, exist_ok=True)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    ranks = int(os.environ.get("RANKS", max(torch.cuda.device_count(), 1)))
-    parts = os.environ.get("PARTS", "calibrate,reap,convert,refusals").split(",")
+    ranks = rank_counts(torch.cuda.device_count())
+    parts = os.environ.get("PARTS", "calibrate,gptq,reap,eval").split(",")
+    tokens = {label: int(n) for label, n in (item.split(":") for item in os.environ.get(
+        "TOKENS", "0.5M:256,2M:1024").split(","))}
     rec = record("multi_gpu", gpu=dev == "cuda", scratch=root)
     b = Bench(root=root, ranks=ranks, dev=dev, dims=TINY if a.tiny else dims_from_env(),
               seq=int(os.environ.get("SEQ", 2048)), batch=int(os.environ.get("BATCH", 8)),
-              tokens={"small": 4, "large": 16} if a.tiny else {"0.5M": 256, "2M": 1024},
-              timer=timer, out=result_path(rec, a.out),
+              tokens=tokens, gptq_seqs=int(os.environ.get("GPTQ_SEQS", 128)),
+              eval_seqs=int(os.environ.get("EVAL_SEQS", 128)), timer=timer,
+              out=result_path(rec, a.out),
               res={"record": rec, "device": rec["device"]["name"],
-                   "gpus": rec["device"]["count"], "ranks": ranks, "calibrate": {},
-                   "reap": {"runs": []}, "refusals": {}})
+                   "gpus": rec["device"]["count"], "ranks": ranks, "calibrate": {}})
     src = None
-    if {"calibrate", "reap"} & set(parts):
-        src = kimi_set(root, b.dims)
+    if {"calibrate", "gptq", "reap", "eval"} & set(parts):
+        src = kimi_set(root, b.dims, int(os.environ.get("MOE_LAYERS", "1")))
         run_child(["sh", "-c", f"cat {src}/*.safetensors > /dev/null"])  # page cache warm
         b.res["make_s"] = round(timer.elapsed(), 1)
+    steps = {"calibrate": lambda: part_calibrate(b, src), "gptq": lambda: part_gptq(b, src),
+             "reap": lambda: part_reap(b, src), "eval": lambda: part_eval(b, src),
+             "convert": lambda: part_convert(b)}
     for part in parts:
-        if part == "calibrate":
-            part_calibrate(b, src)
-        elif part == "reap":
-            part_reap(b, src)
-        elif part == "convert":
-            part_convert(b)
-        elif part == "refusals":
-            part_refusals(b)
+        steps[part]()
     b.res["script_s"] = round(timer.elapsed(), 1)
     b.save()
-    res = b.res
-    for label, entry in res["calibrate"].items():
-        print(f"calibrate {label}: " + ", ".join(f"{r['ranks']} rank(s) wall {r['wall_s']} s MoE "
-                                                 f"{r.get('moe_layer_s')} s" for r in
-                                                 entry["runs"])
-              + f"; efficiency {entry.get('efficiency_moe_layer')}; {entry.get('statistics')}")
-    print("reap:", [(r["ranks"], r["wall_s"], r["rc"]) for r in res["reap"]["runs"]],
-          "same plan:", res["reap"].get("same_kept_experts"))
-    if "convert" in res:
-        print("convert:", [(r["ranks"], r["wall_s"], r["rc"]) for r in res["convert"]["runs"]],
-              "same bytes:", res["convert"].get("same_bytes"), "floor:",
-              res["convert"].get("io_floor_concurrent"))
-    print("refusals:", {k: (v["rc"], v["says"]) for k, v in res["refusals"].items()})
+    summarize(b.res)
     print("wrote", b.out)
+
+
+def summarize(res: dict) -> None:
+    """One line per part: each rank count's wall and MoE-layer seconds, and the checks."""
+    entries = [(f"calibrate {label}", e) for label, e in res["calibrate"].items()]
+    entries += [(name, res[name]) for name in ("gptq", "reap", "eval", "convert") if name in res]
+    for name, entry in entries:
+        cells = []
+        for r in entry["runs"]:
+            checks = {k: r[k] for k in ("efficiency_moe_layer", "efficiency_wall", "same_bytes",
+                                        "same_kept_experts", "same_metrics", "statistics")
+                      if k in r}
+            cells.append(f"{r['ranks']} rank(s): rc {r['rc']} wall {r['wall_s']} s MoE "
+                         f"{r.get('moe_layer_s')} s {checks}")
+        print(f"{name}: " + "; ".join(cells))

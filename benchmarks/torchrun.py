@@ -1,22 +1,27 @@
-"""`int4-to-nvfp4` as a plain run, under `torchrun --nproc-per-node 1`, and as 2 ranks sharing
-one GPU: every output byte equal, times reported (acceptance 3 of the torchrun issue).
+"""A conversion and GPTQ as a plain run, under `torchrun --nproc-per-node 1`, and as 2 ranks
+sharing one GPU: every output byte equal, times reported.
 
-On the device machine (one GPU; ~3 minutes, most of it building the source):
+On the device machine (one GPU; ~5 minutes, most of it building the sources):
     ROOT=/tmp/kbench python3 -m benchmarks torchrun 2>&1 | tail -1 > $OUT/bench_torchrun.json
-Here, on a CPU (the bundled 4-shard fixture, gloo, seconds):
+Here, on a CPU (the bundled fixture, gloo, about a minute):
     python -m benchmarks torchrun --tiny
 
-The device set is N_EXPERTS (default 96) full-size INT4 Kimi experts, built with
-synthetic.sharded_expert_set (needs anchor_convert.py, as `convert` does): SHARDS (default
-4) shards of whole experts (about 2.1 GB in all).
+Commands (COMMANDS, default both):
+- int4-to-nvfp4 of N_EXPERTS (default 96) full-size INT4 Kimi experts, built with
+  synthetic.sharded_expert_set (needs anchor_convert.py, as `convert` does): SHARDS (default
+  4) shards of whole experts (about 2.1 GB in all); whole shards per rank.
+- gptq: `quantize --method gptq` of synthetic.kimi_set's full-size one-MoE-layer set on
+  GPTQ_SEQS (default 32) sequences of 2048 random tokens: the expert-parallel calibration and
+  a MoE layer's shard written by both ranks (docs/many-gpus.md).
 Each run is a process of its own, timed whole (start-up included) with the page cache
 dropped first where allowed. 1 rank under torchrun uses NCCL (the real collectives, world
 size 1); 2 ranks on one GPU use gloo, because NCCL refuses two ranks on one device
-(kconvert.distributed picks it). Prints one JSON line: per run its seconds, peak RSS and exit
-status, and whether every file equals the plain run's (the manifest but for its world_size);
-the same, with its record, goes to OUT.
+(kconvert.distributed picks it): the exchange then moves the GPU's rows through host memory.
+Prints one JSON line: per command and run its seconds, peak RSS and exit status, and whether
+every file equals the plain run's (the manifest but for its world_size); the same, with its
+record, goes to OUT.
 
-Env: ROOT (scratch, default /tmp/kbench), N_EXPERTS, SHARDS.
+Env: ROOT (scratch, default /tmp/kbench), COMMANDS, N_EXPERTS, SHARDS, GPTQ_SEQS.
 """
 
 from __future__ import annotations
@@ -38,7 +43,14 @@ from benchmarks.harness import (
     save,
 )
 from benchmarks.outputs import MANIFEST, same_output
-from benchmarks.synthetic import FIXTURE, sharded_expert_set
+from benchmarks.synthetic import (
+    FIXTURE,
+    dims_from_env,
+    kimi_set,
+    random_ids,
+    sharded_expert_set,
+    write_ids,
+)
 
 
 def timed(cmd: list[str]) -> dict:
@@ -50,33 +62,52 @@ def timed(cmd: list[str]) -> dict:
     return out
 
 
+def commands(root: Path, tiny: bool, device: str) -> dict[str, list[str | None]]:
+    """Name -> its argument list, None where DST goes."""
+    wanted = os.environ.get("COMMANDS", "int4-to-nvfp4,gptq").split(",")
+    out: dict[str, list[str | None]] = {}
+    if "int4-to-nvfp4" in wanted:
+        src = FIXTURE if tiny else sharded_expert_set(
+            root, int(os.environ.get("N_EXPERTS", "96")), int(os.environ.get("SHARDS", "4")))
+        out["int4-to-nvfp4"] = ["int4-to-nvfp4", str(src), None, "--device", device, "--quiet"]
+    if "gptq" in wanted:
+        src = FIXTURE if tiny else kimi_set(root, dims_from_env())
+        seqs, seq = (6, 16) if tiny else (int(os.environ.get("GPTQ_SEQS", "32")), 2048)
+        vocab = 500 if tiny else dims_from_env().vocab
+        data = write_ids(root / f"torchrun-ids-{seqs}x{seq}.jsonl",
+                         random_ids(seqs, seq, vocab))
+        out["gptq"] = ["quantize", "--method", "gptq", str(src), None, "--data", str(data),
+                       "--samples", str(seqs), "--seq-len", str(seq), "--batch-size", "2",
+                       "--device", device, "--quiet"]
+    return out
+
+
 def main(argv: list[str]) -> None:
     ap = arguments("torchrun", __doc__)
     ap.add_argument("--tiny", action="store_true", help="the bundled fixture on the CPU")
     tiny = ap.parse_args(argv).tiny
     root = Path(os.environ.get("ROOT", "/tmp/kbench"))
-    src = FIXTURE if tiny else sharded_expert_set(root, int(os.environ.get("N_EXPERTS", "96")),
-                                                  int(os.environ.get("SHARDS", "4")))
+    root.mkdir(parents=True, exist_ok=True)
     device = "cpu" if tiny else "cuda"
-    out = root / "torchrun-out"
-    shutil.rmtree(out, ignore_errors=True)
-    command = ["int4-to-nvfp4", str(src), None, "--device", device, "--quiet"]
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     runs = {"plain": [sys.executable, "-m", "kconvert"],
             "torchrun_1": [*launch, "--nproc-per-node=1", "-m", "kconvert"],
             "torchrun_2_shared": [*launch, "--nproc-per-node=2", "-m", "kconvert"]}
     rec = record("torchrun", gpu=not tiny, scratch=root)
-    result: dict = {"device": device, "source_bytes": sum(
-        p.stat().st_size for p in Path(src).glob("*.safetensors"))}
-    for name, prefix in runs.items():
-        dst = out / name
-        args = [str(dst) if a is None else a for a in command]
-        result[name] = timed([*prefix, *args])
-        if name != "plain" and result[name]["rc"] == 0:
-            result[name]["same_as_plain"] = same_output(out / "plain", dst)
-        manifest = dst / MANIFEST
-        if manifest.is_file():
-            result[name]["world_size"] = json.loads(manifest.read_text())["summary"].get(
-                "world_size")
+    result: dict = {"device": device}
+    for command, args in commands(root, tiny, device).items():
+        out = root / "torchrun-out" / command
+        shutil.rmtree(out, ignore_errors=True)
+        entry: dict = {}
+        for name, prefix in runs.items():
+            dst = out / name
+            entry[name] = timed([*prefix, *[str(dst) if a is None else a for a in args]])
+            if name != "plain" and entry[name]["rc"] == 0:
+                entry[name]["same_as_plain"] = same_output(out / "plain", dst)
+            manifest = dst / MANIFEST
+            if manifest.is_file():
+                entry[name]["world_size"] = json.loads(manifest.read_text())["summary"].get(
+                    "world_size")
+        result[command] = entry
     print(json.dumps(result))
     save({"record": rec, **result}, result_path(rec))

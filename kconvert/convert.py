@@ -27,19 +27,23 @@ from kconvert.checks.structure import validate_source
 from kconvert.devices import pick_device
 from kconvert.dry_run import print_dry_run
 from kconvert.engine.execute import execute, gpu_encode
+from kconvert.engine.sink import finish_parts
 from kconvert.engine.source_order import hub_disk, start_stream
 from kconvert.engine.stage import Stage
 from kconvert.engine.work import (
+    Part,
+    Share,
     TransformItem,
     WorkPlan,
     build_work_plan,
     header_shape_values,
     shard_file_bytes,
-    share_shards,
+    share_work,
 )
 from kconvert.errors import KconvertError, UsageError
 from kconvert.formats import nvfp4
 from kconvert.formats.dense import DenseCodec
+from kconvert.formats.linear import ModuleWork
 from kconvert.formats.nvfp4_modelopt import HF_QUANT_CONFIG
 from kconvert.formats.quant_config import output_config, rewrite_config
 from kconvert.gpu_budget import GpuContext, GpuRequest
@@ -59,6 +63,7 @@ from kconvert.io.shards import tensor_nbytes
 from kconvert.io.stream import SOURCE_DIR, ShardStream, StreamedShard, open_streamed
 from kconvert.manifest import MANIFEST, Manifest, render_manifest
 from kconvert.manifest_writer import build_manifest
+from kconvert.model.names import Role
 from kconvert.options import STREAM_WINDOW
 from kconvert.recipes import Recipe, build_stages
 from kconvert.stages.records import RunRecord
@@ -182,8 +187,8 @@ def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, settings: Mapping[str,
              ) -> Manifest | None:
     main = distributed.is_main()
     say = echo if main else (lambda _message: None)
-    stages, plan, gpu = distributed.agree(lambda: _prepare_run(ckpt, recipe, settings, inputs,
-                                                               run, context, say))
+    stages, plan, gpu, part = distributed.agree(lambda: _prepare_run(
+        ckpt, recipe, settings, inputs, run, context, say))
     device = context.device
     if run.dry_run:
         if main:
@@ -212,18 +217,23 @@ def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, settings: Mapping[str,
         ws, done = distributed.from_main(lambda: output_dir.prepare(
             dst, planned, (fingerprint, started_by), run.resume, run.overwrite,
             run.trust_complete, plan.shard_entries, echo))
-        share = (share_shards(plan, set(done), distributed.world())[distributed.rank()]
+        share = (share_work(plan, set(done), distributed.world(), part)[distributed.rank()]
                  if distributed.world() > 1 else None)
         stream = start_stream(plan, done, ws.state / SOURCE_DIR, run.stream_window, say)
-        try:
-            mine = distributed.agree(lambda: _execute(
-                plan, ws, device, done, run, recipe.name, share, stream))
-        finally:
-            for stage in stages:
-                stage.close()
+
+        def step() -> tuple[dict[str, dict], dict[str, dict]]:
+            try:
+                return _execute(plan, ws, device, done, run, recipe.name, share, stream)
+            finally:  # before the ranks' next collective: a stage's may still run
+                for stage in stages:
+                    stage.close()
+
+        mine, parts = distributed.agree(step)
         if stream is not None:
             stream.finish()
         records = {s: r for got in distributed.all_gather_object(mine) for s, r in got.items()}
+        if share is not None:
+            records.update(_finish_shared(ws, share, parts))
         manifest = distributed.agree(
             lambda: _finish(ckpt, ws, plan, records, recipe.name, recorded) if main else None)
         if main:
@@ -248,14 +258,12 @@ def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, settings: Mapping[str,
 
 def _prepare_run(ckpt: Checkpoint, recipe: Recipe, settings: Mapping[str, object],
                  inputs: Mapping[str, object], run: RunControl, context: GpuContext, say
-                 ) -> tuple[list, WorkPlan, GpuPlan | None]:
-    """The stages, the work plan and the GPU memory plan on the run's GpuContext, after the
-    checks of the source."""
+                 ) -> tuple[list, WorkPlan, GpuPlan | None, Part | None]:
+    """The stages, the work plan, the GPU memory plan on the run's GpuContext and, under
+    torchrun, which rank computes which routed experts (`_expert_part`), after the checks of
+    the source."""
     stages = build_stages(recipe, settings, inputs)
-    if distributed.world() > 1 and any(s.ordered_layers for s in stages):
-        raise KconvertError("--method sparsegpt and --method gptq stream their calibration "
-                            "layer by layer beside the conversion and do not run across "
-                            "ranks; run them without torchrun")
+    part = _expert_part(ckpt, stages)
     device = context.device
     # GPU items as the GPU memory plan sizes them (engine.execute.gpu_encode). On a CPU, items
     # of 2^24 elements (~one expert matrix; the fused kernel is per row anyway) keep the
@@ -281,7 +289,7 @@ def _prepare_run(ckpt: Checkpoint, recipe: Recipe, settings: Mapping[str, object
     header_only = any(isinstance(r, HeaderOnlyShard | StreamedShard)
                       for r in ckpt.readers.values())
     plan = build_work_plan(ckpt, stages, work_elems,
-                           header_shape_values(ckpt) if header_only else None)
+                           header_shape_values(ckpt) if header_only else None, part)
     largest = max((sum(m.shape[0] * m.shape[1] for fused in item.sets for m in fused)
                     for item in plan.items if isinstance(item, TransformItem)), default=0)
     if gpu is not None and largest > (gpu.work_elems or 0):  # a fused set beyond the item size
@@ -295,7 +303,53 @@ def _prepare_run(ckpt: Checkpoint, recipe: Recipe, settings: Mapping[str, object
                                           for m in plan.modules):
         raise KconvertError(f"{recipe.name} needs a source with {recipe.requires_source} modules "
                             "and this one has none", file=str(ckpt.root / "config.json"))
-    return stages, plan, gpu
+    return stages, plan, gpu, part
+
+
+def _expert_part(ckpt: Checkpoint, stages: list[Stage]) -> Part | None:
+    """Under torchrun, with a stage that streams calibration layers beside the conversion
+    (GPTQ, SparseGPT): the rank of each MoE layer's routed expert, the rank whose share of the
+    expert-parallel calibration holds its Hessian (kconvert.calibrate.expert_ranks); None
+    otherwise (every item goes with its shard)."""
+    if distributed.world() == 1 or not any(s.ordered_layers for s in stages):
+        return None
+    from kconvert.calibrate.expert_ranks import model_ranks
+    from kconvert.calibrate.load import tensors_by_layer
+
+    text = ckpt.text_config
+    n_layers, n_experts = text["num_hidden_layers"], text.get("n_routed_experts") or 0
+    if n_experts < distributed.world():
+        raise KconvertError(f"a layer's {n_experts} routed experts cannot be shared by "
+                            f"{distributed.world()} ranks; run with at most {n_experts}")
+    ranks = model_ranks(tensors_by_layer(ckpt, n_layers), n_experts,
+                        range(text.get("first_k_dense_replace", 0), n_layers))
+
+    def part(m: ModuleWork) -> int | None:
+        layer = ranks.get(m.tn.layer) if m.tn.role is Role.ROUTED_EXPERT else None
+        return None if layer is None else layer.owner(m.tn.expert)
+
+    return part
+
+
+def _finish_shared(ws: Workspace, share: Share, parts: dict[str, dict]) -> dict[str, dict]:
+    """Every rank's records of its parts of the shards several ranks wrote into (all written
+    and on disk: each rank's engine ended without error); each such shard finished by its
+    owner. Returns every finished shard's record, on every rank."""
+    gathered = distributed.all_gather_object(parts)
+
+    def finish() -> dict[str, dict]:
+        out = {}
+        for shard in sorted(share.owned & share.shared):
+            have = [got[shard] for got in gathered if shard in got]
+            if len(have) != len(share.writers[shard]):
+                raise KconvertError(f"{len(have)} of the {len(share.writers[shard])} ranks "
+                                    "that write into the shard reported their part",
+                                    file=shard)
+            out[shard] = finish_parts(ws.root, shard, have)
+        return out
+
+    return {s: r for got in distributed.all_gather_object(distributed.agree(finish))
+            for s, r in got.items()}
 
 
 def _planned(ckpt: Checkpoint, plan: WorkPlan, run: RunControl) -> Planned:
@@ -311,12 +365,13 @@ def _planned(ckpt: Checkpoint, plan: WorkPlan, run: RunControl) -> Planned:
 
 
 def _execute(plan: WorkPlan, ws: Workspace, device: torch.device, done: dict[str, dict],
-             run: RunControl, name: str, shards: set[str] | None,
-             stream: ShardStream | None) -> dict[str, dict]:
-    """This rank's shards (all of them in a one-process run) -> their records; rank 0 shows
-    the progress of its own share, which byte balancing keeps near each other rank's."""
-    total = sum(item.nbytes for item in plan.items
-                if shards is None or plan.item_shards(item) <= shards)
+             run: RunControl, name: str, share: Share | None,
+             stream: ShardStream | None) -> tuple[dict[str, dict], dict[str, dict]]:
+    """This rank's items (all of them in a one-process run) -> (the records of the shards
+    finished here, this rank's records of its parts of shards shared with other ranks); rank
+    0 shows the progress of its own share, which balancing keeps near each other rank's."""
+    total = sum(item.nbytes for i, item in enumerate(plan.items)
+                if share is None or i in share.items)
     if distributed.world() > 1:
         name = f"{name} (rank 0 of {distributed.world()})"
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
@@ -329,7 +384,7 @@ def _execute(plan: WorkPlan, ws: Workspace, device: torch.device, done: dict[str
             nvfp4.warm_cpu_kernels()
             bar.set_description(name)
         return execute(plan, ws.root, device, done, bar.update, readers=run.readers,
-                       shards=shards, feed=stream)
+                       share=share, feed=stream)
 
 
 def _finish(ckpt: Checkpoint, ws: Workspace, plan: WorkPlan, records: dict[str, dict],

@@ -90,6 +90,13 @@ def shutdown() -> None:
     _failed = False
 
 
+def mark_failed() -> None:
+    """This rank's job failed (its command exits non-zero): shutdown waits for no one, so that
+    the others' collectives fail at once instead of waiting for this rank."""
+    global _failed
+    _failed = True
+
+
 def _take_core_share(local_rank: int, local_world: int) -> None:
     """Local ranks on a CPU node split its cores instead of each using them all."""
     if not hasattr(os, "sched_getaffinity"):
@@ -178,6 +185,26 @@ def all_reduce_(tensors: list[torch.Tensor], op: str) -> None:
         pos += n
 
 
+def all_to_all(t: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+    """Rows of `t` to every rank (send[r] rows to rank r, in rank order) -> the rows every rank
+    sent here (recv[r] from rank r, in rank order), on `t`'s device."""
+    if world() == 1:
+        return t
+    device = _comm_device()
+    out = torch.empty((sum(recv), *t.shape[1:]), dtype=t.dtype, device=device)
+    with _collective():
+        dist.all_to_all_single(out, t.to(device).contiguous(), recv, send)
+    return out.to(t.device)
+
+
+def all_to_all_counts(send: list[int]) -> list[int]:
+    """How many rows each rank sends here, from how many this rank sends to each."""
+    if world() == 1:
+        return send
+    return all_to_all(torch.tensor(send, dtype=torch.int64), [1] * world(),
+                      [1] * world()).tolist()
+
+
 def agree(step: Callable[[], T]) -> T:
     """`step()` on every rank; if it raised on any rank, every rank raises the first error
     (the rank that raised it re-raises its own exception, the others a KconvertError that
@@ -223,8 +250,14 @@ def from_main(step: Callable[[], T]) -> T:
     return broadcast_object(result)
 
 
+def own_batch_ids(n_batches: int) -> range:
+    """The batches (0..n_batches-1, in order) this rank runs: batch b on rank b % world."""
+    return range(rank(), n_batches, world())
+
+
 def own_batches(n_items: int, batch: int) -> list[int]:
     """Indices of the items (sequences) this rank runs: whole batches of `batch` items, batch b
-    on rank b % world, so each batch is computed exactly as in a one-process run."""
-    starts = range(0, n_items, batch)[rank()::world()]
-    return [i for s in starts for i in range(s, min(s + batch, n_items))]
+    on rank b % world (`own_batch_ids`), so each batch is computed exactly as in a one-process
+    run."""
+    return [i for b in own_batch_ids(-(-n_items // batch))
+            for i in range(b * batch, min((b + 1) * batch, n_items))]

@@ -142,13 +142,18 @@ class Shapes:
         """Decoded elements of a routed expert's gate and up (one fused set)."""
         return 2 * self.hidden * self.moe_inter
 
-    def layer_elems(self) -> int:
+    def layer_elems(self, routed: int | None = None) -> int:
         """Decoded weight elements of the largest decoder layer (an MoE layer when there is
-        one: routed and shared experts, router, attention)."""
+        one: routed and shared experts, router, attention); `routed`: the routed experts held
+        (an expert-parallel rank's share; default all)."""
         dense = 3 * self.hidden * self.dense_inter
-        moe = ((self.experts + self.shared) * self.expert_elems()
+        routed = self.experts if routed is None else routed
+        moe = ((routed + self.shared) * self.expert_elems()
                + self.experts * self.hidden)
-        return self.attention_elems() + (moe if self.has_moe else dense)
+        if not self.has_moe:
+            return self.attention_elems() + dense
+        # the first layers are dense: the largest layer is whichever holds more
+        return self.attention_elems() + max(moe, dense if self.dense_layers else 0)
 
 
 @dataclass(frozen=True)
@@ -171,9 +176,44 @@ class Forward:
     logit_elems: int = 0
     # decoding one layer's weights beside it (kconvert.calibrate.load)
     decode_bytes: int = field(kw_only=True)
+    # Under torchrun (docs/many-gpus.md): `sequences` are this rank's (its batches' hidden
+    # states), `job_sequences` the whole job's; with `ranks` > 1 a MoE layer is
+    # expert-parallel: the rank holds its block of routed experts, exchanges the routed rows
+    # with the others each micro-batch and, capturing, keeps the rows routed to its experts
+    # from every rank (in a buffer for all the job's tokens); `gathered`: it also holds every
+    # routed expert (REAP's repair on rank 0).
+    ranks: int = field(default=1, kw_only=True)
+    job_sequences: int = field(default=0, kw_only=True)
+    gathered: bool = field(default=False, kw_only=True)
 
     def tokens(self) -> int:
         return self.sequences * self.seq_len
+
+    def job_tokens(self) -> int:
+        """The whole job's tokens (a routed expert sees its share of every rank's)."""
+        return (self.job_sequences or self.sequences) * self.seq_len
+
+    def routed_held(self, s: Shapes) -> int:
+        """The routed experts of a MoE layer this rank holds."""
+        held = -(-s.experts // self.ranks)
+        return held + s.experts if self.gathered else held
+
+    def held_fraction(self, s: Shapes) -> float:
+        """Of the job's tokens, those with one of their top-k experts among this rank's
+        (routing spread evenly over the experts): all of them on one rank."""
+        return 1.0 - (1.0 - 1.0 / self.ranks) ** s.top_k if self.ranks > 1 else 1.0
+
+    def share_line(self, s: Shapes) -> str:
+        """What this rank holds under torchrun, for the plan's lines ('' on one process)."""
+        if self.ranks == 1 and self.job_sequences in (0, self.sequences):
+            return ""
+        parts = [f"the hidden states of {self.sequences} of {self.job_sequences} sequences"]
+        if self.ranks > 1:
+            parts.insert(0, f"{-(-s.experts // self.ranks)} of {s.experts} routed experts per "
+                            "MoE layer (expert-parallel)")
+        if self.gathered:
+            parts.append("every routed expert of the layer while it repairs (rank 0)")
+        return "  per rank: " + ", ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -252,6 +292,7 @@ class GpuPlan:
     obs_matrices: int = 0  # matrices of the largest shape per OBS batch
     work_elems: int | None = None
     footprint: Footprint = field(default_factory=Footprint)
+    share: str = ""  # under torchrun: what each rank holds (Forward.share_line)
 
     @property
     def prefetch_bytes(self) -> int:
@@ -270,7 +311,8 @@ class GpuPlan:
             knobs.append(f"{self.obs_matrices} expert matrices per OBS batch")
         if self.work_elems:
             knobs.append(f"work items of up to {self.work_elems / 1e6:.1f}M elements")
-        return [head + (f" ({'; '.join(knobs)})" if knobs else ""), *self.footprint.lines()]
+        return [head + (f" ({'; '.join(knobs)})" if knobs else ""),
+                *([self.share] if self.share else []), *self.footprint.lines()]
 
 
 def _activations(s: Shapes, fw: Forward, batch: int) -> int:
@@ -289,6 +331,13 @@ def _activations(s: Shapes, fw: Forward, batch: int) -> int:
         per_token += 3 * s.dense_inter * d
     if fw.models:  # eval: the local and accumulated outputs, their errors in fp32
         per_token += s.hidden * (2 * d + 3 * 4)
+    if fw.ranks > 1 and s.has_moe:
+        # the exchange (kconvert.calibrate.expert_ranks), per token of each rank's batch: its
+        # row to every rank holding one of its experts and the rows received from the others,
+        # and the expert outputs of its k slots back and of the others' slots out, with each
+        # row's ids and weights
+        rows = 2 * fw.ranks * fw.held_fraction(s) + 2 * s.top_k
+        per_token += int(rows * s.hidden * d) + 2 * fw.ranks * (2 * s.top_k + 1) * 8
     scores = batch * s.heads * fw.seq_len * fw.seq_len * SCORE_BYTES
     return t * per_token + scores
 
@@ -300,14 +349,17 @@ def forward_footprint(s: Shapes, fw: Forward, batch: int, hidden_on_device: bool
     The layer's weights stay resident (SparseGPT holds them through its OBS batches) except
     in eval, whose logits come after the last layer is freed."""
     d, tokens = fw.dtype_bytes, fw.tokens()
-    weights = {"layer weights": s.layer_elems() * d}
+    weights = {"layer weights": s.layer_elems(fw.routed_held(s)) * d}
     sets = fw.models + 1 if fw.models else 1 + fw.rerun  # eval: + the source's next layer
     resident = {"overhead": OVERHEAD,
                 "hidden states": tokens * s.hidden * d * sets if hidden_on_device else 0}
     if not fw.models:
         resident.update(weights)
     if fw.capture:
-        resident["captured layer inputs"] = tokens * (s.hidden * d + s.top_k * 8)
+        # expert-parallel, a buffer for every token of the job: each token routed to one of
+        # the rank's experts comes once (Forward.held_fraction of them)
+        kept = fw.job_tokens() if fw.ranks > 1 else tokens
+        resident["captured layer inputs"] = kept * (s.hidden * d + s.top_k * 8)
     if fw.repair_bytes:
         resident["repair stream"] = fw.repair_bytes
     if fw.gram_bytes:
@@ -336,7 +388,7 @@ def plan_forward(s: Shapes, fw: Forward, budget: int, what: str) -> GpuPlan:
         for on_device in (True, False):
             fp = forward_footprint(s, fw, batch, on_device)
             if fp.peak <= budget:
-                return GpuPlan(budget, batch, on_device, footprint=fp)
+                return GpuPlan(budget, batch, on_device, footprint=fp, share=fw.share_line(s))
     least = forward_footprint(s, fw, 1, False)
     raise _too_small(what, least, budget, "--samples" if fw.capture else "")
 
@@ -364,8 +416,8 @@ def plan_conversion(s: Shapes, budget: int, what: str, min_item_elems: int,
         return GpuPlan(budget, work_elems=elems, footprint=fp)
     forward, obs = work.forward, work.obs
     per_expert_elems = s.expert_elems()
-    hot = forward.tokens() if obs.every_token else min(
-        forward.tokens(), HOT_EXPERT * forward.tokens() * s.top_k // max(s.experts, 1))
+    hot = forward.job_tokens() if obs.every_token else min(
+        forward.job_tokens(), HOT_EXPERT * forward.job_tokens() * s.top_k // max(s.experts, 1))
 
     def footprint(batch: int, on_device: bool, n: int) -> Footprint:
         fp = forward_footprint(s, forward, batch, on_device)
@@ -405,7 +457,7 @@ def plan_conversion(s: Shapes, budget: int, what: str, min_item_elems: int,
         raise _too_small(what, footprint(1, False, 1), budget, "--samples")
     return GpuPlan(budget, batch, on_device, obs_bytes=obs.batch(n),
                    obs_matrices=n, work_elems=max(n * per_expert_elems, min_item_elems),
-                   footprint=footprint(batch, on_device, n))
+                   footprint=footprint(batch, on_device, n), share=forward.share_line(s))
 
 
 def plan_gpu(ckpt, stages: list, budget: int, what: str, largest_item: int | None = None, *,

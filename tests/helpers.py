@@ -373,8 +373,9 @@ def built_layer(path: Path, index: int, dtype: torch.dtype = torch.bfloat16,
                 **build) -> Iterator[BuiltLayer]:
     """Decoder layer `index` of the checkpoint at `path` as the calibration forward builds it,
     on the CPU in `dtype`; `build`: build_layer's keywords (e.g. grams=)."""
-    from kconvert.calibrate.forward import ForwardContext, model_config
+    from kconvert.calibrate.forward import model_config
     from kconvert.calibrate.load import build_layer, read_layer, tensors_by_layer
+    from kconvert.calibrate.moe import ForwardContext
     from kconvert.io.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(str(path))

@@ -8,8 +8,8 @@ by one `kconvert eval` on held-out text (fp32, CPU). Calibration and held-out te
         sparsify:learned:steps=25:lr=4e-2:mask_lr=2e-2 quantize:gptq ...
 
 A configuration is COMMAND:METHOD[:KEY=VALUE...]; keys steps and tokens are the method's
-options, lr and mask_lr its class settings (kconvert.methods.learned). Writes OUT.md and
-OUT.json.
+options, lr and mask_lr its class settings (kconvert.methods.learned). Writes the table and
+the numbers at OUT with the suffixes .md and .json.
 """
 
 from __future__ import annotations

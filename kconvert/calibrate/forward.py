@@ -2,32 +2,28 @@
 
 transformers' own `DeepseekV3DecoderLayer` (MLA attention with its YaRN rope, RMSNorms,
 residuals, dense MLP) built from the checkpoint's text config read as "deepseek_v3", with our
-MoE block: transformers' router and shared expert, and the routed experts as grouped matrix
-products in which each expert sees only its routed tokens while the calibration statistics
-accumulate (per expert, over the same rows, without a host sync).
+MoE block (kconvert.calibrate.moe): transformers' router and shared expert, and the routed
+experts as grouped matrix products in which each expert sees only its routed tokens while the
+calibration statistics accumulate.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from kconvert.calibrate.data import PAD_ID
+from kconvert.calibrate.moe import ForwardContext, MoEBlock
 from kconvert.errors import KconvertError
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.model.arch import arch_of
 from kconvert.model.names import Role, parse_name
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
-
-
-# Rows per step of the per-expert activation statistics (fp32 temporaries of rows x width).
-GROUP_STAT_ROWS = 1 << 15
 
 
 def model_config(ckpt: Checkpoint):
@@ -124,200 +120,6 @@ def _accumulate(x: torch.Tensor, amax: torch.Tensor, sq: torch.Tensor) -> None:
     """amax <- max(amax, max|x|); sq += sum over rows of x^2 (fp32 reductions, no x-sized temp)."""
     torch.maximum(amax, torch.linalg.vector_norm(x, ord=math.inf, dtype=torch.float32), out=amax)
     sq += torch.linalg.vector_norm(x, ord=2, dim=0, dtype=torch.float32).double().square()
-
-
-def _accumulate_groups(rows: torch.Tensor, counts: torch.Tensor, amax: torch.Tensor,
-                       sq: torch.Tensor) -> None:
-    """_accumulate per group of consecutive rows (group g: counts[g] rows) into amax[g], sq[g],
-    a chunk of rows at a time (bounds the fp32 temporaries)."""
-    ends = counts.cumsum(0)
-    for start in range(0, rows.shape[0], GROUP_STAT_ROWS):
-        stop = min(start + GROUP_STAT_ROWS, rows.shape[0])
-        # the rows of each group inside [start, stop)
-        lengths = ends.clamp(start, stop) - (ends - counts).clamp(start, stop)
-        chunk = rows[start:stop].float()
-        row_max = torch.linalg.vector_norm(chunk, ord=math.inf, dim=-1)
-        torch.maximum(amax, torch.segment_reduce(row_max, "max", lengths=lengths, initial=0),
-                      out=amax)
-        sq += torch.segment_reduce(chunk.square(), "sum", lengths=lengths).double()
-
-
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """Rows x[ends[g-1]:ends[g]] times weight[g]^T for every group g at once ([rows, in] x
-    [G, out, in] -> [rows, out]): torch's grouped GEMM (CUTLASS on Hopper in bf16; elsewhere
-    torch's own loop over the groups)."""
-    return nn.functional.grouped_mm(x, weight.transpose(1, 2), offs=ends)
-
-
-class ForwardContext:
-    """Per-batch state shared by the hooks and the MoE block: which positions are real."""
-
-    valid: torch.Tensor | None = None  # [b, s] bool, None when every position is real
-
-    def real_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """x [b, s, ...] or [b, 1, s, ...] (MLA latents) as rows of real positions [n, in]."""
-        if self.valid is None:
-            return x.reshape(-1, x.shape[-1])
-        b, s = self.valid.shape
-        return x.reshape(b, s, -1)[self.valid]
-
-
-@dataclass
-class Experts:
-    """A layer's routed experts decoded to the compute dtype, stacked like transformers'."""
-
-    gate_up: torch.Tensor  # [E, 2I, H]: gate rows then up rows
-    down: torch.Tensor  # [E, H, I]
-    names: list[dict[str, str]]  # expert -> proj -> checkpoint module
-
-
-class MoEBlock(nn.Module):
-    """DeepseekV3MoE with our routed experts (grouped matrix products over each expert's
-    tokens), which accumulate the REAP and activation statistics. `gate` and `shared_experts` are
-    transformers' own modules (same names, so the checkpoint's tensors load into them)."""
-
-    def __init__(self, cfg, ctx: ForwardContext, experts: Experts, device: torch.device):
-        from transformers.activations import ACT2FN
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
-            DeepseekV3MLP,
-            DeepseekV3TopkRouter,
-        )
-
-        super().__init__()
-        with torch.device("meta"):
-            self.gate = DeepseekV3TopkRouter(cfg)
-            self.shared_experts = DeepseekV3MLP(
-                cfg, intermediate_size=cfg.moe_intermediate_size * cfg.n_shared_experts)
-        self.act_fn = ACT2FN[cfg.hidden_act]
-        self.ctx, self.experts = ctx, experts
-        n, inter, hidden = experts.down.shape[0], experts.down.shape[2], experts.down.shape[1]
-        self.n_experts, self.inter = n, inter
-        f64 = {"dtype": torch.float64, "device": device}
-        self.count = torch.zeros(n, dtype=torch.int64, device=device)
-        self.gate_sum = torch.zeros(n, **f64)
-        self.reap_sum = torch.zeros(n, **f64)
-        self.ean_sum = torch.zeros(n, **f64)
-        self.ean_sq_sum = torch.zeros(n, **f64)
-        self.amax_in = torch.zeros(n, dtype=torch.float32, device=device)
-        self.amax_down = torch.zeros(n, dtype=torch.float32, device=device)
-        self.sq_in = torch.zeros(n, hidden, **f64)
-        self.sq_down = torch.zeros(n, inter, **f64)
-        # With `capture`, the real rows of every batch's input and their top-k expert ids are
-        # kept (SparseGPT builds each expert's Hessian from them); `captured()` joins them.
-        # With `capture_rows` (the layer's real tokens, when known) they are written into one
-        # buffer as they come, so joining them never holds two copies (GPU memory plan).
-        self.capture = False
-        self.capture_rows = 0
-        self._filled = 0
-        # Without `collect`, the block only computes its output (no REAP/activation sums).
-        self.collect = True
-        self._inputs: list[torch.Tensor] = []
-        self._indices: list[torch.Tensor] = []
-        # Set by `kconvert eval` on a W4A4 checkpoint: (linear 0 gate/up or 1 down, input rows,
-        # each row's expert) -> the rows as the serving kernel quantizes them
-        # (evaluate/activations.py).
-        self.quantize_input: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor] | None \
-            = None
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1])
-        _, topk_weights, topk_indices = self.gate(x)
-        if self.capture:
-            real = self.ctx.valid.reshape(-1) if self.ctx.valid is not None else slice(None)
-            self._keep(x[real], topk_indices[real])
-        routed = self._routed(x, topk_indices, topk_weights)
-        return routed.to(x.dtype).reshape(shape) + self.shared_experts(hidden_states)
-
-    def _routed(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
-                ) -> torch.Tensor:
-        """Every routed expert on its tokens as two grouped matrix products: the (token,
-        slot) pairs sorted by expert once, each expert's rows one group. No host sync."""
-        t, k = indices.shape
-        slot = torch.arange(t * k, device=x.device)  # token * k + j: the j-th choice of a token
-        exp, w = indices.reshape(-1), weights.reshape(-1).float()
-        if self.ctx.valid is not None:  # padding is never routed, so never counted
-            keep = self.ctx.valid.reshape(-1).repeat_interleave(k)
-            slot, exp, w = slot[keep], exp[keep], w[keep]
-        order = torch.argsort(exp, stable=True)
-        slot, exp, w = slot[order], exp[order], w[order]
-        counts = torch.bincount(exp, minlength=self.n_experts)
-        ends = counts.cumsum(0).to(torch.int32)
-        xs = x[slot // k]
-        q = self.quantize_input
-        gate, up = grouped_linear(xs if q is None else q(0, xs, exp), self.experts.gate_up,
-                                  ends).chunk(2, dim=-1)
-        a = self.act_fn(gate) * up
-        # f_j(x): before gating
-        f = grouped_linear(a if q is None else q(1, a, exp), self.experts.down, ends)
-        # Each (token, slot) written once, then a token's k slots summed in slot order: the
-        # same sum whatever the expert order, and no atomic adds (deterministic on a GPU).
-        slots = torch.zeros(t * k, x.shape[1], dtype=torch.float32, device=x.device)
-        slots[slot] = f.float() * w[:, None]
-        out = slots.view(t, k, -1).sum(1)
-        if not self.collect:
-            return out
-        norms = torch.linalg.vector_norm(f, dim=-1, dtype=torch.float32)
-        self.count += counts
-        for acc, values in ((self.gate_sum, w), (self.reap_sum, w * norms),
-                            (self.ean_sum, norms), (self.ean_sq_sum, norms.square())):
-            acc += torch.segment_reduce(values.double(), "sum", lengths=counts)
-        _accumulate_groups(xs, counts, self.amax_in, self.sq_in)
-        _accumulate_groups(a, counts, self.amax_down, self.sq_down)
-        return out
-
-    def _keep(self, x: torch.Tensor, indices: torch.Tensor) -> None:
-        if not self.capture_rows:
-            self._inputs.append(x)
-            self._indices.append(indices)
-            return
-        if not self._inputs:
-            self._inputs = [x.new_empty(self.capture_rows, x.shape[1])]
-            self._indices = [indices.new_empty(self.capture_rows, indices.shape[1])]
-        end = self._filled + x.shape[0]
-        if end > self.capture_rows:
-            raise KconvertError(f"the MoE layer saw more than the {self.capture_rows} real "
-                                "tokens it was given")
-        self._inputs[0][self._filled:end] = x
-        self._indices[0][self._filled:end] = indices
-        self._filled = end
-
-    def captured(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs [tokens, hidden], top-k expert ids [tokens, k]) of every real token."""
-        if self.capture_rows:
-            return self._inputs[0][:self._filled], self._indices[0][:self._filled]
-        if len(self._inputs) > 1:  # joined once; later calls reuse the joined tensors
-            self._inputs, self._indices = [torch.cat(self._inputs)], [torch.cat(self._indices)]
-        return self._inputs[0], self._indices[0]
-
-    def routed_inputs(self, expert: int) -> torch.Tensor:
-        """The inputs of gate/up [tokens, hidden] over the tokens routed to `expert`."""
-        x, idx = self.captured()
-        return x[(idx == expert).any(-1)]
-
-    def expert_inputs(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs of gate/up, inputs of down) over the tokens routed to `expert`."""
-        xe = self.routed_inputs(expert)
-        gate, up = nn.functional.linear(xe, self.experts.gate_up[expert]).chunk(2, dim=-1)
-        return xe, self.act_fn(gate) * up
-
-    def results(self, layer: int) -> dict[str, torch.Tensor]:
-        count = self.count.cpu()
-        reap_sum = self.reap_sum.cpu()
-        saliency = torch.where(count > 0, reap_sum / count.clamp(min=1), 0.0)
-        base = f"layers.{layer}"
-        out = {f"{base}.count": count, f"{base}.saliency": saliency,
-               f"{base}.reap_sum": reap_sum, f"{base}.gate_sum": self.gate_sum.cpu(),
-               f"{base}.ean_sum": self.ean_sum.cpu(), f"{base}.ean_sq_sum": self.ean_sq_sum.cpu()}
-        amax_in, amax_down = self.amax_in.cpu(), self.amax_down.cpu()
-        sq_in, sq_down = self.sq_in.float().cpu(), self.sq_down.float().cpu()
-        for e in range(self.n_experts):
-            for proj, amax, sq in (("gate_proj", amax_in, sq_in), ("up_proj", amax_in, sq_in),
-                                   ("down_proj", amax_down, sq_down)):
-                key = f"layers.{layer}.experts.{e}.{proj}"
-                out[f"{key}.input_amax"] = amax[e].clone()
-                out[f"{key}.input_sq_sum"] = sq[e].clone()
-        return out
 
 
 @dataclass

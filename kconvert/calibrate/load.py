@@ -13,15 +13,9 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from kconvert.calibrate.forward import (
-    PROJS,
-    Experts,
-    ForwardContext,
-    InputGram,
-    Layer,
-    LinearStats,
-    MoEBlock,
-)
+from kconvert.calibrate.expert_ranks import ExpertRanks
+from kconvert.calibrate.forward import PROJS, InputGram, Layer, LinearStats
+from kconvert.calibrate.moe import Experts, ForwardContext, MoEBlock
 from kconvert.errors import KconvertError
 from kconvert.formats import Codec
 from kconvert.formats.linear import ModuleWork, group_modules
@@ -74,8 +68,10 @@ class LayerBytes:
     linears: list[tuple[ModuleWork, dict[str, torch.Tensor]]]  # non-expert linears
     others: dict[str, torch.Tensor]  # norms, router, bias: name relative to `prefix`
     experts: list[ExpertBatch]
-    expert_names: list[dict[str, str]]  # expert -> proj -> checkpoint module
+    expert_names: list[dict[str, str]]  # expert -> proj -> checkpoint module (every expert)
     decoded_nbytes: int  # the layer's weights once decoded to the compute dtype
+    # the routed experts read (all of them, or this rank's share); None: a dense layer
+    held: range | None = None
 
     @property
     def nbytes(self) -> int:
@@ -97,12 +93,17 @@ class LayerBytes:
 
 
 def read_layer(ckpt: Checkpoint, cfg, layer: int, tensors: dict[str, TensorInfo],
-               dtype: torch.dtype, device: torch.device) -> LayerBytes:
+               dtype: torch.dtype, device: torch.device, held: range | None = None
+               ) -> LayerBytes:
     """Layer L's tensors in host memory (pinned when `device` is a GPU), checked against the
-    config: any error names the file and tensor."""
+    config: any error names the file and tensor. `held`: the routed experts to read (under
+    torchrun this rank's share, kconvert.calibrate.expert_ranks; None: all)."""
     pin = device.type == "cuda"
-    for info in tensors.values():  # the kernel reads the layer's bytes ahead of the loop
-        ckpt.reader_for(info).will_need(info)
+    held = range(cfg.n_routed_experts) if held is None else held
+    for name, info in tensors.items():  # the kernel reads the layer's bytes ahead of the loop
+        tn = parse_name(name)
+        if tn.role is not Role.ROUTED_EXPERT or tn.expert in held:
+            ckpt.reader_for(info).will_need(info)
     prefix = f"{parse_name(next(iter(tensors))).prefix}layers.{layer}."
     shape_values = {n: tuple(int(v) for v in _read(ckpt, i).tolist())
                     for n, i in tensors.items() if n.endswith(".weight_shape")}
@@ -129,9 +130,11 @@ def read_layer(ckpt: Checkpoint, cfg, layer: int, tensors: dict[str, TensorInfo]
                                 file=info.file.name, tensor=info.name)
         others[info.name[len(prefix):]] = t
         decoded += t.numel() * item
-    batches, names = _read_experts(ckpt, cfg, experts, layer, device, pin) if is_moe else ([], [])
+    batches, names = (_read_experts(ckpt, cfg, experts, layer, device, pin, held) if is_moe
+                      else ([], []))
     decoded += sum(len(b.members) * b.shape[0] * b.shape[1] for b in batches) * item
-    return LayerBytes(layer, prefix, linears, others, batches, names, decoded)
+    return LayerBytes(layer, prefix, linears, others, batches, names, decoded,
+                      held if is_moe else None)
 
 
 def _read(ckpt: Checkpoint, info: TensorInfo, pin: bool = False) -> torch.Tensor:
@@ -139,7 +142,7 @@ def _read(ckpt: Checkpoint, info: TensorInfo, pin: bool = False) -> torch.Tensor
 
 
 def _read_experts(ckpt: Checkpoint, cfg, modules: list[ModuleWork], layer: int,
-                  device: torch.device, pin: bool
+                  device: torch.device, pin: bool, held: range
                   ) -> tuple[list[ExpertBatch], list[dict[str, str]]]:
     n, hidden, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
     by_id: dict[int, dict[str, ModuleWork]] = {}
@@ -159,6 +162,8 @@ def _read_experts(ckpt: Checkpoint, cfg, modules: list[ModuleWork], layer: int,
                 raise KconvertError(f"expert linear is {list(m.shape)}, config says "
                                     f"{list(want[proj])}", file=m.primary.file.name,
                                     tensor=m.module)
+            if e not in held:
+                continue
             groups.setdefault((m.codec, tuple(m.shape)), []).append((e, proj, m))
     # Batches sized for the decode's fp32 temporaries on the device.
     budget = DECODE_ELEMS.get(device.type, DECODE_ELEMS["cpu"])
@@ -191,11 +196,12 @@ def _read_experts(ckpt: Checkpoint, cfg, modules: list[ModuleWork], layer: int,
 
 def build_layer(raw: LayerBytes, cfg, ctx: ForwardContext, device: torch.device,
                 dtype: torch.dtype, stats: bool = True, grams: Collection[Role] = (),
-                held_every: int = 0) -> Layer:
+                held_every: int = 0, ranks: ExpertRanks | None = None) -> Layer:
     """transformers' decoder layer holding exactly the layer's tensors, decoded on `device`;
     with `stats` False it computes the forward alone (no calibration statistics). The linears
     of the roles in `grams` (transformers' nn.Linear modules: attention, dense MLP) accumulate
-    their input Gram (`InputGram`, `held_every`), one per fused set: its linears see one input."""
+    their input Gram (`InputGram`, `held_every`), one per fused set: its linears see one input.
+    `ranks`: an expert-parallel MoE layer's blocks (`raw` holds this rank's experts)."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
 
     layer, prefix = raw.layer, raw.prefix
@@ -210,8 +216,8 @@ def build_layer(raw: LayerBytes, cfg, ctx: ForwardContext, device: torch.device,
     with torch.device("meta"):
         module = DeepseekV3DecoderLayer(cfg, layer)
     moe = None
-    if raw.experts:
-        moe = MoEBlock(cfg, ctx, _decode_experts(raw, cfg, device, dtype), device)
+    if raw.held is not None:
+        moe = MoEBlock(cfg, ctx, _decode_experts(raw, cfg, device, dtype), device, ranks)
         module.mlp = moe
     try:
         module.load_state_dict(state, strict=True, assign=True)
@@ -242,13 +248,14 @@ def build_layer(raw: LayerBytes, cfg, ctx: ForwardContext, device: torch.device,
 
 
 def _decode_experts(raw: LayerBytes, cfg, device: torch.device, dtype: torch.dtype) -> Experts:
-    n, hidden, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    n, hidden, inter = len(raw.held), cfg.hidden_size, cfg.moe_intermediate_size
     gate_up = torch.empty(n, 2 * inter, hidden, dtype=dtype, device=device)
     down = torch.empty(n, hidden, inter, dtype=dtype, device=device)
     for batch in raw.experts:
         params = {p: t.to(device) for p, t in batch.params.items()}
         w = batch.codec.decode(params, batch.shape).to(dtype)
-        for j, (e, proj) in enumerate(batch.members):
+        for j, (expert, proj) in enumerate(batch.members):
+            e = expert - raw.held.start
             if proj == "gate_proj":
                 gate_up[e, :inter] = w[j]
             elif proj == "up_proj":
@@ -256,7 +263,7 @@ def _decode_experts(raw: LayerBytes, cfg, device: torch.device, dtype: torch.dty
             else:
                 down[e] = w[j]
         del w, params
-    return Experts(gate_up, down, raw.expert_names)
+    return Experts(gate_up, down, raw.expert_names, raw.held.start)
 
 
 def tensors_by_layer(ckpt: Checkpoint, n_layers: int) -> dict[int, dict[str, TensorInfo]]:

@@ -28,24 +28,33 @@ def forward(shapes: Shapes, sequences: int, seq_len: int, batch_size: int,
             dtype_bytes: int = 2, **terms) -> Forward:
     """The forward of `sequences` sequences of `seq_len` tokens, `batch_size` a step, as the
     planner sees it: a layer's decode beside it (kconvert.calibrate.load), and `terms`, the
-    other fields of gpu_plan.Forward (what the forward keeps, the other owners' bytes)."""
-    return Forward(sequences, seq_len, batch_size, dtype_bytes,
+    other fields of gpu_plan.Forward (what the forward keeps, the other owners' bytes).
+
+    Under torchrun, this rank's part (docs/many-gpus.md): the hidden states of its batches
+    (dealt round-robin, distributed.own_batches: rank 0's share is the largest), and in a
+    calibration (not eval, `models`) its block of each MoE layer's routed experts and the
+    exchange; REAP's repair stream, and every expert gathered for it, on rank 0 alone."""
+    ranks = distributed.world()
+    batches = -(-sequences // batch_size)
+    mine = min(sequences, -(-batches // ranks) * batch_size)
+    if ranks > 1 and not distributed.is_main():
+        terms.pop("repair_bytes", None)
+    gathered = ranks > 1 and bool(terms.get("repair_bytes"))
+    return Forward(mine, seq_len, batch_size, dtype_bytes,
                    decode_bytes=decode_bytes(torch.device("cuda"), shapes.layer_elems()),
-                   **terms)
+                   ranks=1 if terms.get("models") else ranks, job_sequences=sequences,
+                   gathered=gathered, **terms)
 
 
 def forward_plan(ckpt: Checkpoint, gpu: GpuContext, shape: tuple[int, int], batch_size: int,
                  dtype: torch.dtype, what: str, **terms) -> GpuPlan | None:
     """The plan of the forward over `shape` = (sequences, seq_len) of the checkpoint's tokens
-    in `dtype` on the run's GPU (`terms`: as `forward`'s); None on a CPU. Under torchrun each
-    rank holds the hidden states of its own batches only: the plan is the busiest rank's
-    (rank 0's: batches are dealt round-robin, distributed.own_batches)."""
+    in `dtype` on the run's GPU (`terms`: as `forward`'s, which says what a rank holds under
+    torchrun); None on a CPU."""
     if gpu.budget is None:
         return None
-    batches = -(-shape[0] // batch_size)
-    sequences = min(shape[0], -(-batches // distributed.world()) * batch_size)
     shapes = Shapes.from_config(ckpt.text_config)
-    return plan_forward(shapes, forward(shapes, sequences, shape[1], batch_size,
+    return plan_forward(shapes, forward(shapes, shape[0], shape[1], batch_size,
                                         dtype.itemsize, **terms), gpu.budget, what)
 
 

@@ -150,7 +150,7 @@ class LayerPrefetcher(Generic[J, T]):
 
     def _timing(self, label: str, raw: LayerBytes | None, read_s: float, wait_s: float
                 ) -> LayerTiming:
-        timing = LayerTiming(label, bool(raw is not None and raw.experts), read_s, wait_s)
+        timing = LayerTiming(label, raw is not None and raw.held is not None, read_s, wait_s)
         self.timings.append(timing)
         return timing
 

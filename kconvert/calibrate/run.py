@@ -10,16 +10,16 @@ import torch
 
 from kconvert import distributed
 from kconvert.calibrate.data import PAD_ID, load_calibration_data, shortfall
+from kconvert.calibrate.expert_ranks import model_ranks, note_small_run
 from kconvert.calibrate.forward import (
-    ForwardContext,
     InputGram,
-    MoEBlock,
     embed,
     model_config,
     padding_aware_mask,
     position_embeddings,
 )
 from kconvert.calibrate.load import build_layer, read_layer, tensors_by_layer
+from kconvert.calibrate.moe import ForwardContext, MoEBlock
 from kconvert.calibrate.plan import planned_forward
 from kconvert.calibrate.prefetch import LayerPrefetcher
 from kconvert.calibrate.startup import device_ready, phase, start_device
@@ -76,12 +76,15 @@ def measure_stats(
     its inputs captured (`moe.expert_inputs(e)`: the OBS engine's expert Hessians), and the
     input Grams of the linears of the roles in `grams` (attention, dense MLP: fused set ->
     forward.InputGram, every `held_every`-th real row held apart when > 0); it is called for
-    every MoE layer and every layer with such linears. With `rerun_moe`, each MoE layer then
+    every MoE layer and every layer with such linears (under torchrun on every rank, its
+    block holding this rank's experts and the rows routed to them,
+    kconvert.calibrate.expert_ranks). With `rerun_moe`, each MoE layer then
     runs again on the same inputs with the weights `on_captured` left in it, and that run's
     outputs go on to the next layer (SparseGPT's sequential Hessians; the statistics are the
     first run's); `on_weights(L, module)` sees
     transformers' decoder layer L with its weights loaded after its statistics were taken,
-    hooks removed (a second stream may run it: REAP router repair); `meta` is merged into the
+    hooks removed (a second stream may run it: REAP router repair; under torchrun it runs on
+    rank 0 alone, with every routed expert gathered there); `meta` is merged into the
     recorded meta. `prefetch` and `prefetch_bytes`: the layer prefetcher's `ahead` and
     `device_bytes` (kconvert.calibrate.prefetch).
     """
@@ -95,17 +98,18 @@ def measure_stats(
         if attention_mask.shape != input_ids.shape:
             raise KconvertError("attention_mask must have the shape of input_ids")
         valid &= attention_mask.bool()
-    if on_captured is not None and distributed.world() > 1:
-        raise KconvertError("SparseGPT's calibration inputs are not shared across ranks; run "
-                            "it without torchrun")
-    if on_weights is not None and distributed.world() > 1:
-        raise KconvertError("REAP router repair fits on one process's tokens; run --repair "
-                            "without torchrun")
+    if grams and distributed.world() > 1:
+        raise KconvertError("the input Hessians of attention and dense MLP linears are built "
+                            "from every token in one process; run without torchrun")
     say = progress if progress is not None and distributed.is_main() else (lambda _msg: None)
     with phase("model code"):
         cfg = model_config(ckpt)
     n_layers = cfg.num_hidden_layers
     layer_tensors = tensors_by_layer(ckpt, n_layers)
+    # Under torchrun every MoE layer is expert-parallel (kconvert.calibrate.expert_ranks).
+    ranks = (model_ranks(layer_tensors, cfg.n_routed_experts,
+                         range(cfg.first_k_dense_replace, n_layers))
+             if distributed.world() > 1 else {})
 
     t0 = time.perf_counter()
     device_ready(device)  # after the imports, which the CUDA start overlaps
@@ -120,12 +124,21 @@ def measure_stats(
                 f"memory budget of {gib(gpu_plan.budget)} (--gpu-memory)")
             batch_size = planned
     # Data-parallel: this rank runs whole batches of the one-process run (the same batches,
-    # so the same arithmetic); the statistics are reduced over ranks after each layer.
+    # so the same arithmetic) through attention, router and shared expert; each MoE layer's
+    # routed experts are expert-parallel (kconvert.calibrate.expert_ranks). The statistics are
+    # reduced over ranks after each layer.
     mine = distributed.own_batches(input_ids.shape[0], batch_size)
     local_ids, local_valid = input_ids[mine], valid[mine]
     n_seq, seq_len = local_ids.shape
     all_valid = bool(local_valid.all())
     n_real = int(local_valid.sum())
+    # batch steps per layer on every rank: an expert-parallel layer's exchange runs once per
+    # step on every rank together, with an empty step where a rank's batches ran out
+    n_batches = -(-input_ids.shape[0] // batch_size)
+    idle_steps = len(range(0, n_batches, distributed.world())) - len(
+        distributed.own_batch_ids(n_batches))
+    if ranks:
+        note_small_run(int(valid.sum()), distributed.world())
     if device.type == "cuda" and hidden_on_device is None:
         hidden_on_device = gpu_plan.hidden_on_device
     on_device = device.type == "cuda" and hidden_on_device
@@ -138,9 +151,10 @@ def measure_stats(
         valid_dev = local_valid.to(device)
     ctx = ForwardContext()
     prefetcher = LayerPrefetcher(
-        read=lambda layer: read_layer(ckpt, cfg, layer, layer_tensors[layer], dtype, device),
-        build=lambda _layer, raw: build_layer(raw, cfg, ctx, device, dtype, grams=grams,
-                                              held_every=held_every),
+        read=lambda layer: read_layer(ckpt, cfg, layer, layer_tensors[layer], dtype, device,
+                                      ranks[layer].mine if layer in ranks else None),
+        build=lambda layer, raw: build_layer(raw, cfg, ctx, device, dtype, grams=grams,
+                                             held_every=held_every, ranks=ranks.get(layer)),
         device=device, ahead=prefetch,
         device_bytes=(prefetch_bytes if prefetch_bytes is not None or gpu_plan is None
                       else gpu_plan.prefetch_bytes))
@@ -151,7 +165,8 @@ def measure_stats(
         t_loaded = time.perf_counter()
         if loaded.moe is not None:
             loaded.moe.capture = on_captured is not None
-            loaded.moe.capture_rows = n_real
+            # expert-parallel: the rows routed here from every rank, each token at most once
+            loaded.moe.capture_rows = int(valid.sum()) if ranks else n_real
         rerun = rerun_moe and loaded.moe is not None
         layer_input = hidden.clone() if rerun else None
 
@@ -171,6 +186,9 @@ def measure_stats(
                                         position_ids=positions, position_embeddings=pos_emb)
                     finite &= (torch.isfinite(out) | ~v[..., None]).all()
                     hidden[rows].copy_(out, non_blocking=True)
+                if loaded.moe is not None and loaded.moe.ranks is not None:
+                    for _ in range(idle_steps):
+                        loaded.moe.idle(hidden.shape[-1], dtype, device)
             return (~finite).float()
 
         nonfinite = forward()
@@ -204,7 +222,13 @@ def measure_stats(
                                     "with its compressed experts")
             del layer_input
         if on_weights is not None:
-            on_weights(layer, loaded.module)
+            if loaded.moe is not None and loaded.moe.ranks is not None:
+                # every expert on rank 0, where the hook runs, as one process holds them
+                experts = ranks[layer].gather(loaded.moe.experts)
+                if experts is not None:
+                    loaded.moe.experts, loaded.moe.ranks = experts, None
+            if distributed.is_main():
+                on_weights(layer, loaded.module)
         if device.type == "cuda":  # layer L's kernels done before its memory can be reused
             torch.cuda.synchronize(device)
         del loaded, forward  # layer L's weights go before the prefetcher starts on L+2

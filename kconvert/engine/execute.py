@@ -8,7 +8,7 @@ import os
 import queue
 import sys
 import threading
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
@@ -18,7 +18,7 @@ import torch
 from kconvert import events
 from kconvert.engine.compute import compute_item, read_item
 from kconvert.engine.sink import ShardSink
-from kconvert.engine.work import Item, WorkPlan
+from kconvert.engine.work import Item, Share, WorkPlan
 from kconvert.formats import SOURCE_CODECS, nvfp4
 from kconvert.gpu_plan import Encode
 from kconvert.io.readahead import read_ahead
@@ -81,26 +81,27 @@ def execute(
     progress: Callable[[int], None],
     readers: int = 4,
     prefetch: int = 4,
-    shards: Collection[str] | None = None,
+    share: Share | None = None,
     feed: SourceFeed | None = None,
-) -> dict[str, dict]:
-    """Run every item whose output is not already complete; returns shard -> record.
+) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Run every item whose output is not already complete; returns (shard -> record of the
+    shards finished here, shared shard -> this rank's record of its part of it).
 
     `readers` threads read up to `prefetch` items ahead of the one being computed. With
-    `shards` (a rank's share), only the items of those output shards run. `feed`: a source
-    whose shards arrive while the run goes on."""
+    `share` (a rank's part under torchrun, engine.work.share_work), only its items run.
+    `feed`: a source whose shards arrive while the run goes on."""
     with events.span("phase", name="execute"):
-        return _execute(plan, dst, device, done, progress, readers, prefetch, shards, feed)
+        return _execute(plan, dst, device, done, progress, readers, prefetch, share, feed)
 
 
 def _execute(plan: WorkPlan, dst: Path, device: torch.device, done: dict[str, dict],
              progress: Callable[[int], None], readers: int, prefetch: int,
-             shards: Collection[str] | None, feed: SourceFeed | None) -> dict[str, dict]:
+             share: Share | None, feed: SourceFeed | None
+             ) -> tuple[dict[str, dict], dict[str, dict]]:
     _fix_mmap_threshold(MMAP_THRESHOLD)
-    sink = ShardSink(plan, dst, done, shards, None if feed is None else feed.shard_done)
-    share, finished = (None if shards is None else set(shards)), set(done)
-    mine = [(i, it) for i, it in enumerate(plan.items)
-            if share is None or plan.item_shards(it) <= share]
+    sink = ShardSink(plan, dst, done, share, None if feed is None else feed.shard_done)
+    finished = set(done)
+    mine = [(i, it) for i, it in enumerate(plan.items) if share is None or i in share.items]
     todo = [(i, it) for i, it in mine if plan.item_shards(it) - finished]
     skipped = sum(it.nbytes for _, it in mine) - sum(it.nbytes for _, it in todo)
     if skipped:
@@ -171,7 +172,7 @@ def _execute(plan: WorkPlan, dst: Path, device: torch.device, done: dict[str, di
         sink.abandon()
         raise failure[0]
     sink.finish_empty()
-    return sink.done
+    return sink.done, sink.parts
 
 
 def _timed_waits(ready: Iterator[tuple[tuple[int, Item], list[torch.Tensor]]]

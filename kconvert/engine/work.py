@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import ClassVar
@@ -125,6 +126,14 @@ class WorkPlan:
             return {self.outputs[c.out_name].shard for c in item.chunks}
         return {m.primary.file.name for s in item.sets for m in s}
 
+    def item_outputs(self, item: Item) -> set[str]:
+        """The output tensors an item writes (a big pass-through tensor's pieces may lie in
+        several items, all of its shard)."""
+        if isinstance(item, CopyItem):
+            return {c.out_name for c in item.chunks}
+        return {f"{m.out_module}.{param}" for s in item.sets for m in s
+                for param, _, _ in m.out_specs()}
+
     def item_sources(self, item: Item) -> set[str]:
         """The source shards an item reads (a module's parameters may lie in two)."""
         if isinstance(item, CopyItem):
@@ -173,18 +182,25 @@ def _renames(names, stages: list[Stage]) -> dict[str, tuple[str | None, tuple[in
     return out
 
 
+# Which rank must compute a module under torchrun (None: whichever rank finishes its shard);
+# an expert-parallel method's routed experts go to the rank that holds their Hessians.
+Part = Callable[[ModuleWork], int | None]
+
+
 def build_work_plan(ckpt: Checkpoint, stages: list[Stage], work_elems: int,
-                    shape_values: dict[str, tuple[int, ...]] | None = None) -> WorkPlan:
+                    shape_values: dict[str, tuple[int, ...]] | None = None,
+                    part: Part | None = None) -> WorkPlan:
     """The plan of every output tensor. `shape_values` (the INT4 `weight_shape` contents) are
-    read from the shards unless given (`kconvert inspect` derives them from the headers)."""
+    read from the shards unless given (`kconvert inspect` derives them from the headers).
+    `part`: no work item holds modules of two parts (`share_work`)."""
     with events.span("phase", name="build_work_plan"):
         if shape_values is None:
             shape_values = read_shape_values(ckpt)
-        return _build_work_plan(ckpt, stages, work_elems, shape_values)
+        return _build_work_plan(ckpt, stages, work_elems, shape_values, part)
 
 
 def _build_work_plan(ckpt: Checkpoint, stages: list[Stage], work_elems: int,
-                     shape_values: dict[str, tuple[int, ...]]) -> WorkPlan:
+                     shape_values: dict[str, tuple[int, ...]], part: Part | None) -> WorkPlan:
     tensors = ckpt.tensors
     renames = _renames(tensors, stages)
     dropped = {n: "routed expert not kept by the plan" for n, (new, _) in renames.items()
@@ -244,7 +260,7 @@ def _build_work_plan(ckpt: Checkpoint, stages: list[Stage], work_elems: int,
     items: list[Item] = []
     for shard in ckpt.shards:
         items += _copy_items(shard_copies[shard], values)
-        items += _transform_items(shard_modules[shard], work_elems)
+        items += _transform_items(shard_modules[shard], work_elems, part)
     if any(s.ordered_layers for s in stages):
         # A stage that streams calibration layers forward (SparseGPT) needs layer order
         # across shards too; sorted() is stable, so within a layer shard order stays.
@@ -252,23 +268,61 @@ def _build_work_plan(ckpt: Checkpoint, stages: list[Stage], work_elems: int,
     return WorkPlan(ckpt, stages, modules, outputs, items, dropped)
 
 
-def share_shards(plan: WorkPlan, done: set[str], ranks: int) -> list[set[str]]:
-    """The output shards not in `done`, divided among `ranks` balanced by the source bytes
-    their items read (largest first, each to the least loaded rank; ties by name and rank).
+@dataclass(frozen=True)
+class Share:
+    """One rank's part of a run under torchrun: the items it computes and writes (indices into
+    the plan's items), the shards it finishes (renames into place and records) and, of the
+    shards it writes into, those other ranks write into too (each writes its own tensors'
+    bytes into the same partial file; its owner finishes it once every part is written)."""
 
-    A shard is the unit: items are planned per shard, so a fused set is computed by one rank
-    exactly as by a one-process run (the sets of an item are whole within its shard)."""
+    items: frozenset[int]
+    owned: frozenset[str]
+    shared: frozenset[str]
+    writers: dict[str, frozenset[int]]  # shared shard -> the ranks that write into it
+
+
+def share_work(plan: WorkPlan, done: set[str], ranks: int, part: Part | None = None
+               ) -> list[Share]:
+    """The items of the output shards not in `done`, divided among `ranks`: an item whose
+    modules `part` gives a rank goes to that rank; every other item goes with its shard, and
+    the shards are divided balanced by the source bytes of those items (largest first, each to
+    the least loaded rank; ties by name and rank). An item is whole within one shard, so a
+    fused set is computed by one rank exactly as by a one-process run."""
     load = {shard: 0 for shard in plan.shard_entries if shard not in done}
-    for item in plan.items:
+    placed: dict[int, int] = {}  # item -> the rank `part` gives it
+    for i, item in enumerate(plan.items):
+        rank = _item_part(item, part)
+        if rank is not None:
+            placed[i] = rank
+            continue
         for shard in plan.item_shards(item) & load.keys():
             load[shard] += item.nbytes
-    shares: list[set[str]] = [set() for _ in range(ranks)]
+    owner: dict[str, int] = {}
     totals = [0] * ranks
     for shard, nbytes in sorted(load.items(), key=lambda kv: (-kv[1], kv[0])):
         least = min(range(ranks), key=lambda r: (totals[r], r))
-        shares[least].add(shard)
+        owner[shard] = least
         totals[least] += nbytes
-    return shares
+    items: list[set[int]] = [set() for _ in range(ranks)]
+    writers: dict[str, set[int]] = defaultdict(set)
+    for i, item in enumerate(plan.items):
+        shards = plan.item_shards(item) & owner.keys()
+        if not shards:
+            continue
+        rank = placed.get(i, owner[min(shards)])
+        items[rank].add(i)
+        for shard in shards:
+            writers[shard].add(rank)
+    shared = {s: frozenset(w) for s, w in writers.items() if w != {owner[s]}}
+    return [Share(frozenset(items[r]), frozenset(s for s, o in owner.items() if o == r),
+                  frozenset(s for s in shared if r in writers[s] or owner[s] == r), shared)
+            for r in range(ranks)]
+
+
+def _item_part(item: Item, part: Part | None) -> int | None:
+    if part is None or isinstance(item, CopyItem):
+        return None
+    return part(item.sets[0][0])
 
 
 def _item_layer(item: TransformItem) -> int:
@@ -329,9 +383,11 @@ def _copy_items(copies: list[tuple[TensorInfo, str, tuple[int, ...] | None]],
     return items
 
 
-def _transform_items(modules: list[ModuleWork], work_elems: int) -> list[TransformItem]:
-    """Fused sets of one layer and role, batched up to `work_elems` decoded elements (beyond
-    it where a method takes whole experts and the set is the same expert's)."""
+def _transform_items(modules: list[ModuleWork], work_elems: int, part: Part | None
+                     ) -> list[TransformItem]:
+    """Fused sets of one layer and role (and `part`), batched up to `work_elems` decoded
+    elements (beyond it where a method takes whole experts and the set is the same
+    expert's)."""
     sets: dict[str, list[ModuleWork]] = {}
     for m in modules:
         sets.setdefault(m.tn.fused_set, []).append(m)
@@ -351,7 +407,8 @@ def _transform_items(modules: list[ModuleWork], work_elems: int) -> list[Transfo
     for fused in sorted(sets.values(), key=order):
         fused.sort(key=lambda m: m.module)
         n = sum(m.shape[0] * m.shape[1] for m in fused)
-        this_key = (fused[0].tn.layer, fused[0].tn.role)
+        this_key = (fused[0].tn.layer, fused[0].tn.role,
+                    part(fused[0]) if part is not None else None)
         full = elems + n > work_elems and not (current and same_expert(current[-1], fused))
         if current and (this_key != key or full):
             items.append(TransformItem(current))

@@ -27,7 +27,7 @@ import math
 import torch
 from torch import nn
 
-from kconvert.calibrate.forward import MoEBlock
+from kconvert.calibrate.moe import MoEBlock
 from kconvert.checks.quant_config import governed_name, quant_blocks
 from kconvert.formats import detect_codec, mxfp4
 from kconvert.formats.base import INPUT_SCALE_POLICY

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
+from kconvert import distributed
 from kconvert.calibrate.data import PAD_ID, load_calibration_data, shortfall
 from kconvert.calibrate.forward import (
-    ForwardContext,
     embed,
     layer_forward,
     load_head,
@@ -21,13 +21,20 @@ from kconvert.calibrate.forward import (
     position_embeddings,
 )
 from kconvert.calibrate.load import build_layer, read_layer, tensors_by_layer
+from kconvert.calibrate.moe import ForwardContext
 from kconvert.calibrate.plan import planned_forward
 from kconvert.calibrate.prefetch import LayerPrefetcher
 from kconvert.calibrate.startup import device_ready, phase, start_device
 from kconvert.devices import pick_device
-from kconvert.errors import KconvertError, UsageError
+from kconvert.errors import KconvertError
 from kconvert.evaluate import activations
-from kconvert.evaluate.metrics import LOGIT_ELEMS, LayerErrors, LogitsComparison, NextToken
+from kconvert.evaluate.metrics import (
+    LOGIT_ELEMS,
+    LayerErrors,
+    LogitsComparison,
+    NextToken,
+    in_batch_order,
+)
 from kconvert.evaluate.report import CandidateResult, EvalReport, render_table, save_report
 from kconvert.gpu_budget import GpuRequest
 from kconvert.gpu_plan import GpuPlan, gib
@@ -62,9 +69,13 @@ def evaluate(source: Checkpoint, candidates: list[Checkpoint], input_ids: torch.
     torch device or --device's spec (kconvert.devices.pick_device). Hidden states stay on the
     device where `gpu_plan` (the command's plan, kconvert.calibrate.plan; a GPU needs one)
     puts them, else in pinned host memory, and stream through the device `batch_size`
-    sequences at a time (fewer where the plan lowers it)."""
-    from tqdm import tqdm
+    sequences at a time (fewer where the plan lowers it).
 
+    Under torchrun the batches are dealt to the ranks (batch b to rank b % world,
+    distributed.own_batches), each rank streams its own through every layer with no collective
+    on the way, and the metrics, kept per batch, are joined and folded in batch order on every
+    rank (kconvert.evaluate.metrics): the report is the one-process run's, bit for bit, but for
+    its timings. An error on any rank (a non-finite layer) stops every rank with it."""
     device = device if isinstance(device, torch.device) else pick_device(device)
     if input_ids.dim() != 2 or input_ids.dtype != torch.long or not input_ids.numel():
         raise KconvertError("input_ids must be a non-empty LongTensor [num_seqs, seq_len]")
@@ -98,18 +109,80 @@ def evaluate(source: Checkpoint, candidates: list[Checkpoint], input_ids: torch.
         if gpu_plan is None:
             raise KconvertError("an eval on a GPU runs within the command's GPU memory plan: "
                                 "give gpu_plan (kconvert.calibrate.plan.forward_plan)")
-        batch_size = min(batch_size, gpu_plan.batch_size)
+        # every rank deals the batches alike: the smallest micro-batch any rank's plan allows
+        batch_size = min(batch_size, *distributed.all_gather_object(gpu_plan.batch_size))
+    mine = distributed.own_batches(input_ids.shape[0], batch_size)
+    part = distributed.agree(lambda: _measure(
+        list(zip(names, models, cfgs, strict=True)), input_ids[mine], valid[mine],
+        targets[mine], scored[mine], _local_batches(input_ids.shape[0], batch_size), device,
+        dtype, gpu_plan, quiet))
+    parts = distributed.all_gather_object(part)
+    errors = [e.merge(other.errors[i] for other in parts[1:])
+              for i, e in enumerate(parts[0].errors)]
+    results = [r.merge(other.results[i] for other in parts[1:])
+               for i, r in enumerate(parts[0].results)]
+    nll = {b: v for p in parts for b, v in p.nll_source.items()}
+    n_scored = int(scored.sum())
+    nll_source = in_batch_order(nll) / n_scored
+    report = EvalReport(
+        producer=f"kconvert {__version__}", source=str(source.root),
+        source_identity=source.identity, data=None, samples=input_ids.shape[0],
+        seq_len=input_ids.shape[1], tokens=int(valid.sum()), scored_tokens=n_scored,
+        dtype=str(dtype).removeprefix("torch."), device=str(device),
+        seconds=round(time.perf_counter() - t0, 3), layer_seconds=part.layer_seconds,
+        timing=part.timing,
+        candidates=[CandidateResult(candidate=label, identity=ckpt.identity,
+                                    n_routed_experts=cfg.n_routed_experts,
+                                    logits=r.result(nll_source, n_scored), layers=e.result())
+                    for label, ckpt, cfg, r, e in zip(labels, candidates, cfgs[1:], results,
+                                                      errors, strict=True)])
+    return report.model_copy(update=meta or {})
+
+
+@dataclass
+class _Part:
+    """What one rank measured over its batches (all of them in a one-process run)."""
+
+    errors: list[LayerErrors]  # per candidate
+    results: list[LogitsComparison]  # per candidate
+    nll_source: dict[int, list[float]]  # batch -> its chunks' NLL sums of the source
+    layer_seconds: list[float]
+    timing: dict
+
+
+def _local_batches(n_seq: int, batch_size: int) -> list[tuple[int, slice]]:
+    """(batch index in the whole run, its rows among this rank's sequences) of each batch this
+    rank runs (distributed.own_batches' order)."""
+    out, start = [], 0
+    for b in distributed.own_batch_ids(-(-n_seq // batch_size)):
+        rows = min(batch_size, n_seq - b * batch_size)
+        out.append((b, slice(start, start + rows)))
+        start += rows
+    return out
+
+
+def _measure(models: list[tuple[str, Checkpoint, Any]], input_ids: torch.Tensor,
+             valid: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor,
+             batches: list[tuple[int, slice]], device: torch.device, dtype: torch.dtype,
+             gpu_plan: GpuPlan | None, quiet: bool) -> _Part:
+    """`evaluate`'s layer-streamed pass over this rank's sequences (`batches`: each one's
+    index in the whole run and its rows here)."""
+    from tqdm import tqdm
+
+    n_cands = len(models) - 1
+    if not batches:  # more ranks than batches: nothing to run here
+        return _Part([LayerErrors() for _ in range(n_cands)],
+                     [LogitsComparison() for _ in range(n_cands)], {}, [], {})
     where = device if gpu_plan is None or gpu_plan.hidden_on_device else torch.device("cpu")
     with phase("embedding"):
         streams = [_stream(label, ckpt, cfg, input_ids, valid, device, dtype, where)
-                   for label, ckpt, cfg in zip(names, models, cfgs, strict=True)]
+                   for label, ckpt, cfg in models]
     src, cands = streams[0], streams[1:]
     src_out = torch.empty_like(src.hidden)
     valid_dev = valid.to(device)
     errors = [LayerErrors() for _ in cands]
     ctx = ForwardContext()
-    n_seq, n_layers = input_ids.shape[0], src.cfg.num_hidden_layers
-    batches = [slice(s, min(s + batch_size, n_seq)) for s in range(0, n_seq, batch_size)]
+    n_layers = src.cfg.num_hidden_layers
     layer_seconds = []
     prefetcher = LayerPrefetcher(
         read=lambda job: _labelled(streams[job[0]], read_layer, streams[job[0]].ckpt,
@@ -120,7 +193,8 @@ def evaluate(source: Checkpoint, candidates: list[Checkpoint], input_ids: torch.
         device=device, device_bytes=None if gpu_plan is None else gpu_plan.prefetch_bytes)
     # Source layer L, then each candidate's layer L: the next one read while one computes.
     jobs = [(i, layer) for layer in range(n_layers) for i in range(len(streams))]
-    bar = tqdm(total=n_layers + 1, desc="eval", unit="layer", disable=quiet)
+    bar = tqdm(total=n_layers + 1, desc="eval", unit="layer",
+               disable=quiet or not distributed.is_main())
     t_layer = time.perf_counter()
     with torch.no_grad():
         for (i, layer), loaded, timing in prefetcher.layers(
@@ -128,21 +202,21 @@ def evaluate(source: Checkpoint, candidates: list[Checkpoint], input_ids: torch.
             t_loaded = time.perf_counter()
             finite = torch.ones((), dtype=torch.bool, device=device)
             if i == 0:
-                for rows in batches:
+                for _, rows in batches:
                     v = valid_dev[rows]
                     out = layer_forward(loaded, ctx, src.hidden[rows].to(device), v, *src.rope)
                     finite &= _finite(out, v)
                     src_out[rows].copy_(out)
             else:
                 cand, err = streams[i], errors[i - 1]
-                for rows in batches:
+                for b, rows in batches:
                     v = valid_dev[rows]
                     local = layer_forward(loaded, ctx, src.hidden[rows].to(device), v,
                                           *cand.rope)
                     own = layer_forward(loaded, ctx, cand.hidden[rows].to(device), v,
                                         *cand.rope)
                     finite &= _finite(own, v)
-                    err.add(layer, src_out[rows].to(device)[v], own[v], local[v])
+                    err.add(layer, b, src_out[rows].to(device)[v], own[v], local[v])
                     cand.hidden[rows].copy_(own)
             if not bool(finite):
                 raise KconvertError(f"{streams[i].label}: non-finite hidden states after "
@@ -166,19 +240,9 @@ def evaluate(source: Checkpoint, candidates: list[Checkpoint], input_ids: torch.
                                               device, dtype)
         bar.update()
     bar.close()
-    n_scored = int(scored.sum())
-    report = EvalReport(
-        producer=f"kconvert {__version__}", source=str(source.root),
-        source_identity=source.identity, data=None, samples=n_seq,
-        seq_len=input_ids.shape[1], tokens=int(valid.sum()), scored_tokens=n_scored,
-        dtype=str(dtype).removeprefix("torch."), device=str(device),
-        seconds=round(time.perf_counter() - t0, 3), layer_seconds=layer_seconds,
-        timing=prefetcher.summary(src.cfg.first_k_dense_replace, len(streams)),
-        candidates=[CandidateResult(candidate=c.label, identity=c.ckpt.identity,
-                                    n_routed_experts=c.cfg.n_routed_experts,
-                                    logits=r.result(nll_source, n_scored), layers=e.result())
-                    for c, r, e in zip(cands, results, errors, strict=True)])
-    return report.model_copy(update=meta or {})
+    # on the CPU, for the other ranks
+    return _Part([e.merge(()) for e in errors], results, nll_source, layer_seconds,
+                 prefetcher.summary(src.cfg.first_k_dense_replace, len(streams)))
 
 
 def _named(label: str, ckpt: Checkpoint) -> str:
@@ -233,27 +297,29 @@ def _finite(out: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return (torch.isfinite(out) | ~valid[..., None]).all()
 
 
-def _compare_logits(streams: list[Stream], batches: list[slice], valid: torch.Tensor,
-                    targets: torch.Tensor, scored: torch.Tensor, device: torch.device,
-                    dtype: torch.dtype) -> tuple[list[LogitsComparison], float]:
+def _compare_logits(streams: list[Stream], batches: list[tuple[int, slice]],
+                    valid: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor,
+                    device: torch.device, dtype: torch.dtype
+                    ) -> tuple[list[LogitsComparison], dict[int, list[float]]]:
     """Final norm + lm_head of every model over the real positions, a chunk of positions at
-    a time: the comparisons of each candidate with the source and the source's mean NLL."""
+    a time: the comparisons of each candidate with the source and the source's NLL sums (per
+    batch, per chunk)."""
     heads = [load_head(s.ckpt, s.cfg, device, dtype) for s in streams]
     rows_per_chunk = max(1, LOGIT_ELEMS.get(device.type, LOGIT_ELEMS["cpu"])
                          // streams[0].cfg.vocab_size)
     results = [LogitsComparison() for _ in streams[1:]]
-    nll_source = 0.0
-    for rows in batches:
+    nll_source: dict[int, list[float]] = {}
+    for b, rows in batches:
         v = valid[rows]
         hidden = [s.hidden[rows][v.to(s.hidden.device)] for s in streams]
         t, sc = targets[rows][v].to(device), scored[rows][v].to(device)
         for start in range(0, t.shape[0], rows_per_chunk):
             chunk = slice(start, start + rows_per_chunk)
             ref = NextToken(heads[0](hidden[0][chunk].to(device)))
-            nll_source += ref.nll_sum(t[chunk], sc[chunk])
+            nll_source.setdefault(b, []).append(ref.nll_sum(t[chunk], sc[chunk]))
             for head, h, result in zip(heads[1:], hidden[1:], results, strict=True):
-                result.add(ref, NextToken(head(h[chunk].to(device))), t[chunk], sc[chunk])
-    return results, nll_source / int(scored.sum())
+                result.add(b, ref, NextToken(head(h[chunk].to(device))), t[chunk], sc[chunk])
+    return results, nll_source
 
 
 def run_eval(src: str, candidates: list[str], data: str, out: str | None, samples: int,
@@ -265,13 +331,10 @@ def run_eval(src: str, candidates: list[str], data: str, out: str | None, sample
     bytes (kconvert.gpu_budget). Data that cannot fill `samples` sequences of `seq_len`
     tokens is an error, or with `allow_short_data` a warning (the report's `tokens` say what
     was used)."""
-    from kconvert import distributed
     from kconvert.io.checkpoint import open_checkpoint
     from kconvert.io.directories import check_output_dir
 
-    if distributed.world() > 1:
-        # Each rank would run the whole comparison on its own and write the same report.
-        raise UsageError("eval runs in one process: run it without torchrun")
+    main = distributed.is_main()
     if not Path(data).read_text().strip():
         raise KconvertError("the eval data is empty", file=str(data))
     gpu = GpuRequest(pick_device(device), gpu_memory)
@@ -291,7 +354,7 @@ def run_eval(src: str, candidates: list[str], data: str, out: str | None, sample
         compute = getattr(torch, dtype)
         with planned_forward(gpu, opened[0], ids.shape, batch_size, compute, "eval",
                              models=len(opened), logit_elems=LOGIT_ELEMS["cuda"]) as plan:
-            if plan is not None and plan.batch_size < batch_size and not quiet:
+            if plan is not None and plan.batch_size < batch_size and not quiet and main:
                 echo(f"note: --batch-size {batch_size} lowered to {plan.batch_size} to fit the "
                      f"GPU memory budget of {gib(plan.budget)} (--gpu-memory)")
             report = evaluate(opened[0], opened[1:], ids, gpu.device, batch_size, dtype=compute,
@@ -300,6 +363,8 @@ def run_eval(src: str, candidates: list[str], data: str, out: str | None, sample
     finally:
         for ckpt in opened:
             ckpt.close()
+    if not main:  # every rank holds the report; rank 0 shows and writes it
+        return report
     echo(render_table(report))
     if out is not None:
         with phase("write"):

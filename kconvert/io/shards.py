@@ -182,15 +182,22 @@ def byte_view(data: torch.Tensor) -> memoryview:
 
 
 class ShardWriter:
-    """Writes one planned safetensors file; tensors may arrive in any order and in pieces."""
+    """Writes one planned safetensors file; tensors may arrive in any order and in pieces.
 
-    def __init__(self, final: Path, partial: Path, entries: list[tuple[str, str, tuple[int, ...]]]):
+    With `shared`, other processes write other tensors of the same partial file (ranks under
+    torchrun): it is opened without truncation (every byte of it is written again by this run:
+    the header, the same bytes, by every writer, each tensor by one), each writer ends with
+    `close_part` and one of them renames the file (`finish_shared`)."""
+
+    def __init__(self, final: Path, partial: Path, entries: list[tuple[str, str, tuple[int, ...]]],
+                 shared: bool = False):
         self.final, self.partial = final, partial
         head, offsets = plan_header(entries)
         self.base = len(head)
         self.offsets = offsets
         self.size = self.base + (max((e for _, e in offsets.values()), default=0))
-        self._fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._fd = os.open(partial, os.O_WRONLY | os.O_CREAT | (0 if shared else os.O_TRUNC),
+                           0o644)
         self._unflushed = 0
         os.ftruncate(self._fd, self.size)
         os.pwrite(self._fd, head, 0)
@@ -217,8 +224,18 @@ class ShardWriter:
         os.close(self._fd)
         os.replace(self.partial, self.final)
 
+    def close_part(self) -> None:
+        """A shared file: this writer's bytes on disk (fsync), the file left for its owner."""
+        os.fsync(self._fd)
+        os.close(self._fd)
+
     def abandon(self) -> None:
         os.close(self._fd)
+
+
+def finish_shared(final: Path, partial: Path) -> None:
+    """Rename a shared partial file into place once every writer's `close_part` returned."""
+    os.replace(partial, final)
 
 
 def _sync_file_range():

@@ -51,6 +51,9 @@ class Method:
     # True when it streams calibration layers forward beside the conversion (the engine then
     # runs transform items in layer order across shards).
     ordered_layers: ClassVar[bool] = False
+    # Whether it runs under torchrun (a method that streams calibration layers works on the
+    # routed experts of its rank's share, docs/many-gpus.md).
+    across_ranks: ClassVar[bool] = True
     # What the engine hands it at once (kconvert.formats.linear.WeightTransform.unit).
     unit: ClassVar[str] = "matrix"
     # What a run without --method takes for its stage.

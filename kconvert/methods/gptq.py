@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+from kconvert import distributed
+from kconvert.errors import KconvertError
 from kconvert.formats import nvfp4
 from kconvert.formats.linear import Transformed
 from kconvert.methods import obs
@@ -23,10 +25,17 @@ class Gptq(ObsMethod):
     name = "gptq"
     stage = "quantize"
     against_rtn = True
+    across_ranks = True
 
     def __init__(self, inputs) -> None:
         super().__init__(inputs)
         self.roles = [r for r in ROLES if r in inputs.targets]
+        whole = [r.value for r in self.roles if r is not Role.ROUTED_EXPERT]
+        if whole and distributed.world() > 1:
+            # their Hessians are every token's, which expert-parallel ranks do not gather
+            raise KconvertError(f"gptq of {', '.join(whole)} runs in one process (their "
+                                "Hessians come from every calibration token); run it without "
+                                "torchrun, or quantize only the routed experts by GPTQ")
         self.shared_experts = Role.SHARED_EXPERT in self.roles
         self.calibration.hessians.gram_roles = frozenset(
             r for r in self.roles if r not in obs.EXPERT_ROLES)

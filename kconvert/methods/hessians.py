@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from kconvert import distributed
 from kconvert.calibrate.data import PAD_ID, load_calibration_data, real_tokens
 from kconvert.calibrate.plan import forward
 from kconvert.errors import KconvertError
@@ -33,6 +36,8 @@ from kconvert.gpu_plan import GpuPlan, GpuWork, Shapes
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.methods.obs import HELDOUT_EVERY, HELDOUT_MIN, HessianSplit, gpu_work
 from kconvert.model.names import Role
+
+log = logging.getLogger(__name__)
 
 
 class _Closed(Exception):
@@ -64,6 +69,11 @@ class CalibrationHessians:
 
     def __init__(self, ckpt: Checkpoint, input_ids: torch.Tensor, device: torch.device,
                  batch_size: int, dtype: torch.dtype = torch.bfloat16):
+        if device.type == "cuda" and device.index is None:
+            # the pass runs on a thread of its own, whose current device would be GPU 0: it
+            # takes this (main) thread's, a torchrun rank's own GPU (distributed.init)
+            distributed.init()
+            device = torch.device("cuda", torch.cuda.current_device())
         self._args = (ckpt, input_ids, device, batch_size, dtype)
         self.input_ids, self.batch_size, self.dtype = input_ids, batch_size, dtype
         self.sequential = False
@@ -78,6 +88,7 @@ class CalibrationHessians:
         self._release = threading.Event()
         self._thread: threading.Thread | None = None
         self._current: _Handoff | None = None
+        self._times = (0.0, 0.0)  # the current layer: seconds waited for it, when it came
         self._done = False
         self._closed = False
         self.device = device
@@ -86,6 +97,8 @@ class CalibrationHessians:
         from kconvert.calibrate.run import measure_stats
 
         ckpt, ids, device, batch_size, dtype = self._args
+        if device.type == "cuda":  # this thread's collectives and "cuda" tensors go there
+            torch.cuda.set_device(device)
 
         def hand_over(layer: int, moe, grams: dict) -> None:
             self._handoffs.put(_Handoff(layer, moe, grams))
@@ -155,8 +168,9 @@ class CalibrationHessians:
             if self._done:
                 raise KconvertError(f"calibration handed over no layer {layer}")
             if self._current is not None:
-                self._current = None
+                self._let_go()
                 self._release.set()  # calibration may free this layer and go on
+            asked = time.perf_counter()
             got = self._handoffs.get()
             if isinstance(got, BaseException):
                 self._done = True
@@ -165,10 +179,21 @@ class CalibrationHessians:
                 self._done = True
                 continue
             self._current = got
+            self._times = (time.perf_counter() - asked, time.perf_counter())
         if self._current.layer != layer:
             raise KconvertError(f"the OBS engine needs layers in ascending order; layer "
                                 f"{layer} was asked for after layer {self._current.layer}")
         return self._current
+
+    def _let_go(self) -> None:
+        """The engine is done with the layer it holds: -v logs where that layer's seconds
+        went (the forward the engine waited for, then its own work on the layer: the OBS
+        solve of this rank's matrices of it)."""
+        if self._current is not None:
+            waited, handed = self._times
+            log.info("OBS layer %d: %.2f s waiting for its calibration forward, %.2f s "
+                     "solving it", self._current.layer, waited, time.perf_counter() - handed)
+        self._current = None
 
     def hessian(self, layer: int, expert: int | None, proj: str) -> torch.Tensor:
         """X^T X [in, in] (fp32, on the device) over the tokens routed to the source expert
@@ -196,6 +221,9 @@ class CalibrationHessians:
             raise KconvertError(f"the OBS engine asked for layer {layer} expert {expert}'s "
                                 "down_proj Hessian after its gate/up were replaced")
         with torch.no_grad():  # gate/up need only the routed inputs, not down's
+            if expert is None and moe.ranks is not None:
+                raise KconvertError("the shared expert's Hessian comes from every token, which "
+                                    "an expert-parallel layer does not gather (torchrun)")
             if expert is None:
                 x = moe.captured()[0]
                 if proj == "down_proj":
@@ -213,10 +241,10 @@ class CalibrationHessians:
         if expert is None:
             target = getattr(moe.shared_experts, proj).weight
         elif proj == "down_proj":
-            target = moe.experts.down[expert]
+            target = moe.experts.down[moe.experts.index(expert)]
         else:
             rows = slice(0, moe.inter) if proj == "gate_proj" else slice(moe.inter, None)
-            target = moe.experts.gate_up[expert, rows]
+            target = moe.experts.gate_up[moe.experts.index(expert), rows]
         if proj != "down_proj":
             self._replaced.add((layer, expert))
         with torch.no_grad():
@@ -224,11 +252,24 @@ class CalibrationHessians:
 
     def close(self) -> None:
         """Stop the calibration pass (the layers after the last one asked for are not needed)
-        and wait for its thread; safe to call more than once, and after an error."""
+        and wait for its thread; safe to call more than once, and after an error. Under
+        torchrun the pass runs to its end instead, handing its layers over to no one: every
+        rank's pass runs the same collectives (the expert-parallel exchange, the sums of the
+        statistics), so no rank may stop before the others (an error on this rank is reported
+        to the others after it, kconvert.distributed.agree)."""
         if self._thread is None or self._closed:
             return
+        if distributed.world() > 1:
+            self._let_go()
+            while not self._done:
+                self._release.set()
+                got = self._handoffs.get()
+                self._done = got is None or isinstance(got, BaseException)
+            self._thread.join()
+            self._closed = True
+            return
         self._closed = True
-        self._current = None
+        self._let_go()
         while self._thread.is_alive():
             self._release.set()
             with contextlib.suppress(queue.Empty):  # unblock a pending hand-over

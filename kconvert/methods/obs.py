@@ -145,10 +145,11 @@ def gpu_work(shapes: Shapes, forward: Forward, *, shared: bool, against_rtn: boo
         widths += shapes.dense_inputs()
         matrices += shapes.dense_matrices()
     least = max((batch_bytes(r, k, against_rtn=against_rtn) for r, k in matrices), default=0)
+    # an expert-parallel rank solves its block of the routed experts (forward.ranks)
     return GpuWork(replace(forward, gram_bytes=gram_bytes(widths, held_out)),
                    Obs(batch_bytes(rows, shapes.hidden, against_rtn=against_rtn),
-                       shapes.experts + n_shared, shapes.hidden, every_token=n_shared > 0,
-                       least_bytes=least))
+                       -(-shapes.experts // forward.ranks) + n_shared, shapes.hidden,
+                       every_token=n_shared > 0, least_bytes=least))
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from kconvert import distributed
 from kconvert.errors import KconvertError
 from kconvert.formats import nvfp4
 from kconvert.formats.linear import Transformed
@@ -27,8 +28,14 @@ class ObsMethod(Method):
     settings = ("hessian",)
     shared_experts = False  # whether it solves the shared experts too (their Hessians: every token)
     against_rtn = False  # whether each result is kept only where it beats round-to-nearest
+    # Under torchrun a subclass must say it works on its rank's share of the routed experts
+    # (their Hessians from the expert-parallel calibration, kconvert.calibrate.expert_ranks).
+    across_ranks = False
 
     def __init__(self, inputs) -> None:
+        if distributed.world() > 1 and not self.across_ranks:
+            raise KconvertError(f"--method {self.name} does not run across ranks; run it "
+                                "without torchrun")
         super().__init__(inputs)
         self.hessian = str(inputs.settings.get("hessian", HESSIANS[0]))
         self.calibration.hessians.sequential = self.hessian == "sequential"

@@ -50,6 +50,7 @@ class SparseGpt(ObsMethod):
 
     name = "sparsegpt"
     stage = "sparsify"
+    across_ranks = True
 
     def transforms(self, m) -> bool:
         return True

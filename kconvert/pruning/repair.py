@@ -38,7 +38,8 @@ import torch
 from torch import nn
 
 from kconvert.calibrate.data import PAD_ID
-from kconvert.calibrate.forward import MoEBlock, embed, model_config, padding_aware_mask
+from kconvert.calibrate.forward import embed, model_config, padding_aware_mask
+from kconvert.calibrate.moe import MoEBlock
 from kconvert.devices import Stopwatch, deterministic
 from kconvert.errors import KconvertError
 from kconvert.io.checkpoint import Checkpoint

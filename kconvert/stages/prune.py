@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from pydantic import Field
@@ -29,6 +30,9 @@ from kconvert.pruning.reap import (
     routing_limits,
 )
 from kconvert.stages.base import CALIBRATION_OPTIONS, StageKind
+
+if TYPE_CHECKING:
+    pass
 
 
 class PruneRecord(StageRecord):

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from kconvert import distributed
 from kconvert.gpu_budget import GpuRequest
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.lock import STATE_DIR
@@ -96,6 +97,8 @@ def _calibrate(ckpt: Checkpoint, ids: torch.Tensor, options: dict, gpu: GpuReque
                 spill=spill)
         measured = measure_stats(ckpt, ids, gpu.device, batch_size, on_weights=fixer,
                                  gpu_plan=memory)
+        if fixer is not None:
+            share_repair(fixer)
     if options.get("save_stats"):
         save_stats(measured, options["save_stats"])
     scores = scores_of(measured)
@@ -104,6 +107,28 @@ def _calibrate(ckpt: Checkpoint, ids: torch.Tensor, options: dict, gpu: GpuReque
     if fixer is None:
         return FromData(made, used)
     return FromData(with_repair(made, fixer), used, fixer.rows, fixer.matrices, spill)
+
+
+def share_repair(fixer) -> None:
+    """Under torchrun, rank 0's repair (the repair stream runs there alone,
+    kconvert.calibrate.run.measure_stats) on every rank: its rows and records in a broadcast,
+    its re-fitted matrices through rank 0's spill files (in DST's state folder, on a file
+    system every rank sees), memory-mapped, or in the broadcast where nothing was spilled."""
+    if distributed.world() == 1:
+        return
+    spilled = fixer.spill is not None
+    sent = distributed.broadcast_object(
+        (fixer.rows, fixer.kept, fixer.records, fixer.compensations,
+         sorted(str(f) for f in fixer.spill.glob("layer-*.pt")) if spilled else fixer.matrices)
+        if distributed.is_main() else None)
+    if distributed.is_main():
+        return
+    fixer.rows, fixer.kept, fixer.records, fixer.compensations, matrices = sent
+    if not spilled:
+        fixer.matrices = matrices
+        return
+    for path in matrices:
+        fixer.matrices.update(torch.load(path, mmap=True, weights_only=True))
 
 
 def note_unrouted(plan: PrunePlan, scores: dict[int, dict[str, torch.Tensor]],

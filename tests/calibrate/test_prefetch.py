@@ -15,8 +15,9 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 from conftest import ROOT
 from helpers import edit_tensor
 from kconvert.calibrate import run
-from kconvert.calibrate.forward import ForwardContext, MoEBlock, model_config
+from kconvert.calibrate.forward import model_config
 from kconvert.calibrate.load import build_layer, read_layer, tensors_by_layer
+from kconvert.calibrate.moe import ForwardContext, MoEBlock
 from kconvert.convert import RunControl, convert
 from kconvert.errors import KconvertError
 from kconvert.evaluate.run import evaluate

@@ -5,7 +5,8 @@ process group (one start-up of torch per rank for all of them).
 
 COMMANDS.json is a list of argument lists (`["int4-to-nvfp4", SRC, DST, ...]`). The first
 command that fails ends the process with its exit status. With DIE_ON_RANK=R set, rank R kills
-itself (SIGKILL, as the OOM killer would) the moment it has finished its first shard.
+itself (SIGKILL, as the OOM killer would) the moment it has finished its first shard, or with
+DIE_ON=part-done its first part of a shard other ranks write into too.
 """
 
 from __future__ import annotations
@@ -19,14 +20,14 @@ from kconvert import distributed, events
 from kconvert.cli import main
 
 
-def die_after_first_shard(event: str, _info: dict) -> None:
-    if event == "shard-done":
+def die_after_first(event: str, _info: dict) -> None:
+    if event == os.environ.get("DIE_ON", "shard-done"):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
 if __name__ == "__main__":
     if os.environ.get("DIE_ON_RANK") == str(distributed.rank()):
-        events.subscribe(die_after_first_shard)
+        events.subscribe(die_after_first)
     with open(sys.argv[1]) as f:
         commands = json.load(f)
     code = 0

@@ -1,7 +1,11 @@
 """Commands under torch.distributed (gloo on the CPU, 2 and 3 ranks) write what one process
-writes: every byte of every shard and file, the manifest but for its recorded world size, the
-calibration statistics within 1e-6 relative and the same REAP plan. A rank killed mid-run
-fails the job with no manifest, and `--resume` with another number of ranks completes it.
+writes: every byte of every shard and file (plain conversions, GPTQ, SparseGPT, REAP with
+router repair and down_proj compensation), the manifest but for its recorded world size, the
+calibration statistics (routed experts' bit for bit, the other linears' within 1e-6
+relative), the same REAP plan and eval's metrics bit for bit (the bundled fixture and the
+trained tiny MoE). A rank killed mid-run fails the job with no manifest, and `--resume` with
+another number of ranks completes it (a plain conversion, and GPTQ, whose MoE layers' shards
+several ranks write into).
 
 Each job runs all its commands in one process group (rank_main.py): one start-up of torch per
 rank for the whole module."""
@@ -10,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -19,27 +24,61 @@ import pytest
 import torch
 
 from helpers import file_tensors, write_input_ids
+from kconvert.testing.tiny_moe import corpus_ids, windows
 
 HERE = Path(__file__).resolve().parent
 BUNDLED = HERE.parent / "fixtures" / "tiny-k2-thinking-int4"
+TRAINED = HERE.parent / "fixtures" / "tiny-moe-trained"
 MANIFEST = "kconvert-manifest.json"
-CONVERSIONS = ("nvfp4", "sparse", "bf16", "reap-plan", "reap-data")
+CONVERSIONS = ("nvfp4", "sparse", "bf16", "trained-nvfp4", "gptq", "sparsegpt", "reap-repair",
+               "reap-plan", "reap-data")
+EVALS = ("eval", "eval-trained")
 
 
-def commands(out: Path, data: Path, plan: Path) -> list[list[str]]:
+def commands(out: Path, data: Path, trained: Path, plan: Path) -> list[list[str]]:
     """Every command the test compares, writing under `out`. 6 sequences in batches of 2: the
-    calibration's 3 batches fall unevenly on 2 ranks and one each on 3."""
+    calibration's 3 batches fall unevenly on 2 ranks and one each on 3 (eval's, GPTQ's and
+    SparseGPT's too); the trained tiny MoE's repair and compensation on 8 of its corpus's
+    sequences in batches of 4 (applied in every layer: the repaired rows and re-fitted
+    matrices travel from rank 0, where the repair runs)."""
     src, cpu = str(BUNDLED), ["--device", "cpu", "--quiet"]
     calib = ["--data", str(data), "--samples", "6", "--seq-len", "16", "--batch-size", "2"]
     return [  # calibrate first: a fresh process in every job (see the fixture)
         ["calibrate", src, *calib, "-o", str(out / "stats"), "--device", "cpu", "--dtype",
          "float32", "--quiet"],
+        # 2 batches: on 3 ranks one rank has none and only serves its experts
+        ["calibrate", str(TRAINED), *calib[:2], "--samples", "3", *calib[4:], "-o",
+         str(out / "stats-trained"), "--device", "cpu", "--quiet"],
         ["int4-to-nvfp4", src, str(out / "nvfp4"), *cpu],
         ["sparsify", "--method", "magnitude", src, str(out / "sparse"), *cpu],
         ["dequant", src, str(out / "bf16"), *cpu],
+        ["eval", src, str(out / "nvfp4"), str(out / "sparse"), *calib, "-o",
+         str(out / "eval"), "--dtype", "float32", *cpu],
+        ["quantize", str(TRAINED), str(out / "trained-nvfp4"), *cpu],
+        ["eval", str(TRAINED), str(out / "trained-nvfp4"), *calib, "-o",
+         str(out / "eval-trained"), *cpu],
+        KILLED["gptq"](src, out / "gptq", calib),
+        [*KILLED["gptq"](src, out / "gptq-dry-run", calib), "--dry-run"],
+        ["sparsify", "--method", "sparsegpt", "--hessian", "sequential", src,
+         str(out / "sparsegpt"), *calib, *cpu],
+        ["reap", str(TRAINED), str(out / "reap-repair"), "--data", str(trained), "--samples",
+         "8", "--seq-len", "32", "--batch-size", "4", "--keep", "12", "--repair", "router",
+         "--compensate", "down", *cpu],
         ["reap", *calib, "--keep", "12", src, str(out / "reap-data"), *cpu],
         ["reap", "--plan", str(plan), src, str(out / "reap-plan"), *cpu],
     ]
+
+
+# The conversions a killed rank interrupts (name -> its command, and the event after which
+# rank 1 kills itself): a plain one (whole shards per rank) and GPTQ, whose MoE layers' shards
+# several ranks write into (rank 1 dies once its part of one is on disk).
+KILLED = {
+    "nvfp4": lambda src, dst, calib: ["int4-to-nvfp4", src, str(dst), "--device", "cpu",
+                                      "--quiet"],
+    "gptq": lambda src, dst, calib: ["quantize", "--method", "gptq", src, str(dst), *calib,
+                                     "--device", "cpu", "--quiet"],
+}
+DIE_ON = {"nvfp4": "shard-done", "gptq": "part-done"}
 
 
 def free_port() -> int:
@@ -82,14 +121,16 @@ def env_launch(ranks: int, cmds_file: Path, **env) -> list[subprocess.CompletedP
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One process, then 2 ranks (torchrun), a 2-rank job whose rank 1 is
-    killed, and 3 ranks (torchrun) that also resume the killed job."""
+    """One process, then 2 ranks (torchrun), 2-rank jobs whose rank 1 is killed, and 3 ranks
+    (torchrun) that also resume the killed jobs."""
     root = tmp_path_factory.mktemp("ranks")
     data = write_input_ids(root / "data.jsonl", ([(7 * i + 3 * j) % 500 for j in range(16)]
                                                  for i in range(6)))
+    trained = write_input_ids(root / "trained.jsonl", windows(
+        corpus_ids("train"), 12, 64, torch.Generator().manual_seed(3)))
     plan = root / "plan.json"  # the plan of the one-process `reap --data`
     one = root / "one"
-    cmds = commands(one, data, plan)
+    cmds = commands(one, data, trained, plan)
     at = cmds.index(next(c for c in cmds if c[:2] == ["reap", "--plan"]))
     # One thread, as torchrun gives each rank: a CPU's float arithmetic depends on its thread
     # count (~1e-6 in the sums), whatever the number of ranks; and on what ran before in the
@@ -102,22 +143,25 @@ def runs(tmp_path_factory):
                              env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                              text=True, timeout=600)
         assert res.returncode == 0, res.stderr[-4000:]
-    two = torchrun(2, write_commands(root / "two.json", commands(root / "two", data, plan)))
+    two = torchrun(2, write_commands(root / "two.json",
+                                     commands(root / "two", data, trained, plan)))
     assert two.returncode == 0, two.stderr[-4000:]
-    killed_dst = root / "killed"
-    killed = env_launch(2, write_commands(root / "killed.json", [
-        ["int4-to-nvfp4", str(BUNDLED), str(killed_dst), "--device", "cpu", "--quiet"]]),
-        DIE_ON_RANK="1")
-    state_after_kill = sorted(p.name for p in (killed_dst / ".kconvert" / "done").iterdir())
-    manifest_after_kill = (killed_dst / MANIFEST).exists()
+    calib = cmds[0][2:10]
+    killed, after_kill, resumes = {}, {}, []
+    for name, command in KILLED.items():
+        dst = root / f"killed-{name}"
+        killed[name] = env_launch(2, write_commands(root / f"killed-{name}.json", [
+            command(str(BUNDLED), dst, calib)]), DIE_ON_RANK="1", DIE_ON=DIE_ON[name])
+        state = dst / ".kconvert"
+        after_kill[name] = {"done": sorted(p.name for p in (state / "done").iterdir()),
+                            "partial": sorted(p.name for p in (state / "partial").iterdir()),
+                            "manifest": (dst / MANIFEST).exists()}
+        resumes.append([*command(str(BUNDLED), dst, calib), "--resume"])
     three = torchrun(3, write_commands(root / "three.json", [
-        *commands(root / "three", data, plan),
-        ["int4-to-nvfp4", str(BUNDLED), str(killed_dst), "--device", "cpu", "--quiet",
-         "--resume"]]))
+        *commands(root / "three", data, trained, plan), *resumes]))
     assert three.returncode == 0, three.stderr[-4000:]
     return {"root": root, "one": one, 2: root / "two", 3: root / "three", "killed": killed,
-            "killed_dst": killed_dst, "done_after_kill": state_after_kill,
-            "manifest_after_kill": manifest_after_kill}
+            "after_kill": after_kill, "printed": {2: two.stdout, 3: three.stdout}}
 
 
 def files(root: Path) -> dict[str, bytes]:
@@ -145,50 +189,87 @@ def test_every_byte_as_one_process(runs, name, ranks):
     assert m_one == m_many
 
 
+@pytest.mark.parametrize(("ranks", "experts", "sequences"), [(2, 8, 4), (3, 6, 2)])
+def test_dry_run_prints_what_each_rank_holds(runs, ranks, experts, sequences):
+    """GPTQ's --dry-run under torchrun: the GPU memory plan of a rank (rank 0's, the busiest)
+    with its share of each MoE layer's 16 routed experts and of the 6 sequences."""
+    assert (f"per rank: {experts} of 16 routed experts per MoE layer (expert-parallel), the "
+            f"hidden states of {sequences} of 6 sequences") in runs["printed"][ranks]
+
+
+def test_the_repair_compared_was_applied(runs):
+    """The repaired routers and re-fitted matrices the byte comparison covers are not the
+    source's: the guard kept them in every layer."""
+    plan = json.loads((runs["one"] / "reap-repair" / "reap-plan.json").read_text())
+    assert plan["repair"] == "router" and plan["compensation"] == "down"
+    for layer in plan["layers"].values():
+        assert layer["repair"]["applied"] and layer["compensation"]["applied"]
+
+
+# Statistics an expert-parallel MoE layer computes exactly as one process (each routed
+# expert's on the rank that holds it, over the same rows in the same order): bit for bit.
+EXACT = re.compile(r"^layers\.\d+\.(experts\.|count$|saliency$|reap_sum$|gate_sum$|ean_sum$"
+                   r"|ean_sq_sum$|tokens$)")
+
+
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_calibration_statistics_as_one_process(runs, ranks):
-    one = file_tensors(runs["one"] / "stats" / "stats.safetensors")
-    many = file_tensors(runs[ranks] / "stats" / "stats.safetensors")
+@pytest.mark.parametrize("stats", ["stats", "stats-trained"])
+def test_calibration_statistics_as_one_process(runs, ranks, stats):
+    """Routed experts' statistics and every count bit for bit; the other linears' input sums
+    of squares are sums over ranks (float64, another order): within 1e-6 relative."""
+    one = file_tensors(runs["one"] / stats / "stats.safetensors")
+    many = file_tensors(runs[ranks] / stats / "stats.safetensors")
     assert sorted(one) == sorted(many)
-    summed = 0
+    summed = exact = 0
     for name, t in one.items():
-        if t.dtype == torch.int64:
-            assert torch.equal(t, many[name]), name  # counts: exact
+        if t.dtype == torch.int64 or EXACT.match(name):
+            assert torch.equal(t, many[name]), name
+            exact += bool((t != 0).any())
         else:
             torch.testing.assert_close(many[name], t, rtol=1e-6, atol=0, msg=name)
             summed += bool((t != 0).any())
-    assert summed > 10  # the comparison saw real sums, not zeros
-    meta_one = json.loads((runs["one"] / "stats" / "stats.json").read_text())
-    meta_many = json.loads((runs[ranks] / "stats" / "stats.json").read_text())
+    assert summed > 10 and exact > 100  # the comparison saw real sums, not zeros
+    meta_one = json.loads((runs["one"] / stats / "stats.json").read_text())
+    meta_many = json.loads((runs[ranks] / stats / "stats.json").read_text())
     for key in ("samples", "tokens", "unrouted", "modules"):
         assert meta_one[key] == meta_many[key], key
     act = "act_stats.json"
-    assert (runs["one"] / "stats" / act).read_text() == (runs[ranks] / "stats" / act).read_text()
+    assert (runs["one"] / stats / act).read_text() == (runs[ranks] / stats / act).read_text()
 
 
-def test_killed_rank_fails_the_job_and_resume_with_other_rank_count_completes(runs):
-    rank0, rank1 = runs["killed"]
-    assert rank1.returncode == -9  # killed after its first shard, as planned
+@pytest.mark.parametrize("name", KILLED)
+def test_killed_rank_fails_the_job_and_resume_with_other_rank_count_completes(runs, name):
+    rank0, rank1 = runs["killed"][name]
+    after = runs["after_kill"][name]
+    assert rank1.returncode == -9  # killed after its first shard (or part of one), as planned
     assert rank0.returncode == 1, rank0.stderr
     assert "lost contact with another rank" in rank0.stderr and "--resume" in rank0.stderr
-    assert not runs["manifest_after_kill"]
-    assert 1 <= len(runs["done_after_kill"]) < 4  # some shards were kept for the resume
-    one, resumed = files(runs["one"] / "nvfp4"), files(runs["killed_dst"])
+    assert not after["manifest"]
+    if name == "gptq":  # rank 1's part of a MoE layer's shard was on disk, the shard unfinished
+        assert after["partial"]
+    else:
+        assert 1 <= len(after["done"]) < 4  # some shards were kept for the resume
+    one, resumed = files(runs["one"] / name), files(runs["root"] / f"killed-{name}")
     assert sorted(one) == sorted(resumed)
     for rel in one:
         if rel != MANIFEST:
             assert one[rel] == resumed[rel], rel
-    m_one, _ = manifest_without_world(runs["one"] / "nvfp4" / MANIFEST)
-    m_resumed, world = manifest_without_world(runs["killed_dst"] / MANIFEST)
+    m_one, _ = manifest_without_world(runs["one"] / name / MANIFEST)
+    m_resumed, world = manifest_without_world(runs["root"] / f"killed-{name}" / MANIFEST)
     assert world == 3 and m_one == m_resumed
 
 
-def test_eval_refuses_ranks_with_a_usage_error(tmp_path):
-    """eval compares whole models in one process: under torchrun every rank would run it all
-    and write the same report, so it says so instead (exit 2, on every rank)."""
-    data = write_input_ids(tmp_path / "data.jsonl", [list(range(16))])
-    ranks = torchrun_argv(2, ["-m", "kconvert", "eval", str(BUNDLED), str(BUNDLED), "--data",
-                              str(data), "--samples", "1", "--seq-len", "16", "--device", "cpu"])
-    assert ranks.returncode != 0
-    assert ranks.stderr.count("eval runs in one process: run it without torchrun") >= 2
-    assert "exitcode  : 2" in ranks.stderr  # torchrun's summary of the failed ranks
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("name", EVALS)
+def test_eval_metrics_as_one_process(runs, name, ranks):
+    """Every metric bit for bit (sums folded in batch order, KL values joined in batch
+    order); the report written once, by rank 0."""
+    one = json.loads((runs["one"] / name / "eval.json").read_text())
+    many = json.loads((runs[ranks] / name / "eval.json").read_text())
+    for key in ("samples", "seq_len", "tokens", "scored_tokens"):
+        assert one[key] == many[key], key
+    assert len(one["candidates"]) == len(many["candidates"]) >= 1
+    for a, b in zip(one["candidates"], many["candidates"], strict=True):
+        assert a["logits"] == b["logits"]
+        assert a["layers"] == b["layers"]
+        assert a["logits"]["kl_mean"] > 0  # the candidates differ from the source
