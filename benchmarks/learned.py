@@ -60,7 +60,7 @@ def measure(experts: int, dims: tuple[int, int], sparse: bool, compiled: bool, s
         sync()
         t = time.perf_counter()
         et.train(ex, enc, et.TrainSettings(n, tokens, 2e-3, 2e-3, 0),
-                 torch.Generator(device=dev).manual_seed(0), dtype)
+                 [torch.Generator(device=dev).manual_seed(e) for e in range(experts)], dtype)
         sync()
         out[f"{label}_s"] = round(time.perf_counter() - t, 3)
         del ex

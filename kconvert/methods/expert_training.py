@@ -15,8 +15,10 @@ allowed patterns. A step:
               cosine from `lr` to a tenth; temperature and scale annealed linearly
 Export takes each chunk's most likely pattern (ties to the lower pattern index), zeroes its
 pruned pairs (+0) and quantizes by the rule: exactly what the codec writes. Every random draw
-comes from a generator seeded by (seed, layer, experts) (the tokens of a step, and the seed of
-each step's Gumbel noise, whose draws a counter-based hash makes), so a run is reproducible.
+comes from the expert's own generator, seeded by (seed, layer, expert): the tokens of a step,
+and the seed of each step's Gumbel noise, whose draws a counter-based hash makes. So a run is
+reproducible, and an expert's result does not depend on which experts train beside it (the
+GPU budget's batch size).
 
 The weight path of a step (soft mask, E2M1 rounding) and the optimiser's update are
 elementwise passes over every weight, the bulk of a step's memory traffic: on a GPU each is
@@ -121,12 +123,13 @@ def straight_through(w: torch.Tensor, codes: torch.Tensor, gs: torch.Tensor, gro
 
 
 def counter_uniform(shape: torch.Size, seed: torch.Tensor) -> torch.Tensor:
-    """Uniform draws in (0, 1) (24 bits) of a counter-based generator: element i's is a hash
-    (splitmix64's finaliser) of i and `seed` (an int64 tensor). Elementwise integer arithmetic
-    only, so the same bits on every device, and a compiler fuses it into its consumer instead
-    of writing the draws out."""
-    x = (torch.arange(shape.numel(), dtype=torch.int64, device=seed.device).reshape(shape)
-         + seed * 0x3C6EF372FE94F82B) * -0x61C8864680B583EB  # 0x9E3779B97F4A7C15
+    """Uniform draws in (0, 1) (24 bits) of a counter-based generator, shape [E, ...]: element
+    i of batch entry e is a hash (splitmix64's finaliser) of i and seed[e] (int64 [E]).
+    Elementwise integer arithmetic only, so the same bits on every device, and a compiler fuses
+    it into its consumer instead of writing the draws out."""
+    per = torch.arange(shape[1:].numel(), dtype=torch.int64, device=seed.device)
+    x = (per.reshape(shape[1:]) + seed.reshape(-1, *[1] * (len(shape) - 1))
+         * 0x3C6EF372FE94F82B) * -0x61C8864680B583EB  # 0x9E3779B97F4A7C15
     x = (x ^ ((x >> 30) & 0x3FFFFFFFF)) * -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9
     x = (x ^ ((x >> 27) & 0x1FFFFFFFFF)) * -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
     x = x ^ ((x >> 31) & 0x1FFFFFFFF)
@@ -225,11 +228,12 @@ class Adam:
             p.grad = None
 
 
-def _sample(experts: Experts, tokens: int, generator: torch.Generator
+def _sample(experts: Experts, tokens: int, generators: list[torch.Generator]
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`tokens` fit tokens per expert (with replacement): x [E, T, H], y [E, T, H], g [E, T]."""
-    picks = [torch.randint(len(x), (tokens,), generator=generator, device=x.device)
-             for x in experts.x]
+    """`tokens` fit tokens per expert (with replacement, from its own generator): x [E, T, H],
+    y [E, T, H], g [E, T]."""
+    picks = [torch.randint(len(x), (tokens,), generator=gen, device=x.device)
+             for x, gen in zip(experts.x, generators, strict=True)]
     return (torch.stack([x[i] for x, i in zip(experts.x, picks, strict=True)]),
             torch.stack([y[i] for y, i in zip(experts.y, picks, strict=True)]),
             torch.stack([g[i] for g, i in zip(experts.g, picks, strict=True)]))
@@ -242,7 +246,8 @@ def relative_error(out: torch.Tensor, y: torch.Tensor, g: torch.Tensor) -> torch
     return err / (y.square().sum(-1) * w).sum(-1).clamp(min=1e-30)
 
 
-def train(experts: Experts, enc: Encoding, settings: TrainSettings, generator: torch.Generator,
+def train(experts: Experts, enc: Encoding, settings: TrainSettings,
+          generators: list[torch.Generator],
           compute_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Train `experts` (their `w` in place) and export them: (values per matrix on the NVFP4
     grid, pruned entries +0, block codes per matrix) as the encoder writes them."""
@@ -260,7 +265,7 @@ def train(experts: Experts, enc: Encoding, settings: TrainSettings, generator: t
     quantize = _compiled(straight_through, dev.type)
     masked = _compiled(_masked, dev.type)
     for step in range(settings.steps):
-        x, y, g = _sample(experts, settings.tokens, generator)
+        x, y, g = _sample(experts, settings.tokens, generators)
         scale = torch.tensor(_schedule(step, settings.steps, settings.logit_scale), device=dev)
         temperature = torch.tensor(_schedule(step, settings.steps, settings.temperature),
                                    device=dev)
@@ -268,7 +273,8 @@ def train(experts: Experts, enc: Encoding, settings: TrainSettings, generator: t
         for n in names:
             w = weights[n]
             if logits:
-                seed = torch.randint(1 << 62, (), generator=generator, device=dev)
+                seed = torch.cat([torch.randint(1 << 62, (1,), generator=gen, device=dev)
+                                  for gen in generators])
                 w = masked(w, logits[n], seed, scale, temperature, masks)
             codes = block_codes(w, experts.gs[n], enc)
             q[n] = quantize(w, codes, experts.gs[n], enc.group, enc.arithmetic)

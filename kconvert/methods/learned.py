@@ -201,10 +201,10 @@ class Learned(ObsMethod):
             experts, held, baseline = self._problem(ids, slots, batches, made, routing, enc,
                                                     dtype)
         fit_tokens = [len(x) for x in experts.x]
-        generator = torch.Generator(device=device)
-        generator.manual_seed(self.train_settings.seed * 1_000_003 + layer * 1009 + ids[0])
+        generators = [torch.Generator(device=device).manual_seed(
+            self.train_settings.seed * 1_000_003 + layer * 1009 + e) for e in ids]
         with torch.enable_grad(), deterministic(), watch.phase("train"):
-            values, codes = et.train(experts, enc, self.train_settings, generator, dtype)
+            values, codes = et.train(experts, enc, self.train_settings, generators, dtype)
         del experts
         with torch.no_grad(), watch.phase("guard"):
             for i, (x, y, g) in enumerate(held):

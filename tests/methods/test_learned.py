@@ -99,8 +99,8 @@ def test_training_lowers_the_error_and_exports_valid_values(sparse):
 
     start = {n: et.quantized(v, experts.gs[n], enc)[0] for n, v in experts.w.items()}
     settings = et.TrainSettings(steps=60, tokens=64, lr=2e-3, mask_lr=2e-3, seed=0)
-    values, codes = et.train(experts, enc, settings, torch.Generator().manual_seed(0),
-                             torch.float32)
+    values, codes = et.train(experts, enc, settings,
+                             [torch.Generator().manual_seed(e) for e in range(2)], torch.float32)
     assert error(values) < 0.97 * error(start)  # trained on the tokens it is judged on
     for n, v in values.items():
         again, again_codes = et.quantized(v, experts.gs[n], enc)  # on the grid already
@@ -225,3 +225,20 @@ def test_experts_with_too_few_tokens_keep_the_one_shot_result(tmp_path):
     one, learned_out = checkpoint_tensors(outs["sparsegpt"]), checkpoint_tensors(outs["learned"])
     assert one.keys() == learned_out.keys()
     assert all(torch.equal(one[k], learned_out[k]) for k in one)
+
+
+def test_an_experts_result_does_not_depend_on_the_experts_beside_it():
+    """Each expert draws from its own generator (tokens, and the seed of its Gumbel noise), so
+    training it alone or in a batch of two (another GPU budget's batch) writes the same values."""
+    both, enc = _problem(5, True)
+    alone, _ = _problem(5, True)
+    for field in ("w", "keep", "gs"):
+        setattr(alone, field, {n: v[1:].clone() for n, v in getattr(alone, field).items()})
+    alone.x, alone.y, alone.g = both.x[1:], both.y[1:], both.g[1:]
+    settings = et.TrainSettings(steps=8, tokens=32, lr=2e-2, mask_lr=1e-2, seed=0)
+    together = et.train(both, enc, settings,
+                        [torch.Generator().manual_seed(s) for s in (10, 11)], torch.float32)
+    single = et.train(alone, enc, settings, [torch.Generator().manual_seed(11)], torch.float32)
+    for n in ("gate_up", "down"):
+        assert torch.equal(together[0][n][1], single[0][n][0]), n
+        assert torch.equal(together[1][n][1], single[1][n][0]), n
