@@ -57,7 +57,7 @@ from benchmarks.harness import (
     run_child,
     save,
 )
-from benchmarks.outputs import same_output
+from benchmarks.outputs import compare_dirs, same_output
 from benchmarks.synthetic import (
     TINY,
     Dims,
@@ -126,6 +126,8 @@ class Bench:
         if notes:
             res["note"] = notes[0]
         if c.rc:
+            res["errors"] = [ln.strip() for ln in c.stderr.splitlines()
+                             if "error" in ln.lower() and "elastic" not in ln][:6]
             res["tail"] = (c.stdout[-1500:] + c.stderr[-2500:]).strip()
         return res
 
@@ -158,6 +160,30 @@ def stats_difference(a: Path, b: Path) -> dict:
         t, u = t.double(), many[name].double()
         worst = max(worst, float(((t - u).abs() / t.abs().clamp_min(1e-30)).max()))
     return {"same_names": True, "max_rel_diff": worst, "bit_equal": equal, "tensors": len(one)}
+
+
+def differences(a: Path, b: Path) -> dict:
+    """Which files of two outputs differ: the manifest's differing keys, per shard how many
+    tensors differ and one of them."""
+    found = compare_dirs(a, b)
+    brief = {}
+    for name, what in found["different"].items():
+        if isinstance(what, dict):
+            first = next(iter(what))
+            what = {"tensors_differ": len(what), "first": first, "detail": what[first]}
+        brief[name] = what
+    return {"files": found["files"], "identical": found["identical"], "different": brief}
+
+
+def largest_difference(one: object, many: object) -> float:
+    """The largest relative difference between the numbers of two reports of the same shape."""
+    if isinstance(one, dict):
+        return max((largest_difference(one[k], many[k]) for k in one if k in many), default=0.0)
+    if isinstance(one, (list, tuple)):
+        return max((largest_difference(a, b) for a, b in zip(one, many, strict=True)), default=0.0)
+    if isinstance(one, (int, float)) and isinstance(many, (int, float)) and one != many:
+        return abs(one - many) / max(abs(one), abs(many), 1e-30)
+    return 0.0
 
 
 def scaling(runs: dict[int, dict]) -> None:
@@ -213,6 +239,8 @@ def part_gptq(b: Bench, src: Path) -> None:
     for ranks, r in runs.items():
         if ranks > 1 and r["rc"] == 0 and runs.get(1, {}).get("rc") == 0:
             r["same_bytes"] = same_output(outs[1], outs[ranks])
+            if r["same_bytes"] is not True:
+                r["differences"] = differences(outs[1], outs[ranks])
     for dst in outs.values():
         shutil.rmtree(dst, ignore_errors=True)
     b.res["gptq"] = {"tokens": b.gptq_seqs * b.seq, "runs": list(runs.values())}
@@ -265,6 +293,12 @@ def part_eval(b: Bench, src: Path) -> None:
     for ranks, r in runs.items():
         if ranks > 1 and ranks in reports and 1 in reports:
             r["same_metrics"] = reports[ranks] == reports[1]
+            r["metrics_max_rel_diff"] = largest_difference(reports[1], reports[ranks])
+    if 1 in reports and os.environ.get("EVAL_REPEAT") == "1":
+        # the same 1-rank run again: a difference here is the device's, not the ranks'
+        first = reports[1]
+        runs[1]["repeat_max_rel_diff"] = (largest_difference(first, reports[1])
+                                          if run(1)["rc"] == 0 else None)
     b.res["eval"] = {"tokens": b.eval_seqs * b.seq, "runs": list(runs.values())}
     b.save()
 
@@ -354,7 +388,8 @@ def summarize(res: dict) -> None:
         cells = []
         for r in entry["runs"]:
             checks = {k: r[k] for k in ("efficiency_moe_layer", "efficiency_wall", "same_bytes",
-                                        "same_kept_experts", "same_metrics", "statistics")
+                                        "same_kept_experts", "same_metrics", "metrics_max_rel_diff",
+                                        "repeat_max_rel_diff", "statistics", "errors")
                       if k in r}
             cells.append(f"{r['ranks']} rank(s): rc {r['rc']} wall {r['wall_s']} s MoE "
                          f"{r.get('moe_layer_s')} s {checks}")

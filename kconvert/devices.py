@@ -11,13 +11,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kconvert import distributed
 from kconvert.errors import KconvertError
 
 
 def pick_device(spec: str) -> torch.device:
     """The torch device for `--device` (auto | cpu | cuda | cuda:N), or a clear error."""
     if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(spec)
     except RuntimeError as exc:
@@ -31,6 +32,12 @@ def pick_device(spec: str) -> torch.device:
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise KconvertError(f"--device {spec}: this machine has "
                                 f"{torch.cuda.device_count()} CUDA device(s)")
+        if device.index is None and distributed.launched():
+            # A torchrun rank's own GPU, by index: a bare "cuda" means the current device of
+            # the thread that uses it, and the reader, prefetch and calibration threads start
+            # on GPU 0, not on the card distributed.init chose for this rank.
+            distributed.init()
+            device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 

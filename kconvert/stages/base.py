@@ -117,10 +117,12 @@ def method_settings(stage: str, settings: dict[str, Any]) -> tuple[type[Method],
     """The method a stage's settings name (its kind's default where none) and the settings that
     are that method's own; a setting of another of the stage's methods is refused."""
     method = method_named(stage, settings.get("method"))
-    for name, other in methods_of(stage).items():
-        for key in set(other.settings) - set(method.settings):
-            if settings.get(key) is not None:
-                raise KconvertError(f"--{key.replace('_', '-')} serves --method {name}")
+    for key in sorted({k for m in methods_of(stage).values() for k in m.settings}
+                      - set(method.settings)):
+        if settings.get(key) is not None:
+            users = [n for n, m in methods_of(stage).items() if key in m.settings]
+            raise UsageError(f"--{key.replace('_', '-')} serves --method {' or '.join(users)}; "
+                             f"this {stage} stage's method is {method.name}")
     own = {k: settings[k] for k in method.settings if settings.get(k) is not None}
     method.check_settings(own)
     return method, own

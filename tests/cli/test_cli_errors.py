@@ -275,13 +275,21 @@ def test_recipe_key_typo_is_an_error(tmp_path):
     (["--keep", "4"], "prune"),
     (["--prune-ratio", "0.5"], "prune"),
     (["--storage", "pair-bitmask"], "sparsify"),
-    (["--hessian", "source"], "sparsify"),  # --method is also quantize's (rtn|gptq)
     (["--group-size", "32"], "sparsify"),
 ])
 def test_run_refuses_options_no_stage_of_the_recipe_takes(opts, stage, tmp_path):
     """`run int4-to-nvfp4 ... --keep 4` used to keep every expert and exit 0."""
     res = cli_inproc("run", "int4-to-nvfp4", BUNDLED, tmp_path / "out", *opts, "--quiet")
     assert_user_error(res, opts[0], "int4-to-nvfp4", f"option of stage {stage}", code=2)
+    assert not (tmp_path / "out").exists()
+
+
+def test_run_refuses_a_setting_of_another_method_of_the_recipes_stage(tmp_path):
+    """int4-to-nvfp4 quantizes by rtn: --hessian is its quantize stage's, but gptq's."""
+    res = cli_inproc("run", "int4-to-nvfp4", BUNDLED, tmp_path / "out", "--hessian", "source",
+                     "--quiet")
+    assert_user_error(res, "--hessian serves --method gptq or learned",
+                      "this quantize stage's method is rtn", code=2)
     assert not (tmp_path / "out").exists()
 
 

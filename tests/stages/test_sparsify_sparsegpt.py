@@ -142,4 +142,4 @@ def test_hessian_option_is_recorded_and_refused_without_sparsegpt(tmp_path):
         assert manifest["options"]["sparsify"]["hessian"] == mode
         assert_audit_passes(dst)
     res = cli_inproc("sparsify", BUNDLED, tmp_path / "m", "--hessian", "source", "--quiet")
-    assert res.exit_code == 1 and "--hessian serves --method sparsegpt" in res.output
+    assert res.exit_code == 2 and "--hessian serves --method sparsegpt" in res.output
