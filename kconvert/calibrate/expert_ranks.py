@@ -42,10 +42,9 @@ log = logging.getLogger(__name__)
 
 # Real calibration tokens per rank below which an expert-parallel calibration is expected to be
 # no faster than one process: each rank still starts up, reads the layers' non-expert tensors
-# and runs the exchange's collectives per batch, which fewer tokens do not pay for. An estimate
-# from issue 38's measurements of the data-parallel pass (4 H100s, 0.5M tokens: slower than one
-# rank), to be replaced by the crossover measured with benchmarks/multi_gpu.py
-# (docs/many-gpus.md says which run).
+# and runs the exchange's collectives per batch, which fewer tokens do not pay for. Measured at
+# this point (docs/many-gpus.md): 2 ranks x 2^18 tokens on two H200s were 1.04x faster than one
+# process; the crossover on 4 ranks is not measured yet.
 MIN_TOKENS_PER_RANK = 1 << 18
 
 
