@@ -65,12 +65,15 @@ def from_data(ckpt: Checkpoint, options: dict, gpu: GpuRequest, keep: int, crite
             "samples": ids.shape[0], "seq_len": seq_len, "tokens": real_tokens(ids)}
     if options.get("dry_run"):
         return dry_run(ckpt, keep, repair, compensate, used, echo)
-    spill = spill_directory(options["dst"], echo) if compensate != "none" else None
+    # Made and removed by rank 0 alone: ranks that each emptied and made it raced (EEXIST, or
+    # one rank removing the folder another had just made).
+    spill = (distributed.from_main(lambda: spill_directory(options["dst"], echo))
+             if compensate != "none" else None)
     try:
         return _calibrate(ckpt, ids, options, gpu, keep, criterion, repair, compensate,
                           batch_size, spill, used, echo)
     except BaseException:
-        if spill is not None:
+        if spill is not None and distributed.is_main():
             shutil.rmtree(spill, ignore_errors=True)
         raise
 
