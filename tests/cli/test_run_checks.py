@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from click.testing import Result
 
 from conftest import BUNDLED, ROOT
 from helpers import (
@@ -102,18 +103,22 @@ def test_a_dry_run_on_the_cpu_plans_a_small_gpu_budget_without_refusing(tmp_path
     assert "sparsify needs at least" in res.output
 
 
-def test_a_resume_of_another_run_says_what_differs(tmp_path):
-    dst = tmp_path / "out"
-
+def stopped_after_first_shard(*args) -> Result:
+    """`kconvert ARGS` in this process, failed by an error raised once its first shard is done."""
     def stop(event, _info):
         if event == "shard-done":
             raise KconvertError("stopped after the first shard")
 
     unsubscribe = events.subscribe(stop)
     try:
-        res = cli_inproc("int4-to-nvfp4", BUNDLED, dst, "--device", "cpu", "--quiet")
+        return cli_inproc(*args)
     finally:
         unsubscribe()
+
+
+def test_a_resume_of_another_run_says_what_differs(tmp_path):
+    dst = tmp_path / "out"
+    res = stopped_after_first_shard("int4-to-nvfp4", BUNDLED, dst, "--device", "cpu", "--quiet")
     assert_user_error(res, "stopped after the first shard")
     res = cli_inproc("int4-to-nvfp4", BUNDLED, dst, "--block-scale", "amax", "--resume",
                      "--device", "cpu", "--quiet")
@@ -123,16 +128,7 @@ def test_a_resume_of_another_run_says_what_differs(tmp_path):
 
 def test_a_failed_json_run_reports_the_bytes_on_disk(tmp_path):
     dst = tmp_path / "out"
-
-    def stop(event, _info):
-        if event == "shard-done":
-            raise KconvertError("stopped after the first shard")
-
-    unsubscribe = events.subscribe(stop)
-    try:
-        res = cli_inproc("int4-to-nvfp4", BUNDLED, dst, "--device", "cpu", "--json")
-    finally:
-        unsubscribe()
+    res = stopped_after_first_shard("int4-to-nvfp4", BUNDLED, dst, "--device", "cpu", "--json")
     assert res.exit_code == 1
     summary = json.loads(res.stdout)
     assert summary["ok"] is False and "stopped after the first shard" in summary["error"]
