@@ -48,8 +48,24 @@ for command in (int4_to_nvfp4, int4_to_mxfp4, mxfp4_to_nvfp4, quantize, dequant,
     main.add_command(command)
 
 
+# CUDA's caching allocator by default keeps fixed-size segments, which the data-driven
+# commands' layer-by-layer tensors of varying sizes fragment: a 4-rank GPTQ run on H200s failed
+# to allocate 11.8 GiB with 27 GiB reserved but unallocated inside its budget
+# (benchmarks/results/multi_gpu_H200x4_2026-11-27_gptq_reap_eval.json). Growable segments leave
+# no such holes; a value the user set is kept.
+CUDA_ALLOCATOR = ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+
+def use_cuda_allocator_defaults() -> None:
+    """Set CUDA_ALLOCATOR's variable unless the environment has it (torch reads it when CUDA
+    first allocates, after this)."""
+    name, value = CUDA_ALLOCATOR
+    os.environ.setdefault(name, value)
+
+
 def run() -> None:
     """`kconvert`: the command line, then `exit_now` with its exit status."""
+    use_cuda_allocator_defaults()
     try:
         main()  # click's standalone mode always ends in SystemExit
     except SystemExit as exc:
