@@ -119,11 +119,13 @@ def summary_line(manifest: Manifest, dst: str) -> str:
              f"{human_bytes(s['bytes'])}"]
     if s.get("pruned_experts"):
         parts.append(f"{s['pruned_experts']} routed experts pruned")
-    for what, name in (("repair", "router repair"), ("compensation", "compensation")):
+    for what, name, kept in (("repair", "router repair", "the source's"),
+                             ("compensation", "compensation", "the source's"),
+                             ("learned", "learned compensation", "the closed form's")):
         if f"{what}_applied_layers" in s:
             applied, refused = s[f"{what}_applied_layers"], s[f"{what}_refused_layers"]
             parts.append(f"{name} applied in {applied} of {applied + refused} MoE layers"
-                         + (f" (refused by its guard in {refused}: the source's kept)"
+                         + (f" (refused by its guard in {refused}: {kept} kept)"
                             if refused else ""))
     if s.get("sparsified_modules"):
         parts.append(f"{s['sparsified_modules']} modules made paired-4:8 sparse")

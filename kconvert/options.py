@@ -47,7 +47,7 @@ ONLY_WITH = {
 PRUNE_CRITERIA = {"reap": "saliency", "frequency": "count", "ean": "ean_sum", "man": "man",
                   "msan": "msan"}
 REPAIRS = ("none", "bias", "router")  # router repair; kconvert.pruning.repair fits REPAIRS[1:]
-COMPENSATIONS = ("none", "shared", "down")  # kconvert.pruning.compensate
+COMPENSATIONS = ("none", "shared", "down", "learned")  # kconvert.pruning.compensate*
 SPARSIFY_METHODS = ("magnitude", "wanda", "sparsegpt", "learned")
 SPARSIFY_STORAGES = ("dense", "pair-bitmask")
 HESSIANS = ("source", "sequential")  # SparseGPT's layer inputs (kconvert.methods.sparsegpt)

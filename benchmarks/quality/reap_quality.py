@@ -58,6 +58,9 @@ CONFIGS = {
     "down": ("--compensate down", ["--compensate", "down"]),
     "router+down": ("--repair router --compensate down",
                     ["--repair", "router", "--compensate", "down"]),
+    "learned": ("--compensate learned", ["--compensate", "learned"]),
+    "router+learned": ("--repair router --compensate learned",
+                       ["--repair", "router", "--compensate", "learned"]),
     "msan+router+down": ("--criterion msan --repair router --compensate down",
                          ["--criterion", "msan", "--repair", "router", "--compensate", "down"]),
 }

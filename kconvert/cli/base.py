@@ -359,7 +359,10 @@ def prune_options(samples_default: int | None, samples_help: str) -> list:
         click.option("--compensate", type=click.Choice(COMPENSATIONS), default=None,
                      help="With --data: re-fit down_proj matrices by least squares so each "
                           "pruned MoE block matches the unpruned one (shared: the shared "
-                          "expert's; down: the shared and every kept expert's) [default: none]."),
+                          "expert's; down: the shared and every kept expert's; learned: down, "
+                          "then every kept expert's gate, up and down trained against the "
+                          "unpruned block, kept where the held-out error falls) "
+                          "[default: none]."),
     ]
 
 

@@ -202,7 +202,7 @@ def _schedule(step: int, steps: int, ends: tuple[float, float]) -> float:
     return ends[0] + (ends[1] - ends[0]) * t
 
 
-def _lr_factor(step: int, steps: int) -> float:
+def lr_factor(step: int, steps: int) -> float:
     """Cosine from 1 to a tenth."""
     return 0.1 + 0.45 * (1 + math.cos(math.pi * step / max(steps - 1, 1)))
 
@@ -280,7 +280,7 @@ def train(experts: Experts, enc: Encoding, settings: TrainSettings,
             q[n] = quantize(w, codes, experts.gs[n], enc.group, enc.arithmetic)
         out = expert_outputs(x.to(compute_dtype), q["gate_up"], q["down"])
         relative_error(out, y, g).sum().backward()
-        opt.step(settings.lr * _lr_factor(step, settings.steps))
+        opt.step(settings.lr * lr_factor(step, settings.steps))
     values, codes = {}, {}
     with torch.no_grad():
         for n in names:

@@ -57,13 +57,31 @@ class LayerRepair(BaseModel):
         return self
 
 
+class LearnedCompensation(BaseModel):
+    """Learned compensation of one pruned MoE layer (reap.md, "Learned compensation"): the
+    kept experts' gate, up and down trained against the unpruned block from the closed form's
+    result, and the block-output mean squared errors of the routed experts' part before
+    (the closed form's matrices as written) and after (the learned ones as written)."""
+
+    applied: bool = Field(description="false: training did not lower the held-out error, so "
+                                      "the closed form's matrices were written")
+    steps: int = Field(description="Adam steps per batch of kept experts")
+    lr: float = Field(description="the step, as a fraction of each matrix's RMS")
+    batch: int = Field(description="kept experts trained together (block coordinate descent)")
+    fit_mse_before: float
+    fit_mse_after: float
+    heldout_mse_before: float
+    heldout_mse_after: float
+
+
 class LayerCompensation(BaseModel):
     """Closed-form compensation of one pruned MoE layer (reap.md, "Compensation"): the
     down_proj matrices re-fitted by least squares, and the block-output mean squared errors
     against the unpruned block (fit and held-out tokens) before and after."""
 
-    method: str = Field(description="shared (the shared expert's down_proj) or down (the shared "
-                                    "expert's and every kept expert's down_proj)")
+    method: str = Field(description="shared (the shared expert's down_proj), down (the shared "
+                                    "expert's and every kept expert's down_proj) or learned "
+                                    "(down, then the kept experts trained: `learned`)")
     applied: bool = Field(description="false: the re-fit did not lower the held-out error, so "
                                       "the source matrices were written unchanged")
     fit_tokens: int
@@ -83,6 +101,9 @@ class LayerCompensation(BaseModel):
     block_scale: str | None = Field(
         default=None, description="the block-scale rule (amax | mse) the quantized re-fitted "
                                   "matrices were encoded with; absent: all dense")
+    learned: LearnedCompensation | None = Field(
+        default=None, description="--compensate learned: the training from the closed form's "
+                                  "result and its own guard")
 
 
 class PruneLayer(BaseModel):

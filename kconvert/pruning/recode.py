@@ -1,7 +1,7 @@
 """Re-fitted matrices written in their source's own format (reap.md, "Compensation").
 
 Compensation fits on the decoded weights (fp32); what it writes must be what a loader of the
-source format reads, so each re-fitted down_proj is encoded by the codec of its source
+source format reads, so each re-fitted matrix is encoded by the codec of its source
 module (Codec.encode, the call `quantize` makes), with the same parameter names, dtypes and
 shapes: BF16 stays BF16 (rounded), INT4 becomes compressed-tensors' symmetric INT4 again (its
 group size and scale dtype), NVFP4 and MXFP4 are encoded with the block-scale rule the
@@ -12,15 +12,19 @@ that share a codec are encoded in batches on the device.
 
 from __future__ import annotations
 
+import errno
 import math
+import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from kconvert.errors import KconvertError
 from kconvert.formats import STORAGE_CODECS, Codec, EncodeSpec, detect_codec
 from kconvert.io.checkpoint import Checkpoint
+from kconvert.io.files import human_bytes
 from kconvert.io.shards import TensorInfo
 from kconvert.manifest import MANIFEST, read_manifest
 from kconvert.model.names import Role, parse_name
@@ -52,12 +56,13 @@ class SourceLinear:
                           chunk_elems=CHUNK_ELEMS)
 
 
-def down_linears(ckpt: Checkpoint) -> dict[int, dict[int | None, SourceLinear]]:
-    """Per MoE layer, per routed expert id (None: the shared expert), its down_proj."""
+def expert_linears(ckpt: Checkpoint, proj: str) -> dict[int, dict[int | None, SourceLinear]]:
+    """Per MoE layer, per routed expert id (None: the shared expert), its linear `proj`
+    (down_proj, gate_proj or up_proj)."""
     params: dict[str, dict[str, TensorInfo]] = {}
     for name, info in ckpt.tensors.items():
         tn = parse_name(name)
-        if tn.role in (Role.ROUTED_EXPERT, Role.SHARED_EXPERT) and tn.proj == "down_proj":
+        if tn.role in (Role.ROUTED_EXPERT, Role.SHARED_EXPERT) and tn.proj == proj:
             params.setdefault(tn.module, {})[tn.param] = info
     out: dict[int, dict[int | None, SourceLinear]] = {}
     for module, infos in params.items():
@@ -66,11 +71,34 @@ def down_linears(ckpt: Checkpoint) -> dict[int, dict[int | None, SourceLinear]]:
         if codec is None or codec in STORAGE_CODECS.values():
             # a sparse storage holds paired-4:8 values, which a re-fit would not keep
             found = codec.description if codec is not None else f"parameters {sorted(infos)}"
-            raise KconvertError(f"compensation cannot write a re-fitted down_proj in this "
+            raise KconvertError(f"compensation cannot write a re-fitted {proj} in this "
                                 f"format ({found}); convert the source to BF16, INT4, NVFP4 "
                                 "or MXFP4 first", tensor=module)
         out.setdefault(tn.layer, {})[tn.expert] = SourceLinear(module, codec, infos)
     return out
+
+
+def spilled(spill: Path | None, layer: int, tensors: dict[str, torch.Tensor]
+            ) -> dict[str, torch.Tensor]:
+    """`tensors` (a layer's re-fitted matrices as written) saved in the spill directory and
+    memory-mapped back (file pages, which the kernel may drop), or as they are without one."""
+    if spill is None:
+        return tensors
+    path = spill / f"layer-{layer}.pt"
+    try:
+        torch.save(tensors, path)
+    except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as either
+        path.unlink(missing_ok=True)
+        nbytes = sum(t.nbytes for t in tensors.values())
+        free = shutil.disk_usage(spill).free
+        if getattr(exc, "errno", None) not in (errno.ENOSPC, errno.EDQUOT) and free >= nbytes:
+            raise
+        raise KconvertError(
+            f"the disk filled up while spilling layer {layer}'s re-fitted matrices "
+            f"({human_bytes(nbytes)}, {human_bytes(free)} free): compensation keeps every "
+            "layer's re-fitted matrices on DST's file system until they are written; free "
+            "space there and run again", file=str(path)) from exc
+    return torch.load(path, mmap=True, weights_only=True)
 
 
 def block_scale_rule(ckpt: Checkpoint) -> str:
@@ -93,12 +121,14 @@ def block_scale_rule(ckpt: Checkpoint) -> str:
 
 
 def encode(ckpt: Checkpoint, linears: Sequence[SourceLinear],
-           weight: Callable[[int], torch.Tensor], rule: str | None, device: torch.device
-           ) -> list[dict[str, torch.Tensor]]:
+           weight: Callable[[int], torch.Tensor], rule: str | None, device: torch.device,
+           amax: torch.Tensor | None = None) -> list[dict[str, torch.Tensor]]:
     """Each fp32 matrix [out, in] `weight(i)` as its source module `linears[i]` stores it
     (parameter -> tensor: the encoder's on `device`, the source's unchanged ones on the host):
     same-format matrices are encoded together on `device`, ENCODE_BATCH at a time, each
-    matrix made when its batch is (a Kimi layer's 193 in fp32 would take 11 GB)."""
+    matrix made when its batch is (a Kimi layer's 193 in fp32 would take 11 GB). `amax` [N]:
+    the amax matrix i's per-tensor scale is made for, where its format has one (the members of
+    a fused set share their largest: gate and up), else each matrix's own."""
     out: list[dict[str, torch.Tensor] | None] = [None] * len(linears)
     batches: dict[tuple, list[int]] = {}
     for i, lin in enumerate(linears):
@@ -108,7 +138,8 @@ def encode(ckpt: Checkpoint, linears: Sequence[SourceLinear],
         for start in range(0, len(members), ENCODE_BATCH):
             chunk = members[start:start + ENCODE_BATCH]
             w = torch.stack([weight(i).to(device, torch.float32) for i in chunk])
-            for i, params in zip(chunk, _encode_batch(codec, linears[chunk[0]], w, rule),
+            shared = None if amax is None else amax[chunk].to(device, torch.float32)
+            for i, params in zip(chunk, _encode_batch(codec, linears[chunk[0]], w, rule, shared),
                                  strict=True):
                 out[i] = _as_stored(ckpt, linears[i], params)
     return out  # type: ignore[return-value]
@@ -124,9 +155,9 @@ def decode(lin: SourceLinear, params: dict[str, torch.Tensor], device: torch.dev
     return lin.codec.decode(batch, None)[0]
 
 
-def _encode_batch(codec: type[Codec], lin: SourceLinear, w: torch.Tensor, rule: str
-                  ) -> list[dict[str, torch.Tensor]]:
-    encoded = codec.encode(w, lin.spec(w.shape[-1], rule))
+def _encode_batch(codec: type[Codec], lin: SourceLinear, w: torch.Tensor, rule: str,
+                  amax: torch.Tensor | None) -> list[dict[str, torch.Tensor]]:
+    encoded = codec.encode(w, lin.spec(w.shape[-1], rule), amax=amax)
     return [encoded.module(i) for i in range(w.shape[0])]
 
 
@@ -144,3 +175,10 @@ def _as_stored(ckpt: Checkpoint, lin: SourceLinear, params: dict[str, torch.Tens
                                 f"{info.dtype}{list(info.shape)}", tensor=info.name)
         out[p] = t.reshape(info.shape).contiguous()
     return out
+
+
+def output_name(name: str, new_id: int) -> str:
+    """The output name of a re-fitted expert parameter: the shared expert's unchanged (new_id
+    -1), a kept routed expert's under its new id."""
+    tn = parse_name(name)
+    return name if tn.role is Role.SHARED_EXPERT else tn.with_expert(new_id).name

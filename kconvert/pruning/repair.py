@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import errno
 import functools
 import logging
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,12 +41,22 @@ from kconvert.calibrate.moe import MoEBlock
 from kconvert.devices import Stopwatch, deterministic
 from kconvert.errors import KconvertError
 from kconvert.io.checkpoint import Checkpoint
-from kconvert.io.files import human_bytes
 from kconvert.model.names import Role, parse_name
 from kconvert.options import COMPENSATIONS, REPAIRS
 from kconvert.pruning import recode
 from kconvert.pruning.compensate import Judged, Refit, Routing, block, mse
-from kconvert.pruning.plan import LayerCompensation, LayerRepair, PrunePlan
+from kconvert.pruning.compensate_learned import (
+    KeptExperts,
+    LearnedSettings,
+    Outcome,
+    learn,
+)
+from kconvert.pruning.plan import (
+    LayerCompensation,
+    LayerRepair,
+    LearnedCompensation,
+    PrunePlan,
+)
 from kconvert.pruning.reap import CRITERIA, keep_ids, row_hashes, tensor_hash, with_means
 
 log = logging.getLogger(__name__)
@@ -56,6 +64,8 @@ log = logging.getLogger(__name__)
 # Calibration tokens the repair stream carries by default, as whole sequences (bounds its
 # memory: hidden states, MoE inputs, targets and `candidates` expert outputs per token, fp32).
 REPAIR_TOKENS = 32768
+# What `--compensate learned` trains beside the closed form's down_proj.
+LEARNED_PROJS = ("gate_proj", "up_proj")
 
 
 def stream_bytes(hidden: int, dtype_bytes: int, tokens: int) -> int:
@@ -81,6 +91,7 @@ class RepairSettings:
     # the lowest held-out error
     ridges: tuple[float, ...] = (1e-3, 1e-2, 1e-1, 1.0)
     sweeps: int = 2  # compensation's block Gauss-Seidel sweeps
+    learned: LearnedSettings = field(default_factory=LearnedSettings)  # --compensate learned
 
 
 def route(router: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -275,10 +286,12 @@ class RouterRepair:
             if tn.role in (Role.ROUTER_WEIGHT, Role.ROUTER_BIAS):
                 self.source_routers.setdefault(tn.layer, {})[tn.role] = info
         # checked before the first layer: a format compensation cannot write fails at once
-        self.downs = recode.down_linears(self.ckpt) if s.compensate != "none" else {}
+        projs = (() if s.compensate == "none" else ("down_proj", *LEARNED_PROJS)
+                 if s.compensate == "learned" else ("down_proj",))
+        self.linears = {proj: recode.expert_linears(self.ckpt, proj) for proj in projs}
         self.block_scale = recode.block_scale_rule(self.ckpt) if any(
-            lin.codec.quantized for layer in self.downs.values() for lin in layer.values()) \
-            else None
+            lin.codec.quantized for by_layer in self.linears.values()
+            for layer in by_layer.values() for lin in layer.values()) else None
 
     def _run(self, module: nn.Module, capture: _CaptureInput | None = None) -> None:
         """Decoder layer `module` over the stream, in place."""
@@ -390,7 +403,7 @@ class RouterRepair:
         them into `moe` (the stream moves on with what is written) and keep their encoded
         parameters for the output."""
         s, keep = self.settings, self.kept[layer]
-        sources = self.down_sources(layer, keep)
+        sources = self.sources(layer, keep)
         w, ids = route(router, x)
         fitted_on, held_on = (Routing(w[part], ids[part]) for part in (slice(None, n_fit),
                                                                        slice(n_fit, None)))
@@ -416,59 +429,55 @@ class RouterRepair:
 
         with watch.phase("compensation guard"):
             judged = Judged.of(pieces, held, written, fit_target, held_target)
-        hashes, kept = {}, {}
+        kept = {}
         if judged.applied:
             for i, (lin, params) in enumerate(zip(sources, encoded, strict=False)):
                 for param, t in params.items():
-                    name = output_name(f"{lin.module}.{param}", i - 1)
-                    kept[name] = t.cpu()
-                    hashes[name] = tensor_hash(kept[name])
+                    kept[recode.output_name(f"{lin.module}.{param}", i - 1)] = t.cpu()
                 into = shared_down if i == 0 else moe.experts.down[keep[i - 1]]
                 into.copy_(written(i).to(into.dtype))
-            self.matrices.update(self._spilled(layer, kept))
+        learned = None
+        if s.compensate == "learned":
+            with watch.phase("learned compensation"):
+                learned = self._learn(layer, moe, x, target, n_fit, (w, ids))
+            kept.update(learned.tensors if learned.applied else {})
+        self.matrices.update(recode.spilled(self.spill, layer, kept) if kept else {})
         ruled = any(lin.codec.uses_scale_rule for lin in sources[:count])
         self.compensations[layer] = LayerCompensation(
             method=s.compensate, applied=judged.applied, fit_tokens=n_fit,
-            heldout_tokens=n_held, ridge=ridge, matrices_xxh3=hashes,
-            block_scale=self.block_scale if ruled else None, **dataclasses.asdict(judged))
+            heldout_tokens=n_held, ridge=ridge,
+            matrices_xxh3={name: tensor_hash(t) for name, t in sorted(kept.items())},
+            block_scale=self.block_scale if ruled else None,
+            learned=None if learned is None else LearnedCompensation(
+                applied=learned.applied, steps=s.learned.steps, lr=s.learned.lr,
+                batch=s.learned.batch, fit_mse_before=learned.fit_mse_before,
+                fit_mse_after=learned.fit_mse_after,
+                heldout_mse_before=learned.heldout_mse_before,
+                heldout_mse_after=learned.heldout_mse_after),
+            **dataclasses.asdict(judged))
 
-    def _spilled(self, layer: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """`tensors` written to the spill directory and memory-mapped back (file pages, which
-        the kernel may drop), or as they are without one."""
-        if self.spill is None:
-            return tensors
-        path = self.spill / f"layer-{layer}.pt"
-        try:
-            torch.save(tensors, path)
-        except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as either
-            path.unlink(missing_ok=True)
-            nbytes = sum(t.nbytes for t in tensors.values())
-            free = shutil.disk_usage(self.spill).free
-            if getattr(exc, "errno", None) not in (errno.ENOSPC, errno.EDQUOT) and free >= nbytes:
-                raise
-            raise KconvertError(
-                f"the disk filled up while spilling layer {layer}'s re-fitted matrices "
-                f"({human_bytes(nbytes)}, {human_bytes(free)} free): compensation keeps every "
-                "layer's re-fitted down_proj matrices on DST's file system until they are "
-                "written; free space there and run again", file=str(path)) from exc
-        return torch.load(path, mmap=True, weights_only=True)
+    def _learn(self, layer: int, moe: MoEBlock, x: torch.Tensor, target: torch.Tensor,
+               n_fit: int, routing: tuple[torch.Tensor, torch.Tensor]) -> Outcome:
+        """Train the kept experts' gate, up and down against the unpruned block from what the
+        closed form left in `moe` (kconvert.pruning.compensate_learned)."""
+        keep = self.kept[layer]
+        linears = {proj: self.sources(layer, keep, proj)[1:]
+                   for proj in ("down_proj", *LEARNED_PROJS)}
+        experts = KeptExperts(self.ckpt, moe, keep, linears, self.block_scale, x.device)
+        goal = target - moe.shared_experts(x).float()  # the shared expert as written, fixed
+        return learn(experts, *routing, x, goal, n_fit, self.settings.learned)
 
-    def down_sources(self, layer: int, keep: list[int]) -> list[recode.SourceLinear]:
-        """The source down_proj linears compensation re-fits, the shared expert's first."""
-        linears = self.downs.get(layer, {})
+    def sources(self, layer: int, keep: list[int], proj: str = "down_proj"
+                ) -> list[recode.SourceLinear]:
+        """The source linears `proj` of the shared expert and the kept experts, the shared
+        expert's first."""
+        linears = self.linears[proj].get(layer, {})
         missing = [e for e in (None, *keep) if e not in linears]
         if missing:
-            raise KconvertError(f"layer {layer}: compensation needs the down_proj of every kept "
+            raise KconvertError(f"layer {layer}: compensation needs the {proj} of every kept "
                                 f"expert and of the shared expert; missing {missing}",
                                 tensor=f"layers.{layer}.mlp")
         return [linears[e] for e in (None, *keep)]
-
-
-def output_name(name: str, new_id: int) -> str:
-    """The output name of a down_proj parameter: the shared expert's unchanged (new_id -1),
-    a kept routed expert's under its new id."""
-    tn = parse_name(name)
-    return name if tn.role is Role.SHARED_EXPERT else tn.with_expert(new_id).name
 
 
 def with_repair(plan: PrunePlan, repair: RouterRepair) -> PrunePlan:

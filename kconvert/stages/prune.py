@@ -194,12 +194,14 @@ def prune_stage(plan: PrunePlan, ckpt: Checkpoint,
 
 
 def guard_outcomes(plan: PrunePlan) -> tuple[tuple[str, int], ...]:
-    """For the manifest's summary: the layers whose router repair and compensation the guard
-    applied, and those it refused (their source rows / matrices written)."""
+    """For the manifest's summary: the layers whose router repair, compensation and learned
+    compensation the guard applied, and those it refused (their source rows / matrices
+    written; for learned compensation the closed form's)."""
     out = []
-    for what, key in (("repair", "repair"), ("compensation", "compensation")):
-        records = [getattr(v, key) for v in plan.layers.values()
-                   if getattr(v, key) is not None]
+    for what, record in (("repair", lambda v: v.repair),
+                         ("compensation", lambda v: v.compensation),
+                         ("learned", lambda v: v.compensation and v.compensation.learned)):
+        records = [r for v in plan.layers.values() if (r := record(v)) is not None]
         if records:
             applied = sum(r.applied for r in records)
             out += [(f"{what}_applied_layers", applied),

@@ -84,12 +84,22 @@ def _calibrate(ckpt: Checkpoint, ids: torch.Tensor, options: dict, gpu: GpuReque
     from kconvert.calibrate.plan import planned_forward
     from kconvert.calibrate.run import measure_stats
     from kconvert.calibrate.stats import save_stats
+    from kconvert.pruning.compensate_learned import learned_bytes
     from kconvert.pruning.reap import plan_from_scores, scores_of
-    from kconvert.pruning.repair import RepairSettings, RouterRepair, stream_bytes, with_repair
+    from kconvert.pruning.repair import (
+        REPAIR_TOKENS,
+        RepairSettings,
+        RouterRepair,
+        stream_bytes,
+        with_repair,
+    )
 
     refit = repair != "none" or compensate != "none"
-    stream = (stream_bytes(ckpt.text_config["hidden_size"], torch.bfloat16.itemsize,
-                           ids.numel()) if refit else 0)
+    text = ckpt.text_config
+    stream = (stream_bytes(text["hidden_size"], torch.bfloat16.itemsize, ids.numel())
+              if refit else 0)
+    if compensate == "learned":
+        stream += learned_bytes(text, min(REPAIR_TOKENS, ids.numel()), keep)
     fixer = None
     with planned_forward(gpu, ckpt, ids.shape, batch_size, torch.bfloat16,
                          "REAP's calibration", repair_bytes=stream) as memory:
@@ -179,9 +189,11 @@ def dry_run(ckpt: Checkpoint, keep: int, repair: str, compensate: str, used: dic
         tn = parse_name(name)
         if tn.layer not in layers:
             continue
-        refit = compensate != "none" and tn.proj == "down_proj" and (
-            tn.role is Role.SHARED_EXPERT
-            or (compensate == "down" and tn.role is Role.ROUTED_EXPERT and tn.expert < keep))
+        routed = tn.role is Role.ROUTED_EXPERT and tn.expert is not None and tn.expert < keep
+        refit = compensate != "none" and (
+            (tn.proj == "down_proj" and (tn.role is Role.SHARED_EXPERT
+                                         or (compensate != "shared" and routed)))
+            or (compensate == "learned" and routed))
         rows = repair != "none" and tn.role in (Role.ROUTER_WEIGHT, Role.ROUTER_BIAS)
         if refit or rows:
             shape = (keep, *info.shape[1:]) if rows else info.shape

@@ -1,5 +1,5 @@
-"""REAP compensation (`kconvert reap --compensate shared|down`), router repair by bias, and the
-new criteria, end to end through the command line on both trained tiny MoEs.
+"""REAP compensation (`kconvert reap --compensate shared|down|learned`), router repair by
+bias, and the new criteria, end to end through the command line on both trained tiny MoEs.
 
 Oracles: transformers' DeepSeek-V3 model loads every output, and its MoE blocks compute what
 a routing written in the test (tests/helpers.kimi_moe_block) computes from the tensors on disk
@@ -40,6 +40,8 @@ RUNS = {  # name -> (fixture, keep, flags)
     "down": ("trained", 12, ["--compensate", "down"]),
     "router+down": ("trained", 12, ["--repair", "router", "--compensate", "down"]),
     "router+down-again": ("trained", 12, ["--repair", "router", "--compensate", "down"]),
+    "learned": ("trained", 12, ["--compensate", "learned"]),
+    "learned-again": ("trained", 12, ["--compensate", "learned"]),
     "bias": ("trained", 12, ["--repair", "bias"]),
     "msan": ("trained", 12, ["--criterion", "msan"]),
     # every other option, twice
@@ -84,7 +86,7 @@ def test_output_loads_in_transformers_and_blocks_route_as_written(made, run):
 
 
 @pytest.mark.parametrize("run", ["down", "router+down", "msan+bias+shared", "96-down",
-                                 "96-few"])
+                                 "96-few", "learned"])
 def test_refit_matrices_are_recorded_and_the_rest_is_the_source(made, run):
     fixture, _, flags = RUNS[run]
     plan = load_plan(made[run] / PLAN_FILE)
@@ -96,20 +98,27 @@ def test_refit_matrices_are_recorded_and_the_rest_is_the_source(made, run):
         rec = entry.compensation
         assert rec is not None and rec.method == method
         p = f"model.layers.{key}.mlp."
+        kept = range(len(entry.keep))
         refit = {f"{p}shared_experts.down_proj.weight"}
-        if method == "down":
-            refit |= {f"{p}experts.{i}.down_proj.weight" for i in range(len(entry.keep))}
+        if method != "shared":
+            refit |= {f"{p}experts.{i}.down_proj.weight" for i in kept}
+        written = set()
         if rec.applied:
             applied += 1
             assert rec.heldout_mse_after < rec.heldout_mse_before
-            assert set(rec.matrices_xxh3) == refit
-        else:
-            assert rec.matrices_xxh3 == {}
+            written |= refit
+        assert (rec.learned is not None) == (method == "learned")
+        if rec.learned is not None and rec.learned.applied:
+            applied += 1
+            assert rec.learned.heldout_mse_after < rec.learned.heldout_mse_before
+            written |= {f"{p}experts.{i}.{proj}.weight" for i in kept
+                        for proj in ("gate_proj", "up_proj", "down_proj")}
+        assert set(rec.matrices_xxh3) == written
         for name, digest in rec.matrices_xxh3.items():
             assert out[name].dtype == torch.bfloat16 and tensor_hash(out[name]) == digest
         shared = f"{p}shared_experts.down_proj.weight"
         assert torch.equal(out[shared], src[shared]) != (shared in rec.matrices_xxh3)
-        for i, s in enumerate(entry.keep):  # gate/up always, down unless re-fitted
+        for i, s in enumerate(entry.keep):  # the source's, unless re-fitted
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 name = f"{p}experts.{i}.{proj}.weight"
                 if name not in rec.matrices_xxh3:
@@ -117,7 +126,7 @@ def test_refit_matrices_are_recorded_and_the_rest_is_the_source(made, run):
     assert applied, "no layer's compensation lowered its held-out error"
 
 
-@pytest.mark.parametrize("run", ["router+down", "msan+bias+shared", "96-few"])
+@pytest.mark.parametrize("run", ["router+down", "msan+bias+shared", "96-few", "learned"])
 def test_same_command_twice_writes_the_same_bytes(made, run):
     """Together the two commands use every option (router repair had written different rows
     on every run: its fit's backward summed through indexing in a varying order)."""
@@ -129,7 +138,7 @@ def test_same_command_twice_writes_the_same_bytes(made, run):
         assert (a / f).read_bytes() == (b / f).read_bytes(), f
 
 
-@pytest.mark.parametrize("run", ["router+down", "bias", "96-down"])
+@pytest.mark.parametrize("run", ["router+down", "bias", "96-down", "learned"])
 def test_audit_passes(made, run):
     assert_audit_passes(made[run], "--source", FIXTURES[RUNS[run][0]])
 

@@ -52,6 +52,7 @@ QUANTIZED = {
 RUNS = {  # name -> (source, keep, flags, the block-scale rule the plan must record)
     "nvfp4": ("nvfp4", 12, ["--repair", "router", "--compensate", "down"], "mse"),
     "nvfp4-again": ("nvfp4", 12, ["--repair", "router", "--compensate", "down"], "mse"),
+    "nvfp4-learned": ("nvfp4", 12, ["--compensate", "learned"], "mse"),
     "modelopt": ("modelopt", 12, ["--compensate", "down"], "amax"),
     "mxfp4": ("mxfp4", 12, ["--compensate", "down"], "mse"),
     "int4": ("int4", 8, ["--compensate", "down"], None),
@@ -120,8 +121,10 @@ def test_refit_is_written_in_the_source_format(made, run):
         assert rec.applied, f"layer {key}: the guard refused the re-fit"
         assert rec.block_scale == rule
         p = f"model.layers.{key}.mlp."
+        learned = rec.learned is not None and rec.learned.applied
+        projs = ("gate_proj", "up_proj", "down_proj") if learned else ("down_proj",)
         modules = [f"{p}shared_experts.down_proj",
-                   *(f"{p}experts.{i}.down_proj" for i in range(len(entry.keep)))]
+                   *(f"{p}experts.{i}.{proj}" for i in range(len(entry.keep)) for proj in projs)]
         written = {n for n in out if n.rsplit(".", 1)[0] in modules}
         assert set(rec.matrices_xxh3) == written  # every parameter of every re-fitted module
         for name in written:
@@ -131,12 +134,17 @@ def test_refit_is_written_in_the_source_format(made, run):
             changed += not torch.equal(a, b)
             if name.endswith("weight_shape"):
                 assert torch.equal(a, b)  # a re-fit changes values, not the logical shape
-        for i in range(len(entry.keep)):  # gate/up are the source's bytes
-            for proj in ("gate_proj", "up_proj"):
-                names = [n for n in out if n.startswith(f"{p}experts.{i}.{proj}.")]
-                assert names
-                for n in names:
-                    assert torch.equal(out[n], src[_source_name(n, entry.keep)]), n
+        for i in range(len(entry.keep)):
+            gate, up = (f"{p}experts.{i}.{proj}." for proj in ("gate_proj", "up_proj"))
+            if learned:  # a fused set: gate and up share their per-tensor scale
+                for param in ("weight_global_scale", "weight_scale_2"):
+                    if gate + param in out:
+                        assert torch.equal(out[gate + param], out[up + param])
+                continue
+            names = [n for n in out if n.startswith((gate, up))]  # the source's bytes
+            assert names
+            for n in names:
+                assert torch.equal(out[n], src[_source_name(n, entry.keep)]), n
     assert changed
 
 

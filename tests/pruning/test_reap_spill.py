@@ -135,7 +135,9 @@ def test_a_full_disk_while_spilling_is_one_line(data, tmp_path):
         assert not fs.exists(dst / STATE_DIR / REFIT_DIR)
 
 
-def test_dry_run_calibrates_nothing_and_lists_the_refit_tensors(data, tmp_path, monkeypatch):
+@pytest.mark.parametrize(("compensate", "projs"), [("down", 1), ("learned", 3)])
+def test_dry_run_calibrates_nothing_and_lists_the_refit_tensors(data, tmp_path, monkeypatch,
+                                                                compensate, projs):
     from kconvert.calibrate import run
 
     def never(*_args, **_kwargs):
@@ -144,14 +146,15 @@ def test_dry_run_calibrates_nothing_and_lists_the_refit_tensors(data, tmp_path, 
     monkeypatch.setattr(run, "measure_stats", never)
     dst = tmp_path / "out"
     res = cli_inproc("reap", SRC, dst, "--data", data, *REAP, "--repair", "router",
-                     "--compensate", "down", "--dry-run")
+                     "--compensate", compensate, "--dry-run")
     assert res.exit_code == 0, res.output
     assert not dst.exists()
-    # the run re-fits 12 kept experts' and the shared expert's down_proj in layers 1-3 (one
-    # BF16 weight each), and repairs every router (gate rows and bias)
+    # the run re-fits 12 kept experts' down_proj (learned: and gate_proj, up_proj) and the
+    # shared expert's down_proj in layers 1-3 (one BF16 weight each), and repairs every router
+    # (gate rows and bias)
     refit = [ln.split() for ln in res.output.splitlines() if "refit" in ln.split()]
-    assert {f[0]: int(f[-3]) for f in refit} == {"routed_expert": 3 * 12, "shared_expert": 3}, \
-        res.output
+    assert {f[0]: int(f[-3]) for f in refit} == {"routed_expert": 3 * 12 * projs,
+                                                 "shared_expert": 3}, res.output
     rows = {f[0] for f in (ln.split() for ln in res.output.splitlines()) if "repair-rows" in f}
     assert rows == {"router_weight", "router_bias"}, res.output
     assert "the plan below keeps the first 12" in res.output
@@ -171,6 +174,15 @@ def test_summary_and_json_say_what_the_guard_did(data, tmp_path):
     res = cli_inproc("reap", SRC, tmp_path / "b", "--data", data, *REAP, "--compensate", "down")
     assert res.exit_code == 0, res.output
     assert "compensation applied in " in res.output and " of 3 MoE layers" in res.output
+    assert "learned compensation" not in res.output
+    res = cli_inproc("reap", SRC, tmp_path / "c", "--data", data, *REAP, "--compensate",
+                     "learned", "--json")
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout)["summary"]
+    plan = load_plan(tmp_path / "c" / PLAN_FILE)
+    applied = sum(v.compensation.learned.applied for v in plan.layers.values())
+    assert (summary["learned_applied_layers"], summary["learned_refused_layers"]) == (
+        applied, len(plan.layers) - applied)
 
 
 def test_compensate_and_repair_without_data_say_they_need_it(tmp_path):

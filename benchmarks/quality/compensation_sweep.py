@@ -1,0 +1,126 @@
+"""Learned compensation's steps, step size and batch against the closed form, by model KL
+on the trained tiny MoE (docs/reap.md, "Learned compensation").
+
+At keep 12 of 24 with `--repair router`: the closed form (`--compensate down`) and learned
+compensation at each SETTING (steps:lr[:batch]), each made by the library calls `kconvert reap
+--data --compensate ...` makes (RouterRepair in the calibration pass, then the prune stage:
+the settings are not command-line options), loaded whole into transformers'
+DeepseekV3ForCausalLM (fp32) and compared with the source on held-out text (KL per token,
+top-1 agreement, NLL increase), as `repair_quality` does. Calibration: 64 x 256 training
+bytes (seed 1), the repair stream's default 32,768 tokens.
+
+    python -m benchmarks compensation_sweep --out benchmarks/results/compensation_sweep_tiny_moe
+        [--settings 100:2e-3 200:2e-3 ...]
+
+Writes OUT + ".json" (every number, each layer's guard records, seconds) and OUT + ".md".
+CPU; a few minutes per setting on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spin-waiting threads on a shared CPU
+
+import torch
+
+from benchmarks.harness import REPO, Timer, arguments, record
+from benchmarks.quality.repair_quality import compare, log_probs
+from kconvert.calibrate.run import measure_stats
+from kconvert.convert import RunControl, convert
+from kconvert.io.checkpoint import open_checkpoint
+from kconvert.pruning.compensate_learned import LearnedSettings
+from kconvert.pruning.reap import plan_from_scores, scores_of
+from kconvert.pruning.repair import RepairSettings, RouterRepair, with_repair
+from kconvert.recipes import load_recipe
+from kconvert.stages.prune import prune_stage
+from kconvert.testing.tiny_moe import corpus_ids, heldout_ids, windows
+
+SRC = REPO / "tests" / "fixtures" / "tiny-moe-trained"
+KEEP = 12
+DEFAULT_SETTINGS = ("100:2e-3", "200:2e-3", "400:2e-3", "200:1e-3", "200:5e-3", "200:2e-3:4")
+
+
+def parse(setting: str) -> LearnedSettings:
+    steps, lr, *batch = setting.split(":")
+    extra = {"batch": int(batch[0])} if batch else {}
+    return LearnedSettings(steps=int(steps), lr=float(lr), **extra)
+
+
+def prune(compensate: str, learned: LearnedSettings, calib: torch.Tensor, dst: Path) -> dict:
+    """Prune SRC into dst with `--repair router --compensate COMPENSATE`; the plan's
+    per-layer compensation records."""
+    ckpt = open_checkpoint(str(SRC))
+    try:
+        fixer = RouterRepair(ckpt, calib, RepairSettings("router", KEEP, "reap",
+                                                         compensate=compensate,
+                                                         learned=learned),
+                             torch.device("cpu"), torch.float32, 16)
+        stats = measure_stats(ckpt, calib, "cpu", 16, dtype=torch.float32, on_weights=fixer)
+        plan = with_repair(plan_from_scores(scores_of(stats), KEEP, "reap"), fixer)
+    finally:
+        ckpt.close()
+    convert(str(SRC), str(dst), load_recipe("reap"), {"repair": "router",
+                                                      "compensate": compensate},
+            RunControl(quiet=True),
+            prepare=lambda c: {"prune": prune_stage(plan, c, fixer.rows, fixer.matrices)})
+    return {k: v.compensation.model_dump() for k, v in plan.layers.items()}
+
+
+def top1(source: torch.Tensor, pruned: torch.Tensor) -> float:
+    return float((source.argmax(-1) == pruned.argmax(-1)).float().mean())
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| compensation | steps | lr | batch | KL | KL / down | top-1 | NLL increase | "
+             "layers learned | s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    down = next(r["kl"] for r in results if r["compensate"] == "down")
+    for r in results:
+        learned = [v["learned"] for v in r["layers"].values() if v.get("learned")]
+        s = r.get("settings") or {}
+        kept = f"{sum(v['applied'] for v in learned)}/{len(learned)}" if learned else "-"
+        lines.append(
+            f"| {r['compensate']} | {s.get('steps', '-')} | {s.get('lr', '-')} | "
+            f"{s.get('batch', '-')} | {r['kl']:.4f} | {r['kl'] / down:.3f} | {r['top1']:.4f} | "
+            f"{r['nll_increase']:+.4f} | "
+            f"{kept} | {r['seconds']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> None:
+    ap = arguments("compensation_sweep", __doc__)
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" /
+                                         "compensation_sweep_tiny_moe"))
+    ap.add_argument("--settings", nargs="+", default=list(DEFAULT_SETTINGS))
+    ap.add_argument("--heldout-tokens", type=int, default=16384)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(2)
+    calib = windows(corpus_ids("train"), 64, 256, torch.Generator().manual_seed(1))
+    held = heldout_ids(args.heldout_tokens, seed=0).reshape(-1, 256)
+    source = log_probs(SRC, held)
+    runs = [("down", None), *(("learned", s) for s in args.settings)]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for compensate, setting in runs:
+            learned = parse(setting) if setting else LearnedSettings()
+            made = Timer()
+            dst = Path(tmp) / f"{compensate}-{setting or ''}".replace(":", "_")
+            layers = prune(compensate, learned, calib, dst)
+            pruned = log_probs(dst, held)
+            r = {"compensate": compensate, "settings": learned.__dict__ if setting else None,
+                 **compare(source, pruned, held), "top1": top1(source, pruned),
+                 "layers": layers, "seconds": round(made.elapsed(), 1)}
+            print(json.dumps({k: v for k, v in r.items() if k != "layers"}), flush=True)
+            results.append(r)
+            out.with_suffix(".json").write_text(json.dumps(
+                {"record": record("compensation_sweep", gpu=False), "keep": f"{KEEP}/24",
+                 "repair": "router", "calibration": "64 x 256 training bytes, seed 1",
+                 "heldout": f"heldout_ids({args.heldout_tokens}, seed=0)",
+                 "results": results}, indent=1) + "\n")
+            out.with_suffix(".md").write_text(table(results))
+    print(table(results))

@@ -1,0 +1,245 @@
+"""Learned compensation of a pruned MoE block (reap.md, "Learned compensation").
+
+The closed-form re-fit (kconvert.pruning.compensate) changes only the down_proj matrices, in
+which the block is linear. `--compensate learned` starts from its result and trains every kept
+expert's gate, up and down together against the unpruned block's output on the fit tokens,
+with the router (repaired or not) and the shared expert fixed: the loss is the block's,
+  sum_t |sum_j g'_tj f_j(x_t) - r_t|^2 / sum_t |r_t|^2,
+where r is what the kept routed experts should add (the unpruned block's output less the
+shared expert's). The experts' sum couples them, so they train in batches of `batch` kept
+experts in ascending order, each batch on the residual the others leave (block coordinate
+descent, as the closed form's Gauss-Seidel sweeps): a Kimi layer's 192 kept experts with Adam
+state do not fit one GPU together (0.7 GB each in fp32).
+
+A batch trains full-batch (every fit token routed to it, every step), Adam with each matrix's
+step a fraction of its RMS (kconvert.methods.expert_training.Adam), cosine decay. There is no
+random draw, and each token's sum over its slots in the batch is taken in a fixed order (no
+atomic adds), so the same run writes the same bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kconvert.io.checkpoint import Checkpoint
+from kconvert.methods.expert_training import Adam, expert_outputs, lr_factor
+from kconvert.model.arch import arch_of
+from kconvert.pruning import recode
+from kconvert.pruning.compensate import mse
+
+
+@dataclass(frozen=True)
+class LearnedSettings:
+    steps: int = 200  # Adam steps per batch of experts
+    lr: float = 2e-3  # a step, as a fraction of each matrix's RMS
+    batch: int = 16  # kept experts trained together
+
+
+def plan_bytes(hidden: int, inter: int, top_k: int, tokens: int, keep: int, batch: int) -> int:
+    """Device bytes of one batch's training (the GPU memory plan's term beside the repair
+    stream): per expert its three matrices with gradient and Adam moments in fp32 (5 copies),
+    and the activations of every fit token routed into the batch (at most every token, k
+    times), their gradients and the batch's slot sums."""
+    per_expert = 5 * 4 * 3 * hidden * inter
+    rows = min(tokens * top_k, tokens * top_k * batch // max(keep, 1) * 4)
+    return batch * per_expert + rows * (3 * hidden + 6 * inter) * 4 + tokens * hidden * 4 * 3
+
+
+def learned_bytes(text: dict, tokens: int, keep: int) -> int:
+    """`plan_bytes` at the default batch for a model's text config, over `tokens` fit tokens
+    and `keep` kept experts per layer."""
+    return plan_bytes(text["hidden_size"], text["moe_intermediate_size"],
+                      text[arch_of(text).top_k_key], tokens, keep, LearnedSettings().batch)
+
+
+@dataclass
+class Pairs:
+    """The (token, slot) pairs of a batch of kept experts: per expert its rows, and where each
+    row's output goes among the batch's tokens (`local` token, `rank` among that token's pairs
+    in the batch, ascending expert)."""
+
+    tokens: torch.Tensor  # the batch's tokens [T_B] (indices into the fit tokens), ascending
+    x: torch.Tensor  # [E, R, H] the rows' inputs, zero-padded to the busiest expert's R
+    gate: torch.Tensor  # [E, R] fp32 the rows' router weights (0 on padding)
+    valid: torch.Tensor  # [E, R] bool
+    local: torch.Tensor  # [pairs] token position in `tokens` of each valid row
+    rank: torch.Tensor  # [pairs] its place among the token's pairs in the batch
+    depth: int  # the most pairs a token has in the batch
+
+    @classmethod
+    def of(cls, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+           experts: range) -> Pairs:
+        """The pairs of kept experts `experts` (new ids) under routing (weights, ids) [T, k]."""
+        rows = [(ids == e).nonzero(as_tuple=True) for e in experts]
+        longest = max((len(tok) for tok, _ in rows), default=0)
+        n, h = len(rows), x.shape[1]
+        xs = x.new_zeros(n, longest, h)
+        gate = torch.zeros(n, longest, dtype=torch.float32, device=x.device)
+        valid = torch.zeros(n, longest, dtype=torch.bool, device=x.device)
+        for i, (tok, slot) in enumerate(rows):
+            xs[i, :len(tok)] = x[tok]
+            gate[i, :len(tok)] = weights[tok, slot]
+            valid[i, :len(tok)] = True
+        flat = torch.cat([tok for tok, _ in rows]) if rows else ids.new_zeros(0)
+        tokens, local = torch.unique(flat, return_inverse=True)
+        order = torch.argsort(local, stable=True)  # by token, then expert
+        counts = torch.bincount(local, minlength=len(tokens))
+        starts = counts.cumsum(0) - counts
+        rank = torch.empty_like(local)
+        rank[order] = torch.arange(len(local), device=x.device) - starts[local[order]]
+        return cls(tokens, xs, gate, valid, local, rank, int(counts.max()) if len(flat) else 0)
+
+    def output(self, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """sum over the batch's experts of g f_j(x) per token [T_B, H] fp32 (differentiable
+        in gate_up [E, 2I, H] and down [E, H, I])."""
+        out = expert_outputs(self.x.float(), gate_up, down) * self.gate.unsqueeze(-1)
+        slots = out.new_zeros(len(self.tokens), self.depth, out.shape[-1])
+        slots = slots.index_put((self.local, self.rank), out[self.valid])
+        return slots.sum(1)
+
+
+Matrices = Callable[[range], tuple[torch.Tensor, torch.Tensor]]
+
+
+def routed_sum(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: int,
+               read: Matrices, batch: int) -> torch.Tensor:
+    """The kept routed experts' weighted sum [T, H] fp32 on x under routing (weights, ids);
+    `read(part)`: the (gate_up [E, 2I, H], down [E, H, I]) of kept experts `part`."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    for start in range(0, experts, batch):
+        part = range(start, min(start + batch, experts))
+        pairs = Pairs.of(x, weights, ids, part)
+        if pairs.depth:
+            gate_up, down = read(part)
+            out[pairs.tokens] += pairs.output(gate_up.float(), down.float())
+    return out
+
+
+def train(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, goal: torch.Tensor,
+          experts: int, read: Matrices,
+          write: Callable[[range, torch.Tensor, torch.Tensor], None],
+          settings: LearnedSettings) -> None:
+    """Train the `experts` kept experts so that their weighted sum under routing (weights,
+    ids) [T, k] on fit inputs x [T, H] approaches `goal` [T, H] fp32 (module docstring): each
+    batch starts from `read(part)` and its result goes to `write(part, gate_up, down)` (fp32),
+    after which `read` gives what was written (the next batches' residual is of those)."""
+    with torch.no_grad():
+        current = routed_sum(x, weights, ids, experts, read, settings.batch)
+    for start in range(0, experts, settings.batch):
+        part = range(start, min(start + settings.batch, experts))
+        pairs = Pairs.of(x, weights, ids, part)
+        if not pairs.depth:
+            continue
+        with torch.no_grad():
+            params = [t.float().clone() for t in read(part)]
+            before = pairs.output(*params)
+            residual = goal[pairs.tokens] - current[pairs.tokens] + before
+            norm = residual.square().sum().clamp(min=1e-30)
+        scales = [p.square().mean((-1, -2), keepdim=True).sqrt().clamp(min=1e-12)
+                  for p in params]
+        for p in params:
+            p.requires_grad_(True)
+        opt = Adam(params, scales)
+        with torch.enable_grad():
+            for step in range(settings.steps):
+                loss = (pairs.output(*params) - residual).square().sum() / norm
+                loss.backward()
+                opt.step(settings.lr * lr_factor(step, settings.steps))
+        with torch.no_grad():
+            write(part, params[0].detach(), params[1].detach())
+            current[pairs.tokens] += pairs.output(*(t.float() for t in read(part))) - before
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A layer's learned compensation judged: the block's mean squared errors against the
+    unpruned block with the one-shot matrices (before) and the learned ones as written (after),
+    on the fit and held-out tokens, and the written parameters (output name -> tensor, on the
+    host) where the guard took them."""
+
+    fit_mse_before: float
+    fit_mse_after: float
+    heldout_mse_before: float
+    heldout_mse_after: float
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def applied(self) -> bool:
+        return self.heldout_mse_after < self.heldout_mse_before
+
+
+class KeptExperts:
+    """The kept experts of a MoE layer as the repair stream's block holds them, and a trained
+    batch written in the source's format (recode) and decoded back into the block; the
+    one-shot values stay on the host until the guard has judged (`restore`)."""
+
+    def __init__(self, ckpt: Checkpoint, moe, keep: list[int],
+                 linears: dict[str, list[recode.SourceLinear]], rule: str | None,
+                 device: torch.device):
+        self.ckpt, self.moe, self.keep, self.rule, self.device = ckpt, moe, keep, rule, device
+        self.linears = linears  # proj -> the kept experts' source linears, in keep order
+        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.params: dict[str, torch.Tensor] = {}
+
+    def read(self, part: range) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = [self.keep[i] for i in part]
+        return self.moe.experts.gate_up[ids], self.moe.experts.down[ids]
+
+    def write(self, part: range, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        inter = down.shape[-1]
+        matrices = {"gate_proj": gate_up[:, :inter], "up_proj": gate_up[:, inter:],
+                    "down_proj": down}
+        # gate and up are one fused set: their per-tensor scales are made for the larger amax
+        fused = gate_up.abs().amax((-1, -2))
+        amax = {"gate_proj": fused, "up_proj": fused, "down_proj": None}
+        written = {}
+        for proj, w in matrices.items():
+            lins = [self.linears[proj][i] for i in part]
+            encoded = recode.encode(self.ckpt, lins, lambda j, w=w: w[j], self.rule,
+                                    self.device, amax[proj])
+            for n, (i, lin, params) in enumerate(zip(part, lins, encoded, strict=True)):
+                for param, t in params.items():
+                    self.params[recode.output_name(f"{lin.module}.{param}", i)] = t.cpu()
+                written[proj, n] = recode.decode(lin, params, self.device)
+        experts = self.moe.experts
+        for n, i in enumerate(part):
+            e = self.keep[i]
+            # copies (on a CPU, .cpu() would be the block's own storage)
+            self.saved.setdefault(i, (experts.gate_up[e].to("cpu", copy=True),
+                                      experts.down[e].to("cpu", copy=True)))
+            experts.gate_up[e].copy_(torch.cat([written["gate_proj", n], written["up_proj", n]])
+                                     .to(experts.gate_up.dtype))
+            experts.down[e].copy_(written["down_proj", n].to(experts.down.dtype))
+
+    def restore(self) -> None:
+        """Put the one-shot values back (the guard refused the learned ones)."""
+        for i, (gate_up, down) in self.saved.items():
+            e = self.keep[i]
+            self.moe.experts.gate_up[e].copy_(gate_up)
+            self.moe.experts.down[e].copy_(down)
+
+
+def learn(kept: KeptExperts, weights: torch.Tensor, ids: torch.Tensor, x: torch.Tensor,
+          goal: torch.Tensor, n_fit: int, settings: LearnedSettings) -> Outcome:
+    """Train the kept experts on the first n_fit tokens of x [T, H] (routing (weights, ids)
+    [T, k]; `goal` [T, H]: what the routed experts should add) and judge them on the others:
+    the learned matrices stay in the block only where the held-out error falls."""
+    fit, held = slice(None, n_fit), slice(n_fit, None)
+
+    def errors() -> tuple[float, float]:
+        out = routed_sum(x, weights, ids, len(kept.keep), kept.read, settings.batch)
+        return mse(out[fit], goal[fit]), mse(out[held], goal[held])
+
+    with torch.no_grad():
+        fit_before, held_before = errors()
+    train(x[fit], weights[fit], ids[fit], goal[fit], len(kept.keep), kept.read, kept.write,
+          settings)
+    with torch.no_grad():
+        fit_after, held_after = errors()
+    outcome = Outcome(fit_before, fit_after, held_before, held_after, kept.params)
+    if not outcome.applied:
+        kept.restore()
+    return outcome

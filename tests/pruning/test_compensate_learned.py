@@ -1,0 +1,149 @@
+"""`reap --compensate learned` (kconvert.pruning.compensate_learned): the block's routed sum
+the trainer computes, its training, and its guard inside the calibration pass.
+
+Oracles: transformers' DeepseekV3MLP (each expert) and a per-token sum over the routing
+written here for the routed sum; the closed form's own run (`--compensate down`) for what a
+refused training leaves; the guard's rule written here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DeepseekV3Config
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MLP
+
+from conftest import ROOT
+from kconvert.calibrate.run import measure_stats
+from kconvert.io.checkpoint import open_checkpoint
+from kconvert.pruning.compensate_learned import LearnedSettings, Pairs, routed_sum, train
+from kconvert.pruning.reap import plan_from_scores, scores_of
+from kconvert.pruning.repair import RepairSettings, RouterRepair, with_repair
+from kconvert.stages.prune import prune_stage
+from kconvert.testing.tiny_moe import corpus_ids, windows
+
+SRC = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
+KEEP = 12
+H, INTER, K, E, T = 16, 8, 3, 7, 40  # hidden, inter, top-k, kept experts, tokens
+
+
+def _problem(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    weights = torch.rand(T, K, generator=g)
+    gate_up = torch.randn(E, 2 * INTER, H, generator=g) / H ** 0.5
+    down = torch.randn(E, H, INTER, generator=g) / INTER ** 0.5
+    return x, weights, ids, gate_up, down
+
+
+def _mlps(gate_up: torch.Tensor, down: torch.Tensor) -> list[DeepseekV3MLP]:
+    cfg = DeepseekV3Config(hidden_size=H, moe_intermediate_size=INTER, hidden_act="silu")
+    out = []
+    for gu, dn in zip(gate_up, down, strict=True):
+        mlp = DeepseekV3MLP(cfg, intermediate_size=INTER)
+        mlp.load_state_dict({"gate_proj.weight": gu[:INTER], "up_proj.weight": gu[INTER:],
+                             "down_proj.weight": dn})
+        out.append(mlp)
+    return out
+
+
+@pytest.mark.parametrize("batch", [1, 3, E])
+def test_the_routed_sum_is_transformers_experts_weighted_per_token(batch):
+    x, weights, ids, gate_up, down = _problem()
+    mlps = _mlps(gate_up, down)
+    with torch.no_grad():
+        expected = torch.stack([sum(weights[t, s] * mlps[ids[t, s]](x[t]) for s in range(K))
+                                for t in range(T)])
+        got = routed_sum(x, weights, ids, E, lambda p: (gate_up[p.start:p.stop],
+                                                        down[p.start:p.stop]), batch)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    pairs = Pairs.of(x, weights, ids, range(0, 3))
+    assert pairs.depth == int((ids < 3).sum(-1).max())  # a token's slots in the batch
+
+
+def _trained(settings: LearnedSettings, goal: torch.Tensor, seed: int = 0):
+    x, weights, ids, gate_up, down = _problem(seed)
+    store = {"gate_up": gate_up.clone(), "down": down.clone()}
+    writes = []
+
+    def read(p: range):
+        return store["gate_up"][p.start:p.stop], store["down"][p.start:p.stop]
+
+    def write(p: range, gu: torch.Tensor, dn: torch.Tensor):
+        writes.append(p)
+        store["gate_up"][p.start:p.stop], store["down"][p.start:p.stop] = gu, dn
+
+    before = routed_sum(x, weights, ids, E, read, settings.batch)
+    train(x, weights, ids, goal, E, read, write, settings)
+    after = routed_sum(x, weights, ids, E, read, settings.batch)
+    return store, writes, (before - goal).square().sum(), (after - goal).square().sum()
+
+
+def test_training_lowers_the_block_error_and_repeats_exactly():
+    goal = _problem(seed=1)[0] * 0.3  # another block's output to approach
+    settings = LearnedSettings(steps=60, lr=2e-2, batch=3)
+    store, writes, before, after = _trained(settings, goal)
+    assert after < 0.8 * before
+    assert writes == [range(0, 3), range(3, 6), range(6, 7)]  # each batch once, ascending
+    again = _trained(settings, goal)[0]
+    for name, t in store.items():
+        assert torch.equal(t, again[name]), name
+
+
+def test_no_step_changes_nothing():
+    goal = _problem(seed=1)[0]
+    store, _, before, after = _trained(LearnedSettings(steps=0, batch=4), goal)
+    *_, gate_up, down = _problem()
+    assert torch.equal(store["gate_up"], gate_up) and torch.equal(store["down"], down)
+    assert after == before
+
+
+def _reap(compensate: str, learned: LearnedSettings | None = None):
+    """(the repair, its stage) of `reap --compensate ...` on the trained tiny MoE, half of 8
+    short sequences held out."""
+    ids = windows(corpus_ids("train"), 8, 32, torch.Generator().manual_seed(3))
+    ckpt = open_checkpoint(str(SRC))
+    extra = {} if learned is None else {"learned": learned}
+    try:
+        fixer = RouterRepair(ckpt, ids, RepairSettings("none", KEEP, "reap",
+                                                       compensate=compensate, ridges=(0.1,),
+                                                       heldout=0.5, **extra),
+                             torch.device("cpu"), dtype=torch.float32)
+        stats = measure_stats(ckpt, ids, "cpu", 4, dtype=torch.float32, on_weights=fixer)
+        plan = with_repair(plan_from_scores(scores_of(stats), KEEP, "reap"), fixer)
+        stage = prune_stage(plan, ckpt, fixer.rows, fixer.matrices)
+    finally:
+        ckpt.close()
+    return fixer, stage
+
+
+def test_a_training_that_raises_the_heldout_error_is_never_written():
+    closed, _ = _reap("down")
+    # steps of a whole RMS: the trained experts are far off on held-out tokens
+    fixer, stage = _reap("learned", LearnedSettings(steps=4, lr=1.0))
+    for layer, rec in fixer.compensations.items():
+        assert rec.learned is not None and rec.learned.applied is False, layer
+        assert rec.learned.heldout_mse_after > rec.learned.heldout_mse_before, layer
+        # what the closed form wrote, and the stream went on with it (the later layers'
+        # errors are those of the closed form's run, whose inputs the earlier layers make)
+        base = closed.compensations[layer]
+        assert (rec.heldout_mse_before, rec.heldout_mse_after) == (
+            base.heldout_mse_before, base.heldout_mse_after), layer
+        assert rec.matrices_xxh3 == base.matrices_xxh3, layer
+    assert fixer.matrices.keys() == closed.matrices.keys()
+    for name, t in fixer.matrices.items():
+        assert torch.equal(t, closed.matrices[name]), name
+    assert all("gate_proj" not in name for name, _ in stage.replaced)
+
+
+def test_a_training_that_lowers_the_heldout_error_writes_gate_up_and_down():
+    fixer, stage = _reap("learned")
+    applied = [layer for layer, rec in fixer.compensations.items() if rec.learned.applied]
+    assert applied, "no layer's training lowered its held-out error"
+    for layer, rec in fixer.compensations.items():
+        learned = rec.learned
+        assert (learned.heldout_mse_after < learned.heldout_mse_before) == learned.applied
+        gate = {n for n in rec.matrices_xxh3 if ".gate_proj." in n}
+        assert len(gate) == (KEEP if learned.applied else 0), layer
+    replaced = dict(stage.replaced)
+    assert any(".up_proj." in name for name in replaced)
