@@ -52,6 +52,7 @@ from kconvert.pruning.compensate_learned import (
     learn,
 )
 from kconvert.pruning.plan import (
+    COMPENSATION_KINDS,
     LayerCompensation,
     LayerRepair,
     LearnedCompensation,
@@ -64,8 +65,6 @@ log = logging.getLogger(__name__)
 # Calibration tokens the repair stream carries by default, as whole sequences (bounds its
 # memory: hidden states, MoE inputs, targets and `candidates` expert outputs per token, fp32).
 REPAIR_TOKENS = 32768
-# What `--compensate learned` trains beside the closed form's down_proj.
-LEARNED_PROJS = ("gate_proj", "up_proj")
 
 
 def stream_bytes(hidden: int, dtype_bytes: int, tokens: int) -> int:
@@ -286,8 +285,8 @@ class RouterRepair:
             if tn.role in (Role.ROUTER_WEIGHT, Role.ROUTER_BIAS):
                 self.source_routers.setdefault(tn.layer, {})[tn.role] = info
         # checked before the first layer: a format compensation cannot write fails at once
-        projs = (() if s.compensate == "none" else ("down_proj", *LEARNED_PROJS)
-                 if s.compensate == "learned" else ("down_proj",))
+        self.kind = COMPENSATION_KINDS.get(s.compensate)  # None: no compensation
+        projs = self.kind.projs if self.kind is not None else ()
         self.linears = {proj: recode.expert_linears(self.ckpt, proj) for proj in projs}
         self.block_scale = recode.block_scale_rule(self.ckpt) if any(
             lin.codec.quantized for by_layer in self.linears.values()
@@ -412,7 +411,7 @@ class RouterRepair:
         with watch.phase("compensation setup"):
             pieces = block(moe, keep, fitted_on, x[:n_fit], down, shared_down)
             held = block(moe, keep, held_on, x[n_fit:], down, shared_down)
-        count = 1 if s.compensate == "shared" else len(sources)
+        count = len(sources) if self.kind.kept_downs else 1
         n_held = x.shape[0] - n_fit
         fit_target, held_target = target[:n_fit], target[n_fit:]
         refit = Refit(pieces, fit_target, held, n_held, count, watch)
@@ -437,7 +436,7 @@ class RouterRepair:
                 into = shared_down if i == 0 else moe.experts.down[keep[i - 1]]
                 into.copy_(written(i).to(into.dtype))
         learned = None
-        if s.compensate == "learned":
+        if self.kind.trains:
             with watch.phase("learned compensation"):
                 learned = self._learn(layer, moe, x, target, n_fit, (w, ids))
             kept.update(learned.tensors if learned.applied else {})
@@ -461,8 +460,7 @@ class RouterRepair:
         """Train the kept experts' gate, up and down against the unpruned block from what the
         closed form left in `moe` (kconvert.pruning.compensate_learned)."""
         keep = self.kept[layer]
-        linears = {proj: self.sources(layer, keep, proj)[1:]
-                   for proj in ("down_proj", *LEARNED_PROJS)}
+        linears = {proj: self.sources(layer, keep, proj)[1:] for proj in self.kind.projs}
         experts = KeptExperts(self.ckpt, moe, keep, linears, self.block_scale, x.device)
         goal = target - moe.shared_experts(x).float()  # the shared expert as written, fixed
         return learn(experts, *routing, x, goal, n_fit, self.settings.learned)

@@ -28,7 +28,7 @@ from kconvert.io.lock import STATE_DIR
 from kconvert.io.output_dir import REFIT_DIR, resolve_dst
 from kconvert.model.names import Role, parse_name
 from kconvert.options import REAP_SAMPLES, calibration_run
-from kconvert.pruning.plan import PruneLayer, PrunePlan
+from kconvert.pruning.plan import COMPENSATION_KINDS, PruneLayer, PrunePlan
 from kconvert.pruning.reap import moe_layers
 
 
@@ -98,7 +98,7 @@ def _calibrate(ckpt: Checkpoint, ids: torch.Tensor, options: dict, gpu: GpuReque
     text = ckpt.text_config
     stream = (stream_bytes(text["hidden_size"], torch.bfloat16.itemsize, ids.numel())
               if refit else 0)
-    if compensate == "learned":
+    if compensate != "none" and COMPENSATION_KINDS[compensate].trains:
         stream += learned_bytes(text, min(REPAIR_TOKENS, ids.numel()), keep)
     fixer = None
     with planned_forward(gpu, ckpt, ids.shape, batch_size, torch.bfloat16,
@@ -185,15 +185,14 @@ def dry_run(ckpt: Checkpoint, keep: int, repair: str, compensate: str, used: dic
     echo(f"dry run: the calibration on --data chooses which {keep} experts each layer keeps; "
          f"the plan below keeps the first {keep} (the sizes are the same)")
     placeholders = []
+    kind = COMPENSATION_KINDS.get(compensate)  # None: no compensation
     for name, info in ckpt.tensors.items():
         tn = parse_name(name)
         if tn.layer not in layers:
             continue
         routed = tn.role is Role.ROUTED_EXPERT and tn.expert is not None and tn.expert < keep
-        refit = compensate != "none" and (
-            (tn.proj == "down_proj" and (tn.role is Role.SHARED_EXPERT
-                                         or (compensate != "shared" and routed)))
-            or (compensate == "learned" and routed))
+        refit = kind is not None and (routed or tn.role is Role.SHARED_EXPERT) and kind.refits(
+            tn.proj, tn.role is Role.SHARED_EXPERT)
         rows = repair != "none" and tn.role in (Role.ROUTER_WEIGHT, Role.ROUTER_BIAS)
         if refit or rows:
             shape = (keep, *info.shape[1:]) if rows else info.shape

@@ -28,7 +28,7 @@ from helpers import (
     write_input_ids,
 )
 from kconvert.cli.base import COMPENSATIONS as CLI_COMPENSATIONS
-from kconvert.pruning.plan import PLAN_FILE, load_plan
+from kconvert.pruning.plan import COMPENSATION_KINDS, PLAN_FILE, load_plan
 from kconvert.pruning.reap import CRITERIA, keep_ids, plan_from_scores, tensor_hash
 from kconvert.stages.prune import COMPENSATIONS
 from kconvert.testing.tiny_moe import corpus_ids, windows
@@ -78,6 +78,7 @@ def made(tmp_path_factory) -> dict[str, Path]:
 
 def test_compensation_choices_agree():
     assert CLI_COMPENSATIONS == COMPENSATIONS
+    assert ("none", *COMPENSATION_KINDS) == COMPENSATIONS
 
 
 @pytest.mark.parametrize("run", [r for r in RUNS if not r.endswith("-again")])

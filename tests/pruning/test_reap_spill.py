@@ -41,15 +41,15 @@ REAP = ["--keep", "12", "--samples", "12", "--seq-len", "64", "--device", "cpu"]
 SIGNALLED = """
 import os, signal, sys
 from kconvert.cli import run
-from kconvert.pruning import repair
+from kconvert.pruning import recode
 layer, number = int(sys.argv[1]), int(sys.argv[2])
-spilled = repair.RouterRepair._spilled
-def spill_then_signal(self, at, tensors):
-    out = spilled(self, at, tensors)
+spilled = recode.spilled
+def spill_then_signal(spill, at, tensors):
+    out = spilled(spill, at, tensors)
     if at == layer:
         os.kill(os.getpid(), number)
     return out
-repair.RouterRepair._spilled = spill_then_signal
+recode.spilled = spill_then_signal
 sys.argv = ["kconvert", *sys.argv[3:]]
 run()
 """
