@@ -31,7 +31,7 @@ BUNDLED = HERE.parent / "fixtures" / "tiny-k2-thinking-int4"
 TRAINED = HERE.parent / "fixtures" / "tiny-moe-trained"
 MANIFEST = "kconvert-manifest.json"
 CONVERSIONS = ("nvfp4", "sparse", "bf16", "trained-nvfp4", "gptq", "sparsegpt", "reap-repair",
-               "reap-plan", "reap-data")
+               "reap-learned", "reap-plan", "reap-data")
 EVALS = ("eval", "eval-trained")
 
 
@@ -39,8 +39,9 @@ def commands(out: Path, data: Path, trained: Path, plan: Path) -> list[list[str]
     """Every command the test compares, writing under `out`. 6 sequences in batches of 2: the
     calibration's 3 batches fall unevenly on 2 ranks and one each on 3 (eval's, GPTQ's and
     SparseGPT's too); the trained tiny MoE's repair and compensation on 8 of its corpus's
-    sequences in batches of 4, with learned compensation (applied in every layer: the repaired
-    rows and re-fitted and trained matrices travel from rank 0, where the repair runs)."""
+    sequences in batches of 4 (applied in every layer: the repaired rows and re-fitted
+    matrices travel from rank 0, where the repair runs), and its learned compensation on 12
+    (applied in some layers)."""
     src, cpu = str(BUNDLED), ["--device", "cpu", "--quiet"]
     calib = ["--data", str(data), "--samples", "6", "--seq-len", "16", "--batch-size", "2"]
     return [  # calibrate first: a fresh process in every job (see the fixture)
@@ -63,7 +64,10 @@ def commands(out: Path, data: Path, trained: Path, plan: Path) -> list[list[str]
          str(out / "sparsegpt"), *calib, *cpu],
         ["reap", str(TRAINED), str(out / "reap-repair"), "--data", str(trained), "--samples",
          "8", "--seq-len", "32", "--batch-size", "4", "--keep", "12", "--repair", "router",
-         "--compensate", "learned", *cpu],
+         "--compensate", "down", *cpu],
+        ["reap", str(TRAINED), str(out / "reap-learned"), "--data", str(trained), "--samples",
+         "12", "--seq-len", "64", "--batch-size", "4", "--keep", "12", "--compensate",
+         "learned", *cpu],
         ["reap", *calib, "--keep", "12", src, str(out / "reap-data"), *cpu],
         ["reap", "--plan", str(plan), src, str(out / "reap-plan"), *cpu],
     ]
@@ -198,14 +202,16 @@ def test_dry_run_prints_what_each_rank_holds(runs, ranks, experts, sequences):
 
 
 def test_the_repair_compared_was_applied(runs):
-    """The repaired routers, re-fitted and trained matrices the byte comparison covers are not
-    the source's: the guards kept them in every layer."""
+    """The repaired routers and re-fitted matrices the byte comparison covers are not the
+    source's: the guard kept them in every layer; and learned compensation's guard kept its
+    trained experts in some layer (they travel from rank 0 too)."""
     plan = json.loads((runs["one"] / "reap-repair" / "reap-plan.json").read_text())
-    assert plan["repair"] == "router" and plan["compensation"] == "learned"
+    assert plan["repair"] == "router" and plan["compensation"] == "down"
     for layer in plan["layers"].values():
-        compensation = layer["compensation"]
-        assert layer["repair"]["applied"] and compensation["applied"]
-        assert compensation["learned"]["applied"]
+        assert layer["repair"]["applied"] and layer["compensation"]["applied"]
+    plan = json.loads((runs["one"] / "reap-learned" / "reap-plan.json").read_text())
+    learned = [layer["compensation"]["learned"]["applied"] for layer in plan["layers"].values()]
+    assert any(learned), learned
 
 
 # Statistics an expert-parallel MoE layer computes exactly as one process (each routed
