@@ -388,3 +388,26 @@ def built_layer(path: Path, index: int, dtype: torch.dtype = torch.bfloat16,
                                                          stats=False, **build))
     finally:
         ckpt.close()
+
+
+def compensated_on_trained(settings, src: Path) -> tuple:
+    """(the repair, its plan, the prune stage) of REAP with `settings` (a RepairSettings) on
+    the trained tiny MoE `src`, calibrated on 8 of its corpus's 32-byte windows (seed 3), fp32
+    on the CPU: what `reap --data` makes, without the conversion."""
+    from kconvert.calibrate.run import measure_stats
+    from kconvert.io.checkpoint import open_checkpoint
+    from kconvert.pruning.reap import plan_from_scores, scores_of
+    from kconvert.pruning.repair import RouterRepair, with_repair
+    from kconvert.stages.prune import prune_stage
+    from kconvert.testing.tiny_moe import corpus_ids, windows
+
+    ids = windows(corpus_ids("train"), 8, 32, torch.Generator().manual_seed(3))
+    ckpt = open_checkpoint(str(src))
+    try:
+        fixer = RouterRepair(ckpt, ids, settings, torch.device("cpu"), dtype=torch.float32)
+        stats = measure_stats(ckpt, ids, "cpu", 4, dtype=torch.float32, on_weights=fixer)
+        plan = with_repair(plan_from_scores(scores_of(stats), settings.keep, "reap"), fixer)
+        stage = prune_stage(plan, ckpt, fixer.rows, fixer.matrices)
+    finally:
+        ckpt.close()
+    return fixer, plan, stage

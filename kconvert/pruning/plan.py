@@ -151,7 +151,8 @@ class PruneLayer(BaseModel):
     repair: LayerRepair | None = Field(
         default=None, description="router repair of this layer; absent: the source rows keep[i]")
     compensation: LayerCompensation | None = Field(
-        default=None, description="down_proj re-fit of this layer; absent: source matrices")
+        default=None, description="down_proj re-fit of this layer (learned: and the kept "
+                                  "experts' training); absent: source matrices")
 
     @field_validator("keep")
     @classmethod
@@ -198,7 +199,7 @@ class PrunePlan(BaseModel):
         default=None, description="router repair method (bias or router); absent: none, every "
                                   "router row and bias entry is the source's")
     compensation: str | None = Field(
-        default=None, description="down_proj compensation (shared or down); absent: none, every "
+        default=None, description="compensation (shared, down or learned); absent: none, every "
                                   "expert matrix is the source's")
     n_routed_experts: int | None = Field(
         default=None, description="routed experts per layer in the SOURCE")

@@ -400,7 +400,7 @@ class RouterRepair:
         encode its matrices in the source's format; when the guard passes them (Judged.applied:
         their held-out error as written, decoded again, below the source matrices'), write
         them into `moe` (the stream moves on with what is written) and keep their encoded
-        parameters for the output."""
+        parameters for the output; a kind that `trains` then trains from there (`_learn`)."""
         s, keep = self.settings, self.kept[layer]
         sources = self.sources(layer, keep)
         w, ids = route(router, x)

@@ -9,34 +9,18 @@ written here: a re-fit that raises the held-out error is never written."""
 
 from __future__ import annotations
 
-import torch
-
 from conftest import ROOT
-from kconvert.calibrate.run import measure_stats
-from kconvert.io.checkpoint import open_checkpoint
-from kconvert.pruning.reap import plan_from_scores, scores_of
-from kconvert.pruning.repair import RepairSettings, RouterRepair, with_repair
-from kconvert.stages.prune import prune_stage
-from kconvert.testing.tiny_moe import corpus_ids, windows
+from helpers import compensated_on_trained
+from kconvert.pruning.repair import RepairSettings
 
 SRC = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
 KEEP = 12
 
 
 def _compensated(ridges: tuple[float, ...]):
-    """(the calibration's statistics, the repair) of `reap --compensate down` with `ridges`."""
-    ids = windows(corpus_ids("train"), 8, 32, torch.Generator().manual_seed(3))
-    ckpt = open_checkpoint(str(SRC))
-    try:
-        fixer = RouterRepair(ckpt, ids, RepairSettings("none", KEEP, "reap", compensate="down",
-                                                       ridges=ridges, heldout=0.5),
-                             torch.device("cpu"), dtype=torch.float32)
-        stats = measure_stats(ckpt, ids, "cpu", 4, dtype=torch.float32, on_weights=fixer)
-        plan = with_repair(plan_from_scores(scores_of(stats), KEEP, "reap"), fixer)
-        stage = prune_stage(plan, ckpt, fixer.rows, fixer.matrices)
-    finally:
-        ckpt.close()
-    return fixer, plan, stage
+    """(the repair, its plan, its stage) of `reap --compensate down` with `ridges`."""
+    return compensated_on_trained(RepairSettings("none", KEEP, "reap", compensate="down",
+                                                 ridges=ridges, heldout=0.5), SRC)
 
 
 def test_a_refit_that_raises_the_heldout_error_is_never_written():

@@ -13,13 +13,9 @@ from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MLP
 
 from conftest import ROOT
-from kconvert.calibrate.run import measure_stats
-from kconvert.io.checkpoint import open_checkpoint
+from helpers import compensated_on_trained
 from kconvert.pruning.compensate_learned import LearnedSettings, Pairs, routed_sum, train
-from kconvert.pruning.reap import plan_from_scores, scores_of
-from kconvert.pruning.repair import RepairSettings, RouterRepair, with_repair
-from kconvert.stages.prune import prune_stage
-from kconvert.testing.tiny_moe import corpus_ids, windows
+from kconvert.pruning.repair import RepairSettings
 
 SRC = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
 KEEP = 12
@@ -101,19 +97,9 @@ def test_no_step_changes_nothing():
 def _reap(compensate: str, learned: LearnedSettings | None = None):
     """(the repair, its stage) of `reap --compensate ...` on the trained tiny MoE, half of 8
     short sequences held out."""
-    ids = windows(corpus_ids("train"), 8, 32, torch.Generator().manual_seed(3))
-    ckpt = open_checkpoint(str(SRC))
     extra = {} if learned is None else {"learned": learned}
-    try:
-        fixer = RouterRepair(ckpt, ids, RepairSettings("none", KEEP, "reap",
-                                                       compensate=compensate, ridges=(0.1,),
-                                                       heldout=0.5, **extra),
-                             torch.device("cpu"), dtype=torch.float32)
-        stats = measure_stats(ckpt, ids, "cpu", 4, dtype=torch.float32, on_weights=fixer)
-        plan = with_repair(plan_from_scores(scores_of(stats), KEEP, "reap"), fixer)
-        stage = prune_stage(plan, ckpt, fixer.rows, fixer.matrices)
-    finally:
-        ckpt.close()
+    fixer, _, stage = compensated_on_trained(RepairSettings(
+        "none", KEEP, "reap", compensate=compensate, ridges=(0.1,), heldout=0.5, **extra), SRC)
     return fixer, stage
 
 
