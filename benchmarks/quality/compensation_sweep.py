@@ -4,7 +4,7 @@ on the trained tiny MoE (docs/reap.md, "Learned compensation").
 At keep 12 of 24 with `--repair router`: the closed form (`--compensate down`) and learned
 compensation at each SETTING (steps:lr[:batch]), each made by the library calls `kconvert reap
 --data --compensate ...` makes (RouterRepair in the calibration pass, then the prune stage:
-the settings are not command-line options), loaded whole into transformers'
+the settings are not command-line options; `repair_quality.prune`), loaded whole into transformers'
 DeepseekV3ForCausalLM (fp32) and compared with the source on held-out text (KL per token,
 top-1 agreement, NLL increase), as `repair_quality` does. Calibration: 64 x 256 training
 bytes (seed 1), the repair stream's default 32,768 tokens.
@@ -28,18 +28,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spin-waiting threads on a
 import torch
 
 from benchmarks.harness import REPO, Timer, arguments, record
-from benchmarks.quality.repair_quality import compare, log_probs
-from kconvert.calibrate.run import measure_stats
-from kconvert.convert import RunControl, convert
-from kconvert.io.checkpoint import open_checkpoint
+from benchmarks.quality.repair_quality import SRC, compare, log_probs, prune
 from kconvert.pruning.compensate_learned import LearnedSettings
-from kconvert.pruning.reap import plan_from_scores, scores_of
-from kconvert.pruning.repair import RepairSettings, RouterRepair, with_repair
-from kconvert.recipes import load_recipe
-from kconvert.stages.prune import prune_stage
+from kconvert.pruning.repair import RepairSettings
 from kconvert.testing.tiny_moe import corpus_ids, heldout_ids, windows
 
-SRC = REPO / "tests" / "fixtures" / "tiny-moe-trained"
 KEEP = 12
 DEFAULT_SETTINGS = ("100:2e-3", "200:2e-3", "400:2e-3", "200:1e-3", "200:5e-3", "200:2e-3:4")
 
@@ -48,26 +41,6 @@ def parse(setting: str) -> LearnedSettings:
     steps, lr, *batch = setting.split(":")
     extra = {"batch": int(batch[0])} if batch else {}
     return LearnedSettings(steps=int(steps), lr=float(lr), **extra)
-
-
-def prune(compensate: str, learned: LearnedSettings, calib: torch.Tensor, dst: Path) -> dict:
-    """Prune SRC into dst with `--repair router --compensate COMPENSATE`; the plan's
-    per-layer compensation records."""
-    ckpt = open_checkpoint(str(SRC))
-    try:
-        fixer = RouterRepair(ckpt, calib, RepairSettings("router", KEEP, "reap",
-                                                         compensate=compensate,
-                                                         learned=learned),
-                             torch.device("cpu"), torch.float32, 16)
-        stats = measure_stats(ckpt, calib, "cpu", 16, dtype=torch.float32, on_weights=fixer)
-        plan = with_repair(plan_from_scores(scores_of(stats), KEEP, "reap"), fixer)
-    finally:
-        ckpt.close()
-    convert(str(SRC), str(dst), load_recipe("reap"), {"repair": "router",
-                                                      "compensate": compensate},
-            RunControl(quiet=True),
-            prepare=lambda c: {"prune": prune_stage(plan, c, fixer.rows, fixer.matrices)})
-    return {k: v.compensation.model_dump() for k, v in plan.layers.items()}
 
 
 def top1(source: torch.Tensor, pruned: torch.Tensor) -> float:
@@ -110,7 +83,9 @@ def main(argv: list[str]) -> None:
             learned = parse(setting) if setting else LearnedSettings()
             made = Timer()
             dst = Path(tmp) / f"{compensate}-{setting or ''}".replace(":", "_")
-            layers = prune(compensate, learned, calib, dst)
+            plan = prune(KEEP, RepairSettings("router", KEEP, "reap", compensate=compensate,
+                                              learned=learned), calib, dst)
+            layers = {k: v.compensation.model_dump() for k, v in plan.layers.items()}
             pruned = log_probs(dst, held)
             r = {"compensate": compensate, "settings": learned.__dict__ if setting else None,
                  **compare(source, pruned, held), "top1": top1(source, pruned),

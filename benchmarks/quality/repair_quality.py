@@ -28,6 +28,7 @@ from benchmarks.harness import REPO, Timer, arguments, record
 from kconvert.calibrate.run import measure_stats
 from kconvert.convert import RunControl, convert
 from kconvert.io.checkpoint import open_checkpoint
+from kconvert.pruning.plan import PrunePlan
 from kconvert.pruning.reap import plan_from_scores, scores_of
 from kconvert.pruning.repair import RepairSettings, RouterRepair, with_repair
 from kconvert.recipes import load_recipe
@@ -56,23 +57,26 @@ def compare(source: torch.Tensor, pruned: torch.Tensor, ids: torch.Tensor) -> di
     return {"kl": kl, "nll": nll(pruned), "nll_increase": nll(pruned) - nll(source)}
 
 
-def prune(keep: int, method: str, calib: torch.Tensor, dst: Path) -> dict:
-    """Prune SRC into dst; the plan's per-layer repair records."""
+def prune(keep: int, settings: RepairSettings | None, calib: torch.Tensor, dst: Path
+          ) -> PrunePlan:
+    """Prune SRC into dst keeping `keep` experts per layer, with the router repair and
+    compensation `settings` ask for in the calibration pass (None: plain REAP); its plan."""
     ckpt = open_checkpoint(str(SRC))
     try:
-        fixer = None if method == "none" else RouterRepair(
-            ckpt, calib, RepairSettings(method, keep, "reap"), torch.device("cpu"),
-            torch.float32, 16)
+        fixer = None if settings is None else RouterRepair(
+            ckpt, calib, settings, torch.device("cpu"), torch.float32, 16)
         stats = measure_stats(ckpt, calib, "cpu", 16, dtype=torch.float32, on_weights=fixer)
         plan = plan_from_scores(scores_of(stats), keep, "reap")
     finally:
         ckpt.close()
-    rows = None
+    rows = matrices = None
+    options = {"repair": "none"}
     if fixer is not None:
-        plan, rows = with_repair(plan, fixer), fixer.rows
-    convert(str(SRC), str(dst), load_recipe("reap"), {"repair": method}, RunControl(quiet=True),
-            prepare=lambda c: {"prune": prune_stage(plan, c, rows)})
-    return {k: v.repair.model_dump() for k, v in plan.layers.items() if v.repair is not None}
+        plan, rows, matrices = with_repair(plan, fixer), fixer.rows, fixer.matrices
+        options = {"repair": settings.method, "compensate": settings.compensate}
+    convert(str(SRC), str(dst), load_recipe("reap"), options, RunControl(quiet=True),
+            prepare=lambda c: {"prune": prune_stage(plan, c, rows, matrices)})
+    return plan
 
 
 def table(results: list[dict], source_nll: float) -> str:
@@ -108,7 +112,10 @@ def main(argv: list[str]) -> None:
             for method in METHODS:
                 made = Timer()
                 dst = Path(tmp) / f"{keep}-{method}"
-                layers = prune(keep, method, calib, dst)
+                plan = prune(keep, None if method == "none" else RepairSettings(
+                    method, keep, "reap"), calib, dst)
+                layers = {k: v.repair.model_dump() for k, v in plan.layers.items()
+                          if v.repair is not None}
                 r = {"keep": keep, "method": method, **compare(source, log_probs(dst, held), held),
                      "layers": layers, "heldout_tokens": held.numel(),
                      "seconds": round(made.elapsed(), 1)}

@@ -239,7 +239,7 @@ def learn(kept: KeptExperts, weights: torch.Tensor, ids: torch.Tensor, x: torch.
           settings)
     with torch.no_grad():
         fit_after, held_after = errors()
-    outcome = Outcome(fit_before, fit_after, held_before, held_after, kept.params)
-    if not outcome.applied:
-        kept.restore()
-    return outcome
+    if held_after < held_before:
+        return Outcome(fit_before, fit_after, held_before, held_after, kept.params)
+    kept.restore()
+    return Outcome(fit_before, fit_after, held_before, held_after, {})

@@ -439,7 +439,7 @@ class RouterRepair:
         if self.kind.trains:
             with watch.phase("learned compensation"):
                 learned = self._learn(layer, moe, x, target, n_fit, (w, ids))
-            kept.update(learned.tensors if learned.applied else {})
+            kept.update(learned.tensors)
         self.matrices.update(recode.spilled(self.spill, layer, kept) if kept else {})
         ruled = any(lin.codec.uses_scale_rule for lin in sources[:count])
         self.compensations[layer] = LayerCompensation(
