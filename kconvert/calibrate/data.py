@@ -68,37 +68,21 @@ def load_calibration_data(path: str | Path, tokenizer_dir: str | Path | None, sa
         raise KconvertError(f"cannot read calibration data: {exc}", file=str(path)) from exc
     if not lines:
         raise KconvertError("calibration data is empty", file=str(path))
-    random.Random(seed).shuffle(lines)
+    # Every line is checked in file order before the shuffle, so an error names the first bad
+    # line of the file; text is tokenized later, only as far as the samples need.
+    parsed = [_parse_line(lineno, line, path, vocab) for lineno, line in lines]
+    first_text = next((lineno for lineno, _, ids in parsed if ids is None), None)
+    tokenizer = None if first_text is None else _load_tokenizer(tokenizer_dir, first_text, path)
+    random.Random(seed).shuffle(parsed)
 
-    tokenizer = None
     seqs: list[np.ndarray] = []
     stream = np.empty(0, dtype=np.int64)
-    for lineno, line in lines:
+    for lineno, obj, ids in parsed:
         if len(seqs) >= samples:
             break
-        where = f"{path}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise KconvertError(f"line {lineno} is not JSON: {exc}", file=str(path)) from exc
-        if not isinstance(obj, dict):
-            raise KconvertError(f"line {lineno} is not a JSON object", file=str(path))
-        if "input_ids" in obj:
-            ids = _token_ids(obj["input_ids"], line)
-            if ids is None:
-                raise KconvertError(f"line {lineno}: input_ids must be a list of non-negative "
-                                    "integers", file=str(path))
-        elif "text" in obj or "messages" in obj:
-            if tokenizer is None:
-                tokenizer = _load_tokenizer(tokenizer_dir, lineno, path)
-            ids = np.asarray(_tokenize(tokenizer, obj, where), dtype=np.int64)
-        else:
-            raise KconvertError(f"line {lineno} has none of input_ids, text, messages",
-                                file=str(path))
-        if vocab is not None and len(ids) and int(ids.max()) >= vocab:
-            raise KconvertError(f"line {lineno}: token id {int(ids.max())} is beyond the "
-                                f"model's vocabulary (vocab_size {vocab}: ids 0..{vocab - 1})",
-                                file=str(path))
+        if ids is None:
+            ids = np.asarray(_tokenize(tokenizer, obj, f"{path}:{lineno}"), dtype=np.int64)
+            _check_vocab(ids, vocab, lineno, path)
         if "input_ids" in obj and len(ids) == seq_len:
             seqs.append(ids)
             continue
@@ -117,6 +101,35 @@ def load_calibration_data(path: str | Path, tokenizer_dir: str | Path | None, sa
               f"{full} full sequence(s) of {seq_len} tokens{rest}, fewer than --samples "
               f"{samples} x --seq-len {seq_len}")
     return torch.from_numpy(np.stack(seqs).astype(np.int64, copy=False))
+
+
+def _parse_line(lineno: int, line: str, path: Path,
+                vocab: int | None) -> tuple[int, dict, np.ndarray | None]:
+    """(line number, its object, its token ids: None where text or messages still need the
+    tokenizer), or the error that names the line."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise KconvertError(f"line {lineno} is not JSON: {exc}", file=str(path)) from exc
+    if not isinstance(obj, dict):
+        raise KconvertError(f"line {lineno} is not a JSON object", file=str(path))
+    if "input_ids" in obj:
+        ids = _token_ids(obj["input_ids"], line)
+        if ids is None:
+            raise KconvertError(f"line {lineno}: input_ids must be a list of non-negative "
+                                "integers", file=str(path))
+        _check_vocab(ids, vocab, lineno, path)
+        return lineno, obj, ids
+    if "text" in obj or "messages" in obj:
+        return lineno, obj, None
+    raise KconvertError(f"line {lineno} has none of input_ids, text, messages", file=str(path))
+
+
+def _check_vocab(ids: np.ndarray, vocab: int | None, lineno: int, path: Path) -> None:
+    if vocab is not None and len(ids) and int(ids.max()) >= vocab:
+        raise KconvertError(f"line {lineno}: token id {int(ids.max())} is beyond the "
+                            f"model's vocabulary (vocab_size {vocab}: ids 0..{vocab - 1})",
+                            file=str(path))
 
 
 def real_tokens(ids: torch.Tensor) -> int:

@@ -393,6 +393,29 @@ def test_bad_data_lines(tmp_path):
             load_calibration_data(tmp_path / "d.jsonl", None, samples=1, seq_len=4, seed=0)
 
 
+def test_a_bad_line_is_named_in_file_order_whatever_the_shuffle(tmp_path):
+    """Lines are shuffled before use, but the error names the first bad line of the file, and
+    a bad line beyond what --samples takes is an error too (the file is bad, whichever lines a
+    seed would take)."""
+    good = [json.dumps({"input_ids": [1, 2, 3, 4]})] * 9
+    body = good[:4] + ["not json", *good[4:7], "{\"input_ids\": [1, -2]}", *good[7:]]
+    (tmp_path / "d.jsonl").write_text("\n".join(body) + "\n")
+    for seed in range(6):  # seeds that put either bad line first in the shuffled order
+        with pytest.raises(KconvertError, match="line 5 is not JSON"):
+            load_calibration_data(tmp_path / "d.jsonl", None, samples=1, seq_len=4, seed=seed)
+
+
+def test_a_token_id_equal_to_the_vocabulary_size_is_refused(tmp_path):
+    """ids run 0..vocab-1: vocab itself is one past the embedding's last row."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": [0, 511, 3, 4]},
+                                              {"input_ids": [1, 2, 512, 4]}])
+    with pytest.raises(KconvertError, match=r"line 2: token id 512 is beyond the model's "
+                                            r"vocabulary \(vocab_size 512"):
+        load_calibration_data(data, None, samples=1, seq_len=4, seed=0, vocab=512)
+    ids = load_calibration_data(data, None, samples=2, seq_len=4, seed=0, vocab=513)
+    assert int(ids.max()) == 512
+
+
 # ------------------------------------------------------------------- CLI
 
 def test_cli(fixture_dir, tmp_path):
