@@ -20,6 +20,7 @@ from kconvert.errors import KconvertError
 from kconvert.formats import Codec
 from kconvert.formats.linear import ModuleWork, group_modules
 from kconvert.io.checkpoint import Checkpoint
+from kconvert.io.finite import find_nonfinite
 from kconvert.io.shards import TensorInfo
 from kconvert.model.names import Role, parse_name
 
@@ -135,6 +136,33 @@ def read_layer(ckpt: Checkpoint, cfg, layer: int, tensors: dict[str, TensorInfo]
     decoded += sum(len(b.members) * b.shape[0] * b.shape[1] for b in batches) * item
     return LayerBytes(layer, prefix, linears, others, batches, names, decoded,
                       held if is_moe else None)
+
+
+def nonfinite_hidden_error(ckpt: Checkpoint, tensors: dict[str, TensorInfo], layer: int,
+                           what: str = "") -> KconvertError:
+    """The error for non-finite hidden states after decoder layer `layer` (`tensors`: its
+    source tensors), naming where to look: the first tensor of the layer that holds a NaN or
+    Inf, or, where all are finite (the activations overflowed), the float tensor of largest
+    magnitude. `what` qualifies the layer (" with its compressed experts"). Read only on this
+    failure path."""
+    floats = {n: i for n, i in sorted(tensors.items()) if i.torch_dtype.is_floating_point}
+    largest, where = -1.0, None
+    for name, info in floats.items():
+        t = _read(ckpt, info).contiguous()
+        if find_nonfinite(t.reshape(-1).view(torch.uint8), info.torch_dtype) is not None:
+            return KconvertError(f"non-finite hidden states after decoder layer {layer}{what}: "
+                                 "the source weights hold NaN or Inf", file=info.file.name,
+                                 tensor=name)
+        peak = float(t.float().abs().max()) if t.numel() else 0.0
+        if peak > largest:
+            largest, where = peak, info
+    if where is None:
+        return KconvertError(f"non-finite hidden states after decoder layer {layer}{what}")
+    return KconvertError(f"non-finite hidden states after decoder layer {layer}{what}; its "
+                         f"source weights are finite: the activations overflowed; its largest "
+                         f"value, {largest:.4g}, is in the tensor named here (a float32 run, "
+                         "--dtype float32, has more range)", file=where.file.name,
+                         tensor=where.name)
 
 
 def _read(ckpt: Checkpoint, info: TensorInfo, pin: bool = False) -> torch.Tensor:

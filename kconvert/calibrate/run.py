@@ -18,7 +18,12 @@ from kconvert.calibrate.forward import (
     padding_aware_mask,
     position_embeddings,
 )
-from kconvert.calibrate.load import build_layer, read_layer, tensors_by_layer
+from kconvert.calibrate.load import (
+    build_layer,
+    nonfinite_hidden_error,
+    read_layer,
+    tensors_by_layer,
+)
 from kconvert.calibrate.moe import ForwardContext, MoEBlock
 from kconvert.calibrate.plan import planned_forward
 from kconvert.calibrate.prefetch import LayerPrefetcher
@@ -196,7 +201,7 @@ def measure_stats(
         # maxed over ranks with the statistics: every rank fails where one met it
         reduce_over_ranks(sums, [*maxima, nonfinite])
         if nonfinite:
-            raise KconvertError(f"non-finite hidden states after decoder layer {layer}")
+            raise nonfinite_hidden_error(ckpt, layer_tensors[layer], layer)
         for module, acc in loaded.linear_stats.items():
             key = stats_key(module)
             modules[key] = module
@@ -218,8 +223,8 @@ def measure_stats(
             hidden.copy_(layer_input)
             loaded.moe.capture = False
             if forward():
-                raise KconvertError(f"non-finite hidden states after decoder layer {layer} "
-                                    "with its compressed experts")
+                raise nonfinite_hidden_error(ckpt, layer_tensors[layer], layer,
+                                             " with its compressed experts")
             del layer_input
         if on_weights is not None:
             if loaded.moe is not None and loaded.moe.ranks is not None:

@@ -21,7 +21,14 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.utils import logging as hf_logging
 
 from conftest import BUNDLED
-from helpers import checkpoint_tensors, cli_inproc, write_jsonl
+from helpers import (
+    checkpoint_tensors,
+    cli_inproc,
+    edit_tensor,
+    set_at,
+    source_copy,
+    write_jsonl,
+)
 from kconvert.calibrate.data import PAD_ID, load_calibration_data
 from kconvert.calibrate.run import measure_stats as calibrate
 from kconvert.calibrate.stats import CalibrationStats, load_stats, save_stats
@@ -398,7 +405,7 @@ def test_a_bad_line_is_named_in_file_order_whatever_the_shuffle(tmp_path):
     a bad line beyond what --samples takes is an error too (the file is bad, whichever lines a
     seed would take)."""
     good = [json.dumps({"input_ids": [1, 2, 3, 4]})] * 9
-    body = good[:4] + ["not json", *good[4:7], "{\"input_ids\": [1, -2]}", *good[7:]]
+    body = [*good[:4], "not json", *good[4:7], '{"input_ids": [1, -2]}', *good[7:]]
     (tmp_path / "d.jsonl").write_text("\n".join(body) + "\n")
     for seed in range(6):  # seeds that put either bad line first in the shuffled order
         with pytest.raises(KconvertError, match="line 5 is not JSON"):
@@ -438,6 +445,28 @@ def test_cli(fixture_dir, tmp_path):
     res = cli_inproc("calibrate", args[0], "--data", bad, "-o", tmp_path / "s2", "--seq-len", 16)
     assert res.exit_code == 1 and "line 1: token id 600 is beyond the model's vocabulary" \
         in res.output
+
+
+@pytest.mark.parametrize(("index", "value", "said"), [
+    ((0, 0), float("nan"), "the source weights hold NaN or Inf"),
+    # a row of the largest finite BF16 values: the sum over the row overflows
+    ((0, slice(None)), 3e38, "the activations overflowed; its largest value, "
+                             f"{torch.tensor(3e38, dtype=torch.bfloat16).item():.4g}, is in the "
+                             "tensor named here"),
+])
+def test_non_finite_hidden_states_name_the_file_and_tensor(tmp_path, index, value, said):
+    """A NaN in a layer's weights, or a finite value so large that the layer's output
+    overflows: the error names the shard and the tensor to look at, not only the layer."""
+    src = source_copy(tmp_path)
+    name = "model.layers.1.self_attn.o_proj.weight"
+    edit_tensor(src / "model-00002-of-000004.safetensors", name, set_at(index, value))
+    data = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": [7 * j % 500 for j in range(16)]}])
+    res = cli_inproc("calibrate", src, "--data", data, "-o", tmp_path / "stats", "--samples", 1,
+                     "--seq-len", 16, "--device", "cpu", "--quiet")
+    assert res.exit_code == 1, res.output
+    assert "non-finite hidden states after decoder layer 1" in res.output
+    assert said in res.output
+    assert f"(file model-00002-of-000004.safetensors, tensor {name})" in res.output
 
 
 def test_same_statistics_give_the_same_bytes(tmp_path):
