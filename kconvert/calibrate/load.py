@@ -304,4 +304,14 @@ def tensors_by_layer(ckpt: Checkpoint, n_layers: int) -> dict[int, dict[str, Ten
     if missing:
         raise KconvertError(f"decoder layers {missing[:8]} have no tensors "
                             f"(num_hidden_layers={n_layers})")
+    # Layers past the decoder stack are the multi-token-prediction layers the config counts;
+    # any others would be skipped silently by a forward that runs num_hidden_layers layers.
+    mtp = ckpt.text_config.get("num_nextn_predict_layers", 0)
+    first_beyond = n_layers + mtp
+    extra = sorted(layer for layer in layers if layer >= first_beyond)
+    if extra:
+        name = next(iter(layers[extra[0]]))
+        raise KconvertError(f"the shards hold decoder layers {extra[:8]} beyond the config's "
+                            f"num_hidden_layers={n_layers} (and num_nextn_predict_layers={mtp})",
+                            file=layers[extra[0]][name].file.name, tensor=name)
     return layers

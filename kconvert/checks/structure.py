@@ -35,6 +35,7 @@ from kconvert.formats.dense import FLOAT_DTYPES
 from kconvert.io.checkpoint import CONFIG
 from kconvert.io.shards import TensorInfo
 from kconvert.model.arch import Arch, arch_of
+from kconvert.model.config_check import CHECKED_KEYS, text_config_problem
 from kconvert.model.names import Role, TensorName, parse_name
 
 PARTS = {"gate", "up", "down"}
@@ -110,18 +111,8 @@ def check_config(checks: Checks, config: dict) -> None:
             elif not same:
                 checks.warn(S, "config", f"top level {key} = {short(config[key])} differs from "
                             f"text_config.{key} = {short(tc[key])}", file=CONFIG)
-    arch = arch_of(tc)
-    n, k = arch.get("experts"), arch.get("top_k")
-    if _is_int(n) and _is_int(k):
-        checks.check(S, 1 <= k <= n, "config", f"{arch.top_k_key} {k} is not in "
-                     f"1..{arch.experts_key} {n}", file=CONFIG)
-    ng, tg = tc.get("n_group"), tc.get("topk_group")
-    if _is_int(n) and _is_int(ng) and ng > 0:
-        checks.check(S, n % ng == 0, "config", f"{arch.experts_key} {n} is not divisible by "
-                     f"n_group {ng} (group-limited routing needs equal groups)", file=CONFIG)
-        if _is_int(tg):
-            checks.check(S, 1 <= tg <= ng, "config", f"topk_group {tg} is not in 1..n_group "
-                         f"{ng}", file=CONFIG)
+    problem = text_config_problem(tc) if isinstance(tc, dict) else None
+    checks.check(S, problem is None, "config", problem or "", file=CONFIG)
 
 
 @dataclass
@@ -139,7 +130,7 @@ def _int_key(checks: Checks, tc: dict, key: str, default: int | None,
     v = tc.get(key)
     if _is_int(v):
         return v
-    if v is not None or required:
+    if (v is not None or required) and key not in CHECKED_KEYS:  # else check_config's finding
         checks.add("structure", "config", f"config has no integer {key}"
                    + (f" ({key} = {short(v)})" if v is not None else ""), file=CONFIG)
     return default

@@ -23,6 +23,7 @@ from pathlib import Path
 from kconvert.errors import KconvertError
 from kconvert.io.shards import ShardReader, TensorInfo
 from kconvert.manifest import MANIFEST
+from kconvert.model.config_check import text_config_problem
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -232,7 +233,7 @@ def load_config(root: Path) -> dict:
     text = config.get("text_config", config)
     if not isinstance(text, dict):
         raise KconvertError("config.json's text_config is not an object", file=str(path))
-    problem = architecture_problem(config)
+    problem = architecture_problem(config) or text_config_problem(text)
     if problem is not None:
         raise KconvertError(problem, file=str(path))
     return config

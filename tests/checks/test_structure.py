@@ -66,13 +66,14 @@ STRUCTURE = {
         "structure/counts"),
     "n_routed_experts-missing": ("k2-int4-kimi", lambda c: edit_config(
         c, lambda cfg: cfg.pop("n_routed_experts")),
-        "config has no integer n_routed_experts", "structure/config"),
+        "config.json has no n_routed_experts", "structure/config"),
     "n_routed_experts-string": ("k2-int4-kimi", lambda c: edit_config(
         c, lambda cfg: cfg.update(n_routed_experts="16")),
-        "config has no integer n_routed_experts (n_routed_experts = '16')", "structure/config"),
+        "config.json's n_routed_experts is '16': input should be a valid integer",
+        "structure/config"),
     "num_hidden_layers-missing": ("k2-int4-kimi", lambda c: edit_config(
         c, lambda cfg: cfg.pop("num_hidden_layers")),
-        "config has no integer num_hidden_layers", "structure/config"),
+        "config.json has no num_hidden_layers", "structure/config"),
     "k25-text_config-n_routed_experts-12": ("k25-int4", lambda c: edit_config(
         c, lambda cfg: (cfg["text_config"].update(n_routed_experts=12),
                         cfg.update(n_routed_experts=12))),
@@ -105,7 +106,10 @@ def test_audit_and_conversion_refuse_the_same_structure(broken, name, tmp_path):
         dst = tmp_path / command[-1]
         res = cli_inproc(*command, src, dst, "--quiet")
         assert res.exit_code == 1, res.output
-        assert "kconvert: error: the source is not what its config says" in res.output, res.output
+        # a config value is refused where config.json is read, before the tensors are planned
+        refusal = (f"kconvert: error: {text}" if check == "structure/config" else
+                   "kconvert: error: the source is not what its config says")
+        assert refusal in res.output, res.output
         # The audit's own words, its first failure's included.
         assert text in res.output and rep["failures"][0]["message"] in res.output, res.output
         assert ("config.json" in res.output) == (check == "structure/config"), res.output
