@@ -49,7 +49,7 @@ from benchmarks.synthetic import FIXTURE, expert_set
 
 # Runs in this repository (its working directory): numba is patched before kconvert loads.
 CHILD = r'''
-import contextlib, json, os, re, resource, statistics, sys, time
+import contextlib, json, re, resource, statistics, sys, time
 variant, root, fixture, sizes, reps = sys.argv[1:6]
 small, large = (int(x) for x in sizes.split(","))
 import numba
