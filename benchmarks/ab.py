@@ -1,11 +1,11 @@
 """A/B of kconvert trees on the full-size synthetic set: GPU or CPU, cold, one process each.
 
     git archive REV kconvert pipelines | tar -x -C /tmp/old      # a tree to compare with
-    ROOT=/tmp/kbench OUT=... VARIANTS="old=/tmp/old,cuda new=.,cuda old=/tmp/old,cuda new=.,cuda" \
-        python -m benchmarks ab
+    python -m benchmarks ab old=/tmp/old,cuda new=.,cuda old=/tmp/old,cuda new=.,cuda \
+        --root /tmp/kbench --out-dir $OUT
 
-Builds ROOT/src as `convert full` does (anchor_convert.make_src: 15.5 GB with DIMS=full,
-MOE_LAYERS=1; DIMS=tiny makes a tiny set, to check the bench in seconds) if it is not there.
+Builds ROOT/src as `convert full` does (anchor_convert.make_src: 15.5 GB with --dims full,
+--moe-layers 1; --dims tiny makes a tiny set, to check the bench in seconds) if it is not there.
 Each variant NAME=TREE,DEVICE runs `int4-to-nvfp4` (mse) from the kconvert package in TREE, page
 cache dropped first, timed in-process after imports (on the CPU also after numba's cached
 kernels are loaded), to os.sync(). Interleave the variants: this disk's speed drifts within a
@@ -16,18 +16,18 @@ copy -> transform item boundary (from one `compute` event to the next). A tree w
 has no timing events (before kconvert.events.TIMING_EVENTS, e.g. the tree before the
 packages) is timed by wall and peak RSS only: writer_busy and copy_to_xform_waits_s are null
 and `events` false.
-Writes OUT/ab_<device>_<date>_<code>.json.
+Writes OUT_DIR/ab_<device>_<date>_<code>.json.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
 
 from benchmarks.harness import (
+    arguments,
     child_env,
     drop_page_cache,
     kconvert_sha,
@@ -36,7 +36,7 @@ from benchmarks.harness import (
     run_child,
     save,
 )
-from benchmarks.synthetic import anchor_set
+from benchmarks.synthetic import add_anchor_dims, anchor_set
 
 # Runs with TREE first on its path (its working directory and PYTHONPATH), so kconvert is
 # TREE's; benchmarks comes from this repository.
@@ -78,22 +78,25 @@ print("RESULT", json.dumps({
 
 
 def main(argv: list[str]) -> None:
-    if argv:
-        raise SystemExit(__doc__)
-    root = Path(os.environ.get("ROOT", "/tmp/kbench"))
+    ap = arguments("ab", __doc__, root="/tmp/kbench", results=True, page_cache=True)
+    ap.add_argument("variants", nargs="+", metavar="NAME=TREE,DEVICE",
+                    help="the runs in order, e.g. old=/tmp/old,cuda new=.,cuda")
+    add_anchor_dims(ap)
+    a = ap.parse_args(argv)
+    root = a.root
     root.mkdir(parents=True, exist_ok=True)
     src = root / "src"
     if not (src / "config.json").exists():
-        anchor_set(src, os.environ.get("DIMS", "full"), int(os.environ.get("MOE_LAYERS", "1")))
+        anchor_set(src, a.dims, a.moe_layers)
     rec = record("ab", scratch=root)
-    out = result_path(rec)
+    out = result_path(rec, out_dir=a.out_dir)
     results, hash_sets = [], {}
-    for spec in os.environ["VARIANTS"].split():
+    for spec in a.variants:
         name, rest = spec.split("=", 1)
         tree_name, device = rest.rsplit(",", 1)
         tree = Path(tree_name).resolve()
         shutil.rmtree(root / "kc", ignore_errors=True)
-        drop_page_cache()
+        drop_page_cache(a.keep_page_cache)
         env = child_env(tree, **({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {}))
         c = run_child([sys.executable, "-c", CHILD, src, root / "kc", tree, device], env=env,
                       cwd=tree)

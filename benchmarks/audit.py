@@ -14,7 +14,7 @@ all runs are hot.
 --tree times the audit of another kconvert tree (its root, e.g. the tree before a change,
 `git archive REV kconvert pipelines | tar -x -C T`), side by side with this one's in one run.
 Prints one JSON line with the times and the ratios audit_s / read_s and
-audit_source_s / read_source_s (and writes it, with its record, to OUT).
+audit_source_s / read_source_s (and writes it, with its record, to --out-dir).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def timed(args: list[str], cold: bool, tree: Path = REPO) -> tuple[float, float,
 
 
 def main(argv: list[str]) -> None:
-    ap = arguments("audit", __doc__)
+    ap = arguments("audit", __doc__, results=True)
     ap.add_argument("dir", type=Path)
     ap.add_argument("--source", type=Path)
     ap.add_argument("--device", default="auto")
@@ -128,4 +128,4 @@ def main(argv: list[str]) -> None:
     res["ratio"] = round(res["audit_s"] / res["read_s"], 3)
     res["ratio_source"] = round(res["audit_source_s"] / res["read_source_s"], 3)
     print(json.dumps(res))
-    save({"record": rec, **res}, result_path(rec))
+    save({"record": rec, **res}, result_path(rec, out_dir=a.out_dir))

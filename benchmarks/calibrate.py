@@ -15,31 +15,28 @@ wall minus the layers' time, and its breakdown (`startup`): the -v log's phases
 embedding, write), the CUDA thread's seconds beside them, what ran before the first phase, the
 exit (last output line to the process's end) and the rest. Targets (issue 30): MoE layer cold
 <= 1.15 x hot, hot <= 6 s, process wall minus layers <= 6 s.
-Before the commands (FLOOR=1, the default; ~30 s), the floor no code of ours can cut: bare
+Before the commands (unless --no-floor; ~30 s), the floor no code of ours can cut: bare
 processes that import torch and transformers' DeepSeek-V3 modules, start CUDA, and exit with
 and without the interpreter's teardown, and one that pins 9.8 GB of host memory as a MoE
 layer's first read does (`floor` in the JSON).
 
 Device (H100/H200, ~3-4 min with the set to build, ~2.5 min when it exists; root for cold):
-    ROOT=/tmp/kbench python3 -m benchmarks calibrate $OUT/bench_calibrate_cli.json
+    python3 -m benchmarks calibrate $OUT/bench_calibrate_cli.json --root /tmp/kbench
 CPU smoke test (tiny dims, seconds):
     python -m benchmarks calibrate --tiny /tmp/bench_calibrate_tiny.json
 
-With MOE_LAYERS=2 the second MoE layer shows the steady state of a whole model: its read
+With --moe-layers 2 the second MoE layer shows the steady state of a whole model: its read
 overlaps the first MoE layer's compute (the first's overlaps only the short dense layer 0).
 
-Env: ROOT (scratch dir), SEQS (256), SEQ (2048), BATCH (8), DIMS, MOE_LAYERS (1),
-COMMANDS (calibrate,eval,reap), COLD (1: calibrate cold too; 0 on a shared machine, where
-dropping the page cache slows everyone), FLOOR (1), TREE (another checkout whose kconvert the
-commands run, e.g. the previous code for a before/after comparison in one device run; its -v
-log may lack the per-layer lines and phases, and then only process walls and exits compare).
-Without a file argument the result goes to OUT (harness.result_path).
+--tree runs the commands of another checkout's kconvert (e.g. the previous code, for a
+before/after comparison in one device run; its -v log may lack the per-layer lines and phases,
+and then only process walls and exits compare). Without a file argument the result goes to
+--out-dir (harness.result_path).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import sys
@@ -50,13 +47,15 @@ from benchmarks.harness import (
     Timer,
     arguments,
     child_env,
+    comma_list,
     drop_page_cache,
+    parse,
     record,
     result_path,
     run_child,
     save,
 )
-from benchmarks.synthetic import TINY, dims_from_env, kimi_set, random_ids, write_ids
+from benchmarks.synthetic import TINY, add_dims, kimi_set, random_ids, write_ids
 
 # A -v line of kconvert.calibrate.prefetch:
 # "<label>/<n>: read R s, compute C s, overlap O s, wall W s".
@@ -66,7 +65,7 @@ LAYER_LINE = re.compile(r"INFO: (?P<label>.+?)/\d+: read (?P<read>[\d.]+) s, com
 # A -v line of kconvert.calibrate.startup: "phase <name>: S s".
 PHASE_LINE = re.compile(r"INFO: phase (?P<name>[\w ]+): (?P<s>[\d.]+) s")
 CUDA_THREAD_LINE = re.compile(r"INFO: CUDA started on a thread in (?P<s>[\d.]+) s")
-TINY_SIZES = {"SEQS": "4", "SEQ": "32", "BATCH": "2"}
+COMMANDS = ("calibrate", "eval", "reap")
 
 
 def run_cli(name: str, args: list[str], tree: Path, moe_layers: int) -> dict:
@@ -164,23 +163,32 @@ def floor() -> list[dict]:
 
 
 def main(argv: list[str]) -> None:
-    ap = arguments("calibrate", __doc__)
+    ap = arguments("calibrate", __doc__, root="/tmp/kbench", results=True)
     ap.add_argument("out", nargs="?", help="JSON results file")
-    ap.add_argument("--tiny", action="store_true", help="tiny dims on the CPU (a check)")
-    a = ap.parse_args(argv)
-    if a.tiny:
-        os.environ.update(DIMS=str(TINY), **TINY_SIZES)
-        os.environ.setdefault("ROOT", "/tmp/kbench-tiny")
+    ap.add_argument("--tiny", action="store_true",
+                    help="tiny dims and data on the CPU (a check), in /tmp/kbench-tiny")
+    add_dims(ap)
+    ap.add_argument("--seqs", type=int, default=256, help="sequences (default: %(default)s)")
+    ap.add_argument("--seq", type=int, default=2048, help="tokens each (default: %(default)s)")
+    ap.add_argument("--batch", type=int, default=8, help="--batch-size (default: %(default)s)")
+    ap.add_argument("--commands", type=comma_list, default=list(COMMANDS),
+                    help=f"which of {','.join(COMMANDS)} to run (default: all)")
+    ap.add_argument("--hot-only", action="store_true",
+                    help="no cold calibrate run (on a shared machine, where dropping the page "
+                         "cache slows everyone)")
+    ap.add_argument("--no-floor", action="store_true", help="skip the start-up floor")
+    ap.add_argument("--tree", type=Path, default=REPO,
+                    help="the checkout whose kconvert the commands run (default: this one)")
+    a = parse(ap, argv, tiny={"dims": TINY, "seqs": 4, "seq": 32, "batch": 2,
+                              "root": Path("/tmp/kbench-tiny")})
     import torch
 
-    root = Path(os.environ.get("ROOT", "/tmp/kbench"))
-    tree = Path(os.environ.get("TREE", REPO)).resolve()  # whose kconvert runs
-    seqs, seq, batch = (int(os.environ.get(k, d)) for k, d in
-                        (("SEQS", 256), ("SEQ", 2048), ("BATCH", 8)))
-    dims, moe_layers = dims_from_env(), int(os.environ.get("MOE_LAYERS", 1))
+    root, tree = a.root, a.tree.resolve()
+    seqs, seq, batch = a.seqs, a.seq, a.batch
+    dims, moe_layers = a.dims, a.moe_layers
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     rec = record("calibrate", gpu=dev == "cuda", tree=tree, scratch=root)
-    out_json = result_path(rec, a.out)
+    out_json = result_path(rec, a.out, out_dir=a.out_dir)
     made = Timer()
     src = kimi_set(root, dims, moe_layers)
     data = root / f"ids-{seqs}x{seq}.jsonl"
@@ -194,11 +202,11 @@ def main(argv: list[str]) -> None:
     common = ["--data", str(data), "--samples", str(seqs), "--seq-len", str(seq),
               "--batch-size", str(batch), "--device", dev]
     calibrate = ["calibrate", str(src), "-o", str(root / "stats"), "--overwrite", *common]
-    commands = os.environ.get("COMMANDS", "calibrate,eval,reap").split(",")
-    if os.environ.get("FLOOR", "1") == "1":
+    commands = a.commands
+    if not a.no_floor:
         res["floor"] = floor()
     if "calibrate" in commands:
-        if os.environ.get("COLD", "1") == "1":
+        if not a.hot_only:
             res["drop_caches_failed"] = drop_page_cache()
             res["calibrate_cold"] = run_cli("calibrate cold", calibrate, tree, moe_layers)
         res["calibrate_hot"] = run_cli("calibrate hot", calibrate, tree, moe_layers)

@@ -9,14 +9,15 @@ anchor) and the I/O floor.
 On the device machine (wheels of compressed-tensors, llmcompressor, loguru, pydantic* in .whl/,
 anchor_convert.py + stub/ copied to .bench/):
     pip install --no-index --no-deps --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site
-    ROOT=/tmp/kbench OUT=$OUT python3 -m benchmarks convert full 2>&1 | tee $OUT/log_full.txt
+    python3 -m benchmarks convert full --root /tmp/kbench --out-dir $OUT 2>&1 \\
+        | tee $OUT/log_full.txt
 
 `full` runs `anchor_convert.py` (shared/bench; it builds ROOT/src, a full-size synthetic
 Kimi-K2-Thinking shard set, and times the anchor, the cold read floor and the write floor),
 then, in the same run and on the same disk, a concurrent read+write floor and kconvert
 (`--device cuda` with `--block-scale mse` and `amax`, then `int4-to-mxfp4 --device cuda` (AMD
-Quark's layout) with its default `amax` and with `mse` unless MXFP4=0, then `--device cpu` mse
-on the same set),
+Quark's layout) with its default `amax` and with `mse` unless --no-mxfp4, then `--device cpu`
+mse on the same set),
 each in its own process with the page cache dropped first, and last the CPU per-matrix
 comparison of `smoke` step 3 (the CUDA runs are left out on a machine without a GPU). Every
 kconvert run is timed in-process (after imports, like the anchor; on the CPU also after
@@ -29,45 +30,45 @@ main_wait_put (compute waiting on the full result queue), hash_item (hasher thre
 writer_item (writer busy), writer_wait_get (writer idle), writer_wait_hash, pwrite, fsync,
 and the phases phase_read_shape_values, phase_build_work_plan, phase_execute, plus, from when
 the run events came, phase_until_plan, phase__finish and phase_write_manifest (`run_phases`).
-DIMS=tiny makes `full` build and convert a tiny set (MOE_LAYERS=1: seconds), a check of the
-script and of the event plumbing rather than a benchmark.
+--dims tiny makes `full` build and convert a tiny set (--moe-layers 1: seconds), a check of
+the script and of the event plumbing rather than a benchmark.
 
 `smoke` converts the bundled fixture on CPU and CUDA (int4-to-nvfp4, and int4-to-mxfp4 with
 the routers) and compares every output byte, does the
 same on a shard of full-size experts, times kconvert's compute per expert matrix on the GPU
-and the CPU in-process, times a DIMS=tiny anchor set, and measures CPU throughput per expert
-matrix of both tools (CUDA hidden), end to end on shards of 8 and 64 full-size INT4 experts
+and the CPU in-process, times a tiny anchor set (unless --no-smoke-tiny), and measures CPU
+throughput per expert matrix of both tools (CUDA hidden), end to end on shards of 8 and 64
+(--cpu-sizes) full-size INT4 experts
 (per matrix = the slope between the two, which removes start-up costs) and in-process.
 
-`cast` builds the anchor's INT4 set (DIMS=full, tiny or small; MOE_LAYERS) in ROOT/src unless
-it is there, its MXFP4 twin ROOT/mx-src (benchmarks.synthetic.mxfp4_set: compressed-tensors'
+`cast` builds the anchor's INT4 set (--dims full, tiny or small; --moe-layers) in ROOT/src
+unless it is there, its MXFP4 twin ROOT/mx-src (benchmarks.synthetic.mxfp4_set: compressed-tensors'
 mxfp4-pack-quantized experts, Kimi-K3's format), then times `kconvert mxfp4-to-nvfp4` (the
 exact cast, `quantize --cast exact`) cold, each in its own process: `--device cuda` in both
-NVFP4 formats where there is a GPU, then `--device cpu`; and the concurrent copy of the same
-bytes (read ROOT/mx-src while writing the cast's output size), with each run's wall over it
-(issue 37 asks for at most 1.1x on the device). DIMS=tiny runs it on a CPU in seconds.
+NVFP4 formats where there is a GPU, then `--device cpu` (unless --no-cpu); and the concurrent
+copy of the same bytes (read ROOT/mx-src while writing the cast's output size), with each
+run's wall over it (issue 37 asks for at most 1.1x on the device). --dims tiny runs it on a
+CPU in seconds.
 
 Earlier rounds emulated engine changes before they landed (modes `tune` and `tune2` at commit
 55ee068 and before; their results are in benchmarks/results/README.md). A child's peak RSS is
 its VmHWM (`vmhwm_gb`, its own figure) and the harness's `peak_rss_gb` (its launcher's wait4).
 
-Env: ROOT (scratch, default /tmp/kbench), OUT (result folder, default /tmp/kbench-out),
-ANCHOR_SCRIPT (default .bench/anchor_convert.py, else shared/bench/anchor_convert.py),
-DEADLINE_S (skip optional steps after this many seconds; default 540), CPU_SIZES (expert
-counts of the two CPU shards, default 8,64).
+anchor_convert.py is .bench/anchor_convert.py, else shared/bench/anchor_convert.py in or
+beside this repository (ANCHOR_SCRIPT names another: benchmarks.synthetic.anchor_script).
 
 The fused CPU kernels are compiled by numba on first use and cached next to the module (11.5 s
 on the H200 machine, once per install); before any timed CPU run, `warm_cpu_kernels` converts
 the bundled fixture on the CPU once and records that first run's time, so no timing includes
 the compile.
-Results: OUT/convert_<device>_<date>_<code>_<mode>.json (everything, plus ratios) and the
+Results: OUT_DIR/convert_<device>_<date>_<code>_<mode>.json (everything, plus ratios) and the
 anchor's anchor.json.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import os
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -77,7 +78,9 @@ from benchmarks import convert_children, inprocess, io_floor
 from benchmarks.harness import (
     REPO,
     Timer,
+    arguments,
     child_env,
+    comma_ints,
     drop_page_cache,
     log,
     record,
@@ -88,6 +91,7 @@ from benchmarks.harness import (
 from benchmarks.outputs import compare_dirs
 from benchmarks.synthetic import (
     FIXTURE,
+    add_anchor_dims,
     anchor_script,
     anchor_set,
     anchor_stub,
@@ -102,6 +106,7 @@ class Run:
     mode: str
     root: Path
     timer: Timer
+    args: argparse.Namespace
     res: dict = field(default_factory=dict)
     path: Path | None = None
 
@@ -141,11 +146,11 @@ def kc_args(src: Path, dst: Path, device: str, bs: str | None, extra=(),
     return a + (["--block-scale", bs] if bs else [])
 
 
-def timed_kc(src: Path, dst: Path, device: str, bs: str | None, env=None, extra=(),
-             command: str = "int4-to-nvfp4") -> dict:
-    """A cold-cache kconvert run into a fresh `dst`."""
+def timed_kc(src: Path, dst: Path, device: str, bs: str | None, keep_cache: bool, env=None,
+             extra=(), command: str = "int4-to-nvfp4") -> dict:
+    """A cold-cache (unless `keep_cache`) kconvert run into a fresh `dst`."""
     rm(dst)
-    cold = drop_page_cache() is None
+    cold = drop_page_cache(keep_cache) is None
     r = child(kc_args(src, dst, device, bs, extra, command), env=env, gpu=device != "cpu")
     r["drop_caches_ok"] = cold
     r["out_bytes"] = du(dst) if dst.exists() else None
@@ -173,7 +178,7 @@ def cpu_comparison(run: Run) -> dict:
     warm_cpu_kernels(run)
     root = run.root
     anchor_env = child_env(REPO, anchor_stub(), CUDA_VISIBLE_DEVICES="")
-    sizes = tuple(int(x) for x in os.environ.get("CPU_SIZES", "8,64").split(","))
+    sizes = tuple(run.args.cpu_sizes)
     res: dict = {"sets": {}, "sizes": sizes}
     for n in sizes:
         res["sets"][n] = expert_set(root / f"cpu{n}", n)
@@ -266,8 +271,8 @@ def smoke(run: Run) -> None:
                 full8.get(f"compare_{bs}"))
         res["full_experts_cpu_vs_cuda"] = full8
         run.save()
-    # 5. DIMS=tiny anchor set: anchor + floors (anchor_convert) and kconvert on the same src.
-    if not run.timer.late() and os.environ.get("SMOKE_TINY", "1") == "1":
+    # 5. A tiny anchor set: anchor + floors (anchor_convert) and kconvert on the same src.
+    if not run.timer.late() and not run.args.no_smoke_tiny:
         tiny = root / "tiny"
         p = run_child([sys.executable, anchor_script()], merge=True, env=child_env(
             DIMS="tiny", MOE_LAYERS="1", WORKERS="1", ROOT=tiny, OUT=tiny / "out"))
@@ -275,8 +280,8 @@ def smoke(run: Run) -> None:
                               if (tiny / "out" / "anchor.json").is_file()
                               else p.output[-2000:])
         dev = "cuda" if has_cuda else "cpu"
-        res["tiny_kc"] = {bs: timed_kc(tiny / "src", tiny / "kc", dev, bs) for bs in ("mse",
-                                                                                    "amax")}
+        res["tiny_kc"] = {bs: timed_kc(tiny / "src", tiny / "kc", dev, bs,
+                                       run.args.keep_page_cache) for bs in ("mse", "amax")}
         for r in res["tiny_kc"].values():
             r.pop("timeline", None)
         log("tiny anchor", res["tiny_anchor"])
@@ -296,8 +301,8 @@ def full(run: Run) -> None:
     # 1. anchor_convert.py: builds ROOT/src, times the anchor (cold) and the floors.
     a_out = root / "anchor_out"
     p = run_child([sys.executable, anchor_script()], merge=True, echo=echo, env=child_env(
-        DIMS=os.environ.get("DIMS", "full"), MOE_LAYERS=os.environ.get("MOE_LAYERS", "1"),
-        WORKERS=os.environ.get("WORKERS", "1"), ROOT=root, OUT=a_out))
+        DIMS=run.args.dims, MOE_LAYERS=str(run.args.moe_layers),
+        WORKERS=str(run.args.workers), ROOT=root, OUT=a_out))
     anchor = json.loads((a_out / "anchor.json").read_text()) if (a_out / "anchor.json"
                                                                 ).is_file() else {}
     anchor["script_wall_s"] = round(p.wall_s, 1)
@@ -312,15 +317,16 @@ def full(run: Run) -> None:
     dst_bytes = anchor.get("dst_bytes") or anchor.get("src_bytes")
     # 2. Concurrent floor: read every source byte while writing the output's bytes.
     if dst_bytes and src.is_dir():
-        cold = drop_page_cache() is None
+        cold = drop_page_cache(run.args.keep_page_cache) is None
         r = child(["_iofloor", str(src), str(root / "floor_conc"), str(dst_bytes)], gpu=False)
         r["drop_caches_ok"] = cold
         res["io_floor_concurrent"] = r
         log("concurrent floor", {k: r.get(k) for k in ("read_s", "write_s", "both_s")})
         run.save()
     # 2b. What the disk does with more requests in flight and O_DIRECT (not a floor).
-    if dst_bytes and src.is_dir() and os.environ.get("IO_PROBE", "1") == "1":
-        r = child(["_ioprobe", str(src), str(root / "probe"), str(dst_bytes)], gpu=False)
+    if dst_bytes and src.is_dir() and not run.args.no_io_probe:
+        r = child(["_ioprobe", str(src), str(root / "probe"), str(dst_bytes),
+                   str(run.args.probe_threads), str(int(run.args.keep_page_cache))], gpu=False)
         r.pop("timeline", None)
         res["io_probe"] = r
         log("io probe", {k: v for k, v in r.items() if k.endswith("_s")})
@@ -331,7 +337,7 @@ def full(run: Run) -> None:
     res["kc"] = {}
     nv, mx = "int4-to-nvfp4", "int4-to-mxfp4"
     variants = [("mse", None, "cuda", nv), ("amax", "amax", "cuda", nv)]
-    if os.environ.get("MXFP4", "1") == "1":
+    if not run.args.no_mxfp4:
         variants += [("mxfp4_amax", None, "cuda", mx), ("mxfp4_mse", "mse", "cuda", mx)]
     variants.append(("mse_cpu", None, "cpu", nv))
     if res["record"]["device"]["kind"] == "cpu":
@@ -343,7 +349,8 @@ def full(run: Run) -> None:
         if device == "cpu":
             warm_cpu_kernels(run)
             env = cpu_env()
-        r = timed_kc(src, root / "kc", device, bs, env=env, command=command)
+        r = timed_kc(src, root / "kc", device, bs, run.args.keep_page_cache, env=env,
+                     command=command)
         r["device"], r["command"] = device, command
         res["kc"][label] = r
         log(f"kconvert {label}", {k: r.get(k) for k in (
@@ -416,8 +423,7 @@ def cast(run: Run) -> None:
     res, root = run.res, run.root
     src = root / "src"
     if not (src / "config.json").is_file():
-        res["src_bytes"] = anchor_set(src, os.environ.get("DIMS", "full"),
-                                      int(os.environ.get("MOE_LAYERS", "1")))
+        res["src_bytes"] = anchor_set(src, run.args.dims, run.args.moe_layers)
     gpu = res["record"]["device"]["kind"] != "cpu"
     made = Timer()
     mx = mxfp4_set(src, root / "mx-src", "cuda" if gpu else "cpu")
@@ -427,14 +433,14 @@ def cast(run: Run) -> None:
     variants = [("exact_cuda", "cuda", ()), ("exact_modelopt_cuda", "cuda",
                                              ("--format", "modelopt")), ("exact_cpu", "cpu", ())]
     for label, device, extra in variants:
-        if (device == "cuda" and not gpu) or (device == "cpu" and os.environ.get("CPU") == "0"):
+        if (device == "cuda" and not gpu) or (device == "cpu" and run.args.no_cpu):
             continue
         env = None
         if device == "cpu":
             warm_cpu_kernels(run)
             env = cpu_env()
-        r = timed_kc(mx, root / "kc", device, None, env=env, extra=extra,
-                     command="mxfp4-to-nvfp4")
+        r = timed_kc(mx, root / "kc", device, None, run.args.keep_page_cache, env=env,
+                     extra=extra, command="mxfp4-to-nvfp4")
         r["device"] = device
         res["kc"][label] = r
         log(f"kconvert {label}", {k: r.get(k) for k in (
@@ -443,7 +449,7 @@ def cast(run: Run) -> None:
     made_bytes = next((r["out_bytes"] for r in res["kc"].values() if r.get("out_bytes")), None)
     rm(root / "kc")
     if made_bytes:
-        cold = drop_page_cache() is None
+        cold = drop_page_cache(run.args.keep_page_cache) is None
         floor = child(["_iofloor", str(mx), str(root / "floor_conc"), str(made_bytes)],
                       gpu=False)
         floor["drop_caches_ok"] = cold
@@ -463,18 +469,31 @@ CHILDREN = {"_kc": inprocess.timed_kconvert, "_anchor": convert_children.anchor,
 
 
 def main(argv: list[str]) -> None:
-    if not argv or argv[0] not in {*MODES, *CHILDREN}:
-        raise SystemExit(__doc__)
-    mode = argv[0]
-    if mode in CHILDREN:
-        CHILDREN[mode](argv[1:])
+    if argv and argv[0] in CHILDREN:
+        CHILDREN[argv[0]](argv[1:])
         return
-    root = Path(os.environ.get("ROOT", "/tmp/kbench"))
+    ap = arguments("convert", __doc__, root="/tmp/kbench", results=True, page_cache=True,
+                   deadline_s=540)
+    ap.add_argument("mode", choices=MODES)
+    add_anchor_dims(ap)
+    ap.add_argument("--workers", type=int, default=1,
+                    help="the anchor's WORKERS in `full` (default: %(default)s)")
+    ap.add_argument("--cpu-sizes", type=comma_ints, default=[8, 64],
+                    help="experts of the two CPU shards (default: 8,64)")
+    ap.add_argument("--no-mxfp4", action="store_true", help="`full` without int4-to-mxfp4")
+    ap.add_argument("--no-io-probe", action="store_true", help="`full` without the I/O probe")
+    ap.add_argument("--probe-threads", type=int, default=4,
+                    help="the I/O probe's threads (default: %(default)s)")
+    ap.add_argument("--no-smoke-tiny", action="store_true",
+                    help="`smoke` without the tiny anchor set")
+    ap.add_argument("--no-cpu", action="store_true", help="`cast` without the CPU run")
+    a = ap.parse_args(argv)
+    root, mode = a.root, a.mode
     root.mkdir(parents=True, exist_ok=True)
-    run = Run(mode, root, Timer(deadline_s=float(os.environ.get("DEADLINE_S", "540"))))
+    run = Run(mode, root, Timer(deadline_s=a.deadline_s), a)
     rec = record("convert", scratch=root)
     run.res.update(record=rec, mode=mode)
-    run.path = result_path(rec, label=mode)
+    run.path = result_path(rec, label=mode, out_dir=a.out_dir)
     log("record", rec)
     run.save()
     MODES[mode](run)

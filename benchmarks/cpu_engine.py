@@ -1,11 +1,11 @@
 """The CPU path end to end per expert matrix, under engine variants: where the time goes.
 
-    ROOT=/tmp/kbench OUT=... VARIANTS=base,every1000000,gil python -m benchmarks cpu_engine
+    python -m benchmarks cpu_engine --variants base,every1000000,gil --root /tmp/kbench
 
-Builds two shards of full-size INT4 experts (CPU_SIZES, default 8 and 32, as
+Builds two shards of full-size INT4 experts (--cpu-sizes, default 8 and 32, as
 synthetic.expert_set makes them), then runs one child process per variant. Each child
-converts the bundled fixture first (numba loads or compiles its kernels), then both shards REPS
-times (default 2) in-process, page cache warm, with `--device cpu`. Per matrix, as the slope
+converts the bundled fixture first (numba loads or compiles its kernels), then both shards
+--reps times (default 2) in-process, page cache warm, with `--device cpu`. Per matrix, as the slope
 between the two shards (start-up costs cancel): wall, compute thread busy (the engine's
 `compute` timing events, kconvert.events), the INT4 -> NVFP4 kernel and the amax kernel (the
 public kernels of kconvert.formats.nvfp4_cpu, wrapped in the child), process CPU time, minor
@@ -24,23 +24,33 @@ gate+up item (2 x 2048x7168), for comparison. Variants (set in the child only):
   r<N>          --readers N
   nt<N>         NUMBA_NUM_THREADS=N
   dyn           numba.set_parallel_chunksize(8): dynamic scheduling
-Prints one JSON line per variant; writes OUT/cpu_engine_<device>_<date>_<code>.json.
+Prints one JSON line per variant; writes OUT_DIR/cpu_engine_<device>_<date>_<code>.json.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
-from pathlib import Path
 
-from benchmarks.harness import REPO, Timer, child_env, log, record, result_path, run_child, save
+from benchmarks.harness import (
+    REPO,
+    Timer,
+    arguments,
+    child_env,
+    comma_ints,
+    comma_list,
+    log,
+    record,
+    result_path,
+    run_child,
+    save,
+)
 from benchmarks.synthetic import FIXTURE, expert_set
 
 # Runs in this repository (its working directory): numba is patched before kconvert loads.
 CHILD = r'''
-import contextlib, json, os, re, resource, statistics, sys, time
-variant, root, fixture, sizes = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+import contextlib, json, re, resource, statistics, sys, time
+variant, root, fixture, sizes, reps = sys.argv[1:6]
 small, large = (int(x) for x in sizes.split(","))
 import numba
 if variant == "gil":
@@ -102,7 +112,7 @@ def convert(src, dst):
             "cpu": ru.ru_utime + ru.ru_stime - ru0.ru_utime - ru0.ru_stime}
 convert(fixture, root + "/warm")
 runs = {small: [], large: []}
-for _ in range(int(os.environ.get("REPS", "2"))):
+for _ in range(int(reps)):
     for n in (small, large):
         runs[n].append(convert(f"{root}/cpu{n}", f"{root}/cpu{n}_out"))
 matrices = 3 * (large - small)
@@ -126,19 +136,25 @@ print("RESULT", json.dumps(out), flush=True)
 
 
 def main(argv: list[str]) -> None:
-    if argv:
-        raise SystemExit(__doc__)
-    root = Path(os.environ.get("ROOT", "/tmp/kbench"))
+    ap = arguments("cpu_engine", __doc__, root="/tmp/kbench", results=True, deadline_s=540)
+    ap.add_argument("--cpu-sizes", type=comma_ints, default=[8, 32],
+                    help="experts of the two shards (default: 8,32)")
+    ap.add_argument("--variants", type=comma_list, default=["base", "every1000000", "gil"],
+                    help="the engine variants above, in order (default: base,every1000000,gil)")
+    ap.add_argument("--reps", type=int, default=2,
+                    help="conversions of both shards per child (default: %(default)s)")
+    a = ap.parse_args(argv)
+    root = a.root
     root.mkdir(parents=True, exist_ok=True)
-    timer = Timer(deadline_s=float(os.environ.get("DEADLINE_S", "540")))
-    sizes = os.environ.get("CPU_SIZES", "8,32")
-    for n in (int(x) for x in sizes.split(",")):
+    timer = Timer(deadline_s=a.deadline_s)
+    sizes = ",".join(map(str, a.cpu_sizes))
+    for n in a.cpu_sizes:
         if not (root / f"cpu{n}" / "config.json").exists():
             expert_set(root / f"cpu{n}", n)
     rec = record("cpu_engine", gpu=False, scratch=root)
-    out = result_path(rec)
+    out = result_path(rec, out_dir=a.out_dir)
     results = []
-    for variant in os.environ.get("VARIANTS", "base,every1000000,gil").split(","):
+    for variant in a.variants:
         if timer.late():
             log("deadline: skipped", variant)
             continue
@@ -147,7 +163,7 @@ def main(argv: list[str]) -> None:
             extra["NUMBA_NUM_THREADS"] = variant[2:]
         if variant == "gil":
             extra["NUMBA_CACHE_DIR"] = str(root / "numba_gil")
-        c = run_child([sys.executable, "-c", CHILD, variant, root, FIXTURE, sizes],
+        c = run_child([sys.executable, "-c", CHILD, variant, root, FIXTURE, sizes, a.reps],
                       env=child_env(CUDA_VISIBLE_DEVICES="", **extra), cwd=REPO)
         r = c.result or {"variant": variant, "err": c.stderr[-1500:]}
         r["process_s"] = round(c.wall_s, 1)

@@ -3,23 +3,20 @@
 Builds synthetic.kimi_set's Kimi-K2-Thinking-shaped INT4 checkpoint (layer 0 dense, layer 1
 MoE with 384 INT4 experts, MLA attention, a 16k vocabulary), converts it with `int4-to-nvfp4`,
 then in one process times `calibrate` on the INT4 source and `evaluate` (INT4 source vs its
-NVFP4 output) on the same SEQS x SEQ random tokens. Prints one JSON line (also written to
-OUT): seconds per layer of each, the MoE layer's eval/calibrate ratio (target <= 2), peak GPU
-memory and peak host RSS of each phase.
+NVFP4 output) on the same --seqs x --seq random tokens. Prints one JSON line (also written
+to --out-dir): seconds per layer of each, the MoE layer's eval/calibrate ratio (target <= 2),
+peak GPU memory and peak host RSS of each phase.
 
 Device (H200, ~4 min):
-    ROOT=/tmp/kbench OUT=$OUT python -m benchmarks eval
+    python -m benchmarks eval --root /tmp/kbench --out-dir $OUT
 CPU smoke test (tiny dims, seconds):
     python -m benchmarks eval --tiny
-
-Env as `calibrate`: ROOT, OUT, SEQS (256), SEQ (2048), BATCH (8), DIMS.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -28,13 +25,14 @@ from benchmarks.harness import (
     Timer,
     arguments,
     now,
+    parse,
     record,
     reset_vmhwm,
     result_path,
     save,
     vmhwm_bytes,
 )
-from benchmarks.synthetic import TINY, dims_from_env, kimi_set, random_ids
+from benchmarks.synthetic import TINY, add_dims, kimi_set, random_ids
 
 
 def reset_peaks(dev: str) -> None:
@@ -51,9 +49,15 @@ def peaks(dev: str) -> dict[str, float | None]:
 
 
 def main(argv: list[str]) -> None:
-    ap = arguments("eval", __doc__)
-    ap.add_argument("--tiny", action="store_true", help="tiny dims on the CPU (a check)")
-    a = ap.parse_args(argv)
+    ap = arguments("eval", __doc__, root="/tmp/kbench", results=True)
+    ap.add_argument("--tiny", action="store_true",
+                    help="tiny dims and data on the CPU (a check), in /tmp/kbench-eval-tiny")
+    add_dims(ap, moe_layers=None)
+    ap.add_argument("--seqs", type=int, default=256, help="sequences (default: %(default)s)")
+    ap.add_argument("--seq", type=int, default=2048, help="tokens each (default: %(default)s)")
+    ap.add_argument("--batch", type=int, default=8, help="batch size (default: %(default)s)")
+    a = parse(ap, argv, tiny={"dims": TINY, "seqs": 4, "seq": 32, "batch": 2,
+                              "root": Path("/tmp/kbench-eval-tiny")})
     from kconvert.calibrate.plan import forward_plan
     from kconvert.calibrate.run import measure_stats
     from kconvert.convert import RunControl, convert
@@ -63,13 +67,7 @@ def main(argv: list[str]) -> None:
     from kconvert.io.checkpoint import open_checkpoint
     from kconvert.recipes import load_recipe
 
-    if a.tiny:
-        os.environ.update(SEQS="4", SEQ="32", BATCH="2")
-        os.environ.setdefault("ROOT", "/tmp/kbench-eval-tiny")
-    root = Path(os.environ.get("ROOT", "/tmp/kbench"))
-    seqs, seq, batch = (int(os.environ.get(k, d)) for k, d in
-                        (("SEQS", 256), ("SEQ", 2048), ("BATCH", 8)))
-    dims = TINY if a.tiny else dims_from_env()
+    root, seqs, seq, batch, dims = a.root, a.seqs, a.seq, a.batch, a.dims
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     rec = record("eval", gpu=dev == "cuda", scratch=root)
     made = Timer()
@@ -107,4 +105,4 @@ def main(argv: list[str]) -> None:
     source.close()
     candidate.close()
     print(json.dumps({k: v for k, v in res.items() if k != "record"}))
-    save(res, result_path(rec))
+    save(res, result_path(rec, out_dir=a.out_dir))

@@ -1,25 +1,25 @@
 """One GPU memory budget for every GPU command (issue 26 item 3, docs/gpu-memory.md) on the
 full-size one-MoE-layer set, in one device call.
 
-Device (one H100 80 GB; DEADLINE_S (510 s) ends a call within 9 minutes, the set included; the
-whole list is estimated at 9-11 minutes, so a second call with the same line on the same held
-machine may be needed for the last runs):
-    ROOT=/tmp/kbench python3 -m benchmarks gpu_memory $OUT/bench_gpu_memory.json
+Device (one H100 80 GB; --deadline-s (510 s) ends a call within 9 minutes, the set included;
+the whole list is estimated at 9-11 minutes, so a second call with the same line on the same
+held machine may be needed for the last runs):
+    python3 -m benchmarks gpu_memory $OUT/bench_gpu_memory.json --root /tmp/kbench
 CPU smoke test (tiny dims, --device cpu, a few minutes):
     python -m benchmarks gpu_memory --tiny /tmp/bench_gpu_memory_tiny.json
 
 Builds (or reuses) synthetic.kimi_set in ROOT/calib-src (layer 0 dense, layer 1 MoE with 384
-INT4 experts, Kimi-K2 shapes, a 16k vocabulary) and SEQS (128) random sequences of SEQ (2048)
-tokens, then runs each command in its own process through the command line, at its default
-options (but the data, and OBS_SAMPLES (16) calibration sequences for sparsegpt and gptq), once
-at the default budget and once under --gpu-memory 40GiB (BUDGETS):
+INT4 experts, Kimi-K2 shapes, a 16k vocabulary) and --seqs (128) random sequences of --seq
+(2048) tokens, then runs each command in its own process through the command line, at its
+default options (but the data, and --obs-samples (16) calibration sequences for sparsegpt and
+gptq), once at the default budget and once under --gpu-memory 40GiB (--budgets):
   sparsify --pattern p48 --method sparsegpt, int4-to-nvfp4 --method gptq, calibrate,
   eval (SRC against itself), reap --data --prune-ratio 0.5;
 and two induced out-of-memory cases of sparsify --method sparsegpt, each expecting one
 `kconvert: error:` line (run with --quiet), exit 1 and no manifest:
   oom-refused  --gpu-memory just below the least plan (one sequence per forward step, one
                expert per OBS batch; computed here by kconvert.gpu_plan): refused up front
-  oom-runtime  --gpu-memory 40GiB with HOG_GIB (36) GiB taken in the process before the
+  oom-runtime  --gpu-memory 40GiB with --hog-gib (36) GiB taken in the process before the
                command starts (memory the plan does not know of): the allocator runs out
                mid-run (GPU only)
 Per run: exit code, wall seconds, peak RSS, the budget (resolved in the command's process, as
@@ -30,23 +30,20 @@ own process; an atexit hook reports the figures when the command exits), the `-v
 "GPU memory: peak" line, nvidia-smi's peak memory.used of the card (the CUDA context and
 memory outside torch's allocator included), the command's notes and last lines, and for
 conversions whether DST holds a manifest. The JSON is rewritten after every run; a run that
-would start too close to DEADLINE_S (510 s after the start) is skipped and recorded, and the
+would start too close to --deadline-s (510 s after the start) is skipped and recorded, and the
 same command line on the same (still held) machine runs only what is missing (the set and
 ROOT/bench_gpu_memory.state.json are still there), writing every run to the JSON.
-`COMMANDS=gptq-linears` runs int4-to-nvfp4 --method gptq --targets experts,attention,dense_mlp
+`--commands gptq-linears` runs int4-to-nvfp4 --method gptq --targets experts,attention,dense_mlp
 (the attention and dense-MLP Hessians from forward hooks), only when named; likewise
 `learned-p48` (sparsify --method learned), `learned-nvfp4` (int4-to-nvfp4 --method learned),
 each at default options with its -v per-layer phase lines kept, and `calibrate-only` (their
 calibration alone: 128 sequences, what they run before training).
-Env: ROOT, SEQS, SEQ, OBS_SAMPLES, BUDGETS (default,40GiB), COMMANDS, OOM (0: without the
-two induced failures), HOG_GIB, DEADLINE_S, TIMEOUT (per run, 300 s).
 """
 
 from __future__ import annotations
 
 import atexit
 import json
-import os
 import re
 import shutil
 import sys
@@ -58,13 +55,15 @@ from benchmarks.harness import (
     Timer,
     arguments,
     child_env,
+    comma_list,
+    parse,
     record,
     report,
     result_path,
     run_child,
     save,
 )
-from benchmarks.synthetic import TINY, dims_from_env, kimi_set, random_ids, write_ids
+from benchmarks.synthetic import TINY, add_dims, kimi_set, random_ids, write_ids
 
 # Rough seconds of each run on one H100 (a run is skipped when less than this is left).
 EXPECT_S = {"calibrate": 35, "eval": 40, "reap": 45, "sparsify": 90, "gptq": 110,
@@ -179,23 +178,38 @@ def main(argv: list[str]) -> None:
     if argv[:1] == ["--child"]:
         child(int(argv[1]), argv[3:])
         return
-    ap = arguments("gpu_memory", __doc__)
-    ap.add_argument("out", nargs="?", help="JSON results file (default: in OUT)")
-    ap.add_argument("--tiny", action="store_true", help="tiny dims on the CPU (a check)")
-    args = ap.parse_args(argv)
-    timer = Timer(deadline_s=float(os.environ.get("DEADLINE_S", 510)))
-    if args.tiny:
-        os.environ.update(SEQS="4", SEQ="32")
-        os.environ.setdefault("ROOT", "/tmp/kbench-tiny")
+    ap = arguments("gpu_memory", __doc__, root="/tmp/kbench", results=True, deadline_s=510)
+    ap.add_argument("out", nargs="?", help="JSON results file (default: in --out-dir)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="tiny dims and data on the CPU (a check), in /tmp/kbench-tiny")
+    add_dims(ap, moe_layers=None)
+    ap.add_argument("--seqs", type=int, default=128, help="sequences (default: %(default)s)")
+    ap.add_argument("--seq", type=int, default=2048, help="tokens each (default: %(default)s)")
+    ap.add_argument("--obs-samples", type=int,
+                    help="calibration sequences of sparsegpt and gptq (default: 16, at most "
+                         "--seqs)")
+    ap.add_argument("--budgets", type=comma_list, default=["default", "40GiB"],
+                    help="the --gpu-memory of each run, `default` for none "
+                         "(default: default,40GiB)")
+    ap.add_argument("--commands", type=comma_list,
+                    help="the runs by name (default: sparsify,gptq,calibrate,eval,reap)")
+    ap.add_argument("--no-oom", action="store_true", help="without the two induced failures")
+    ap.add_argument("--hog-gib", type=float, default=36,
+                    help="GiB taken before oom-runtime's command starts (default: %(default)s)")
+    ap.add_argument("--timeout", type=float, default=300,
+                    help="seconds each run may take (default: %(default)s)")
+    args = parse(ap, argv, tiny={"dims": TINY, "seqs": 4, "seq": 32,
+                                 "root": Path("/tmp/kbench-tiny")})
+    timer = Timer(deadline_s=args.deadline_s)
     import torch
 
-    root = Path(os.environ.get("ROOT", "/tmp/kbench"))
+    root = args.root
     root.mkdir(parents=True, exist_ok=True)
-    dims = TINY if args.tiny else dims_from_env()
+    dims = args.dims
     src = kimi_set(root, dims)
     make_s = round(timer.elapsed(), 1)
-    seqs, seq = int(os.environ.get("SEQS", 128)), int(os.environ.get("SEQ", 2048))
-    obs_samples = int(os.environ.get("OBS_SAMPLES", min(16, seqs)))
+    seqs, seq = args.seqs, args.seq
+    obs_samples = args.obs_samples or min(16, seqs)
     data = write_ids(root / f"gpu-memory-{seqs}x{seq}.jsonl", random_ids(seqs, seq, dims.vocab))
     gpu = torch.cuda.is_available() and not args.tiny
     device = [] if gpu else ["--device", "cpu"]
@@ -225,24 +239,23 @@ def main(argv: list[str]) -> None:
         "calibrate-only": ["calibrate", str(src), *d, "--samples", "128", "-o",
                            str(out_dir / "stats-128"), "--overwrite"],
     }
-    wanted = os.environ.get("COMMANDS")
-    if wanted:
-        commands = {k: v for k, v in commands.items() if k in wanted.split(",")}
+    if args.commands:
+        commands = {k: v for k, v in commands.items() if k in args.commands}
     else:  # beyond issue 26's five: asked for by name
         for name in ("gptq-linears", "learned-p48", "learned-nvfp4", "calibrate-only"):
             del commands[name]
-    budgets = os.environ.get("BUDGETS", "default,40GiB").split(",")
+    budgets = args.budgets
     least = least_budget(src, obs_samples, seq)
     oom = ["sparsify", str(src), str(dsts["oom"]), "--pattern", "p48", "--method", "sparsegpt",
            *obs_d, "--quiet"]
     # (name, argv, hog bytes, DST); on the CPU a budget is planned only for a dry run
     runs = [("oom-refused", [*oom, "--gpu-memory", str(least - (64 << 20)),
                              *([] if gpu else ["--dry-run"])], 0, dsts["oom"])]
-    if os.environ.get("OOM", "1") == "0":  # the induced failures only where asked for
+    if args.no_oom:
         runs = []
     elif gpu:
         runs.append(("oom-runtime", [*oom, "--gpu-memory", "40GiB"],
-                     int(float(os.environ.get("HOG_GIB", 36)) * GIB), dsts["oom"]))
+                     int(args.hog_gib * GIB), dsts["oom"]))
     for name, argv_ in commands.items():
         for budget in budgets:
             extra = [] if budget == "default" else ["--gpu-memory", budget]
@@ -251,9 +264,9 @@ def main(argv: list[str]) -> None:
     result: dict = {"record": rec, "device": rec["device"]["name"], "make_s": make_s,
                     "seqs": seqs, "seq_len": seq, "obs_samples": obs_samples,
                     "least_sparsify_budget": least, "runs": []}
-    out = result_path(rec, args.out)
-    # What an earlier call on this machine measured (ROOT survives while the machine is held):
-    # the same command line goes on where DEADLINE_S stopped it.
+    out = result_path(rec, args.out, out_dir=args.out_dir)
+    # What an earlier call on this machine measured (--root survives while the machine is
+    # held): the same command line goes on where --deadline-s stopped it.
     state = root / "bench_gpu_memory.state.json"
     earlier: dict = {}
     if state.is_file():
@@ -265,11 +278,11 @@ def main(argv: list[str]) -> None:
         if name in earlier:
             got = {**earlier[name], "earlier_call": True}
         elif gpu and timer.late(EXPECT_S[name.split("@")[0]]):
-            got = {"run": name, "skipped": f"{timer.left():.0f} s left of DEADLINE_S "
+            got = {"run": name, "skipped": f"{timer.left():.0f} s left of --deadline-s "
                                            f"{timer.deadline_s:.0f}"}
         else:
             got = run(name, [*argv_, *device],
-                      min(float(os.environ.get("TIMEOUT", 300)), max(timer.left(), 30)), hog,
+                      min(args.timeout, max(timer.left(), 30)), hog,
                       dst)
         result["runs"].append(got)
         for path in (out, state):

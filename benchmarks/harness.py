@@ -36,6 +36,7 @@ PACKAGES = ("torch", "safetensors", "compressed-tensors", "llmcompressor", "numb
 CODE_PATHS = ("kconvert", "benchmarks", "pipelines", "manifests", "pyproject.toml",
               ":(exclude)benchmarks/results")
 GIB = 1 << 30
+OUT_DIR = Path("/tmp/kbench-out")  # where results go unless a bench is given a file
 
 
 def log(*args: object) -> None:
@@ -162,14 +163,10 @@ def result_name(rec: dict, label: str | None = None) -> str:
     return "_".join([*parts, *([label] if label else [])]) + ".json"
 
 
-def out_dir() -> Path:
-    """Where results go unless a bench is given a file: $OUT, else /tmp/kbench-out."""
-    return Path(os.environ.get("OUT") or "/tmp/kbench-out")
-
-
-def result_path(rec: dict, given: str | Path | None = None, label: str | None = None) -> Path:
-    """`given` when the command line names a file, else out_dir() / result_name(rec, label)."""
-    return Path(given) if given else out_dir() / result_name(rec, label)
+def result_path(rec: dict, given: str | Path | None = None, label: str | None = None,
+                out_dir: Path = OUT_DIR) -> Path:
+    """`given` when the command line names a file, else out_dir / result_name(rec, label)."""
+    return Path(given) if given else out_dir / result_name(rec, label)
 
 
 def save(result: dict, path: Path) -> Path:
@@ -251,12 +248,12 @@ class Timer:
 # ------------------------------------------------------------------ the page cache
 
 
-def drop_page_cache() -> str | None:
+def drop_page_cache(keep: bool = False) -> str | None:
     """Write dirty pages out and empty the page cache (root only): None when done, else why
-    not. DROP_CACHES=0 keeps the cache (a check on a shared machine, where dropping it slows
-    everyone)."""
-    if os.environ.get("DROP_CACHES", "1") == "0":
-        return "DROP_CACHES=0"
+    not. `keep` (--keep-page-cache) keeps the cache (a check on a shared machine, where
+    dropping it slows everyone)."""
+    if keep:
+        return "--keep-page-cache"
     try:
         os.sync()
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
@@ -484,7 +481,49 @@ class GpuSampler:
                 "util_series_pct": util[::2]}
 
 
-def arguments(bench: str, doc: str | None) -> argparse.ArgumentParser:
-    """The argument parser of `python -m benchmarks BENCH`, its docstring as the description."""
-    return argparse.ArgumentParser(prog=f"python -m benchmarks {bench}", description=doc,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments(bench: str, doc: str | None, *, root: str | None = None, results: bool = False,
+              page_cache: bool = False, deadline_s: float | None = None
+              ) -> argparse.ArgumentParser:
+    """The argument parser of `python -m benchmarks BENCH`, its docstring as the description,
+    with the options benches share: --root (its scratch directory, default `root`),
+    --out-dir (where `results` go unless a file is named), --keep-page-cache (a bench that
+    drops the `page_cache`) and --deadline-s (skip later steps after `deadline_s`)."""
+    ap = argparse.ArgumentParser(prog=f"python -m benchmarks {bench}", description=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    if root is not None:
+        ap.add_argument("--root", type=Path, default=Path(root),
+                        help="scratch directory: synthetic sets, data, outputs "
+                             "(default: %(default)s)")
+    if results:
+        ap.add_argument("--out-dir", type=Path, default=OUT_DIR,
+                        help="where the result is written unless a file is named "
+                             "(default: %(default)s)")
+    if page_cache:
+        ap.add_argument("--keep-page-cache", action="store_true",
+                        help="never drop the page cache (a check on a shared machine, where "
+                             "dropping it slows everyone)")
+    if deadline_s is not None:
+        ap.add_argument("--deadline-s", type=float, default=deadline_s,
+                        help="skip later steps after this many seconds (default: %(default)s)")
+    return ap
+
+
+def parse(ap: argparse.ArgumentParser, argv: Sequence[str],
+          tiny: dict[str, Any] | None = None) -> argparse.Namespace:
+    """`argv` parsed by `ap`; with --tiny, the defaults `tiny` names are replaced by its values
+    (a CPU check in seconds), and an option given on the command line still wins."""
+    args = ap.parse_args(argv)
+    if tiny and getattr(args, "tiny", False):
+        ap.set_defaults(**tiny)
+        args = ap.parse_args(argv)
+    return args
+
+
+def comma_list(text: str) -> list[str]:
+    """An argparse type: `a,b,c` as ["a", "b", "c"]."""
+    return [x for x in text.split(",") if x]
+
+
+def comma_ints(text: str) -> list[int]:
+    """An argparse type: `8,64` as [8, 64]."""
+    return [int(x) for x in comma_list(text)]

@@ -66,11 +66,12 @@ def iofloor(argv: list[str]) -> None:
 
 def ioprobe(argv: list[str]) -> None:
     """How this disk reads and writes with more I/O in flight, and without the page cache:
-    buffered vs O_DIRECT reads of every source byte (PROBE_THREADS threads, 16 MiB requests),
-    and O_DIRECT writes of `nbytes` (each 1 GiB file rounded up to 16 MiB) alone and at the
-    same time as O_DIRECT reads. The page cache is dropped before each phase (needs root)."""
+    buffered vs O_DIRECT reads of every source byte (argv's THREADS threads, 16 MiB
+    requests), and O_DIRECT writes of `nbytes` (each 1 GiB file rounded up to 16 MiB) alone
+    and at the same time as O_DIRECT reads. The page cache is dropped before each phase (needs
+    root) unless KEEP is 1. argv: SRC DST NBYTES THREADS KEEP."""
     src, dst, nbytes = Path(argv[0]), Path(argv[1]), int(argv[2])
-    threads, chunk = int(os.environ.get("PROBE_THREADS", "4")), 16 << 20
+    threads, keep, chunk = int(argv[3]), argv[4] == "1", 16 << 20
     files = sorted(src.glob("*.safetensors"))
     jobs = [(f, off) for f in files for off in range(0, f.stat().st_size, chunk)]
     res: dict = {"threads": threads, "chunk_mib": chunk >> 20,
@@ -116,7 +117,7 @@ def ioprobe(argv: list[str]) -> None:
     timer = Timer()
 
     def timed(label: str, *fns: Callable[[], None]) -> None:
-        drop_page_cache()
+        drop_page_cache(keep)
         timer(label, together, *fns)
 
     timed("read_buffered_s", lambda: reads(False))

@@ -2,43 +2,39 @@
 
 On a 4-GPU kind (nvidia-h100-x4), in two calls (one call's 10 minutes do not hold every part;
 the second builds a two-MoE-layer set, ~30 s, so that GPTQ's second layer is a steady one):
-    ROOT=/tmp/kbench RANKS=1,2,4 PARTS=calibrate python3 -m benchmarks multi_gpu \\
-        $OUT/multi_gpu_calibrate.json
-    ROOT=/tmp/kbench RANKS=1,2,4 PARTS=gptq,reap,eval MOE_LAYERS=2 python3 -m benchmarks \\
-        multi_gpu $OUT/multi_gpu_gptq.json
+    python3 -m benchmarks multi_gpu $OUT/multi_gpu_calibrate.json --root /tmp/kbench \\
+        --ranks 1,2,4 --parts calibrate
+    python3 -m benchmarks multi_gpu $OUT/multi_gpu_gptq.json --root /tmp/kbench \\
+        --ranks 1,2,4 --parts gptq,reap,eval --moe-layers 2
 CPU check (tiny dims, gloo, 1 and 2 ranks; a few minutes here):
     python -m benchmarks multi_gpu --tiny /tmp/multi_gpu_tiny.json
 
 Each run is a `python -m kconvert` process (plain for 1 rank, torchrun for N: one rank per GPU,
 NCCL), timed whole, with -v; rank 0's per-layer lines give the MoE layer's seconds. Parts, on
-synthetic.kimi_set's full-size set (MLA, 384 INT4 experts; MOE_LAYERS MoE layers, default 1),
+synthetic.kimi_set's full-size set (MLA, 384 INT4 experts; --moe-layers, default 1),
 page cache warm:
-- calibrate at each TOKENS (default 0.5M and 2M: 256 and 1024 x 2048 input_ids): process wall,
+- calibrate at each --tokens (default 0.5M and 2M: 256 and 1024 x 2048 input_ids): process wall,
   MoE-layer seconds, scaling efficiency t1 / (N tN) of the MoE layer and of the process, and
   the statistics of N ranks against 1 (largest relative difference, and how many tensors are
   bit-equal). `faster_than_one` says whether N ranks beat one: the crossover the -v note of an
   expert-parallel calibration is about (calibrate.expert_ranks.MIN_TOKENS_PER_RANK).
-- gptq: `quantize --method gptq` on GPTQ_SEQS sequences (default 128 x 2048): process wall,
+- gptq: `quantize --method gptq` on --gptq-seqs sequences (default 128 x 2048): process wall,
   MoE-layer seconds (rank 0's -v "OBS layer" line of the last MoE layer: the calibration
-  forward its engine waited for, then the OBS solve of the rank's experts; with MOE_LAYERS=2
+  forward its engine waited for, then the OBS solve of the rank's experts; with --moe-layers 2
   the second layer is a steady-state one), efficiency, output bytes against 1 rank.
-- reap: `reap --data` on the first TOKENS entry: wall, efficiency, same kept experts.
-- eval: the set against its `int4-to-nvfp4` conversion (made once, 1 rank) on EVAL_SEQS
+- reap: `reap --data` on the first --tokens entry: wall, efficiency, same kept experts.
+- eval: the set against its `int4-to-nvfp4` conversion (made once, 1 rank) on --eval-seqs
   sequences (default 128): wall, efficiency, every metric equal to 1 rank's.
-- convert: int4-to-nvfp4 of synthetic.expert_set's full-size routed experts split in SHARDS
+- convert: int4-to-nvfp4 of synthetic.expert_set's full-size routed experts split in --shards
   (needs ../shared/bench/anchor_convert.py as .bench/, like `convert`), page cache dropped
   before each run, bytes compared.
 NCCL's NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends, inherited and set here).
-
-Env: ROOT, RANKS (default 1,2,4 up to the GPU count), PARTS (calibrate,gptq,reap,eval),
-TOKENS (label:sequences,...), GPTQ_SEQS, EVAL_SEQS, MOE_LAYERS, N_EXPERTS (192), SHARDS (8),
-DEADLINE_S (540: later runs are skipped, the JSON says which), SEQ (2048), BATCH (8), DIMS.
+Past --deadline-s later runs are skipped (the JSON says which).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import sys
@@ -51,7 +47,10 @@ from benchmarks.harness import (
     Timer,
     arguments,
     child_env,
+    comma_ints,
+    comma_list,
     drop_page_cache,
+    parse,
     record,
     result_path,
     run_child,
@@ -61,7 +60,7 @@ from benchmarks.outputs import compare_dirs, same_output
 from benchmarks.synthetic import (
     TINY,
     Dims,
-    dims_from_env,
+    add_dims,
     kimi_set,
     random_ids,
     sharded_expert_set,
@@ -72,6 +71,7 @@ from benchmarks.synthetic import (
 OBS_LINE = re.compile(r"INFO: OBS layer (?P<layer>\d+): (?P<waited>[\d.]+) s waiting for its "
                       r"calibration forward, (?P<solving>[\d.]+) s solving it")
 # NCCL's NVLink multicast off for every rank, as the device machines require.
+PARTS = ("calibrate", "gptq", "reap", "eval")
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -87,6 +87,10 @@ class Bench:
     tokens: dict[str, int]  # label -> sequences
     gptq_seqs: int
     eval_seqs: int
+    n_experts: int  # the convert part's set
+    shards: int
+    eval_repeat: bool
+    keep_page_cache: bool
     timer: Timer
     out: Path
     res: dict
@@ -95,7 +99,7 @@ class Bench:
         save(self.res, self.out)
 
     def past_deadline(self, what: str) -> bool:
-        """True (and `what` recorded as skipped) once DEADLINE_S has passed."""
+        """True (and `what` recorded as skipped) once --deadline-s has passed."""
         if not self.timer.late():
             return False
         self.res.setdefault("skipped", []).append(what)
@@ -105,7 +109,7 @@ class Bench:
         """One command on `ranks` ranks: wall seconds, exit status, the -v layer lines of
         rank 0 and the MoE layers' seconds."""
         if drop:
-            drop_page_cache()
+            drop_page_cache(self.keep_page_cache)
         c = run_child([*launcher(ranks), *args], env=child_env(**NO_MULTICAST), cwd=REPO)
         res: dict = {"ranks": ranks, "rc": c.rc, "wall_s": round(c.wall_s, 2),
                      "peak_rss_gb": c.peak_rss_gb}
@@ -119,7 +123,7 @@ class Bench:
                 "solving": float(m["solving"])} for m in OBS_LINE.finditer(c.stderr)]
         if obs:
             # the last MoE layer's: the forward its engine waited for and its solve (with one
-            # MoE layer the wait holds the start-up and layer 0 too: MOE_LAYERS=2 for GPTQ)
+            # MoE layer the wait holds the start-up and layer 0 too: --moe-layers 2 for GPTQ)
             res["obs_layers"] = obs
             res["moe_layer_s"] = round(obs[-1]["waited"] + obs[-1]["solving"], 2)
         notes = [ln.strip() for ln in c.stderr.splitlines() if "one process may be as fast" in ln]
@@ -294,7 +298,7 @@ def part_eval(b: Bench, src: Path) -> None:
         if ranks > 1 and ranks in reports and 1 in reports:
             r["same_metrics"] = reports[ranks] == reports[1]
             r["metrics_max_rel_diff"] = largest_difference(reports[1], reports[ranks])
-    if 1 in reports and os.environ.get("EVAL_REPEAT") == "1":
+    if 1 in reports and b.eval_repeat:
         # the same 1-rank run again: a difference here is the device's, not the ranks'
         first = reports[1]
         runs[1]["repeat_max_rel_diff"] = (largest_difference(first, reports[1])
@@ -304,7 +308,7 @@ def part_eval(b: Bench, src: Path) -> None:
 
 
 def part_convert(b: Bench) -> None:
-    n, shards = int(os.environ.get("N_EXPERTS", "192")), int(os.environ.get("SHARDS", "8"))
+    n, shards = b.n_experts, b.shards
     src = sharded_expert_set(b.root, n, shards)
     src_bytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
     outs = {}
@@ -327,46 +331,59 @@ def part_convert(b: Bench) -> None:
     b.save()
 
 
-def rank_counts(gpus: int) -> list[int]:
-    """RANKS, else 1, 2, 4 up to the GPU count (at least 1 and 2: gloo on a CPU)."""
-    given = os.environ.get("RANKS")
-    if given:
-        return [int(x) for x in given.split(",")]
-    return [n for n in (1, 2, 4) if n <= max(gpus, 2)]
+def rank_counts(given: list[int] | None, gpus: int) -> list[int]:
+    """`given` (--ranks), else 1, 2, 4 up to the GPU count (at least 1 and 2: gloo on a CPU)."""
+    return given or [n for n in (1, 2, 4) if n <= max(gpus, 2)]
 
 
 def main(argv: list[str]) -> None:
-    ap = arguments("multi_gpu", __doc__)
-    ap.add_argument("out", nargs="?", help="JSON results file (default: in OUT)")
+    ap = arguments("multi_gpu", __doc__, root="/tmp/kbench", results=True, page_cache=True,
+                   deadline_s=540)
+    ap.add_argument("out", nargs="?", help="JSON results file (default: in --out-dir)")
     ap.add_argument("--tiny", action="store_true", help="tiny dims on the CPU, gloo, 1 and 2 "
-                    "ranks")
-    a = ap.parse_args(argv)
-    if a.tiny:
-        for k, v in (("ROOT", "/tmp/kbench-multi-tiny"), ("RANKS", "1,2"), ("SEQ", "32"),
-                     ("BATCH", "2"), ("TOKENS", "small:4,large:16"), ("GPTQ_SEQS", "8"),
-                     ("EVAL_SEQS", "6"), ("PARTS", "calibrate,gptq,reap,eval")):
-            os.environ.setdefault(k, v)
+                    "ranks, in /tmp/kbench-multi-tiny")
+    add_dims(ap)
+    ap.add_argument("--ranks", type=comma_ints,
+                    help="rank counts (default: 1,2,4 up to the GPU count, at least 1,2)")
+    ap.add_argument("--parts", type=comma_list, default=list(PARTS),
+                    help=f"of {','.join(PARTS)}, convert (default: {','.join(PARTS)})")
+    ap.add_argument("--tokens", type=tokens_option, default={"0.5M": 256, "2M": 1024},
+                    help="calibration sizes as label:sequences,... (default: 0.5M:256,2M:1024)")
+    ap.add_argument("--seq", type=int, default=2048, help="tokens each (default: %(default)s)")
+    ap.add_argument("--batch", type=int, default=8, help="batch size (default: %(default)s)")
+    ap.add_argument("--gptq-seqs", type=int, default=128,
+                    help="gptq's sequences (default: %(default)s)")
+    ap.add_argument("--eval-seqs", type=int, default=128,
+                    help="eval's sequences (default: %(default)s)")
+    ap.add_argument("--eval-repeat", action="store_true",
+                    help="run eval on 1 rank twice (the device's own difference)")
+    ap.add_argument("--n-experts", type=int, default=192,
+                    help="routed experts of the convert part's set (default: %(default)s)")
+    ap.add_argument("--shards", type=int, default=8,
+                    help="shards of the convert part's set (default: %(default)s)")
+    a = parse(ap, argv, tiny={"root": Path("/tmp/kbench-multi-tiny"), "ranks": [1, 2],
+                              "dims": TINY, "seq": 32, "batch": 2,
+                              "tokens": {"small": 4, "large": 16}, "gptq_seqs": 8,
+                              "eval_seqs": 6})
     import torch
 
-    timer = Timer(deadline_s=float(os.environ.get("DEADLINE_S", 540)))
-    root = Path(os.environ.get("ROOT", "/tmp/kbench"))
+    timer = Timer(deadline_s=a.deadline_s)
+    root = a.root
     root.mkdir(parents=True, exist_ok=True)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    ranks = rank_counts(torch.cuda.device_count())
-    parts = os.environ.get("PARTS", "calibrate,gptq,reap,eval").split(",")
-    tokens = {label: int(n) for label, n in (item.split(":") for item in os.environ.get(
-        "TOKENS", "0.5M:256,2M:1024").split(","))}
+    ranks = rank_counts(a.ranks, torch.cuda.device_count())
+    parts = a.parts
     rec = record("multi_gpu", gpu=dev == "cuda", scratch=root)
-    b = Bench(root=root, ranks=ranks, dev=dev, dims=TINY if a.tiny else dims_from_env(),
-              seq=int(os.environ.get("SEQ", 2048)), batch=int(os.environ.get("BATCH", 8)),
-              tokens=tokens, gptq_seqs=int(os.environ.get("GPTQ_SEQS", 128)),
-              eval_seqs=int(os.environ.get("EVAL_SEQS", 128)), timer=timer,
-              out=result_path(rec, a.out),
+    b = Bench(root=root, ranks=ranks, dev=dev, dims=a.dims, seq=a.seq, batch=a.batch,
+              tokens=a.tokens, gptq_seqs=a.gptq_seqs, eval_seqs=a.eval_seqs,
+              n_experts=a.n_experts, shards=a.shards, eval_repeat=a.eval_repeat,
+              keep_page_cache=a.keep_page_cache, timer=timer,
+              out=result_path(rec, a.out, out_dir=a.out_dir),
               res={"record": rec, "device": rec["device"]["name"],
                    "gpus": rec["device"]["count"], "ranks": ranks, "calibrate": {}})
     src = None
     if {"calibrate", "gptq", "reap", "eval"} & set(parts):
-        src = kimi_set(root, b.dims, int(os.environ.get("MOE_LAYERS", "1")))
+        src = kimi_set(root, b.dims, a.moe_layers)
         run_child(["sh", "-c", f"cat {src}/*.safetensors > /dev/null"])  # page cache warm
         b.res["make_s"] = round(timer.elapsed(), 1)
     steps = {"calibrate": lambda: part_calibrate(b, src), "gptq": lambda: part_gptq(b, src),
@@ -378,6 +395,11 @@ def main(argv: list[str]) -> None:
     b.save()
     summarize(b.res)
     print("wrote", b.out)
+
+
+def tokens_option(text: str) -> dict[str, int]:
+    """An argparse type: `0.5M:256,2M:1024` as {"0.5M": 256, "2M": 1024}."""
+    return {label: int(n) for label, n in (item.split(":") for item in comma_list(text))}
 
 
 def summarize(res: dict) -> None:

@@ -4,34 +4,34 @@ and SparseGPT side by side, the fused Triton in-block loop against the torch loo
     python3 -m benchmarks obs --json /tmp/kbench-out/bench_obs.json       # H100, ~5 min
     python3 -m benchmarks obs --tiny --json /tmp/bench_obs_tiny.json      # CPU check, ~1 min
 
-    PARTS=inverse,encode python3 -m benchmarks obs --json /tmp/kbench-out/inv.json  # ~1 min
+    python3 -m benchmarks obs --parts inverse,encode --json /tmp/kbench-out/inv.json  # ~1 min
 
-Parts (PARTS=stage,kernel,e2e by default; a JSON line each on stdout, all in --json):
+Parts (--parts, stage,kernel,e2e by default; a JSON line each on stdout, all in --json):
   stage   384 synthetic experts (gate+up as one [4096, 7168] matrix sharing a 7168^2 Hessian,
-          down [7168, 2048] with a 2048^2 one), TOKENS (2800) random routed tokens per expert,
+          down [7168, 2048] with a 2048^2 one), --tokens (2800) random routed tokens per expert,
           in batches sized as the commands size them (obs.experts_per_batch of the OBS share
           of their GPU memory plan at the default budget, `obs_share`):
           rtn       the NVFP4 encode alone (mse block scales)
           gptq      Hessians X^T X + U = chol(H^-1) + the OBS loop without a mask + the
                     comparison with RTN on the same H + the encode
           sparsegpt the same with the p48 mask
-          with the Triton scale-block kernel (KERNEL, default auto: Triton on CUDA: mask,
+          with the Triton scale-block kernel (--kernel, default auto: Triton on CUDA: mask,
           block scale and column loop in one launch per scale block) and, on CUDA, the Triton
           block-scale choice in the RTN comparison and the RTN encode, and the encoder's chunk
           as the engine sizes it (engine.execute.CHUNK_ELEMS); OBS stage seconds,
           per phase (hessian, inverse, loop, rtn_compare, encode), peak GPU memory.
-  kernel  one gate+up batch (KERNEL_EXPERTS, 16) through the loop with the torch path and
+  kernel  one gate+up batch (--kernel-experts, 16) through the loop with the torch path and
           with the Triton kernel, for gptq and sparsegpt: loop seconds of each, and how many
           block codes and W-hat values differ (0 expected: docs/obs.md); and the batch's RTN
           block-scale codes (mse) by torch and by Triton (kconvert.formats.nvfp4_triton):
           seconds of each and codes differing (0 expected).
-  inverse one gate+up batch and one down batch (KERNEL_EXPERTS each): seconds (the smaller
+  inverse one gate+up batch and one down batch (--kernel-experts each): seconds (the smaller
           of two calls) of
           solve_s           prepare_inverse with one leaf (leaf = K): torch's Cholesky and
                             solve_triangular(L, I), the inverse before the GEMM recursion,
                             bit for bit (the damping and flips included)
           gemm_leaf<L>_s    prepare_inverse as it is now (triangular.inverse_cholesky_factor_)
-                            with leaf L of LEAVES (default_leaf: the default)
+                            with leaf L of --leaves (default_leaf: the default)
           cholesky_s, cholesky_looped_s, invert_lower_s   the alternative: torch's Cholesky
                             of the damped H (batched as torch runs it, and looped per expert),
                             then only the inverse from GEMMs (triangular.invert_lower_)
@@ -47,12 +47,10 @@ Parts (PARTS=stage,kernel,e2e by default; a JSON line each on stdout, all in --j
           whole comparison.
   e2e     `kconvert int4-to-nvfp4 --method rtn`, `--method gptq --data` and `kconvert sparsify
           --method sparsegpt --data` on synthetic.kimi_set's full-size one-MoE-layer INT4
-          checkpoint (SEQS x SEQ random tokens, 16 x 2048 by default), each audited
+          checkpoint (--seqs x --seq random tokens, 16 x 2048 by default), each audited
           (`kconvert audit --source`); wall seconds, GPU peak memory (nvidia-smi) and mean
           utilisation; a failed run is recorded (its exit code and last line), not fatal.
 --tiny: a few small experts on the CPU, and e2e on the tiny k2-int4-kimi fixture.
-Env: ROOT (scratch, /tmp/kbench), TOKENS, KERNEL, KERNEL_EXPERTS, SEQS, SEQ, PARTS, LEAVES
-(comma-separated leaf sizes for part inverse, default 64,128,256,512).
 Matrix products in fp32 except obs.output_error's, which runs on TF32 by design (the process
 keeps torch.backends.cuda.matmul.allow_tf32 off; prepare_inverse forces it off).
 """
@@ -73,13 +71,16 @@ from benchmarks.harness import (
     Timer,
     arguments,
     child_env,
+    comma_ints,
+    comma_list,
+    parse,
     record,
     result_path,
     run_child,
     save,
     sync,
 )
-from benchmarks.synthetic import dims_from_env, kimi_set, random_ids, write_ids
+from benchmarks.synthetic import Dims, add_dims, kimi_set, random_ids, write_ids
 from kconvert.engine.execute import CHUNK_ELEMS, gpu_encode
 from kconvert.formats import nvfp4
 from kconvert.methods import obs, sparsegpt, triangular
@@ -338,7 +339,7 @@ def cli(*args: str) -> tuple[float, int, str, int]:
     return round(c.wall_s, 2), c.rc, lines[-1] if lines else "", c.peak_rss_bytes or 0
 
 
-def e2e_part(root: Path, tiny: bool, dev: str) -> dict:
+def e2e_part(root: Path, tiny: bool, dev: str, dims: Dims, seqs: int, seq: int) -> dict:
     if tiny:
         from kconvert.testing.fixture_weights import FixtureDims
         from kconvert.testing.fixtures import make_fixture
@@ -348,11 +349,9 @@ def e2e_part(root: Path, tiny: bool, dev: str) -> dict:
         make_s = 0.0
     else:
         made = Timer()
-        dims = dims_from_env()
         src = kimi_set(root, dims)
         make_s = round(made.elapsed(), 1)
-        seqs, seq, vocab = (int(os.environ.get("SEQS", 16)), int(os.environ.get("SEQ", 2048)),
-                            dims.vocab)
+        vocab = dims.vocab
     data = write_ids(root / "calib.jsonl", random_ids(seqs, seq, vocab))
     calib = ["--data", str(data), "--samples", str(seqs), "--seq-len", str(seq)]
     runs = {"rtn": ["int4-to-nvfp4", "--method", "rtn"],
@@ -387,10 +386,25 @@ def e2e_part(root: Path, tiny: bool, dev: str) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    ap = arguments("obs", __doc__)
+    ap = arguments("obs", __doc__, root="/tmp/kbench", results=True)
     ap.add_argument("--tiny", action="store_true", help="small sizes, CPU (a check)")
-    ap.add_argument("--json", help="where to write the results (default: in OUT)")
-    args = ap.parse_args(argv)
+    ap.add_argument("--json", help="where to write the results (default: in --out-dir)")
+    ap.add_argument("--parts", type=comma_list, default=["stage", "kernel", "e2e"],
+                    help="of stage, kernel, inverse, encode, e2e (default: stage,kernel,e2e)")
+    ap.add_argument("--tokens", type=int, default=2800,
+                    help="routed tokens per expert (default: %(default)s; with --tiny 300)")
+    ap.add_argument("--kernel", default="auto",
+                    help="the scale-block kernel: auto, torch or triton (default: %(default)s)")
+    ap.add_argument("--kernel-experts", type=int, default=16,
+                    help="experts of the kernel, inverse and encode batches "
+                         "(default: %(default)s; with --tiny 2)")
+    ap.add_argument("--leaves", type=comma_ints, default=[64, 128, 256, 512],
+                    help="leaf sizes of part inverse (default: 64,128,256,512)")
+    add_dims(ap, moe_layers=None)
+    ap.add_argument("--seqs", type=int, default=16, help="e2e's sequences (default: %(default)s)")
+    ap.add_argument("--seq", type=int, default=2048,
+                    help="e2e's tokens each (default: %(default)s)")
+    args = parse(ap, argv, tiny={"tokens": 300, "kernel_experts": 2})
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 products (torch's default, stated)
     if dev.type == "cpu":
@@ -398,10 +412,7 @@ def main(argv: list[str]) -> None:
         nvfp4.warm_cpu_kernels()  # numba's compile is not the encode's time
     dims = (256, 128) if args.tiny else (7168, 2048)
     experts = 8 if args.tiny else 384
-    tokens = int(os.environ.get("TOKENS", 300 if args.tiny else 2800))
-    kernel = os.environ.get("KERNEL", "auto")
-    parts = os.environ.get("PARTS", "stage,kernel,e2e").split(",")
-    root = Path(os.environ.get("ROOT", "/tmp/kbench"))
+    tokens, kernel, parts, root = args.tokens, args.kernel, args.parts, args.root
     root.mkdir(parents=True, exist_ok=True)
     rec = record("obs", gpu=dev.type == "cuda", scratch=root)
     res: dict = {"device": rec["device"]["name"], "tiny": args.tiny, "tokens_per_expert": tokens}
@@ -409,7 +420,7 @@ def main(argv: list[str]) -> None:
     warmed = Timer()
     warm(dev, ["torch", kernel] + (["triton"] if triton_ok else []))
     res["warm_s"] = round(warmed.elapsed(), 1)
-    extra_experts = int(os.environ.get("KERNEL_EXPERTS", 2 if args.tiny else 16))
+    extra_experts = args.kernel_experts
     if "stage" in parts:
         res["stage"] = {}
         for method in ("rtn", "gptq", "sparsegpt"):
@@ -422,7 +433,7 @@ def main(argv: list[str]) -> None:
             res["kernel"] = kernel_part(dev, dims, tokens, extra_experts)
         print("kernel", res["kernel"], flush=True)
     if "inverse" in parts:
-        leaves = [int(v) for v in os.environ.get("LEAVES", "64,128,256,512").split(",")]
+        leaves = args.leaves
         with torch.no_grad():
             res["inverse"] = inverse_part(dev, dims, tokens, extra_experts,
                                           sorted(set(leaves) | {triangular.LEAF}))
@@ -432,7 +443,7 @@ def main(argv: list[str]) -> None:
             res["encode"] = encode_part(dev, dims, tokens, extra_experts)
         print("encode", res["encode"], flush=True)
     if "e2e" in parts:
-        res["e2e"] = e2e_part(root, args.tiny, dev.type)
+        res["e2e"] = e2e_part(root, args.tiny, dev.type, args.dims, args.seqs, args.seq)
     res["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
-    save({"record": rec, **res}, result_path(rec, args.json))
+    save({"record": rec, **res}, result_path(rec, args.json, out_dir=args.out_dir))
     print(json.dumps(res))

@@ -29,13 +29,12 @@ audit against a bare read: `python -m benchmarks audit DIR [--tree T]`.
 
 --tree T measures the same with another kconvert tree (its root, e.g. the tree before a change:
 `git archive REV kconvert pipelines manifests | tar -x -C T`), run for run beside this one.
-Writes one JSON with its record to F (default: $OUT/overhead_DEVICE_DATE_CODE.json).
+Writes one JSON with its record to F (default: OUT_DIR/overhead_DEVICE_DATE_CODE.json).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -117,8 +116,8 @@ def conversion(tree: Path, src: Path, dst: Path, device: str) -> dict:
             "startup_exit_s": c.wall_s - run_s}
 
 
-def p48_check(tree: Path, p48: Path) -> dict:
-    cold = drop_page_cache() is None
+def p48_check(tree: Path, p48: Path, keep_page_cache: bool) -> dict:
+    cold = drop_page_cache(keep_page_cache) is None
     c = run_child([sys.executable, "-c", P48, p48], env=child_env(tree), cwd=tree)
     if c.rc != 0:
         raise SystemExit(f"the p48 check failed ({c.rc}):\n{c.output[-3000:]}")
@@ -134,7 +133,7 @@ def medians(runs: list[dict]) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    ap = arguments("overhead", __doc__)
+    ap = arguments("overhead", __doc__, results=True, page_cache=True)
     ap.add_argument("src", type=Path, nargs="?")
     ap.add_argument("--p48", type=Path, help="a p48 output: time its check against its read")
     ap.add_argument("--device", default="auto")
@@ -142,9 +141,11 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--tree", type=Path, help="also measure this kconvert tree")
     ap.add_argument("--tiny", action="store_true",
                     help="the bundled checkpoint on the CPU, its p48 made here")
-    ap.add_argument("--out", help="the result file [default: the results folder's name]")
+    ap.add_argument("--out", help="the result file (default: its name in --out-dir)")
+    ap.add_argument("--root", type=Path,
+                    help="where its scratch directory is made (default: the system's temp)")
     a = ap.parse_args(argv)
-    scratch = Path(tempfile.mkdtemp(prefix="kbench-overhead-", dir=os.environ.get("ROOT")))
+    scratch = Path(tempfile.mkdtemp(prefix="kbench-overhead-", dir=a.root))
     if a.tiny:
         a.src, a.device = a.src or BUNDLED, "cpu"
         if a.p48 is None:
@@ -170,10 +171,11 @@ def main(argv: list[str]) -> None:
                 f"{got['execute_s']:.2f} s")
     res["conversion"] = {name: {"median": medians(r), "runs": r} for name, r in runs.items()}
     if a.p48 is not None:
-        res["p48"] = {name: p48_check(tree, a.p48.resolve()) for name, tree in trees.items()}
+        res["p48"] = {name: p48_check(tree, a.p48.resolve(), a.keep_page_cache)
+                      for name, tree in trees.items()}
         for name, got in res["p48"].items():
             log(f"{name} p48: read {got['read_gbps']:.2f} GB/s ({got['cache']}), check "
                 f"{got['check_gbps']:.2f} GB/s: {got['check_over_read']:.2f}x the read")
     print(json.dumps({k: v for k, v in res.items() if k != "conversion"}
                      | {"conversion": {k: v["median"] for k, v in res["conversion"].items()}}))
-    save({"record": rec, **res}, result_path(rec, a.out))
+    save({"record": rec, **res}, result_path(rec, a.out, out_dir=a.out_dir))

@@ -2,22 +2,19 @@
 calibration.
 
 Builds synthetic.kimi_set's checkpoint (layer 0 dense, layer 1 MoE with 384 INT4 experts, real
-Kimi-K2 shapes), runs `kconvert.calibrate.calibrate` on SEQS x SEQ tokens once alone and once
-with `RouterRepair` (keep KEEP, router repair METHOD, compensation COMPENSATE) in the same
-pass, and reports the
+Kimi-K2 shapes), runs `kconvert.calibrate.calibrate` on --seqs x --seq tokens once alone and
+once with `RouterRepair` (keep --keep, router repair --repair, compensation --compensate) in
+the same pass, and reports the
 repair hook's seconds per layer (the MoE layer's is the number to read) and where the MoE
 layer's seconds went (`phases`, RouterRepair.seconds: the unpruned target; router repair's
 candidates, Adam fit and guard; compensation's setup (features, source outputs, Gram
 matrices), Cholesky factors, Gauss-Seidel solves, held-out ridge choice, encode of the chosen
 ridge's matrices, guard and write-back; the output; `other` is the hook's rest: the layer's
 attention on the repair stream), the calibration seconds per layer of both runs, and peak GPU
-memory and host RSS of each run. One JSON line on stdout and in OUT.
+memory and host RSS of each run. One JSON line on stdout and in --out-dir.
 
-    ROOT=/tmp/kbench OUT=$OUT python3 -m benchmarks repair         # H100: ~2 minutes
+    python3 -m benchmarks repair --root /tmp/kbench --out-dir $OUT   # H100: ~2 minutes
     python -m benchmarks repair --tiny                              # CPU smoke, tiny dims
-
-Env: ROOT, OUT, SEQS (256), SEQ (2048), BATCH (8) as `calibrate`; KEEP (192), METHOD
-(router), COMPENSATE (down), MAX_TOKENS (32768: the repair stream's tokens).
 
 The synthetic experts are INT4 (the shared expert BF16), as Kimi-K2-Thinking ships: the
 re-fitted down_proj matrices are re-encoded in INT4 (kconvert.pruning.recode), and the
@@ -29,14 +26,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import os
 import resource
 from pathlib import Path
 
 import torch
 
-from benchmarks.harness import Timer, arguments, now, record, result_path, save
-from benchmarks.synthetic import TINY, dims_from_env, kimi_set, random_ids
+from benchmarks.harness import Timer, arguments, now, parse, record, result_path, save
+from benchmarks.synthetic import TINY, add_dims, kimi_set, random_ids
 
 
 def calibrate(ckpt, ids: torch.Tensor, dev: str, batch: int, hook) -> dict:
@@ -61,22 +57,29 @@ def calibrate(ckpt, ids: torch.Tensor, dev: str, batch: int, hook) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    ap = arguments("repair", __doc__)
-    ap.add_argument("--tiny", action="store_true", help="tiny dims on the CPU (a check)")
-    a = ap.parse_args(argv)
+    ap = arguments("repair", __doc__, root="/tmp/kbench", results=True)
+    ap.add_argument("--tiny", action="store_true",
+                    help="tiny dims (24 experts) on the CPU (a check), in /tmp/kbench-tiny")
+    add_dims(ap, moe_layers=None)
+    ap.add_argument("--seqs", type=int, default=256, help="sequences (default: %(default)s)")
+    ap.add_argument("--seq", type=int, default=2048, help="tokens each (default: %(default)s)")
+    ap.add_argument("--batch", type=int, default=8, help="batch size (default: %(default)s)")
+    ap.add_argument("--keep", type=int, default=192,
+                    help="experts kept per layer (default: %(default)s)")
+    ap.add_argument("--repair", default="router",
+                    help="the router repair kind (default: %(default)s)")
+    ap.add_argument("--compensate", default="down",
+                    help="the compensation kind (default: %(default)s)")
+    ap.add_argument("--max-tokens", type=int, default=32768,
+                    help="the repair stream's tokens (default: %(default)s)")
+    a = parse(ap, argv, tiny={"seqs": 8, "seq": 64, "keep": 12,
+                              "dims": dataclasses.replace(TINY, experts=24),
+                              "root": Path("/tmp/kbench-tiny")})
     from kconvert.io.checkpoint import open_checkpoint
     from kconvert.pruning.repair import RepairSettings, RouterRepair
 
-    if a.tiny:
-        os.environ.update(SEQS="8", SEQ="64", KEEP="12")
-        os.environ.setdefault("ROOT", "/tmp/kbench-tiny")
-    root = Path(os.environ.get("ROOT", "/tmp/kbench"))
-    seqs, seq, batch = (int(os.environ.get(k, d)) for k, d in
-                        (("SEQS", 256), ("SEQ", 2048), ("BATCH", 8)))
-    keep, method = int(os.environ.get("KEEP", 192)), os.environ.get("METHOD", "router")
-    compensate = os.environ.get("COMPENSATE", "down")
-    max_tokens = int(os.environ.get("MAX_TOKENS", 32768))
-    dims = dataclasses.replace(TINY, experts=24) if a.tiny else dims_from_env()
+    root, seqs, seq, batch, dims = a.root, a.seqs, a.seq, a.batch, a.dims
+    keep, method, compensate, max_tokens = a.keep, a.repair, a.compensate, a.max_tokens
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     rec = record("repair", gpu=dev == "cuda", scratch=root)
     made = Timer()
@@ -118,4 +121,4 @@ def main(argv: list[str]) -> None:
                 res[name]["ridge"] = r.ridge
     print(json.dumps({k: v for k, v in res.items() if k != "record"}))
     print(f"MoE layer repair {hook_s[-1]} s: " + ", ".join(f"{k} {v}" for k, v in phases.items()))
-    save(res, result_path(rec))
+    save(res, result_path(rec, out_dir=a.out_dir))

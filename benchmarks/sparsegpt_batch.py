@@ -3,20 +3,18 @@
     python3 -m benchmarks sparsegpt_batch
 
 The end-to-end `sparsify sparsegpt` run on one full 384-expert layer did not finish in
-the device call's time; this times the loop itself: one engine-sized batch of B experts,
+the device call's time; this times the loop itself: one engine-sized batch of --experts,
 gate+up as one [B, 4096, 7168] matrix sharing H (7168^2), down as [B, 7168, 2048] (H 2048^2),
-Hessians from random routed tokens. Seconds per layer = (384 / B) * (gate_up + down).
-Env: B (6), TOKENS (2800: ~32x2048 tokens x top-8 / 384 experts).
+Hessians from random routed tokens. Seconds per layer = (384 / experts) * (gate_up + down).
 """
 
 from __future__ import annotations
 
 import json
-import os
 
 import torch
 
-from benchmarks.harness import Timer, record, result_path, save
+from benchmarks.harness import Timer, arguments, record, result_path, save
 from kconvert.formats import nvfp4
 from kconvert.methods import obs, sparsegpt
 
@@ -37,9 +35,14 @@ def prune_quantize(w: torch.Tensor, x: torch.Tensor) -> None:
 
 
 def main(argv: list[str]) -> None:
-    if argv:
-        raise SystemExit(__doc__)
-    b, t = int(os.environ.get("B", 6)), int(os.environ.get("TOKENS", 2800))
+    ap = arguments("sparsegpt_batch", __doc__, results=True)
+    ap.add_argument("--experts", type=int, default=6,
+                    help="experts in the batch (default: %(default)s)")
+    ap.add_argument("--tokens", type=int, default=2800,
+                    help="routed tokens per expert (default: %(default)s: ~32x2048 tokens x "
+                         "top-8 / 384 experts)")
+    a = ap.parse_args(argv)
+    b, t = a.experts, a.tokens
     timer = Timer("cuda")  # the making of each batch is not timed
     timer("warm-up", prune_quantize, *problem(b, t, 512, 256))
     timer("gate_up", prune_quantize, *problem(b, t, 4096, 7168))
@@ -50,4 +53,4 @@ def main(argv: list[str]) -> None:
            "layer_s_extrapolated": round(384 / b * (gu + dn), 1)}
     print(json.dumps(res))
     rec = record("sparsegpt_batch")
-    save({"record": rec, **res}, result_path(rec))
+    save({"record": rec, **res}, result_path(rec, out_dir=a.out_dir))

@@ -1,19 +1,17 @@
 """`kconvert sparsify` (p48 + NVFP4) on one full-size synthetic Kimi MoE layer.
 
-    ROOT=/tmp/kbench OUT=$OUT python3 -m benchmarks sparsify
+    python3 -m benchmarks sparsify --root /tmp/kbench --out-dir $OUT
 
 The checkpoint is synthetic.kimi_set's (layer 0 dense, layer 1 MoE with 384 INT4 experts of
 real shape, MLA attention, 16k vocabulary). In one process, each run timed on its own:
   dense      int4-to-nvfp4 (no sparsity), the reference cost of the same bytes
   magnitude  int4-p48-nvfp4, data-free masks
-  sparsegpt  int4-p48-nvfp4 --method sparsegpt on SEQS x SEQ random tokens (the calibration
+  sparsegpt  int4-p48-nvfp4 --method sparsegpt on --seqs x --seq random tokens (the calibration
              forward of layers 0-1 runs beside the conversion; its time is included)
 Plus, on a tiny fixture, CPU vs GPU bytes of magnitude (must be identical) and of sparsegpt
 (Cholesky/matmul rounding differ between devices: the share of differing bytes is reported).
-Results as JSON in OUT.
-
-Env: ROOT (scratch dir), OUT (result dir), SEQS (32), SEQ (2048), BATCH (8), RUNS (comma list),
-DIMS.
+--runs picks among dense, magnitude, sparsegpt and fixture (the tiny fixture's comparison).
+Results as JSON in --out-dir.
 """
 
 from __future__ import annotations
@@ -26,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import Timer, now, record, result_path, save
+from benchmarks.harness import Timer, arguments, comma_list, now, record, result_path, save
 from benchmarks.outputs import share_differing
-from benchmarks.synthetic import dims_from_env, kimi_set, random_ids
+from benchmarks.synthetic import add_dims, kimi_set, random_ids
 from kconvert.convert import RunControl, convert
 from kconvert.methods.hessians import Calibration, CalibrationHessians
 from kconvert.recipes import load_recipe
@@ -60,19 +58,23 @@ def run(src: Path, dst: Path, recipe: str, opts: dict, device: str, batch: int,
 
 
 def main(argv: list[str]) -> None:
-    if argv:
-        raise SystemExit(__doc__)
-    root = Path(os.environ.get("ROOT", "/tmp/kbench"))
-    seqs, seq, batch = (int(os.environ.get(k, d)) for k, d in
-                        (("SEQS", 32), ("SEQ", 2048), ("BATCH", 8)))
-    runs = os.environ.get("RUNS", "dense,magnitude,sparsegpt,fixture").split(",")
+    ap = arguments("sparsify", __doc__, root="/tmp/kbench", results=True)
+    add_dims(ap, moe_layers=None)
+    ap.add_argument("--seqs", type=int, default=32, help="sequences (default: %(default)s)")
+    ap.add_argument("--seq", type=int, default=2048, help="tokens each (default: %(default)s)")
+    ap.add_argument("--batch", type=int, default=8, help="batch size (default: %(default)s)")
+    ap.add_argument("--runs", type=comma_list,
+                    default=["dense", "magnitude", "sparsegpt", "fixture"],
+                    help="which runs (default: dense,magnitude,sparsegpt,fixture)")
+    a = ap.parse_args(argv)
+    root, seqs, seq, batch, runs = a.root, a.seqs, a.seq, a.batch, a.runs
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     rec = record("sparsify", gpu=dev == "cuda", scratch=root)
     res: dict = {"record": rec, "device": rec["device"]["name"], "cpus": os.cpu_count(),
                  "seqs": seqs, "seq_len": seq, "runs": {}}
     if set(runs) & {"dense", "magnitude", "sparsegpt"}:
         made = Timer()
-        dims = dims_from_env()
+        dims = a.dims
         src = kimi_set(root, dims)
         res["make_s"] = round(made.elapsed(), 1)
         ids = random_ids(seqs, seq, dims.vocab)
@@ -96,4 +98,4 @@ def main(argv: list[str]) -> None:
             print(method, res[f"fixture_cpu_vs_cuda_{method}"], flush=True)
     res["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1)
     print(json.dumps({k: v for k, v in res.items() if k != "record"}, indent=1))
-    save(res, result_path(rec))
+    save(res, result_path(rec, out_dir=a.out_dir))

@@ -5,9 +5,9 @@ with at most the window of source shards on disk.
     python3 -m benchmarks stream OUT.json
 
 On the device machine: builds the full-size synthetic Kimi-K2-Thinking shard set with
-anchor_convert.py's builder (shared/bench; as `convert` does: layer 0, MOE_LAYERS MoE
+anchor_convert.py's builder (shared/bench; as `convert` does: layer 0, --moe-layers MoE
 layers of 384 INT4 experts, ~9 GB a shard, and embed/lm_head), serves it from a local Hub
-(kconvert.testing.hub_server, the one the tests use) throttled to RATE bytes/s over all
+(kconvert.testing.hub_server, the one the tests use) throttled to --rate bytes/s over all
 connections together, and measures, each in its own process with the page cache dropped first:
 
   download   huggingface_hub's snapshot_download of every shard into a local directory (what
@@ -22,19 +22,18 @@ bytes against the window's bound, and pipeline_bound_s = max + min / shards (a p
 shards must download the first before converting it and convert the last after downloading
 it, so few large shards cost more than the real model's 64).
 
-The served set sits in SRC_DIR (default /dev/shm/kstream-src when it has room: the server then
-reads RAM, as a remote Hub would not touch this disk; else ROOT/src), downloads and outputs in
-ROOT (default /tmp/kstream); without OUT.json the result goes to OUT. Disk needed in ROOT:
-about twice the set (download + local output, then output + window). Env: MOE_LAYERS
-(default 2: ~24 GB), RATE (default 1e9), WINDOW (default
-3), DEVICE (default cuda if present), DIMS=tiny (a check of the bench in seconds),
-ANCHOR_SCRIPT (as `convert`), DIMS=small (a few hundred MB: MoE layers of 64 experts
-of 512 x 1024, for a CPU machine, with RATE lowered so that download and conversion take
-similar times), DOWNLOADS (default 2: shards downloaded at once; "2,1" adds a streamed run
-with 1, under `streamed_downloads_1`), RUN_LIMIT_S (default 240: each timed run at most, its
-timeline kept). About 3-5 minutes with the defaults on an H100 machine.
+The served set sits in --src-dir (default /dev/shm/kstream-src when it has room: the server
+then reads RAM, as a remote Hub would not touch this disk; else ROOT/src), downloads and
+outputs in --root (default /tmp/kstream); without OUT.json the result goes to --out-dir. Disk
+needed in ROOT: about twice the set (download + local output, then output + window).
+--moe-layers 2 (the default) makes ~24 GB; --dims tiny checks the bench in seconds; --dims
+small (a few hundred MB: MoE layers of 64 experts of 512 x 1024) suits a CPU machine, with
+--rate lowered so that download and conversion take similar times. --downloads 2,1 adds a
+streamed run with 1 shard downloaded at a time, under `streamed_downloads_1`. Each timed run
+stops after --run-limit-s, its timeline kept. About 3-5 minutes with the defaults on an H100
+machine.
 
-Each conversion runs in-process in a child of this bench (`--child EVENTS -- ARGS`) that
+Each conversion runs in-process in a child of this bench (`--child EVENTS N LIMIT -- ARGS`) that
 subscribes to kconvert's timing events (kconvert.events) and writes them out; the JSON then
 holds, under `timeline`, each run's per-shard times in seconds from the child's start: for
 every source shard its download(s), sha256 verification, the first read of it (when the
@@ -60,7 +59,9 @@ from pathlib import Path
 from benchmarks.harness import (
     Child,
     Timer,
+    arguments,
     child_env,
+    comma_ints,
     drop_page_cache,
     log,
     record,
@@ -69,7 +70,7 @@ from benchmarks.harness import (
     save,
 )
 from benchmarks.inprocess import run_cli
-from benchmarks.synthetic import anchor_set
+from benchmarks.synthetic import add_anchor_dims, anchor_set
 
 REPO = "bench/kimi-synthetic"
 TARGET = 1.15
@@ -77,20 +78,14 @@ TIMELINE_EVENTS = {"download", "verify", "source-wait", "source-deleted", "fsync
                    "compute", "wait-read"}
 
 
-def run_limit_s() -> float:
-    """Each timed child at most (RUN_LIMIT_S)."""
-    return float(os.environ.get("RUN_LIMIT_S", "240"))
-
-
-def build_source(root: Path, res: dict) -> Path:
-    """The synthetic set, built once (anchor_convert.make_src) where the server reads it."""
-    dims = os.environ.get("DIMS", "full")
-    layers = int(os.environ.get("MOE_LAYERS", "2"))
+def build_source(root: Path, res: dict, dims: str, layers: int, given: Path | None) -> Path:
+    """The synthetic set, built once (anchor_convert.make_src) where the server reads it:
+    `given`, else /dev/shm where it has room, else ROOT/src."""
     need = (1.5 + 9.2 * layers + 4.8) * 1e9 if dims == "full" else 1e9
     shm = Path("/dev/shm")
     default = (shm / "kstream-src" if shm.is_dir() and shutil.disk_usage(shm).free > need * 1.1
                else root / "src")
-    src = Path(os.environ.get("SRC_DIR", default))
+    src = given or default
     marker = src / ".built"
     if marker.is_file() and marker.read_text() == f"{dims}:{layers}":
         return src
@@ -102,9 +97,9 @@ def build_source(root: Path, res: dict) -> Path:
     return src
 
 
-def child(events_out: Path, argv: list[str]) -> None:
-    """The kconvert CLI with `argv`, in this process, its timeline (`timeline`) written to
-    `events_out` as JSON."""
+def child(events_out: Path, downloads: int, limit_s: float, argv: list[str]) -> None:
+    """The kconvert CLI with `argv`, in this process (`downloads` shards at once where it
+    streams and that is not 0), its timeline (`timeline`) written to `events_out` as JSON."""
     kept: list[tuple[str, dict]] = []
 
     def listen(event: str, info: dict) -> None:
@@ -114,11 +109,10 @@ def child(events_out: Path, argv: list[str]) -> None:
     if "--stream" in argv:
         import kconvert.io.stream
 
-        kconvert.io.stream.DOWNLOADS = int(os.environ.get("STREAM_DOWNLOADS")
-                                           or kconvert.io.stream.DOWNLOADS)
-    # Past RUN_LIMIT_S the timeline is written all the same (SIGALRM ends the run).
+        kconvert.io.stream.DOWNLOADS = downloads or kconvert.io.stream.DOWNLOADS
+    # Past the run's limit the timeline is written all the same (SIGALRM ends the run).
     signal.signal(signal.SIGALRM, lambda *_: sys.exit(124))
-    signal.alarm(int(run_limit_s()) - 5)
+    signal.alarm(int(limit_s) - 5)
     rc, t0, _ = run_cli(argv, listen)
     events_out.write_text(json.dumps(timeline(kept, t0)))
     sys.exit(rc)
@@ -157,9 +151,10 @@ def timeline(kept: list[tuple[str, dict]], t0: float) -> dict:
             "compute_waited_for_reads_s": round(busy["wait-read"], 2)}
 
 
-def kconvert_args(events_out: Path, argv: list[str]) -> list[str]:
-    return [sys.executable, "-m", "benchmarks", "stream", "--child", str(events_out), "--",
-            *argv]
+def kconvert_args(events_out: Path, limit_s: float, argv: list[str], downloads: int = 0
+                  ) -> list[str]:
+    return [sys.executable, "-m", "benchmarks", "stream", "--child", str(events_out),
+            str(downloads), str(limit_s), "--", *argv]
 
 
 class ShardBytes:
@@ -189,13 +184,13 @@ class ShardBytes:
         return {"peak_source_bytes": self.peak}
 
 
-def timed(args: list[str], env: dict, sample: Path | None = None,
-          events_out: Path | None = None) -> dict:
-    """A child process, wall-timed from here, the page cache dropped first; with `sample`,
-    the peak bytes of shards under that directory while it runs; with `events_out`, the
-    timeline the child wrote there."""
-    cold = drop_page_cache() is None
-    c: Child = run_child(args, env=env, timeout=run_limit_s(),
+def timed(args: list[str], env: dict, limit_s: float, keep_page_cache: bool,
+          sample: Path | None = None, events_out: Path | None = None) -> dict:
+    """A child process, wall-timed from here, the page cache dropped first (unless
+    `keep_page_cache`), stopped after `limit_s`; with `sample`, the peak bytes of shards under
+    that directory while it runs; with `events_out`, the timeline the child wrote there."""
+    cold = drop_page_cache(keep_page_cache) is None
+    c: Child = run_child(args, env=env, timeout=limit_s,
                          watch=(lambda _pid: ShardBytes(sample)) if sample else None)
     out = {"wall_s": round(c.wall_s, 2), "rc": -9 if c.timed_out else c.rc,
            "peak_rss_gb": c.peak_rss_gb, "page_cache_dropped": cold, **c.watched}
@@ -216,26 +211,38 @@ def tensor_hashes(out: Path) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 2 and argv[0] == "--child" and argv[2] == "--":
-        child(Path(argv[1]), argv[3:])
-    if len(argv) > 1:
-        raise SystemExit(__doc__)
+    if len(argv) > 4 and argv[0] == "--child" and argv[4] == "--":
+        child(Path(argv[1]), int(argv[2]), float(argv[3]), argv[5:])
+    ap = arguments("stream", __doc__, root="/tmp/kstream", results=True, page_cache=True)
+    ap.add_argument("out", nargs="?", help="JSON results file (default: in --out-dir)")
+    add_anchor_dims(ap, moe_layers=2)
+    ap.add_argument("--src-dir", type=Path,
+                    help="where the served set is built (default: /dev/shm/kstream-src when "
+                         "it has room, else ROOT/src)")
+    ap.add_argument("--rate", type=float, default=1e9,
+                    help="the local Hub's bytes/s over all connections (default: %(default)s)")
+    ap.add_argument("--window", type=int, default=3,
+                    help="--stream-window of the streamed runs (default: %(default)s)")
+    ap.add_argument("--device", help="the conversions' --device (default: cuda if present)")
+    ap.add_argument("--downloads", type=comma_ints, default=[2],
+                    help="shards downloaded at once, one streamed run each; the first is the "
+                         "one the ratio is of (default: 2)")
+    ap.add_argument("--run-limit-s", type=float, default=240,
+                    help="each timed run at most, its timeline kept (default: %(default)s)")
+    a = ap.parse_args(argv)
     from kconvert.testing.hub_server import LocalHub
 
-    root = Path(os.environ.get("ROOT", "/tmp/kstream"))
-    rate, window = float(os.environ.get("RATE", "1e9")), int(os.environ.get("WINDOW", "3"))
-    # Shards downloaded at once in each streamed run (the first: the one the ratio is of).
-    downloads = [int(n) for n in os.environ.get("DOWNLOADS", "2").split(",")]
+    root, rate, window, downloads, limit = a.root, a.rate, a.window, a.downloads, a.run_limit_s
     root.mkdir(parents=True, exist_ok=True)
     rec = record("stream", scratch=root)
     res: dict = {"record": rec}
-    result = result_path(rec, argv[0] if argv else None).resolve()
-    src = build_source(root, res)
+    result = result_path(rec, a.out, out_dir=a.out_dir).resolve()
+    src = build_source(root, res, a.dims, a.moe_layers, a.src_dir)
     shards = sorted(p for p in src.glob("*.safetensors"))
     sizes = [p.stat().st_size for p in shards]
     res.update(source_bytes=sum(sizes), shards=len(sizes), rate=rate, window=window)
     log("source", src, len(sizes), "shards", sum(sizes) / 1e9, "GB")
-    device = os.environ.get("DEVICE") or rec["device"]["kind"]
+    device = a.device or rec["device"]["kind"]
     started = Timer()
     with LocalHub({REPO: src}, rate=rate) as hub:
         res["server_start_s"] = round(started.elapsed(), 1)  # hashing every file
@@ -250,12 +257,12 @@ def main(argv: list[str]) -> None:
         res["download"] = timed([sys.executable, "-c", (
             "import sys; from huggingface_hub import snapshot_download; "
             "snapshot_download(sys.argv[1], local_dir=sys.argv[2], max_workers=8)"),
-            REPO, str(dl)], env)
+            REPO, str(dl)], env, limit, a.keep_page_cache)
         log("download alone", res["download"])
         save(res, result)
-        res["local"] = timed(kconvert_args(root / "events-local.json", [
-            *kc, str(dl), str(local_out), "--device", device, "--quiet", "--json"]), env,
-            events_out=root / "events-local.json")
+        res["local"] = timed(kconvert_args(root / "events-local.json", limit, [
+            *kc, str(dl), str(local_out), "--device", device, "--quiet", "--json"]), env, limit,
+            a.keep_page_cache, events_out=root / "events-local.json")
         log("local conversion alone", {k: v for k, v in res["local"].items() if k != "timeline"})
         local_hashes = tensor_hashes(local_out) if res["local"]["rc"] == 0 else None
         shutil.rmtree(dl, ignore_errors=True)
@@ -263,10 +270,10 @@ def main(argv: list[str]) -> None:
         save(res, result)
         for n, at_once in enumerate(downloads):
             key = "streamed" if n == 0 else f"streamed_downloads_{at_once}"
-            res[key] = timed(kconvert_args(root / "events-stream.json", [
+            res[key] = timed(kconvert_args(root / "events-stream.json", limit, [
                 *kc, REPO, str(stream_out), "--stream", "--stream-window", str(window),
-                "--device", device, "--quiet", "--json", "--cache-dir", str(root / "hf-cache")]),
-                child_env(**hub_env, STREAM_DOWNLOADS=at_once),
+                "--device", device, "--quiet", "--json", "--cache-dir", str(root / "hf-cache")],
+                at_once), env, limit, a.keep_page_cache,
                 sample=stream_out / ".kconvert" / "source",
                 events_out=root / "events-stream.json")
             res[key]["downloads_at_once"] = at_once

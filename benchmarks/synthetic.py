@@ -2,7 +2,7 @@
 
 Three builders, each with its reasons:
 - `kimi_set`: our own, for the data-driven commands (calibrate, eval, reap, sparsify, gptq):
-  layer 0 dense, MOE_LAYERS MoE layers of routed INT4 experts and a BF16 shared expert, MLA
+  layer 0 dense, --moe-layers MoE layers of routed INT4 experts and a BF16 shared expert, MLA
   attention, real Kimi-K2 shapes (FULL) but a 16k vocabulary (only the embedding lookup
   touches it); weights scaled by fan-in and INT4 scales fixed, so a forward pass stays finite
   layer after layer.
@@ -18,6 +18,7 @@ Three builders, each with its reasons:
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -39,7 +40,7 @@ FIXTURE = REPO / "tests" / "fixtures" / "tiny-k2-thinking-int4"
 @dataclass(frozen=True)
 class Dims:
     """hidden, expert intermediate, dense intermediate, routed experts, vocabulary, q_lora,
-    kv_lora, attention heads (the DIMS variable's order)."""
+    kv_lora, attention heads (the order of --dims)."""
 
     hidden: int
     moe_inter: int
@@ -62,10 +63,25 @@ FULL = Dims(7168, 2048, 18432, 384, 16384, 1536, 512, 64)
 TINY = Dims(128, 64, 256, 16, 512, 64, 32, 4)
 
 
-def dims_from_env(tiny: bool = False) -> Dims:
-    """DIMS (eight comma-separated numbers) where set, else TINY or FULL."""
-    text = os.environ.get("DIMS")
-    return Dims.parse(text) if text else TINY if tiny else FULL
+def add_dims(ap: argparse.ArgumentParser, moe_layers: int | None = 1) -> None:
+    """--dims (kimi_set's eight sizes; FULL by default, TINY under a bench's --tiny) and,
+    unless `moe_layers` is None, --moe-layers (default `moe_layers`)."""
+    ap.add_argument("--dims", type=Dims.parse, default=FULL,
+                    help="the set's sizes: hidden, expert intermediate, dense intermediate, "
+                         f"routed experts, vocabulary, q_lora, kv_lora, heads (default: {FULL}"
+                         f"; with --tiny {TINY})")
+    if moe_layers is not None:
+        ap.add_argument("--moe-layers", type=int, default=moe_layers,
+                        help="MoE layers after the dense layer 0 (default: %(default)s)")
+
+
+def add_anchor_dims(ap: argparse.ArgumentParser, moe_layers: int = 1) -> None:
+    """--dims and --moe-layers of the anchor's set (anchor_set): full, tiny or small."""
+    ap.add_argument("--dims", choices=("full", "tiny", "small"), default="full",
+                    help="the anchor's set: full (15.5 GB with one MoE layer), tiny (a check "
+                         "in seconds) or small (ANCHOR_SMALL's sizes) (default: %(default)s)")
+    ap.add_argument("--moe-layers", type=int, default=moe_layers,
+                    help="MoE layers of the set (default: %(default)s)")
 
 
 def _device() -> str:
@@ -249,7 +265,7 @@ def anchor_namespace(dims: str = "full", moe_layers: int = 1) -> dict:
     return ns
 
 
-# DIMS=small: anchor_convert's layout at sizes a 2-core machine converts in seconds (about
+# --dims small: anchor_convert's layout at sizes a 2-core machine converts in seconds (about
 # 57 MB a MoE layer, 70 MB of embed + lm_head).
 ANCHOR_SMALL = {"H": 1024, "I_MOE": 512, "I_DENSE": 2048, "E": 64, "V": 16384, "QL": 256,
                 "KVL": 128, "NH": 8}

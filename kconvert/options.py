@@ -26,7 +26,7 @@ CASTS = ("none", "exact")
 # quantize's --input-scale: the per-tensor input scale of NVFP4 W4A4 routed experts: each
 # expert's own calibrated amax ("expert"), its layer's largest over experts, gate/up and down
 # apart ("layer-max", ModelOpt 0.45's export), or 1.0 ("one", Kimi-K3 NVFP4; FlashInfer's
-# unified MoE API); the default was chosen by measurement (README, "Input scales").
+# unified MoE API); the default was chosen by measurement (docs/input-scales.md).
 INPUT_SCALES = ("expert", "layer-max", "one")
 INPUT_SCALE = "layer-max"
 

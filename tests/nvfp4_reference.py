@@ -4,7 +4,7 @@ independent references the mse-search and SparseGPT tests compare kconvert again
 - NVFP4 (formats.md §2): FP8 e4m3 values from their bits, E2M1 rounding to the nearest value
   with ties to the even code, both flavours' scale arithmetic, each block's squared error summed
   as the fixed pairwise tree formats.md names (so two codes compare exactly as kconvert
-  compares them), the amax rule's block code and the `mse` window the README documents (the
+  compares them), the amax rule's block code and the `mse` window commands.md documents (the
   amax code -2 .. +7, clamped to the positive finite codes).
 - p48 (p48.md): in every chunk of 4 pairs the 2 highest scores are kept, ties to the lower pair.
 - SparseGPT (Frantar & Alistarh 2023, Algorithm 1, with joint quantization as in its §3.5/GPTQ;
@@ -22,7 +22,7 @@ import torch
 
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 CODES = torch.arange(1, 0x7F)  # every positive finite FP8 e4m3 code
-WINDOW = tuple(range(-2, 8))  # README: the amax rule's code -2 .. +7
+WINDOW = tuple(range(-2, 8))  # commands.md: the amax rule's code -2 .. +7
 
 
 def fp8_value(code: torch.Tensor) -> torch.Tensor:

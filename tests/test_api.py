@@ -1,5 +1,5 @@
 """The Python API: the same bytes as the command line for every command, the command line's
-messages as exceptions, a light `import kconvert`, and the README's example, run."""
+messages as exceptions, a light `import kconvert`, and docs/python-api.md's example, run."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from conftest import ROOT
 from helpers import audit_json, cli_inproc, write_input_ids
 from kconvert.errors import KconvertError, UsageError
 
-README = ROOT / "README.md"
+API_DOC = ROOT / "docs" / "python-api.md"
 
 
 def shards(root) -> dict[str, bytes]:
@@ -112,12 +112,10 @@ def test_import_kconvert_is_light():
         assert getattr(kconvert, name).__doc__
 
 
-def test_readme_example_runs(tmp_path, monkeypatch, capsys):
-    text = README.read_text()
-    section = text[text.index("## Python API"):]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+def test_the_documented_example_runs(tmp_path, monkeypatch, capsys):
+    code = re.search(r"```python\n(.*?)```", API_DOC.read_text(), re.S).group(1)
     monkeypatch.chdir(ROOT)
-    exec(compile(code.replace("/tmp/", f"{tmp_path}/"), "README.md", "exec"), {})
+    exec(compile(code.replace("/tmp/", f"{tmp_path}/"), "docs/python-api.md", "exec"), {})
     out = capsys.readouterr().out
     assert "routed_experts" in out and "wrote" in out
     assert "--keep applies only with --data or --stats or --plan" in out

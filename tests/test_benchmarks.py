@@ -1,6 +1,7 @@
 """The benchmarks' harness (benchmarks/harness.py), on the CPU: what a result records and how
-it is named, the child runner measuring real children, and `python -m benchmarks` finding and
-importing every bench it lists."""
+it is named, the child runner measuring real children, the shared arguments, and `python -m
+benchmarks` finding, importing and explaining (`NAME --help`) every bench it lists; no bench
+takes a setting from the environment."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import ast
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -64,7 +66,7 @@ def test_the_source_hash_follows_the_code_with_and_without_git(tmp_path):
     assert harness.code_tag(dirty) == clean["git_commit"][:7] + "-dirty"
 
 
-def test_results_are_named_by_bench_device_date_and_code(tmp_path, monkeypatch):
+def test_results_are_named_by_bench_device_date_and_code(tmp_path):
     h100 = {"kind": "cuda", "name": "NVIDIA H100 80GB HBM3", "count": 1}
     assert harness.device_tag(h100) == "H100"
     assert harness.device_tag({**h100, "name": "NVIDIA H200", "count": 2}) == "H200x2"
@@ -74,9 +76,29 @@ def test_results_are_named_by_bench_device_date_and_code(tmp_path, monkeypatch):
                       "kconvert_sha256": "ab" * 8}}
     assert harness.result_name(rec) == "convert_H100_2026-11-27_3f2a1c9-dirty.json"
     assert harness.result_name(rec, "full") == "convert_H100_2026-11-27_3f2a1c9-dirty_full.json"
-    monkeypatch.setenv("OUT", str(tmp_path))
-    assert harness.result_path(rec) == tmp_path / "convert_H100_2026-11-27_3f2a1c9-dirty.json"
-    assert harness.result_path(rec, "given.json") == Path("given.json")
+    assert harness.result_path(rec) == harness.OUT_DIR / harness.result_name(rec)
+    named = tmp_path / "convert_H100_2026-11-27_3f2a1c9-dirty.json"
+    assert harness.result_path(rec, out_dir=tmp_path) == named
+    assert harness.result_path(rec, "given.json", out_dir=tmp_path) == Path("given.json")
+
+
+def test_the_shared_arguments_and_tiny_defaults():
+    """--root, --out-dir, --keep-page-cache and --deadline-s where a bench asks for them;
+    --tiny replaces the defaults it names, and what the command line gives still wins."""
+    ap = harness.arguments("unit", "doc", root="/scratch", results=True, page_cache=True,
+                           deadline_s=540)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--seqs", type=int, default=256)
+    ap.add_argument("--sizes", type=harness.comma_ints, default=[8, 64])
+    tiny = {"seqs": 4, "root": Path("/tiny")}
+    a = harness.parse(ap, [], tiny)
+    assert (a.root, a.out_dir, a.keep_page_cache, a.deadline_s, a.seqs, a.sizes) == (
+        Path("/scratch"), harness.OUT_DIR, False, 540, 256, [8, 64])
+    a = harness.parse(ap, ["--tiny", "--root", "/r", "--sizes", "2,3"], tiny)
+    assert (a.root, a.seqs, a.sizes) == (Path("/r"), 4, [2, 3])
+    bare = harness.arguments("unit", "doc").parse_args([])
+    assert not {"root", "out_dir", "keep_page_cache", "deadline_s"} & set(vars(bare))
+    assert harness.drop_page_cache(keep=True) == "--keep-page-cache"
 
 
 def test_the_child_runner_measures_the_childs_own_peak_rss():
@@ -204,3 +226,33 @@ def test_every_bench_is_listed_imports_and_has_a_main():
     listing = subprocess.run([sys.executable, "-m", "benchmarks"], cwd=ROOT, check=True,
                              capture_output=True, text=True).stdout
     assert all(f"  {name} " in listing for name in BENCHES)
+
+
+def test_every_bench_explains_its_arguments(capsys):
+    """`python -m benchmarks NAME --help` prints NAME's usage and options and runs nothing."""
+    for name, module in BENCHES.items():
+        with pytest.raises(SystemExit) as done:
+            importlib.import_module(module).main(["--help"])
+        assert done.value.code == 0, name
+        out = capsys.readouterr().out
+        assert out.startswith(f"usage: python -m benchmarks {name} "), (name, out[:200])
+        assert "-h, --help" in out, name
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "sparsify", "--help"], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0 and "--seqs SEQS" in proc.stdout, proc.stderr
+
+
+# What the benches may still read from the environment: where CUDA and Python look, the
+# external anchor script's place, and Triton's own interpreter switch; no setting of a bench.
+ENVIRONMENT = {"CUDA_VISIBLE_DEVICES", "PYTHONPATH", "ANCHOR_SCRIPT", "TRITON_INTERPRET"}
+READ_ENV = re.compile(r"""(?:environ\.get\(|environ\[|getenv\()\s*["'](\w+)["']""")
+
+
+def test_no_bench_takes_a_setting_from_the_environment(tmp_path):
+    read = {m for p in (ROOT / "benchmarks").rglob("*.py")
+            for m in READ_ENV.findall(p.read_text())}
+    assert "CUDA_VISIBLE_DEVICES" in read  # the pattern finds what is there
+    assert read <= ENVIRONMENT, read - ENVIRONMENT
+    planted = tmp_path / "bench.py"
+    planted.write_text('seqs = int(os.environ.get("SEQS", 256))\nroot = os.getenv("ROOT")\n')
+    assert set(READ_ENV.findall(planted.read_text())) == {"SEQS", "ROOT"}

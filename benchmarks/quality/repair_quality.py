@@ -8,8 +8,8 @@ text the mean per-token KL(source || pruned) and the NLL increase (nats per byte
 
     python -m benchmarks repair_quality --out benchmarks/results/repair_tiny_moe
 
-writes OUT with .json and .md suffixes (the .md: the table in README's REAP part); CPU, about
-5 minutes on 2 cores.
+writes OUT with .json and .md suffixes (the .md: the table in docs/quality.md, "REAP router
+repair"); CPU, about 5 minutes on 2 cores.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The routed experts' W4A4 input scales, as engines read them (README "Input scales"):
+"""The routed experts' W4A4 input scales, as engines read them (docs/input-scales.md):
 in an MoE layer where one expert stores an input scale, every expert does (a missing one loads
 as 0 in vLLM, then inf, then NaN output: vLLM #45212); and they follow the policy the run
 recorded or the config declares (kconvert.options.INPUT_SCALES): "one" every scale 1.0,

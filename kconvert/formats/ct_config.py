@@ -94,7 +94,7 @@ def _roles_by_group(modules: Iterable[OutputModule]) -> dict[int, list[Role]]:
 def compressed_tensors_config(modules: list[OutputModule], has_vision: bool) -> dict:
     """The output format's W4A16 preset (NVFP4A16, MXFP4A16), or its W4A4 one when
     calibrated input scales were written or activations are quantized at run time (MXFP4);
-    one config group per group size (32 is p48's sparse-kernel form, see the README); each
+    one config group per group size (32 is p48's sparse-kernel form, see docs/commands.md); each
     format in the output adds what it needs (`edit_config`)."""
     # Imported here: compressed-tensors takes seconds to import (it loads transformers), and
     # only runs that write its config need it.

@@ -335,7 +335,7 @@ def test_revision_with_a_local_source_is_an_error(tmp_path):
     (["int4-to-nvfp4", "{src}", "{out}", "--trust-complete"], "only with --resume"),
 ])
 def test_options_that_do_not_go_together_are_usage_errors(args, said, stats_dir, tmp_path):
-    """The README's rule: a usage error exits 2 (these exited 1, or were ignored)."""
+    """docs/commands.md's rule: a usage error exits 2 (these exited 1, or were ignored)."""
     out = tmp_path / "out"
     res = cli_inproc(*(a.format(src=BUNDLED, out=out, stats=stats_dir) for a in args), "--quiet")
     assert_user_error(res, said, code=2)

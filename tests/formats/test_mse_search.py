@@ -1,6 +1,6 @@
 """The `mse` block-scale rule pinned against a search over every FP8 e4m3 code written in
-tests/nvfp4_reference.py from formats.md §2 and the README alone. For every block, the error
-of the code kconvert wrote must equal the window's minimum exactly, and (as the README and
+tests/nvfp4_reference.py from formats.md §2 and commands.md alone. For every block, the error
+of the code kconvert wrote must equal the window's minimum exactly, and (as commands.md and
 formats.md state) the window's minimum equals the exhaustive minimum on Kimi-style INT4
 sources and on Gaussian weights.
 

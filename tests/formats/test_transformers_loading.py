@@ -43,7 +43,7 @@ ATOL, RTOL = 1e-4, 1e-4
 
 
 def _load(path: Path, **kw):
-    """The README's recipe: the DeepSeek-V3 class, told the model type."""
+    """docs/loading.md's recipe: the DeepSeek-V3 class, told the model type."""
     from transformers import AutoModelForCausalLM, DeepseekV3Config
 
     with warnings.catch_warnings():
