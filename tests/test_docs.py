@@ -131,3 +131,17 @@ def test_a_long_readme_or_late_commands_fail(tmp_path):
     readme.write_text("# x\n\nmake demo\n" + "\n" * COMMANDS_WITHIN + "make test\n")
     assert front_door_problems(readme) == [
         f"`make test` is not in the first {COMMANDS_WITHIN} lines"]
+
+
+def test_the_readme_names_the_locked_versions():
+    """Every version the README's Install section calls tested is the one constraints.txt
+    pins (torch's is the Makefile's TORCH), so a refreshed lock cannot leave it stale."""
+    lock = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
+    lock["torch"] = re.search(r"TORCH \?= torch==(\S+)", (ROOT / "Makefile").read_text())[1]
+    tested = re.search(r"Tested: (.*?) \(`make test`", (ROOT / "README.md").read_text(),
+                       re.S)[1]
+    named = re.findall(r"([a-z][a-z0-9-]*) (\d[\w.]*)", tested.replace("\n", " "))
+    assert len(named) >= 7
+    for name, version in named:
+        assert lock.get(name) == version, (name, version, lock.get(name))
