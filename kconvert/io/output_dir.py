@@ -16,6 +16,9 @@ Rules, so that no run ever loses data or passes off a half-written output as com
   spill during the run. kconvert's temporary files never sit among the outputs.
 - `--resume` keeps a finished shard only if its header, size and every tensor's content hash
   still match its record (`--trust-complete` skips the hashing).
+
+This module checks DST and prepares the workspace; what an output already in DST accounts for is
+kconvert.io.existing_output, the workspace and the final swap kconvert.io.workspace.
 """
 
 from __future__ import annotations

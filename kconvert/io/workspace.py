@@ -41,7 +41,6 @@ def staging_dir(dst: Path) -> Path:
     return dst.parent / f".{dst.name}{STAGING_SUFFIX}"
 
 
-
 def commit(ws: Workspace, echo: Callable[[str], None]) -> None:
     """Make the finished workspace DST and remove the run state (the manifest is written)."""
     if not ws.replaces:
