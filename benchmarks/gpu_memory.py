@@ -156,7 +156,8 @@ def least_budget(src: Path, samples: int, seq: int) -> int:
     by bisection: one sequence per forward step, one expert per OBS batch at the least."""
     from kconvert.calibrate.plan import forward
     from kconvert.engine.execute import gpu_encode
-    from kconvert.gpu_plan import GpuMemoryError, Shapes, plan_conversion
+    from kconvert.gpu_plan import GpuMemoryError, plan_conversion
+    from kconvert.gpu_shapes import Shapes
     from kconvert.methods import obs
     from kconvert.options import BATCH_SIZE
 

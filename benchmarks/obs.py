@@ -146,9 +146,10 @@ def obs_share(dev: torch.device, method: str) -> int | None:
         return None
     from kconvert.calibrate.plan import forward
     from kconvert.gpu_budget import GpuRequest
-    from kconvert.gpu_plan import Shapes, plan_conversion
+    from kconvert.gpu_plan import plan_conversion
+    from kconvert.gpu_shapes import Shapes
     from kconvert.options import BATCH_SIZE, SEQ_LEN, SPARSEGPT_SAMPLES
-    from kconvert.testing.fixtures import k2_config
+    from kconvert.testing.fixture_config import k2_config
     from kconvert.testing.header_only import KIMI_K2_THINKING
 
     s = Shapes.from_config(k2_config(KIMI_K2_THINKING, quantized=True))

@@ -3,6 +3,9 @@
 The Python API (kconvert.api) is reachable from here, imported on first use so that
 `import kconvert` stays light: `kconvert.inspect(...)`, `kconvert.int4_to_nvfp4(...)`, ...
 Every function raises `kconvert.KconvertError` with the command line's message.
+
+The package's layers, lowest first, are declared once below (LAYERS; tests/test_architecture.py
+holds the code to them).
 """
 
 from kconvert.errors import KconvertError
@@ -12,7 +15,34 @@ from kconvert.version import __version__
 API = ("int4_to_nvfp4", "int4_to_mxfp4", "mxfp4_to_nvfp4", "quantize", "dequant", "reap",
        "sparsify", "densify", "calibrate", "eval", "audit", "inspect", "run_recipe")
 
-__all__ = ["API", "KconvertError", "__version__", *API]
+__all__ = ["API", "LAYERS", "KconvertError", "__version__", *API]
+
+# The package's layers, lowest first: a module may import its own layer and the layers below it,
+# never one above (a function's lazy import included). A layer is a tuple of module prefixes (a
+# prefix holds the module of that name and every module under it; the package's own `kconvert`
+# holds only itself: the API's lazy entry).
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("kconvert.errors", "kconvert.version", "kconvert.model", "kconvert.options",
+     "kconvert.events", "kconvert.distributed", "kconvert.callable_package"),  # ground
+    ("kconvert.manifest",),  # run records
+    ("kconvert.io",),
+    ("kconvert.formats",),
+    ("kconvert.checks",),
+    ("kconvert.devices", "kconvert.gpu_shapes", "kconvert.gpu_parts", "kconvert.gpu_plan",
+     "kconvert.gpu_budget"),  # devices, GPU memory plan and budget
+    ("kconvert.calibrate",),
+    ("kconvert.methods",),
+    ("kconvert.pruning",),
+    ("kconvert.engine",),
+    ("kconvert.stages",),
+    ("kconvert.testing",),  # fixtures: anything below the driver
+    ("kconvert.recipes", "kconvert.convert", "kconvert.run_plan", "kconvert.finish_output",
+     "kconvert.commands", "kconvert.dry_run", "kconvert.manifest_writer",
+     "kconvert.run_summary"),  # the driver
+    ("kconvert.audit", "kconvert.evaluate", "kconvert.sizing"),  # commands beside conversion
+    ("kconvert.api",),
+    ("kconvert.cli", "kconvert.__main__", "kconvert"),  # entry points
+)
 
 
 def __getattr__(name: str):

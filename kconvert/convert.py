@@ -1,10 +1,11 @@
 """One conversion run, start to finish: checks, plan, execute, then the files that say "done".
 
-Every input check and the whole plan come before anything in DST is touched (kconvert.output_dir
-says what may be replaced and how). Order of writes, so that an interrupted run is never mistaken
-for a complete one: shards (each renamed into place when complete) -> non-weight files -> index
--> config.json (+ hf_quant_config.json, stage files) -> kconvert-manifest.json. `.kconvert/`
-holds the lock and the resume state until the manifest is written.
+Every input check and the whole plan (kconvert.run_plan) come before anything in DST is
+touched (kconvert.io.output_dir says what may be replaced and how). Order of writes, so that an
+interrupted run is never mistaken for a complete one: shards (each renamed into place when
+complete) -> non-weight files -> index -> config.json (+ hf_quant_config.json, stage files) ->
+kconvert-manifest.json (kconvert.finish_output). `.kconvert/` holds the lock and the resume
+state until the manifest is written.
 """
 
 from __future__ import annotations
@@ -23,49 +24,30 @@ from tqdm import tqdm
 
 from kconvert import distributed, events
 from kconvert.calibrate.startup import start_device
-from kconvert.checks.structure import validate_source
 from kconvert.devices import pick_device
 from kconvert.dry_run import print_dry_run
-from kconvert.engine.execute import execute, gpu_encode
+from kconvert.engine.execute import execute
 from kconvert.engine.sink import finish_parts
 from kconvert.engine.source_order import hub_disk, start_stream
 from kconvert.engine.stage import Stage
-from kconvert.engine.work import (
-    Part,
-    Share,
-    TransformItem,
-    WorkPlan,
-    build_work_plan,
-    header_shape_values,
-    shard_file_bytes,
-    share_work,
-)
+from kconvert.engine.work import Share, WorkPlan, shard_file_bytes, share_work
 from kconvert.errors import KconvertError, UsageError
+from kconvert.finish_output import finish_output
 from kconvert.formats import nvfp4
 from kconvert.formats.dense import DenseCodec
-from kconvert.formats.linear import ModuleWork
-from kconvert.formats.nvfp4_modelopt import HF_QUANT_CONFIG
-from kconvert.formats.quant_config import output_config, rewrite_config
 from kconvert.gpu_budget import GpuContext, GpuRequest
-from kconvert.gpu_plan import GpuMemoryError, GpuPlan, gib, plan_gpu
-from kconvert.io import lock, output_dir
-from kconvert.io.checkpoint import (
-    GENERATED_FILES,
-    INDEX,
-    Checkpoint,
-    is_repo_id,
-    open_checkpoint,
-)
-from kconvert.io.files import copy_file, hash_file, write_text
-from kconvert.io.output_dir import Planned, Workspace
-from kconvert.io.remote import HeaderOnlyShard, open_headers
-from kconvert.io.shards import tensor_nbytes
+from kconvert.gpu_plan import gib
+from kconvert.io import lock, output_dir, workspace
+from kconvert.io.checkpoint import GENERATED_FILES, Checkpoint, is_repo_id, open_checkpoint
+from kconvert.io.files import hash_file
+from kconvert.io.output_dir import Planned
+from kconvert.io.remote import open_headers
 from kconvert.io.stream import SOURCE_DIR, ShardStream, StreamedShard, open_streamed
-from kconvert.manifest import MANIFEST, Manifest, render_manifest
-from kconvert.manifest_writer import build_manifest
-from kconvert.model.names import Role
+from kconvert.io.workspace import Workspace
+from kconvert.manifest import Manifest
 from kconvert.options import STREAM_WINDOW
-from kconvert.recipes import Recipe, build_stages
+from kconvert.recipes import Recipe
+from kconvert.run_plan import plan_run
 from kconvert.stages.records import RunRecord
 from kconvert.version import __version__
 
@@ -187,8 +169,8 @@ def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, settings: Mapping[str,
              ) -> Manifest | None:
     main = distributed.is_main()
     say = echo if main else (lambda _message: None)
-    stages, plan, gpu, part = distributed.agree(lambda: _prepare_run(
-        ckpt, recipe, settings, inputs, run, context, say))
+    stages, plan, gpu, part = distributed.agree(lambda: plan_run(
+        ckpt, recipe, settings, inputs, run.dry_run, context, say))
     device = context.device
     if run.dry_run:
         if main:
@@ -234,10 +216,10 @@ def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, settings: Mapping[str,
         records = {s: r for got in distributed.all_gather_object(mine) for s, r in got.items()}
         if share is not None:
             records.update(_finish_shared(ws, share, parts))
-        manifest = distributed.agree(
-            lambda: _finish(ckpt, ws, plan, records, recipe.name, recorded) if main else None)
+        manifest = distributed.agree(lambda: finish_output(
+            ckpt, ws, plan, records, recipe.name, recorded) if main else None)
         if main:
-            output_dir.commit(ws, echo)
+            workspace.commit(ws, echo)
             events.emit("run-finished", dst=str(dst))
     except OSError as exc:
         if exc.errno in NO_SPACE:
@@ -254,81 +236,6 @@ def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, settings: Mapping[str,
                 f"{ws.root} (--resume continues it, --overwrite starts again)")
         raise
     return manifest
-
-
-def _prepare_run(ckpt: Checkpoint, recipe: Recipe, settings: Mapping[str, object],
-                 inputs: Mapping[str, object], run: RunControl, context: GpuContext, say
-                 ) -> tuple[list, WorkPlan, GpuPlan | None, Part | None]:
-    """The stages, the work plan, the GPU memory plan on the run's GpuContext and, under
-    torchrun, which rank computes which routed experts (`_expert_part`), after the checks of
-    the source."""
-    stages = build_stages(recipe, settings, inputs)
-    part = _expert_part(ckpt, stages)
-    device = context.device
-    # GPU items as the GPU memory plan sizes them (engine.execute.gpu_encode). On a CPU, items
-    # of 2^24 elements (~one expert matrix; the fused kernel is per row anyway) keep the
-    # decode temporaries to ~200 MB (measured in tests/test_robustness.py).
-    def gpu_plan(budget: int, largest: int | None = None) -> GpuPlan | None:
-        """The plan on a GPU; on a CPU (a dry run shows it) what the run would need on one:
-        told, never a refusal of a run on this device."""
-        try:
-            return plan_gpu(ckpt, stages, budget, recipe.name, largest, encode=gpu_encode())
-        except GpuMemoryError as exc:
-            if device.type == "cuda":
-                raise
-            say(f"note: on a GPU with a {gib(budget)} budget this run would not fit ({exc}); "
-                f"on {device} it runs without a GPU memory plan")
-            return None
-
-    gpu = gpu_plan(context.plan_budget) if device.type == "cuda" or run.dry_run else None
-    if device.type == "cuda":
-        work_elems = gpu.work_elems
-    else:
-        work_elems = max([1 << 24] + [n for s in stages if (n := s.work_elems(device))])
-    # Shards not on disk yet (a dry run's or a streamed run's): INT4 shapes from the headers.
-    header_only = any(isinstance(r, HeaderOnlyShard | StreamedShard)
-                      for r in ckpt.readers.values())
-    plan = build_work_plan(ckpt, stages, work_elems,
-                           header_shape_values(ckpt) if header_only else None, part)
-    largest = max((sum(m.shape[0] * m.shape[1] for fused in item.sets for m in fused)
-                    for item in plan.items if isinstance(item, TransformItem)), default=0)
-    if gpu is not None and largest > (gpu.work_elems or 0):  # a fused set beyond the item size
-        gpu = gpu_plan(gpu.budget, largest)
-    log.info("planned on %s: %d modules, %d work items, %d output shard(s), %d tensors",
-             device, len(plan.modules), len(plan.items), len(plan.shard_entries),
-             len(plan.outputs))
-    for warning in validate_source(ckpt.config, ckpt.tensors, plan.modules, ckpt.root):
-        say(f"kconvert: warning: {warning}")
-    if recipe.requires_source and not any(recipe.requires_source in (m.codec.name, m.codec.grid)
-                                          for m in plan.modules):
-        raise KconvertError(f"{recipe.name} needs a source with {recipe.requires_source} modules "
-                            "and this one has none", file=str(ckpt.root / "config.json"))
-    return stages, plan, gpu, part
-
-
-def _expert_part(ckpt: Checkpoint, stages: list[Stage]) -> Part | None:
-    """Under torchrun, with a stage that streams calibration layers beside the conversion
-    (GPTQ, SparseGPT): the rank of each MoE layer's routed expert, the rank whose share of the
-    expert-parallel calibration holds its Hessian (kconvert.calibrate.expert_ranks); None
-    otherwise (every item goes with its shard)."""
-    if distributed.world() == 1 or not any(s.ordered_layers for s in stages):
-        return None
-    from kconvert.calibrate.expert_ranks import model_ranks
-    from kconvert.calibrate.load import tensors_by_layer
-
-    text = ckpt.text_config
-    n_layers, n_experts = text["num_hidden_layers"], text.get("n_routed_experts") or 0
-    if n_experts < distributed.world():
-        raise KconvertError(f"a layer's {n_experts} routed experts cannot be shared by "
-                            f"{distributed.world()} ranks; run with at most {n_experts}")
-    ranks = model_ranks(tensors_by_layer(ckpt, n_layers), n_experts,
-                        range(text.get("first_k_dense_replace", 0), n_layers))
-
-    def part(m: ModuleWork) -> int | None:
-        layer = ranks.get(m.tn.layer) if m.tn.role is Role.ROUTED_EXPERT else None
-        return None if layer is None else layer.owner(m.tn.expert)
-
-    return part
 
 
 def _finish_shared(ws: Workspace, share: Share, parts: dict[str, dict]) -> dict[str, dict]:
@@ -385,55 +292,3 @@ def _execute(plan: WorkPlan, ws: Workspace, device: torch.device, done: dict[str
             bar.set_description(name)
         return execute(plan, ws.root, device, done, bar.update, readers=run.readers,
                        share=share, feed=stream)
-
-
-def _finish(ckpt: Checkpoint, ws: Workspace, plan: WorkPlan, records: dict[str, dict],
-            command: str, options: dict) -> Manifest:
-    root = ws.root
-    non_weight = {}
-    for rel in ckpt.other_files():
-        copy_file(ckpt.root / rel, root / rel, ws.tmp(rel))
-        non_weight[rel] = hash_file(root / rel)
-        events.emit("file-copied", file=rel)
-
-    generated: list[str] = []
-
-    def write(name: str, text: str, event: str = "file-written") -> None:
-        write_text(root / name, text, ws.tmp(name))
-        generated.append(name)
-        events.emit(event, file=name)
-
-    if ckpt.has_index:
-        total = sum(tensor_nbytes(t.dtype, t.shape) for t in plan.outputs.values())
-        weight_map = {t.name: t.shard for t in sorted(plan.outputs.values(), key=lambda t: t.name)}
-        write(INDEX, _json({"metadata": {"total_size": total}, "weight_map": weight_map}),
-              "index-written")
-
-    shapes = {name: t.shape for name, t in plan.outputs.items()}
-    fmt, qconfig, format_files = output_config(plan.modules, shapes, ckpt.config)
-    dropped = dict(plan.dropped)
-    if (ckpt.root / HF_QUANT_CONFIG).is_file() and HF_QUANT_CONFIG not in format_files:
-        dropped[HF_QUANT_CONFIG] = "ModelOpt quantization file; output is not ModelOpt"
-    for name in sorted(GENERATED_FILES - {"config.json", HF_QUANT_CONFIG, INDEX}):
-        if (ckpt.root / name).is_file():
-            dropped[name] = "written by an earlier kconvert run about ITS source; not carried"
-    config = rewrite_config(ckpt.config, qconfig)
-    for stage in plan.stages:
-        stage.edit_config(config.get("text_config", config))
-    write("config.json", _json(config), "config-written")
-    for name, data in format_files.items():
-        write(name, _json(data))
-    for stage in plan.stages:
-        for name, text in stage.output_files().items():
-            write(name, text)
-
-    manifest = build_manifest(ckpt, plan, records, command, options, fmt, dropped, non_weight,
-                         {name: hash_file(root / name) for name in sorted(generated)}, root)
-    write_text(root / MANIFEST, render_manifest(manifest), ws.tmp(MANIFEST), sync=True,
-               staged=lambda: events.emit("manifest-staged", file=MANIFEST))
-    events.emit("manifest-written", file=MANIFEST)
-    return manifest
-
-
-def _json(data: dict) -> str:
-    return json.dumps(data, indent=1, sort_keys=True)

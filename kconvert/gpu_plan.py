@@ -13,11 +13,11 @@ plan needs and which option lowers it, before anything runs.
 
 The figures are upper estimates of what torch's caching allocator reserves. The planner only
 adds up and searches: each part's bytes come from the code that allocates them, declared there
-and handed over (a layer's decode: kconvert.calibrate.load; input Grams:
-kconvert.calibrate.forward; eval's logits: kconvert.evaluate.metrics; REAP's repair stream:
-kconvert.pruning.repair; the OBS batches: kconvert.methods.obs; the engine's encode:
-kconvert.engine.execute). What is left below is the planner's own model of one decoder layer's
-forward and its search.
+and handed over as the parts of kconvert.gpu_parts (a layer's decode: kconvert.calibrate.load;
+input Grams: kconvert.calibrate.forward; eval's logits: kconvert.evaluate.metrics; REAP's
+repair stream: kconvert.pruning.repair; the OBS batches: kconvert.methods.obs; the engine's
+encode: kconvert.engine.execute), on the model's shapes (kconvert.gpu_shapes). What is left
+below is the planner's own model of one decoder layer's forward and its search.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kconvert.errors import KconvertError
-from kconvert.model.arch import arch_of
+from kconvert.gpu_parts import Encode, Forward, GpuWork
+from kconvert.gpu_shapes import Shapes
 
 # Bytes per token of one decoder layer's forward, in units of the compute dtype's element,
 # beyond the terms counted exactly: residual stream copies (input, norm, attention output,
@@ -58,206 +59,6 @@ class GpuMemoryError(KconvertError):
 def gib(n: int) -> str:
     """Bytes in GiB (MiB below 1 GiB), the units of torch's and nvidia-smi's figures."""
     return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
-
-
-@dataclass(frozen=True)
-class Shapes:
-    """What the plan needs of the model config (DeepSeek-V3 / Kimi-K2 text config)."""
-
-    hidden: int
-    moe_inter: int
-    dense_inter: int
-    experts: int
-    shared: int
-    top_k: int
-    heads: int
-    q_lora: int
-    kv_lora: int
-    qk_nope: int
-    qk_rope: int
-    v_head: int
-    vocab: int
-    dense_layers: int
-    layers: int
-
-    @classmethod
-    def from_config(cls, text: dict) -> Shapes:
-        arch = arch_of(text)  # DeepSeek-V3's or Kimi-K3's key names
-        return cls(hidden=text["hidden_size"], moe_inter=text.get("moe_intermediate_size") or 0,
-                   dense_inter=text["intermediate_size"],
-                   experts=arch.get("experts") or 0,
-                   shared=arch.get("shared") or 0,
-                   top_k=arch.get("top_k") or 0,
-                   heads=text["num_attention_heads"],
-                   q_lora=text.get("q_lora_rank") or 0, kv_lora=text["kv_lora_rank"],
-                   qk_nope=text["qk_nope_head_dim"], qk_rope=text["qk_rope_head_dim"],
-                   v_head=text["v_head_dim"], vocab=text["vocab_size"],
-                   dense_layers=min(text.get("first_k_dense_replace", 0),
-                                    text["num_hidden_layers"]),
-                   layers=text["num_hidden_layers"])
-
-    @property
-    def qk(self) -> int:
-        return self.qk_nope + self.qk_rope
-
-    def attention_elems(self) -> int:
-        h, q_in = self.hidden, self.q_lora or self.hidden
-        return (h * self.q_lora + q_in * self.heads * self.qk
-                + h * (self.kv_lora + self.qk_rope)
-                + self.kv_lora * self.heads * (self.qk_nope + self.v_head)
-                + self.heads * self.v_head * h)
-
-    def attention_inputs(self) -> list[int]:
-        """Input widths of an MLA attention's fused sets (linears that see one input): q_a
-        with kv_a (or q_proj, and kv_a alone), q_b, kv_b, o."""
-        q = [self.hidden] if self.q_lora else [self.hidden, self.hidden]
-        return [*q, *([self.q_lora] if self.q_lora else []), self.kv_lora,
-                self.heads * self.v_head]
-
-    def attention_matrices(self) -> list[tuple[int, int]]:
-        """(rows, in) of an MLA attention's linears."""
-        q_in = self.q_lora or self.hidden
-        return [*([(self.q_lora, self.hidden)] if self.q_lora else []),
-                (self.heads * self.qk, q_in), (self.kv_lora + self.qk_rope, self.hidden),
-                (self.heads * (self.qk_nope + self.v_head), self.kv_lora),
-                (self.hidden, self.heads * self.v_head)]
-
-    def dense_inputs(self) -> list[int]:
-        """Input widths of a dense MLP's fused sets: gate with up, down."""
-        return [self.hidden, self.dense_inter]
-
-    def dense_matrices(self) -> list[tuple[int, int]]:
-        """(rows, in) of a dense MLP's matrices: gate and up as one (one input), down."""
-        return [(2 * self.dense_inter, self.hidden), (self.hidden, self.dense_inter)]
-
-    def expert_elems(self) -> int:
-        """gate, up and down of one routed expert."""
-        return 3 * self.hidden * self.moe_inter
-
-    @property
-    def has_moe(self) -> bool:
-        return self.experts > 0 and self.layers > self.dense_layers
-
-    def expert_set(self) -> int:
-        """Decoded elements of a routed expert's gate and up (one fused set)."""
-        return 2 * self.hidden * self.moe_inter
-
-    def layer_elems(self, routed: int | None = None) -> int:
-        """Decoded weight elements of the largest decoder layer (an MoE layer when there is
-        one: routed and shared experts, router, attention); `routed`: the routed experts held
-        (an expert-parallel rank's share; default all)."""
-        dense = 3 * self.hidden * self.dense_inter
-        routed = self.experts if routed is None else routed
-        moe = ((routed + self.shared) * self.expert_elems()
-               + self.experts * self.hidden)
-        if not self.has_moe:
-            return self.attention_elems() + dense
-        # the first layers are dense: the largest layer is whichever holds more
-        return self.attention_elems() + max(moe, dense if self.dense_layers else 0)
-
-
-@dataclass(frozen=True)
-class Forward:
-    """A layer-streamed forward (kconvert.calibrate, kconvert.evaluate, REAP's repair), built by
-    kconvert.calibrate.plan.forward with the forward's own terms; the other terms are their
-    owners'."""
-
-    sequences: int
-    seq_len: int
-    batch_size: int  # the micro-batch asked for (--batch-size)
-    dtype_bytes: int = 2
-    models: int = 0  # eval: source and candidates (hidden states each, outputs compared)
-    capture: bool = False  # SparseGPT/GPTQ keep the MoE layer's inputs for the Hessians
-    rerun: bool = False  # "sequential" Hessians: the layer input is kept to run it again
-    repair_bytes: int = 0  # REAP router repair's second stream (kconvert.pruning.repair)
-    gram_bytes: int = 0  # input Grams of a layer's targeted linears (calibrate.forward)
-    # eval: logits per chunk (kconvert.evaluate.metrics), the source's and a candidate's and
-    # their log-softmaxes in fp32
-    logit_elems: int = 0
-    # decoding one layer's weights beside it (kconvert.calibrate.load)
-    decode_bytes: int = field(kw_only=True)
-    # Under torchrun (docs/many-gpus.md): `sequences` are this rank's (its batches' hidden
-    # states), `job_sequences` the whole job's; with `ranks` > 1 a MoE layer is
-    # expert-parallel: the rank holds its block of routed experts, exchanges the routed rows
-    # with the others each micro-batch and, capturing, keeps the rows routed to its experts
-    # from every rank (in a buffer for all the job's tokens); `gathered`: it also holds every
-    # routed expert (REAP's repair on rank 0).
-    ranks: int = field(default=1, kw_only=True)
-    job_sequences: int = field(default=0, kw_only=True)
-    gathered: bool = field(default=False, kw_only=True)
-
-    def tokens(self) -> int:
-        return self.sequences * self.seq_len
-
-    def job_tokens(self) -> int:
-        """The whole job's tokens (a routed expert sees its share of every rank's)."""
-        return (self.job_sequences or self.sequences) * self.seq_len
-
-    def routed_held(self, s: Shapes) -> int:
-        """The routed experts of a MoE layer this rank holds."""
-        held = -(-s.experts // self.ranks)
-        return held + s.experts if self.gathered else held
-
-    def held_fraction(self, s: Shapes) -> float:
-        """Of the job's tokens, those with one of their top-k experts among this rank's
-        (routing spread evenly over the experts): all of them on one rank."""
-        return 1.0 - (1.0 - 1.0 / self.ranks) ** s.top_k if self.ranks > 1 else 1.0
-
-    def share_line(self, s: Shapes) -> str:
-        """What this rank holds under torchrun, for the plan's lines ('' on one process)."""
-        if self.ranks == 1 and self.job_sequences in (0, self.sequences):
-            return ""
-        parts = [f"the hidden states of {self.sequences} of {self.job_sequences} sequences"]
-        if self.ranks > 1:
-            parts.insert(0, f"{-(-s.experts // self.ranks)} of {s.experts} routed experts per "
-                            "MoE layer (expert-parallel)")
-        if self.gathered:
-            parts.append("every routed expert of the layer while it repairs (rank 0)")
-        return "  per rank: " + ", ".join(parts)
-
-
-@dataclass(frozen=True)
-class Obs:
-    """Batches of Hessian-sharing matrices solved together (SparseGPT, GPTQ): the bytes of
-    one matrix of the largest shape (`bytes_per_matrix`: Hessian, factor and temporaries,
-    weights and result, kconvert.methods.obs.batch_bytes), and the matrices there are."""
-
-    bytes_per_matrix: int
-    matrices: int
-    k: int  # input dimension of that matrix (its routed inputs are taken in fp32)
-    every_token: bool = False  # a matrix's Hessian is built from every token (shared expert)
-    least_bytes: int = 0  # one matrix of the largest targeted shape: a batch holds at least it
-
-    def batch(self, n: int) -> int:
-        """Bytes of an OBS batch of `n` matrices of `bytes_per_matrix` (at least one of the
-        largest targeted shape)."""
-        return max(n * self.bytes_per_matrix, self.least_bytes)
-
-
-@dataclass(frozen=True)
-class Encode:
-    """The engine's encode of a work item on a GPU, as the engine declares it
-    (kconvert.engine.execute.gpu_encode): the most decoded elements per item, the bytes per
-    decoded element an item holds, and the encoder's chunk (its elements, and the bytes per
-    element of its temporaries)."""
-
-    item_elems: int
-    bytes_per_elem: int
-    chunk_elems: int
-    chunk_bytes_per_elem: int
-
-    def bytes(self, elems: int) -> int:
-        """What the encode of an item of `elems` decoded elements holds."""
-        return elems * self.bytes_per_elem + self.chunk_bytes_per_elem * min(self.chunk_elems,
-                                                                            elems)
-
-
-@dataclass(frozen=True)
-class GpuWork:
-    """What a stage runs on the GPU beside the engine's encode (Stage.gpu_work)."""
-
-    forward: Forward
-    obs: Obs
 
 
 @dataclass

@@ -13,6 +13,7 @@ import torch
 
 from conftest import ROOT
 from helpers import checkpoint_tensors
+from kconvert import LAYERS
 from kconvert.formats import Codec, Encoded
 from kconvert.formats.linear import Batch, Transformed
 from kconvert.methods import Method
@@ -492,34 +493,7 @@ def test_no_test_skips_when_an_oracle_or_a_dependency_is_missing():
 
 # --- The package order and the one GPU budget ---------------------------------------------
 
-# The package order, lowest first, declared once: a module may import its own layer and the
-# layers below it, never one above (a function's lazy import included). A layer is a tuple of
-# module prefixes (a prefix holds the module of that name and every module under it; the
-# package's own `kconvert` holds only itself: the API's lazy entry).
-LAYERS: tuple[tuple[str, ...], ...] = (
-    ("kconvert.errors", "kconvert.options", "kconvert.version", "kconvert.events",
-     "kconvert.devices", "kconvert.distributed", "kconvert.callable_package",
-     "kconvert.model"),  # ground
-    ("kconvert.manifest",),
-    ("kconvert.io",),
-    ("kconvert.formats",),
-    ("kconvert.checks",),
-    ("kconvert.gpu_plan", "kconvert.gpu_budget"),
-    ("kconvert.calibrate",),
-    ("kconvert.methods",),
-    ("kconvert.pruning",),
-    ("kconvert.engine",),
-    ("kconvert.stages",),
-    ("kconvert.recipes",),
-    ("kconvert.testing",),  # fixtures: anything below the driver
-    ("kconvert.convert", "kconvert.commands", "kconvert.dry_run", "kconvert.manifest_writer",
-     "kconvert.run_summary"),  # the driver
-    ("kconvert.audit", "kconvert.evaluate", "kconvert.sizing"),  # commands beside conversion
-    ("kconvert.api",),
-    ("kconvert.cli", "kconvert.__main__", "kconvert"),  # entry points
-)
-
-
+# The package order, lowest first, as kconvert.LAYERS declares it once.
 def _layers_of(name: str) -> list[int]:
     return [i for i, layer in enumerate(LAYERS) for prefix in layer
             if name == prefix or (prefix != "kconvert" and name.startswith(prefix + "."))]
@@ -546,18 +520,18 @@ def test_no_import_runs_back_up_the_package_order():
 
 def test_the_order_check_finds_an_upward_import_and_a_module_in_no_layer(tmp_path,
                                                                            monkeypatch):
-    """The checks above are not vacuous: io importing the driver inside a function, and a
-    module no layer holds, are reported."""
+    """The checks above are not vacuous: io importing the API inside a function, and a module
+    no layer holds, are reported."""
     pkg = tmp_path / "kconvert"
     (pkg / "io").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "io" / "__init__.py").write_text("")
-    (pkg / "io" / "files.py").write_text("def f():\n    from kconvert.convert import g\n")
-    (pkg / "convert.py").write_text("from kconvert.io.files import f\n\n\ndef g():\n    f()\n")
+    (pkg / "io" / "files.py").write_text("def f():\n    from kconvert.api import g\n")
+    (pkg / "api.py").write_text("from kconvert.io.files import f\n\n\ndef g():\n    f()\n")
     monkeypatch.setattr(__import__(__name__), "PACKAGE", pkg)
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     with pytest.raises(AssertionError, match=r"io/files\.py:2: kconvert\.io\.files imports "
-                                             r"kconvert\.convert"):
+                                             r"kconvert\.api"):
         test_no_import_runs_back_up_the_package_order()
     test_every_module_belongs_to_one_layer()
     (pkg / "elsewhere.py").write_text("")
@@ -594,11 +568,14 @@ def test_the_budget_check_finds_a_second_resolution(tmp_path, monkeypatch):
     pkg = tmp_path / "kconvert"
     (pkg / "calibrate").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
-    (pkg / "gpu_budget.py").write_text("import torch\n\nfree = torch.cuda.mem_get_info(0)\n")
+    budget = tmp_path.joinpath(*BUDGET_MODULE.split(".")).with_suffix(".py")
+    budget.parent.mkdir(parents=True, exist_ok=True)
+    (budget.parent / "__init__.py").write_text("")
+    budget.write_text("import torch\n\nfree = torch.cuda.mem_get_info(0)\n")
     (pkg / "calibrate" / "__init__.py").write_text("")
     (pkg / "calibrate" / "x.py").write_text("import torch\n\n\ndef f():\n"
                                             "    return torch.cuda.mem_get_info(0)[0]\n")
-    (pkg / "y.py").write_text("from kconvert.gpu_budget import GpuContext\n\n"
+    (pkg / "y.py").write_text(f"from {BUDGET_MODULE} import GpuContext\n\n"
                               "ctx = GpuContext('cuda', 1, 1)\n")
     monkeypatch.setattr(__import__(__name__), "PACKAGE", pkg)
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
@@ -607,4 +584,4 @@ def test_the_budget_check_finds_a_second_resolution(tmp_path, monkeypatch):
     message = str(err.value)
     assert "kconvert/calibrate/x.py:5: reads the free GPU memory" in message
     assert "kconvert/y.py:3: makes a GpuContext" in message
-    assert "gpu_budget.py" not in message
+    assert str(budget.relative_to(tmp_path)) not in message

@@ -24,7 +24,9 @@ from kconvert.engine.execute import gpu_encode
 from kconvert.errors import KconvertError, UsageError
 from kconvert.evaluate.metrics import LOGIT_ELEMS
 from kconvert.gpu_budget import GpuContext, GpuRequest
-from kconvert.gpu_plan import GpuMemoryError, GpuWork, Obs, Shapes, plan_conversion, plan_forward
+from kconvert.gpu_parts import GpuWork, Obs
+from kconvert.gpu_plan import GpuMemoryError, plan_conversion, plan_forward
+from kconvert.gpu_shapes import Shapes
 from kconvert.io.checkpoint import open_checkpoint
 from kconvert.manifest import MANIFEST
 from kconvert.methods import MethodInputs, obs
@@ -37,7 +39,7 @@ from kconvert.pruning.repair import REPAIR_TOKENS, stream_bytes
 from kconvert.sizing.gpu_memory import command_plans
 from kconvert.stages.quantize import Quantize
 from kconvert.stages.sparsify import Sparsify
-from kconvert.testing.fixtures import k2_config
+from kconvert.testing.fixture_config import k2_config
 from kconvert.testing.header_only import KIMI_K2_THINKING, kimi_int4_shards
 
 GIB = 1 << 30

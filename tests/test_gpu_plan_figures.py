@@ -18,7 +18,7 @@ import torch
 
 from conftest import BUNDLED, ROOT
 from helpers import cli_inproc, write_input_ids
-from kconvert import convert
+from kconvert import run_plan
 from kconvert.calibrate import plan as calibrate_plan
 from kconvert.calibrate import run
 from kconvert.calibrate.load import build_layer
@@ -50,8 +50,8 @@ def test_gptq_plan_of_experts_attention_and_dense_mlp_with_held_out_tokens(tmp_p
                                                                           monkeypatch):
     """64 sequences of 16 tokens: 1024 tokens, so every 8th is held out (128 of them)."""
     planned = []
-    plan_gpu = convert.plan_gpu
-    monkeypatch.setattr(convert, "plan_gpu", lambda *a, **k: planned.append(plan_gpu(*a, **k))
+    plan_gpu = run_plan.plan_gpu
+    monkeypatch.setattr(run_plan, "plan_gpu", lambda *a, **k: planned.append(plan_gpu(*a, **k))
                         or planned[-1])
     data = write_input_ids(tmp_path / "d.jsonl", _ids(64))
     res = cli_inproc("quantize", BUNDLED, tmp_path / "out", "--method", "gptq", "--data", data,

@@ -20,7 +20,9 @@ from kconvert import distributed
 from kconvert.calibrate.load import decode_bytes
 from kconvert.calibrate.startup import model_code_and_device
 from kconvert.gpu_budget import GpuContext, GpuRequest
-from kconvert.gpu_plan import Forward, GpuPlan, Shapes, plan_forward
+from kconvert.gpu_parts import Forward
+from kconvert.gpu_plan import GpuPlan, plan_forward
+from kconvert.gpu_shapes import Shapes
 from kconvert.io.checkpoint import Checkpoint
 
 

@@ -20,7 +20,7 @@ from kconvert.engine.compute import compute_item, read_item
 from kconvert.engine.sink import ShardSink
 from kconvert.engine.work import Item, Share, WorkPlan
 from kconvert.formats import SOURCE_CODECS, nvfp4
-from kconvert.gpu_plan import Encode
+from kconvert.gpu_parts import Encode
 from kconvert.io.readahead import read_ahead
 
 # The engine's knobs, read at the start of each run (benchmarks/cpu_engine.py sets them to

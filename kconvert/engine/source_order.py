@@ -17,8 +17,9 @@ from pathlib import Path
 
 from kconvert.engine.work import WorkPlan, header_shape_values, shard_file_bytes
 from kconvert.io.files import human_bytes
+from kconvert.io.hub_downloads import remote_files
 from kconvert.io.remote import HeaderOnlyShard
-from kconvert.io.stream import ShardStream, StreamedShard, remote_files, stream_of, window_bytes
+from kconvert.io.stream import ShardStream, StreamedShard, stream_of, window_bytes
 
 log = logging.getLogger(__name__)
 

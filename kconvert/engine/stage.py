@@ -15,7 +15,9 @@ from kconvert.formats.linear import ModuleWork
 from kconvert.model.names import TensorName
 
 if TYPE_CHECKING:
-    from kconvert.gpu_plan import GpuPlan, GpuWork, Shapes
+    from kconvert.gpu_parts import GpuWork
+    from kconvert.gpu_plan import GpuPlan
+    from kconvert.gpu_shapes import Shapes
 
 
 class StageRecord(BaseModel):

@@ -16,58 +16,45 @@ Rules, so that no run ever loses data or passes off a half-written output as com
   spill during the run. kconvert's temporary files never sit among the outputs.
 - `--resume` keeps a finished shard only if its header, size and every tensor's content hash
   still match its record (`--trust-complete` skips the hashing).
+
+This module checks DST and prepares the workspace; what an output already in DST accounts for is
+kconvert.io.existing_output, the workspace and the final swap kconvert.io.workspace.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import os
 import shutil
-import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from kconvert import events
 from kconvert.errors import KconvertError
 from kconvert.io.directories import overlaps
-from kconvert.io.files import hash_file, human_bytes, write_json
+from kconvert.io.existing_output import (
+    RUN_FILE,
+    accounted_files,
+    check_replaceable,
+    dir_entries,
+)
+from kconvert.io.files import human_bytes, write_json
 from kconvert.io.hashing import TensorHashes
-from kconvert.io.lock import LOCK_FILE, STATE_DIR, acquire, holder_of, in_use, unwritable
+from kconvert.io.lock import LOCK_FILE, STATE_DIR, holder_of, in_use, unwritable
 from kconvert.io.shards import plan_header, read_header
+from kconvert.io.workspace import Workspace, remove_leftovers, staging_dir
 from kconvert.manifest import MANIFEST
 
-RUN_FILE = "run.json"
 # Under the state folder: where REAP's compensation spills re-fitted matrices during its
 # calibration (kconvert.stages.prune_data), removed when the run ends.
 REFIT_DIR = "refit"
-STAGING_SUFFIX = ".kconvert-new"
 # Room kept free beyond the planned bytes (file system metadata, rounding to blocks): this
 # much plus a thousandth of the output.
 SPACE_MARGIN = 1 << 20
 VERIFY_CHUNK = 16 << 20
 
 ShardEntries = dict[str, list[tuple[str, str, tuple[int, ...]]]]
-
-
-@dataclass
-class Workspace:
-    """Where a run writes: DST itself, or (`replaces`) a staging directory swapped in for DST."""
-
-    dst: Path
-    root: Path
-    replaces: bool = False
-
-    @property
-    def state(self) -> Path:
-        return self.root / STATE_DIR
-
-    def tmp(self, rel: str) -> Path:
-        """The temporary name of output file `rel` while it is written."""
-        return self.state / "tmp" / rel.replace("/", "%")
 
 
 def resolve_dst(dst: str | Path) -> Path:
@@ -96,104 +83,11 @@ def check_dst(src_root: Path, dst: Path, resume: bool, overwrite: bool, dry_run:
     holder = holder_of(dst / STATE_DIR / LOCK_FILE)
     if holder is not None:
         raise in_use(dst, holder)
-    if _entries(dst) and not (resume or overwrite):
+    if dir_entries(dst) and not (resume or overwrite):
         raise KconvertError("DST is not empty; pass --resume to continue an interrupted run "
                             "or --overwrite to replace it", file=str(dst))
-    if overwrite and _entries(dst):
-        _check_replaceable(dst)
-
-
-def _entries(path: Path) -> list[str]:
-    """Names in directory `path` (none if it does not exist)."""
-    return sorted(p.name for p in path.iterdir()) if path.is_dir() else []
-
-
-def _staging(dst: Path) -> Path:
-    return dst.parent / f".{dst.name}{STAGING_SUFFIX}"
-
-
-def _accounted(root: Path) -> set[str] | None:
-    """Relative paths a kconvert output in `root` accounts for, or None if it is none.
-
-    A finished output: its manifest's shards, non-weight and generated files. An interrupted
-    run: the files its run state says it writes.
-    """
-    manifest, run = root / MANIFEST, root / STATE_DIR / RUN_FILE
-    names: set[str] = set()
-    if manifest.is_file():
-        names.add(MANIFEST)
-        with contextlib.suppress(OSError, ValueError, AttributeError, TypeError):
-            data = json.loads(manifest.read_text())
-            for key in ("files", "non_weight_files", "generated_files"):
-                names.update(data.get(key) or {})
-    if run.is_file():
-        with contextlib.suppress(OSError, ValueError, AttributeError, TypeError):
-            names.update(json.loads(run.read_text()).get("files") or [])
-    elif not manifest.is_file() and not (root / STATE_DIR).is_dir():
-        return None
-    return names
-
-
-def _unaccounted(root: Path, accounted: set[str]) -> list[str]:
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        rel_dir = os.path.relpath(dirpath, root)
-        if rel_dir == STATE_DIR or rel_dir.startswith(STATE_DIR + os.sep):
-            dirnames[:] = []
-            continue
-        for fn in filenames:
-            rel = os.path.normpath(os.path.join(rel_dir, fn))
-            if rel not in accounted:
-                out.append(rel)
-    return sorted(out)
-
-
-def _check_replaceable(dst: Path) -> None:
-    accounted = _accounted(dst)
-    if accounted is None:
-        shown = ", ".join(_entries(dst)[:5])
-        raise KconvertError(f"--overwrite replaces only a kconvert output (a directory with a "
-                            f"{MANIFEST} or .kconvert/) or an empty directory; DST holds "
-                            f"{shown}{', ...' if len(_entries(dst)) > 5 else ''}",
-                            file=str(dst))
-    unknown = _unaccounted(dst, accounted)
-    if unknown:
-        raise KconvertError(f"--overwrite would delete files that the kconvert output in DST "
-                            f"does not account for: {', '.join(unknown[:5])}"
-                            f"{', ...' if len(unknown) > 5 else ''}; move them away first",
-                            file=str(dst))
-    changed = _not_as_recorded(dst)
-    if changed:
-        raise KconvertError(f"--overwrite would delete files that are not what the kconvert "
-                            f"output in DST recorded: {'; '.join(changed[:5])}"
-                            f"{'; ...' if len(changed) > 5 else ''}; move them away first",
-                            file=str(dst))
-
-
-def _not_as_recorded(root: Path) -> list[str]:
-    """Files present in `root` whose size (shards) or xxh3-128 (every other file) differs from
-    what its manifest records: a file with a recorded name is not necessarily the file. Files
-    an interrupted run in `root` writes (its run state names them) may differ."""
-    try:
-        data = json.loads((root / MANIFEST).read_text())
-        run = root / STATE_DIR / RUN_FILE
-        rewriting = set(json.loads(run.read_text()).get("files") or []) if run.is_file() \
-            else set()
-    except (OSError, ValueError, AttributeError, TypeError):
-        return []
-    out = []
-    for name, entry in (data.get("files") or {}).items():
-        path = root / name
-        if name not in rewriting and path.is_file() and isinstance(entry, dict) and \
-                path.stat().st_size != entry.get("bytes"):
-            out.append(f"{name} ({path.stat().st_size} bytes, the manifest says "
-                       f"{entry.get('bytes')})")
-    for key in ("non_weight_files", "generated_files"):
-        for name, digest in (data.get(key) or {}).items():
-            path = root / name
-            if name not in rewriting and path.is_file() and hash_file(path) != digest:
-                out.append(f"{name} (its xxh3-128 is not the manifest's)")
-    return out
+    if overwrite and dir_entries(dst):
+        check_replaceable(dst)
 
 
 # ------------------------------------------------------------------------------ preparing
@@ -217,11 +111,11 @@ def prepare(dst: Path, planned: Planned, fingerprint: tuple[str, dict], resume: 
 
     Called with the lock held, after every input check: only here is anything deleted.
     """
-    _remove_leftovers(dst, echo)
+    remove_leftovers(dst, echo)
     ws, done = Workspace(dst, dst), {}
     if resume:
         ws, done = _resumed(dst, fingerprint, planned, trust_complete, shard_entries, echo)
-    elif overwrite and _entries(dst) != [STATE_DIR]:
+    elif overwrite and dir_entries(dst) != [STATE_DIR]:
         ws = _replacement(dst, planned, echo)
     needed = sum(n for s, n in planned.shard_bytes.items() if s not in done)
     _check_space(ws.root, needed + planned.other_bytes)
@@ -239,7 +133,7 @@ def prepare(dst: Path, planned: Planned, fingerprint: tuple[str, dict], resume: 
 
 def _resumed(dst: Path, fingerprint: tuple[str, dict], planned: Planned, trust_complete: bool,
              shard_entries: ShardEntries, echo) -> tuple[Workspace, dict[str, dict]]:
-    staging = _staging(dst)
+    staging = staging_dir(dst)
     if (staging / STATE_DIR / RUN_FILE).is_file():
         ws = Workspace(dst, staging, replaces=True)
         echo(f"resuming the replacement of {dst} in {staging}")
@@ -248,7 +142,7 @@ def _resumed(dst: Path, fingerprint: tuple[str, dict], planned: Planned, trust_c
     elif (dst / MANIFEST).is_file():
         raise KconvertError("DST is already a complete output (it has a manifest); use "
                             "--overwrite to redo it", file=str(dst))
-    elif [n for n in _entries(dst) if n != STATE_DIR]:
+    elif [n for n in dir_entries(dst) if n != STATE_DIR]:
         raise KconvertError("--resume: DST holds files but no kconvert run state",
                             file=str(dst))
     else:
@@ -283,9 +177,9 @@ def _differences(then: dict, now: dict, limit: int = 3) -> str:
 def _replacement(dst: Path, planned: Planned, echo) -> Workspace:
     """Where an --overwrite run writes: beside DST when there is room for both, else DST
     itself after deleting the old output."""
-    staging = _staging(dst)
+    staging = staging_dir(dst)
     if staging.exists():
-        if _accounted(staging) is None:
+        if accounted_files(staging) is None:
             raise KconvertError(f"{staging} is in the way of the staging directory and is not "
                                 "a kconvert output; move it away", file=str(staging))
         shutil.rmtree(staging)
@@ -407,70 +301,3 @@ def _first_changed(path: Path, entries, record: dict) -> str | None:
     finally:
         os.close(fd)
     return None
-
-
-# ------------------------------------------------------------------------------ finishing
-
-
-def commit(ws: Workspace, echo: Callable[[str], None]) -> None:
-    """Make the finished workspace DST and remove the run state (the manifest is written)."""
-    if not ws.replaces:
-        _clear_state(ws)
-        return
-    # The staging directory's own lock file becomes DST's when the two swap: held from before
-    # the swap until the run state is gone, so no other run can start into DST in between.
-    fd = acquire(ws.state / LOCK_FILE, echo)
-    try:
-        old = _exchange(ws.root, ws.dst)
-        events.emit("output-committed", dst=str(ws.dst))
-        shutil.rmtree(old)
-        _clear_state(Workspace(ws.dst, ws.dst))
-    finally:
-        with contextlib.suppress(OSError):
-            (ws.dst / STATE_DIR / LOCK_FILE).unlink()
-        os.close(fd)
-
-
-def _clear_state(ws: Workspace) -> None:
-    for sub in ("partial", "done", "tmp"):
-        shutil.rmtree(ws.state / sub, ignore_errors=True)
-    (ws.state / RUN_FILE).unlink(missing_ok=True)
-
-
-def _remove_leftovers(dst: Path, echo: Callable[[str], None]) -> None:
-    """Delete what an interrupted swap left beside DST: a staging directory without run state
-    holds the output that was being replaced (the swap had happened)."""
-    for path in (_staging(dst), dst.parent / f".{dst.name}.kconvert-old"):
-        if path.is_dir() and not (path / STATE_DIR / RUN_FILE).is_file() \
-                and _accounted(path) is not None:
-            echo(f"removing {path}, the previous output left by an interrupted replacement")
-            shutil.rmtree(path)
-
-
-def _exchange(new: Path, dst: Path) -> Path:
-    """Put directory `new` at `dst`; returns where the old `dst` now is. Atomic where the OS
-    can swap two names in one step (Linux renameat2); else two renames."""
-    at_cwd, exchange = -100, 2  # AT_FDCWD, RENAME_EXCHANGE
-    if _renameat2 is not None and _renameat2(at_cwd, os.fsencode(new), at_cwd,
-                                             os.fsencode(dst), exchange) == 0:
-        return new
-    old = dst.parent / f".{dst.name}.kconvert-old"
-    if old.exists():
-        shutil.rmtree(old)
-    os.replace(dst, old)
-    os.replace(new, dst)
-    return old
-
-
-def _load_renameat2():
-    """libc's renameat2 (Linux, glibc >= 2.28), which Python's os module does not expose."""
-    if not sys.platform.startswith("linux"):
-        return None
-    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
-    if fn is not None:
-        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-        fn.restype = ctypes.c_int
-    return fn
-
-
-_renameat2 = _load_renameat2()

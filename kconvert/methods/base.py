@@ -23,7 +23,9 @@ from kconvert.model.names import Role
 from kconvert.options import SPARSEGPT_SAMPLES
 
 if TYPE_CHECKING:
-    from kconvert.gpu_plan import GpuPlan, GpuWork, Shapes
+    from kconvert.gpu_parts import GpuWork
+    from kconvert.gpu_plan import GpuPlan
+    from kconvert.gpu_shapes import Shapes
     from kconvert.methods.hessians import Calibration
 
 # What a method may need beyond the decoded weights: nothing, `kconvert calibrate`'s

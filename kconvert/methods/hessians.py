@@ -32,7 +32,9 @@ from kconvert import distributed
 from kconvert.calibrate.data import PAD_ID, load_calibration_data, real_tokens
 from kconvert.calibrate.plan import forward
 from kconvert.errors import KconvertError
-from kconvert.gpu_plan import GpuPlan, GpuWork, Shapes
+from kconvert.gpu_parts import GpuWork
+from kconvert.gpu_plan import GpuPlan
+from kconvert.gpu_shapes import Shapes
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.methods.obs import HELDOUT_EVERY, HELDOUT_MIN, HessianSplit, gpu_work
 from kconvert.model.names import Role

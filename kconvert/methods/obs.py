@@ -37,7 +37,8 @@ import torch
 
 from kconvert.calibrate.forward import gram_bytes
 from kconvert.formats import nvfp4
-from kconvert.gpu_plan import Forward, GpuWork, Obs, Shapes
+from kconvert.gpu_parts import Forward, GpuWork, Obs
+from kconvert.gpu_shapes import Shapes
 from kconvert.methods import triangular
 from kconvert.model.names import Role, TensorName
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 from kconvert.calibrate.plan import forward
 from kconvert.engine.execute import gpu_encode
 from kconvert.evaluate.metrics import LOGIT_ELEMS
-from kconvert.gpu_plan import GpuMemoryError, Shapes, plan_conversion, plan_forward
+from kconvert.gpu_plan import GpuMemoryError, plan_conversion, plan_forward
+from kconvert.gpu_shapes import Shapes
 from kconvert.methods import obs
 from kconvert.model.arch import arch_of
 from kconvert.options import BATCH_SIZE, EVAL_SAMPLES, REAP_SAMPLES, SEQ_LEN, SPARSEGPT_SAMPLES

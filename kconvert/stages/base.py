@@ -20,7 +20,9 @@ import torch
 from kconvert.engine.stage import Stage, StageRecord
 from kconvert.errors import KconvertError, UsageError
 from kconvert.gpu_budget import GpuRequest
-from kconvert.gpu_plan import GpuPlan, GpuWork, Shapes
+from kconvert.gpu_parts import GpuWork
+from kconvert.gpu_plan import GpuPlan
+from kconvert.gpu_shapes import Shapes
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.methods import Method, method_named, methods_of
 from kconvert.methods.hessians import Calibration

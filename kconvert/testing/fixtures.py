@@ -43,8 +43,8 @@ import torch
 from safetensors.torch import save_file
 
 from kconvert.testing import fixture_k3
+from kconvert.testing.fixture_config import k2_config, k25_config, special_ids
 from kconvert.testing.fixture_weights import (
-    GROUP_SIZE,
     VISION,
     FixtureDims,
     Rng,
@@ -61,154 +61,6 @@ from kconvert.testing.fixture_weights import (
 
 VARIANTS = ("k2-int4-ct", "k2-int4-kimi", "k25-int4", "k26-int4", "k3-mxfp4", "bf16")
 MULTIMODAL = ("k25-int4", "k26-int4")
-
-
-_KIMI_IGNORE = [
-    "lm_head",
-    "re:.*self_attn.*",
-    "re:.*shared_experts.*",
-    "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
-]
-
-
-_K26_IGNORE_EXTRA = ["re:.*lm_head.*", "re:vision_tower.*", "re:mm_projector.*"]
-
-
-def kimi_quantization_config(k26: bool = False) -> dict[str, Any]:
-    """The literal Kimi ``quantization_config`` (formats.md section 1), a fresh copy per call:
-    K2-Thinking's, which K2.5 ships verbatim in its ``text_config``; ``k26`` adds K2.6's ignore
-    entries for lm_head / vision tower / projector.
-    """
-    return {
-        "config_groups": {
-            "group_0": {
-                "input_activations": None,
-                "output_activations": None,
-                "targets": ["Linear"],
-                "weights": {
-                    "actorder": None,
-                    "block_structure": None,
-                    "dynamic": False,
-                    "group_size": GROUP_SIZE,
-                    "num_bits": 4,
-                    "observer": "minmax",
-                    "observer_kwargs": {},
-                    "strategy": "group",
-                    "symmetric": True,
-                    "type": "int",
-                },
-            }
-        },
-        "format": "pack-quantized",
-        "ignore": _KIMI_IGNORE + (_K26_IGNORE_EXTRA if k26 else []),
-        "kv_cache_scheme": None,
-        "quant_method": "compressed-tensors",
-        "quantization_status": "compressed",
-    }
-
-
-def _special_ids(vocab: int) -> tuple[int, int]:
-    """bos/eos mirror Kimi (vocab-256, vocab-254 of 163840) but stay inside the toy vocab."""
-    bos = max(vocab - 256, 0)
-    return bos, min(bos + 2, vocab - 1)
-
-
-def k2_config(d: FixtureDims, quantized: bool, multimodal: bool = False,
-              k26: bool = False) -> dict[str, Any]:
-    """Kimi-K2-Thinking's config.json with toy dims (rope/yarn/router fields kept verbatim)."""
-    bos, eos = _special_ids(d.vocab)
-    cfg: dict[str, Any] = {
-        "architectures": ["DeepseekV3ForCausalLM"],
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "auto_map": {
-            "AutoConfig": "configuration_deepseek.DeepseekV3Config",
-            "AutoModel": "modeling_deepseek.DeepseekV3Model",
-            "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM",
-        },
-        "aux_loss_alpha": 0.001,
-        "bos_token_id": bos,
-        "eos_token_id": eos,
-        "ep_size": 1,
-        "first_k_dense_replace": 1,
-        "hidden_act": "silu",
-        "hidden_size": d.hidden,
-        "initializer_range": 0.02,
-        "intermediate_size": d.intermediate,
-        "kv_lora_rank": d.kv_lora_rank,
-        "max_position_embeddings": 262144,
-        "model_type": "kimi_k2",
-        "moe_intermediate_size": d.moe_intermediate,
-        "moe_layer_freq": 1,
-        "n_group": 1,
-        "n_routed_experts": d.experts,
-        "n_shared_experts": 1,
-        "norm_topk_prob": True,
-        "num_attention_heads": d.heads,
-        "num_experts_per_tok": d.top_k,
-        "num_hidden_layers": d.moe_layers + 1,
-        "num_key_value_heads": d.heads,
-        "num_nextn_predict_layers": 0,
-        "pretraining_tp": 1,
-        "q_lora_rank": d.q_lora_rank,
-        "qk_nope_head_dim": d.qk_nope_head_dim,
-        "qk_rope_head_dim": d.qk_rope_head_dim,
-        "rms_norm_eps": 1e-06,
-        # K2-Thinking: factor 64 over 4096 = 262144 positions (K2-Instruct had 32 / 131072).
-        "rope_scaling": {
-            "beta_fast": 1.0,
-            "beta_slow": 1.0,
-            "factor": 64.0,
-            "mscale": 1.0,
-            "mscale_all_dim": 1.0,
-            "original_max_position_embeddings": 4096,
-            "type": "yarn",
-        },
-        "rope_theta": 50000.0,
-        "routed_scaling_factor": 2.827,
-        "scoring_func": "sigmoid",
-        "seq_aux": True,
-        "tie_word_embeddings": False,
-        "topk_group": 1,
-        "topk_method": "noaux_tc",
-        "torch_dtype": "bfloat16",
-        "transformers_version": "4.56.2",
-        "use_cache": True,
-        "v_head_dim": d.v_head_dim,
-        "vocab_size": d.vocab,
-    }
-    if quantized:
-        cfg["quantization_config"] = kimi_quantization_config(k26)
-    if multimodal:
-        del cfg["auto_map"]  # K2.5's remote code lives at the top level
-    return cfg
-
-
-def _k25_config(d: FixtureDims, k26: bool) -> dict[str, Any]:
-    """K2.5/K2.6 wrapper: text_config = the kimi_k2 config with its quantization block, which
-    Moonshot ships only there (K2.6's with its extra ignore entries)."""
-    bos, eos = _special_ids(d.vocab)
-    return {
-        "architectures": ["KimiK25ForConditionalGeneration"],
-        "auto_map": {
-            "AutoConfig": "configuration_kimi_k25.KimiK25Config",
-            "AutoModel": "modeling_kimi_k25.KimiK25ForConditionalGeneration",
-            "AutoModelForCausalLM": "modeling_kimi_k25.KimiK25ForConditionalGeneration",
-        },
-        "bos_token_id": bos,
-        "eos_token_id": eos,
-        "ignore_index": -100,
-        "media_placeholder_token_id": max(d.vocab - 235, 0),
-        "model_type": "kimi_k25",
-        "pad_token_id": eos,
-        "projection_hidden_size": VISION["hidden_size"],
-        "projection_layer_norm_eps": 1e-05,
-        "text_config": k2_config(d, quantized=True, multimodal=True, k26=k26),
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "transformers_version": "4.56.2",
-        "vision_config": dict(VISION),
-    }
 
 
 _STUB_PY = '''"""Stub written by kconvert's make_fixture.py.
@@ -263,7 +115,7 @@ def _tokenizer_json(vocab: int) -> bytes:
     tok = Tokenizer(models.BPE(vocab={byte_char[b]: b for b in range(256)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    bos, _ = _special_ids(vocab)
+    bos, _ = special_ids(vocab)
     reserved = [f"<|reserved_token_{i}|>" for i in range(bos - 256)]
     tok.add_special_tokens([AddedToken(t, special=True) for t in (*reserved, *_SPECIAL_TOKENS)])
     return (tok.to_str(pretty=True) + "\n").encode()
@@ -276,7 +128,7 @@ def _side_files(d: FixtureDims, rng: Rng, variant: str) -> dict[str, bytes]:
     no test runs); the tokenizer AutoTokenizer loads is `tokenizer.json`, so the `text` and
     `messages` calibration inputs work on the fixtures, offline.
     """
-    bos, eos = _special_ids(d.vocab)
+    bos, eos = special_ids(d.vocab)
     files: dict[str, bytes] = {
         "tiktoken.model": rng.bytes(1024),
         "tokenization_kimi.py": _STUB_PY.format(what="the tiktoken TikTokenTokenizer").encode(),
@@ -354,7 +206,7 @@ def make_fixture(
 
     rng = Rng(seed)
     if variant == "k3-mxfp4":
-        bos, eos = _special_ids(dims.vocab)
+        bos, eos = special_ids(dims.vocab)
         return _write(out, fixture_k3.shards(dims, rng), fixture_k3.config(dims, bos, eos),
                       _side_files(dims, rng, variant))
     quant: Callable[[torch.Tensor], Tensors] | None
@@ -385,7 +237,7 @@ def make_fixture(
     if multimodal:  # drawn last so the language model matches k2-int4-kimi for the same seed
         proj, vision = vision_tensors(dims, rng)
         shards += [proj, vision]
-    config = (_k25_config(dims, k26=variant == "k26-int4") if multimodal
+    config = (k25_config(dims, k26=variant == "k26-int4") if multimodal
               else k2_config(dims, quantized=quant is not None))
     return _write(out, shards, config, _side_files(dims, rng, variant))
 

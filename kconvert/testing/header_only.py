@@ -13,8 +13,9 @@ import os
 from pathlib import Path
 
 from kconvert.io.shards import plan_header
+from kconvert.testing.fixture_config import k2_config
 from kconvert.testing.fixture_weights import GROUP_SIZE, PROJS, FixtureDims
-from kconvert.testing.fixtures import json_bytes, k2_config
+from kconvert.testing.fixtures import json_bytes
 
 # Kimi-K2-Thinking's dimensions (docs/kimi.md, Architecture).
 KIMI_K2_THINKING = FixtureDims(hidden=7168, intermediate=18432, moe_intermediate=2048,

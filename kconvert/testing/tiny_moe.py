@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from kconvert.testing.fixture_config import k2_config
 from kconvert.testing.fixture_weights import FixtureDims
-from kconvert.testing.fixtures import k2_config
 
 BOS, EOS = 256, 257
 

@@ -15,7 +15,7 @@ from kconvert.convert import RunControl, convert
 from kconvert.pruning.plan import load_plan
 from kconvert.recipes import load_recipe
 from kconvert.stages.prune import prune_stage
-from kconvert.testing.fixtures import kimi_quantization_config
+from kconvert.testing.fixture_config import kimi_quantization_config
 
 VARIANTS = ("k25-int4", "k26-int4")
 COMMANDS = ("int4-to-nvfp4", "dequant", "sparsify", "reap")

@@ -13,10 +13,11 @@ import pytest
 from kconvert import distributed
 from kconvert.calibrate.plan import forward
 from kconvert.engine.execute import gpu_encode
-from kconvert.gpu_plan import Shapes, forward_footprint, plan_conversion, plan_forward
+from kconvert.gpu_plan import forward_footprint, plan_conversion, plan_forward
+from kconvert.gpu_shapes import Shapes
 from kconvert.methods import obs
 from kconvert.pruning.repair import REPAIR_TOKENS, stream_bytes
-from kconvert.testing.fixtures import k2_config
+from kconvert.testing.fixture_config import k2_config
 from kconvert.testing.header_only import KIMI_K2_THINKING
 
 GIB = 1 << 30

@@ -93,7 +93,7 @@ def test_int4_check_vector_words():
 
 def int4_scheme_from_fixture_config() -> QuantizationScheme:
     """Kimi's literal INT4 block (formats.md §1) as compressed-tensors parses it."""
-    from kconvert.testing.fixtures import kimi_quantization_config
+    from kconvert.testing.fixture_config import kimi_quantization_config
 
     return QuantizationConfig.model_validate(kimi_quantization_config()).config_groups["group_0"]
 

@@ -255,22 +255,22 @@ def test_kill_at_every_phase_then_resume_is_identical_and_audits(command, phase,
 
 def test_disk_full_at_the_manifest_then_resume(tmp_path, monkeypatch, clean_outputs):
     src, dst = BUNDLED, tmp_path / "out"
-    from kconvert import convert as convert_module
+    from kconvert import finish_output
 
-    real = convert_module.write_text
+    real = finish_output.write_text
 
     def write_text(path, text, tmp=None, **kw):
         if path.name == MANIFEST:
             raise OSError(errno.ENOSPC, "No space left on device", str(tmp))
         return real(path, text, tmp, **kw)
 
-    monkeypatch.setattr(convert_module, "write_text", write_text)
+    monkeypatch.setattr(finish_output, "write_text", write_text)
     with pytest.raises(KconvertError) as err:
         run_inproc("dequant", src, dst)
     msg = str(err.value)
     assert "bytes" in msg and "free" in msg and "--resume" in msg, msg
     assert not (dst / MANIFEST).exists()
-    monkeypatch.setattr(convert_module, "write_text", real)
+    monkeypatch.setattr(finish_output, "write_text", real)
     run_inproc("dequant", src, dst, resume=True)
     assert snapshot(dst) == snapshot(clean_outputs["dequant"])
     assert_audit_passes(dst, "--source", src)

@@ -18,7 +18,7 @@ from conftest import BUNDLED, ROOT
 from helpers import assert_audit_passes, built_layer, cli_inproc, eval_logits, write_input_ids
 from kconvert.calibrate.data import PAD_ID
 from kconvert.calibrate.run import measure_stats
-from kconvert.gpu_plan import Shapes
+from kconvert.gpu_shapes import Shapes
 from kconvert.io.checkpoint import open_checkpoint
 from kconvert.model.names import Role, parse_name
 from oracles import raw_tensors
