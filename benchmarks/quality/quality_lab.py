@@ -16,7 +16,7 @@ of Kimi's 384: 75% and 50%).
 --calib and --heldout are JSONL files as every data-driven command reads them (token ids, or
 text lines with the source's tokenizer); without them the trained tiny MoE's byte corpus is
 used (training and held-out windows, kconvert.testing.tiny_moe). Writes OUT.json (every
-figure and the commands) and OUT.md (the table).
+figure and the commands) and the table beside it in Markdown (suffix .md).
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--audit", action="store_true", help="audit --source each output")
     ap.add_argument("--tiny", action="store_true", help="CPU check: 3 rows, little data")
     ap.add_argument("--out", type=Path, default=Path("/tmp/quality-lab/quality_lab"),
-                    help="OUT.json and OUT.md are written")
+                    help="OUT.json and the Markdown table beside it are written")
     a = parse(ap, argv, tiny={"rows": ["nvfp4-rtn", "reap12-router-down", "reap-gptq"],
                               "samples": 8, "eval_samples": 8, "seq_len": 64})
     a.root.mkdir(parents=True, exist_ok=True)
