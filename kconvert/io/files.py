@@ -48,6 +48,16 @@ def write_json(path: Path, data: object, tmp: Path | None = None, **kw) -> None:
     write_text(path, json.dumps(data, indent=1, sort_keys=True), tmp, **kw)
 
 
+def write_small_safetensors(path: Path, tensors: dict, metadata: dict[str, str]) -> None:
+    """A whole safetensors file of `tensors` (a fixture's shard, held in memory whole),
+    atomically and with the mode a new file gets under the umask (safetensors' save_file
+    writes a private 0600 file of its own)."""
+    from safetensors.torch import save
+
+    data = save(tensors, metadata=metadata)
+    write_atomically(path, lambda fh: fh.write(data))
+
+
 def copy_file(src: Path, dst: Path, tmp: Path | None = None) -> None:
     """Copy src's bytes to dst (contents only, like shutil.copyfile), atomically."""
     def write(fh: BinaryIO) -> None:

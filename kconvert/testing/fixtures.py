@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
+from kconvert.io.files import write_small_safetensors
 from kconvert.testing import fixture_k3
 from kconvert.testing.fixture_config import k2_config, k25_config, special_ids
 from kconvert.testing.fixture_weights import (
@@ -251,7 +251,7 @@ def _write(out: Path, shards: list[Tensors], config: dict[str, Any],
     for i, tensors in enumerate(shards, start=1):
         name = f"model-{i:05d}-of-{n:06d}.safetensors"
         tensors = {k: v.contiguous() for k, v in tensors.items()}
-        save_file(tensors, str(out / name), metadata={"format": "pt"})
+        write_small_safetensors(out / name, tensors, {"format": "pt"})
         for k, v in tensors.items():
             weight_map[k] = name
             total += v.numel() * v.element_size()

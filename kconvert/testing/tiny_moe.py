@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
+from kconvert.io.files import write_small_safetensors
 from kconvert.testing.fixture_config import k2_config
 from kconvert.testing.fixture_weights import FixtureDims
 
@@ -216,7 +216,7 @@ def save_kimi_layout(
     total = 0
     for i, tensors in enumerate(shards, start=1):
         fname = f"model-{i:05d}-of-{n:06d}.safetensors"
-        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        write_small_safetensors(out / fname, tensors, {"format": "pt"})
         for k, v in tensors.items():
             weight_map[k] = fname
             written[k] = v
