@@ -24,6 +24,9 @@ from pydantic import BaseModel, Field
 from kconvert.evaluate.loops import CLASSES, LoopRule, Verdict, classify
 
 NGRAM = 8
+# What a decoder writes for bytes that are not UTF-8: a model that emits broken byte sequences
+# (a byte-level BPE's pieces out of order) shows it.
+REPLACEMENT = "\ufffd"
 # Worst examples the report lists, and the characters of each text it shows.
 EXAMPLES = 3
 SHOWN_CHARS = 240
@@ -54,6 +57,9 @@ class ModelGeneration(BaseModel):
     distinct_8gram_ratio: float | None = Field(description=(
         "Distinct word 8-grams / all word 8-grams over the continuations (None: none has 8 "
         "words)"))
+    replacement_rate: float = Field(description=(
+        "Share of continuations holding U+FFFD, the replacement character (bytes that are not "
+        "UTF-8)"))
 
 
 class Example(BaseModel):
@@ -140,7 +146,8 @@ def model_stats(conts: Sequence[Continuation], verdicts: Sequence[Verdict]) -> M
         continuations=n, loops=loops, loop_rate=loops / n,
         class_rates={k: c / n for k, c in counts.items()},
         length_limit_rate=sum(limits) / len(limits) if limits else None,
-        distinct_8gram_ratio=distinct_ngram_ratio([c.text for c in conts]))
+        distinct_8gram_ratio=distinct_ngram_ratio([c.text for c in conts]),
+        replacement_rate=sum(REPLACEMENT in c.text for c in conts) / n)
 
 
 def compare(source: Sequence[Continuation], candidate: Sequence[Continuation], rule: LoopRule,
@@ -200,6 +207,7 @@ def render(report: GenerationReport, width: int = 100) -> str:
     rows += [(f"  {k.replace('_', ' ')}", pct(s.class_rates[k]), pct(c.class_rates[k]))
              for k in CLASSES]
     rows.append(("length-limit rate", pct(s.length_limit_rate), pct(c.length_limit_rate)))
+    rows.append(("replacement characters", pct(s.replacement_rate), pct(c.replacement_rate)))
     rows.append(("distinct word 8-grams",
                  *("-" if m.distinct_8gram_ratio is None else f"{m.distinct_8gram_ratio:.3f}"
                    for m in (s, c))))

@@ -61,6 +61,13 @@ def test_distinct_ngrams_and_first_difference():
     assert first_difference("abc", "abc") == 3
 
 
+def test_the_replacement_character_rate():
+    conts = [Continuation("p", "broken \ufffd byte"), Continuation("p", "fine"),
+             Continuation("p", "\ufffd\ufffd"), Continuation("p", "fine too")]
+    report = compare(conts, conts[::-1], LoopRule())
+    assert report.source.replacement_rate == report.candidate.replacement_rate == 0.5
+
+
 def test_identical_continuations_give_no_difference():
     conts = [Continuation(f"p{i}", looping(i) if i % 3 == 0 else clean(i), hit_limit=i % 2 == 0)
              for i in range(12)]
