@@ -15,6 +15,7 @@ import torch
 
 from kconvert.calibrate.data import PAD_ID, TOKENIZER_FILES, load_calibration_data, shortfall
 from kconvert.calibrate.forward import model_config
+from kconvert.calibrate.startup import model_code_and_device
 from kconvert.errors import KconvertError
 from kconvert.evaluate import completions
 from kconvert.evaluate.decode import Sampling, check_fits, continuations
@@ -75,20 +76,28 @@ def decoding_tokenizer(tokenizer_dir: str | None, source: Checkpoint):
     return None
 
 
+def check_probe_fits(models: list[tuple[str, Checkpoint]], probe: Probe, gpu: GpuRequest,
+                     dtype: torch.dtype) -> None:
+    """Refuse, before eval's teacher-forced pass, a model the probe cannot hold
+    (decode.check_fits); on a GPU once the device has started (the budget reads it)."""
+    budget = None
+    if gpu.device.type == "cuda":
+        model_code_and_device(gpu.device)
+        budget = gpu.context.budget
+    for label, ckpt in models:
+        check_fits(label, ckpt, min(probe.batch_size, probe.prompts),
+                   probe.prompt_tokens + probe.sampling.new_tokens, dtype, gpu.device, budget)
+
+
 def run_probe(source: Checkpoint, candidate: Checkpoint, labels: tuple[str, str], data: str,
               tokenizer_dir: str | None, probe: Probe, gpu: GpuRequest, dtype: torch.dtype,
               seed: int, allow_short: bool, echo: Callable[[str], None]) -> ProbeResult:
     """`--generate`: both models' continuations of the same prompts, one model in memory at a
-    time, each checked to fit before any is loaded."""
+    time (`check_probe_fits` first)."""
     cfgs = [model_config(c) for c in (source, candidate)]
     prompts = prompts_from(data, tokenizer_dir or source.root, probe, seed,
                            source.text_config["vocab_size"], allow_short, echo)
     device = gpu.device
-    budget = gpu.context.budget if device.type == "cuda" else None
-    length = probe.prompt_tokens + probe.sampling.new_tokens
-    for label, ckpt in zip(labels, (source, candidate), strict=True):
-        check_fits(label, ckpt, min(probe.batch_size, len(prompts)), length, dtype, device,
-                   budget)
     tokenizer = decoding_tokenizer(tokenizer_dir, source)
     made = []
     guard = (gpu.context.enforced("eval --generate", "--generate-batch-size")

@@ -36,7 +36,7 @@ from kconvert.evaluate.metrics import (
     NextToken,
     in_batch_order,
 )
-from kconvert.evaluate.probe import Probe, run_probe
+from kconvert.evaluate.probe import Probe, check_probe_fits, run_probe
 from kconvert.evaluate.report import CandidateResult, EvalReport, render_table, save_report
 from kconvert.gpu_budget import GpuRequest
 from kconvert.gpu_plan import GpuPlan, gib
@@ -350,6 +350,9 @@ def run_eval(src: str, candidates: list[str], data: str, out: str | None, sample
                 vocab=opened[0].text_config["vocab_size"],
                 short=shortfall(allow_short_data, echo))
         compute = getattr(torch, dtype)
+        if probe is not None:
+            check_probe_fits([(src, opened[0]), (candidates[0], opened[1])], probe, gpu,
+                             compute)
         with planned_forward(gpu, opened[0], ids.shape, batch_size, compute, "eval",
                              models=len(opened), logit_elems=LOGIT_ELEMS["cuda"]) as plan:
             if plan is not None and plan.batch_size < batch_size and not quiet and main:

@@ -15,9 +15,11 @@ import torch
 from conftest import ROOT
 from helpers import assert_user_error, cli_inproc, edit_tensor, write_input_ids
 from kconvert.errors import KconvertError
-from kconvert.evaluate.decode import check_fits, model_bytes
+from kconvert.evaluate import decode
+from kconvert.evaluate.decode import cache_bytes, check_fits, model_bytes
 from kconvert.evaluate.metrics import high_entropy_mean
 from kconvert.evaluate.probe import CANDIDATE_FILE, SOURCE_FILE
+from kconvert.gpu_plan import gib
 from kconvert.io.checkpoint import open_checkpoint
 from kconvert.testing.tiny_moe import heldout_ids
 
@@ -127,6 +129,21 @@ def test_a_model_that_does_not_fit_is_refused_in_one_line():
         check_fits("SRC", ckpt, 16, 256, torch.bfloat16, torch.device("cuda"), 2 * weights)
     finally:
         ckpt.close()
+
+
+def test_a_probe_that_does_not_fit_the_ram_stops_before_eval_runs(data, tmp_path,
+                                                                  monkeypatch):
+    """A machine with 1 MiB free: refused in one line before the teacher-forced pass."""
+    monkeypatch.setattr(decode, "available_ram", lambda: 1 << 20)
+    res = cli_inproc("eval", TRAINED, TRAINED, "--data", data, "--seq-len", PROMPT_TOKENS,
+                     "--samples", 2, "--device", "cpu", "--generate", 2, "-o", tmp_path / "ev")
+    text = json.loads((TRAINED / "config.json").read_text())
+    need = model_bytes(text, torch.bfloat16) + cache_bytes(text, 2, 64 + 192, torch.bfloat16)
+    assert_user_error(res, f"--generate holds the whole model in memory: {TRAINED} needs "
+                      f"{gib(need)} (its weights in bfloat16 and the KV cache of 2 sequences "
+                      "of 256 tokens) but the free RAM is 1.0 MiB")
+    assert res.output.count("\n") == 1
+    assert not (tmp_path / "ev" / "eval.json").exists()
 
 
 def test_the_high_entropy_kl_is_the_mean_over_the_top_tenth():
