@@ -112,12 +112,11 @@ class LoadedModel:
 
     def __init__(self, ckpt: Checkpoint, cfg, device: torch.device, dtype: torch.dtype,
                  max_len: int) -> None:
-        self.cfg, self.device, self.dtype = cfg, device, dtype
-        self.ctx = ForwardContext()  # every position is real: no padding in a prompt batch
+        ctx = ForwardContext()  # every position is real: no padding in a prompt batch
         tensors = tensors_by_layer(ckpt, cfg.num_hidden_layers)
         self.layers = [build_served(ckpt, cfg, tensors[L],
                                     read_layer(ckpt, cfg, L, tensors[L], dtype, device),
-                                    self.ctx, device, dtype).module
+                                    ctx, device, dtype).module
                        for L in range(cfg.num_hidden_layers)]
         self.table = embed(ckpt, torch.arange(cfg.vocab_size), dtype, device)
         self.head = load_head(ckpt, cfg, device, dtype)
