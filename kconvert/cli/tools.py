@@ -6,6 +6,7 @@ import json
 import sys
 
 import click
+from click.core import ParameterSource
 
 from kconvert.cli.base import (
     AUDIT_CHUNK_MB,
@@ -15,7 +16,10 @@ from kconvert.cli.base import (
     echo_unless_quiet,
     gpu_memory_option,
 )
+from kconvert.evaluate.loops import LoopRule
 from kconvert.options import BATCH_SIZE, EVAL_SAMPLES, REAP_SAMPLES, SEED, SEQ_LEN
+
+LOOP_RULE = LoopRule()  # the defaults (kconvert.evaluate.loops: why these)
 
 # The layer-streamed forward's options, shared by calibrate and eval.
 FORWARD_OPTIONS = [
@@ -62,10 +66,28 @@ def calibrate_cmd(src, data, out, samples, seq_len, batch_size, seed, device, gp
               allow_short_data=allow_short_data, warn=lambda m: click.echo(m, err=True))
 
 
+# The degeneration probe's loop rule, shared by --generate and --generations.
+LOOP_OPTIONS = [
+    click.option("--loop-max-period", type=click.IntRange(min=1), default=LOOP_RULE.max_period,
+                 show_default=True, help="Longest cycle, in tokens, words or characters, that "
+                                         "counts as a loop."),
+    click.option("--loop-min-copies", type=click.IntRange(min=2), default=LOOP_RULE.min_copies,
+                 show_default=True,
+                 help="Copies of the cycle a looping tail holds at least."),
+    click.option("--loop-min-cover", type=click.IntRange(min=1), default=LOOP_RULE.min_cover,
+                 show_default=True,
+                 help="Elements a looping tail covers at least."),
+]
+
+# --generate's settings: given without it, a usage error.
+GENERATE_ONLY = ("new_tokens", "prompt_tokens", "temperature", "sample_seed",
+                 "generate_batch_size")
+
+
 @click.command("eval", cls=KconvertCommand)
-@click.argument("src")
-@click.argument("candidates", nargs=-1, required=True)
-@click.option("--data", required=True, type=click.Path(exists=True, dir_okay=False),
+@click.argument("src", required=False)
+@click.argument("candidates", nargs=-1)
+@click.option("--data", default=None, type=click.Path(exists=True, dir_okay=False),
               help="JSONL token data: one {\"input_ids\"|\"text\"|\"messages\": ...} a line "
                    "(use held-out text, not the calibration set).")
 @click.option("-o", "--output", "out", default=None, type=click.Path(file_okay=False),
@@ -73,23 +95,83 @@ def calibrate_cmd(src, data, out, samples, seq_len, batch_size, seed, device, gp
 @click.option("--samples", type=click.IntRange(min=1), default=EVAL_SAMPLES, show_default=True,
               help="Sequences to evaluate on.")
 @apply_options(FORWARD_OPTIONS)
+@click.option("--generate", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Degeneration probe: continue N held-out prompts of --data with SRC and "
+                   "the one CANDIDATE (docs/eval-generation.md).")
+@click.option("--new-tokens", type=click.IntRange(min=1), default=192, show_default=True,
+              help="Tokens each continuation may run to (--generate).")
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Tokens of each prompt (--generate).")
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="0: greedy; above 0: tokens drawn at this temperature (--generate).")
+@click.option("--sample-seed", type=int, default=0, show_default=True,
+              help="Seed of the draws when --temperature is above 0 (--generate).")
+@click.option("--generate-batch-size", type=click.IntRange(min=1), default=16,
+              show_default=True, help="Prompts continued together (--generate).")
+@click.option("--generations", nargs=2, default=None, metavar="SRC.jsonl CAND.jsonl",
+              type=click.Path(exists=True, dir_okay=False),
+              help="Compare two files of continuations any engine wrote ({\"prompt\", "
+                   "\"completion\"} a line) instead of running checkpoints.")
+@apply_options(LOOP_OPTIONS)
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the report as JSON (the table and messages go to stderr).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def eval_cmd(src, candidates, data, out, samples, seq_len, batch_size, seed, device, gpu_memory,
-             dtype, tokenizer, allow_short_data, quiet):
+@click.pass_context
+def eval_cmd(ctx, src, candidates, data, out, samples, seq_len, batch_size, seed, device,
+             gpu_memory, dtype, tokenizer, allow_short_data, generate, new_tokens,
+             prompt_tokens, temperature, sample_seed, generate_batch_size, generations,
+             loop_max_period, loop_min_copies, loop_min_cover, as_json, quiet):
     """Compare each CANDIDATE with SRC on the same tokens, layer by layer.
 
     Per decoder layer: accumulated and local relative error of the hidden states; at the end:
-    KL(SRC || CANDIDATE), top-1/top-5 agreement and both models' NLL and perplexity.
+    KL(SRC || CANDIDATE) (on every position and the source's 10% highest-entropy ones),
+    top-1/top-5 agreement and both models' NLL and perplexity. --generate N adds the
+    degeneration probe (loop rates and their z test); --generations compares two engines'
+    texts without checkpoints.
     """
     from kconvert.calibrate.startup import phase
 
+    rule = LoopRule(loop_max_period, loop_min_copies, loop_min_cover)
+    echo = (lambda m: click.echo(m, err=True)) if as_json else click.echo
+    if generations is not None:
+        if src is not None or data is not None or out is not None or generate is not None:
+            raise click.UsageError("--generations compares two files of texts: give no SRC, "
+                                   "CANDIDATE, --data, -o or --generate with it")
+        from kconvert.evaluate.generation import render
+        from kconvert.evaluate.probe import compare_files
+
+        report = compare_files(*generations, tokenizer, rule)
+        if as_json:
+            click.echo(json.dumps({"generation": report.model_dump(mode="json")}, indent=1))
+        else:
+            click.echo(render(report))
+        return
+    if src is None or not candidates:
+        raise click.UsageError("Missing argument 'CANDIDATES...': eval compares SRC with at "
+                               "least one candidate (or two files, --generations)")
+    if data is None:
+        raise click.UsageError("Missing option '--data'")
+    given = [n for n in GENERATE_ONLY
+             if ctx.get_parameter_source(n) is ParameterSource.COMMANDLINE]
+    if generate is None and given:
+        raise click.UsageError(f"--{given[0].replace('_', '-')} applies only with --generate")
+    if generate is not None and len(candidates) != 1:
+        raise click.UsageError("--generate compares SRC with one CANDIDATE; run one eval per "
+                               "candidate")
     # what kconvert.api's evaluate_candidates runs, without importing the rest of the API
     with phase("imports"):
+        from kconvert.evaluate.decode import Sampling
+        from kconvert.evaluate.probe import Probe
         from kconvert.evaluate.run import run_eval
 
-    run_eval(src, list(candidates), data, out, samples, seq_len, batch_size, seed, device, dtype,
-             tokenizer, quiet, echo=click.echo, gpu_memory=gpu_memory,
-             allow_short_data=allow_short_data)
+    probe = None if generate is None else Probe(
+        generate, Sampling(new_tokens, temperature, sample_seed), prompt_tokens,
+        generate_batch_size, rule)
+    report = run_eval(src, list(candidates), data, out, samples, seq_len, batch_size, seed,
+                      device, dtype, tokenizer, quiet, echo=echo, gpu_memory=gpu_memory,
+                      allow_short_data=allow_short_data, probe=probe)
+    if as_json:
+        click.echo(report.model_dump_json(indent=1))
 
 
 @click.command("audit", cls=KconvertCommand)

@@ -13,5 +13,11 @@ norm and lm_head give next-token distributions, a chunk of positions at a time (
 never kept): KL(source || candidate) in nats (mean and p99 over real positions), top-1
 agreement, top-5 overlap, and each model's mean next-token NLL (over positions whose next
 token is real) and perplexity. A pruned candidate routes with its own router over its own
-experts. `report.py` holds eval.json's model, the printed table and the figure.
+experts. `report.py` holds eval.json's model, the printed table and the figure. The KL is
+also taken over the 10% of positions where the source's next-token entropy is highest.
+
+The degeneration probe (docs/eval-generation.md): `--generate` continues held-out prompts with
+the source and one candidate, the whole model in memory (`decode.py`), `--generations` reads two
+engines' texts (`completions.py`), `probe.py` runs either, `loops.py` finds and classes looping
+tails and `generation.py` holds the statistics (loop rates and their z test), with no torch.
 """

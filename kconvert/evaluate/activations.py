@@ -27,7 +27,9 @@ import math
 import torch
 from torch import nn
 
-from kconvert.calibrate.moe import MoEBlock
+from kconvert.calibrate.forward import Layer
+from kconvert.calibrate.load import LayerBytes, build_layer
+from kconvert.calibrate.moe import ForwardContext, MoEBlock
 from kconvert.checks.quant_config import governed_name, quant_blocks
 from kconvert.formats import detect_codec, mxfp4
 from kconvert.formats.base import INPUT_SCALE_POLICY
@@ -175,3 +177,16 @@ def emulate(layer: nn.Module, moe: MoEBlock | None, prefix: str,
             return x
 
         moe.quantize_input = quantize_input
+
+
+def build_served(ckpt: Checkpoint, cfg, tensors: dict[str, TensorInfo], raw: LayerBytes,
+                 ctx: ForwardContext, device: torch.device, dtype: torch.dtype) -> Layer:
+    """A decoder layer built from its bytes (`tensors`: the layer's) for eval's forward (no
+    calibration statistics), run as served: a W4A4 checkpoint's activations quantized where it
+    stores input scales (NVFP4) or its config declares them quantized at run time (MXFP4)."""
+    loaded = build_layer(raw, cfg, ctx, device, dtype, stats=False)
+    scales = input_scales(ckpt, tensors)
+    dynamic = dynamic_inputs(ckpt, tensors)
+    if scales or dynamic:
+        emulate(loaded.module, loaded.moe, raw.prefix, scales, dynamic)
+    return loaded

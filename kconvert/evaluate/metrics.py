@@ -19,6 +19,11 @@ import torch
 
 from kconvert.evaluate.report import LayerError, LogitMetrics
 
+# The share of positions, those where the source's next-token entropy is highest, that the
+# high-entropy KL is taken over: token-level damage concentrates where the source is unsure
+# (arXiv 2606.00206), and a mean over every position dilutes it.
+HIGH_ENTROPY_SHARE = 0.1
+
 # Logit elements (positions x vocabulary) of one chunk: 2^28 fp32 is 1 GiB on a GPU (the GPU
 # memory plan's term, kconvert.gpu_plan.Forward.logit_elems).
 LOGIT_ELEMS = {"cuda": 1 << 28, "cpu": 1 << 24}
@@ -85,6 +90,10 @@ class NextToken:
         self.logp = torch.log_softmax(logits.float(), dim=-1)
         self.top5 = self.logp.topk(5, dim=-1).indices
 
+    def entropy(self) -> torch.Tensor:
+        """The entropy in nats of each position's next-token distribution."""
+        return -(self.logp.exp() * self.logp).sum(-1, dtype=torch.float64)
+
     def nll_sum(self, targets: torch.Tensor, scored: torch.Tensor) -> float:
         """Sum of -log p(target) over the `scored` positions."""
         picked = self.logp[scored].gather(-1, targets[scored, None])
@@ -92,12 +101,14 @@ class NextToken:
 
 
 class LogitsComparison:
-    """KL(source || candidate), top-1 agreement, top-5 overlap and the candidate's NLL."""
+    """KL(source || candidate), on every position and on the source's highest-entropy ones,
+    top-1 agreement, top-5 overlap and the candidate's NLL."""
 
     def __init__(self) -> None:
-        # batch -> per chunk of its positions: the KL per position (float64 on the CPU) and
-        # the candidate's NLL sum
+        # batch -> per chunk of its positions: the KL and the source's entropy per position
+        # (float64 on the CPU) and the candidate's NLL sum
         self.kl: dict[int, list[torch.Tensor]] = {}
+        self.entropy: dict[int, list[torch.Tensor]] = {}
         self.nll: dict[int, list[float]] = {}
         self.top1 = 0
         self.top5 = 0
@@ -107,6 +118,7 @@ class LogitsComparison:
         kl = torch.nn.functional.kl_div(candidate.logp, source.logp, reduction="none",
                                         log_target=True).sum(-1, dtype=torch.float64)
         self.kl.setdefault(batch, []).append(kl.cpu())
+        self.entropy.setdefault(batch, []).append(source.entropy().cpu())
         self.top1 += int((source.logp.argmax(-1) == candidate.logp.argmax(-1)).sum())
         self.top5 += int((source.top5[:, :, None] == candidate.top5[:, None, :]).sum())
         self.nll.setdefault(batch, []).append(candidate.nll_sum(targets, scored))
@@ -116,6 +128,7 @@ class LogitsComparison:
         out = LogitsComparison()
         for part in (self, *others):
             out.kl.update(part.kl)
+            out.entropy.update(part.entropy)
             out.nll.update(part.nll)
             out.top1 += part.top1
             out.top5 += part.top5
@@ -123,12 +136,23 @@ class LogitsComparison:
 
     def result(self, nll_source: float, scored: int) -> LogitMetrics:
         kl = torch.cat([t for b in sorted(self.kl) for t in self.kl[b]])
+        entropy = torch.cat([t for b in sorted(self.entropy) for t in self.entropy[b]])
         n = kl.numel()
         nll = in_batch_order(self.nll) / scored
         return LogitMetrics(kl_mean=float(kl.mean()), kl_p99=float(torch.quantile(kl, 0.99)),
+                            kl_high_entropy=high_entropy_mean(kl, entropy),
                             top1_agreement=self.top1 / n, top5_overlap=self.top5 / (5 * n),
                             nll_source=nll_source, nll_candidate=nll,
                             ppl_source=math.exp(nll_source), ppl_candidate=math.exp(nll))
+
+
+def high_entropy_mean(values: torch.Tensor, entropy: torch.Tensor,
+                      share: float = HIGH_ENTROPY_SHARE) -> float:
+    """The mean of `values` over the ceil(share x n) positions of highest `entropy` (ties taken
+    in position order: a stable sort)."""
+    k = max(1, math.ceil(share * entropy.numel()))
+    top = torch.sort(entropy, descending=True, stable=True).indices[:k]
+    return float(values[top].mean())
 
 
 def in_batch_order(sums: dict[int, list[float]]) -> float:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
+from kconvert.evaluate.generation import GenerationReport
 from kconvert.io.files import write_atomically, write_text
 
 REPORT_FILE = "eval.json"
@@ -31,6 +32,9 @@ class LogitMetrics(BaseModel):
                                        "positions of the next-token distributions")
     kl_p99: float = Field(description="99th percentile of the per-position KL (linear "
                                       "interpolation, torch.quantile)")
+    kl_high_entropy: float = Field(description=(
+        "Mean KL over the 10% of real positions where the source's next-token entropy is "
+        "highest (kconvert.evaluate.metrics.HIGH_ENTROPY_SHARE)"))
     top1_agreement: float = Field(description="Fraction of real positions where the two "
                                               "argmax tokens are equal")
     top5_overlap: float = Field(description="Mean over real positions of |top5(src) & "
@@ -72,6 +76,9 @@ class EvalReport(BaseModel):
                          "the projection for the whole model")
     candidates: list[CandidateResult] = Field(description="One entry per candidate, in the "
                                                           "order given")
+    generation: GenerationReport | None = Field(default=None, description=(
+        "The degeneration probe (--generate): the source's and the candidate's continuations "
+        "of held-out prompts compared (docs/eval-generation.md)"))
 
 
 def save_report(report: EvalReport, out_dir: Path) -> None:
@@ -82,14 +89,14 @@ def save_report(report: EvalReport, out_dir: Path) -> None:
 
 def render_table(report: EvalReport) -> str:
     """One row per candidate: logits metrics and its worst layer by local error."""
-    head = ("candidate", "KL mean", "KL p99", "top-1", "top-5", "NLL src", "NLL cand",
+    head = ("candidate", "KL mean", "KL p99", "KL hi-H", "top-1", "top-5", "NLL src", "NLL cand",
             "ppl cand", "final err", "worst local")
     rows = [head]
     for c in report.candidates:
         m = c.logits
         last = c.layers[str(len(c.layers) - 1)]
         worst = max(c.layers, key=lambda k: c.layers[k].rel_err_local)
-        rows.append((c.candidate, f"{m.kl_mean:.4g}", f"{m.kl_p99:.4g}",
+        rows.append((c.candidate, f"{m.kl_mean:.4g}", f"{m.kl_p99:.4g}", f"{m.kl_high_entropy:.4g}",
                      f"{m.top1_agreement:.4f}", f"{m.top5_overlap:.4f}", f"{m.nll_source:.4f}",
                      f"{m.nll_candidate:.4f}", f"{m.ppl_candidate:.4g}", f"{last.rel_err:.4g}",
                      f"L{worst} {c.layers[worst].rel_err_local:.3g}"))

@@ -20,7 +20,7 @@ from kconvert.calibrate.forward import (
     model_config,
     position_embeddings,
 )
-from kconvert.calibrate.load import build_layer, read_layer, tensors_by_layer
+from kconvert.calibrate.load import read_layer, tensors_by_layer
 from kconvert.calibrate.moe import ForwardContext
 from kconvert.calibrate.plan import planned_forward
 from kconvert.calibrate.prefetch import LayerPrefetcher
@@ -28,6 +28,7 @@ from kconvert.calibrate.startup import device_ready, phase, start_device
 from kconvert.devices import pick_device
 from kconvert.errors import KconvertError
 from kconvert.evaluate import activations
+from kconvert.evaluate.generation import render
 from kconvert.evaluate.metrics import (
     LOGIT_ELEMS,
     LayerErrors,
@@ -35,6 +36,7 @@ from kconvert.evaluate.metrics import (
     NextToken,
     in_batch_order,
 )
+from kconvert.evaluate.probe import Probe, check_probe_fits, run_probe
 from kconvert.evaluate.report import CandidateResult, EvalReport, render_table, save_report
 from kconvert.gpu_budget import GpuRequest
 from kconvert.gpu_plan import GpuPlan, gib
@@ -280,16 +282,9 @@ def _labelled(stream: Stream, step, *args, **kwargs):
 
 def _build(stream: Stream, layer: int, raw, ctx: ForwardContext, device: torch.device,
            dtype: torch.dtype):
-    """Layer `layer` of `stream` built from its bytes; a W4A4 checkpoint runs as served: its
-    activations quantized where it stores input scales (NVFP4) or its config declares them
-    quantized at run time (MXFP4) (evaluate/activations.py)."""
-    loaded = build_layer(raw, stream.cfg, ctx, device, dtype, stats=False)
-    tensors = stream.layers[layer]
-    scales = activations.input_scales(stream.ckpt, tensors)
-    dynamic = activations.dynamic_inputs(stream.ckpt, tensors)
-    if scales or dynamic:
-        activations.emulate(loaded.module, loaded.moe, raw.prefix, scales, dynamic)
-    return loaded
+    """Layer `layer` of `stream` built from its bytes, as served (activations.build_served)."""
+    return activations.build_served(stream.ckpt, stream.cfg, stream.layers[layer], raw, ctx,
+                                    device, dtype)
 
 
 def _finite(out: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -325,12 +320,15 @@ def _compare_logits(streams: list[Stream], batches: list[tuple[int, slice]],
 def run_eval(src: str, candidates: list[str], data: str, out: str | None, samples: int,
              seq_len: int, batch_size: int, seed: int, device: str, dtype: str,
              tokenizer: str | None, quiet: bool, echo: Callable[[str], None],
-             gpu_memory: int | None = None, allow_short_data: bool = False) -> EvalReport:
+             gpu_memory: int | None = None, allow_short_data: bool = False,
+             probe: Probe | None = None) -> EvalReport:
     """`kconvert eval`: SRC against each candidate on the JSONL `data`; the table goes to
     `echo`, eval.json and eval.png to `out` when it is given. `gpu_memory`: --gpu-memory in
     bytes (kconvert.gpu_budget). Data that cannot fill `samples` sequences of `seq_len`
     tokens is an error, or with `allow_short_data` a warning (the report's `tokens` say what
-    was used)."""
+    was used). `probe` (--generate, one candidate): the degeneration probe after the
+    teacher-forced pass, in the report's `generation`, its table after eval's, and each
+    model's continuations beside eval.json (kconvert.evaluate.probe)."""
     from kconvert.io.checkpoint import open_checkpoint
     from kconvert.io.directories import check_output_dir
 
@@ -352,6 +350,9 @@ def run_eval(src: str, candidates: list[str], data: str, out: str | None, sample
                 vocab=opened[0].text_config["vocab_size"],
                 short=shortfall(allow_short_data, echo))
         compute = getattr(torch, dtype)
+        if probe is not None:
+            check_probe_fits([(src, opened[0]), (candidates[0], opened[1])], probe, gpu,
+                             compute)
         with planned_forward(gpu, opened[0], ids.shape, batch_size, compute, "eval",
                              models=len(opened), logit_elems=LOGIT_ELEMS["cuda"]) as plan:
             if plan is not None and plan.batch_size < batch_size and not quiet and main:
@@ -360,14 +361,25 @@ def run_eval(src: str, candidates: list[str], data: str, out: str | None, sample
             report = evaluate(opened[0], opened[1:], ids, gpu.device, batch_size, dtype=compute,
                               labels=list(candidates), quiet=quiet, gpu_plan=plan,
                               meta={"source": src, "data": str(Path(data).resolve())})
+            probed = None
+            if probe is not None:
+                with phase("generate"):
+                    probed = run_probe(opened[0], opened[1], (src, candidates[0]), data,
+                                       tokenizer, probe, gpu, compute, seed, allow_short_data,
+                                       echo)
+                report = report.model_copy(update={"generation": probed.report})
     finally:
         for ckpt in opened:
             ckpt.close()
     if not main:  # every rank holds the report; rank 0 shows and writes it
         return report
     echo(render_table(report))
+    if report.generation is not None:
+        echo(render(report.generation))
     if out is not None:
         with phase("write"):
             save_report(report, Path(out))
+            if probed is not None:
+                probed.write(Path(out))
         echo(f"wrote {Path(out) / 'eval.json'} and {Path(out) / 'eval.png'}")
     return report

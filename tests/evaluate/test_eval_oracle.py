@@ -9,6 +9,7 @@ in float64 with code written here.
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -114,12 +115,15 @@ def test_eval_equals_whole_model_transformers(name, candidates, ids, source_whol
     logp_s = torch.log_softmax(logits_s, -1).reshape(-1, logits_s.shape[-1])
     logp_c = torch.log_softmax(logits_c, -1).reshape(-1, logits_c.shape[-1])
     kl = (logp_s.exp() * (logp_s - logp_c)).sum(-1)
+    entropy_s = -(logp_s.exp() * logp_s).sum(-1)
     top5_s, top5_c = logp_s.topk(5, -1).indices.tolist(), logp_c.topk(5, -1).indices.tolist()
     overlap = sum(len(set(a) & set(b)) for a, b in zip(top5_s, top5_c, strict=True))
     targets = ids[:, 1:, None]
     expected = {
         "kl_mean": float(kl.mean()),
         "kl_p99": float(torch.quantile(kl, 0.99)),
+        # over the tenth of positions where the source is least sure
+        "kl_high_entropy": float(kl[entropy_s.topk(math.ceil(0.1 * len(kl))).indices].mean()),
         "top1_agreement": float((logp_s.argmax(-1) == logp_c.argmax(-1)).double().mean()),
         "top5_overlap": overlap / (5 * len(top5_s)),
         "nll_source": -float(logp_s.reshape(*ids.shape, -1)[:, :-1].gather(-1, targets).mean()),
