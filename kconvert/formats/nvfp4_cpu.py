@@ -137,7 +137,7 @@ def _encode_row(x, gs, codes, codes_in, offsets, block, modelopt, packed, ws):
     follows ModelOpt's scale arithmetic (nvfp4.ARITHMETIC), else compressed-tensors'.
 
     Each block's scale is the first of base + offsets[o] (offsets[0] = 0, the others clamped to
-    1..0x7E) with the smallest block error, as nvfp4._choose; the base codes are the amax
+    1..0x7E) with the smallest block error, as nvfp4_scales.choose; the base codes are the amax
     rule's, computed here, unless `codes_in` says `codes` already holds them.
 
     LANES blocks at a time are stored transposed, element e of lane l's block at row rev[e]
