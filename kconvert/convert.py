@@ -41,10 +41,8 @@ from kconvert.engine.work import (
     share_work,
 )
 from kconvert.errors import KconvertError, UsageError
-from kconvert.formats import nvfp4
-from kconvert.formats.dense import DenseCodec
+from kconvert.formats import HF_QUANT_CONFIG, warm_cpu_kernels
 from kconvert.formats.linear import ModuleWork
-from kconvert.formats.nvfp4_modelopt import HF_QUANT_CONFIG
 from kconvert.formats.quant_config import output_config, rewrite_config
 from kconvert.gpu_budget import GpuContext, GpuRequest
 from kconvert.gpu_plan import GpuMemoryError, GpuPlan, gib, plan_gpu
@@ -376,12 +374,12 @@ def _execute(plan: WorkPlan, ws: Workspace, device: torch.device, done: dict[str
         name = f"{name} (rank 0 of {distributed.world()})"
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
               disable=run.quiet or not distributed.is_main(), desc=name, smoothing=0.1) as bar:
-        encodes = any(m.out_codec not in (None, DenseCodec) and not m.repack
+        encodes = any(m.out_codec is not None and m.out_codec.quantized and not m.repack
                       for m in plan.modules)
         if device.type == "cpu" and encodes:
             bar.set_description("loading CPU kernels (the first run after installing compiles "
                                 "them: 10-50 s by the cores)")
-            nvfp4.warm_cpu_kernels()
+            warm_cpu_kernels()
             bar.set_description(name)
         return execute(plan, ws.root, device, done, bar.update, readers=run.readers,
                        share=share, feed=stream)

@@ -13,7 +13,6 @@ import torch
 from kconvert import events
 from kconvert.engine.stage import Stage
 from kconvert.errors import KconvertError
-from kconvert.formats import DenseCodec
 from kconvert.formats.linear import ModuleWork, group_modules
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.shards import TensorInfo, plan_header, tensor_nbytes
@@ -118,8 +117,9 @@ class WorkPlan:
         return dict(sorted(entries.items()))
 
     @property
-    def scale_rule(self) -> str:
-        return next((s.scale_rule for s in self.stages if s.scale_rule is not None), "mse")
+    def scale_rule(self) -> str | None:
+        """The block-scale rule a stage chose for the run (None: the encoders' default)."""
+        return next((s.scale_rule for s in self.stages if s.scale_rule is not None), None)
 
     def item_shards(self, item: Item) -> set[str]:
         if isinstance(item, CopyItem):
@@ -426,7 +426,7 @@ def describe(plan: WorkPlan) -> list[tuple[str, str, str, int, int, int, int]]:
     bytes, output bytes). A plain floating-point format is named by its dtype (BF16, F32)."""
     rows: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0])
     for m in plan.modules:
-        source = m.primary.dtype if m.codec is DenseCodec else m.codec.name
+        source = m.codec.name if m.codec.quantized else m.primary.dtype
         if m.out_codec is None:
             # its parameters as written: copied, or computed by a stage (a re-fitted matrix)
             written = {plan.outputs[n].stage for p in m.params
@@ -434,7 +434,7 @@ def describe(plan: WorkPlan) -> list[tuple[str, str, str, int, int, int, int]]:
             out, n_out = "+".join(sorted(written)) or "copy", len(m.params)
             out_bytes = sum(i.nbytes for i in m.params.values())
         else:
-            out = m.dense_dtype if m.out_codec is DenseCodec else m.out_codec.name
+            out = m.out_codec.name if m.out_codec.quantized else m.dense_dtype
             specs = m.out_specs()
             n_out, out_bytes = len(specs), sum(tensor_nbytes(d, s) for _, d, s in specs)
         row = rows[(m.tn.role.value, source, out)]

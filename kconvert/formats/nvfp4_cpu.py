@@ -3,9 +3,10 @@
 Eager torch makes ~12 full passes over a matrix per candidate block scale; on a CPU that is
 memory-bound and far slower than the per-block work needs to be. These kernels do the same
 float32 operations in the same order as the torch path (`nvfp4.amax_block_codes`,
-`_block_error`, `_nibbles`: true divisions, a multiply and a subtract for the error, the fixed
-pairwise block sum, strict comparisons against the same cut points, round-to-nearest-even into
-FP8), so their bytes are identical to the torch path's; tests hold the two together.
+`nvfp4_scales.block_error`, `_nibbles`: true divisions, a multiply and a subtract for the
+error, the fixed pairwise block sum, strict comparisons against the same cut points,
+round-to-nearest-even into FP8), so their bytes are identical to the torch path's; tests hold
+the two together.
 
 The block search runs on LANES blocks side by side, stored transposed (a row per element
 position, in bit-reversed order, a column per block): every step of it, the pairwise tree sum
