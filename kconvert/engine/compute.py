@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kconvert.engine.work import CopyItem, Item, WorkPlan
+from kconvert.engine.items import CopyItem, Item, WorkPlan
 from kconvert.errors import KconvertError
 from kconvert.formats.linear import Batch, ModuleWork, Transformed
 from kconvert.io.checkpoint import Checkpoint
