@@ -17,8 +17,8 @@ import torch
 
 from kconvert import events
 from kconvert.engine.compute import compute_item, read_item
-from kconvert.engine.sink import ShardSink
 from kconvert.engine.items import Item, WorkPlan
+from kconvert.engine.sink import ShardSink
 from kconvert.engine.work import Share
 from kconvert.formats import SOURCE_CODECS, cpu_threads
 from kconvert.gpu_plan import Encode
