@@ -23,6 +23,7 @@ from kconvert.audit.bits import short_float
 from kconvert.audit.context import AuditContext
 from kconvert.checks.findings import text_config
 from kconvert.checks.quant_config import quant_blocks
+from kconvert.engine.stage import QUANTIZE, stages_of
 from kconvert.errors import KconvertError, invalid_fields
 from kconvert.formats import SOURCE_CODECS
 from kconvert.io.checkpoint import CONFIG
@@ -242,7 +243,7 @@ def check_after_stream(ctx: AuditContext) -> None:
     quantized: Counter = Counter()
     for m in ctx.ckpt.modules.values():
         entry = man.tensors.get(m.primary.name)
-        if entry is not None and "quantize" in entry.stage.split("+"):
+        if entry is not None and QUANTIZE in stages_of(entry.stage):
             quantized[str(m.tn.layer)] += 1
     for layer, entry in man.layers.items():
         r.check(M, quantized[layer] == entry.quantized_modules, "layers",

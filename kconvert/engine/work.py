@@ -18,7 +18,7 @@ from kconvert.engine.items import (
     TransformItem,
     WorkPlan,
 )
-from kconvert.engine.stage import Stage
+from kconvert.engine.stage import Stage, recorded_stage
 from kconvert.errors import KconvertError
 from kconvert.formats.linear import ModuleWork, group_modules
 from kconvert.io.checkpoint import Checkpoint
@@ -120,7 +120,7 @@ def _build_work_plan(ckpt: Checkpoint, stages: list[Stage], work_elems: int,
             raise KconvertError("a pruned router cannot be re-encoded in the same pass: prune "
                                 "first, then convert", tensor=m.module)
         transformed.append(m)
-        stage = "+".join(m.stages)
+        stage = recorded_stage(m.stages)
         sources = tuple(i.name for i in m.params.values())
         for param, dtype, shape in m.out_specs():
             name = f"{m.out_module}.{param}"

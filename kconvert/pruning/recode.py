@@ -117,12 +117,16 @@ def block_scale_rule(ckpt: Checkpoint) -> str:
         options = read_manifest(path).options
     except ValueError as exc:
         raise KconvertError(f"unreadable manifest: {exc}", file=str(path)) from exc
-    sparse = set((options.get("sparsify") or {}).get("targets") or ())
+    # Each stage's record, read by its own fields: the one that declares a sparsity `pattern`
+    # names the roles made sparse in its `targets`; the one that chose a `block_scale` rule
+    # (quantize) names it.
+    records = [r for r in options.values() if isinstance(r, dict)]
+    sparse = {role for r in records if r.get("pattern") for role in r.get("targets") or ()}
     if sparse & {Role.ROUTED_EXPERT.value, Role.SHARED_EXPERT.value}:
         raise KconvertError("the source's experts are paired-4:8 sparse (its manifest records "
                             "`sparsify`), which a re-fitted down_proj would not keep: "
                             "compensate before sparsifying", file=str(path))
-    return (options.get("quantize") or {}).get("block_scale") or DEFAULT_SCALE_RULE
+    return next((r["block_scale"] for r in records if r.get("block_scale")), DEFAULT_SCALE_RULE)
 
 
 def encode(ckpt: Checkpoint, linears: Sequence[SourceLinear],
