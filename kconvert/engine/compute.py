@@ -89,7 +89,7 @@ def compute_item(plan: WorkPlan, item: Item, bufs: list[torch.Tensor], device: t
 
     # Decode every group to fp32 on the device: one batched op per (codec, shape) group. A
     # group whose output codec reads its source packed is decoded inside that encoder, and a
-    # re-laid-out group (densify) not at all: its NVFP4 bytes go through unchanged.
+    # re-laid-out group (densify) not at all: its output codec lays its bytes out unchanged.
     decoded: list[torch.Tensor | None] = []
     raw: list[dict[str, torch.Tensor]] = []
     amax: dict[str, torch.Tensor] = {}

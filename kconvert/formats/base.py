@@ -175,6 +175,11 @@ class Codec:
     # outputs and temporaries, for the GPU memory plan), and per element of one chunk.
     encode_bytes_per_elem: ClassVar[int] = 2
     encode_chunk_bytes_per_elem: ClassVar[int] = 0
+    # The parameter its packed elements are stored in, and how many elements a byte of it holds
+    # (NVFP4: 2, two nibbles; a sparse layout more, only the kept bytes stored), where the format
+    # packs them in a parameter of their own (what the p48 pattern check reads).
+    packed_param: ClassVar[str | None] = None
+    elements_per_byte: ClassVar[int | None] = None
     # The dtypes its first parameter may have, where the parameter names alone do not tell
     # the format (a `weight` is dense, FP8-block or ModelOpt NVFP4); None: any.
     weight_dtypes: ClassVar[frozenset[str] | None] = None

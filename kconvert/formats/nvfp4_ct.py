@@ -136,6 +136,9 @@ class Nvfp4Codec(Codec):
     def relayout(cls, source, params):
         """Another layout of NVFP4 (pair-bitmask) re-laid out: its packed bytes and scales as
         they are, so its error is 0 and its amax is the one its global scale was made for."""
+        if source.arithmetic != cls.arithmetic:
+            raise NotImplementedError(f"{source.description} does not re-lay out losslessly as "
+                                      f"{cls.description}")
         packed, scales, gs = source.unpack(params)
         zero = torch.zeros(packed.shape[0], dtype=torch.float64, device=packed.device)
         amax = nvfp4.GLOBAL_NUMERATOR / gs
