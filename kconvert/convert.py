@@ -33,8 +33,7 @@ from kconvert.engine.stage import Stage
 from kconvert.engine.work import Share, WorkPlan, shard_file_bytes, share_work
 from kconvert.errors import KconvertError, UsageError
 from kconvert.finish_output import finish_output
-from kconvert.formats import nvfp4
-from kconvert.formats.dense import DenseCodec
+from kconvert.formats import warm_cpu_kernels
 from kconvert.gpu_budget import GpuContext, GpuRequest
 from kconvert.gpu_plan import gib
 from kconvert.io import lock, output_dir, workspace
@@ -283,12 +282,12 @@ def _execute(plan: WorkPlan, ws: Workspace, device: torch.device, done: dict[str
         name = f"{name} (rank 0 of {distributed.world()})"
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
               disable=run.quiet or not distributed.is_main(), desc=name, smoothing=0.1) as bar:
-        encodes = any(m.out_codec not in (None, DenseCodec) and not m.repack
+        encodes = any(m.out_codec is not None and m.out_codec.quantized and not m.repack
                       for m in plan.modules)
         if device.type == "cpu" and encodes:
             bar.set_description("loading CPU kernels (the first run after installing compiles "
                                 "them: 10-50 s by the cores)")
-            nvfp4.warm_cpu_kernels()
+            warm_cpu_kernels()
             bar.set_description(name)
         return execute(plan, ws.root, device, done, bar.update, readers=run.readers,
                        share=share, feed=stream)

@@ -8,7 +8,7 @@ import json
 
 from kconvert import events
 from kconvert.engine.work import WorkPlan
-from kconvert.formats.nvfp4_modelopt import HF_QUANT_CONFIG
+from kconvert.formats import HF_QUANT_CONFIG
 from kconvert.formats.quant_config import output_config, rewrite_config
 from kconvert.io.checkpoint import GENERATED_FILES, INDEX, Checkpoint
 from kconvert.io.files import copy_file, hash_file, write_text

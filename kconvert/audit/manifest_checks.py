@@ -21,9 +21,9 @@ from pydantic import ValidationError
 
 from kconvert.audit.bits import short_float
 from kconvert.audit.context import AuditContext
-from kconvert.audit.scales import stored_global_scale
 from kconvert.checks.findings import text_config
 from kconvert.checks.quant_config import quant_blocks
+from kconvert.engine.stage import QUANTIZE, stages_of
 from kconvert.errors import KconvertError, invalid_fields
 from kconvert.formats import SOURCE_CODECS
 from kconvert.io.checkpoint import CONFIG
@@ -234,7 +234,7 @@ def check_after_stream(ctx: AuditContext) -> None:
                       "has no NVFP4 scale here", tensor=member)
                 continue
             got = stored[member]
-            want = stored_global_scale(got.codec, entry.global_scale, entry.amax)
+            want = got.codec.stored_global_scale(entry.global_scale, entry.amax)
             r.check(M, bool(torch.equal(got.global_scale.reshape(-1).float(), want.reshape(-1))),
                     "fused-sets", f"stored global scale {short_float(got.global_scale)} but the "
                     f"manifest records {entry.global_scale} (2688/amax, amax {entry.amax}) for "
@@ -243,7 +243,7 @@ def check_after_stream(ctx: AuditContext) -> None:
     quantized: Counter = Counter()
     for m in ctx.ckpt.modules.values():
         entry = man.tensors.get(m.primary.name)
-        if entry is not None and "quantize" in entry.stage.split("+"):
+        if entry is not None and QUANTIZE in stages_of(entry.stage):
             quantized[str(m.tn.layer)] += 1
     for layer, entry in man.layers.items():
         r.check(M, quantized[layer] == entry.quantized_modules, "layers",

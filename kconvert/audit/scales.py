@@ -16,8 +16,7 @@ import torch
 from kconvert.audit.bits import first_true, same_bits, short_float, where
 from kconvert.audit.context import AuditContext
 from kconvert.checks.findings import Checks
-from kconvert.formats import nvfp4
-from kconvert.formats.base import Codec, is_linear
+from kconvert.formats.base import is_linear
 from kconvert.formats.linear import ModuleWork
 from kconvert.io.finite import NONFINITE_BITS, find_nonfinite
 from kconvert.io.shards import TensorInfo
@@ -79,21 +78,6 @@ def _not_positive(t: torch.Tensor) -> str | None:
     if not bool(bad.any()):
         return None
     return f"scale must be finite and > 0, found {float(t[first_true(bad)])!r}"
-
-
-def stored_global_scale(codec: type[Codec], global_scale: float, amax: float) -> torch.Tensor:
-    """The global scale tensor `codec` stores for a fused set the manifest records with
-    `global_scale` (2688 / amax, compressed-tensors' stored form, exact) and `amax`: what the
-    format's own encoder writes (ModelOpt's amax / 2688 is computed from amax, as its
-    encoder computes it)."""
-    scale = nvfp4.stored_scale(torch.tensor([global_scale]), torch.tensor([amax]),
-                               codec.arithmetic)
-    one_block = nvfp4.Quantized(
-        packed=torch.zeros(1, 1, 8, dtype=torch.uint8),
-        block_scales=torch.zeros(1, 1, 1, dtype=torch.float8_e4m3fn),
-        global_scale=scale,
-        err_sq=torch.zeros(1, dtype=torch.float64), ref_sq=torch.zeros(1, dtype=torch.float64))
-    return codec.stored(one_block, torch.tensor([amax])).module(0)[codec.global_scale_param]
 
 
 def check_fused_sets(ctx: AuditContext) -> None:

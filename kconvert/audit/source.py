@@ -48,7 +48,7 @@ def _router(side: Side, info: TensorInfo, seen: set[str]) -> tuple[torch.Tensor,
         params["weight_scale"] = scale
         seen.add(scale.name)
     found = router_format(params)
-    if found is None or found[0] is DenseCodec:
+    if found is None or not found[0].quantized:
         return side.read(info), DenseCodec
     codec, shape = found
     return codec.decode({p: side.read(i).unsqueeze(0) for p, i in params.items()}, shape)[0], codec

@@ -94,7 +94,7 @@ def expected_format(qconfig: dict, m: Linear, name: str | None = None
         return FAMILY_READERS[method](qconfig, name, linear)
     codec = method_codec(method)
     if codec is not None:  # every linear in that format, or left unquantized
-        return method, m.codec if m.codec in (codec, DenseCodec) else codec, qconfig
+        return method, m.codec if m.codec is codec or not m.codec.quantized else codec, qconfig
     return f"quant_method {method!r}", None, qconfig
 
 

@@ -12,8 +12,9 @@
 Memory is bounded by (prefetch + queue) items, never by shard or model size. On a CPU run the
 reader, writer and hasher threads get cores of their own (`split_cores`), the kernels the rest.
 
-Modules: work.py (the plan and its items), compute.py (read_item, compute_item), sink.py
-(ShardSink: partial files, hashes, rename on complete), execute.py (the threads, the knobs).
+Modules: items.py (the plan and its items), work.py (building it, sharing it among ranks),
+compute.py (read_item, compute_item), sink.py (ShardSink: partial files, hashes, rename on
+complete), execute.py (the threads, the knobs).
 Every step of every item is a timing event (kconvert.events) for benchmarks and tests that
 subscribe with `timings=True`; with no such listener nothing is timed.
 """

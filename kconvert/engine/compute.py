@@ -6,9 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kconvert.engine.work import CopyItem, Item, WorkPlan
+from kconvert.engine.items import CopyItem, Item, WorkPlan
 from kconvert.errors import KconvertError
-from kconvert.formats import DenseCodec, Encoded, EncodeSpec, nvfp4
 from kconvert.formats.linear import Batch, ModuleWork, Transformed
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.finite import check_finite, has_nonfinite
@@ -90,7 +89,7 @@ def compute_item(plan: WorkPlan, item: Item, bufs: list[torch.Tensor], device: t
 
     # Decode every group to fp32 on the device: one batched op per (codec, shape) group. A
     # group whose output codec reads its source packed is decoded inside that encoder, and a
-    # re-laid-out group (densify) not at all: its NVFP4 bytes go through unchanged.
+    # re-laid-out group (densify) not at all: its output codec lays its bytes out unchanged.
     decoded: list[torch.Tensor | None] = []
     raw: list[dict[str, torch.Tensor]] = []
     amax: dict[str, torch.Tensor] = {}
@@ -134,11 +133,7 @@ def compute_item(plan: WorkPlan, item: Item, bufs: list[torch.Tensor], device: t
         ms = group.modules
         if ms[0].repack or w is None:
             continue
-        # compressed-tensors takes a block's amax / 6 in the source weights' own dtype (bf16
-        # for a BF16 checkpoint, formats.md §2); a decoded quantized source is fp32.
-        local = ms[0].primary.torch_dtype if ms[0].codec is DenseCodec else torch.float32
-        spec = EncodeSpec(plan.scale_rule, ms[0].group_size, {"weight": ms[0].dense_dtype},
-                          local, chunk_elems)
+        spec = ms[0].encode_spec(plan.scale_rule, chunk_elems)
         batches[i] = Batch(ms, w, ms[0].out_codec, spec,
                            torch.stack([set_amax[m.module] for m in ms]))
         if ms[0].transform is None:
@@ -155,17 +150,18 @@ def compute_item(plan: WorkPlan, item: Item, bufs: list[torch.Tensor], device: t
     for i, (group, params) in enumerate(zip(item.groups, raw, strict=True)):
         ms = group.modules
         if ms[0].repack:
-            enc = _relaid(group.codec, ms[0], params)
-            encoded.append((ms, enc, nvfp4.GLOBAL_NUMERATOR / enc.params[
-                ms[0].out_codec.global_scale_param].reshape(-1), None))
+            enc, relaid_amax = ms[0].out_codec.relayout(group.codec, params)
+            # the parameters a re-layout carries over unchanged (W4A4 input scales)
+            enc.params.update({p: params[p] for p in ms[0].carried})
+            encoded.append((ms, enc.map(_to_host), _to_host(relaid_amax), None))
             continue
         out_codec, a = ms[0].out_codec, torch.stack([set_amax[m.module] for m in ms])
         # The manifest records the amax a per-tensor scale was made for, else each matrix's.
         recorded = a if out_codec.global_scale_param else torch.stack([amax[m.module]
                                                                         for m in ms])
         if i not in batches:  # read packed by its encoder
-            spec = EncodeSpec(plan.scale_rule, ms[0].group_size, chunk_elems=chunk_elems)
-            enc = out_codec.encode_packed(group.codec, params, spec, a)
+            enc = out_codec.encode_packed(group.codec, params,
+                                          ms[0].encode_spec(plan.scale_rule, chunk_elems), a)
             encoded.append((ms, enc.map(_to_host), _to_host(recorded), enc.records))
             continue
         batch, out = batches[i], made[i]
@@ -203,17 +199,6 @@ def _reads_packed(m: ModuleWork, device: torch.device) -> bool:
     on decoded values)."""
     return (m.transform is None and m.out_codec is not None
             and m.out_codec.reads_packed(m.codec, device))
-
-
-def _relaid(codec, m: ModuleWork, params: dict[str, torch.Tensor]) -> Encoded:
-    """NVFP4 bytes of a re-layout, host-side, with the parameters it carries over unchanged;
-    it changes no value, so its error is 0."""
-    packed, scales, gs = (_to_host(t) for t in codec.unpack(params))
-    zero = torch.zeros(packed.shape[0], dtype=torch.float64)
-    enc = m.out_codec.stored(nvfp4.Quantized(packed, scales, gs, zero, zero),
-                             nvfp4.GLOBAL_NUMERATOR / gs)
-    enc.params.update({p: _to_host(params[p]) for p in m.carried})
-    return enc
 
 
 def _error_vs(source: torch.Tensor, decoded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,9 +17,10 @@ import torch
 
 from kconvert import events
 from kconvert.engine.compute import compute_item, read_item
+from kconvert.engine.items import Item, WorkPlan
 from kconvert.engine.sink import ShardSink
-from kconvert.engine.work import Item, Share, WorkPlan
-from kconvert.formats import SOURCE_CODECS, nvfp4
+from kconvert.engine.work import Share
+from kconvert.formats import SOURCE_CODECS, cpu_threads
 from kconvert.gpu_parts import Encode
 from kconvert.io.readahead import read_ahead
 
@@ -217,7 +218,7 @@ def _cores_set_apart(device: torch.device) -> Iterator[set[int] | None]:
             with contextlib.suppress(OSError):  # a thread that ended meanwhile
                 before[tid] = os.sched_getaffinity(tid)
                 os.sched_setaffinity(tid, kernel)
-        with nvfp4.cpu_threads(len(kernel)):
+        with cpu_threads(len(kernel)):
             yield io
     finally:
         for tid in _thread_ids():

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from kconvert import events
 from kconvert.engine.compute import Result
-from kconvert.engine.work import Share, WorkPlan
+from kconvert.engine.items import WorkPlan
+from kconvert.engine.work import Share
 from kconvert.io.files import write_json
 from kconvert.io.hashing import TensorHashes
 from kconvert.io.lock import STATE_DIR

@@ -20,6 +20,23 @@ if TYPE_CHECKING:
     from kconvert.gpu_shapes import Shapes
 
 
+# The stage kinds the modules beside the driver find by name, in what a run recorded (a tensor's
+# `stage` in the manifest) or in what a command prepares (a stage's input, by kind): declared
+# here, below the stages, whose kinds are named so (tests/test_contracts.py holds them equal).
+QUANTIZE = "quantize"  # its modules are the ones a manifest counts per layer as quantized
+PRUNE = "prune"  # a pruning plan's stage, which `inspect --keep` prepares itself
+
+
+def recorded_stage(stages: list[str]) -> str:
+    """How the manifest records the stages that made an output tensor ("dequant+quantize")."""
+    return "+".join(stages)
+
+
+def stages_of(recorded: str) -> list[str]:
+    """The stages a manifest's recorded `stage` names ("copy": none made it)."""
+    return recorded.split("+")
+
+
 class StageRecord(BaseModel):
     """What a stage records in the manifest (kconvert.stages.records.RunRecord): the options
     that decide the output bytes. A field that was not set is left out of the file (a record is

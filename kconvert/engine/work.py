@@ -1,19 +1,25 @@
-"""The work plan: every output tensor and shard header, and the work items that make them."""
+"""Building the work plan (kconvert.engine.items): every output tensor and shard header, and the
+work items that make them; and how a plan's items are shared among ranks."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from functools import cached_property
-from typing import ClassVar
+from dataclasses import dataclass
 
 import torch
 
 from kconvert import events
-from kconvert.engine.stage import Stage
+from kconvert.engine.items import (
+    Chunk,
+    CopyItem,
+    Item,
+    OutTensor,
+    TransformItem,
+    WorkPlan,
+)
+from kconvert.engine.stage import Stage, recorded_stage
 from kconvert.errors import KconvertError
-from kconvert.formats import DenseCodec
 from kconvert.formats.linear import ModuleWork, group_modules
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.shards import TensorInfo, plan_header, tensor_nbytes
@@ -21,124 +27,6 @@ from kconvert.model.names import Role, parse_name, split_param
 
 # Pass-through bytes move in pieces of this size (memory: ~8 pieces in flight).
 COPY_CHUNK = 16 << 20
-
-
-@dataclass(frozen=True)
-class OutTensor:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    shard: str
-    sources: tuple[str, ...]
-    stage: str  # "copy" or the stages that produced it, e.g. "dequant+quantize"
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """A byte range of a pass-through tensor; with `rows`, the whole tensor, rows selected;
-    with `values`, the whole tensor, replaced."""
-
-    info: TensorInfo
-    out_name: str
-    offset: int
-    length: int
-    rows: tuple[int, ...] | None = None
-    # The output tensor a stage computed (a repaired router's rows, a re-fitted matrix's
-    # parameter), written instead of the source's bytes.
-    values: torch.Tensor | None = None
-
-
-@dataclass
-class CopyItem:
-    kind: ClassVar[str] = "copy"
-
-    chunks: list[Chunk]
-
-    @cached_property
-    def nbytes(self) -> int:
-        return sum(c.length for c in self.chunks)
-
-
-@dataclass
-class DecodeGroup:
-    """Same-codec, same-shape, same-treatment modules decoded as one batch [B, out, in]."""
-
-    modules: list[ModuleWork]
-
-    @property
-    def codec(self):
-        return self.modules[0].codec
-
-    @property
-    def params(self) -> tuple[str, ...]:
-        """Source parameters read: the codec's, plus those a re-layout carries over."""
-        return self.codec.params + self.modules[0].carried
-
-
-@dataclass
-class TransformItem:
-    kind: ClassVar[str] = "transform"
-
-    sets: list[list[ModuleWork]]
-    groups: list[DecodeGroup] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        by_key: dict[tuple, list[ModuleWork]] = defaultdict(list)
-        for fused in self.sets:
-            for m in fused:
-                key = (m.codec.name, m.shape, m.out_codec.__name__, m.group_size, m.repack,
-                       m.carried, id(m.transform))
-                by_key[key].append(m)
-        self.groups = [DecodeGroup(ms) for ms in by_key.values()]
-
-    @cached_property
-    def nbytes(self) -> int:
-        return sum(i.nbytes for s in self.sets for m in s for i in m.params.values())
-
-
-Item = CopyItem | TransformItem
-
-
-@dataclass
-class WorkPlan:
-    ckpt: Checkpoint
-    stages: list[Stage]
-    modules: list[ModuleWork]
-    outputs: dict[str, OutTensor]
-    items: list[Item]
-    dropped: dict[str, str]  # source tensor -> why it has no output
-
-    @cached_property
-    def shard_entries(self) -> dict[str, list[tuple[str, str, tuple[int, ...]]]]:
-        """Output shard -> its tensors (name, dtype, shape); the outputs never change after
-        planning, so it is built once."""
-        entries: dict[str, list] = defaultdict(list)
-        for t in self.outputs.values():
-            entries[t.shard].append((t.name, t.dtype, t.shape))
-        return dict(sorted(entries.items()))
-
-    @property
-    def scale_rule(self) -> str:
-        return next((s.scale_rule for s in self.stages if s.scale_rule is not None), "mse")
-
-    def item_shards(self, item: Item) -> set[str]:
-        if isinstance(item, CopyItem):
-            return {self.outputs[c.out_name].shard for c in item.chunks}
-        return {m.primary.file.name for s in item.sets for m in s}
-
-    def item_outputs(self, item: Item) -> set[str]:
-        """The output tensors an item writes (a big pass-through tensor's pieces may lie in
-        several items, all of its shard)."""
-        if isinstance(item, CopyItem):
-            return {c.out_name for c in item.chunks}
-        return {f"{m.out_module}.{param}" for s in item.sets for m in s
-                for param, _, _ in m.out_specs()}
-
-    def item_sources(self, item: Item) -> set[str]:
-        """The source shards an item reads (a module's parameters may lie in two)."""
-        if isinstance(item, CopyItem):
-            return {c.info.file.name for c in item.chunks}
-        return {i.file.name for s in item.sets for m in s for i in m.params.values()}
 
 
 def shard_file_bytes(plan: WorkPlan) -> dict[str, int]:
@@ -232,7 +120,7 @@ def _build_work_plan(ckpt: Checkpoint, stages: list[Stage], work_elems: int,
             raise KconvertError("a pruned router cannot be re-encoded in the same pass: prune "
                                 "first, then convert", tensor=m.module)
         transformed.append(m)
-        stage = "+".join(m.stages)
+        stage = recorded_stage(m.stages)
         sources = tuple(i.name for i in m.params.values())
         for param, dtype, shape in m.out_specs():
             name = f"{m.out_module}.{param}"
@@ -426,7 +314,7 @@ def describe(plan: WorkPlan) -> list[tuple[str, str, str, int, int, int, int]]:
     bytes, output bytes). A plain floating-point format is named by its dtype (BF16, F32)."""
     rows: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0])
     for m in plan.modules:
-        source = m.primary.dtype if m.codec is DenseCodec else m.codec.name
+        source = m.codec.name if m.codec.quantized else m.primary.dtype
         if m.out_codec is None:
             # its parameters as written: copied, or computed by a stage (a re-fitted matrix)
             written = {plan.outputs[n].stage for p in m.params
@@ -434,7 +322,7 @@ def describe(plan: WorkPlan) -> list[tuple[str, str, str, int, int, int, int]]:
             out, n_out = "+".join(sorted(written)) or "copy", len(m.params)
             out_bytes = sum(i.nbytes for i in m.params.values())
         else:
-            out = m.dense_dtype if m.out_codec is DenseCodec else m.out_codec.name
+            out = m.out_codec.name if m.out_codec.quantized else m.dense_dtype
             specs = m.out_specs()
             n_out, out_bytes = len(specs), sum(tensor_nbytes(d, s) for _, d, s in specs)
         row = rows[(m.tn.role.value, source, out)]

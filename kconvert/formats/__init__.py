@@ -12,14 +12,22 @@ lists equal).
 
 from __future__ import annotations
 
-from kconvert.formats.base import OPTIONAL_PARAMS, Codec, Encoded, EncodeSpec
+from kconvert.formats.base import (
+    DEFAULT_SCALE_RULE,
+    OPTIONAL_PARAMS,
+    Codec,
+    Encoded,
+    EncodeSpec,
+    encode_spec,
+)
 from kconvert.formats.dense import DenseCodec
 from kconvert.formats.fp8_block import Fp8BlockCodec
 from kconvert.formats.int4 import Int4Codec
 from kconvert.formats.mxfp4_ct import Mxfp4Codec
 from kconvert.formats.mxfp4_quark import QuarkMxfp4Codec
+from kconvert.formats.nvfp4 import cpu_threads, warm_cpu_kernels
 from kconvert.formats.nvfp4_ct import Nvfp4Codec
-from kconvert.formats.nvfp4_modelopt import ModeloptNvfp4Codec
+from kconvert.formats.nvfp4_modelopt import HF_QUANT_CONFIG, ModeloptNvfp4Codec
 from kconvert.formats.nvfp4_pair_bitmask import Nvfp4PairBitmaskCodec
 from kconvert.io.shards import TensorInfo
 from kconvert.model.names import register_param_suffixes
@@ -61,6 +69,12 @@ def stored_as(codec: type[Codec], storage: str) -> type[Codec]:
         raise KeyError(f"{codec.description} has no {storage} storage") from None
 
 
+def dense_storage(codec: type[Codec]) -> type[Codec] | None:
+    """The codec of the dense storage whose values `codec` stores in another layout (a
+    re-layout back to it changes no byte of a value: densify), or None."""
+    return next((dense for (dense, _), stored in STORAGE_CODECS.items() if stored is codec), None)
+
+
 def detect_codec(infos: dict[str, TensorInfo]) -> type[Codec] | None:
     """The codec whose parameters exactly match a module's, or None (not a linear we know)."""
     return next((c for c in SOURCE_CODECS if c.matches(infos)), None)
@@ -96,8 +110,9 @@ def method_codec(method: str | None) -> type[Codec] | None:
     return next((c for c in SOURCE_CODECS if c.quant_method and c.quant_method == method), None)
 
 
-__all__ = ["OPTIONAL_PARAMS", "OUTPUT_CODECS", "SOURCE_CODECS", "STORAGE_CODECS", "Codec",
-           "DenseCodec", "EncodeSpec", "Encoded", "Fp8BlockCodec", "Int4Codec",
-           "ModeloptNvfp4Codec", "Mxfp4Codec", "Nvfp4Codec", "Nvfp4PairBitmaskCodec",
-           "QuarkMxfp4Codec", "ct_codec", "detect_codec", "method_codec", "modelopt_codec",
-           "register", "router_format", "stored_as"]
+__all__ = ["DEFAULT_SCALE_RULE", "HF_QUANT_CONFIG", "OPTIONAL_PARAMS", "OUTPUT_CODECS",
+           "SOURCE_CODECS", "STORAGE_CODECS", "Codec", "DenseCodec", "EncodeSpec", "Encoded",
+           "Fp8BlockCodec", "Int4Codec", "ModeloptNvfp4Codec", "Mxfp4Codec", "Nvfp4Codec",
+           "Nvfp4PairBitmaskCodec", "QuarkMxfp4Codec", "cpu_threads", "ct_codec",
+           "dense_storage", "detect_codec", "encode_spec", "method_codec", "modelopt_codec",
+           "register", "router_format", "stored_as", "warm_cpu_kernels"]

@@ -6,7 +6,10 @@ them (`encode`, by the numbers an `EncodeSpec` gives), and it says how it is rec
 parameters a module has, `matches`), which dtypes and shapes its parameters may have
 (`param_rules`, what the audit checks), how a quantization_config names it (the `ct_*`,
 `modelopt_algos` and `quant_method` class attributes) and what in such a config's scheme must
-agree with its tensors (`scheme_problems`).
+agree with its tensors (`scheme_problems`). It owns all of its bytes: the tensors an encode
+writes (`specs`), its packed values (`unpack`), the encode of another format's parameters as
+stored (`reads_packed`) and a lossless re-layout of them (`relayout`), so that the engine and the
+audit call codecs only through this class.
 """
 
 from __future__ import annotations
@@ -59,6 +62,12 @@ class OutputModule(Linear, Protocol):
     def has_input_scale(self) -> bool: ...
 
 
+# The block-scale rule an encode follows where nothing chose one (`kconvert quantize`'s default).
+DEFAULT_SCALE_RULE = "mse"
+# Elements per encoder chunk where the caller does not size it (bounds its temporaries).
+CHUNK_ELEMS = 1 << 22
+
+
 @dataclass(frozen=True)
 class EncodeSpec:
     """What an encode follows besides the weights themselves."""
@@ -71,10 +80,22 @@ class EncodeSpec:
     # The dtype compressed-tensors divides a block's amax by 6 in (formats.md §2): the source
     # weights' own, bf16 for a BF16 checkpoint.
     local_dtype: torch.dtype = torch.float32
-    chunk_elems: int = 1 << 22  # elements per encoder chunk (bounds its temporaries)
+    chunk_elems: int = CHUNK_ELEMS  # elements per encoder chunk (bounds its temporaries)
 
     def group(self, codec: type[Codec]) -> int:
         return self.group_size or codec.default_group_size  # type: ignore[return-value]
+
+
+def encode_spec(source: type[Codec], source_dtype: torch.dtype, rule: str | None,
+                group_size: int | None, dtypes: Mapping[str, str],
+                chunk_elems: int = CHUNK_ELEMS) -> EncodeSpec:
+    """How weights decoded from a `source` module (its first parameter `source_dtype`) are
+    encoded: by `rule` (DEFAULT_SCALE_RULE where none is given), `group_size` elements per
+    scale (None: the output codec's own), parameters stored in `dtypes` where the output
+    format allows several. compressed-tensors takes a block's amax / 6 in the source weights'
+    own dtype (bf16 for a BF16 checkpoint, formats.md §2); a quantized source decodes to fp32."""
+    local = torch.float32 if source.quantized else source_dtype
+    return EncodeSpec(rule or DEFAULT_SCALE_RULE, group_size, dtypes, local, chunk_elems)
 
 
 @dataclass
@@ -154,6 +175,11 @@ class Codec:
     # outputs and temporaries, for the GPU memory plan), and per element of one chunk.
     encode_bytes_per_elem: ClassVar[int] = 2
     encode_chunk_bytes_per_elem: ClassVar[int] = 0
+    # The parameter its packed elements are stored in, and how many elements a byte of it holds
+    # (NVFP4: 2, two nibbles; a sparse layout more, only the kept bytes stored), where the format
+    # packs them in a parameter of their own (what the p48 pattern check reads).
+    packed_param: ClassVar[str | None] = None
+    elements_per_byte: ClassVar[int | None] = None
     # The dtypes its first parameter may have, where the parameter names alone do not tell
     # the format (a `weight` is dense, FP8-block or ModelOpt NVFP4); None: any.
     weight_dtypes: ClassVar[frozenset[str] | None] = None
@@ -201,6 +227,42 @@ class Codec:
 
     @classmethod
     def decode(cls, t: dict[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
+        raise NotImplementedError
+
+    @classmethod
+    def specs(cls, shape: tuple[int, int], input_scale: bool = False,
+              group_size: int | None = None) -> list[ParamSpec]:
+        """(param, dtype, shape) of every tensor an encode of one [out, in] matrix writes, with
+        `group_size` elements per scale, plus its input scale where `input_scale` (W4A4)."""
+        raise NotImplementedError
+
+    @classmethod
+    def output_specs(cls, shape: tuple[int, int], spec: EncodeSpec, input_scale: bool
+                     ) -> list[ParamSpec]:
+        """`specs` of an encode by `spec` (a format whose dtypes `spec.dtypes` choose reads
+        them here)."""
+        return cls.specs(shape, input_scale, spec.group_size)
+
+    @classmethod
+    def unpack(cls, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The stored values as the grid packs them densely, then the scales (NVFP4: packed
+        [B, M, K/2], block scales, per-tensor scales [B]): what a lossless re-layout and the
+        p48 pattern check read. Only where the format stores such values."""
+        raise NotImplementedError
+
+    @classmethod
+    def relayout(cls, source: type[Codec], params: dict[str, torch.Tensor]
+                 ) -> tuple[Encoded, torch.Tensor]:
+        """`source`'s stacked parameters laid out in this format byte for byte, no value
+        changed (densify): (the encoding, its error 0, and the amax [B] its per-tensor scales
+        stand for). Only where a stage re-lays out `source` here (ModuleWork.repack)."""
+        raise NotImplementedError
+
+    @classmethod
+    def stored_global_scale(cls, recorded: float, amax: float) -> torch.Tensor:
+        """The per-tensor scale tensor this format stores for a fused set the manifest records
+        with `recorded` (2688 / amax, compressed-tensors' form) and `amax`: what its own
+        encoder writes. Only where the format has a `global_scale_param`."""
         raise NotImplementedError
 
     @classmethod

@@ -35,9 +35,14 @@ class DenseCodec(Codec):
     def decode(cls, t, shape):
         return t["weight"].float()
 
-    @staticmethod
-    def specs(shape: tuple[int, int], dtype: str = "BF16") -> list[ParamSpec]:
-        return [("weight", dtype, shape)]
+    @classmethod
+    def specs(cls, shape, input_scale=False, group_size=None) -> list[ParamSpec]:
+        return [("weight", "BF16", shape)]
+
+    @classmethod
+    def output_specs(cls, shape, spec, input_scale):
+        """The weight in `spec.dtypes["weight"]` (BF16 unless given), as `encode` writes it."""
+        return [("weight", spec.dtypes.get("weight", "BF16"), shape)]
 
     @classmethod
     def encode(cls, w, spec: EncodeSpec, *, amax=None, codes=None) -> Encoded:

@@ -15,7 +15,8 @@ from typing import NamedTuple, Protocol
 import torch
 
 from kconvert.errors import KconvertError
-from kconvert.formats import OPTIONAL_PARAMS, Codec, DenseCodec, EncodeSpec, detect_codec
+from kconvert.formats import OPTIONAL_PARAMS, Codec, EncodeSpec, detect_codec, encode_spec
+from kconvert.formats.base import CHUNK_ELEMS
 from kconvert.io.shards import TensorInfo
 from kconvert.model.names import TARGET_ROLES, Role, TensorName, parse_name
 
@@ -73,11 +74,16 @@ class ModuleWork:
         """W4A4: the output carries an input scale (calibrated, or carried by a re-layout)."""
         return self.input_amax is not None or any(p in self.carried for p in OPTIONAL_PARAMS)
 
+    def encode_spec(self, rule: str | None = None, chunk_elems: int = CHUNK_ELEMS) -> EncodeSpec:
+        """How its decoded weights are encoded by its output codec: by the block-scale `rule`
+        of the run (None: the default), in chunks of `chunk_elems` elements."""
+        return encode_spec(self.codec, self.primary.torch_dtype, rule, self.group_size,
+                           {"weight": self.dense_dtype}, chunk_elems)
+
     def out_specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """(param, dtype, shape) of every output tensor of a re-encoded module."""
-        if self.out_codec is DenseCodec:
-            return DenseCodec.specs(self.shape, self.dense_dtype)
-        specs = self.out_codec.specs(self.shape, self.input_amax is not None, self.group_size)
+        specs = self.out_codec.output_specs(self.shape, self.encode_spec(),
+                                            self.input_amax is not None)
         return specs + [(p, self.params[p].dtype, self.params[p].shape) for p in self.carried]
 
 

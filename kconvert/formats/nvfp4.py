@@ -1,4 +1,5 @@
-"""NVFP4 math (formats.md §2), vectorised over a batch of matrices.
+"""NVFP4 math (formats.md §2), vectorised over a batch of matrices: encode and decode (the
+scales they use: kconvert.formats.nvfp4_scales).
 
 Blocks of 16 elements (dense NVFP4) or 32 (one FP8 scale per 32 input elements, what sparse
 NVFP4 kernels read, p48.md); the formulas are the same for both.
@@ -17,7 +18,6 @@ source. Every reduction that decides a byte is done in a fixed order, so CPU and
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,7 +35,6 @@ from kconvert.formats.nvfp4_grid import (
     FP8_VALUES,
     GLOBAL_NUMERATOR,
     MSE_CODE_OFFSETS,
-    TRITON_LOCAL_DTYPES,
     ZERO_BLOCK_SCALE,
     ZERO_CODE,
     block_step,
@@ -45,13 +44,21 @@ from kconvert.formats.nvfp4_grid import (
     round_e2m1,
     unpack_codes,
 )
-
-# How the two NVFP4 flavours compute their scales (docs/formats.md §2). The bytes mean the same
-# thing in both, but the fp32 arithmetic differs, and with it the rounding on rare boundaries:
-#   compressed-tensors  g = 2688 / amax   d = fp8(g * (block_amax / 6))   step = fp32(d) / g
-#   modelopt            g = amax / 2688   d = fp8(block_amax / (6 * g))   step = fp32(d) * g
-# Each flavour's `amax` rule gives its own tool's bytes exactly for the same g.
-ARITHMETIC = ("compressed-tensors", "modelopt")
+from kconvert.formats.nvfp4_scales import (
+    ARITHMETIC,
+    CHOOSERS,
+    amax_block_codes,
+    check_arithmetic,
+    check_rule,
+    choose_block_codes,
+    fake_quantize,
+    global_scale,
+    recorded_scale,
+    rounding,
+    stored_scale,
+    tensor_scale,
+    use_triton,
+)
 
 
 @dataclass
@@ -67,42 +74,6 @@ class Quantized:
     ref_sq: torch.Tensor  # float64 [B], sum of squared source values
 
 
-def global_scale(amax: torch.Tensor) -> torch.Tensor:
-    """2688 / amax in fp32, with compressed-tensors' fallback of 1.0 for an all-zero set."""
-    amax = amax.float().clamp(min=torch.finfo(torch.float32).tiny)
-    return torch.nan_to_num(GLOBAL_NUMERATOR / amax, nan=1.0, posinf=1.0, neginf=1.0)
-
-
-def tensor_scale(amax: torch.Tensor, arithmetic: str = "compressed-tensors") -> torch.Tensor:
-    """The per-tensor scale g of `arithmetic` for `amax` [B]: compressed-tensors' 2688 / amax
-    (`global_scale`) or ModelOpt's amax / 2688 (its weights_scaling_factor_2, computed as its
-    NVFP4QTensor computes it). An all-zero set gets 1.0 in both (its blocks encode as zeros)."""
-    if arithmetic == "compressed-tensors":
-        return global_scale(amax)
-    _check_arithmetic(arithmetic)
-    amax = amax.float()
-    return torch.where(amax > 0, amax / GLOBAL_NUMERATOR, torch.ones_like(amax))
-
-
-def recorded_scale(stored: torch.Tensor, amax: torch.Tensor, arithmetic: str) -> torch.Tensor:
-    """compressed-tensors' form of the per-tensor scales, 2688 / amax, which the manifest
-    records whatever the flavour: `stored` (as `arithmetic` stores them) as it is in
-    compressed-tensors' arithmetic, else from `amax`."""
-    return global_scale(amax) if arithmetic == "modelopt" else stored
-
-
-def stored_scale(recorded: torch.Tensor, amax: torch.Tensor, arithmetic: str) -> torch.Tensor:
-    """The per-tensor scales `arithmetic` stores for sets the manifest records with `recorded`
-    (2688 / amax, exact) and `amax`: what the flavour's own encoder writes (ModelOpt's
-    amax / 2688 is computed from amax, as its encoder computes it)."""
-    return tensor_scale(amax, arithmetic) if arithmetic == "modelopt" else recorded
-
-
-def _check_arithmetic(arithmetic: str) -> None:
-    if arithmetic not in ARITHMETIC:
-        raise ValueError(f"NVFP4 arithmetic must be one of {ARITHMETIC}, not {arithmetic!r}")
-
-
 def _num_blocks(k: int, group_size: int) -> int:
     if group_size not in BLOCK_SIZES:
         raise ValueError(f"group_size (elements per scale block) must be one of {BLOCK_SIZES}, "
@@ -110,126 +81,6 @@ def _num_blocks(k: int, group_size: int) -> int:
     if k % group_size:
         raise ValueError(f"input dimension {k} is not a multiple of {group_size}")
     return k // group_size
-
-
-def _check_rule(rule: str) -> None:
-    if rule not in ("amax", "mse"):
-        raise ValueError(f"the block-scale rule must be 'amax' or 'mse', not {rule!r}")
-
-
-def amax_block_codes(blocks: torch.Tensor, gs: torch.Tensor,
-                      local_dtype: torch.dtype = torch.float32,
-                      arithmetic: str = "compressed-tensors") -> torch.Tensor:
-    """FP8 block scale codes (uint8 bits of float8_e4m3fn) by the amax rule.
-
-    blocks [N, nb, block], gs [N, 1]. Scale selection works on the uint8 bits: positive FP8
-    codes are ordered like their values, and uint8 ops exist on every device.
-    """
-    if arithmetic == "modelopt":
-        # ModelOpt: block_amax / (6 * g) in fp32, an all-zero block 1.0, then clamped to
-        # [2^-9, 448] before the FP8 cast (NVFP4QTensor.get_weights_scaling_factor).
-        six_g = torch.tensor(FP4_MAX, dtype=torch.float32, device=blocks.device) * gs
-        d = blocks.abs().amax(dim=-1).float() / six_g
-        d = torch.where(d == 0, torch.ones_like(d), d)
-        return d.clamp(2.0**-9, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-    # compressed-tensors divides the block amax by 6 in the weight's own dtype (bf16 for a
-    # BF16 checkpoint) before multiplying by the fp32 global scale (formats.md §2).
-    # Divide by a tensor, not a Python float: CUDA turns `t / 6.0` into `t * fp32(1/6)`, which
-    # rounds differently from the CPU's true division and would change bytes between devices.
-    six = torch.tensor(FP4_MAX, dtype=local_dtype, device=blocks.device)
-    local = (blocks.abs().amax(dim=-1).to(local_dtype) / six).float()
-    d = (gs * local).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-    return torch.where(d == 0, ZERO_CODE, d)
-
-
-def _block_error(
-    mag: torch.Tensor, d: torch.Tensor, gs: torch.Tensor, cuts: torch.Tensor, lut: torch.Tensor,
-    arithmetic: str = "compressed-tensors",
-) -> torch.Tensor:
-    """Squared error per block of |x| blocks [N, nb, block] under FP8 block scale codes d [N, nb].
-
-    Working on magnitudes is exact: the sign of a code never changes its error.
-    """
-    step = block_step(d, gs, arithmetic)
-    idx = torch.bucketize(mag / step, cuts, out_int32=True)
-    err = lut[idx] * step - mag
-    return block_sum(err * err)
-
-
-def _rounding(blocks: torch.Tensor, d: torch.Tensor, gs: torch.Tensor, cuts: torch.Tensor,
-              arithmetic: str = "compressed-tensors") -> tuple[torch.Tensor, ...]:
-    """(y = blocks / step, E2M1 index of |y| (int32), step [N, nb, 1]) of blocks [N, nb, block]
-    under block scale codes d, for the nibbles (sign << 3 | index, the sign of y as in
-    compressed-tensors: a negative value that rounds to 0 is 0x8, -0.0 and +0.0 0x0), the
-    values and the error (|x| / step is |x / step|, bit for bit)."""
-    step = block_step(d, gs, arithmetic)
-    y = blocks / step
-    return y, torch.bucketize(y.abs(), cuts, out_int32=True), step
-
-
-def _choose(blocks: torch.Tensor, gs: torch.Tensor, rule: str, local_dtype: torch.dtype,
-            cuts: torch.Tensor, lut: torch.Tensor, arithmetic: str = "compressed-tensors"
-            ) -> torch.Tensor:
-    """Block scale codes [N, nb] by `rule`."""
-    mag = blocks.abs()
-    d = amax_block_codes(blocks, gs, local_dtype, arithmetic)
-    err = _block_error(mag, d, gs, cuts, lut, arithmetic)
-    if rule == "mse":
-        base = d.to(torch.int16)
-        for off in MSE_CODE_OFFSETS[1:]:
-            code = (base + off).clamp(1, 0x7E).to(torch.uint8)
-            cand = _block_error(mag, code, gs, cuts, lut, arithmetic)
-            better = cand < err  # strict: ties keep the earlier (amax-nearer) code
-            err = torch.where(better, cand, err)
-            d = torch.where(better, code, d)
-    return d
-
-
-# Who chooses block scales and encodes, same bytes either way: "torch", "triton" (nvfp4_triton:
-# CUDA, or TRITON_INTERPRET=1), "auto" (triton on CUDA when it imports and, for the choice,
-# takes the local dtype).
-CHOOSERS = ("auto", "torch", "triton")
-
-
-def _triton(kernel: str, device: torch.device) -> bool:
-    if kernel not in CHOOSERS:
-        raise ValueError(f"kernel must be one of {CHOOSERS}, not {kernel!r}")
-    return kernel == "triton" or (kernel == "auto" and device.type == "cuda"
-                                  and importlib.util.find_spec("triton") is not None)
-
-
-def choose_block_codes(blocks: torch.Tensor, gs: torch.Tensor, rule: str,
-                       local_dtype: torch.dtype = torch.float32,
-                       arithmetic: str = "compressed-tensors", kernel: str = "auto"
-                       ) -> torch.Tensor:
-    """The FP8 block scale codes `quantize` picks for blocks [N, nb, block] (fp32).
-
-    gs [N, 1]: each row's per-tensor scale (`tensor_scale` of its amax); rule: "amax" or
-    "mse", as quantize's `scale_rule`; local_dtype and arithmetic: as quantize's; kernel: who
-    computes them (CHOOSERS). Returns uint8 codes [N, nb] (bits of float8_e4m3fn, always
-    1..0x7E for finite input), on the blocks' device.
-    """
-    _check_rule(rule)
-    _check_arithmetic(arithmetic)
-    device = blocks.device
-    if _triton(kernel, device) and (kernel == "triton" or local_dtype in TRITON_LOCAL_DTYPES):
-        from kconvert.formats import nvfp4_triton
-
-        return nvfp4_triton.choose_block_codes(blocks, gs, rule, local_dtype, arithmetic)
-    lut = torch.tensor(E2M1, dtype=torch.float32, device=device)
-    return _choose(blocks.float(), gs.float(), rule, local_dtype, cut_points(device), lut,
-                   arithmetic)
-
-
-def fake_quantize(blocks: torch.Tensor, codes: torch.Tensor, gs: torch.Tensor,
-                  arithmetic: str = "compressed-tensors") -> torch.Tensor:
-    """The fp32 values dequantize(quantize(...)) gives blocks [N, nb, block] (fp32) with FP8
-    block scale codes [N, nb] (uint8) and row global scales gs [N, 1], each rounded exactly as
-    `quantize` rounds it (the last dim may be any part of a block: rounding is per element)."""
-    blocks = blocks.float()
-    y, idx, step = _rounding(blocks, codes, gs, cut_points(blocks.device), arithmetic)
-    v = torch.tensor(E2M1, dtype=torch.float32, device=blocks.device)[idx]
-    return torch.where(y < 0, -v, v) * step  # decode_steps' values, without the nibbles
 
 
 def _checked_codes(codes: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -286,8 +137,8 @@ def quantize(
     same bytes. `arithmetic` is the flavour whose scale arithmetic is followed (see ARITHMETIC).
     Elsewhere `kernel` (CHOOSERS: torch, or Triton's one launch each) chooses and encodes.
     """
-    _check_rule(scale_rule)
-    _check_arithmetic(arithmetic)
+    check_rule(scale_rule)
+    check_arithmetic(arithmetic)
     b, m, k = w.shape
     nb = _num_blocks(k, group_size)
     device = w.device
@@ -321,14 +172,14 @@ def quantize(
         if block_codes is None:
             codes.copy_(choose_block_codes(blocks, gsi, scale_rule, local_dtype, arithmetic,
                                            kernel))
-        if _triton(kernel, device):
+        if use_triton(kernel, device):
             from kconvert.formats import nvfp4_triton
 
             out.packed[sl], err = nvfp4_triton.encode(blocks, codes, gsi, arithmetic)
         else:
-            y, idx, step = _rounding(blocks, codes, gsi, cuts, arithmetic)
-            err = lut[idx] * step - blocks.abs()  # _block_error, from the nibbles' rounding
-            nibbles = idx.to(torch.uint8) | (y < 0).to(torch.uint8) << 3  # sign: _rounding's
+            y, idx, step = rounding(blocks, codes, gsi, cuts, arithmetic)
+            err = lut[idx] * step - blocks.abs()  # block_error, from the nibbles' rounding
+            nibbles = idx.to(torch.uint8) | (y < 0).to(torch.uint8) << 3  # sign: rounding's
             out.packed[sl], err = pack_codes(nibbles.flatten(-2)), block_sum(err * err)
         out.err[sl] = err.sum(-1, dtype=torch.float64)
         out.ref[sl] = blocks.double().square().sum((-1, -2))
@@ -388,8 +239,8 @@ def quantize_int4(packed: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
     words (group % 8 == 0), each row is decoded inside the fused encoder, so no fp32 copy of
     the matrices is made; otherwise the matrices are decoded and passed to `quantize`.
     """
-    _check_rule(scale_rule)
-    _check_arithmetic(arithmetic)
+    check_rule(scale_rule)
+    check_arithmetic(arithmetic)
     b, m, words = packed.shape
     k = words * 8
     kernel = _int4_kernels(packed, scale, fused_cpu)
@@ -490,9 +341,10 @@ def decode_steps(packed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
             * step.unsqueeze(-1)).reshape(b, m, k)
 
 
-__all__ = ["BLOCK", "BLOCK_SIZES", "CHOOSERS", "E2M1", "FP4_MAX", "FP8_MAX", "FP8_VALUES",
-           "GLOBAL_NUMERATOR", "MSE_CODE_OFFSETS", "ZERO_BLOCK_SCALE", "ZERO_CODE", "Quantized",
-           "amax_block_codes", "block_step", "block_sum", "choose_block_codes", "cpu_threads",
-           "cut_points", "decode_steps", "dequantize", "fake_quantize", "global_scale",
-           "int4_amax", "pack_codes", "quantize", "quantize_int4", "round_e2m1", "unpack_codes",
+__all__ = ["ARITHMETIC", "BLOCK", "BLOCK_SIZES", "CHOOSERS", "E2M1", "FP4_MAX", "FP8_MAX",
+           "FP8_VALUES", "GLOBAL_NUMERATOR", "MSE_CODE_OFFSETS", "ZERO_BLOCK_SCALE", "ZERO_CODE",
+           "Quantized", "amax_block_codes", "block_step", "block_sum", "choose_block_codes",
+           "cpu_threads", "cut_points", "decode_steps", "dequantize", "fake_quantize",
+           "global_scale", "int4_amax", "pack_codes", "quantize", "quantize_int4",
+           "recorded_scale", "round_e2m1", "stored_scale", "tensor_scale", "unpack_codes",
            "warm_cpu_kernels"]

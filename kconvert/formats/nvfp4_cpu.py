@@ -3,9 +3,10 @@
 Eager torch makes ~12 full passes over a matrix per candidate block scale; on a CPU that is
 memory-bound and far slower than the per-block work needs to be. These kernels do the same
 float32 operations in the same order as the torch path (`nvfp4.amax_block_codes`,
-`_block_error`, `_nibbles`: true divisions, a multiply and a subtract for the error, the fixed
-pairwise block sum, strict comparisons against the same cut points, round-to-nearest-even into
-FP8), so their bytes are identical to the torch path's; tests hold the two together.
+`nvfp4_scales.block_error`, `_nibbles`: true divisions, a multiply and a subtract for the
+error, the fixed pairwise block sum, strict comparisons against the same cut points,
+round-to-nearest-even into FP8), so their bytes are identical to the torch path's; tests hold
+the two together.
 
 The block search runs on LANES blocks side by side, stored transposed (a row per element
 position, in bit-reversed order, a column per block): every step of it, the pairwise tree sum
@@ -137,7 +138,7 @@ def _encode_row(x, gs, codes, codes_in, offsets, block, modelopt, packed, ws):
     follows ModelOpt's scale arithmetic (nvfp4.ARITHMETIC), else compressed-tensors'.
 
     Each block's scale is the first of base + offsets[o] (offsets[0] = 0, the others clamped to
-    1..0x7E) with the smallest block error, as nvfp4._choose; the base codes are the amax
+    1..0x7E) with the smallest block error, as nvfp4_scales.choose; the base codes are the amax
     rule's, computed here, unless `codes_in` says `codes` already holds them.
 
     LANES blocks at a time are stored transposed, element e of lane l's block at row rev[e]

@@ -133,5 +133,28 @@ class Nvfp4Codec(Codec):
                        nvfp4.recorded_scale(q.global_scale, amax, cls.arithmetic))
 
     @classmethod
+    def relayout(cls, source, params):
+        """Another layout of NVFP4 (pair-bitmask) re-laid out: its packed bytes and scales as
+        they are, so its error is 0 and its amax is the one its global scale was made for."""
+        if source.arithmetic != cls.arithmetic:
+            raise NotImplementedError(f"{source.description} does not re-lay out losslessly as "
+                                      f"{cls.description}")
+        packed, scales, gs = source.unpack(params)
+        zero = torch.zeros(packed.shape[0], dtype=torch.float64, device=packed.device)
+        amax = nvfp4.GLOBAL_NUMERATOR / gs
+        return cls.stored(nvfp4.Quantized(packed, scales, gs, zero, zero), amax), amax
+
+    @classmethod
+    def stored_global_scale(cls, recorded, amax):
+        scale = nvfp4.stored_scale(torch.tensor([recorded]), torch.tensor([amax]),
+                                   cls.arithmetic)
+        one_block = nvfp4.Quantized(
+            packed=torch.zeros(1, 1, 8, dtype=torch.uint8),
+            block_scales=torch.zeros(1, 1, 1, dtype=torch.float8_e4m3fn),
+            global_scale=scale,
+            err_sq=torch.zeros(1, dtype=torch.float64), ref_sq=torch.zeros(1, dtype=torch.float64))
+        return cls.stored(one_block, torch.tensor([amax])).module(0)[cls.global_scale_param]
+
+    @classmethod
     def input_scale(cls, input_amax):
         return {"input_global_scale": nvfp4.global_scale(torch.tensor([input_amax]))}

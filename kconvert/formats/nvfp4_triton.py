@@ -119,7 +119,7 @@ def tree_sum(x, R: tl.constexpr, G: tl.constexpr):
 @triton.jit
 def block_error(mag, code, gs, c0, c1, c2, c3, c4, c5, c6, MODELOPT: tl.constexpr,
                 R: tl.constexpr, G: tl.constexpr):
-    """nvfp4._block_error: squared error [R] of |x| blocks [R, G] under codes [R]."""
+    """nvfp4_scales.block_error: squared error [R] of |x| blocks [R, G] under codes [R]."""
     step = block_step(code, gs, MODELOPT)[:, None]
     err = grid_value(tl.math.div_rn(mag, step), c0, c1, c2, c3, c4, c5, c6) * step - mag
     return tree_sum(err * err, R, G)

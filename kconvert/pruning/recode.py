@@ -22,15 +22,20 @@ from pathlib import Path
 import torch
 
 from kconvert.errors import KconvertError
-from kconvert.formats import STORAGE_CODECS, Codec, EncodeSpec, detect_codec
+from kconvert.formats import (
+    DEFAULT_SCALE_RULE,
+    STORAGE_CODECS,
+    Codec,
+    EncodeSpec,
+    detect_codec,
+    encode_spec,
+)
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.files import human_bytes
 from kconvert.io.shards import TensorInfo
 from kconvert.manifest import MANIFEST, read_manifest
 from kconvert.model.names import Role, parse_name
 
-DEFAULT_BLOCK_SCALE = "mse"  # `kconvert quantize`'s default rule
-CHUNK_ELEMS = 1 << 22  # elements per encoder chunk (bounds its temporaries)
 # Matrices encoded at once on the device: 16 Kimi down_proj are 0.9 GB in fp32.
 ENCODE_BATCH = 16
 
@@ -51,9 +56,9 @@ class SourceLinear:
         """How its matrices are encoded: the source's dtypes, its block size (read off the
         stored scale's shape) and the block-scale `rule`."""
         scale = self.params.get("weight_scale")
-        return EncodeSpec(rule, inputs // scale.shape[-1] if scale is not None else None,
-                          {p: info.dtype for p, info in self.params.items()},
-                          chunk_elems=CHUNK_ELEMS)
+        return encode_spec(self.codec, self.params[self.codec.params[0]].torch_dtype, rule,
+                           inputs // scale.shape[-1] if scale is not None else None,
+                           {p: info.dtype for p, info in self.params.items()})
 
 
 def expert_linears(ckpt: Checkpoint, proj: str) -> dict[int, dict[int | None, SourceLinear]]:
@@ -107,17 +112,21 @@ def block_scale_rule(ckpt: Checkpoint) -> str:
     paired-4:8 sparse: a re-fitted matrix would not keep the pattern."""
     path = ckpt.root / MANIFEST
     if not path.is_file():
-        return DEFAULT_BLOCK_SCALE
+        return DEFAULT_SCALE_RULE
     try:
         options = read_manifest(path).options
     except ValueError as exc:
         raise KconvertError(f"unreadable manifest: {exc}", file=str(path)) from exc
-    sparse = set((options.get("sparsify") or {}).get("targets") or ())
+    # Each stage's record, read by its own fields: the one that declares a sparsity `pattern`
+    # names the roles made sparse in its `targets`; the one that chose a `block_scale` rule
+    # (quantize) names it.
+    records = [r for r in options.values() if isinstance(r, dict)]
+    sparse = {role for r in records if r.get("pattern") for role in r.get("targets") or ()}
     if sparse & {Role.ROUTED_EXPERT.value, Role.SHARED_EXPERT.value}:
         raise KconvertError("the source's experts are paired-4:8 sparse (its manifest records "
                             "`sparsify`), which a re-fitted down_proj would not keep: "
                             "compensate before sparsifying", file=str(path))
-    return (options.get("quantize") or {}).get("block_scale") or DEFAULT_BLOCK_SCALE
+    return next((r["block_scale"] for r in records if r.get("block_scale")), DEFAULT_SCALE_RULE)
 
 
 def encode(ckpt: Checkpoint, linears: Sequence[SourceLinear],

@@ -21,7 +21,8 @@ def command_plans(text_config: dict, budget: int) -> dict[str, dict]:
     s = Shapes.from_config(text_config)
     least = s.expert_set()
     obs_forward = forward(s, SPARSEGPT_SAMPLES, SEQ_LEN, BATCH_SIZE, capture=True)
-    makers = {
+    # every command but a plain quantize runs the model's forward
+    forwards = {
         "calibrate": lambda: plan_forward(s, forward(s, REAP_SAMPLES, SEQ_LEN, BATCH_SIZE),
                                           budget, "calibrate"),
         "eval": lambda: plan_forward(s, forward(s, EVAL_SAMPLES, SEQ_LEN, BATCH_SIZE, models=2,
@@ -37,12 +38,14 @@ def command_plans(text_config: dict, budget: int) -> dict[str, dict]:
         "quantize --method gptq": lambda: plan_conversion(
             s, budget, "quantize", least, obs.gpu_work(s, obs_forward, shared=False,
                                                        against_rtn=True), encode=gpu_encode()),
-        "quantize": lambda: plan_conversion(s, budget, "quantize", least, encode=gpu_encode()),
     }
+    makers = {**forwards,
+              "quantize": lambda: plan_conversion(s, budget, "quantize", least,
+                                                  encode=gpu_encode())}
     out = {}
     unsupported = arch_of(text_config).unsupported_forward()
     for name, make in makers.items():
-        if unsupported is not None and name != "quantize":  # each runs the forward
+        if unsupported is not None and name in forwards:
             out[name] = {"fits": False, "error": unsupported}
             continue
         try:

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from functools import cached_property
 
+from kconvert.engine.stage import PRUNE
 from kconvert.engine.work import (
     WorkPlan,
     build_work_plan,
@@ -152,7 +153,7 @@ def candidate_recipes(options: Options) -> list[Recipe | None]:
 def predict(ckpt: Checkpoint, options: Options) -> Prediction:
     """Plan the output `options` describe, on the headers of `ckpt`."""
     shape_values = header_shape_values(ckpt)
-    inputs = {"prune": _prune_first(ckpt, options.keep)} if options.keep else {}
+    inputs = {PRUNE: _prune_first(ckpt, options.keep)} if options.keep else {}
     fmt = options.format
     if options.as_format not in (None, *RECIPES):
         fmt = output_codec(options.as_format, fmt).cli_name

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kconvert.engine.stage import Stage, StageRecord
-from kconvert.formats import Nvfp4Codec, Nvfp4PairBitmaskCodec
+from kconvert.formats import dense_storage
 from kconvert.formats.linear import ModuleWork
 from kconvert.stages.base import StageKind
 
@@ -21,8 +21,9 @@ class Densify(Stage):
     name: str = "densify"
 
     def claim(self, m: ModuleWork) -> None:
-        if m.codec is Nvfp4PairBitmaskCodec:
-            m.out_codec = Nvfp4Codec
+        dense = dense_storage(m.codec)
+        if dense is not None:
+            m.out_codec = dense
             m.group_size = m.shape[1] // m.params["weight_scale"].shape[1]
             m.repack = True
             m.stages.append(self.name)
