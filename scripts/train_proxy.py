@@ -24,6 +24,7 @@ and by ``-rate`` for those that got more; the bias only affects selection.
 from __future__ import annotations
 
 import argparse
+import copy
 import io
 import json
 import math
@@ -47,6 +48,7 @@ from kconvert.testing.proxy import (
     load_proxy,
     pack_routed_experts,
     proxy_config,
+    remote_code_files,
     split_sources,
     stdlib_sources,
     tokenizer_files,
@@ -170,7 +172,9 @@ def train(cfg: dict[str, Any], data: torch.Tensor, probe_seqs: torch.Tensor, r: 
     from transformers import DeepseekV3ForCausalLM
 
     torch.manual_seed(r.seed)
-    model = prepare(DeepseekV3ForCausalLM(deepseek_config(cfg, attn="sdpa")).to(DEVICE).train())
+    # transformers rewrites the nested rope_scaling dict it is given; config.json keeps Kimi's
+    config = deepseek_config(copy.deepcopy(cfg), attn="sdpa")
+    model = prepare(DeepseekV3ForCausalLM(config).to(DEVICE).train())
     params = list(model.parameters())
     opt = torch.optim.AdamW(
         [{"params": [p for p in params if p.dim() >= 2], "weight_decay": r.weight_decay},
@@ -319,7 +323,7 @@ def train_main(a: argparse.Namespace) -> None:
     print(f"held-out BF16 {bf16_loss:.4f} at {time.time() - t_start:.0f}s", flush=True)
     bf16_loops = loop_rate(model, heldout, probe, tok)
     print(f"loop rate BF16 {bf16_loops['rate']} at {time.time() - t_start:.0f}s", flush=True)
-    side = tokenizer_files(tok) | {"generation_config.json": json_bytes(
+    side = tokenizer_files(tok) | remote_code_files() | {"generation_config.json": json_bytes(
         {"bos_token_id": 0, "eos_token_id": 1, "do_sample": False})}
     save_kimi_layout(model.cpu(), out, cfg, side)
     pack_routed_experts(out, kimi_quantization_config())

@@ -9,6 +9,7 @@ import hashlib
 import json
 import platform
 import sysconfig
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,8 @@ from safetensors.torch import save_file
 
 from kconvert.formats.int4 import Int4Codec
 from kconvert.testing.fixture_weights import PROJS, FixtureDims, quant_kimi
-from kconvert.testing.tiny_moe import deepseek_config, is_heldout, json_bytes, kimi_config
+from kconvert.testing.fixtures import k2_config, make_fixture
+from kconvert.testing.tiny_moe import deepseek_config, is_heldout, json_bytes
 
 RECORD_FILE = "proxy.json"  # training record written next to the weights
 
@@ -135,9 +137,19 @@ def encode_files(tok: Any, texts: list[str]) -> np.ndarray:
 
 
 def proxy_config(dims: FixtureDims = PROXY_DIMS) -> dict[str, Any]:
-    """config.json of the BF16 model: the tiny MoE's Kimi config at the proxy's dims, with the
-    tokenizer's [BOS] = 0 / [EOS] = 1 (the INT4 proxy adds Kimi's quantization_config)."""
-    return dict(kimi_config(dims), bos_token_id=0, eos_token_id=1)
+    """config.json of the BF16 model: make_fixture's Kimi-K2-Thinking config at the proxy's dims
+    (auto_map included), with the tokenizer's [BOS] = 0 / [EOS] = 1; the INT4 proxy adds Kimi's
+    quantization_config."""
+    return dict(k2_config(dims, quantized=False), bos_token_id=0, eos_token_id=1)
+
+
+def remote_code_files() -> dict[str, bytes]:
+    """The bundled fixture's stand-ins for Kimi's remote code, which config.json's auto_map
+    names: transformers reads config.json through them before it loads a tokenizer."""
+    names = ("configuration_deepseek.py", "modeling_deepseek.py")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = make_fixture(Path(tmp) / "fixture", "bf16")
+        return {name: (out / name).read_bytes() for name in names}
 
 
 def _expert_weight(name: str) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 
 import pytest
 import torch
@@ -32,6 +33,7 @@ def _train_proxy_script():
     path = ROOT / "scripts" / "train_proxy.py"
     spec = importlib.util.spec_from_file_location("train_proxy", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -77,7 +79,7 @@ def test_layout_is_kimis_int4_release():
 def test_tokenizer_loads_with_auto_tokenizer(record):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(PROXY))
+    tok = AutoTokenizer.from_pretrained(str(PROXY), trust_remote_code=True)  # as --data does
     assert len(tok) == record["tokenizer"]["vocab"] == 4096
     assert tok.eos_token_id == 1 and tok.bos_token_id == 0
     text = "def f(x):\n    return x + 1\n"
