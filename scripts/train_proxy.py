@@ -62,7 +62,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @dataclass(frozen=True)
 class Recipe:
-    steps: int = 3000
+    steps: int = 6000  # the committed proxy
     batch_size: int = 64
     seq_len: int = 512
     lr: float = 2e-3
