@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kconvert.testing.fixtures import kimi_quantization_config
+from kconvert.testing.fixture_config import kimi_quantization_config
 from kconvert.testing.proxy import (
     PROXY_DIMS,
     RECORD_FILE,

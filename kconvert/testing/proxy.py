@@ -19,8 +19,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kconvert.formats.int4 import Int4Codec
+from kconvert.testing.fixture_config import k2_config
 from kconvert.testing.fixture_weights import PROJS, FixtureDims, quant_kimi
-from kconvert.testing.fixtures import k2_config, make_fixture
+from kconvert.testing.fixtures import make_fixture
 from kconvert.testing.tiny_moe import deepseek_config, is_heldout, json_bytes
 
 RECORD_FILE = "proxy.json"  # training record written next to the weights

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from conftest import ROOT
-from kconvert.testing.fixtures import kimi_quantization_config
+from kconvert.testing.fixture_config import kimi_quantization_config
 from kconvert.testing.proxy import RECORD_FILE, load_proxy
 
 PROXY = ROOT / "tests" / "fixtures" / "kimi-proxy"
