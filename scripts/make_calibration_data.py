@@ -32,11 +32,22 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256, help="tokens per line")
     ap.add_argument("--split", choices=("train", "heldout"), default="train")
     ap.add_argument("--seed", type=int, default=0, help="which windows")
+    ap.add_argument("--text", action="store_true",
+                    help="write each window as a text line (--seq-len bytes), which every "
+                         "command tokenizes with the checkpoint's own tokenizer (the "
+                         "Kimi-routed proxy's BPE: tests/fixtures/kimi-proxy)")
     a = ap.parse_args()
     ids = windows(corpus_ids(a.split), a.samples, a.seq_len,
                   torch.Generator().manual_seed(a.seed))
-    a.out.write_text("".join(json.dumps({"input_ids": row}) + "\n" for row in ids.tolist()))
-    print(f"wrote {a.out}: {a.samples} lines of {a.seq_len} token ids ({a.split} split)")
+    if a.text:  # <eos> between files becomes a line break; a cut character is dropped
+        rows = [{"text": bytes(b if b < 256 else 10 for b in row).decode("utf-8", "ignore")}
+                for row in ids.tolist()]
+    else:
+        rows = [{"input_ids": row} for row in ids.tolist()]
+    a.out.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    kind = "text lines of" if a.text else "lines of"
+    print(f"wrote {a.out}: {a.samples} {kind} {a.seq_len} {'bytes' if a.text else 'token ids'}"
+          f" ({a.split} split)")
 
 
 if __name__ == "__main__":

@@ -143,18 +143,33 @@ def default_data(root: Path, calib: int, heldout: int, seq_len: int) -> tuple[Pa
     return paths[0], paths[1]
 
 
-def evaluate(src: Path, cands: dict[str, Path], heldout: Path, a, out: Path) -> dict:
-    """One `kconvert eval` of every candidate on the held-out data; its eval.json."""
-    cmd = [*CLI, "eval", str(src), *map(str, cands.values()), "--data", str(heldout),
-           "--samples", str(a.eval_samples), "--seq-len", str(a.seq_len), "-o", str(out),
-           "--device", a.device, "--quiet"]
-    if a.generate:
-        cmd += ["--generate", str(a.generate)]
+def kconvert_eval(args: list[str], out: Path) -> dict:
+    """`kconvert eval ARGS -o out`: its eval.json."""
     shutil.rmtree(out, ignore_errors=True)
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = subprocess.run([*CLI, "eval", *args, "-o", str(out), "--quiet"], capture_output=True,
+                          text=True)
     if done.returncode:
         raise RuntimeError(f"eval exited {done.returncode}:\n{done.stderr[-3000:]}")
     return json.loads((out / "eval.json").read_text())
+
+
+def evaluate(src: Path, cands: dict[str, Path], heldout: Path, a) -> tuple[dict, dict]:
+    """One teacher-forced `kconvert eval` of every candidate on the held-out data, and with
+    --generate one probe per candidate (the probe takes one candidate a run): the eval.json
+    of the first, and the probe's generation object by row."""
+    data = ["--data", str(heldout), "--seq-len", str(a.seq_len), "--device", a.device]
+    report = kconvert_eval([str(src), *map(str, cands.values()), *data, "--samples",
+                            str(a.eval_samples)], a.root / "eval")
+    probes = {}
+    for name, cand in cands.items() if a.generate else ():
+        # one teacher-forced sequence: the probe's figures are what this run is for
+        probe = kconvert_eval([str(src), str(cand), *data, "--samples", "1", "--generate",
+                               str(a.generate), "--new-tokens", str(a.new_tokens)],
+                              a.root / f"probe-{name}")
+        probes[name] = probe["generation"]
+        log(f"{name}: loop rate {probes[name]['candidate']['loop_rate']:.3f} against the "
+            f"source's {probes[name]['source']['loop_rate']:.3f}, p {probes[name]['p']:.3g}")
+    return report, probes
 
 
 def table(results: list[dict]) -> list[str]:
@@ -185,13 +200,15 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--eval-samples", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--generate", type=int, default=0, help="eval --generate N (0: none)")
+    ap.add_argument("--new-tokens", type=int, default=192, help="eval --new-tokens")
     ap.add_argument("--repeat", action="store_true", help="run each row twice: same bytes?")
     ap.add_argument("--audit", action="store_true", help="audit --source each output")
     ap.add_argument("--tiny", action="store_true", help="CPU check: 3 rows, little data")
     ap.add_argument("--out", type=Path, default=Path("/tmp/quality-lab/quality_lab"),
                     help="OUT.json and the Markdown table beside it are written")
     a = parse(ap, argv, tiny={"rows": ["nvfp4-rtn", "reap12-router-down", "reap-gptq"],
-                              "samples": 8, "eval_samples": 8, "seq_len": 64})
+                              "samples": 8, "eval_samples": 8, "seq_len": 64, "generate": 8,
+                              "new_tokens": 32})
     a.root.mkdir(parents=True, exist_ok=True)
     experts = json.loads((a.src / "config.json").read_text())["n_routed_experts"]
     chosen = [r for r in rows(experts) if a.rows is None or r.name in a.rows]
@@ -224,10 +241,10 @@ def main(argv: list[str]) -> None:
         results.append({"row": row.name, "what": row.what, "commands": lines,
                         "wall_s": round(wall, 2), "bytes": tree_bytes(out),
                         "same_bytes": same, "audit": audited})
-    report = evaluate(a.src, cands, heldout, a, a.root / "eval")
+    report, probes = evaluate(a.src, cands, heldout, a)
     for r, c in zip(results, report["candidates"], strict=True):
         r["logits"] = c["logits"]
-        r["generation"] = c.get("generation")
+        r["generation"] = probes.get(r["row"])
     result = {"record": record("quality_lab", gpu=a.device != "cpu"), "source": str(a.src),
               "experts": experts, "calib": str(calib), "heldout": str(heldout),
               "eval_samples": a.eval_samples, "seq_len": a.seq_len, "rows": results,
