@@ -17,11 +17,10 @@ from kconvert.manifest import (
     FileEntry,
     FusedSetEntry,
     LayerEntry,
-    LearnedEntry,
     Manifest,
-    ObsEntry,
     SourceEntry,
     TensorEntry,
+    matrix_entry,
 )
 from kconvert.model.names import Role, parse_name
 from kconvert.version import __version__
@@ -55,11 +54,10 @@ def build_manifest(ckpt: Checkpoint, plan: WorkPlan, records: dict[str, dict], c
             continue
         rel = st["err_sq"] / st["ref_sq"] if st["ref_sq"] else 0.0
         by_layer.setdefault(str(m.tn.layer), []).append(rel)
-    # A module's record: its method's choice (GPTQ against RTN, learned against the one-shot),
-    # or its encoder's ("cast").
+    # A module's record: its method's choice (GPTQ against RTN, learned against the one-shot:
+    # the model its declaration names), or its encoder's ("cast").
     records = {m: st["obs"] for m, st in sorted(stats.items()) if st.get("obs")}
-    obs = {m: (LearnedEntry if "oneshot" in r else ObsEntry)(**r) for m, r in records.items()
-           if "cast" not in r}
+    obs = {m: matrix_entry(r) for m, r in records.items() if "cast" not in r}
     cast = {m: CastEntry(**r["cast"]) for m, r in records.items() if "cast" in r}
     for layer, rels in sorted(by_layer.items()):
         layers[layer] = LayerEntry(quantized_modules=len(rels), rel_mse_mean=sum(rels) / len(rels),

@@ -16,6 +16,7 @@ from helpers import checkpoint_tensors
 from kconvert.formats import Codec, Encoded
 from kconvert.formats.linear import Batch, Transformed
 from kconvert.methods import Method
+from kconvert.plugins.registry import Declaration
 
 PACKAGE = ROOT / "kconvert"
 MAX_LINES = 500
@@ -174,22 +175,27 @@ def test_the_name_check_finds_a_comparison(tmp_path, monkeypatch):
 
 
 def _registered_names() -> set[str]:
-    """Every name a registry gives: methods, output formats, grids, stage kinds' choices."""
+    """Every name a registry gives: plug-ins, output formats, grids."""
     from kconvert.formats import OUTPUT_CODECS, SOURCE_CODECS
-    from kconvert.methods import METHODS
+    from kconvert.plugins.docs import families
 
-    return {*(name for _, name in METHODS), *OUTPUT_CODECS, *(c.grid for c in SOURCE_CODECS)}
+    return {*(d.name for registry, _ in families() for d in registry), *OUTPUT_CODECS,
+            *(c.grid for c in SOURCE_CODECS)}
 
 
-# Where a method's name may be compared: the method plug-ins (kconvert.methods) only; stages and
-# commands know methods through their interface (kconvert.methods.base.Method).
+# Where a plug-in's name may be compared: its declarations (kconvert.plugins) and the
+# implementations of its family (methods in kconvert.methods); stages and commands know
+# plug-ins through their declarations and classes.
+PLUGIN_NAME_OWNERS = ("kconvert.plugins", "kconvert.methods")
+
+
 def test_no_method_name_is_compared_outside_methods():
-    from kconvert.methods import METHODS
+    from kconvert.plugins.methods import METHODS
 
-    names = {name for _, name in METHODS}
+    names = {d.name for d in METHODS}
     found = []
     for name, path in _modules().items():
-        if name.startswith("kconvert.methods"):
+        if name.startswith(PLUGIN_NAME_OWNERS):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.Compare):
@@ -221,7 +227,8 @@ def test_the_method_check_finds_a_comparison(tmp_path, monkeypatch):
 # Where a list of choices (formats, methods, grids) may be written out: the registries and
 # kconvert.options, the command line's torch-free copy that test_the_cli_lists_are_the_registries
 # holds equal to them.
-CHOICE_LIST_OWNERS = ("kconvert.options", "kconvert.formats", "kconvert.methods")
+CHOICE_LIST_OWNERS = ("kconvert.options", "kconvert.formats", "kconvert.methods",
+                      "kconvert.plugins")
 
 
 def test_no_choice_list_outside_options_and_the_registries():
@@ -254,12 +261,9 @@ def test_the_cli_lists_are_the_registries():
     """kconvert.options' torch-free lists (what the command line offers) are the registries'."""
     from kconvert import options
     from kconvert.formats import OUTPUT_CODECS
-    from kconvert.methods import methods_of
     from kconvert.sizing.predict import as_formats
 
     assert tuple(OUTPUT_CODECS) == options.OUTPUT_FORMATS
-    assert tuple(methods_of("quantize")) == options.QUANTIZE_METHODS
-    assert tuple(methods_of("sparsify")) == options.SPARSIFY_METHODS
     assert set(options.AS_FORMATS) == set(as_formats())
 
 
@@ -374,8 +378,8 @@ class Clip3Sigma(Method):
     """A quantize method of a test: each row clipped to 3 standard deviations of its weights
     before the codec's own rounding."""
 
-    name = "clip3"
-    stage = "quantize"
+    declaration = Declaration("clip3", ("quantize",), "rows clipped to 3 sigma",
+                              f"{__name__}:Clip3Sigma")
 
     def transforms(self, m) -> bool:
         return True
@@ -390,8 +394,8 @@ class SmallestPairs(Method):
     """A sparsify method of a test: in every chunk of 8 keep the 2 pairs of SMALLEST
     magnitude (the opposite of `magnitude`)."""
 
-    name = "smallest"
-    stage = "sparsify"
+    declaration = Declaration("smallest", ("sparsify",), "the smallest pairs kept",
+                              f"{__name__}:SmallestPairs")
 
     def transforms(self, m) -> bool:
         return True
@@ -406,15 +410,18 @@ class SmallestPairs(Method):
 
 @pytest.mark.parametrize("method", [Clip3Sigma, SmallestPairs])
 def test_a_new_method_is_its_class_plus_registration(tmp_path, monkeypatch, method):
-    """A method registered in kconvert.methods.METHODS runs through its stage's command with
-    `method=NAME`, is recorded in the manifest, and writes what its transform says: the
-    output decodes to the codec's own encode of the method's values, computed here."""
+    """A method registered by kconvert.plugins.methods.register_method runs through its
+    stage's command with `method=NAME`, is recorded in the manifest, and writes what its
+    transform says: the output decodes to the codec's own encode of the method's values,
+    computed here."""
     import kconvert
     from conftest import BUNDLED
     from kconvert.formats import EncodeSpec, Nvfp4Codec
-    from kconvert.methods import METHODS, MethodInputs
+    from kconvert.methods import MethodInputs
+    from kconvert.plugins.methods import METHODS, register_method
 
-    monkeypatch.setitem(METHODS, (method.stage, method.name), method)
+    monkeypatch.setattr(METHODS, "declared", list(METHODS.declared))  # put back after
+    register_method(method.declaration)
     command = kconvert.quantize if method.stage == "quantize" else kconvert.sparsify
     made = command(str(BUNDLED), str(tmp_path / "out"), method=method.name, device="cpu")
     assert made.manifest.options[method.stage]["method"] == method.name
@@ -499,7 +506,7 @@ def test_no_test_skips_when_an_oracle_or_a_dependency_is_missing():
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("kconvert.errors", "kconvert.options", "kconvert.version", "kconvert.events",
      "kconvert.devices", "kconvert.distributed", "kconvert.callable_package",
-     "kconvert.model"),  # ground
+     "kconvert.model", "kconvert.plugins"),  # ground
     ("kconvert.manifest",),
     ("kconvert.io",),
     ("kconvert.formats",),

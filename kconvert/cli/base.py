@@ -22,6 +22,7 @@ import click
 from click.core import ParameterSource
 
 from kconvert import options
+from kconvert.cli.declared import choice_option, setting_options
 from kconvert.errors import KconvertError, Terminated, UsageError
 from kconvert.options import (
     BATCH_SIZE,
@@ -35,6 +36,7 @@ from kconvert.options import (
     SPARSEGPT_SAMPLES,
     parse_size,
 )
+from kconvert.plugins.methods import METHODS
 from kconvert.version import __version__
 
 DEVICE_SPEC = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -47,11 +49,11 @@ AUDIT_CHUNK_MB = 8  # kconvert.audit.CHUNK, in MiB (a test keeps the two equal)
 CRITERIA = tuple(sorted(options.PRUNE_CRITERIA))
 REPAIRS = options.REPAIRS
 COMPENSATIONS = options.COMPENSATIONS
-METHODS = options.SPARSIFY_METHODS
 STORAGES = options.SPARSIFY_STORAGES
-HESSIANS = options.HESSIANS
 FORMATS = options.OUTPUT_FORMATS
 ACTIVATIONS = options.ACTIVATIONS
+# The stage kinds that take a method, in the order the plug-ins were registered.
+METHOD_KINDS = tuple(dict.fromkeys(k for d in METHODS for k in d.kinds))
 
 
 # What to do about an OSError that reaches the command line, by errno.
@@ -370,29 +372,10 @@ def _to_int(_ctx, _param, value: str | None) -> int | None:
     return None if value is None else int(value)
 
 
-def method_option(choices: tuple[str, ...], help_text: str):
-    return click.option("--method", type=click.Choice(choices), default=None, help=help_text)
-
-
-SPARSIFY_METHOD_HELP = ("Mask selection: magnitude (data-free), wanda (--stats), sparsegpt "
-                        "(--data), learned (--data: masks and values trained per expert from "
-                        "sparsegpt's, kept per expert where they beat it; docs/learned.md) "
-                        "[default: magnitude].")
-QUANTIZE_METHOD_HELP = ("rtn (round to nearest), gptq (error-compensated on --data, kept per "
-                        "matrix where it beats rtn) or learned (--data: routed experts' values "
-                        "trained from gptq's, kept per expert where they beat it) "
-                        "[default: rtn].")
-# What every data-driven method takes (kconvert.methods: the OBS engine's and the learned).
-DATA_METHOD_OPTIONS = [
-    click.option("--hessian", type=click.Choice(HESSIANS), default=None,
-                 help="A data-driven method's layer inputs: from the already-compressed model "
-                      "(sequential) or the source [default: source]."),
-    click.option("--steps", type=click.IntRange(min=1), default=None,
-                 help="--method learned: training steps per expert [default: 25 for p48, 50 "
-                      "for NVFP4]."),
-    click.option("--tokens", type=click.IntRange(min=1), default=None,
-                 help="--method learned: routed tokens per expert per step [default: 256]."),
-]
+def method_options(lead: str, kinds: tuple[str, ...]) -> list:
+    """--method of stage kinds `kinds` (its help starts with `lead`) and its methods' settings
+    (kconvert.plugins.methods)."""
+    return [choice_option(METHODS, "method", kinds, lead), *setting_options(METHODS, kinds)]
 
 
 SPARSIFY_OPTIONS = [
@@ -405,18 +388,16 @@ SPARSIFY_OPTIONS = [
     click.option("--storage", type=click.Choice(STORAGES), default=None,
                  help="dense (zeros inside weight_packed) or pair-bitmask (kept bytes + "
                       "4-bit masks, ~0.65x) [default: dense]."),
-    *DATA_METHOD_OPTIONS,
 ]
 
 
 # `quantize` and `int4-to-nvfp4`: the method and GPTQ's calibration.
 QUANTIZE_METHOD_OPTIONS = [
-    method_option(options.QUANTIZE_METHODS, QUANTIZE_METHOD_HELP),
+    *method_options("How the targets' values are decided:", ("quantize",)),
     click.option("--data", type=click.Path(exists=True, dir_okay=False), default=None,
-                 help="Calibration JSONL for gptq and learned (run layer by layer beside the "
-                      "conversion)."),
+                 help="Calibration JSONL for the methods that need it (run layer by layer "
+                      "beside the conversion)."),
     *calibration_options(SPARSEGPT_SAMPLES, "With --data: sequences."),
-    *DATA_METHOD_OPTIONS,
 ]
 
 
