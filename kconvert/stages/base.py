@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
 from pydantic import create_model
 
 from kconvert.engine.stage import Stage, StageRecord

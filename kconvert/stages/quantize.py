@@ -17,10 +17,10 @@ from kconvert.formats import OUTPUT_CODECS, DenseCodec, stored_as
 from kconvert.formats.linear import ModuleWork
 from kconvert.formats.nvfp4_cast import CAST_CODECS
 from kconvert.methods import Method, MethodInputs, methods_of
-from kconvert.plugins.methods import METHODS
 from kconvert.methods.hessians import Calibration
 from kconvert.model.names import TARGET_ROLES, Role, parse_name
 from kconvert.options import ACTIVATIONS, BLOCK_SCALE_RULES, CASTS, INPUT_SCALE, INPUT_SCALES
+from kconvert.plugins.methods import METHODS
 from kconvert.stages.base import (
     CALIBRATION_OPTIONS,
     MethodStage,
