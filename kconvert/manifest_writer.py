@@ -23,6 +23,7 @@ from kconvert.manifest import (
     matrix_entry,
 )
 from kconvert.model.names import Role, parse_name
+from kconvert.stages.prune import GUARDS
 from kconvert.version import __version__
 
 
@@ -117,13 +118,11 @@ def summary_line(manifest: Manifest, dst: str) -> str:
              f"{human_bytes(s['bytes'])}"]
     if s.get("pruned_experts"):
         parts.append(f"{s['pruned_experts']} routed experts pruned")
-    for what, name, kept in (("repair", "router repair", "the source's"),
-                             ("compensation", "compensation", "the source's"),
-                             ("learned", "learned compensation", "the closed form's")):
-        if f"{what}_applied_layers" in s:
-            applied, refused = s[f"{what}_applied_layers"], s[f"{what}_refused_layers"]
-            parts.append(f"{name} applied in {applied} of {applied + refused} MoE layers"
-                         + (f" (refused by its guard in {refused}: {kept} kept)"
+    for guard in GUARDS:
+        if f"{guard.key}_applied_layers" in s:
+            applied, refused = s[f"{guard.key}_applied_layers"], s[f"{guard.key}_refused_layers"]
+            parts.append(f"{guard.name} applied in {applied} of {applied + refused} MoE layers"
+                         + (f" (refused by its guard in {refused}: {guard.kept} kept)"
                             if refused else ""))
     if s.get("sparsified_modules"):
         parts.append(f"{s['sparsified_modules']} modules made paired-4:8 sparse")

@@ -39,12 +39,7 @@ ONLY_WITH = {
 
 # The choices of the stage options, here so that the command line lists them without importing
 # the stages (torch); the stages and libraries check their values against these same names.
-# A pruning criterion -> the per-expert calibration statistic it keeps the highest of
-# (kconvert.calibrate.stats; reap.md): adding one is an entry here.
-PRUNE_CRITERIA = {"reap": "saliency", "frequency": "count", "ean": "ean_sum", "man": "man",
-                  "msan": "msan"}
-REPAIRS = ("none", "bias", "router")  # router repair; kconvert.pruning.repair fits REPAIRS[1:]
-COMPENSATIONS = ("none", "shared", "down", "learned")  # kconvert.pruning.compensate*
+# (The plug-ins' names, methods and pruning kinds, are their declarations': kconvert.plugins.)
 SPARSIFY_STORAGES = ("dense", "pair-bitmask")
 # `--format NAME` of the quantize stage: each is an output codec's `cli_name`
 # (kconvert.formats.OUTPUT_CODECS; a test keeps the two equal).

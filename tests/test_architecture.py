@@ -20,6 +20,7 @@ from kconvert.formats import Codec, Encoded
 from kconvert.formats.linear import Batch, Transformed
 from kconvert.methods import Method
 from kconvert.plugins.registry import Declaration
+from kconvert.pruning.kinds import Criterion
 
 PACKAGE = ROOT / "kconvert"
 MAX_LINES = 500
@@ -454,10 +455,17 @@ def test_a_new_method_is_its_class_plus_registration(tmp_path, monkeypatch, meth
     assert checked
 
 
+class Busiest(Criterion):
+    """A criterion of a test: the experts routed the most tokens."""
+
+    declaration = Declaration("busiest", ("prune",), "the most routed tokens",
+                              f"{__name__}:Busiest", needs="stats")
+    statistic = "count"
+
+
 def test_a_new_pruning_criterion_is_its_registration(tmp_path, monkeypatch):
-    """A criterion registered in kconvert.options.PRUNE_CRITERIA (here "busiest": the experts
-    routed the most tokens) is taken by `reap --criterion`, and keeps the experts it ranks
-    highest."""
+    """A criterion registered on kconvert.plugins.pruning.CRITERIA (Busiest) is taken by
+    `reap --criterion`, and keeps the experts it ranks highest."""
     import torch
     from safetensors.torch import save_file
 
@@ -465,7 +473,7 @@ def test_a_new_pruning_criterion_is_its_registration(tmp_path, monkeypatch):
     from conftest import BUNDLED
     from kconvert.calibrate.stats import STATS_FILE
     from kconvert.io.checkpoint import open_checkpoint
-    from kconvert.options import PRUNE_CRITERIA
+    from kconvert.plugins.pruning import CRITERIA
     from kconvert.pruning.reap import moe_layers
 
     ckpt = open_checkpoint(str(BUNDLED))
@@ -480,7 +488,8 @@ def test_a_new_pruning_criterion_is_its_registration(tmp_path, monkeypatch):
     (tmp_path / "stats").mkdir()
     save_file(stats, tmp_path / "stats" / STATS_FILE)
 
-    monkeypatch.setitem(PRUNE_CRITERIA, "busiest", "count")
+    monkeypatch.setattr(CRITERIA, "declared", list(CRITERIA.declared))  # put back after
+    CRITERIA.register(Busiest.declaration)
     result = kconvert.reap(str(BUNDLED), str(tmp_path / "out"), stats=str(tmp_path / "stats"),
                            keep=5, criterion="busiest", device="cpu")
     plan = json.loads((result.output / "reap-plan.json").read_text())
@@ -636,6 +645,7 @@ from kconvert.formats.linear import Transformed
 from kconvert.methods.base import Method
 from kconvert.plugins.methods import register_method
 from kconvert.plugins.registry import Declaration
+from kconvert.pruning.kinds import Criterion
 
 
 class ShrinkSettings(BaseModel):
@@ -757,3 +767,75 @@ def test_a_new_method_with_settings_is_one_module_and_one_registration(tmp_path)
                             "--quiet", "--device", "cpu").stdout)
     assert report["passed"], report["failures"]
     assert not [w for w in report["warnings"] if "RunRecord" in str(w)]  # its record is typed
+
+
+# A compensation kind of a test, one module: the shared expert's down_proj re-fitted as
+# `shared` does, at one stiff ridge only, and one registration call.
+STIFF_PLUGIN = '''
+from kconvert.plugins.pruning import COMPENSATIONS
+from kconvert.plugins.registry import Declaration
+from kconvert.pruning.kinds import CompensationKind
+
+
+class StiffShared(CompensationKind):
+    declaration = Declaration(
+        "stiff-shared", ("prune",), "the shared expert's down_proj re-fitted at ridge 1 only "
+        "(a test's kind)", f"{__name__}:StiffShared", needs="data", gpu=True)
+    ridges = (1.0,)
+
+
+COMPENSATIONS.register(StiffShared.declaration)
+'''
+
+
+def test_a_new_compensation_kind_is_one_module_and_one_registration(tmp_path):
+    """The compensation kind above, registered by one call, is offered by `reap --help`, runs
+    from the command line, from a `run` recipe and through the Python API (the same bytes each
+    way), is recorded in the manifest and the plan (its name, its one ridge, per layer), is in
+    the docs table, and passes the audit."""
+    from helpers import write_input_ids
+    from kconvert.testing.tiny_moe import corpus_ids, windows
+
+    src = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
+    data = write_input_ids(tmp_path / "calib.jsonl", windows(
+        corpus_ids("train"), 8, 64, torch.Generator().manual_seed(3)))
+    calibration = ["--data", data, "--keep", 12, "--samples", 8, "--seq-len", 64]
+
+    def cli(*args: object) -> subprocess.CompletedProcess:
+        return _with_plugin(tmp_path, "stiff_plugin", STIFF_PLUGIN, CLI_WITH_PLUGIN, *args)
+
+    assert "stiff-shared:" in cli("reap", "--help").stdout
+    cli("reap", src, tmp_path / "cli", *calibration, "--compensate", "stiff-shared",
+        "--device", "cpu", "--quiet")
+    (tmp_path / "stiff.toml").write_text(
+        'name = "stiff"\n[[stages]]\nstage = "prune"\ncompensate = "stiff-shared"\n')
+    cli("run", tmp_path / "stiff.toml", src, tmp_path / "recipe", *calibration, "--device",
+        "cpu", "--quiet")
+    _with_plugin(tmp_path, "stiff_plugin", STIFF_PLUGIN,
+                 "import sys, kconvert\nkconvert.reap(sys.argv[1], sys.argv[2], data=sys.argv[3], "
+                 "keep=12, samples=8, seq_len=64, compensate='stiff-shared', device='cpu')",
+                 src, tmp_path / "api", data)
+
+    manifests = {name: json.loads((tmp_path / name / "kconvert-manifest.json").read_text())
+                 for name in ("cli", "recipe", "api")}
+    made = manifests["cli"]
+    assert made["options"]["prune"]["compensate"] == "stiff-shared"
+    assert made["tensors"] == manifests["recipe"]["tensors"] == manifests["api"]["tensors"]
+    plan = json.loads((tmp_path / "cli" / "reap-plan.json").read_text())
+    assert plan["compensation"] == "stiff-shared"
+    records = [layer["compensation"] for layer in plan["layers"].values()]
+    assert records and all(r["method"] == "stiff-shared" and r["ridge"] == 1.0
+                           for r in records)
+    # what it re-fits: the shared experts' down_proj only, where its guard applied it
+    refit = {name for r in records for name in r["matrices_xxh3"]}
+    assert all(".shared_experts.down_proj." in name for name in refit)
+
+    docs = _with_plugin(tmp_path, "stiff_plugin", STIFF_PLUGIN,
+                        "from kconvert.plugins.docs import families, render\n"
+                        "print(render(families()))").stdout
+    assert "| `stiff-shared` | prune |" in docs
+
+    report = json.loads(cli("audit", tmp_path / "cli", "--source", src, "--json", "--quiet",
+                            "--device", "cpu").stdout)
+    assert report["passed"], report["failures"]
+    assert not [w for w in report["warnings"] if "RunRecord" in str(w)]

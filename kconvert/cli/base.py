@@ -37,6 +37,7 @@ from kconvert.options import (
     parse_size,
 )
 from kconvert.plugins.methods import METHODS
+from kconvert.plugins.pruning import COMPENSATIONS, CRITERIA, PRUNE, REPAIRS
 from kconvert.version import __version__
 
 DEVICE_SPEC = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -46,9 +47,6 @@ AUDIT_CHUNK_MB = 8  # kconvert.audit.CHUNK, in MiB (a test keeps the two equal)
 
 
 # The choice lists of the stage options (kconvert.options, which imports no torch).
-CRITERIA = tuple(sorted(options.PRUNE_CRITERIA))
-REPAIRS = options.REPAIRS
-COMPENSATIONS = options.COMPENSATIONS
 STORAGES = options.SPARSIFY_STORAGES
 FORMATS = options.OUTPUT_FORMATS
 ACTIVATIONS = options.ACTIVATIONS
@@ -343,8 +341,8 @@ def prune_options(samples_default: int | None, samples_help: str) -> list:
                      help="Routed experts to keep per layer (at least num_experts_per_tok)."),
         click.option("--prune-ratio", type=click.FloatRange(0, 1, max_open=True), default=None,
                      help="Fraction of routed experts to drop, in [0, 1) (instead of --keep)."),
-        click.option("--criterion", type=click.Choice(CRITERIA), default="reap",
-                     show_default=True, help="How experts are ranked."),
+        choice_option(CRITERIA, "criterion", PRUNE, "How experts are ranked:",
+                      default=CRITERIA.default(PRUNE[0]).name),
         click.option("--plan", type=click.Path(exists=True, dir_okay=False), default=None,
                      help="Apply this plan file instead of computing one."),
         click.option("--stats", type=click.Path(exists=True, file_okay=False), default=None,
@@ -354,17 +352,10 @@ def prune_options(samples_default: int | None, samples_help: str) -> list:
         *calibration_options(samples_default, samples_help),
         click.option("--save-stats", type=click.Path(file_okay=False), default=None,
                      help="With --data: also keep the statistics here, for reuse."),
-        click.option("--repair", type=click.Choice(REPAIRS), default=None,
-                     help="With --data: re-fit the kept experts' router (bias: "
-                          "e_score_correction_bias; router: gate rows and bias) so each pruned "
-                          "MoE block matches the unpruned one [default: none]."),
-        click.option("--compensate", type=click.Choice(COMPENSATIONS), default=None,
-                     help="With --data: re-fit down_proj matrices by least squares so each "
-                          "pruned MoE block matches the unpruned one (shared: the shared "
-                          "expert's; down: the shared and every kept expert's; learned: down, "
-                          "then every kept expert's gate, up and down trained against the "
-                          "unpruned block, kept where the held-out error falls) "
-                          "[default: none]."),
+        choice_option(REPAIRS, "repair", PRUNE, "With --data: re-fit the kept experts' router "
+                      "so each pruned MoE block matches the unpruned one:"),
+        choice_option(COMPENSATIONS, "compensate", PRUNE, "With --data: re-fit matrices so "
+                      "each pruned MoE block matches the unpruned one:"),
     ]
 
 

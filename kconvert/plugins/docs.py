@@ -45,8 +45,10 @@ def render(families: list[tuple[Registry, str]]) -> str:
 def families() -> list[tuple[Registry, str]]:
     """Every registry of plug-ins, with the option that chooses one."""
     from kconvert.plugins.methods import METHODS
+    from kconvert.plugins.pruning import COMPENSATIONS, CRITERIA, REPAIRS
 
-    return [(METHODS, "method")]
+    return [(METHODS, "method"), (CRITERIA, "criterion"), (REPAIRS, "repair"),
+            (COMPENSATIONS, "compensate")]
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ from kconvert.devices import Stopwatch, deterministic
 from kconvert.errors import KconvertError
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.model.names import Role, parse_name
-from kconvert.options import COMPENSATIONS, REPAIRS
+from kconvert.plugins.pruning import COMPENSATIONS, NO_COMPENSATION, PRUNE, REPAIRS
 from kconvert.pruning import recode
 from kconvert.pruning.compensate import Judged, Refit, Routing, block, mse
 from kconvert.pruning.compensate_learned import (
@@ -51,14 +51,14 @@ from kconvert.pruning.compensate_learned import (
     Outcome,
     learn,
 )
+from kconvert.pruning.kinds import CompensationKind, RepairKind
 from kconvert.pruning.plan import (
-    COMPENSATION_KINDS,
     LayerCompensation,
     LayerRepair,
     LearnedCompensation,
     PrunePlan,
 )
-from kconvert.pruning.reap import CRITERIA, keep_ids, row_hashes, tensor_hash, with_means
+from kconvert.pruning.reap import keep_ids, row_hashes, statistic, tensor_hash, with_means
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +75,9 @@ def stream_bytes(hidden: int, dtype_bytes: int, tokens: int) -> int:
 
 @dataclass(frozen=True)
 class RepairSettings:
-    method: str  # "bias" or "router"
+    method: str  # the repair kind, by name (kconvert.plugins.pruning.REPAIRS)
     keep: int  # experts kept per layer
-    criterion: str  # how the plan ranks experts (kconvert.pruning.reap.CRITERIA)
+    criterion: str  # how the plan ranks experts (kconvert.plugins.pruning.CRITERIA)
     max_tokens: int = REPAIR_TOKENS  # calibration tokens of the repair stream
     heldout: float = 0.25  # fraction of those sequences held out for the guard
     steps: int = 600
@@ -85,12 +85,22 @@ class RepairSettings:
     lr_gate: float = 3e-3  # relative to each gate row's RMS
     candidates: int = 2  # per token, candidates x top_k kept experts the fit may select
     temperature: float = 0.02  # width of the soft top-k threshold, in score units
-    compensate: str = "none"  # kconvert.pruning.compensate.COMPENSATIONS
+    compensate: str = NO_COMPENSATION.name  # the compensation kind, by name (COMPENSATIONS)
     # compensation's ridges, relative to the mean Gram diagonal: each layer takes the one with
     # the lowest held-out error
     ridges: tuple[float, ...] = (1e-3, 1e-2, 1e-1, 1.0)
     sweeps: int = 2  # compensation's block Gauss-Seidel sweeps
     learned: LearnedSettings = field(default_factory=LearnedSettings)  # --compensate learned
+
+    @property
+    def repair(self) -> type[RepairKind]:
+        """What of the router it re-fits (its class, kconvert.pruning.kinds)."""
+        return REPAIRS.named(PRUNE[0], self.method, "repair").load()
+
+    @property
+    def compensation(self) -> type[CompensationKind]:
+        """Which matrices it re-fits (its class, kconvert.pruning.kinds)."""
+        return COMPENSATIONS.named(PRUNE[0], self.compensate, "compensate").load()
 
 
 def route(router: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,7 +192,7 @@ def fit(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, cand: Candida
     (`cand`). Starts from the given rows; returns the step with the lowest (hard-selection)
     error seen."""
     k, scale, norm = cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.norm_topk_prob
-    tune_gate = settings.method == "router"
+    tune_gate = settings.repair.tunes_gate
     xf, ids = x.float(), cand.ids
     d_bias = torch.zeros_like(bias, requires_grad=True)
     groups = [{"params": [d_bias], "lr": settings.lr_bias}]
@@ -257,10 +267,7 @@ class RouterRepair:
         )
 
         s = self.settings
-        if s.method not in REPAIRS or s.compensate not in COMPENSATIONS:
-            raise KconvertError(f"unknown repair {s.method!r} / compensation {s.compensate!r}; "
-                                f"choose from {list(REPAIRS)} / {list(COMPENSATIONS)}")
-        if s.method == "none" and s.compensate == "none":
+        if not s.repair.fits and not s.compensation.refits:
             raise KconvertError("neither router repair nor compensation asked")
         n_seq, seq_len = self.input_ids.shape
         n = min(n_seq, max(2, self.settings.max_tokens // seq_len))
@@ -285,9 +292,9 @@ class RouterRepair:
             if tn.role in (Role.ROUTER_WEIGHT, Role.ROUTER_BIAS):
                 self.source_routers.setdefault(tn.layer, {})[tn.role] = info
         # checked before the first layer: a format compensation cannot write fails at once
-        self.kind = COMPENSATION_KINDS.get(s.compensate)  # None: no compensation
-        projs = self.kind.projs if self.kind is not None else ()
-        self.linears = {proj: recode.expert_linears(self.ckpt, proj) for proj in projs}
+        self.kind = s.compensation
+        self.linears = {proj: recode.expert_linears(self.ckpt, proj)
+                        for proj in self.kind.projs()}
         self.block_scale = recode.block_scale_rule(self.ckpt) if any(
             lin.codec.quantized for by_layer in self.linears.values()
             for layer in by_layer.values() for lin in layer.values()) else None
@@ -326,7 +333,7 @@ class RouterRepair:
         s = self.settings
         scores = with_means({name.rsplit(".", 1)[1]: t.double()
                              for name, t in moe.results(layer).items() if name.count(".") == 2})
-        keep = self.kept[layer] = keep_ids(scores[CRITERIA[s.criterion]], s.keep)
+        keep = self.kept[layer] = keep_ids(scores[statistic(s.criterion)], s.keep)
         kept = torch.tensor(keep, device=x.device)
         infos = self.source_routers.get(layer, {})
         if set(infos) != {Role.ROUTER_WEIGHT, Role.ROUTER_BIAS}:
@@ -344,12 +351,12 @@ class RouterRepair:
             target = routed_output(moe, moe.gate, x)
         n_fit = int(self.valid[:self.n_fit].sum())
         w_out, b_out = w_src, b_src
-        if s.method != "none":
+        if s.repair.fits:
             w_out, b_out = self._fit_router(layer, moe, x, target, n_fit, kept, w_src, b_src,
                                             watch)
             self.rows[layer] = (w_out.cpu(), b_out.float().cpu())
         written = pruned_router(self.cfg, w_out.float(), b_out)
-        if s.compensate != "none":
+        if self.kind.refits:
             with watch.phase("compensation setup"):
                 shared = moe.shared_experts(x).float()
             self._compensate(layer, moe, x, target + shared, n_fit, written, watch)
@@ -379,7 +386,7 @@ class RouterRepair:
         with watch.phase("router fit"), torch.enable_grad(), deterministic():
             w_fit, b_fit = fit(xs, w_src.float(), b_src, cand, self.cfg, s)
         with watch.phase("router guard"):
-            w_new = w_fit.to(w_src.dtype) if s.method == "router" else w_src
+            w_new = w_fit.to(w_src.dtype) if s.repair.tunes_gate else w_src
             after = pruned_router(self.cfg, w_new.float(), b_fit)
             repaired = routed_output(moe, after, x, kept)
             fit_after, held_after = (mse(repaired[:n_fit], target[:n_fit]),
@@ -387,7 +394,8 @@ class RouterRepair:
         applied = held_after < held_before
         w_out, b_out = (w_new, b_fit) if applied else (w_src, b_src)
         self.records[layer] = LayerRepair(
-            method=s.method, applied=applied, fit_tokens=n_fit, heldout_tokens=x.shape[0] - n_fit,
+            method=s.method, applied=applied, fit_tokens=n_fit,
+            heldout_tokens=x.shape[0] - n_fit,
             fit_mse_before=fit_before, fit_mse_after=fit_after, heldout_mse_before=held_before,
             heldout_mse_after=held_after, gate_rows_xxh3=row_hashes(w_out.cpu()),
             bias=b_out.float().cpu().tolist())
@@ -415,7 +423,7 @@ class RouterRepair:
         n_held = x.shape[0] - n_fit
         fit_target, held_target = target[:n_fit], target[n_fit:]
         refit = Refit(pieces, fit_target, held, n_held, count, watch)
-        ridge, offsets = refit.best(s.ridges, s.sweeps, held_target)
+        ridge, offsets = refit.best(self.kind.ridges or s.ridges, s.sweeps, held_target)
         with watch.phase("compensation encode"):
             encoded = recode.encode(self.ckpt, sources[:count],
                                     functools.partial(refit.matrix, offsets), self.block_scale,
@@ -460,7 +468,7 @@ class RouterRepair:
         """Train the kept experts' gate, up and down against the unpruned block from what the
         closed form left in `moe` (kconvert.pruning.compensate_learned)."""
         keep = self.kept[layer]
-        linears = {proj: self.sources(layer, keep, proj)[1:] for proj in self.kind.projs}
+        linears = {proj: self.sources(layer, keep, proj)[1:] for proj in self.kind.projs()}
         experts = KeptExperts(self.ckpt, moe, keep, linears, self.block_scale, x.device)
         goal = target - moe.shared_experts(x).float()  # the shared expert as written, fixed
         return learn(experts, *routing, x, goal, n_fit, self.settings.learned)
@@ -491,8 +499,8 @@ def with_repair(plan: PrunePlan, repair: RouterRepair) -> PrunePlan:
         layers[key] = entry.model_copy(update={"repair": repair.records.get(int(key)),
                                                "compensation": repair.compensations.get(int(key))})
     update = {"layers": layers}
-    if s.method != "none":
+    if s.repair.fits:
         update["repair"] = s.method
-    if s.compensate != "none":
+    if s.compensation.refits:
         update["compensation"] = s.compensate
     return plan.model_copy(update=update)

@@ -50,11 +50,9 @@ def test_cli_choice_lists_are_the_implementation_lists():
     from kconvert.audit import auditor
     from kconvert.cli import base as cli
     from kconvert.formats import OUTPUT_CODECS, DenseCodec
-    from kconvert.pruning import reap
     from kconvert.stages import sparsify
 
     assert tuple(OUTPUT_CODECS) == cli.FORMATS
-    assert tuple(sorted(reap.CRITERIA)) == cli.CRITERIA
     assert cli.STORAGES == options.SPARSIFY_STORAGES
     assert cli.AUDIT_CHUNK_MB << 20 == auditor.CHUNK
     choices = {p.name: p.type.choices for p in main.commands["run"].params
