@@ -10,6 +10,7 @@ from pathlib import Path
 from kconvert import distributed
 from kconvert.engine.work import WorkPlan
 from kconvert.formats import OUTPUT_CODECS
+from kconvert.formats.linear import ModuleWork
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.files import human_bytes
 from kconvert.manifest import (
@@ -23,6 +24,7 @@ from kconvert.manifest import (
     matrix_entry,
 )
 from kconvert.model.names import Role, parse_name
+from kconvert.stages import KINDS
 from kconvert.stages.prune import GUARDS
 from kconvert.version import __version__
 
@@ -49,7 +51,7 @@ def build_manifest(ckpt: Checkpoint, plan: WorkPlan, records: dict[str, dict], c
                 out_set, FusedSetEntry(members=[], amax=st["amax"],
                                        global_scale=st["global_scale"]))
             entry.members.append(m.out_module)
-        if "quantize" not in m.stages or m.tn.role is Role.ROUTER_WEIGHT:
+        if not _made_by(m, "quantizes") or m.tn.role is Role.ROUTER_WEIGHT:
             # re-laid out (densify): bytes unchanged, nothing quantized; a router is checked
             # row by row by the audit, not by its layer's decode bound
             continue
@@ -84,6 +86,12 @@ def build_manifest(ckpt: Checkpoint, plan: WorkPlan, records: dict[str, dict], c
     )
 
 
+def _made_by(m: ModuleWork, what: str) -> bool:
+    """Whether a stage whose kind `what` (a StageKind flag: quantizes, sparsifies) claimed
+    module `m`."""
+    return any(getattr(KINDS[name], what) for name in m.stages)
+
+
 def summary_numbers(plan: WorkPlan, by_layer: dict[str, list[float]],
                     files: dict[str, FileEntry]) -> dict:
     """What the run did, in numbers (the CLI's closing line is made from it)."""
@@ -91,13 +99,13 @@ def summary_numbers(plan: WorkPlan, by_layer: dict[str, list[float]],
     for m in plan.modules:
         if m.out_codec is None:
             continue
-        if "quantize" in m.stages:
+        if _made_by(m, "quantizes"):
             modules["quantized"] += 1
         elif m.repack:
             modules["relaid"] += 1
         else:
             modules["dequantized"] += 1
-        modules["sparsified"] += "sparsify" in m.stages
+        modules["sparsified"] += _made_by(m, "sparsifies")
     rels = [r for rs in by_layer.values() for r in rs]
     stages = {k: v for stage in plan.stages for k, v in stage.summary().items()}
     return {**stages, "tensors": len(plan.outputs), "bytes": sum(f.bytes for f in files.values()),
@@ -127,7 +135,8 @@ def summary_line(manifest: Manifest, dst: str) -> str:
     if s.get("sparsified_modules"):
         parts.append(f"{s['sparsified_modules']} modules made paired-4:8 sparse")
     if s.get("quantized_modules"):
-        fmt = (manifest.options.get("quantize") or {}).get("format", "compressed-tensors")
+        fmt = next((manifest.options[name]["format"] for name, kind in KINDS.items()
+                    if kind.quantizes and manifest.options.get(name)), "compressed-tensors")
         written = OUTPUT_CODECS[fmt].description if fmt in OUTPUT_CODECS else fmt
         parts.append(f"{s['quantized_modules']} modules quantized to {written} (relative squared "
                      f"error mean {s['rel_mse_mean']:.2e}, max {s['rel_mse_max']:.2e})")

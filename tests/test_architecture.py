@@ -261,6 +261,106 @@ def test_the_choice_list_check_finds_a_copy(tmp_path, monkeypatch):
         test_no_choice_list_outside_options_and_the_registries()
 
 
+# The plug-ins' names and settings are written once, in their declarations (kconvert.plugins):
+# no list, tuple, set or dict keys of them anywhere else in the package, options included.
+def _plugin_words() -> set[str]:
+    from kconvert.plugins.docs import families
+
+    return {word for registry, _ in families() for d in registry
+            for word in (d.name, *d.settings.model_fields)}
+
+
+def test_no_hand_list_of_plugin_names_or_settings():
+    words = _plugin_words()
+    found = []
+    for name, path in _modules().items():
+        if name.startswith("kconvert.plugins"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            elts = (node.elts if isinstance(node, ast.Tuple | ast.List | ast.Set) else
+                    [k for k in node.keys if k is not None] if isinstance(node, ast.Dict)
+                    else [])
+            if len(elts) >= 2 and all(isinstance(e, ast.Constant) and e.value in words
+                                      for e in elts):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, "plug-in names or settings listed by hand:\n" + "\n".join(found)
+
+
+def test_the_hand_list_check_finds_a_copy(tmp_path, monkeypatch):
+    """The walk above is not vacuous: a methods tuple in kconvert.options and a criteria dict
+    are found."""
+    pkg = tmp_path / "kconvert"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "options.py").write_text('QUANTIZE_METHODS = ("rtn", "gptq")\n'
+                                    'CRITERIA = {"reap": "saliency", "frequency": "count"}\n'
+                                    'SETTINGS = ["steps", "tokens"]\n')
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", pkg)
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    with pytest.raises(AssertionError, match=r"options\.py:1\n.*options\.py:2\n.*options\.py:3"):
+        test_no_hand_list_of_plugin_names_or_settings()
+
+
+# A repair, compensation or criterion kind's name is compared nowhere outside its registry
+# (kconvert.plugins) and its classes: a compare of one of their names against a value whose
+# name says it holds such a kind (`repair != "none"`, `s.method == "router"`,
+# `compensate in ("down", ...)`) is a branch on a kind. (A method's name is compared nowhere at
+# all: test_no_method_name_is_compared_outside_methods.)
+KIND_HOLDERS = {"method", "repair", "compensate", "compensation", "criterion", "kind"}
+
+
+def _holder(node: ast.expr) -> str | None:
+    """What a compared value is called: a variable, an attribute, a `.get("key")` or `[key]`."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+        return str(node.slice.value)
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "get" and node.args and isinstance(node.args[0], ast.Constant)):
+        return str(node.args[0].value)
+    return None
+
+
+def test_no_kind_name_is_compared_outside_its_registry():
+    from kconvert.plugins.pruning import COMPENSATIONS, CRITERIA, REPAIRS
+
+    names = {d.name for registry in (REPAIRS, COMPENSATIONS, CRITERIA) for d in registry}
+    found = []
+    for name, path in _modules().items():
+        if name.startswith(("kconvert.plugins", "kconvert.pruning.kinds")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            literals = [v for side in sides for v in (
+                [side] if isinstance(side, ast.Constant) else
+                side.elts if isinstance(side, ast.Tuple | ast.List | ast.Set) else [])
+                if isinstance(v, ast.Constant) and v.value in names]
+            if literals and any(_holder(side) in KIND_HOLDERS for side in sides):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, "kind chosen by name:\n" + "\n".join(found)
+
+
+def test_the_kind_check_finds_a_comparison(tmp_path, monkeypatch):
+    """The walk above is not vacuous: `repair != "none"`, `s.method == "router"` and
+    `options.get("compensate") in ("down",)` are reported; `tn.part == "down"` is not."""
+    pkg = tmp_path / "kconvert"
+    (pkg / "stages").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "stages" / "__init__.py").write_text("")
+    (pkg / "stages" / "x.py").write_text(
+        'def f(repair, s, options, tn):\n    a = repair != "none"\n'
+        '    b = s.method == "router"\n    c = options.get("compensate") in ("down",)\n'
+        '    return a, b, c, tn.part == "down"\n')
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", pkg)
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    with pytest.raises(AssertionError, match=r"x\.py:2\n.*x\.py:3\n.*x\.py:4\nassert"):
+        test_no_kind_name_is_compared_outside_its_registry()
+
+
 def test_the_cli_lists_are_the_registries():
     """kconvert.options' torch-free lists (what the command line offers) are the registries'."""
     from kconvert import options
@@ -839,3 +939,11 @@ def test_a_new_compensation_kind_is_one_module_and_one_registration(tmp_path):
                             "--device", "cpu").stdout)
     assert report["passed"], report["failures"]
     assert not [w for w in report["warnings"] if "RunRecord" in str(w)]
+
+
+def test_the_methods_table_is_current():
+    """docs/methods.md is what the plug-ins' declarations write now."""
+    from kconvert.plugins.docs import families, render
+
+    assert (ROOT / "docs" / "methods.md").read_text() == render(families()) + "\n", \
+        "docs/methods.md is stale: python -m kconvert.plugins.docs > docs/methods.md"

@@ -56,6 +56,14 @@ class StageKind:
     input_type: type | None = None
     # (kind, why): a stage kind that must come later in the same recipe.
     followed_by: tuple[str, str] | None = None
+    # What it does to the modules it claims, for the recipe's order and the manifest's
+    # summary: decodes them all (a later stage may not encode before it), decides values a
+    # later encode writes (`encodes`), quantizes them (their error is measured and counted),
+    # makes them paired-4:8 sparse.
+    decodes: bool = False
+    encodes: bool = False
+    quantizes: bool = False
+    sparsifies: bool = False
     # (the recipe's [[stages]] tables with the options given laid over them (`stage_settings`),
     # the options given by name, the run's GPU request: its device, and the budget resolved
     # once for the run) ->

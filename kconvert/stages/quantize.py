@@ -317,4 +317,4 @@ KIND = StageKind(Quantize.name, build, QuantizeRecord,
                            "input_scale", "activations", "method",
                            *METHODS.setting_names(Quantize.name)),
                  input_options=CALIBRATION_OPTIONS, input_type=Calibration,
-                 prepare=prepare_method(Quantize.name))
+                 prepare=prepare_method(Quantize.name), encodes=True, quantizes=True)

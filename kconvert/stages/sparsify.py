@@ -101,4 +101,5 @@ KIND = StageKind(Sparsify.name, build, SparsifyRecord,
                            *METHODS.setting_names(Sparsify.name)),
                  input_options=CALIBRATION_OPTIONS, input_type=Calibration,
                  prepare=prepare_method(Sparsify.name),
-                 followed_by=("quantize", "p48 output is NVFP4"))
+                 followed_by=("quantize", "p48 output is NVFP4"), encodes=True,
+                 sparsifies=True)
