@@ -1,7 +1,7 @@
 """The commands that write a converted checkpoint: a thin layer over the Python API
 (kconvert.api, kconvert.commands). Each command is a recipe plus option groups
-(kconvert.cli.base); an option's value reaches the stages by its name, as a setting or as what
-the command prepares from the source."""
+(kconvert.cli.conversion_options); an option's value reaches the stages by its name, as a
+setting or as what the command prepares from the source."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import time
 
 import click
 
-from kconvert.cli.base import (
+from kconvert.cli.base import KconvertCommand, apply_options, given_options
+from kconvert.cli.conversion_options import (
     DEQUANT_OPTIONS,
     METHOD_KINDS,
     QUANTIZE_METHOD_OPTIONS,
@@ -18,9 +19,6 @@ from kconvert.cli.base import (
     RUN_OPTIONS,
     SPARSIFY_CALIBRATION_OPTIONS,
     SPARSIFY_OPTIONS,
-    KconvertCommand,
-    apply_options,
-    given_options,
     method_options,
     prune_options,
 )
