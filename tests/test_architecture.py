@@ -122,6 +122,7 @@ def test_every_cited_document_is_in_docs():
 # hooks the engine calls are kconvert.engine.stage.
 STAGE_USERS = {
     "kconvert.convert",  # the driver
+    "kconvert.manifest_writer",  # the driver's manifest: what each stage kind did, by its flags
     "kconvert.recipes",  # recipes name stage kinds and build them
     "kconvert.commands", "kconvert.api",  # options by stage kind
     "kconvert.sizing.predict",  # plans a conversion on headers as the driver does
