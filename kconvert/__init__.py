@@ -23,7 +23,8 @@ __all__ = ["API", "LAYERS", "KconvertError", "__version__", *API]
 # holds only itself: the API's lazy entry).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("kconvert.errors", "kconvert.version", "kconvert.model", "kconvert.options",
-     "kconvert.events", "kconvert.distributed", "kconvert.callable_package"),  # ground
+     "kconvert.events", "kconvert.distributed", "kconvert.callable_package",
+     "kconvert.plugins"),  # ground
     ("kconvert.manifest",),  # run records
     ("kconvert.io",),
     ("kconvert.formats",),

@@ -38,8 +38,13 @@ from kconvert.options import BATCH_SIZE, EVAL_SAMPLES, SEED, SEQ_LEN, STREAM_WIN
 from kconvert.run_summary import RunSummary
 from kconvert.sizing.predict import Options
 from kconvert.sizing.report import InspectReport, inspect_checkpoint
+from kconvert.stages import KINDS
 
 log = logging.getLogger(__name__)
+
+# The keyword options the conversions take beside the run controls: every stage kind's
+# settings and command-line inputs (kconvert.stages.KINDS, its plug-ins' settings included).
+OPTIONS = tuple(dict.fromkeys(o for kind in KINDS.values() for o in kind.options))
 
 
 def _silent(_message: str) -> None:
@@ -98,11 +103,8 @@ def run_recipe(recipe: str, src: str, dst: str, *, revision: str | None = None,
     the shards are fetched `stream_window` at a time during the run and deleted once converted)
     into DST. `gpu_memory` ('40GiB', or bytes) is the GPU memory budget of every step on a GPU
     (kconvert.gpu_budget; default: what the card has free less a safety margin).
-    `options` are the stage options by name (`format`,
-    `block_scale`, `cast`, `targets`, `act_stats`, `dtype`, `keep`, `prune_ratio`, `criterion`,
-    `plan`, `stats`, `data`, `samples`, `seq_len`, `batch_size`, `seed`, `save_stats`,
-    `repair`, `compensate`, `pattern`, `method`, `group_size`, `storage`); one the recipe
-    does not use is an error."""
+    `options` are the stage options by name (`OPTIONS`, the command line's long options with
+    `_` for `-`); one the recipe does not use is an error."""
     from kconvert.commands import run_conversion
 
     messages: list[str] = []
@@ -137,8 +139,8 @@ def run_recipe(recipe: str, src: str, dst: str, *, revision: str | None = None,
 def int4_to_nvfp4(src: str, dst: str, **kwargs) -> ConversionResult:
     """`kconvert int4-to-nvfp4`: INT4 pack-quantized -> NVFP4 in one pass. Options: `format`
     (compressed-tensors | modelopt), `block_scale` (mse | amax), `targets`, `act_stats`,
-    `method` (rtn | gptq; gptq with `data`, `samples`, `seq_len`, `batch_size`, `seed`), and
-    the run controls of `run_recipe`."""
+    `method` and its settings (with `data`, `samples`, `seq_len`, `batch_size`, `seed` where
+    it needs data), and the run controls of `run_recipe`."""
     return run_recipe("int4-to-nvfp4", src, dst, **kwargs)
 
 
@@ -176,8 +178,9 @@ def reap(src: str, dst: str, **kwargs) -> ConversionResult:
 
 
 def sparsify(src: str, dst: str, **kwargs) -> ConversionResult:
-    """`kconvert sparsify`: paired-4:8 NVFP4 routed experts. Options: `method`, `group_size`,
-    `storage`, `stats` (wanda), `data` (sparsegpt), and those of `int4_to_nvfp4`."""
+    """`kconvert sparsify`: paired-4:8 NVFP4 routed experts. Options: `method` and its
+    settings, `group_size`, `storage`, `stats` or `data` (what the method needs), and those of
+    `int4_to_nvfp4`."""
     return run_recipe("sparsify", src, dst, **kwargs)
 
 
@@ -229,6 +232,7 @@ eval = evaluate_candidates
 inspect = size_report
 
 __all__ = [
+    "OPTIONS",
     "ConversionResult",
     "audit",
     "calibrate",

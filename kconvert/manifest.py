@@ -11,9 +11,12 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, GetCoreSchemaHandler, GetJsonSchemaHandler
+from pydantic_core import core_schema
 
-__all__ = ["MANIFEST", "CastEntry", "LearnedEntry", "Manifest", "ObsEntry", "read_manifest",
+from kconvert.plugins.methods import METHODS
+
+__all__ = ["MANIFEST", "CastEntry", "Manifest", "MatrixEntry", "read_manifest",
            "render_manifest"]
 
 MANIFEST = "kconvert-manifest.json"
@@ -42,34 +45,37 @@ class LayerEntry(BaseModel):
     rel_mse_max: float
 
 
-class ObsEntry(BaseModel):
-    method: str = Field(
-        description="what was written: the method's result (gptq), or its baseline's (rtn) "
-                    "where the method's output error was not smaller")
-    gptq_error: float = Field(description="tr(dW H dW^T) of GPTQ's result, H = X^T X of the "
-                                          "tokens `judged_on` names")
-    rtn_error: float = Field(description="tr(dW H dW^T) of round-to-nearest on the same H")
-    judged_on: Literal["held-out", "calibration"] = Field(
-        default="calibration",
-        description="held-out: every 8th token routed to the matrix, left out of GPTQ's fit; "
-                    "calibration: all its tokens (too few to hold any out)")
+def matrix_entry(record: dict | BaseModel) -> BaseModel:
+    """A method's record of one matrix as the per-matrix model its declaration names
+    (kconvert.plugins.registry.Declaration.matrix_record): the first registered one that takes
+    it whole (they forbid unknown keys)."""
+    if isinstance(record, BaseModel):
+        record = record.model_dump()
+    problems = []
+    for model in dict.fromkeys(d.matrix_record for d in METHODS if d.matrix_record):
+        try:
+            return model.model_validate(record)
+        except ValueError as exc:
+            problems.append(f"{model.__name__}: {exc}")
+    raise ValueError("no method's per-matrix record: " + "; ".join(problems))
 
 
-class LearnedEntry(BaseModel):
-    """A learned method's choice for one matrix (kconvert.methods.learned): an expert's gate,
-    up and down are judged together, on its held-out routed tokens."""
+class MatrixEntry:
+    """A per-matrix record in the manifest: validated by the methods' declared models (those
+    registered when it is read), written as that model's JSON; its schema is any of them."""
 
-    method: str = Field(description="what was written: learned, or the one-shot method's "
-                                    "result where the learned one's error was not smaller")
-    oneshot: str = Field(description="the method it started from and was judged against")
-    learned_error: float | None = Field(description="sum over held-out routed tokens of "
-                                        "g^2 |f(x) - f_source(x)|^2 of the expert as learned "
-                                        "(None: too few tokens to judge, or training "
-                                        "diverged)")
-    oneshot_error: float | None = Field(description="the same of the one-shot result")
-    steps: int
-    fit_tokens: int = Field(description="the expert's routed tokens it trained on")
-    held_out_tokens: int = Field(description="every 8th of its routed tokens, judged on")
+    @classmethod
+    def __get_pydantic_core_schema__(cls, _source: object, _handler: GetCoreSchemaHandler
+                                     ) -> core_schema.CoreSchema:
+        return core_schema.no_info_plain_validator_function(
+            matrix_entry, serialization=core_schema.plain_serializer_function_ser_schema(
+                lambda entry: entry.model_dump(mode="json")))
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, _schema: core_schema.CoreSchema,
+                                     handler: GetJsonSchemaHandler) -> dict:
+        return {"anyOf": [handler(d.matrix_record.__pydantic_core_schema__)
+                          for d in dict.fromkeys(METHODS) if d.matrix_record]}
 
 
 class CastEntry(BaseModel):
@@ -118,7 +124,7 @@ class Manifest(BaseModel):
     summary: dict[str, float | int]
     dropped: dict[str, str] = Field(default_factory=dict,
                                     description="source tensor or file -> why it is not in DST")
-    obs: dict[str, ObsEntry | LearnedEntry] = Field(
+    obs: dict[str, MatrixEntry] = Field(
         default_factory=dict, description="a method judged against a baseline: module -> "
                                           "its choice (gptq: GPTQ or RTN; learned: learned or "
                                           "the one-shot result), whichever has the smaller "

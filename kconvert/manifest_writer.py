@@ -10,6 +10,7 @@ from pathlib import Path
 from kconvert import distributed
 from kconvert.engine.work import WorkPlan
 from kconvert.formats import OUTPUT_CODECS
+from kconvert.formats.linear import ModuleWork
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.files import human_bytes
 from kconvert.manifest import (
@@ -17,13 +18,14 @@ from kconvert.manifest import (
     FileEntry,
     FusedSetEntry,
     LayerEntry,
-    LearnedEntry,
     Manifest,
-    ObsEntry,
     SourceEntry,
     TensorEntry,
+    matrix_entry,
 )
 from kconvert.model.names import Role, parse_name
+from kconvert.stages import KINDS
+from kconvert.stages.prune import GUARDS
 from kconvert.version import __version__
 
 
@@ -49,17 +51,16 @@ def build_manifest(ckpt: Checkpoint, plan: WorkPlan, records: dict[str, dict], c
                 out_set, FusedSetEntry(members=[], amax=st["amax"],
                                        global_scale=st["global_scale"]))
             entry.members.append(m.out_module)
-        if "quantize" not in m.stages or m.tn.role is Role.ROUTER_WEIGHT:
+        if not _made_by(m, "quantizes") or m.tn.role is Role.ROUTER_WEIGHT:
             # re-laid out (densify): bytes unchanged, nothing quantized; a router is checked
             # row by row by the audit, not by its layer's decode bound
             continue
         rel = st["err_sq"] / st["ref_sq"] if st["ref_sq"] else 0.0
         by_layer.setdefault(str(m.tn.layer), []).append(rel)
-    # A module's record: its method's choice (GPTQ against RTN, learned against the one-shot),
-    # or its encoder's ("cast").
+    # A module's record: its method's choice (GPTQ against RTN, learned against the one-shot:
+    # the model its declaration names), or its encoder's ("cast").
     records = {m: st["obs"] for m, st in sorted(stats.items()) if st.get("obs")}
-    obs = {m: (LearnedEntry if "oneshot" in r else ObsEntry)(**r) for m, r in records.items()
-           if "cast" not in r}
+    obs = {m: matrix_entry(r) for m, r in records.items() if "cast" not in r}
     cast = {m: CastEntry(**r["cast"]) for m, r in records.items() if "cast" in r}
     for layer, rels in sorted(by_layer.items()):
         layers[layer] = LayerEntry(quantized_modules=len(rels), rel_mse_mean=sum(rels) / len(rels),
@@ -85,6 +86,12 @@ def build_manifest(ckpt: Checkpoint, plan: WorkPlan, records: dict[str, dict], c
     )
 
 
+def _made_by(m: ModuleWork, what: str) -> bool:
+    """Whether a stage whose kind `what` (a StageKind flag: quantizes, sparsifies) claimed
+    module `m`."""
+    return any(getattr(KINDS[name], what) for name in m.stages)
+
+
 def summary_numbers(plan: WorkPlan, by_layer: dict[str, list[float]],
                     files: dict[str, FileEntry]) -> dict:
     """What the run did, in numbers (the CLI's closing line is made from it)."""
@@ -92,13 +99,13 @@ def summary_numbers(plan: WorkPlan, by_layer: dict[str, list[float]],
     for m in plan.modules:
         if m.out_codec is None:
             continue
-        if "quantize" in m.stages:
+        if _made_by(m, "quantizes"):
             modules["quantized"] += 1
         elif m.repack:
             modules["relaid"] += 1
         else:
             modules["dequantized"] += 1
-        modules["sparsified"] += "sparsify" in m.stages
+        modules["sparsified"] += _made_by(m, "sparsifies")
     rels = [r for rs in by_layer.values() for r in rs]
     stages = {k: v for stage in plan.stages for k, v in stage.summary().items()}
     return {**stages, "tensors": len(plan.outputs), "bytes": sum(f.bytes for f in files.values()),
@@ -119,18 +126,17 @@ def summary_line(manifest: Manifest, dst: str) -> str:
              f"{human_bytes(s['bytes'])}"]
     if s.get("pruned_experts"):
         parts.append(f"{s['pruned_experts']} routed experts pruned")
-    for what, name, kept in (("repair", "router repair", "the source's"),
-                             ("compensation", "compensation", "the source's"),
-                             ("learned", "learned compensation", "the closed form's")):
-        if f"{what}_applied_layers" in s:
-            applied, refused = s[f"{what}_applied_layers"], s[f"{what}_refused_layers"]
-            parts.append(f"{name} applied in {applied} of {applied + refused} MoE layers"
-                         + (f" (refused by its guard in {refused}: {kept} kept)"
+    for guard in GUARDS:
+        if f"{guard.key}_applied_layers" in s:
+            applied, refused = s[f"{guard.key}_applied_layers"], s[f"{guard.key}_refused_layers"]
+            parts.append(f"{guard.name} applied in {applied} of {applied + refused} MoE layers"
+                         + (f" (refused by its guard in {refused}: {guard.kept} kept)"
                             if refused else ""))
     if s.get("sparsified_modules"):
         parts.append(f"{s['sparsified_modules']} modules made paired-4:8 sparse")
     if s.get("quantized_modules"):
-        fmt = (manifest.options.get("quantize") or {}).get("format", "compressed-tensors")
+        fmt = next((manifest.options[name]["format"] for name, kind in KINDS.items()
+                    if kind.quantizes and manifest.options.get(name)), "compressed-tensors")
         written = OUTPUT_CODECS[fmt].description if fmt in OUTPUT_CODECS else fmt
         parts.append(f"{s['quantized_modules']} modules quantized to {written} (relative squared "
                      f"error mean {s['rel_mse_mean']:.2e}, max {s['rel_mse_max']:.2e})")

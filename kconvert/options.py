@@ -8,9 +8,6 @@ from __future__ import annotations
 REAP_SAMPLES = 1024
 SPARSEGPT_SAMPLES = 128
 
-# quantize's --method: round-to-nearest, or the OBS engine's GPTQ (kept only where it beats RTN).
-QUANTIZE_METHODS = ("rtn", "gptq", "learned")
-
 # How calibration data is read and run, when not given.
 SEQ_LEN = 2048
 BATCH_SIZE = 8
@@ -42,15 +39,8 @@ ONLY_WITH = {
 
 # The choices of the stage options, here so that the command line lists them without importing
 # the stages (torch); the stages and libraries check their values against these same names.
-# A pruning criterion -> the per-expert calibration statistic it keeps the highest of
-# (kconvert.calibrate.stats; reap.md): adding one is an entry here.
-PRUNE_CRITERIA = {"reap": "saliency", "frequency": "count", "ean": "ean_sum", "man": "man",
-                  "msan": "msan"}
-REPAIRS = ("none", "bias", "router")  # router repair; kconvert.pruning.repair fits REPAIRS[1:]
-COMPENSATIONS = ("none", "shared", "down", "learned")  # kconvert.pruning.compensate*
-SPARSIFY_METHODS = ("magnitude", "wanda", "sparsegpt", "learned")
+# (The plug-ins' names, methods and pruning kinds, are their declarations': kconvert.plugins.)
 SPARSIFY_STORAGES = ("dense", "pair-bitmask")
-HESSIANS = ("source", "sequential")  # SparseGPT's layer inputs (kconvert.methods.sparsegpt)
 # `--format NAME` of the quantize stage: each is an output codec's `cli_name`
 # (kconvert.formats.OUTPUT_CODECS; a test keeps the two equal).
 OUTPUT_FORMATS = ("compressed-tensors", "modelopt", "mxfp4-pack-quantized", "quark-mxfp4")

@@ -27,10 +27,6 @@ from kconvert.stages.base import stage_settings
 RECIPE_KEYS = ("name", "description", "requires_source", "grid", "stages")
 
 
-# Stages that encode their modules: a dequant after one of them would undo it.
-ENCODING_STAGES = ("quantize", "sparsify")
-
-
 def builtin_dir() -> Path:
     """`kconvert/pipelines` in an installed wheel, the repo's `pipelines/` in a checkout."""
     here = Path(__file__).resolve().parent
@@ -75,12 +71,14 @@ def load_recipe(name_or_path: str) -> Recipe:
         raise KconvertError("recipe has no [[stages]]", file=str(path))
     for number, spec in enumerate(stages, 1):
         _check_stage_table(spec, number, str(path))
+    # a stage that decodes every module after one that encodes would undo it
     kinds = [s["stage"] for s in stages]
-    encoding = [k for k in kinds if k in ENCODING_STAGES]
-    if "dequant" in kinds and encoding and kinds.index("dequant") > kinds.index(encoding[0]):
-        raise KconvertError(f"stage dequant after {encoding[0]} would decode what {encoding[0]} "
-                            "encodes: dequant comes first (it decodes the source)",
-                            file=str(path))
+    encoding = [k for k in kinds if KINDS[k].encodes]
+    decoding = [k for k in kinds if KINDS[k].decodes]
+    if decoding and encoding and kinds.index(decoding[0]) > kinds.index(encoding[0]):
+        raise KconvertError(f"stage {decoding[0]} after {encoding[0]} would decode what "
+                            f"{encoding[0]} encodes: {decoding[0]} comes first (it decodes the "
+                            "source)", file=str(path))
     grid = data.get("grid")
     if grid is not None and grid not in {c.grid for c in OUTPUT_CODECS.values()}:
         raise KconvertError(f"unknown grid {grid!r}; formats write "

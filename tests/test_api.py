@@ -119,3 +119,18 @@ def test_the_documented_example_runs(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "routed_experts" in out and "wrote" in out
     assert "--keep applies only with --data or --stats or --plan" in out
+
+
+def test_api_keywords_are_the_command_lines_stage_options():
+    """The conversions' keywords (kconvert.api.OPTIONS, made from the stage kinds and their
+    plug-ins' declarations) are exactly `kconvert run`'s stage options: none is listed by hand,
+    so none goes missing (the methods' settings included)."""
+    from kconvert.api import OPTIONS
+    from kconvert.cli import main
+    from kconvert.cli.conversion_options import RUN_CONTROL_OPTIONS
+
+    given = {p.name for p in main.commands["run"].params if p.name not in ("recipe", "src", "dst")}
+    stage_options = given - set(RUN_CONTROL_OPTIONS) - {"as_json", "verbose"}
+    assert set(OPTIONS) - {"dtype"} == stage_options  # dequant's --dtype: its own command's
+    assert {"activations", "allow_short_data", "hessian", "input_scale", "steps",
+            "tokens"} <= set(OPTIONS)

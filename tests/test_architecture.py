@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,8 @@ from kconvert import LAYERS
 from kconvert.formats import Codec, Encoded
 from kconvert.formats.linear import Batch, Transformed
 from kconvert.methods import Method
+from kconvert.plugins.registry import Declaration
+from kconvert.pruning.kinds import Criterion
 
 PACKAGE = ROOT / "kconvert"
 MAX_LINES = 500
@@ -118,6 +123,7 @@ def test_every_cited_document_is_in_docs():
 # hooks the engine calls are kconvert.engine.stage.
 STAGE_USERS = {
     "kconvert.convert",  # the driver
+    "kconvert.manifest_writer",  # the driver's manifest: what each stage kind did, by its flags
     "kconvert.recipes",  # recipes name stage kinds and build them
     "kconvert.commands", "kconvert.api",  # options by stage kind
     "kconvert.sizing.predict",  # plans a conversion on headers as the driver does
@@ -175,22 +181,27 @@ def test_the_name_check_finds_a_comparison(tmp_path, monkeypatch):
 
 
 def _registered_names() -> set[str]:
-    """Every name a registry gives: methods, output formats, grids, stage kinds' choices."""
+    """Every name a registry gives: plug-ins, output formats, grids."""
     from kconvert.formats import OUTPUT_CODECS, SOURCE_CODECS
-    from kconvert.methods import METHODS
+    from kconvert.plugins.docs import families
 
-    return {*(name for _, name in METHODS), *OUTPUT_CODECS, *(c.grid for c in SOURCE_CODECS)}
+    return {*(d.name for registry, _ in families() for d in registry), *OUTPUT_CODECS,
+            *(c.grid for c in SOURCE_CODECS)}
 
 
-# Where a method's name may be compared: the method plug-ins (kconvert.methods) only; stages and
-# commands know methods through their interface (kconvert.methods.base.Method).
+# Where a plug-in's name may be compared: its declarations (kconvert.plugins) and the
+# implementations of its family (methods in kconvert.methods); stages and commands know
+# plug-ins through their declarations and classes.
+PLUGIN_NAME_OWNERS = ("kconvert.plugins", "kconvert.methods")
+
+
 def test_no_method_name_is_compared_outside_methods():
-    from kconvert.methods import METHODS
+    from kconvert.plugins.methods import METHODS
 
-    names = {name for _, name in METHODS}
+    names = {d.name for d in METHODS}
     found = []
     for name, path in _modules().items():
-        if name.startswith("kconvert.methods"):
+        if name.startswith(PLUGIN_NAME_OWNERS):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.Compare):
@@ -222,7 +233,8 @@ def test_the_method_check_finds_a_comparison(tmp_path, monkeypatch):
 # Where a list of choices (formats, methods, grids) may be written out: the registries and
 # kconvert.options, the command line's torch-free copy that test_the_cli_lists_are_the_registries
 # holds equal to them.
-CHOICE_LIST_OWNERS = ("kconvert.options", "kconvert.formats", "kconvert.methods")
+CHOICE_LIST_OWNERS = ("kconvert.options", "kconvert.formats", "kconvert.methods",
+                      "kconvert.plugins")
 
 
 def test_no_choice_list_outside_options_and_the_registries():
@@ -251,16 +263,113 @@ def test_the_choice_list_check_finds_a_copy(tmp_path, monkeypatch):
         test_no_choice_list_outside_options_and_the_registries()
 
 
+# The plug-ins' names and settings are written once, in their declarations (kconvert.plugins):
+# no list, tuple, set or dict keys of them anywhere else in the package, options included.
+def _plugin_words() -> set[str]:
+    from kconvert.plugins.docs import families
+
+    return {word for registry, _ in families() for d in registry
+            for word in (d.name, *d.settings.model_fields)}
+
+
+def test_no_hand_list_of_plugin_names_or_settings():
+    words = _plugin_words()
+    found = []
+    for name, path in _modules().items():
+        if name.startswith("kconvert.plugins"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            elts = (node.elts if isinstance(node, ast.Tuple | ast.List | ast.Set) else
+                    [k for k in node.keys if k is not None] if isinstance(node, ast.Dict)
+                    else [])
+            if len(elts) >= 2 and all(isinstance(e, ast.Constant) and e.value in words
+                                      for e in elts):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, "plug-in names or settings listed by hand:\n" + "\n".join(found)
+
+
+def test_the_hand_list_check_finds_a_copy(tmp_path, monkeypatch):
+    """The walk above is not vacuous: a methods tuple in kconvert.options and a criteria dict
+    are found."""
+    pkg = tmp_path / "kconvert"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "options.py").write_text('QUANTIZE_METHODS = ("rtn", "gptq")\n'
+                                    'CRITERIA = {"reap": "saliency", "frequency": "count"}\n'
+                                    'SETTINGS = ["steps", "tokens"]\n')
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", pkg)
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    with pytest.raises(AssertionError, match=r"options\.py:1\n.*options\.py:2\n.*options\.py:3"):
+        test_no_hand_list_of_plugin_names_or_settings()
+
+
+# A repair, compensation or criterion kind's name is compared nowhere outside its registry
+# (kconvert.plugins) and its classes: a compare of one of their names against a value whose
+# name says it holds such a kind (`repair != "none"`, `s.method == "router"`,
+# `compensate in ("down", ...)`) is a branch on a kind. (A method's name is compared nowhere at
+# all: test_no_method_name_is_compared_outside_methods.)
+KIND_HOLDERS = {"method", "repair", "compensate", "compensation", "criterion", "kind"}
+
+
+def _holder(node: ast.expr) -> str | None:
+    """What a compared value is called: a variable, an attribute, a `.get("key")` or `[key]`."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+        return str(node.slice.value)
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "get" and node.args and isinstance(node.args[0], ast.Constant)):
+        return str(node.args[0].value)
+    return None
+
+
+def test_no_kind_name_is_compared_outside_its_registry():
+    from kconvert.plugins.pruning import COMPENSATIONS, CRITERIA, REPAIRS
+
+    names = {d.name for registry in (REPAIRS, COMPENSATIONS, CRITERIA) for d in registry}
+    found = []
+    for name, path in _modules().items():
+        if name.startswith(("kconvert.plugins", "kconvert.pruning.kinds")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            literals = [v for side in sides for v in (
+                [side] if isinstance(side, ast.Constant) else
+                side.elts if isinstance(side, ast.Tuple | ast.List | ast.Set) else [])
+                if isinstance(v, ast.Constant) and v.value in names]
+            if literals and any(_holder(side) in KIND_HOLDERS for side in sides):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, "kind chosen by name:\n" + "\n".join(found)
+
+
+def test_the_kind_check_finds_a_comparison(tmp_path, monkeypatch):
+    """The walk above is not vacuous: `repair != "none"`, `s.method == "router"` and
+    `options.get("compensate") in ("down",)` are reported; `tn.part == "down"` is not."""
+    pkg = tmp_path / "kconvert"
+    (pkg / "stages").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "stages" / "__init__.py").write_text("")
+    (pkg / "stages" / "x.py").write_text(
+        'def f(repair, s, options, tn):\n    a = repair != "none"\n'
+        '    b = s.method == "router"\n    c = options.get("compensate") in ("down",)\n'
+        '    return a, b, c, tn.part == "down"\n')
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", pkg)
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    with pytest.raises(AssertionError, match=r"x\.py:2\n.*x\.py:3\n.*x\.py:4\nassert"):
+        test_no_kind_name_is_compared_outside_its_registry()
+
+
 def test_the_cli_lists_are_the_registries():
     """kconvert.options' torch-free lists (what the command line offers) are the registries'."""
     from kconvert import options
     from kconvert.formats import OUTPUT_CODECS
-    from kconvert.methods import methods_of
     from kconvert.sizing.predict import as_formats
 
     assert tuple(OUTPUT_CODECS) == options.OUTPUT_FORMATS
-    assert tuple(methods_of("quantize")) == options.QUANTIZE_METHODS
-    assert tuple(methods_of("sparsify")) == options.SPARSIFY_METHODS
     assert set(options.AS_FORMATS) == set(as_formats())
 
 
@@ -375,8 +484,8 @@ class Clip3Sigma(Method):
     """A quantize method of a test: each row clipped to 3 standard deviations of its weights
     before the codec's own rounding."""
 
-    name = "clip3"
-    stage = "quantize"
+    declaration = Declaration("clip3", ("quantize",), "rows clipped to 3 sigma",
+                              f"{__name__}:Clip3Sigma")
 
     def transforms(self, m) -> bool:
         return True
@@ -391,8 +500,8 @@ class SmallestPairs(Method):
     """A sparsify method of a test: in every chunk of 8 keep the 2 pairs of SMALLEST
     magnitude (the opposite of `magnitude`)."""
 
-    name = "smallest"
-    stage = "sparsify"
+    declaration = Declaration("smallest", ("sparsify",), "the smallest pairs kept",
+                              f"{__name__}:SmallestPairs")
 
     def transforms(self, m) -> bool:
         return True
@@ -407,15 +516,18 @@ class SmallestPairs(Method):
 
 @pytest.mark.parametrize("method", [Clip3Sigma, SmallestPairs])
 def test_a_new_method_is_its_class_plus_registration(tmp_path, monkeypatch, method):
-    """A method registered in kconvert.methods.METHODS runs through its stage's command with
-    `method=NAME`, is recorded in the manifest, and writes what its transform says: the
-    output decodes to the codec's own encode of the method's values, computed here."""
+    """A method registered by kconvert.plugins.methods.register_method runs through its
+    stage's command with `method=NAME`, is recorded in the manifest, and writes what its
+    transform says: the output decodes to the codec's own encode of the method's values,
+    computed here."""
     import kconvert
     from conftest import BUNDLED
     from kconvert.formats import EncodeSpec, Nvfp4Codec
-    from kconvert.methods import METHODS, MethodInputs
+    from kconvert.methods import MethodInputs
+    from kconvert.plugins.methods import METHODS, register_method
 
-    monkeypatch.setitem(METHODS, (method.stage, method.name), method)
+    monkeypatch.setattr(METHODS, "declared", list(METHODS.declared))  # put back after
+    register_method(method.declaration)
     command = kconvert.quantize if method.stage == "quantize" else kconvert.sparsify
     made = command(str(BUNDLED), str(tmp_path / "out"), method=method.name, device="cpu")
     assert made.manifest.options[method.stage]["method"] == method.name
@@ -445,10 +557,17 @@ def test_a_new_method_is_its_class_plus_registration(tmp_path, monkeypatch, meth
     assert checked
 
 
+class Busiest(Criterion):
+    """A criterion of a test: the experts routed the most tokens."""
+
+    declaration = Declaration("busiest", ("prune",), "the most routed tokens",
+                              f"{__name__}:Busiest", needs="stats")
+    statistic = "count"
+
+
 def test_a_new_pruning_criterion_is_its_registration(tmp_path, monkeypatch):
-    """A criterion registered in kconvert.options.PRUNE_CRITERIA (here "busiest": the experts
-    routed the most tokens) is taken by `reap --criterion`, and keeps the experts it ranks
-    highest."""
+    """A criterion registered on kconvert.plugins.pruning.CRITERIA (Busiest) is taken by
+    `reap --criterion`, and keeps the experts it ranks highest."""
     import torch
     from safetensors.torch import save_file
 
@@ -456,7 +575,7 @@ def test_a_new_pruning_criterion_is_its_registration(tmp_path, monkeypatch):
     from conftest import BUNDLED
     from kconvert.calibrate.stats import STATS_FILE
     from kconvert.io.checkpoint import open_checkpoint
-    from kconvert.options import PRUNE_CRITERIA
+    from kconvert.plugins.pruning import CRITERIA
     from kconvert.pruning.reap import moe_layers
 
     ckpt = open_checkpoint(str(BUNDLED))
@@ -471,7 +590,8 @@ def test_a_new_pruning_criterion_is_its_registration(tmp_path, monkeypatch):
     (tmp_path / "stats").mkdir()
     save_file(stats, tmp_path / "stats" / STATS_FILE)
 
-    monkeypatch.setitem(PRUNE_CRITERIA, "busiest", "count")
+    monkeypatch.setattr(CRITERIA, "declared", list(CRITERIA.declared))  # put back after
+    CRITERIA.register(Busiest.declaration)
     result = kconvert.reap(str(BUNDLED), str(tmp_path / "out"), stats=str(tmp_path / "stats"),
                            keep=5, criterion="busiest", device="cpu")
     plan = json.loads((result.output / "reap-plan.json").read_text())
@@ -585,3 +705,223 @@ def test_the_budget_check_finds_a_second_resolution(tmp_path, monkeypatch):
     assert "kconvert/calibrate/x.py:5: reads the free GPU memory" in message
     assert "kconvert/y.py:3: makes a GpuContext" in message
     assert str(budget.relative_to(tmp_path)) not in message
+
+
+# --- A plug-in from outside the package, used everywhere a built-in one is -----------------
+
+# A quantize method of a test, one module: its declaration (two settings, a stage record, a
+# per-matrix record) and its class, and one registration call. Each routed expert's rows
+# (all, or the even ones) are scaled by 1 - permille / 1000 before the codec's rounding, and
+# each matrix records how many rows it scaled and their squared norm before.
+SHRINK_PLUGIN = '''
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from kconvert.formats.linear import Transformed
+from kconvert.methods.base import Method
+from kconvert.plugins.methods import register_method
+from kconvert.plugins.registry import Declaration
+from kconvert.pruning.kinds import Criterion
+
+
+class ShrinkSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    shrink_permille: int = Field(0, ge=0, le=100, description="how much rows shrink, in 1/1000.")
+    shrink_rows: Literal["all", "even"] = Field("all", description="which rows shrink.")
+
+
+class ShrinkRecord(BaseModel):
+    shrink_permille: int | None = Field(None, description="how much rows shrank, in 1/1000")
+    shrink_rows: str | None = None
+
+
+class ShrinkEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    shrunk_rows: int
+    norm_before: float
+
+
+class Shrink(Method):
+    declaration = Declaration(
+        "shrink", ("quantize",), "rows scaled toward zero (a test's method)",
+        f"{__name__}:Shrink", ShrinkSettings, record=ShrinkRecord, matrix_record=ShrinkEntry)
+
+    def transforms(self, m) -> bool:
+        return True
+
+    def transform_batch(self, batch):
+        w = batch.weights.clone()
+        rows = slice(None) if self.settings["shrink_rows"] == "all" else slice(None, None, 2)
+        w[:, rows] *= 1 - self.settings["shrink_permille"] / 1000
+        return Transformed(w, records=[
+            {"shrunk_rows": int(m[rows].shape[0]), "norm_before": float(m[rows].square().sum())}
+            for m in batch.weights])
+
+    def record(self):
+        return {"method": self.name, "shrink_permille": self.settings["shrink_permille"],
+                "shrink_rows": self.settings["shrink_rows"]}
+
+
+register_method(Shrink.declaration)
+'''
+
+
+def _with_plugin(tmp_path: Path, module: str, text: str, code: str, *args: object
+                 ) -> subprocess.CompletedProcess:
+    """A fresh interpreter that imports the plug-in module `module` (its source `text`, in
+    tmp_path) first, as a program that ships its own plug-ins would, then runs `code` with
+    sys.argv[1:] = args."""
+    (tmp_path / f"{module}.py").write_text(text)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    done = subprocess.run([sys.executable, "-c", f"import {module}\n{code}", *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+CLI_WITH_PLUGIN = "from kconvert.cli import run\nrun()"
+
+
+def test_a_new_method_with_settings_is_one_module_and_one_registration(tmp_path):
+    """The plug-in method above, registered by one call, is offered by `--help` (its name and
+    both settings), runs from the command line with its settings, from a `run` recipe and
+    through the Python API (the same bytes each way), records its settings in the stage record
+    and one entry per matrix in the manifest, is in the docs table, and passes the audit."""
+    from conftest import BUNDLED
+
+    def cli(*args: object) -> subprocess.CompletedProcess:
+        return _with_plugin(tmp_path, "shrink_plugin", SHRINK_PLUGIN, CLI_WITH_PLUGIN, *args)
+
+    shown = cli("quantize", "--help").stdout
+    assert "shrink:" in shown and "--shrink-permille" in shown and "--shrink-rows" in shown
+    assert "--shrink-permille" in cli("run", "--help").stdout
+
+    cli("quantize", BUNDLED, tmp_path / "cli", "--method", "shrink", "--shrink-permille", 3,
+        "--shrink-rows", "even", "--device", "cpu", "--quiet")
+    (tmp_path / "shrink.toml").write_text(
+        'name = "shrink"\n[[stages]]\nstage = "quantize"\nmethod = "shrink"\n'
+        'shrink_permille = 3\nshrink_rows = "even"\n')
+    cli("run", tmp_path / "shrink.toml", BUNDLED, tmp_path / "recipe", "--device", "cpu",
+        "--quiet")
+    _with_plugin(tmp_path, "shrink_plugin", SHRINK_PLUGIN,
+                 "import sys, kconvert\nkconvert.quantize(sys.argv[1], sys.argv[2], "
+                 "method='shrink', shrink_permille=3, shrink_rows='even', device='cpu')",
+                 BUNDLED, tmp_path / "api")
+    cli("quantize", BUNDLED, tmp_path / "none", "--method", "shrink", "--device", "cpu",
+        "--quiet")
+
+    manifests = {name: json.loads((tmp_path / name / "kconvert-manifest.json").read_text())
+                 for name in ("cli", "recipe", "api", "none")}
+    made = manifests["cli"]
+    assert made["options"]["quantize"]["method"] == "shrink"
+    assert made["options"]["quantize"]["shrink_permille"] == 3
+    assert made["options"]["quantize"]["shrink_rows"] == "even"
+    assert manifests["none"]["options"]["quantize"]["shrink_permille"] == 0  # its default
+    assert made["tensors"] == manifests["recipe"]["tensors"] == manifests["api"]["tensors"]
+    assert made["tensors"] != manifests["none"]["tensors"]  # the setting reached the method
+
+    # per matrix: every routed expert's record, computed here from the source's values
+    kconvert_dequant = _with_plugin(tmp_path, "shrink_plugin", SHRINK_PLUGIN,
+                                    CLI_WITH_PLUGIN, "dequant", BUNDLED, tmp_path / "f32",
+                                    "--dtype", "F32", "--device", "cpu", "--quiet")
+    assert kconvert_dequant.returncode == 0
+    source = checkpoint_tensors(tmp_path / "f32")
+    experts = {n.removesuffix(".weight"): w for n, w in source.items()
+               if ".mlp.experts." in n}
+    assert experts and set(made["obs"]) == set(experts)
+    for module, w in experts.items():
+        entry = made["obs"][module]
+        assert entry["shrunk_rows"] == (w.shape[0] + 1) // 2
+        assert entry["norm_before"] == pytest.approx(float(w[::2].square().sum()), rel=1e-6)
+
+    docs = _with_plugin(tmp_path, "shrink_plugin", SHRINK_PLUGIN,
+                        "from kconvert.plugins.docs import families, render\n"
+                        "print(render(families()))").stdout
+    assert "| `shrink` | quantize |" in docs and "`--shrink-permille` (0)" in docs
+
+    report = json.loads(cli("audit", tmp_path / "cli", "--source", BUNDLED, "--json",
+                            "--quiet", "--device", "cpu").stdout)
+    assert report["passed"], report["failures"]
+    assert not [w for w in report["warnings"] if "RunRecord" in str(w)]  # its record is typed
+
+
+# A compensation kind of a test, one module: the shared expert's down_proj re-fitted as
+# `shared` does, at one stiff ridge only, and one registration call.
+STIFF_PLUGIN = '''
+from kconvert.plugins.pruning import COMPENSATIONS
+from kconvert.plugins.registry import Declaration
+from kconvert.pruning.kinds import CompensationKind
+
+
+class StiffShared(CompensationKind):
+    declaration = Declaration(
+        "stiff-shared", ("prune",), "the shared expert's down_proj re-fitted at ridge 1 only "
+        "(a test's kind)", f"{__name__}:StiffShared", needs="data", gpu=True)
+    ridges = (1.0,)
+
+
+COMPENSATIONS.register(StiffShared.declaration)
+'''
+
+
+def test_a_new_compensation_kind_is_one_module_and_one_registration(tmp_path):
+    """The compensation kind above, registered by one call, is offered by `reap --help`, runs
+    from the command line, from a `run` recipe and through the Python API (the same bytes each
+    way), is recorded in the manifest and the plan (its name, its one ridge, per layer), is in
+    the docs table, and passes the audit."""
+    from helpers import write_input_ids
+    from kconvert.testing.tiny_moe import corpus_ids, windows
+
+    src = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
+    data = write_input_ids(tmp_path / "calib.jsonl", windows(
+        corpus_ids("train"), 8, 64, torch.Generator().manual_seed(3)))
+    calibration = ["--data", data, "--keep", 12, "--samples", 8, "--seq-len", 64]
+
+    def cli(*args: object) -> subprocess.CompletedProcess:
+        return _with_plugin(tmp_path, "stiff_plugin", STIFF_PLUGIN, CLI_WITH_PLUGIN, *args)
+
+    assert "stiff-shared:" in cli("reap", "--help").stdout
+    cli("reap", src, tmp_path / "cli", *calibration, "--compensate", "stiff-shared",
+        "--device", "cpu", "--quiet")
+    (tmp_path / "stiff.toml").write_text(
+        'name = "stiff"\n[[stages]]\nstage = "prune"\ncompensate = "stiff-shared"\n')
+    cli("run", tmp_path / "stiff.toml", src, tmp_path / "recipe", *calibration, "--device",
+        "cpu", "--quiet")
+    _with_plugin(tmp_path, "stiff_plugin", STIFF_PLUGIN,
+                 "import sys, kconvert\nkconvert.reap(sys.argv[1], sys.argv[2], data=sys.argv[3], "
+                 "keep=12, samples=8, seq_len=64, compensate='stiff-shared', device='cpu')",
+                 src, tmp_path / "api", data)
+
+    manifests = {name: json.loads((tmp_path / name / "kconvert-manifest.json").read_text())
+                 for name in ("cli", "recipe", "api")}
+    made = manifests["cli"]
+    assert made["options"]["prune"]["compensate"] == "stiff-shared"
+    assert made["tensors"] == manifests["recipe"]["tensors"] == manifests["api"]["tensors"]
+    plan = json.loads((tmp_path / "cli" / "reap-plan.json").read_text())
+    assert plan["compensation"] == "stiff-shared"
+    records = [layer["compensation"] for layer in plan["layers"].values()]
+    assert records and all(r["method"] == "stiff-shared" and r["ridge"] == 1.0
+                           for r in records)
+    # what it re-fits: the shared experts' down_proj only, where its guard applied it
+    refit = {name for r in records for name in r["matrices_xxh3"]}
+    assert all(".shared_experts.down_proj." in name for name in refit)
+
+    docs = _with_plugin(tmp_path, "stiff_plugin", STIFF_PLUGIN,
+                        "from kconvert.plugins.docs import families, render\n"
+                        "print(render(families()))").stdout
+    assert "| `stiff-shared` | prune |" in docs
+
+    report = json.loads(cli("audit", tmp_path / "cli", "--source", src, "--json", "--quiet",
+                            "--device", "cpu").stdout)
+    assert report["passed"], report["failures"]
+    assert not [w for w in report["warnings"] if "RunRecord" in str(w)]
+
+
+def test_the_methods_table_is_current():
+    """docs/methods.md is what the plug-ins' declarations write now."""
+    from kconvert.plugins.docs import families, render
+
+    assert (ROOT / "docs" / "methods.md").read_text() == render(families()) + "\n", \
+        "docs/methods.md is stale: python -m kconvert.plugins.docs > docs/methods.md"

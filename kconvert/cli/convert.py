@@ -1,7 +1,7 @@
 """The commands that write a converted checkpoint: a thin layer over the Python API
 (kconvert.api, kconvert.commands). Each command is a recipe plus option groups
-(kconvert.cli.base); an option's value reaches the stages by its name, as a setting or as what
-the command prepares from the source."""
+(kconvert.cli.conversion_options); an option's value reaches the stages by its name, as a
+setting or as what the command prepares from the source."""
 
 from __future__ import annotations
 
@@ -9,23 +9,20 @@ import time
 
 import click
 
-from kconvert.cli.base import (
+from kconvert.cli.base import KconvertCommand, apply_options, given_options
+from kconvert.cli.conversion_options import (
     DEQUANT_OPTIONS,
-    METHODS,
+    METHOD_KINDS,
     QUANTIZE_METHOD_OPTIONS,
     QUANTIZE_OPTIONS,
     RUN_CONTROL_OPTIONS,
     RUN_OPTIONS,
     SPARSIFY_CALIBRATION_OPTIONS,
-    SPARSIFY_METHOD_HELP,
     SPARSIFY_OPTIONS,
-    KconvertCommand,
-    apply_options,
-    given_options,
-    method_option,
+    method_options,
     prune_options,
 )
-from kconvert.options import QUANTIZE_METHODS, REAP_SAMPLES, SPARSEGPT_SAMPLES
+from kconvert.options import REAP_SAMPLES, SPARSEGPT_SAMPLES
 
 
 def _run(recipe_name: str, src: str, dst: str, params: dict) -> None:
@@ -102,7 +99,7 @@ reap = conversion_command(
             "--plan.", prune_options(REAP_SAMPLES, "With --data: sequences."))
 sparsify = conversion_command(
     "sparsify", "Paired-4:8 routed experts of SRC (BF16, INT4 or NVFP4) -> p48 NVFP4 DST, one "
-                "pass.", [method_option(METHODS, SPARSIFY_METHOD_HELP), *SPARSIFY_OPTIONS,
+                "pass.", [*method_options("Mask selection:", ("sparsify",)), *SPARSIFY_OPTIONS,
                           *SPARSIFY_CALIBRATION_OPTIONS, *QUANTIZE_OPTIONS])
 densify = conversion_command(
     "densify", "pair-bitmask p48 SRC -> dense NVFP4 DST (stock compressed-tensors layout), "
@@ -117,9 +114,7 @@ densify = conversion_command(
     *QUANTIZE_OPTIONS,
     *prune_options(None, f"With --data: sequences [default: {REAP_SAMPLES} for a prune stage's "
                          f"REAP calibration, {SPARSEGPT_SAMPLES} for SparseGPT and GPTQ]."),
-    method_option(tuple(dict.fromkeys(METHODS + QUANTIZE_METHODS)), "A sparsify stage's mask "
-                  "selection (magnitude, wanda, sparsegpt, learned), or in a recipe without one "
-                  "the quantize method (rtn, gptq, learned)."),
+    *method_options("The method of the recipe's first stage that takes one:", METHOD_KINDS),
     *SPARSIFY_OPTIONS, *RUN_OPTIONS])
 def run_recipe(recipe: str, src: str, dst: str, **params) -> None:
     """Run RECIPE (a pipelines/ name or a .toml path) on SRC into DST.

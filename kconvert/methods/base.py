@@ -1,12 +1,12 @@
 """What a method is: how a stage's claimed matrices get their new values before their codec
 encodes them (round-to-nearest, GPTQ, a paired-4:8 mask, ...).
 
-A method is a class with a name, the stage kind whose `--method` names it, what it needs
-(nothing, `kconvert calibrate` statistics, or calibration data it streams itself), its own
-settings, and its hooks: which modules it transforms, the transform itself (decoded fp32 weights
-in, new weights and optionally their block-scale codes out), its GPU footprint for the
-command's memory plan, and what it records in the manifest. kconvert.methods.METHODS
-registers them; stages and commands know methods only through this interface.
+A method is declared once (its `declaration`, a kconvert.plugins.registry.Declaration: its
+name, the stage kind whose `--method` names it, what it needs, its settings and its records;
+kconvert.plugins.methods registers them) and is a class with its hooks: which modules it
+transforms, the transform itself (decoded fp32 weights in, new weights and optionally their
+block-scale codes out), its GPU footprint for the command's memory plan, and what it records
+in the manifest. Stages and commands know methods only through this interface.
 """
 
 from __future__ import annotations
@@ -21,17 +21,13 @@ from kconvert.formats import Codec
 from kconvert.formats.linear import Batch, ModuleWork, Transformed
 from kconvert.model.names import Role
 from kconvert.options import SPARSEGPT_SAMPLES
+from kconvert.plugins.registry import Declaration
 
 if TYPE_CHECKING:
     from kconvert.gpu_parts import GpuWork
     from kconvert.gpu_plan import GpuPlan
     from kconvert.gpu_shapes import Shapes
     from kconvert.methods.hessians import Calibration
-
-# What a method may need beyond the decoded weights: nothing, `kconvert calibrate`'s
-# statistics (--stats DIR), or calibration data it runs through the model itself (--data FILE).
-NEEDS = (None, "stats", "data")
-
 
 @dataclass(frozen=True)
 class MethodInputs:
@@ -40,16 +36,18 @@ class MethodInputs:
     targets: frozenset[Role]  # the roles the stage transforms
     calibration: Calibration | None = None  # needs "data": the layer-streamed calibration
     stats: str | None = None  # needs "stats": a `kconvert calibrate` output directory
-    settings: Mapping[str, object] = field(default_factory=dict)  # its own (Method.settings)
+    # its own settings, checked, defaults filled in (its declaration's settings model)
+    settings: Mapping[str, object] = field(default_factory=dict)
 
 
 class Method:
     """Base: a method that leaves the decoded weights as they are (the codec's own rounding)."""
 
+    declaration: ClassVar[Declaration]
+    # From the declaration (set for every subclass that has one, never written by hand):
     name: ClassVar[str]
     stage: ClassVar[str]  # the stage kind whose --method names it ("quantize", "sparsify")
-    needs: ClassVar[str | None] = None  # one of NEEDS
-    settings: ClassVar[tuple[str, ...]] = ()  # its own recipe/command-line settings
+    needs: ClassVar[str | None] = None  # one of kconvert.plugins.registry.NEEDS
     # True when it streams calibration layers forward beside the conversion (the engine then
     # runs transform items in layer order across shards).
     ordered_layers: ClassVar[bool] = False
@@ -58,25 +56,27 @@ class Method:
     across_ranks: ClassVar[bool] = True
     # What the engine hands it at once (kconvert.formats.linear.WeightTransform.unit).
     unit: ClassVar[str] = "matrix"
-    # What a run without --method takes for its stage.
-    default: ClassVar[bool] = False
     # The values it produces where only some formats encode them (GPTQ's: "NVFP4"), for
     # messages; None: any format's.
     grid: ClassVar[str | None] = None
     # --samples when not given, for a method that needs data.
     samples: ClassVar[int] = SPARSEGPT_SAMPLES
 
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        declared = cls.__dict__.get("declaration")
+        if declared is not None:
+            cls.name, cls.stage, cls.needs = declared.name, declared.kinds[0], declared.needs
+
     def __init__(self, inputs: MethodInputs) -> None:
         self.inputs = inputs
+        # its settings: those given, the declared defaults for the others
+        self.settings = {**self.declaration.defaults(), **inputs.settings}
 
     @classmethod
     def supports(cls, codec: type[Codec]) -> bool:
         """Whether it can produce values `codec` encodes (GPTQ's grid is NVFP4's)."""
         return True
-
-    @classmethod
-    def check_settings(cls, settings: Mapping[str, object]) -> None:
-        """Raise KconvertError on a bad value of one of its settings."""
 
     def transforms(self, m: ModuleWork) -> bool:
         """Whether it changes module `m`'s decoded weights (the stage has claimed m)."""

@@ -13,6 +13,7 @@ from kconvert.formats.linear import Transformed
 from kconvert.methods import obs
 from kconvert.methods.obs_method import ObsMethod
 from kconvert.model.names import Role
+from kconvert.plugins.methods import GPTQ
 
 # The roles GPTQ has Hessians for, all from the layer-streamed calibration: the experts' from
 # the MoE block's captured inputs, attention's and the dense MLP's from the input Grams the
@@ -22,8 +23,7 @@ ROLES = (Role.ROUTED_EXPERT, Role.SHARED_EXPERT, Role.DENSE_MLP, Role.ATTENTION)
 
 
 class Gptq(ObsMethod):
-    name = "gptq"
-    stage = "quantize"
+    declaration = GPTQ
     against_rtn = True
     across_ranks = True
 

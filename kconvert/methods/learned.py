@@ -29,15 +29,15 @@ from kconvert.methods.obs_method import ObsMethod
 from kconvert.methods.sparsegpt import SparseGpt
 from kconvert.model.names import Role
 from kconvert.options import SEED
+from kconvert.plugins.methods import LEARNED_NVFP4, LEARNED_P48
 
 log = logging.getLogger(__name__)
 
 # Defaults from the quality-versus-time curves on the trained tiny MoE and the full-size layer's
 # seconds per step on one H100 (docs/learned.md, "Steps and tokens"): p48 (its patterns and
 # values), then dense NVFP4 (values only).
-TOKENS = 256
-P48_STEPS, P48_LR, P48_MASK_LR = 25, 4e-2, 2e-2
-NVFP4_STEPS, NVFP4_LR = 50, 5e-3
+P48_LR, P48_MASK_LR = 4e-2, 2e-2
+NVFP4_LR = 5e-3
 # An expert with fewer routed tokens than this to fit on keeps the one-shot result.
 MIN_FIT_TOKENS = 64
 # The most fit tokens an expert trains on (evenly spaced where it has more): bounds the
@@ -61,12 +61,9 @@ class Learned(ObsMethod):
     """Base of the learned methods: `oneshot` gives the starting point and the guard's
     baseline, `sparse` whether the pattern logits are learned too."""
 
-    name = "learned"
     unit = "expert"
-    settings = ("hessian", "steps", "tokens")
     oneshot: type[ObsMethod]
     sparse: bool
-    steps: int  # the default number of steps
     lr: float
     mask_lr: float = 0.0
 
@@ -74,20 +71,10 @@ class Learned(ObsMethod):
         super().__init__(inputs)
         self.oneshot_method = self.oneshot(inputs)
         self.train_settings = et.TrainSettings(
-            steps=int(inputs.settings.get("steps", self.steps)),
-            tokens=int(inputs.settings.get("tokens", TOKENS)), lr=self.lr,
+            steps=int(self.settings["steps"]), tokens=int(self.settings["tokens"]), lr=self.lr,
             mask_lr=self.mask_lr,
             seed=SEED)
         self._routing: tuple[int, _Routing] | None = None
-
-    @classmethod
-    def check_settings(cls, settings) -> None:
-        super().check_settings(settings)
-        for key in ("steps", "tokens"):
-            value = settings.get(key)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise KconvertError(f"--{key} must be a whole number of at least 1, not "
-                                    f"{value!r}")
 
     def transforms(self, m) -> bool:
         return self.oneshot_method.transforms(m)
@@ -281,19 +268,19 @@ class Learned(ObsMethod):
 class LearnedP48(Learned):
     """`sparsify --method learned`: p48 masks and NVFP4 values, from SparseGPT's."""
 
-    stage = "sparsify"
+    declaration = LEARNED_P48
     oneshot = SparseGpt
     sparse = True
-    steps, lr, mask_lr = P48_STEPS, P48_LR, P48_MASK_LR
+    lr, mask_lr = P48_LR, P48_MASK_LR
 
 
 class LearnedNvfp4(Learned):
     """`quantize --method learned`: NVFP4 values of the routed experts, from GPTQ's."""
 
-    stage = "quantize"
+    declaration = LEARNED_NVFP4
     oneshot = Gptq
     sparse = False
-    steps, lr = NVFP4_STEPS, NVFP4_LR
+    lr = NVFP4_LR
 
 
 def training_bytes(hidden: int, inter: int, sparse: bool, tokens: int) -> int:

@@ -8,12 +8,11 @@ import torch
 from kconvert.formats import p48
 from kconvert.formats.linear import Transformed
 from kconvert.methods.base import Method
+from kconvert.plugins.methods import MAGNITUDE
 
 
 class Magnitude(Method):
-    name = "magnitude"
-    stage = "sparsify"
-    default = True
+    declaration = MAGNITUDE
 
     def transforms(self, m) -> bool:
         return True

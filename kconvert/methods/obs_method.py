@@ -16,16 +16,14 @@ from kconvert.formats.linear import Transformed
 from kconvert.methods import obs
 from kconvert.methods.base import Method
 from kconvert.methods.hessians import Calibration
-from kconvert.options import HESSIANS
+from kconvert.plugins.methods import DataMethodSettings
 
 
 class ObsMethod(Method):
     """Base of the methods that solve OBS batches on calibration Hessians (docs/obs.md)."""
 
-    needs = "data"
     ordered_layers = True
     grid = "NVFP4"
-    settings = ("hessian",)
     shared_experts = False  # whether it solves the shared experts too (their Hessians: every token)
     against_rtn = False  # whether each result is kept only where it beats round-to-nearest
     # Under torchrun a subclass must say it works on its rank's share of the routed experts
@@ -37,14 +35,8 @@ class ObsMethod(Method):
             raise KconvertError(f"--method {self.name} does not run across ranks; run it "
                                 "without torchrun")
         super().__init__(inputs)
-        self.hessian = str(inputs.settings.get("hessian", HESSIANS[0]))
+        self.hessian = str(self.settings["hessian"])
         self.calibration.hessians.sequential = self.hessian == "sequential"
-
-    @classmethod
-    def check_settings(cls, settings) -> None:
-        if settings.get("hessian", HESSIANS[0]) not in HESSIANS:
-            raise KconvertError(f"unknown --hessian {settings['hessian']!r}; choose from "
-                                f"{HESSIANS}")
 
     @property
     def calibration(self) -> Calibration:
@@ -90,7 +82,8 @@ class ObsMethod(Method):
     def sequential_record(self) -> dict[str, object]:
         """`hessian` in the record where it is not the default (records made before the
         option existed are unchanged)."""
-        return {"hessian": self.hessian} if self.hessian != HESSIANS[0] else {}
+        default = DataMethodSettings.model_fields["hessian"].default
+        return {"hessian": self.hessian} if self.hessian != default else {}
 
     def work_elems(self, device: torch.device) -> int | None:
         """Items on a CPU sized as the engine's batches (on a GPU the memory plan sizes them)."""

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from kconvert.methods.base import Method
+from kconvert.plugins.methods import RTN
 
 
 class Rtn(Method):
-    name = "rtn"
-    stage = "quantize"
-    default = True
+    declaration = RTN
 
     def record(self) -> dict[str, object]:
         return {}  # a round-to-nearest run records no method (its manifests predate methods)

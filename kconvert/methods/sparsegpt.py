@@ -18,6 +18,7 @@ from kconvert.formats import nvfp4, p48
 from kconvert.formats.linear import Transformed
 from kconvert.methods import obs
 from kconvert.methods.obs_method import ObsMethod
+from kconvert.plugins.methods import SPARSEGPT
 
 
 def p48_mask(wg: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -48,8 +49,7 @@ class SparseGpt(ObsMethod):
     ("source", the default: measured on the trained tiny MoE,
     benchmarks/results/sparsegpt_hessian_tiny_moe.md)."""
 
-    name = "sparsegpt"
-    stage = "sparsify"
+    declaration = SPARSEGPT
     across_ranks = True
 
     def transforms(self, m) -> bool:

@@ -13,6 +13,7 @@ from kconvert.errors import KconvertError
 from kconvert.formats.linear import ModuleWork
 from kconvert.io.files import hash_file
 from kconvert.methods.magnitude import Magnitude
+from kconvert.plugins.methods import WANDA
 
 
 class WandaNorms:
@@ -40,9 +41,7 @@ class WandaNorms:
 
 
 class Wanda(Magnitude):
-    name = "wanda"
-    needs = "stats"
-    default = False
+    declaration = WANDA
 
     @cached_property
     def norms(self) -> WandaNorms:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import itertools
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -56,34 +55,6 @@ class LayerRepair(BaseModel):
             raise ValueError(f"{len(self.gate_rows_xxh3)} gate row hashes but "
                              f"{len(self.bias)} bias entries")
         return self
-
-
-@dataclass(frozen=True)
-class CompensationKind:
-    """What a `--compensate` choice re-fits (docs/reap.md, "Compensation" and "Learned
-    compensation"): the shared expert's down_proj always, every kept expert's down_proj
-    (`kept_downs`), and then, `trains`, the kept experts' gate, up and down trained together."""
-
-    kept_downs: bool
-    trains: bool
-
-    @property
-    def projs(self) -> tuple[str, ...]:
-        """The source linears whose re-fitted matrices it may write."""
-        return ("down_proj", "gate_proj", "up_proj") if self.trains else ("down_proj",)
-
-    def refits(self, proj: str | None, shared: bool) -> bool:
-        """Whether it may write the linear `proj` of the shared expert (`shared`) or of a kept
-        routed expert."""
-        if proj != "down_proj":
-            return self.trains and not shared and proj in self.projs
-        return shared or self.kept_downs
-
-
-# --compensate's choices but "none" (kconvert.options.COMPENSATIONS; a test keeps them equal).
-COMPENSATION_KINDS = {"shared": CompensationKind(kept_downs=False, trains=False),
-                      "down": CompensationKind(kept_downs=True, trains=False),
-                      "learned": CompensationKind(kept_downs=True, trains=True)}
 
 
 class LearnedCompensation(BaseModel):

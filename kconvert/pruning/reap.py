@@ -21,10 +21,9 @@ from kconvert.errors import KconvertError, UsageError
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.model.arch import arch_of
 from kconvert.model.names import Role, parse_name
-from kconvert.options import PRUNE_CRITERIA
+from kconvert.plugins.pruning import CRITERIA, PRUNE
 from kconvert.pruning.plan import PruneLayer, PrunePlan
 
-CRITERIA = PRUNE_CRITERIA  # criterion -> the statistic it ranks experts by
 # The per-layer statistics the criteria are computed from (`calibrate` writes them).
 SCORE_STATS = ("saliency", "count", "ean_sum", "ean_sq_sum")
 
@@ -63,17 +62,26 @@ def scores_of(stats) -> dict[int, dict[str, torch.Tensor]]:
             for layer in stats.moe_layers}
 
 
+def statistic(criterion: str) -> str:
+    """The per-expert statistic criterion `criterion` keeps the highest of (its class,
+    kconvert.pruning.kinds)."""
+    declared = CRITERIA.get(PRUNE[0], criterion)
+    if declared is None:
+        raise KconvertError(f"unknown criterion {criterion!r}; choose from "
+                            f"{sorted(CRITERIA.names())}")
+    return declared.load().statistic
+
+
 def plan_from_scores(scores: dict[int, dict[str, torch.Tensor]], keep: int, criterion: str,
                      source: dict | None = None) -> PrunePlan:
-    if criterion not in CRITERIA:
-        raise KconvertError(f"unknown criterion {criterion!r}; choose from {sorted(CRITERIA)}")
+    ranked_by = statistic(criterion)
     layers = {}
     for layer, raw in scores.items():
         s = with_means(raw)
-        if CRITERIA[criterion] not in s:
+        if ranked_by not in s:
             raise KconvertError(f"criterion {criterion} needs statistics this calibration did "
                                 "not record (re-run `kconvert calibrate`)")
-        score = s[CRITERIA[criterion]]
+        score = s[ranked_by]
         if keep > score.numel():
             raise KconvertError(f"--keep {keep} exceeds the {score.numel()} experts of layer "
                                 f"{layer}")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from pydantic import create_model
 
 from kconvert.engine.stage import Stage, StageRecord
 from kconvert.errors import KconvertError, UsageError
@@ -24,14 +25,15 @@ from kconvert.gpu_parts import GpuWork
 from kconvert.gpu_plan import GpuPlan
 from kconvert.gpu_shapes import Shapes
 from kconvert.io.checkpoint import Checkpoint
-from kconvert.methods import Method, method_named, methods_of
+from kconvert.methods import Method
 from kconvert.methods.hessians import Calibration
 from kconvert.options import calibration_run
+from kconvert.plugins.methods import METHODS
 
 # The command-line options that say which calibration data a command reads and how it runs
 # (REAP's saliency for a prune stage, a data-driven method's inputs for the others).
 CALIBRATION_OPTIONS = ("data", "samples", "seq_len", "batch_size", "seed", "allow_short_data")
-# What a method's need is given by (kconvert.methods.base.NEEDS).
+# What a plug-in's need is given by (kconvert.plugins.registry.NEEDS).
 NEED_OPTIONS = {"data": "calibration data: --data FILE",
                 "stats": "--stats DIR (from `kconvert calibrate`)"}
 
@@ -56,6 +58,14 @@ class StageKind:
     input_type: type | None = None
     # (kind, why): a stage kind that must come later in the same recipe.
     followed_by: tuple[str, str] | None = None
+    # What it does to the modules it claims, for the recipe's order and the manifest's
+    # summary: decodes them all (a later stage may not encode before it), decides values a
+    # later encode writes (`encodes`), quantizes them (their error is measured and counted),
+    # makes them paired-4:8 sparse.
+    decodes: bool = False
+    encodes: bool = False
+    quantizes: bool = False
+    sparsifies: bool = False
     # (the recipe's [[stages]] tables with the options given laid over them (`stage_settings`),
     # the options given by name, the run's GPU request: its device, and the budget resolved
     # once for the run) ->
@@ -118,16 +128,23 @@ def stage_settings(stages: tuple[dict, ...], given: dict[str, Any],
 def method_settings(stage: str, settings: dict[str, Any]) -> tuple[type[Method], dict]:
     """The method a stage's settings name (its kind's default where none) and the settings that
     are that method's own; a setting of another of the stage's methods is refused."""
-    method = method_named(stage, settings.get("method"))
-    for key in sorted({k for m in methods_of(stage).values() for k in m.settings}
-                      - set(method.settings)):
-        if settings.get(key) is not None:
-            users = [n for n, m in methods_of(stage).items() if key in m.settings]
+    declared = METHODS.named(stage, settings.get("method"), "method")
+    mine = declared.settings.model_fields
+    for key in METHODS.setting_names(stage):
+        if key not in mine and settings.get(key) is not None:
+            users = [n for n, d in METHODS.of(stage).items() if key in d.settings.model_fields]
             raise UsageError(f"--{key.replace('_', '-')} serves --method {' or '.join(users)}; "
-                             f"this {stage} stage's method is {method.name}")
-    own = {k: settings[k] for k in method.settings if settings.get(k) is not None}
-    method.check_settings(own)
-    return method, own
+                             f"this {stage} stage's method is {declared.name}")
+    own = declared.check({k: settings[k] for k in mine if settings.get(k) is not None})
+    return declared.load(), own
+
+
+def with_method_records(base: type[StageRecord], stage: str) -> type[StageRecord]:
+    """Stage kind `stage`'s record: `base` (the stage's own fields) and the fields its
+    methods declare they record (kconvert.plugins.registry.Declaration.record), each optional:
+    a method sets only its own."""
+    return create_model(base.__name__, __base__=base, __module__=base.__module__,
+                        **METHODS.record_fields(stage))
 
 
 def check_needs(method: type[Method], calibration: Calibration | None, stats: str | None
@@ -139,16 +156,11 @@ def check_needs(method: type[Method], calibration: Calibration | None, stats: st
         raise KconvertError(f"--method {method.name} needs {NEED_OPTIONS[method.needs]}")
 
 
-def method_setting_names(stage: str) -> tuple[str, ...]:
-    """The settings of the methods of stage kind `stage` (StageKind.settings takes them)."""
-    return tuple(dict.fromkeys(k for m in methods_of(stage).values() for k in m.settings))
-
-
 def _uses(table: dict[str, Any], option: str) -> bool:
     """Whether the stage of a table laid over by `stage_settings` uses a given --data or
     --stats: a stage with methods when its method needs it, another when it takes it."""
-    if methods_of(table["stage"]):
-        return method_named(table["stage"], table.get("method")).needs == option
+    if METHODS.of(table["stage"]):
+        return METHODS.named(table["stage"], table.get("method"), "method").needs == option
     return option in table
 
 
@@ -165,22 +177,22 @@ def prepare_method(stage: str) -> Callable[[tuple[dict, ...], dict[str, Any], Gp
         if not tables:
             return None
         try:
-            method = method_named(stage, tables[0].get("method"))
+            method = METHODS.named(stage, tables[0].get("method"), "method")
         except KconvertError as exc:
             raise UsageError(str(exc)) from exc
         for option, need in (("data", "data"), ("stats", "stats")):
             if options.get(option) is None or method.needs == need:
                 continue
             # an option none of this kind's methods takes is another stage kind's to judge
-            if not any(m.needs == need for m in methods_of(stage).values()) or any(
+            if not any(m.needs == need for m in METHODS.of(stage).values()) or any(
                     _uses(t, option) for t in stages if t["stage"] != stage):
                 continue
             # the message is the same whichever stage kind of the recipe finds it first
-            users = [n for t in stages for n, m in methods_of(t["stage"]).items()
+            users = [n for t in stages for n, m in METHODS.of(t["stage"]).items()
                      if m.needs == need]
             chosen = ", ".join(f"{t['stage']} method is "
-                               f"{method_named(t['stage'], t.get('method')).name}"
-                               for t in stages if methods_of(t["stage"]))
+                               f"{METHODS.named(t['stage'], t.get('method'), 'method').name}"
+                               for t in stages if METHODS.of(t["stage"]))
             raise UsageError(f"--{option} serves --method {' or '.join(users)}; this run's "
                              f"{chosen}")
         if method.needs == "stats" and tables[0].get("stats") is None:
@@ -193,7 +205,8 @@ def prepare_method(stage: str) -> Callable[[tuple[dict, ...], dict[str, Any], Gp
         def make(ckpt: Checkpoint) -> Calibration:
             from kconvert.calibrate.data import shortfall
 
-            samples, seq_len, batch_size, seed = calibration_run(options, method.samples)
+            samples, seq_len, batch_size, seed = calibration_run(options,
+                                                                 method.load().samples)
             # the data's checks before any work (vocabulary, --samples x --seq-len filled)
             return Calibration.from_file(
                 ckpt, options["data"], samples, seq_len, batch_size, seed, gpu.device,

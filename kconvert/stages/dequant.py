@@ -42,4 +42,4 @@ def build(settings: dict, _input: None) -> Dequant:
     return Dequant(dtype)
 
 
-KIND = StageKind(Dequant.name, build, DequantRecord, settings=("dtype",))
+KIND = StageKind(Dequant.name, build, DequantRecord, settings=("dtype",), decodes=True)

@@ -21,8 +21,16 @@ from kconvert.gpu_budget import GpuRequest
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.model.arch import arch_of
 from kconvert.model.names import Role, TensorName
-from kconvert.options import COMPENSATIONS, REPAIRS
-from kconvert.pruning.plan import PLAN_FILE, PrunePlan, load_plan
+from kconvert.plugins.pruning import (
+    COMPENSATIONS,
+    CRITERIA,
+    NO_COMPENSATION,
+    NO_REPAIR,
+    PRUNE,
+    REPAIRS,
+)
+from kconvert.plugins.registry import Declaration, Registry
+from kconvert.pruning.plan import PLAN_FILE, PruneLayer, PrunePlan, load_plan
 from kconvert.pruning.reap import (
     compensated_tensors,
     moe_layers,
@@ -32,7 +40,25 @@ from kconvert.pruning.reap import (
 from kconvert.stages.base import CALIBRATION_OPTIONS, StageKind
 
 if TYPE_CHECKING:
-    pass
+    from kconvert.pruning.kinds import CompensationKind, RepairKind
+
+
+def _kind(registry: Registry, option: str, name: str) -> Declaration:
+    """The declared kind `name` of `registry` (--OPTION), or the error a recipe's unknown one
+    gets."""
+    found = registry.get(PRUNE[0], name)
+    if found is None:
+        raise KconvertError(f"prune: {option} {name!r} is not one of "
+                            f"{list(registry.names(PRUNE[0]))}")
+    return found
+
+
+def repair_kind(name: str) -> type[RepairKind]:
+    return _kind(REPAIRS, "repair", name).load()
+
+
+def compensation_kind(name: str) -> type[CompensationKind]:
+    return _kind(COMPENSATIONS, "compensate", name).load()
 
 
 class PruneRecord(StageRecord):
@@ -60,8 +86,8 @@ class Prune(Stage):
 
     keep: tuple[tuple[int, tuple[int, ...]], ...]  # (layer, kept source ids ascending)
     plan_json: str = ""  # the plan file's text, written to DST as reap-plan.json
-    repair: str = "none"
-    compensate: str = "none"
+    repair: str = NO_REPAIR.name  # the repair and compensation kinds, by name
+    compensate: str = NO_COMPENSATION.name
     # (output name, tensor) of every repaired router and re-fitted down_proj
     replaced: tuple[tuple[str, torch.Tensor], ...] = field(default=(), compare=False)
     # the directory the re-fitted matrices were spilled to (under DST's state folder), removed
@@ -109,9 +135,9 @@ class Prune(Stage):
     def record(self) -> PruneRecord:
         record = PruneRecord(kept_per_layer=self.kept, layers=len(self.keep),
                              plan=hashlib.sha256(self.plan_json.encode()).hexdigest())
-        if self.repair != "none":  # left unset otherwise: manifests without repair unchanged
+        if repair_kind(self.repair).fits:  # unset otherwise: manifests without repair unchanged
             record.repair = self.repair
-        if self.compensate != "none":
+        if compensation_kind(self.compensate).refits:
             record.compensate = self.compensate
         if self.data is not None:
             record.data = self.data
@@ -134,16 +160,13 @@ def build(settings: dict, prune: Prune | None) -> Prune:
     if prune is None:
         raise KconvertError("a prune stage needs a plan (kconvert reap ... --plan FILE | "
                             "--stats DIR | --data FILE)")
-    repair = settings.get("repair", "none")
-    if repair not in REPAIRS:
-        raise KconvertError(f"prune: repair {repair!r} is not one of {list(REPAIRS)}")
+    repair = settings.get("repair", NO_REPAIR.name)
+    repair_kind(repair)
     if repair != prune.repair:
         raise KconvertError(f"prune: repair {repair!r} asked, but the plan's router rows are "
                             f"repaired by {prune.repair!r} (router repair needs --data)")
-    compensate = settings.get("compensate", "none")
-    if compensate not in COMPENSATIONS:
-        raise KconvertError(f"prune: compensate {compensate!r} is not one of "
-                            f"{list(COMPENSATIONS)}")
+    compensate = settings.get("compensate", NO_COMPENSATION.name)
+    compensation_kind(compensate)
     if compensate != prune.compensate:
         raise KconvertError(f"prune: compensate {compensate!r} asked, but the plan's matrices "
                             f"are {prune.compensate!r} (compensation needs --data)")
@@ -187,10 +210,28 @@ def prune_stage(plan: PrunePlan, ckpt: Checkpoint,
     plan_json = json.dumps(plan.model_dump(mode="json", exclude_none=True), indent=1,
                            sort_keys=True)
     return Prune(keep=tuple((layer, tuple(planned[layer])) for layer in layers),
-                 plan_json=plan_json, repair=plan.repair or "none",
-                 compensate=plan.compensation or "none",
+                 plan_json=plan_json, repair=plan.repair or NO_REPAIR.name,
+                 compensate=plan.compensation or NO_COMPENSATION.name,
                  replaced=repaired_tensors(plan, ckpt, rows or {})
                  + compensated_tensors(plan, matrices or {}), outcomes=guard_outcomes(plan))
+
+
+@dataclass(frozen=True)
+class Guard:
+    """A re-fit whose guard the plan records per layer: the summary's keys
+    (`KEY_applied_layers`, `KEY_refused_layers`), its name in the closing line and what a
+    refused layer keeps."""
+
+    key: str
+    name: str
+    kept: str
+    record: Callable[[PruneLayer], object]
+
+
+GUARDS = (Guard("repair", "router repair", "the source's", lambda v: v.repair),
+          Guard("compensation", "compensation", "the source's", lambda v: v.compensation),
+          Guard("learned", "learned compensation", "the closed form's",
+                lambda v: v.compensation and v.compensation.learned))
 
 
 def guard_outcomes(plan: PrunePlan) -> tuple[tuple[str, int], ...]:
@@ -198,10 +239,9 @@ def guard_outcomes(plan: PrunePlan) -> tuple[tuple[str, int], ...]:
     compensation the guard applied, and those it refused (their source rows / matrices
     written; for learned compensation the closed form's)."""
     out = []
-    for what, record in (("repair", lambda v: v.repair),
-                         ("compensation", lambda v: v.compensation),
-                         ("learned", lambda v: v.compensation and v.compensation.learned)):
-        records = [r for v in plan.layers.values() if (r := record(v)) is not None]
+    for guard in GUARDS:
+        what = guard.key
+        records = [r for v in plan.layers.values() if (r := guard.record(v)) is not None]
         if records:
             applied = sum(r.applied for r in records)
             out += [(f"{what}_applied_layers", applied),
@@ -218,15 +258,16 @@ def prepare(stages: tuple[dict, ...], options: dict, gpu: GpuRequest
     `options` also holds the run's `dst`, `dry_run` and `echo` (kconvert.commands)."""
     plan, stats, data = options.get("plan"), options.get("stats"), options.get("data")
     repair = options.get("repair") or next(
-        (s["repair"] for s in stages if s["stage"] == Prune.name and "repair" in s), "none")
+        (s["repair"] for s in stages if s["stage"] == Prune.name and "repair" in s),
+        NO_REPAIR.name)
     compensate = options.get("compensate") or next(
         (s["compensate"] for s in stages if s["stage"] == Prune.name and "compensate" in s),
-        "none")
+        NO_COMPENSATION.name)
     # what needs --data first: the message names the option that needs it
-    if repair != "none" and data is None:
+    if _kind(REPAIRS, "repair", repair).needs == "data" and data is None:
         raise UsageError(f"--repair {repair} fits the router during REAP's calibration, which "
                          "needs calibration data: give --data FILE")
-    if compensate != "none" and data is None:
+    if _kind(COMPENSATIONS, "compensate", compensate).needs == "data" and data is None:
         raise UsageError(f"--compensate {compensate} re-fits matrices during REAP's calibration, "
                          "which needs calibration data: give --data FILE")
     if sum(x is not None for x in (plan, stats, data)) > 1:
@@ -248,15 +289,15 @@ def prepare(stages: tuple[dict, ...], options: dict, gpu: GpuRequest
             check_plan_keep(loaded, ckpt, options.get("keep"), options.get("prune_ratio"), plan)
             return prune_stage(loaded, ckpt)
         keep = keep_count(ckpt, options.get("keep"), options.get("prune_ratio"))
-        criterion = options.get("criterion") or "reap"
+        criterion = options.get("criterion") or CRITERIA.default(PRUNE[0]).name
         echo = options.get("echo") or (lambda _message: None)
         if stats is not None:
             scores = scores_from_stats(stats)
             made = plan_from_scores(scores, keep, criterion, ckpt.identity)
             prune_data.note_unrouted(made, scores, echo)
             return prune_stage(made, ckpt)
-        made = prune_data.from_data(ckpt, options, gpu, keep, criterion, repair, compensate,
-                                    echo)
+        made = prune_data.from_data(ckpt, options, gpu, keep, criterion, repair_kind(repair),
+                                    compensation_kind(compensate), echo)
         try:
             stage = prune_stage(made.plan, ckpt, made.rows, made.matrices)
         except BaseException:

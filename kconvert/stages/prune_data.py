@@ -28,7 +28,8 @@ from kconvert.io.lock import STATE_DIR
 from kconvert.io.output_dir import REFIT_DIR, resolve_dst
 from kconvert.model.names import Role, parse_name
 from kconvert.options import REAP_SAMPLES, calibration_run
-from kconvert.pruning.plan import COMPENSATION_KINDS, PruneLayer, PrunePlan
+from kconvert.pruning.kinds import CompensationKind, RepairKind
+from kconvert.pruning.plan import PruneLayer, PrunePlan
 from kconvert.pruning.reap import moe_layers
 
 
@@ -49,7 +50,8 @@ class FromData:
 
 
 def from_data(ckpt: Checkpoint, options: dict, gpu: GpuRequest, keep: int, criterion: str,
-              repair: str, compensate: str, echo: Callable[[str], None]) -> FromData:
+              repair: type[RepairKind], compensate: type[CompensationKind],
+              echo: Callable[[str], None]) -> FromData:
     """The plan of `reap --data` (module docstring)."""
     from kconvert.calibrate.data import load_calibration_data, real_tokens, shortfall
     from kconvert.calibrate.startup import phase
@@ -68,7 +70,7 @@ def from_data(ckpt: Checkpoint, options: dict, gpu: GpuRequest, keep: int, crite
     # Made and removed by rank 0 alone: ranks that each emptied and made it raced (EEXIST, or
     # one rank removing the folder another had just made).
     spill = (distributed.from_main(lambda: spill_directory(options["dst"], echo))
-             if compensate != "none" else None)
+             if compensate.refits else None)
     try:
         return _calibrate(ckpt, ids, options, gpu, keep, criterion, repair, compensate,
                           batch_size, spill, used, echo)
@@ -79,7 +81,8 @@ def from_data(ckpt: Checkpoint, options: dict, gpu: GpuRequest, keep: int, crite
 
 
 def _calibrate(ckpt: Checkpoint, ids: torch.Tensor, options: dict, gpu: GpuRequest, keep: int,
-               criterion: str, repair: str, compensate: str, batch_size: int,
+               criterion: str, repair: type[RepairKind], compensate: type[CompensationKind],
+               batch_size: int,
                spill: Path | None, used: dict, echo: Callable[[str], None]) -> FromData:
     from kconvert.calibrate.plan import planned_forward
     from kconvert.calibrate.run import measure_stats
@@ -94,18 +97,19 @@ def _calibrate(ckpt: Checkpoint, ids: torch.Tensor, options: dict, gpu: GpuReque
         with_repair,
     )
 
-    refit = repair != "none" or compensate != "none"
+    refit = repair.fits or compensate.refits
     text = ckpt.text_config
     stream = (stream_bytes(text["hidden_size"], torch.bfloat16.itemsize, ids.numel())
               if refit else 0)
-    if compensate != "none" and COMPENSATION_KINDS[compensate].trains:
+    if compensate.trains:
         stream += learned_bytes(text, min(REPAIR_TOKENS, ids.numel()), keep)
     fixer = None
     with planned_forward(gpu, ckpt, ids.shape, batch_size, torch.bfloat16,
                          "REAP's calibration", repair_bytes=stream) as memory:
         if refit:
             fixer = RouterRepair(
-                ckpt, ids, RepairSettings(repair, keep, criterion, compensate=compensate),
+                ckpt, ids, RepairSettings(repair.declaration.name, keep, criterion,
+                                          compensate=compensate.declaration.name),
                 gpu.device, batch_size=batch_size if memory is None else memory.batch_size,
                 spill=spill)
         measured = measure_stats(ckpt, ids, gpu.device, batch_size, on_weights=fixer,
@@ -173,8 +177,9 @@ def spill_directory(dst: str, echo: Callable[[str], None]) -> Path:
     return spill
 
 
-def dry_run(ckpt: Checkpoint, keep: int, repair: str, compensate: str, used: dict,
-            echo: Callable[[str], None]) -> FromData:
+def dry_run(ckpt: Checkpoint, keep: int, repair: type[RepairKind],
+            compensate: type[CompensationKind], used: dict, echo: Callable[[str], None]
+            ) -> FromData:
     """What a dry run of `reap --data` plans: the first `keep` experts of every MoE layer (the
     calibration would choose them; the output's sizes are the same), and placeholders of the
     source rows and matrices the run would repair or re-fit, of their shape on the meta device
@@ -185,15 +190,14 @@ def dry_run(ckpt: Checkpoint, keep: int, repair: str, compensate: str, used: dic
     echo(f"dry run: the calibration on --data chooses which {keep} experts each layer keeps; "
          f"the plan below keeps the first {keep} (the sizes are the same)")
     placeholders = []
-    kind = COMPENSATION_KINDS.get(compensate)  # None: no compensation
     for name, info in ckpt.tensors.items():
         tn = parse_name(name)
         if tn.layer not in layers:
             continue
         routed = tn.role is Role.ROUTED_EXPERT and tn.expert is not None and tn.expert < keep
-        refit = kind is not None and (routed or tn.role is Role.SHARED_EXPERT) and kind.refits(
+        refit = (routed or tn.role is Role.SHARED_EXPERT) and compensate.rewrites(
             tn.proj, tn.role is Role.SHARED_EXPERT)
-        rows = repair != "none" and tn.role in (Role.ROUTER_WEIGHT, Role.ROUTER_BIAS)
+        rows = repair.fits and tn.role in (Role.ROUTER_WEIGHT, Role.ROUTER_BIAS)
         if refit or rows:
             shape = (keep, *info.shape[1:]) if rows else info.shape
             placeholders.append((name, torch.empty(shape, dtype=info.torch_dtype,

@@ -20,18 +20,22 @@ from kconvert.methods import Method, MethodInputs, methods_of
 from kconvert.methods.hessians import Calibration
 from kconvert.model.names import TARGET_ROLES, Role, parse_name
 from kconvert.options import ACTIVATIONS, BLOCK_SCALE_RULES, CASTS, INPUT_SCALE, INPUT_SCALES
+from kconvert.plugins.methods import METHODS
 from kconvert.stages.base import (
     CALIBRATION_OPTIONS,
     MethodStage,
     StageKind,
     check_needs,
-    method_setting_names,
     method_settings,
     prepare_method,
+    with_method_records,
 )
 
 
-class QuantizeRecord(StageRecord):
+class QuantizeStageRecord(StageRecord):
+    """The quantize stage's own fields; QuantizeRecord adds its methods'."""
+
+
     targets: list[str] = Field(description="roles quantized")
     format: str = Field(description="compressed-tensors | modelopt | mxfp4-pack-quantized | "
                                     "quark-mxfp4")
@@ -47,17 +51,11 @@ class QuantizeRecord(StageRecord):
                           "given their layer's largest")
     activations: str | None = Field(None, description="MXFP4 activations: none (W4A16) or "
                                     "dynamic (W4A4, quantized at run time)")
-    method: str | None = Field(default=None, description="gptq when not round-to-nearest")
-    gptq_targets: list[str] | None = Field(
-        default=None, description="gptq: the targeted roles quantized by GPTQ (the others RTN)")
-    percdamp: float | None = None
-    blocksize: int | None = None
-    data: dict | None = Field(default=None, description="gptq: the calibration data")
-    steps: int | None = Field(default=None, description="learned: training steps per expert")
-    tokens: int | None = Field(default=None, description="learned: routed tokens per expert "
-                               "per step")
-    hessian: str | None = Field(default=None, description="where a data-driven method's layer "
-                                "inputs come from: sequential (absent: the source)")
+    method: str | None = Field(default=None, description="the method, when not "
+                               "round-to-nearest")
+
+
+QuantizeRecord = with_method_records(QuantizeStageRecord, "quantize")
 
 
 @dataclass(frozen=True)
@@ -317,6 +315,6 @@ def build(settings: dict, calibration: Calibration | None) -> Quantize:
 KIND = StageKind(Quantize.name, build, QuantizeRecord,
                  settings=("targets", "format", "block_scale", "cast", "act_stats",
                            "input_scale", "activations", "method",
-                           *method_setting_names(Quantize.name)),
+                           *METHODS.setting_names(Quantize.name)),
                  input_options=CALIBRATION_OPTIONS, input_type=Calibration,
-                 prepare=prepare_method(Quantize.name))
+                 prepare=prepare_method(Quantize.name), encodes=True, quantizes=True)

@@ -22,33 +22,31 @@ from kconvert.methods import Method, MethodInputs
 from kconvert.methods.hessians import Calibration
 from kconvert.model.names import Role
 from kconvert.options import SPARSIFY_STORAGES
+from kconvert.plugins.methods import METHODS
 from kconvert.stages.base import (
     CALIBRATION_OPTIONS,
     MethodStage,
     StageKind,
     check_needs,
-    method_setting_names,
     method_settings,
     prepare_method,
+    with_method_records,
 )
 
 GROUP_SIZES = (16, 32)
 
 
-class SparsifyRecord(StageRecord):
+class SparsifyStageRecord(StageRecord):
+    """The sparsify stage's own fields; SparsifyRecord adds its methods'."""
+
     pattern: Literal["p48"]
-    method: str = Field(description="magnitude | wanda | sparsegpt")
+    method: str = Field(description="the mask selection method")
     group_size: int
     storage: str = Field(description="dense | pair-bitmask")
     targets: list[str] = Field(description="roles made paired-4:8 sparse")
-    stats: str | None = Field(default=None, description="xxh3 of Wanda's stats.safetensors")
-    percdamp: float | None = None
-    blocksize: int | None = None
-    hessian: str | None = Field(default=None, description="sparsegpt: source | sequential")
-    data: dict | None = Field(default=None, description="SparseGPT's calibration data")
-    steps: int | None = Field(default=None, description="learned: training steps per expert")
-    tokens: int | None = Field(default=None, description="learned: routed tokens per expert "
-                               "per step")
+
+
+SparsifyRecord = with_method_records(SparsifyStageRecord, "sparsify")
 
 
 @dataclass(frozen=True)
@@ -100,7 +98,8 @@ def build(settings: dict, calibration: Calibration | None) -> Sparsify:
 
 KIND = StageKind(Sparsify.name, build, SparsifyRecord,
                  settings=("pattern", "method", "group_size", "storage", "stats",
-                           *method_setting_names(Sparsify.name)),
+                           *METHODS.setting_names(Sparsify.name)),
                  input_options=CALIBRATION_OPTIONS, input_type=Calibration,
                  prepare=prepare_method(Sparsify.name),
-                 followed_by=("quantize", "p48 output is NVFP4"))
+                 followed_by=("quantize", "p48 output is NVFP4"), encodes=True,
+                 sparsifies=True)

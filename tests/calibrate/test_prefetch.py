@@ -22,7 +22,8 @@ from kconvert.convert import RunControl, convert
 from kconvert.errors import KconvertError
 from kconvert.evaluate.run import evaluate
 from kconvert.io.checkpoint import open_checkpoint
-from kconvert.pruning.reap import CRITERIA, plan_from_scores, scores_of
+from kconvert.plugins.pruning import CRITERIA
+from kconvert.pruning.reap import plan_from_scores, scores_of
 from kconvert.recipes import load_recipe
 from kconvert.testing.tiny_moe import heldout_ids
 from oracles import per_expert_routed
@@ -163,7 +164,7 @@ def test_bf16_statistics_plans_and_eval_as_before(monkeypatch, tmp_path):
             # the same bf16 expert products; only fp32 summation orders differ
             torch.testing.assert_close(stats.tensors[k].double(), v.double(), rtol=1e-5,
                                        atol=1e-7, msg=k)
-    for criterion in CRITERIA:
+    for criterion in CRITERIA.names():
         for keep in (6, 12, 18):
             new = plan_from_scores(scores_of(stats), keep, criterion)
             old = plan_from_scores(scores_of(before), keep, criterion)

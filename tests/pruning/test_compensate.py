@@ -27,10 +27,10 @@ from helpers import (
     edit_tensor,
     write_input_ids,
 )
-from kconvert.cli.base import COMPENSATIONS as CLI_COMPENSATIONS
-from kconvert.pruning.plan import COMPENSATION_KINDS, PLAN_FILE, load_plan
-from kconvert.pruning.reap import CRITERIA, keep_ids, plan_from_scores, tensor_hash
-from kconvert.stages.prune import COMPENSATIONS
+from kconvert.cli import main
+from kconvert.plugins.pruning import COMPENSATIONS, CRITERIA
+from kconvert.pruning.plan import PLAN_FILE, load_plan
+from kconvert.pruning.reap import keep_ids, plan_from_scores, tensor_hash
 from kconvert.testing.tiny_moe import corpus_ids, windows
 
 FIXTURES = {"trained": ROOT / "tests" / "fixtures" / "tiny-moe-trained",
@@ -79,8 +79,10 @@ def made(tmp_path_factory) -> dict[str, Path]:
 
 
 def test_compensation_choices_agree():
-    assert CLI_COMPENSATIONS == COMPENSATIONS
-    assert ("none", *COMPENSATION_KINDS) == COMPENSATIONS
+    """--compensate offers every declared compensation kind, each one's class declaring it."""
+    option = next(p for p in main.commands["reap"].params if p.name == "compensate")
+    assert tuple(option.type.choices) == COMPENSATIONS.names("prune")
+    assert all(d.load().declaration is d for d in COMPENSATIONS)
 
 
 @pytest.mark.parametrize("run", [r for r in RUNS if not r.endswith("-again")])
@@ -178,7 +180,7 @@ def test_man_and_msan_rank_by_routed_token_means():
     man = plan_from_scores({1: s}, 2, "man").layers["1"].keep
     msan = plan_from_scores({1: s}, 2, "msan").layers["1"].keep
     assert man == keep_ids(torch.tensor([1.0, 5.0, 4.0, 0.0]), 2) == [1, 2]
-    assert msan == [1, 2] and {"man", "msan"} <= set(CRITERIA)
+    assert msan == [1, 2] and {"man", "msan"} <= set(CRITERIA.names())
     ean = plan_from_scores({1: s}, 2, "ean").layers["1"].keep
     assert ean == [0, 2]  # sums favour the often-routed expert; the means do not
 

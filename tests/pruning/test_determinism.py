@@ -12,8 +12,9 @@ from conftest import ROOT
 from helpers import cli_inproc, write_input_ids
 from kconvert.calibrate.run import measure_stats
 from kconvert.io.checkpoint import open_checkpoint
+from kconvert.plugins.pruning import CRITERIA
 from kconvert.pruning import repair
-from kconvert.pruning.reap import CRITERIA, keep_ids, plan_from_scores
+from kconvert.pruning.reap import keep_ids, plan_from_scores
 from kconvert.testing.tiny_moe import corpus_ids, windows
 
 SRC = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
@@ -77,7 +78,7 @@ def test_equal_scores_keep_the_lower_ids():
     assert keep_ids(torch.tensor([0.0, 1.0, 0.0, 0.0], dtype=torch.float64), 2) == [0, 1]
 
 
-@pytest.mark.parametrize("criterion", sorted(CRITERIA))
+@pytest.mark.parametrize("criterion", sorted(CRITERIA.names()))
 def test_a_keep_beyond_the_routed_experts_takes_the_lowest_never_routed_ids(criterion):
     """Experts 1, 3 and 4 were never routed (every score 0): keeping 5 of 6 keeps the three
     routed ones and, of the never-routed, the two lowest ids."""

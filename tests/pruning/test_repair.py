@@ -26,10 +26,10 @@ from helpers import (
     edit_tensor,
     write_input_ids,
 )
-from kconvert.cli.base import REPAIRS as CLI_REPAIRS
+from kconvert.cli import main
 from kconvert.errors import KconvertError
 from kconvert.io.checkpoint import open_checkpoint
-from kconvert.options import REPAIRS
+from kconvert.plugins.pruning import REPAIRS
 from kconvert.pruning.plan import PLAN_FILE, load_plan, parse_plan
 from kconvert.pruning.reap import row_hashes
 from kconvert.stages.prune import prune_stage
@@ -63,7 +63,10 @@ def made(tmp_path_factory) -> dict[str, Path]:
 
 
 def test_repair_choices_agree():
-    assert CLI_REPAIRS == REPAIRS
+    """--repair offers every declared repair kind, each one's class declaring it."""
+    option = next(p for p in main.commands["reap"].params if p.name == "repair")
+    assert tuple(option.type.choices) == REPAIRS.names("prune")
+    assert all(d.load().declaration is d for d in REPAIRS)
 
 
 def test_repair_none_is_todays_output(made):

@@ -20,8 +20,7 @@ from nvfp4_reference import sparsegpt_inverse, sparsegpt_p48_nvfp4
 
 from conftest import BUNDLED, ROOT
 from helpers import assert_audit_passes, cli_inproc, obs_problem, write_input_ids
-from kconvert import options
-from kconvert.cli import base as cli
+from kconvert.cli import main
 from kconvert.errors import KconvertError
 from kconvert.formats import nvfp4
 from kconvert.io.checkpoint import open_checkpoint
@@ -129,8 +128,10 @@ def test_sequential_hessians_follow_the_compressed_layers():
 
 
 def test_hessian_option_is_recorded_and_refused_without_sparsegpt(tmp_path):
-    assert cli.HESSIANS == options.HESSIANS  # one list, kconvert.options (no mirror)
-    assert SparseGpt.settings == ("hessian",)  # the default: options.HESSIANS[0]
+    # one declaration: the command line's choices are the settings model's
+    assert tuple(SparseGpt.declaration.settings.model_fields) == ("hessian",)
+    hessian = next(p for p in main.commands["sparsify"].params if p.name == "hessian")
+    assert tuple(hessian.type.choices) == ("source", "sequential")
     data = write_input_ids(tmp_path / "d.jsonl", (list(range(i, i + 16)) for i in range(2)))
     for mode in ("source", "sequential"):
         dst = tmp_path / mode
