@@ -1,0 +1,199 @@
+"""`kconvert audit --serve`: every kconvert output of the bundled fixture is READY for the
+engines the README's loader table says read it, and each planted defect (a wrong prefix in the
+ignore list, a reciprocal global scale, a zero W4A4 input scale, a BF16 routing bias, an MTP
+layer with the unpruned expert count, an expert count no common EP size divides) makes the
+right engine NOT READY, naming the file, the tensor and the engine's rule."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import BUNDLED
+from helpers import INDEX, assert_user_error, cli_inproc, edit_json, edit_tensor, file_tensors
+from kconvert.audit.serve import ENGINES
+from kconvert.audit.serve_checks import ep_divisors
+
+# (command, its options) -> the engines the README's loader table says read the output.
+OUTPUTS = {
+    "nvfp4-ct": (["int4-to-nvfp4"], ["vllm", "sglang"]),
+    "nvfp4-modelopt": (["int4-to-nvfp4", "--format", "modelopt"], ["vllm", "sglang", "trtllm"]),
+    "w4a4-ct": (["int4-to-nvfp4", "--input-scale", "one"], ["vllm", "sglang"]),
+    "w4a4-modelopt": (["int4-to-nvfp4", "--format", "modelopt", "--input-scale", "one"],
+                      ["vllm", "sglang", "trtllm"]),
+    "mxfp4-quark": (["int4-to-mxfp4", "--format", "quark-mxfp4"], ["vllm", "sglang"]),
+    "mxfp4-ct": (["int4-to-mxfp4", "--format", "mxfp4-pack-quantized"], ["vllm", "sglang"]),
+    "p48-dense": (["sparsify", "--method", "magnitude"], ["vllm", "sglang"]),
+    "bf16": (["dequant"], ["vllm", "sglang", "trtllm", "transformers"]),
+}
+
+
+def plan_file(root: Path, keep: int) -> Path:
+    path = root / f"plan-{keep}.json"
+    path.write_text(json.dumps({"criterion": "manual", "layers": {
+        str(layer): {"keep": list(range(keep))} for layer in (1, 2)}}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("serve")
+    made = {}
+    for name, (args, _) in OUTPUTS.items():
+        res = cli_inproc(args[0], BUNDLED, root / name, *args[1:], "--device", "cpu", "--quiet")
+        assert res.exit_code == 0, res.output
+        made[name] = root / name
+    for keep in (8, 15):
+        res = cli_inproc("reap", BUNDLED, root / f"pruned-{keep}", "--plan",
+                         plan_file(root, keep), "--device", "cpu", "--quiet")
+        assert res.exit_code == 0, res.output
+        made[f"pruned-{keep}"] = root / f"pruned-{keep}"
+    return made
+
+
+def serve_audit(ckpt: Path, engines: str = "auto") -> tuple[int, dict]:
+    res = cli_inproc("audit", ckpt, "--json", "--quiet", "--device", "cpu", "--serve", engines)
+    assert res.exit_code in (0, 1), res.output
+    return res.exit_code, json.loads(res.stdout)["serve"]
+
+
+def failures(serve: dict, engine: str) -> list[dict]:
+    return [c for c in serve[engine]["checks"] if not c["ok"]]
+
+
+def copy_of(src: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(src, tmp_path / "ckpt"))
+
+
+def shard_of(ckpt: Path, tensor: str) -> Path:
+    return ckpt / json.loads((ckpt / INDEX).read_text())["weight_map"][tensor]
+
+
+@pytest.mark.parametrize("name", [*OUTPUTS, "pruned-8"])
+def test_every_output_is_ready_for_its_engines(outputs, name):
+    code, serve = serve_audit(outputs[name])
+    expected = OUTPUTS[name][1] if name in OUTPUTS else ["vllm", "sglang"]  # reap keeps INT4
+    assert sorted(serve) == sorted(expected)
+    assert {e: failures(serve, e) for e in serve} == {e: [] for e in serve}
+    assert code == 0
+    for engine in serve:  # every check the engine's table row lists ran, with its source
+        ran = {c["name"]: c["source"] for c in serve[engine]["checks"]}
+        assert ran == {k: v[1] for k, v in ENGINES[engine].items()}
+
+
+def test_an_engine_that_does_not_read_the_format_is_not_ready(outputs):
+    code, serve = serve_audit(outputs["nvfp4-ct"], "trtllm,transformers")
+    assert code == 1 and set(serve) == {"trtllm", "transformers"}
+    for engine in serve:
+        assert {c["name"] for c in failures(serve, engine)} == {"format"}
+        assert "NVFP4 (compressed-tensors) is not read by" in failures(serve, engine)[0]["message"]
+
+
+def test_unknown_engine_is_a_usage_error(outputs):
+    assert_user_error(cli_inproc("audit", outputs["bf16"], "--serve", "vllm,tgi"),
+                      "unknown engine 'tgi'", code=2)
+
+
+def test_ignore_list_with_a_wrapper_prefix(outputs, tmp_path):
+    ckpt = copy_of(outputs["nvfp4-ct"], tmp_path)
+
+    def wrap(config: dict) -> None:
+        q = config["quantization_config"]
+        q["ignore"] = [e.replace("re:.*", "re:language_model\\.model\\.layers\\.\\d+\\.")
+                       if e.startswith("re:") else "language_model." + e for e in q["ignore"]]
+
+    edit_json(ckpt / "config.json", wrap)
+    code, serve = serve_audit(ckpt)
+    assert code == 1
+    for engine in ("vllm", "sglang"):
+        assert not serve[engine]["ready"]
+        bad = failures(serve, engine)
+        prefix = [c for c in bad if c["name"] == "name-prefix"]
+        assert prefix and all(c["file"] == "config.json" for c in prefix)
+        assert "'language_model'" in prefix[0]["message"] and "#18370" in prefix[0]["source"]
+        names = [c for c in bad if c["name"] == "quantized-names"]
+        attn = [c for c in names if c["tensor"] == "model.layers.0.self_attn.o_proj.weight"]
+        assert attn and "stored unquantized" in attn[0]["message"]
+        assert "should_ignore_layer" in attn[0]["source"] or "is_layer_excluded" in \
+            attn[0]["source"]
+
+
+@pytest.mark.parametrize("name,param", [("nvfp4-ct", "weight_global_scale"),
+                                        ("nvfp4-modelopt", "weight_scale_2")])
+def test_reciprocal_global_scale(outputs, tmp_path, name, param):
+    ckpt = copy_of(outputs[name], tmp_path)
+    tensor = f"model.layers.2.mlp.experts.3.up_proj.{param}"
+    edit_tensor(shard_of(ckpt, tensor), tensor, lambda t: 1.0 / t)
+    code, serve = serve_audit(ckpt)
+    assert code == 1
+    for engine in serve:
+        bad = failures(serve, engine)
+        assert [(c["name"], c["tensor"], c["file"]) for c in bad] == [
+            ("global-scale", tensor, shard_of(ckpt, tensor).name)], bad
+        assert "its reciprocal gives weights up to" in bad[0]["message"]
+
+
+def test_zero_input_scale_in_a_w4a4_output(outputs, tmp_path):
+    ckpt = copy_of(outputs["w4a4-ct"], tmp_path)
+    tensor = "model.layers.1.mlp.experts.7.down_proj.input_global_scale"
+    edit_tensor(shard_of(ckpt, tensor), tensor, torch.zeros_like)
+    code, serve = serve_audit(ckpt, "vllm")
+    assert code == 1 and list(serve) == ["vllm"]
+    bad = failures(serve, "vllm")
+    assert [(c["name"], c["tensor"]) for c in bad] == [("input-scales", tensor)]
+    assert bad[0]["file"] == shard_of(ckpt, tensor).name and "#45212" in bad[0]["source"]
+
+
+def test_bf16_routing_bias(outputs, tmp_path):
+    ckpt = copy_of(outputs["bf16"], tmp_path)
+    tensor = "model.layers.2.mlp.gate.e_score_correction_bias"
+    edit_tensor(shard_of(ckpt, tensor), tensor, lambda t: t.to(torch.bfloat16))
+    code, serve = serve_audit(ckpt)
+    assert code == 1 and set(serve) == {"vllm", "sglang", "trtllm", "transformers"}
+    for engine in serve:
+        bad = failures(serve, engine)
+        assert [(c["name"], c["tensor"]) for c in bad] == [("router-bias", tensor)]
+        assert "stored BF16" in bad[0]["message"]
+        assert "e_score_correction_bias" in bad[0]["source"]
+
+
+def test_mtp_layer_with_the_unpruned_expert_count(outputs, tmp_path):
+    """A pruned output (8 experts) given one MTP layer (layer 3) that holds the source's 16."""
+    ckpt = copy_of(outputs["pruned-8"], tmp_path)
+    source = {}
+    for path in sorted(BUNDLED.glob("*.safetensors")):
+        source.update({k: v for k, v in file_tensors(path).items()
+                       if k.startswith("model.layers.2.mlp.")})
+    mtp = {k.replace("model.layers.2.", "model.layers.3."): v for k, v in source.items()}
+    shard = "model-mtp.safetensors"
+    save_file(mtp, str(ckpt / shard), metadata={"format": "pt"})
+    edit_json(ckpt / INDEX, lambda index: index["weight_map"].update(dict.fromkeys(mtp, shard)))
+    edit_json(ckpt / "config.json", lambda c: c.update(num_nextn_predict_layers=1))
+    code, serve = serve_audit(ckpt)
+    assert code == 1
+    for engine in ("vllm", "sglang"):
+        counts = [c for c in failures(serve, engine) if c["name"] == "expert-counts"]
+        assert [c["message"].split(":")[0] for c in counts] == [
+            "MTP layer 3 holds 16 routed experts (ids 0..15), n_routed_experts is 8"]
+        assert counts[0]["file"] == "config.json" and "MTP" in counts[0]["source"]
+
+
+def test_expert_count_no_common_ep_size_divides(outputs):
+    code, serve = serve_audit(outputs["pruned-15"])
+    assert code == 1 and set(serve) == {"vllm", "sglang"}
+    for engine in serve:
+        bad = failures(serve, engine)
+        assert [c["name"] for c in bad] == ["ep-sizes"]
+        assert "15 routed experts" in bad[0]["message"] and "only 1, 3, 5, 15" in \
+            bad[0]["message"] and "#52435" in bad[0]["message"]
+
+
+def test_ep_divisors_of_full_size_counts():
+    assert ep_divisors(255) == [1, 3, 5, 15]  # a keep of 255: EP 2 does not split it
+    assert ep_divisors(256) == [1, 2, 4, 8, 16]
+    assert ep_divisors(384) == [1, 2, 3, 4, 6, 8, 12, 16]
