@@ -27,8 +27,9 @@ def run_audit(ckpt: str | Path, source: str | None = None, plan: str | None = No
               serve_engines: str | None = None) -> Report:
     """Audit CKPT on `device` (a torch device, or --device's spec for pick_device); returns
     the report (`report.passed`). `serve_engines`: --serve's value (None: not asked; "auto":
-    the engines that read CKPT's formats), whose verdicts are `report.serve`. Raises KconvertError when it cannot (CKPT is not a
-    directory, an unreadable plan or source, a bad --device)."""
+    the engines that read CKPT's formats), whose verdicts are `report.serve`. Raises
+    KconvertError when it cannot (CKPT is not a directory, an unreadable plan or source, a bad
+    --device)."""
     root = Path(ckpt)
     if not root.is_dir():
         raise KconvertError("CKPT is not a directory", file=str(root))

@@ -142,7 +142,7 @@ def quantized_names(served: Served) -> list[Problem]:
 def _exclusions(qconfig: dict) -> list[str]:
     if qconfig.get("quant_method") == nvfp4_modelopt.QUANT_METHOD:
         return list(modelopt_view(qconfig)["exclude_modules"])
-    return list(qconfig.get("ignore") or [])
+    return list(qconfig.get("ignore") or qconfig.get("exclude") or [])  # Quark: "exclude"
 
 
 # The literal first component of an ignore entry: "re:" and a leading "^" dropped, up to the
@@ -156,8 +156,8 @@ def name_prefixes(served: Served) -> list[Problem]:
     stored module or a prefix of one."""
     out = []
     for where, qconfig in quant_blocks(served.config):
-        known = {n for m in served.side.modules.values()
-                 if (n := governed_name(where, m.tn.module)) is not None}
+        known = {n for name in served.side.tensors
+                 if (n := governed_name(where, name.rsplit(".", 1)[0])) is not None}
         firsts = {n.split(".", 1)[0] for n in known}
         for entry in _exclusions(qconfig):
             if not isinstance(entry, str):
@@ -206,8 +206,8 @@ def global_scales(served: Served) -> list[Problem]:
         if as_stored == 0.0:
             continue  # zero rows: neither reading can be told apart
         if not (math.isfinite(as_stored) and as_stored <= PLAUSIBLE_MAX):
-            why = ("its reciprocal gives weights up to {:.3g}: the scale is stored in the other "
-                   "flavour's convention".format(reciprocal)
+            why = (f"its reciprocal gives weights up to {reciprocal:.3g}: the scale is stored in "
+                   "the other flavour's convention"
                    if math.isfinite(reciprocal) and reciprocal <= PLAUSIBLE_MAX
                    else "neither it nor its reciprocal gives plausible weights")
             out.append(Problem(
@@ -237,7 +237,7 @@ def input_scales(served: Served) -> list[Problem]:
         if not math.isfinite(value) or value <= 0:
             out.append(Problem(f"{param} = {value!r}: the engine's activation quantizer divides "
                                "by it (inf, then NaN output)", served.file_of(info), info.name))
-    for layer, experts in sorted(by_layer.items()):
+    for experts in by_layer.values():
         if not any(m.codec.input_scale_param in m.params for m in experts):
             continue
         for m in experts:

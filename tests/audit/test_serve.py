@@ -99,28 +99,32 @@ def test_unknown_engine_is_a_usage_error(outputs):
                       "unknown engine 'tgi'", code=2)
 
 
-def test_ignore_list_with_a_wrapper_prefix(outputs, tmp_path):
-    ckpt = copy_of(outputs["nvfp4-ct"], tmp_path)
+def test_exclude_list_with_a_wrapper_prefix(outputs, tmp_path):
+    """SGLang PR #18370's defect: exclude entries under `language_model.` over plain names, so
+    the engine quantizes the BF16 attention and dense MLP."""
+    ckpt = copy_of(outputs["nvfp4-modelopt"], tmp_path)
 
-    def wrap(config: dict) -> None:
-        q = config["quantization_config"]
-        q["ignore"] = [e.replace("re:.*", "re:language_model\\.model\\.layers\\.\\d+\\.")
-                       if e.startswith("re:") else "language_model." + e for e in q["ignore"]]
+    def wrap(entries: list[str]) -> list[str]:
+        return ["language_model." + e for e in entries]
 
-    edit_json(ckpt / "config.json", wrap)
+    edit_json(ckpt / "config.json", lambda c: c["quantization_config"].update(
+        ignore=wrap(c["quantization_config"]["ignore"])))
+    edit_json(ckpt / "hf_quant_config.json", lambda c: c["quantization"].update(
+        exclude_modules=wrap(c["quantization"]["exclude_modules"])))
     code, serve = serve_audit(ckpt)
-    assert code == 1
-    for engine in ("vllm", "sglang"):
+    assert code == 1 and set(serve) == {"vllm", "sglang", "trtllm"}
+    for engine in serve:
         assert not serve[engine]["ready"]
         bad = failures(serve, engine)
         prefix = [c for c in bad if c["name"] == "name-prefix"]
         assert prefix and all(c["file"] == "config.json" for c in prefix)
-        assert "'language_model'" in prefix[0]["message"] and "#18370" in prefix[0]["source"]
-        names = [c for c in bad if c["name"] == "quantized-names"]
-        attn = [c for c in names if c["tensor"] == "model.layers.0.self_attn.o_proj.weight"]
-        assert attn and "stored unquantized" in attn[0]["message"]
-        assert "should_ignore_layer" in attn[0]["source"] or "is_layer_excluded" in \
-            attn[0]["source"]
+        assert "begins with 'language_model'" in prefix[0]["message"]
+        names = {c["tensor"]: c for c in bad if c["name"] == "quantized-names"}
+        attn = names["model.layers.0.self_attn.o_proj.weight"]
+        assert "stored unquantized" in attn["message"] and attn["file"] == "config.json"
+        assert "is_layer_excluded" in attn["source"] or "excluded_from_quantization" in \
+            attn["source"]
+        assert {c["name"] for c in bad} == {"name-prefix", "quantized-names"}
 
 
 @pytest.mark.parametrize("name,param", [("nvfp4-ct", "weight_global_scale"),
