@@ -41,19 +41,31 @@ def plan_file(root: Path, keep: int) -> Path:
 
 
 @pytest.fixture(scope="module")
-def outputs(tmp_path_factory) -> dict[str, Path]:
+def printed(tmp_path_factory) -> dict[str, tuple[Path, str]]:
+    """Each output: its directory and what its conversion printed."""
     root = tmp_path_factory.mktemp("serve")
+    runs = {name: args for name, (args, _) in OUTPUTS.items()}
+    for keep in (8, 15):
+        runs[f"pruned-{keep}"] = ["reap", "--plan", str(plan_file(root, keep))]
     made = {}
-    for name, (args, _) in OUTPUTS.items():
+    for name, args in runs.items():
         res = cli_inproc(args[0], BUNDLED, root / name, *args[1:], "--device", "cpu", "--quiet")
         assert res.exit_code == 0, res.output
-        made[name] = root / name
-    for keep in (8, 15):
-        res = cli_inproc("reap", BUNDLED, root / f"pruned-{keep}", "--plan",
-                         plan_file(root, keep), "--device", "cpu", "--quiet")
-        assert res.exit_code == 0, res.output
-        made[f"pruned-{keep}"] = root / f"pruned-{keep}"
+        made[name] = (root / name, res.output)
     return made
+
+
+@pytest.fixture(scope="module")
+def outputs(printed) -> dict[str, Path]:
+    return {name: path for name, (path, _) in printed.items()}
+
+
+def test_a_conversion_warns_per_engine_not_ready(printed):
+    """The same checks end every conversion: a warning line per NOT READY engine, no failure."""
+    lines = [line for line in printed["pruned-15"][1].splitlines() if "NOT READY" in line]
+    assert [line.split(" NOT READY")[0] for line in lines] == ["warning: vllm", "warning: sglang"]
+    assert all("[ep-sizes]" in line and "--serve" in line for line in lines)
+    assert all("NOT READY" not in out for name, (_, out) in printed.items() if name != "pruned-15")
 
 
 def serve_audit(ckpt: Path, engines: str = "auto") -> tuple[int, dict]:
