@@ -126,6 +126,9 @@ class Report(Checks):
         out += self.serve_lines
         n_fail = sum(n for (_, _, s), n in self.per_check.items() if s == "fail")
         out += ["", "PASS: every check passed" if self.passed else f"FAIL: {n_fail} failure(s)"]
+        if not self.serve_ready:
+            out.append("NOT READY to serve: " + ", ".join(
+                e for e, v in (self.serve or {}).items() if not v["ready"]))
         return "\n".join(out)
 
     def _listing(self, items: list[Finding], severity: str) -> list[str]:

@@ -168,13 +168,17 @@ def parse_engines(spec: str | None) -> list[str] | None:
     bad = [n for n in names if n not in ENGINES]
     if bad:
         raise ValueError(f"unknown engine {bad[0]!r}: choose from {', '.join(ALL_ENGINES)} "
-                         f"or {AUTO}")
+                         f"or {AUTO} (a bare --serve before CKPT takes CKPT as its value: "
+                         "put it after CKPT)")
     return list(dict.fromkeys(names))
 
 
 def default_engines(side: Side) -> list[str]:
-    """Every engine the README's loader table says reads all of the checkpoint's formats."""
+    """Every engine the README's loader table says reads all of the checkpoint's formats (none
+    where NVFP4 is stored in blocks no engine reads)."""
     served = sc.Served(side)
+    if sc.block_problems(served):
+        return []
     codecs = {m.codec for m in served.linears} or {DenseCodec}
     return [e for e in ALL_ENGINES if all(e in READERS.get(c, ()) for c in codecs)]
 

@@ -94,14 +94,18 @@ Check = Callable[[Served], list[Problem]]
 
 
 def block_problems(served: Served) -> list[Problem]:
-    """NVFP4 matrices in blocks other than 16 (p48 --group-size 32): no engine's NVFP4 kernel."""
-    out = []
+    """NVFP4 matrices in blocks other than 16 (p48 --group-size 32): no engine's NVFP4 kernel
+    reads them; one problem per block size, naming its first matrix."""
+    first: dict[int, Linear] = {}
+    count: dict[int, int] = defaultdict(int)
     for m in served.linears:
-        if m.codec.grid == "nvfp4" and tensor_group(m) not in (None, NVFP4_BLOCK):
-            out.append(Problem(f"NVFP4 in blocks of {tensor_group(m)}; the engines' NVFP4 "
-                               f"kernels read blocks of {NVFP4_BLOCK}", served.file_of(m.primary),
-                               m.primary.name))
-    return out
+        group = tensor_group(m) if m.codec.grid == "nvfp4" else None
+        if group not in (None, NVFP4_BLOCK):
+            first.setdefault(group, m)
+            count[group] += 1
+    return [Problem(f"{count[g]} NVFP4 matrices in blocks of {g}, first this one; the engines' "
+                    f"NVFP4 kernels read blocks of {NVFP4_BLOCK}", served.file_of(m.primary),
+                    m.primary.name) for g, m in sorted(first.items())]
 
 
 def quantized_names(served: Served) -> list[Problem]:

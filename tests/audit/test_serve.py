@@ -30,6 +30,9 @@ OUTPUTS = {
     "mxfp4-ct": (["int4-to-mxfp4", "--format", "mxfp4-pack-quantized"], ["vllm", "sglang"]),
     "p48-dense": (["sparsify", "--method", "magnitude"], ["vllm", "sglang"]),
     "bf16": (["dequant"], ["vllm", "sglang", "trtllm", "transformers"]),
+    # MoESQ's patched vLLM only: no engine of the table
+    "p48-32": (["sparsify", "--method", "magnitude", "--group-size", "32"], []),
+    "p48-bitmask": (["sparsify", "--method", "magnitude", "--storage", "pair-bitmask"], []),
 }
 
 
@@ -104,6 +107,16 @@ def test_an_engine_that_does_not_read_the_format_is_not_ready(outputs):
     for engine in serve:
         assert {c["name"] for c in failures(serve, engine)} == {"format"}
         assert "NVFP4 (compressed-tensors) is not read by" in failures(serve, engine)[0]["message"]
+
+
+@pytest.mark.parametrize("name,says", [("p48-32", "96 NVFP4 matrices in blocks of 32"),
+                                       ("p48-bitmask", "pair-bitmask (compressed-tensors) is "
+                                                       "not read by vllm")])
+def test_p48_layouts_no_stock_engine_reads(outputs, name, says):
+    code, serve = serve_audit(outputs[name], "vllm")
+    assert code == 1
+    bad = failures(serve, "vllm")
+    assert [c["name"] for c in bad] == ["format"] and says in bad[0]["message"]
 
 
 def test_unknown_engine_is_a_usage_error(outputs):
