@@ -155,26 +155,29 @@ _LEADING = re.compile(r"^(?:re:)?\^?(?P<word>[A-Za-z_][A-Za-z0-9_]*)(?:\\\.|\.)"
 
 
 def name_prefixes(served: Served) -> list[Problem]:
-    """No ignore / exclude entry names a prefix the stored names lack (`language_model.` in a
-    list over plain `model.` names, or the other way round), and every plain entry names a
-    stored module or a prefix of one."""
+    """No ignore / exclude entry begins with a prefix the stored names lack (`language_model.`
+    over plain `model.` names) or lacks the one they have (`model.` under a wrapper's
+    `language_model.`), and every plain entry names a module. A wrapper's text_config block may
+    use either its stored or its language-model names (writers and loaders differ)."""
     out = []
+    stored = {name.rsplit(".", 1)[0] for name in served.side.tensors}
     for where, qconfig in quant_blocks(served.config):
-        known = {n for name in served.side.tensors
-                 if (n := governed_name(where, name.rsplit(".", 1)[0])) is not None}
+        known = stored | {n for name in stored if (n := governed_name(where, name)) is not None}
         firsts = {n.split(".", 1)[0] for n in known}
+        seconds = {parts[1] for n in known if len(parts := n.split(".", 2)) > 1}
         for entry in _exclusions(qconfig):
             if not isinstance(entry, str):
                 continue
             lead = _LEADING.match(entry)
-            plain = not entry.startswith("re:") and "*" not in entry
-            if lead and lead["word"] not in firsts:
+            rest = entry[lead.end():] if lead else ""
+            if lead and lead["word"] not in firsts and (
+                    lead["word"] in seconds or rest.split(".", 1)[0] in firsts):
                 out.append(Problem(
                     f"{where}'s ignore/exclude entry {entry!r} begins with {lead['word']!r}, "
-                    f"which no module name it governs does (they begin with "
-                    f"{', '.join(sorted(firsts))}): the engine matches it against nothing "
-                    "(SGLang PR #18370)", CONFIG))
-            elif plain and not any(n == entry or n.startswith(entry + ".") for n in known):
+                    f"which no module name does (they begin with {', '.join(sorted(firsts))}): "
+                    "the engine matches it against nothing (SGLang PR #18370)", CONFIG))
+            elif (not entry.startswith("re:") and "*" not in entry
+                  and not any(n == entry or n.startswith(entry + ".") for n in known)):
                 out.append(Problem(f"{where}'s ignore/exclude entry {entry!r} names no stored "
                                    "module", CONFIG))
     return out
@@ -292,7 +295,7 @@ def expert_counts(served: Served) -> list[Problem]:
             out.append(Problem(f"{kind} {layer} holds {len(ids)} routed experts (ids "
                                f"{min(ids)}..{max(ids)}), n_routed_experts is {n}: the engine "
                                "builds every MoE layer with n_routed_experts", CONFIG))
-    k = served.text.get("num_experts_per_tok")
+    k = served.text.get("num_experts_per_tok", served.text.get("num_experts_per_token"))
     if layers and not (isinstance(k, int) and isinstance(n, int) and 1 <= k <= n):
         out.append(Problem(f"num_experts_per_tok {k!r} is not within 1..n_routed_experts "
                            f"({n})", CONFIG))

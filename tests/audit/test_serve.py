@@ -226,3 +226,15 @@ def test_ep_divisors_of_full_size_counts():
     assert ep_divisors(255) == [1, 3, 5, 15]  # a keep of 255: EP 2 does not split it
     assert ep_divisors(256) == [1, 2, 4, 8, 16]
     assert ep_divisors(384) == [1, 2, 3, 4, 6, 8, 12, 16]
+
+
+@pytest.mark.parametrize("variant,fmt,engines", [
+    ("k25-int4", "modelopt", ["vllm", "sglang", "trtllm"]),
+    ("k26-int4", "compressed-tensors", ["vllm", "sglang"])])
+def test_wrapper_outputs_are_ready(converted, variant, fmt, engines):
+    """A K2.5/K2.6 wrapper's lists name `language_model.` and `vision_tower` modules, as its
+    stored names do: no prefix mismatch."""
+    _, out = converted(variant, "int4-to-nvfp4", format=fmt)
+    code, serve = serve_audit(out)
+    assert sorted(serve) == sorted(engines)
+    assert {e: failures(serve, e) for e in serve} == {e: [] for e in serve} and code == 0
