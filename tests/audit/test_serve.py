@@ -152,19 +152,21 @@ def test_exclude_list_with_a_wrapper_prefix(outputs, tmp_path):
         assert {c["name"] for c in bad} == {"name-prefix", "quantized-names"}
 
 
-@pytest.mark.parametrize("name,param", [("nvfp4-ct", "weight_global_scale"),
-                                        ("nvfp4-modelopt", "weight_scale_2")])
-def test_reciprocal_global_scale(outputs, tmp_path, name, param):
+@pytest.mark.parametrize("name,param,edit,says", [
+    ("nvfp4-ct", "weight_global_scale", lambda t: 1.0 / t, "its reciprocal gives weights up to"),
+    ("nvfp4-modelopt", "weight_scale_2", lambda t: 1.0 / t, "its reciprocal gives weights up to"),
+    ("nvfp4-ct", "weight_global_scale", torch.zeros_like, "weight_global_scale = 0.0")])
+def test_reciprocal_or_zero_global_scale(outputs, tmp_path, name, param, edit, says):
     ckpt = copy_of(outputs[name], tmp_path)
     tensor = f"model.layers.2.mlp.experts.3.up_proj.{param}"
-    edit_tensor(shard_of(ckpt, tensor), tensor, lambda t: 1.0 / t)
+    edit_tensor(shard_of(ckpt, tensor), tensor, edit)
     code, serve = serve_audit(ckpt)
     assert code == 1
     for engine in serve:
         bad = failures(serve, engine)
         assert [(c["name"], c["tensor"], c["file"]) for c in bad] == [
             ("global-scale", tensor, shard_of(ckpt, tensor).name)], bad
-        assert "its reciprocal gives weights up to" in bad[0]["message"]
+        assert says in bad[0]["message"]
 
 
 def test_zero_input_scale_in_a_w4a4_output(outputs, tmp_path):
@@ -176,6 +178,23 @@ def test_zero_input_scale_in_a_w4a4_output(outputs, tmp_path):
     bad = failures(serve, "vllm")
     assert [(c["name"], c["tensor"]) for c in bad] == [("input-scales", tensor)]
     assert bad[0]["file"] == shard_of(ckpt, tensor).name and "#45212" in bad[0]["source"]
+
+
+def test_missing_input_scale_of_one_expert(outputs, tmp_path):
+    """vLLM #45212: one routed expert without the input scale its layer's others have."""
+    ckpt = copy_of(outputs["w4a4-modelopt"], tmp_path)
+    gone = "model.layers.2.mlp.experts.11.gate_proj.input_scale"
+    shard = shard_of(ckpt, gone)
+    kept = {k: v for k, v in file_tensors(shard).items() if k != gone}
+    save_file(kept, str(shard), metadata={"format": "pt"})
+    edit_json(ckpt / INDEX, lambda index: index["weight_map"].pop(gone))
+    code, serve = serve_audit(ckpt, "sglang,trtllm")
+    assert code == 1
+    for engine in ("sglang", "trtllm"):
+        bad = failures(serve, engine)
+        assert [(c["name"], c["tensor"]) for c in bad] == [
+            ("input-scales", "model.layers.2.mlp.experts.11.gate_proj.weight")]
+        assert "loads it as 0" in bad[0]["message"]
 
 
 def test_bf16_routing_bias(outputs, tmp_path):
