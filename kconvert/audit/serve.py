@@ -191,7 +191,9 @@ def check_engines(side: Side, engines: Iterable[str] | None) -> dict[str, Engine
     for engine in default_engines(side) if engines is None else engines:
         result = EngineResult()
         for name, (check, source) in ENGINES[engine].items():
-            problems = ran[check] if check in ran else ran.setdefault(check, check(served))
+            if check not in ran:  # a check several engines share runs once
+                ran[check] = check(served)
+            problems = ran[check]
             if not problems:
                 result.checks.append(ServeCheck(name, source, True))
             result.checks += [ServeCheck(name, source, False, p.message, p.file, p.tensor)
