@@ -196,7 +196,7 @@ def check_engines(side: Side, engines: Iterable[str] | None) -> dict[str, Engine
             problems = ran[check]
             if not problems:
                 result.checks.append(ServeCheck(name, source, True))
-            result.checks += [ServeCheck(name, source, False, p.message, p.file, p.tensor)
+            result.checks += [ServeCheck(name, source, not p.fails, p.message, p.file, p.tensor)
                               for p in problems]
         out[engine] = result
     return out
@@ -239,6 +239,7 @@ def render_serve(results: dict[str, EngineResult]) -> list[str]:
         names = list(dict.fromkeys(c.name for c in r.checks))
         out.append(f"  {engine:<13} {'READY' if r.ready else 'NOT READY'}  "
                    f"({len(names)} checks: {', '.join(names)})")
+        out += [f"    ok [{c.name}] {c.message}" for c in r.checks if c.ok and c.message != "ok"]
         failed = [c for c in r.checks if not c.ok]
         for c in failed[:SHOWN_FAILURES]:
             where = ", ".join(x for x in (c.file, c.tensor) if x) or "checkpoint"

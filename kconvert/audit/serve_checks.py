@@ -45,6 +45,7 @@ class Problem(NamedTuple):
     message: str
     file: str | None = None
     tensor: str | None = None
+    fails: bool = True  # False: what a passed check reports (the EP sizes that work)
 
 
 @dataclass
@@ -308,16 +309,20 @@ def ep_divisors(count: int) -> list[int]:
 
 
 def ep_sizes(served: Served) -> list[Problem]:
-    """Some common expert-parallel size (2, 4, 8, 16) divides every layer's expert count
-    (vLLM #52435: n_physical_experts must be divisible by ep_size)."""
+    """The expert-parallel sizes 1-16 that divide each layer's expert count; failing where no
+    common size (2, 4, 8, 16) does (vLLM #52435: n_physical_experts must be divisible by
+    ep_size)."""
     out = []
     for count in sorted({len(ids) for ids in served.experts_per_layer().values()}):
-        sizes = ep_divisors(count)
-        if not set(sizes) & set(COMMON_EP_SIZES):
+        sizes = ", ".join(map(str, ep_divisors(count)))
+        if set(ep_divisors(count)) & set(COMMON_EP_SIZES):
+            out.append(Problem(f"{count} routed experts: expert-parallel sizes {sizes} divide "
+                               "it", CONFIG, fails=False))
+        else:
             out.append(Problem(f"{count} routed experts: no common expert-parallel size "
                                f"({', '.join(map(str, COMMON_EP_SIZES))}) divides it, only "
-                               f"{', '.join(map(str, sizes))} (vLLM #52435: n_physical_experts "
-                               "must be divisible by ep_size)", CONFIG))
+                               f"{sizes} (vLLM #52435: n_physical_experts must be divisible by "
+                               "ep_size)", CONFIG))
     return out
 
 

@@ -99,6 +99,11 @@ def test_every_output_is_ready_for_its_engines(outputs, name):
     for engine in serve:  # every check the engine's table row lists ran, with its source
         ran = {c["name"]: c["source"] for c in serve[engine]["checks"]}
         assert ran == {k: v[1] for k, v in ENGINES[engine].items()}
+        if "ep-sizes" in ran:  # the sizes that split the kept experts are listed
+            experts = 8 if name.startswith("pruned") else 16
+            assert [c["message"] for c in serve[engine]["checks"] if c["name"] == "ep-sizes"] \
+                == [f"{experts} routed experts: expert-parallel sizes "
+                    f"{', '.join(str(e) for e in range(1, 17) if experts % e == 0)} divide it"]
 
 
 def test_an_engine_that_does_not_read_the_format_is_not_ready(outputs):
