@@ -25,8 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kconvert import events
+from kconvert import distributed, events
 from kconvert.audit import audit
+from kconvert.audit.serve import serve_warnings
 from kconvert.calibrate import calibrate_to as calibrate
 from kconvert.convert import RunControl
 from kconvert.evaluate.report import EvalReport
@@ -132,6 +133,9 @@ def run_recipe(recipe: str, src: str, dst: str, *, revision: str | None = None,
     finally:
         unsubscribe()
     output = None if manifest is None else Path(dst)
+    if output is not None and distributed.is_main():
+        for line in serve_warnings(output):  # what `audit --serve` refuses warns here
+            note(line)
     return ConversionResult(recipe, src, output, manifest, time.perf_counter() - start,
                             messages, timings)
 

@@ -15,6 +15,8 @@ them, the manifest and its typed RunRecord, the plan), run in order by auditor.r
   mapping), the config, every source tensor accounted for, non-weight files identical.
 * scales.py: no NaN/Inf anywhere, scales of the right sign, fused sets sharing their scales.
 * p48.py (when the run's record declares it): every chunk of the declared roles is p48.
+* serve.py (--serve ENGINE): what each serving engine's loader depends on (serve_checks.py),
+  READY / NOT READY per engine.
 * stream.py: the pass that reads every byte once and runs the checks on data (hashes,
   NaN/Inf, scale values, p48, byte and decode comparisons against the source; decode.py,
   worker.py).
@@ -31,10 +33,12 @@ from kconvert.callable_package import callable_package
 def audit(ckpt: str, *, source: str | None = None, plan: str | None = None,
           device: str = "auto", revision: str | None = None, max_rel_mse: float | None = None,
           chunk_mb: int = CHUNK >> 20, progress: bool = False,
-          gpu_memory: str | int | None = None) -> Report:
+          gpu_memory: str | int | None = None, serve: str | None = None) -> Report:
     """`kconvert audit CKPT` in the Python API (kconvert.audit(...)): the report
     (`report.passed`, `report.render()`, `report.to_json()`); a failed check is in the report,
-    not an exception. `gpu_memory` caps its GPU memory (kconvert.gpu_budget)."""
+    not an exception. `gpu_memory` caps its GPU memory (kconvert.gpu_budget). `serve`:
+    "vllm,sglang"-like engines (or "auto") whose loaders' checks run too
+    (kconvert.audit.serve; `report.serve`, `report.serve_ready`)."""
     from kconvert.devices import pick_device
     from kconvert.gpu_budget import GpuRequest, size_option
 
@@ -42,7 +46,8 @@ def audit(ckpt: str, *, source: str | None = None, plan: str | None = None,
     with gpu.enforced("audit", "--chunk-mb"):
         # Through the module, so that a test can stand in for auditor.run_audit.
         return auditor.run_audit(ckpt, source, plan, gpu.device, revision, progress=progress,
-                                 max_rel_mse=max_rel_mse, chunk=chunk_mb << 20)
+                                 max_rel_mse=max_rel_mse, chunk=chunk_mb << 20,
+                                 serve_engines=serve)
 
 
 callable_package(__name__, audit)

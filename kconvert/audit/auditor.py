@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from kconvert.audit import input_scales, manifest_checks, p48, scales, source, stream
+from kconvert.audit import input_scales, manifest_checks, p48, scales, serve, source, stream
 from kconvert.audit.context import AuditContext, open_side
 from kconvert.audit.report import Report
 from kconvert.checks.quant_config import check_quant_config
@@ -23,11 +23,13 @@ CHUNK = 8 << 20  # default bytes per streamed piece of a plain tensor
 
 def run_audit(ckpt: str | Path, source: str | None = None, plan: str | None = None,
               device: str | torch.device = "auto", revision: str | None = None,
-              progress: bool = False, max_rel_mse: float | None = None, chunk: int = CHUNK
-              ) -> Report:
+              progress: bool = False, max_rel_mse: float | None = None, chunk: int = CHUNK,
+              serve_engines: str | None = None) -> Report:
     """Audit CKPT on `device` (a torch device, or --device's spec for pick_device); returns
-    the report (`report.passed`). Raises KconvertError when it cannot (CKPT is not a
-    directory, an unreadable plan or source, a bad --device)."""
+    the report (`report.passed`). `serve_engines`: --serve's value (None: not asked; "auto":
+    the engines that read CKPT's formats), whose verdicts are `report.serve`. Raises
+    KconvertError when it cannot (CKPT is not a directory, an unreadable plan or source, a bad
+    --device)."""
     root = Path(ckpt)
     if not root.is_dir():
         raise KconvertError("CKPT is not a directory", file=str(root))
@@ -44,6 +46,10 @@ def run_audit(ckpt: str | Path, source: str | None = None, plan: str | None = No
                            max_rel_mse, max(8, chunk // 8 * 8), progress, plan=prune_plan)
         try:
             _run_families(ctx)
+            if serve_engines is not None:
+                results = serve.check_engines(ctx.ckpt, serve.parse_engines(serve_engines))
+                report.serve = serve.serve_json(results)
+                report.serve_lines = serve.render_serve(results)
         finally:
             ctx.ckpt.close()
     finally:

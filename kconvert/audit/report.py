@@ -33,11 +33,19 @@ class Report(Checks):
         self.notes: list[str] = []
         self.layers: dict[int, LayerRow] = {}
         self.mapping: dict[str, dict] = {}
+        # --serve: {engine: {"ready", "checks"}} and its table lines (kconvert.audit.serve).
+        self.serve: dict[str, dict] | None = None
+        self.serve_lines: list[str] = []
 
     @property
     def passed(self) -> bool:
         return not any(f.severity == "fail" for f in self.findings) and not any(
             self.failed.values())
+
+    @property
+    def serve_ready(self) -> bool:
+        """Every engine --serve checked is READY (True where none was)."""
+        return all(e["ready"] for e in (self.serve or {}).values())
 
     def row(self, layer: int) -> LayerRow:
         return self.layers.setdefault(layer, LayerRow())
@@ -69,6 +77,7 @@ class Report(Checks):
         warns = [f for f in self.findings if f.severity == "warn"]
         omitted = {f"{g}/{c}/{s}": n - MAX_STORED_PER_CHECK
                    for (g, c, s), n in self.per_check.items() if n > MAX_STORED_PER_CHECK}
+        serve = {} if self.serve is None else {"serve": self.serve}
         return {
             "ckpt": self.ckpt, "source": self.source, "plan": self.plan,
             "passed": self.passed,
@@ -79,6 +88,7 @@ class Report(Checks):
             "notes": self.notes,
             "mapping": self.mapping,
             "layers": {str(k): vars(v) for k, v in sorted(self.layers.items())},
+            **serve,
         }
 
     def render(self) -> str:
@@ -113,8 +123,12 @@ class Report(Checks):
             items = [f for f in self.findings if f.severity == severity]
             if items:
                 out += ["", f"{title}:", *self._listing(items, severity)]
+        out += self.serve_lines
         n_fail = sum(n for (_, _, s), n in self.per_check.items() if s == "fail")
         out += ["", "PASS: every check passed" if self.passed else f"FAIL: {n_fail} failure(s)"]
+        if not self.serve_ready:
+            out.append("NOT READY to serve: " + ", ".join(
+                e for e, v in (self.serve or {}).items() if not v["ready"]))
         return "\n".join(out)
 
     def _listing(self, items: list[Finding], severity: str) -> list[str]:

@@ -192,13 +192,18 @@ def eval_cmd(ctx, src, candidates, data, out, samples, seq_len, batch_size, seed
 @click.option("--chunk-mb", type=click.IntRange(1, 1024), default=AUDIT_CHUNK_MB,
               show_default=True, help="Bytes read per piece of a large tensor; pieces in "
                                       "flight hold about 8x this.")
+@click.option("--serve", "serve", is_flag=False, flag_value="auto", default=None,
+              metavar="ENGINE[,ENGINE]", callback=lambda _c, _p, v: _serve_engines(v),
+              help="Also check what each serving engine's loader depends on (vllm, sglang, "
+                   "trtllm, transformers; no value or auto: the engines that read CKPT's "
+                   "format): READY / NOT READY per engine (docs/audit.md).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def audit(ckpt, source, plan_path, as_json, device, gpu_memory, revision, max_rel_mse, chunk_mb,
-          quiet):
+          serve, quiet):
     """Check that CKPT is what its config, manifest and plan say; exit 0 only if all pass.
 
-    Exit status: 0 every check passed, 1 some check failed or the audit could not run, 2 a
-    usage error.
+    Exit status: 0 every check passed (and every --serve engine is READY), 1 some check
+    failed, an engine is NOT READY or the audit could not run, 2 a usage error.
     """
     from kconvert.api import audit as run_audit
 
@@ -206,9 +211,20 @@ def audit(ckpt, source, plan_path, as_json, device, gpu_memory, revision, max_re
         raise click.UsageError("--revision applies only with --source (a Hub repo id)")
     report = run_audit(ckpt, source=source, plan=plan_path, device=device, revision=revision,
                        max_rel_mse=max_rel_mse, chunk_mb=chunk_mb, progress=not quiet,
-                       gpu_memory=gpu_memory)
+                       gpu_memory=gpu_memory, serve=serve)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=1, default=str))
     else:
         click.echo(report.render())
-    sys.exit(0 if report.passed else 1)
+    sys.exit(0 if report.passed and report.serve_ready else 1)
+
+
+def _serve_engines(value: str | None) -> str | None:
+    """--serve's value, refused as a usage error where it names an unknown engine."""
+    from kconvert.audit.serve import parse_engines
+
+    try:
+        parse_engines(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--serve'") from None
+    return value
