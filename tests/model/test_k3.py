@@ -186,12 +186,16 @@ def test_dequant_round_trips(k3, tmp_path):
 
 
 @pytest.mark.parametrize("command", [
-    ["calibrate", "-o", "STATS"],
-    ["eval", "SRC", "-o", "EVAL"],
+    ["calibrate", "-o", "DST"],
+    ["eval", "SRC", "-o", "DST"],
     ["reap", "DST", "--keep", "8"],
     ["quantize", "DST", "--method", "gptq"],
+    ["quantize", "DST", "--method", "learned"],
+    ["sparsify", "DST", "--method", "sparsegpt"],
+    ["sparsify", "DST", "--method", "learned"],
 ])
-def test_data_driven_commands_stop_with_one_line(k3, tmp_path, command):
+def test_data_driven_commands_stop_with_one_line_before_dst(k3, tmp_path, command):
+    """The refusal comes before the output is touched: no DST, no shard, no .kconvert/."""
     data = write_input_ids(tmp_path / "d.jsonl", [list(range(1, 17))])
     args = [str(k3) if a == "SRC" else str(tmp_path / a) if a.isupper() else a
             for a in command[1:]]
@@ -199,6 +203,7 @@ def test_data_driven_commands_stop_with_one_line(k3, tmp_path, command):
                      "--device", "cpu")
     assert_user_error(res, "not supported for this architecture yet", "Kimi-K3")
     assert sum("kconvert: error:" in line for line in res.output.splitlines()) == 1
+    assert not (tmp_path / "DST").exists(), sorted(p.name for p in (tmp_path / "DST").rglob("*"))
 
 
 def test_audit_catches_a_layer_of_the_wrong_attention_kind(k3, tmp_path):
