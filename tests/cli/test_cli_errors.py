@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BUNDLED
+from conftest import BUNDLED, ROOT
 from helpers import assert_user_error, cli_inproc, small_fs, source_copy, write_input_ids
 from kconvert.errors import KconvertError
 from kconvert.recipes import load_recipe
 
 MANIFEST = "kconvert-manifest.json"
+TRAINED = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +118,21 @@ def test_broken_symlink_in_source_is_found_before_anything_is_written(tmp_path):
     assert_user_error(cli_inproc("int4-to-nvfp4", src, dst, "--quiet"), str(src / "extra"),
                       "symlink to a directory")
     assert not dst.exists() or not any(dst.iterdir())
+
+
+@pytest.mark.parametrize(("asked", "said"), [
+    (["--compensate", "learned"], "learned compensation needs"),
+    (["--repair", "bias"], "router repair needs"),
+    (["--repair", "bias", "--compensate", "down"], "router repair and down compensation need"),
+])
+def test_too_little_data_names_what_needs_it(asked, said, tmp_path):
+    """One calibration sequence leaves none held out: the message names what was asked (it
+    used to blame router repair for a compensation)."""
+    data = write_input_ids(tmp_path / "d.jsonl", [[(7 * j) % 250 for j in range(16)]])
+    res = cli_inproc("reap", TRAINED, tmp_path / "out", "--data", data, "--keep", 12,
+                     "--samples", 1, "--seq-len", 16, "--device", "cpu", "--quiet", *asked)
+    assert_user_error(res, f"{said} at least 2 calibration sequences")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("readers", ["0", "-1"])
