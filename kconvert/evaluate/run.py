@@ -196,10 +196,10 @@ def _measure(models: list[tuple[str, Checkpoint, Any]], input_ids: torch.Tensor,
         device=device, device_bytes=None if gpu_plan is None else gpu_plan.prefetch_bytes)
     # Source layer L, then each candidate's layer L: the next one read while one computes.
     jobs = [(i, layer) for layer in range(n_layers) for i in range(len(streams))]
-    bar = tqdm(total=n_layers + 1, desc="eval", unit="layer",
-               disable=quiet or not distributed.is_main())
     t_layer = time.perf_counter()
-    with torch.no_grad():
+    # The bar is closed however the pass ends: its line is ended before an error is printed.
+    with torch.no_grad(), tqdm(total=n_layers + 1, desc="eval", unit="layer",
+                               disable=quiet or not distributed.is_main()) as bar:
         for (i, layer), loaded, timing in prefetcher.layers(
                 jobs, lambda job: f"{streams[job[0]].label} layer {job[1]}"):
             t_loaded = time.perf_counter()
@@ -243,7 +243,6 @@ def _measure(models: list[tuple[str, Checkpoint, Any]], input_ids: torch.Tensor,
         results, nll_source = _compare_logits(streams, batches, valid, targets, scored,
                                               device, dtype)
         bar.update()
-    bar.close()
     # on the CPU, for the other ranks
     return _Part([e.merge(()) for e in errors], results, nll_source, layer_seconds,
                  prefetcher.summary(src.cfg.first_k_dense_replace, len(streams)))

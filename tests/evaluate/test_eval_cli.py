@@ -146,6 +146,21 @@ def test_non_finite_hidden_states_name_the_candidate_file_and_tensor(data, tmp_p
                       f"(file model-00002-of-000004.safetensors, tensor {name})")
 
 
+def test_an_error_starts_its_own_line_after_the_progress_bar(data, tmp_path):
+    """The bar's line is ended before the error is printed (it used to be left open, and the
+    error line was appended to it on a terminal)."""
+    cand = source_copy(tmp_path)
+    edit_tensor(cand / "model-00002-of-000004.safetensors",
+                "model.layers.1.self_attn.o_proj.weight", set_at((0, 0), float("nan")))
+    res = cli_inproc("eval", BUNDLED, cand, "--data", data, "--seq-len", 16, "--samples", 3,
+                     "--device", "cpu")
+    assert_user_error(res, "non-finite hidden states")
+    assert "eval:" in res.output  # the bar was drawn
+    lines = res.output.split("\n")  # not splitlines: a bar's "\r" redraws the same line
+    assert [line for line in lines if "kconvert: error:" in line][0].startswith(
+        "kconvert: error:"), res.output
+
+
 def test_an_earlier_report_is_replaced_only_with_overwrite(data, tmp_path):
     out = tmp_path / "ev"
     args = ("eval", TINY_MOE, TINY_MOE, "--data", data, "--seq-len", 8, "--samples", 1,
