@@ -121,9 +121,9 @@ def test_broken_symlink_in_source_is_found_before_anything_is_written(tmp_path):
 
 
 @pytest.mark.parametrize(("asked", "said"), [
-    (["--compensate", "learned"], "learned compensation needs"),
-    (["--repair", "bias"], "router repair needs"),
-    (["--repair", "bias", "--compensate", "down"], "router repair and down compensation need"),
+    (["--compensate", "learned"], "learned compensation"),
+    (["--repair", "bias"], "router repair"),
+    (["--repair", "bias", "--compensate", "down"], "router repair and down compensation"),
 ])
 def test_too_little_data_names_what_needs_it(asked, said, tmp_path):
     """One calibration sequence leaves none held out: the message names what was asked (it
@@ -131,7 +131,7 @@ def test_too_little_data_names_what_needs_it(asked, said, tmp_path):
     data = write_input_ids(tmp_path / "d.jsonl", [[(7 * j) % 250 for j in range(16)]])
     res = cli_inproc("reap", TRAINED, tmp_path / "out", "--data", data, "--keep", 12,
                      "--samples", 1, "--seq-len", 16, "--device", "cpu", "--quiet", *asked)
-    assert_user_error(res, f"{said} at least 2 calibration sequences")
+    assert_user_error(res, f"kconvert: error: {said}: at least 2 calibration sequences")
     assert not (tmp_path / "out").exists()
 
 

@@ -157,7 +157,7 @@ def test_an_error_starts_its_own_line_after_the_progress_bar(data, tmp_path):
     assert_user_error(res, "non-finite hidden states")
     assert "eval:" in res.output  # the bar was drawn
     lines = res.output.split("\n")  # not splitlines: a bar's "\r" redraws the same line
-    assert [line for line in lines if "kconvert: error:" in line][0].startswith(
+    assert next(line for line in lines if "kconvert: error:" in line).startswith(
         "kconvert: error:"), res.output
 
 
