@@ -71,8 +71,8 @@ def test_prune_ratio_without_n_routed_experts_names_config_and_key(stats_dir, tm
 
 
 @pytest.mark.parametrize(("key", "value", "said"), [
-    ("num_experts_per_tok", None, "num_experts_per_tok is missing"),
-    ("n_routed_experts", "16", "n_routed_experts is '16', not a positive integer"),
+    ("num_experts_per_tok", None, "config.json has no num_experts_per_tok"),
+    ("n_routed_experts", "16", "n_routed_experts is '16': input should be a valid integer"),
 ])
 def test_reap_needs_integer_routing_keys(key, value, said, stats_dir, tmp_path):
     """Without num_experts_per_tok `reap --keep 1` used to write a model transformers refuses;
