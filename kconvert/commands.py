@@ -58,7 +58,8 @@ def run_conversion(recipe_name: str, src: str, dst: str, options: Mapping[str, o
     # notes go.
     prepared = {**given, "dst": str(dst), "dry_run": run.dry_run, "echo": echo}
     return convert.convert(src, dst, recipe, settings, run, revision=revision, echo=echo,
-                           prepare=preparer(recipe, prepared, gpu), gpu=gpu)
+                           prepare=preparer(recipe, prepared, gpu), gpu=gpu,
+                           forward="data" in given)
 
 
 def check_run_control(run: convert.RunControl) -> None:

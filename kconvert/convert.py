@@ -44,6 +44,7 @@ from kconvert.io.remote import open_headers
 from kconvert.io.stream import SOURCE_DIR, ShardStream, StreamedShard, open_streamed
 from kconvert.io.workspace import Workspace
 from kconvert.manifest import Manifest
+from kconvert.model.arch import arch_of
 from kconvert.options import STREAM_WINDOW
 from kconvert.recipes import Recipe
 from kconvert.run_plan import plan_run
@@ -102,13 +103,14 @@ def _stats_hash(stages: list[Stage]) -> str | None:
 def convert(src: str, dst: str, recipe: Recipe, settings: Mapping[str, object],
             run: RunControl, revision: str | None = None, echo=print,
             prepare: Callable[[Checkpoint], Mapping[str, object]] | None = None,
-            gpu: GpuRequest | None = None) -> Manifest | None:
+            gpu: GpuRequest | None = None, forward: bool = False) -> Manifest | None:
     """Run `recipe` on SRC into DST; non-None `settings` (by name) override its stages'.
 
     `prepare(ckpt)` returns, by stage kind, the inputs that need the opened source (see
     StageKind.input_type), e.g. {"prune": the Prune stage of a plan checked against it}.
     `gpu`: the run's GpuRequest, which `prepare` shares (commands.run_conversion); default:
-    `run`'s device and --gpu-memory.
+    `run`'s device and --gpu-memory. `forward`: the run streams calibration data through
+    the model's layers (--data), which the source's family must support.
     """
     request = gpu if gpu is not None else GpuRequest(run.device, run.gpu_memory)
     if not run.dry_run:
@@ -120,6 +122,10 @@ def convert(src: str, dst: str, recipe: Recipe, settings: Mapping[str, object],
         echo(f"{src}@{ckpt.identity['revision']}: files in {ckpt.root}")
     main = distributed.is_main()
     try:
+        # What the source's family cannot do is refused before DST is touched.
+        unsupported = arch_of(ckpt.text_config).unsupported_forward() if forward else None
+        if unsupported is not None:
+            raise KconvertError(unsupported, file=str(ckpt.root / "config.json"))
         # DST is checked, and its lock taken, before any work: a calibration never runs for a
         # DST that would be refused, nor beside another run into it.
         distributed.from_main(lambda: output_dir.check_dst(ckpt.root, Path(dst), run.resume,

@@ -29,6 +29,7 @@ from kconvert.formats import SOURCE_CODECS
 from kconvert.io.checkpoint import CONFIG
 from kconvert.io.files import hash_file
 from kconvert.manifest import MANIFEST, read_manifest
+from kconvert.model.arch import arch_of
 from kconvert.model.names import Role, parse_name
 from kconvert.pruning.plan import PLAN_FILE, load_plan
 from kconvert.stages.records import RunRecord
@@ -209,9 +210,10 @@ def _check_record(ctx: AuditContext) -> None:
     if prune is None:
         return
     r = ctx.report
-    n = text_config(ctx.ckpt.ckpt.config).get("n_routed_experts")
+    arch = arch_of(text_config(ctx.ckpt.ckpt.config))
+    n = arch.get("experts")
     r.check(M, n == prune.kept_per_layer, "keep", f"manifest records keep="
-            f"{prune.kept_per_layer} but n_routed_experts is {n}", file=CONFIG)
+            f"{prune.kept_per_layer} but {arch.experts_key} is {n}", file=CONFIG)
     path = ctx.ckpt.root / PLAN_FILE
     got = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "missing"
     r.check(M, got == prune.plan, "plan", f"the manifest records plan sha256 "

@@ -20,20 +20,22 @@ import torch
 
 from kconvert.audit.bits import same_bits
 from kconvert.audit.context import AuditContext, Side
-from kconvert.checks.findings import short
+from kconvert.checks.findings import short, text_config
 from kconvert.formats import DenseCodec, router_format
 from kconvert.formats.base import Codec
 from kconvert.io.checkpoint import CONFIG
 from kconvert.io.files import hash_file
 from kconvert.io.shards import TensorInfo
+from kconvert.model.arch import arch_of
 from kconvert.model.names import Role, parse_name
 from kconvert.pruning.plan import LayerRepair
 from kconvert.pruning.reap import row_hashes
 
 SRC = "source"
-# Config keys that pruning / quantization legitimately change.
-CHANGEABLE_CONFIG_KEYS = {"quantization_config", "n_routed_experts", "n_group", "topk_group",
-                          "torch_dtype", "dtype", "transformers_version"}
+# Config keys that quantization legitimately changes, and pruning's routing fallback to one
+# expert group (its expert count is checked against the kept count, `check_config`).
+CHANGEABLE_CONFIG_KEYS = {"quantization_config", "topk_group", "torch_dtype", "dtype",
+                          "transformers_version"}
 # A router row in another format than its source's (MXFP4 from BF16) must decode within this
 # relative squared error of its source row: MXFP4 gives about 0.01, another expert's row ~2.
 ROUTER_REL_MSE = 0.05
@@ -271,11 +273,21 @@ def check_plan_alone(ctx: AuditContext) -> None:
 
 
 def check_config(ctx: AuditContext) -> None:
-    """The config is the source's but for the keys pruning / quantization change."""
+    """The config is the source's but for the keys pruning / quantization change; the routed
+    expert count (by the family's key, kconvert.model.arch) is the kept count where CKPT is
+    pruned."""
     r = ctx.report
+    arch = arch_of(text_config(ctx.source.ckpt.config))
+    kept = _kept_count(ctx)
     a, b = _flatten(ctx.source.ckpt.config), _flatten(ctx.ckpt.ckpt.config)
     for key in sorted(set(a) | set(b)):
-        if key.rsplit(".", 1)[-1] in CHANGEABLE_CONFIG_KEYS:
+        last = key.rsplit(".", 1)[-1]
+        if last in CHANGEABLE_CONFIG_KEYS or last == arch.groups_key:
+            continue
+        if last == arch.experts_key and kept is not None and key in a and key in b:
+            r.check(SRC, b[key] == kept, "config", f"config {key} = {short(b[key])}, but "
+                    f"CKPT keeps {kept} of the source's {short(a[key])} experts per layer",
+                    file=CONFIG)
             continue
         if key not in b:
             r.add(SRC, "config", f"config key {key} (source: {short(a[key])}) was removed",
@@ -286,6 +298,17 @@ def check_config(ctx: AuditContext) -> None:
         else:
             r.check(SRC, a[key] == b[key], "config", f"config {key} = {short(b[key])}, the "
                     f"source has {short(a[key])}", file=CONFIG)
+
+
+def _kept_count(ctx: AuditContext) -> int | None:
+    """Routed experts per MoE layer of a pruned CKPT: the manifest's record, else the plan's,
+    else what the expert mapping found in every layer; None where no pruning is known."""
+    prune = ctx.record.prune if ctx.record is not None else None
+    if prune is not None:
+        return prune.kept_per_layer
+    counts = ({len(entry.keep) for entry in ctx.plan.layers.values()} if ctx.plan is not None
+              else {len(m) for m in ctx.mapping.values()})
+    return counts.pop() if len(counts) == 1 else None
 
 
 def _flatten(d: object, prefix: str = "") -> dict[str, object]:

@@ -113,6 +113,7 @@ GENERATE_ONLY = ("new_tokens", "prompt_tokens", "temperature", "sample_seed",
               help="Compare two files of continuations any engine wrote ({\"prompt\", "
                    "\"completion\"} a line) instead of running checkpoints.")
 @apply_options(LOOP_OPTIONS)
+@click.option("--overwrite", is_flag=True, help="Replace an eval report already in -o DIR.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the report as JSON (the table and messages go to stderr).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
@@ -120,7 +121,7 @@ GENERATE_ONLY = ("new_tokens", "prompt_tokens", "temperature", "sample_seed",
 def eval_cmd(ctx, src, candidates, data, out, samples, seq_len, batch_size, seed, device,
              gpu_memory, dtype, tokenizer, allow_short_data, generate, new_tokens,
              prompt_tokens, temperature, sample_seed, generate_batch_size, generations,
-             loop_max_period, loop_min_copies, loop_min_cover, as_json, quiet):
+             loop_max_period, loop_min_copies, loop_min_cover, overwrite, as_json, quiet):
     """Compare each CANDIDATE with SRC on the same tokens, layer by layer.
 
     Per decoder layer: accumulated and local relative error of the hidden states; at the end:
@@ -169,7 +170,7 @@ def eval_cmd(ctx, src, candidates, data, out, samples, seq_len, batch_size, seed
         generate_batch_size, rule)
     report = run_eval(src, list(candidates), data, out, samples, seq_len, batch_size, seed,
                       device, dtype, tokenizer, quiet, echo=echo, gpu_memory=gpu_memory,
-                      allow_short_data=allow_short_data, probe=probe)
+                      allow_short_data=allow_short_data, probe=probe, overwrite=overwrite)
     if as_json:
         click.echo(report.model_dump_json(indent=1))
 

@@ -20,7 +20,7 @@ from kconvert.calibrate.forward import (
     model_config,
     position_embeddings,
 )
-from kconvert.calibrate.load import read_layer, tensors_by_layer
+from kconvert.calibrate.load import nonfinite_hidden_error, read_layer, tensors_by_layer
 from kconvert.calibrate.moe import ForwardContext
 from kconvert.calibrate.plan import planned_forward
 from kconvert.calibrate.prefetch import LayerPrefetcher
@@ -36,6 +36,7 @@ from kconvert.evaluate.metrics import (
     NextToken,
     in_batch_order,
 )
+from kconvert.evaluate.outputs import open_model, refuse_earlier_report
 from kconvert.evaluate.probe import Probe, check_probe_fits, run_probe
 from kconvert.evaluate.report import CandidateResult, EvalReport, render_table, save_report
 from kconvert.gpu_budget import GpuRequest
@@ -195,10 +196,10 @@ def _measure(models: list[tuple[str, Checkpoint, Any]], input_ids: torch.Tensor,
         device=device, device_bytes=None if gpu_plan is None else gpu_plan.prefetch_bytes)
     # Source layer L, then each candidate's layer L: the next one read while one computes.
     jobs = [(i, layer) for layer in range(n_layers) for i in range(len(streams))]
-    bar = tqdm(total=n_layers + 1, desc="eval", unit="layer",
-               disable=quiet or not distributed.is_main())
     t_layer = time.perf_counter()
-    with torch.no_grad():
+    # The bar is closed however the pass ends: its line is ended before an error is printed.
+    with torch.no_grad(), tqdm(total=n_layers + 1, desc="eval", unit="layer",
+                               disable=quiet or not distributed.is_main()) as bar:
         for (i, layer), loaded, timing in prefetcher.layers(
                 jobs, lambda job: f"{streams[job[0]].label} layer {job[1]}"):
             t_loaded = time.perf_counter()
@@ -221,8 +222,9 @@ def _measure(models: list[tuple[str, Checkpoint, Any]], input_ids: torch.Tensor,
                     err.add(layer, b, src_out[rows].to(device)[v], own[v], local[v])
                     cand.hidden[rows].copy_(own)
             if not bool(finite):
-                raise KconvertError(f"{streams[i].label}: non-finite hidden states after "
-                                    f"decoder layer {layer}")
+                stream = streams[i]
+                exc = nonfinite_hidden_error(stream.ckpt, stream.layers[layer], layer)
+                raise KconvertError(f"{_model(i, stream.label, stream.ckpt)}: {exc}") from None
             if device.type == "cuda":  # layer L's kernels done before its memory is reused
                 torch.cuda.synchronize(device)
             del loaded
@@ -241,7 +243,6 @@ def _measure(models: list[tuple[str, Checkpoint, Any]], input_ids: torch.Tensor,
         results, nll_source = _compare_logits(streams, batches, valid, targets, scored,
                                               device, dtype)
         bar.update()
-    bar.close()
     # on the CPU, for the other ranks
     return _Part([e.merge(()) for e in errors], results, nll_source, layer_seconds,
                  prefetcher.summary(src.cfg.first_k_dense_replace, len(streams)))
@@ -250,6 +251,11 @@ def _measure(models: list[tuple[str, Checkpoint, Any]], input_ids: torch.Tensor,
 def _named(label: str, ckpt: Checkpoint) -> str:
     """A model as messages name it: its label, and its directory when that is not the label."""
     return label if label == str(ckpt.root) else f"{label} {ckpt.root}"
+
+
+def _model(index: int, label: str, ckpt: Checkpoint) -> str:
+    """Model `index` of an eval (0: the source) as messages name it, saying which it is."""
+    return _named(label, ckpt) if index == 0 else f"candidate {_named(label, ckpt)}"
 
 
 def _config(label: str, ckpt: Checkpoint):
@@ -321,18 +327,20 @@ def run_eval(src: str, candidates: list[str], data: str, out: str | None, sample
              seq_len: int, batch_size: int, seed: int, device: str, dtype: str,
              tokenizer: str | None, quiet: bool, echo: Callable[[str], None],
              gpu_memory: int | None = None, allow_short_data: bool = False,
-             probe: Probe | None = None) -> EvalReport:
+             probe: Probe | None = None, overwrite: bool = False) -> EvalReport:
     """`kconvert eval`: SRC against each candidate on the JSONL `data`; the table goes to
     `echo`, eval.json and eval.png to `out` when it is given. `gpu_memory`: --gpu-memory in
     bytes (kconvert.gpu_budget). Data that cannot fill `samples` sequences of `seq_len`
     tokens is an error, or with `allow_short_data` a warning (the report's `tokens` say what
     was used). `probe` (--generate, one candidate): the degeneration probe after the
     teacher-forced pass, in the report's `generation`, its table after eval's, and each
-    model's continuations beside eval.json (kconvert.evaluate.probe)."""
-    from kconvert.io.checkpoint import open_checkpoint
+    model's continuations beside eval.json (kconvert.evaluate.probe). An earlier report in
+    `out` is replaced only with `overwrite`, as calibrate's statistics are."""
     from kconvert.io.directories import check_output_dir
 
     main = distributed.is_main()
+    if out is not None:
+        refuse_earlier_report(Path(out), overwrite)
     if not Path(data).read_text().strip():
         raise KconvertError("the eval data is empty", file=str(data))
     gpu = GpuRequest(pick_device(device), gpu_memory)
@@ -340,8 +348,8 @@ def run_eval(src: str, candidates: list[str], data: str, out: str | None, sample
     opened: list[Checkpoint] = []
     try:
         with phase("open checkpoint"):
-            for path in [src, *candidates]:
-                opened.append(open_checkpoint(path))
+            for i, path in enumerate([src, *candidates]):
+                opened.append(open_model(path, candidate=i > 0))
         if out is not None:
             check_output_dir(Path(out), [c.root for c in opened], "the eval directory (-o)")
         with phase("data"):

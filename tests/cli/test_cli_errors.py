@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BUNDLED
+from conftest import BUNDLED, ROOT
 from helpers import assert_user_error, cli_inproc, small_fs, source_copy, write_input_ids
 from kconvert.errors import KconvertError
 from kconvert.recipes import load_recipe
 
 MANIFEST = "kconvert-manifest.json"
+TRAINED = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +71,8 @@ def test_prune_ratio_without_n_routed_experts_names_config_and_key(stats_dir, tm
 
 
 @pytest.mark.parametrize(("key", "value", "said"), [
-    ("num_experts_per_tok", None, "num_experts_per_tok is missing"),
-    ("n_routed_experts", "16", "n_routed_experts is '16', not a positive integer"),
+    ("num_experts_per_tok", None, "config.json has no num_experts_per_tok"),
+    ("n_routed_experts", "16", "n_routed_experts is '16': input should be a valid integer"),
 ])
 def test_reap_needs_integer_routing_keys(key, value, said, stats_dir, tmp_path):
     """Without num_experts_per_tok `reap --keep 1` used to write a model transformers refuses;
@@ -117,6 +118,21 @@ def test_broken_symlink_in_source_is_found_before_anything_is_written(tmp_path):
     assert_user_error(cli_inproc("int4-to-nvfp4", src, dst, "--quiet"), str(src / "extra"),
                       "symlink to a directory")
     assert not dst.exists() or not any(dst.iterdir())
+
+
+@pytest.mark.parametrize(("asked", "said"), [
+    (["--compensate", "learned"], "learned compensation"),
+    (["--repair", "bias"], "router repair"),
+    (["--repair", "bias", "--compensate", "down"], "router repair and down compensation"),
+])
+def test_too_little_data_names_what_needs_it(asked, said, tmp_path):
+    """One calibration sequence leaves none held out: the message names what was asked (it
+    used to blame router repair for a compensation)."""
+    data = write_input_ids(tmp_path / "d.jsonl", [[(7 * j) % 250 for j in range(16)]])
+    res = cli_inproc("reap", TRAINED, tmp_path / "out", "--data", data, "--keep", 12,
+                     "--samples", 1, "--seq-len", 16, "--device", "cpu", "--quiet", *asked)
+    assert_user_error(res, f"kconvert: error: {said}: at least 2 calibration sequences")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("readers", ["0", "-1"])

@@ -7,8 +7,16 @@ import json
 
 import pytest
 
-from conftest import ROOT
-from helpers import assert_user_error, cli_inproc, write_input_ids
+from conftest import BUNDLED, ROOT
+from helpers import (
+    assert_user_error,
+    cli_inproc,
+    edit_tensor,
+    set_at,
+    snapshot,
+    source_copy,
+    write_input_ids,
+)
 from kconvert.evaluate.report import EvalReport
 
 TINY_MOE = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
@@ -123,3 +131,58 @@ def test_python_api_eval_gives_the_cli_report(fixture_dir, data, tmp_path):
         assert made["candidates"] == written["candidates"]
     with pytest.raises(kconvert.KconvertError, match=r"hidden size|vocab|layers"):
         kconvert.eval(str(src), [str(cand)], str(data), samples=2, seq_len=8, device="cpu")
+
+
+def test_non_finite_hidden_states_name_the_candidate_file_and_tensor(data, tmp_path):
+    """A NaN in a candidate's weights: the error says it is the candidate, and names its
+    shard and tensor, not only the layer."""
+    cand = source_copy(tmp_path)
+    name = "model.layers.1.self_attn.o_proj.weight"
+    edit_tensor(cand / "model-00002-of-000004.safetensors", name, set_at((0, 0), float("nan")))
+    res = cli_inproc("eval", BUNDLED, cand, "--data", data, "--seq-len", 16, "--samples", 3,
+                     "--device", "cpu", "--quiet")
+    assert_user_error(res, f"candidate {cand}: non-finite hidden states after decoder layer 1",
+                      "the source weights hold NaN or Inf",
+                      f"(file model-00002-of-000004.safetensors, tensor {name})")
+
+
+def test_an_error_starts_its_own_line_after_the_progress_bar(data, tmp_path):
+    """The bar's line is ended before the error is printed (it used to be left open, and the
+    error line was appended to it on a terminal)."""
+    cand = source_copy(tmp_path)
+    edit_tensor(cand / "model-00002-of-000004.safetensors",
+                "model.layers.1.self_attn.o_proj.weight", set_at((0, 0), float("nan")))
+    res = cli_inproc("eval", BUNDLED, cand, "--data", data, "--seq-len", 16, "--samples", 3,
+                     "--device", "cpu")
+    assert_user_error(res, "non-finite hidden states")
+    assert "eval:" in res.output  # the bar was drawn
+    lines = res.output.split("\n")  # not splitlines: a bar's "\r" redraws the same line
+    assert next(line for line in lines if "kconvert: error:" in line).startswith(
+        "kconvert: error:"), res.output
+
+
+def test_an_earlier_report_is_replaced_only_with_overwrite(data, tmp_path):
+    out = tmp_path / "ev"
+    args = ("eval", TINY_MOE, TINY_MOE, "--data", data, "--seq-len", 8, "--samples", 1,
+            "--device", "cpu", "-o", out, "--quiet")
+    assert cli_inproc(*args).exit_code == 0
+    before = snapshot(out)
+    res = cli_inproc(*args)
+    assert_user_error(res, "already holds an eval report; pass --overwrite",
+                      str(out / "eval.json"))
+    assert sum("kconvert: error:" in line for line in res.output.splitlines()) == 1
+    assert snapshot(out) == before
+    (out / "eval.json").unlink()
+    (out / "eval.png").write_bytes(b"an earlier figure")
+    assert_user_error(cli_inproc(*args), "pass --overwrite", str(out / "eval.png"))
+    res = cli_inproc(*args, "--overwrite")
+    assert res.exit_code == 0, res.output
+    assert (out / "eval.json").is_file()
+    assert (out / "eval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_missing_candidate_is_called_the_candidate(data, tmp_path):
+    missing = tmp_path / "nowhere"
+    res = cli_inproc("eval", TINY_MOE, missing, "--data", data, "--device", "cpu")
+    assert_user_error(res, f"candidate directory does not exist (file {missing})")
+    assert "source" not in res.output, res.output

@@ -18,6 +18,7 @@ from helpers import (
     checkpoint_tensors,
     cli_inproc,
     edit_json,
+    snapshot,
     write_input_ids,
 )
 from kconvert.formats import mxfp4, nvfp4
@@ -185,13 +186,20 @@ def test_dequant_round_trips(k3, tmp_path):
     assert "quantization_config" not in text
 
 
-@pytest.mark.parametrize("command", [
-    ["calibrate", "-o", "STATS"],
-    ["eval", "SRC", "-o", "EVAL"],
+DATA_DRIVEN = [
+    ["calibrate", "-o", "DST"],
+    ["eval", "SRC", "-o", "DST"],
     ["reap", "DST", "--keep", "8"],
     ["quantize", "DST", "--method", "gptq"],
-])
-def test_data_driven_commands_stop_with_one_line(k3, tmp_path, command):
+    ["quantize", "DST", "--method", "learned"],
+    ["sparsify", "DST", "--method", "sparsegpt"],
+    ["sparsify", "DST", "--method", "learned"],
+]
+
+
+@pytest.mark.parametrize("command", DATA_DRIVEN)
+def test_data_driven_commands_stop_with_one_line_before_dst(k3, tmp_path, command):
+    """The refusal comes before the output is touched: no DST, no shard, no .kconvert/."""
     data = write_input_ids(tmp_path / "d.jsonl", [list(range(1, 17))])
     args = [str(k3) if a == "SRC" else str(tmp_path / a) if a.isupper() else a
             for a in command[1:]]
@@ -199,6 +207,22 @@ def test_data_driven_commands_stop_with_one_line(k3, tmp_path, command):
                      "--device", "cpu")
     assert_user_error(res, "not supported for this architecture yet", "Kimi-K3")
     assert sum("kconvert: error:" in line for line in res.output.splitlines()) == 1
+    assert not (tmp_path / "DST").exists(), sorted(p.name for p in (tmp_path / "DST").rglob("*"))
+
+
+@pytest.mark.parametrize("command", DATA_DRIVEN)
+def test_an_earlier_output_is_left_as_it_was(k3, tmp_path, command):
+    """With --overwrite too, the refusal leaves an existing DST exactly as it was."""
+    (tmp_path / "DST").mkdir()
+    (tmp_path / "DST" / "earlier.txt").write_text("an earlier output")
+    before = snapshot(tmp_path / "DST")
+    data = write_input_ids(tmp_path / "d.jsonl", [list(range(1, 17))])
+    args = [str(k3) if a == "SRC" else str(tmp_path / a) if a.isupper() else a
+            for a in command[1:]]
+    res = cli_inproc(command[0], k3, *args, "--data", data, "--seq-len", "16", "--samples", "1",
+                     "--device", "cpu", "--overwrite")
+    assert_user_error(res, "not supported for this architecture yet", "Kimi-K3")
+    assert snapshot(tmp_path / "DST") == before
 
 
 def test_audit_catches_a_layer_of_the_wrong_attention_kind(k3, tmp_path):
