@@ -10,12 +10,12 @@ Each variant NAME=TREE,DEVICE runs `int4-to-nvfp4` (mse) from the kconvert packa
 cache dropped first, timed in-process after imports (on the CPU also after numba's cached
 kernels are loaded), to os.sync(). Interleave the variants: this disk's speed drifts within a
 run. Per run: wall, peak RSS (VmHWM), whether the manifest's tensor hashes equal those of every
-earlier run on that device (they must), and, from the engine's timing events (kconvert.events,
-`timings=True`), the writer's busy time (`write` events) and the compute thread's waits at each
-copy -> transform item boundary (from one `compute` event to the next). A tree whose engine
-has no timing events (before kconvert.events.TIMING_EVENTS, e.g. the tree before the
-packages) is timed by wall and peak RSS only: writer_busy and copy_to_xform_waits_s are null
-and `events` false.
+earlier run on that device (they must), and, from the engine's timing events
+(kconvert.common.events, `timings=True`), the writer's busy time (`write` events) and the compute
+thread's waits at each copy -> transform item boundary (from one `compute` event to the next). A
+tree whose engine has no timing events (before kconvert.common.events.TIMING_EVENTS, e.g. the tree
+before the packages) is timed by wall and peak RSS only: writer_busy and copy_to_xform_waits_s are
+null and `events` false.
 Writes OUT_DIR/ab_<device>_<date>_<code>.json.
 """
 
@@ -47,7 +47,7 @@ import kconvert
 import kconvert.cli as cli
 assert kconvert.__file__.startswith(tree), kconvert.__file__
 try:
-    from kconvert import events
+    from kconvert.common import events
     timed = hasattr(events, "TIMING_EVENTS")
 except ImportError:
     timed = False

@@ -24,7 +24,7 @@ kconvert run is timed in-process (after imports, like the anchor; on the CPU als
 numba's cached kernels are loaded) and as a whole process, with its peak RSS, a timeline
 (RSS, disk bytes, CPU, GPU utilisation) and, under `stages`, each engine stage's count, busy
 and union seconds, first start and duration, last end, from the engine's timing events
-(kconvert.events, subscribed in the child; kconvert is not modified): read_copy / read_xform
+(kconvert.common.events, subscribed in the child; kconvert is not modified): read_copy / read_xform
 (reader threads), compute_copy / compute_xform, main_wait_read (compute waiting for a read),
 main_wait_put (compute waiting on the full result queue), hash_item (hasher thread),
 writer_item (writer busy), writer_wait_get (writer idle), writer_wait_hash, pwrite, fsync,

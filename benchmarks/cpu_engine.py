@@ -7,7 +7,7 @@ synthetic.expert_set makes them), then runs one child process per variant. Each 
 converts the bundled fixture first (numba loads or compiles its kernels), then both shards
 --reps times (default 2) in-process, page cache warm, with `--device cpu`. Per matrix, as the slope
 between the two shards (start-up costs cancel): wall, compute thread busy (the engine's
-`compute` timing events, kconvert.events), the INT4 -> NVFP4 kernel and the amax kernel (the
+`compute` timing events, kconvert.common.events), the INT4 -> NVFP4 kernel and the amax kernel (the
 public kernels of kconvert.formats.nvfp4_cpu, wrapped in the child), process CPU time, minor
 page faults, involuntary context switches; and the same kernels alone in that process on a
 gate+up item (2 x 2048x7168), for comparison. Variants (set in the child only):
@@ -65,7 +65,7 @@ if variant == "dyn":
 import torch
 from benchmarks.encode import fused
 from benchmarks.synthetic import random_int4
-from kconvert import events
+from kconvert.common import events
 from kconvert.engine import execute
 from kconvert.formats import nvfp4_cpu
 from kconvert.io import hashing, shards

@@ -60,12 +60,12 @@ def main(argv: list[str]) -> None:
                               "root": Path("/tmp/kbench-eval-tiny")})
     from kconvert.calibrate.plan import forward_plan
     from kconvert.calibrate.run import measure_stats
-    from kconvert.convert import RunControl, convert
+    from kconvert.driver.convert import RunControl, convert
+    from kconvert.driver.recipes import load_recipe
     from kconvert.evaluate.metrics import LOGIT_ELEMS
     from kconvert.evaluate.run import evaluate
-    from kconvert.gpu_budget import GpuRequest
+    from kconvert.gpu.budget import GpuRequest
     from kconvert.io.checkpoint import open_checkpoint
-    from kconvert.recipes import load_recipe
 
     root, seqs, seq, batch, dims = a.root, a.seqs, a.seq, a.batch, a.dims
     dev = "cuda" if torch.cuda.is_available() else "cpu"

@@ -18,7 +18,7 @@ gptq), once at the default budget and once under --gpu-memory 40GiB (--budgets):
 and two induced out-of-memory cases of sparsify --method sparsegpt, each expecting one
 `kconvert: error:` line (run with --quiet), exit 1 and no manifest:
   oom-refused  --gpu-memory just below the least plan (one sequence per forward step, one
-               expert per OBS batch; computed here by kconvert.gpu_plan): refused up front
+               expert per OBS batch; computed here by kconvert.gpu.plan): refused up front
   oom-runtime  --gpu-memory 40GiB with --hog-gib (36) GiB taken in the process before the
                command starts (memory the plan does not know of): the allocator runs out
                mid-run (GPU only)
@@ -79,7 +79,7 @@ def child(hog_bytes: int, argv: list[str]) -> None:
     info: dict = {}
     hog = None
     if torch.cuda.is_available() and "cpu" not in argv:
-        from kconvert.gpu_budget import GpuRequest, size_option
+        from kconvert.gpu.budget import GpuRequest, size_option
 
         dev = torch.device("cuda")
         spec = argv[argv.index("--gpu-memory") + 1] if "--gpu-memory" in argv else None
@@ -152,14 +152,14 @@ def learned_phases(lines: list[str]) -> dict[str, float]:
 
 
 def least_budget(src: Path, samples: int, seq: int) -> int:
-    """The smallest budget whose SparseGPT plan fits on this set (kconvert.gpu_plan), found
+    """The smallest budget whose SparseGPT plan fits on this set (kconvert.gpu.plan), found
     by bisection: one sequence per forward step, one expert per OBS batch at the least."""
     from kconvert.calibrate.plan import forward
+    from kconvert.common.options import BATCH_SIZE
     from kconvert.engine.execute import gpu_encode
-    from kconvert.gpu_plan import GpuMemoryError, plan_conversion
-    from kconvert.gpu_shapes import Shapes
+    from kconvert.gpu.plan import GpuMemoryError, plan_conversion
+    from kconvert.gpu.shapes import Shapes
     from kconvert.methods import obs
-    from kconvert.options import BATCH_SIZE
 
     s = Shapes.from_config(json.loads((src / "config.json").read_text()))
     work = obs.gpu_work(s, forward(s, samples, seq, BATCH_SIZE, capture=True), shared=False,

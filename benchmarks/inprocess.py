@@ -1,5 +1,5 @@
 """kconvert's command line run inside a benchmark's child process, timed by the engine's own
-timing events (kconvert.events, `timings=True`; kconvert is not modified)."""
+timing events (kconvert.common.events, `timings=True`; kconvert is not modified)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from benchmarks.harness import Timer, report
 
-# Stage keys of a kconvert child's result, from the engine's timing events (kconvert.events).
+# Stage keys of a kconvert child's result, from the engine's timing events (kconvert.common.events).
 STAGE_KEYS = {"read": "read_{kind}", "compute": "compute_{kind}", "hash": "hash_item",
               "write": "writer_item", "pwrite": "pwrite", "fsync": "fsync",
               "wait-read": "main_wait_read", "wait-put": "main_wait_put",
@@ -41,7 +41,7 @@ def run_cli(argv: list[str], listen: Callable[[str, dict], None] | None = None
     subscribed to every event, timing events included, while it runs: (exit status, the
     perf_counter at its start, its wall seconds)."""
     import kconvert.cli as cli
-    from kconvert import events
+    from kconvert.common import events
 
     if "--device" in argv and argv[argv.index("--device") + 1] == "cpu":
         load_cpu_kernels()
@@ -81,7 +81,7 @@ def timed_kconvert(argv: list[str]) -> None:
     """Child `_kc`: the kconvert CLI with every engine stage timed by its timing events, to
     os.sync(); compressed-tensors imported before the timer, as the anchor's imports are
     (kconvert imports it only when it writes the output's config, at the end of a run)."""
-    from kconvert import events
+    from kconvert.common import events
 
     ev: list[tuple[str, float, float]] = []
     marks: dict[str, float] = {}  # run event -> when it came (last one of each name)

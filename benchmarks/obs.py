@@ -141,14 +141,14 @@ def warm(dev: torch.device, kernels: list[str]) -> None:
 def obs_share(dev: torch.device, method: str) -> int | None:
     """The OBS batches' share of the GPU memory plan that `kconvert sparsify --method sparsegpt`
     (or `quantize --method gptq`) makes at its defaults for a full-size Kimi-K2 layer on this
-    card (kconvert.gpu_plan), so that the stage's batches are the command's; None on a CPU."""
+    card (kconvert.gpu.plan), so that the stage's batches are the command's; None on a CPU."""
     if dev.type != "cuda":
         return None
     from kconvert.calibrate.plan import forward
-    from kconvert.gpu_budget import GpuRequest
-    from kconvert.gpu_plan import plan_conversion
-    from kconvert.gpu_shapes import Shapes
-    from kconvert.options import BATCH_SIZE, SEQ_LEN, SPARSEGPT_SAMPLES
+    from kconvert.common.options import BATCH_SIZE, SEQ_LEN, SPARSEGPT_SAMPLES
+    from kconvert.gpu.budget import GpuRequest
+    from kconvert.gpu.plan import plan_conversion
+    from kconvert.gpu.shapes import Shapes
     from kconvert.testing.fixture_config import k2_config
     from kconvert.testing.header_only import KIMI_K2_THINKING
 

@@ -38,7 +38,7 @@ from benchmarks.synthetic import TINY, add_dims, kimi_set, random_ids
 def calibrate(ckpt, ids: torch.Tensor, dev: str, batch: int, hook) -> dict:
     from kconvert.calibrate.plan import forward_plan
     from kconvert.calibrate.run import measure_stats
-    from kconvert.gpu_budget import GpuRequest
+    from kconvert.gpu.budget import GpuRequest
     from kconvert.pruning.repair import stream_bytes
 
     if dev == "cuda":

@@ -27,9 +27,9 @@ import torch
 from benchmarks.harness import Timer, arguments, comma_list, now, record, result_path, save
 from benchmarks.outputs import share_differing
 from benchmarks.synthetic import add_dims, kimi_set, random_ids
-from kconvert.convert import RunControl, convert
+from kconvert.driver.convert import RunControl, convert
+from kconvert.driver.recipes import load_recipe
 from kconvert.methods.hessians import Calibration, CalibrationHessians
-from kconvert.recipes import load_recipe
 from kconvert.testing.fixture_weights import FixtureDims
 from kconvert.testing.fixtures import make_fixture
 

@@ -34,7 +34,7 @@ stops after --run-limit-s, its timeline kept. About 3-5 minutes with the default
 machine.
 
 Each conversion runs in-process in a child of this bench (`--child EVENTS N LIMIT -- ARGS`) that
-subscribes to kconvert's timing events (kconvert.events) and writes them out; the JSON then
+subscribes to kconvert's timing events (kconvert.common.events) and writes them out; the JSON then
 holds, under `timeline`, each run's per-shard times in seconds from the child's start: for
 every source shard its download(s), sha256 verification, the first read of it (when the
 engine asked for it and when it got it) and its deletion; for every output shard when it was

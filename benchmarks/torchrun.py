@@ -16,7 +16,7 @@ Commands (--commands, default both):
 Each run is a process of its own, timed whole (start-up included) with the page cache
 dropped first where allowed. 1 rank under torchrun uses NCCL (the real collectives, world
 size 1); 2 ranks on one GPU use gloo, because NCCL refuses two ranks on one device
-(kconvert.distributed picks it): the exchange then moves the GPU's rows through host memory.
+(kconvert.common.distributed picks it): the exchange then moves the GPU's rows through host memory.
 Prints one JSON line: per command and run its seconds, peak RSS and exit status, and whether
 every file equals the plain run's (the manifest but for its world_size); the same, with its
 record, goes to --out-dir.

@@ -22,24 +22,20 @@ __all__ = ["API", "LAYERS", "KconvertError", "__version__", *API]
 # prefix holds the module of that name and every module under it; the package's own `kconvert`
 # holds only itself: the API's lazy entry).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("kconvert.errors", "kconvert.version", "kconvert.model", "kconvert.options",
-     "kconvert.events", "kconvert.distributed", "kconvert.callable_package",
+    ("kconvert.errors", "kconvert.version", "kconvert.model", "kconvert.common",
      "kconvert.plugins"),  # ground
-    ("kconvert.manifest",),  # run records
+    ("kconvert.records",),  # run records
     ("kconvert.io",),
     ("kconvert.formats",),
     ("kconvert.checks",),
-    ("kconvert.devices", "kconvert.gpu_shapes", "kconvert.gpu_parts", "kconvert.gpu_plan",
-     "kconvert.gpu_budget"),  # devices, GPU memory plan and budget
+    ("kconvert.gpu",),  # devices, GPU memory plan and budget
     ("kconvert.calibrate",),
     ("kconvert.methods",),
     ("kconvert.pruning",),
     ("kconvert.engine",),
     ("kconvert.stages",),
     ("kconvert.testing",),  # fixtures: anything below the driver
-    ("kconvert.recipes", "kconvert.convert", "kconvert.run_plan", "kconvert.finish_output",
-     "kconvert.commands", "kconvert.dry_run", "kconvert.manifest_writer",
-     "kconvert.run_summary"),  # the driver
+    ("kconvert.driver",),  # the driver
     ("kconvert.audit", "kconvert.evaluate", "kconvert.sizing"),  # commands beside conversion
     ("kconvert.api",),
     ("kconvert.cli", "kconvert.__main__", "kconvert"),  # entry points

@@ -25,18 +25,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kconvert import distributed, events
 from kconvert.audit import audit
 from kconvert.audit.serve import serve_warnings
 from kconvert.calibrate import calibrate_to as calibrate
-from kconvert.convert import RunControl
+from kconvert.common import distributed, events
+from kconvert.common.options import BATCH_SIZE, EVAL_SAMPLES, SEED, SEQ_LEN, STREAM_WINDOW
+from kconvert.driver.convert import RunControl
+from kconvert.driver.manifest_writer import summary_line
+from kconvert.driver.run_summary import RunSummary
 from kconvert.evaluate.report import EvalReport
-from kconvert.gpu_budget import size_option
-from kconvert.manifest import Manifest
-from kconvert.manifest_writer import summary_line
+from kconvert.gpu.budget import size_option
 from kconvert.model.names import parse_name
-from kconvert.options import BATCH_SIZE, EVAL_SAMPLES, SEED, SEQ_LEN, STREAM_WINDOW
-from kconvert.run_summary import RunSummary
+from kconvert.records.manifest import Manifest
 from kconvert.sizing.predict import Options
 from kconvert.sizing.report import InspectReport, inspect_checkpoint
 from kconvert.stages import KINDS
@@ -78,7 +78,7 @@ class ConversionResult:
         return summary_line(self.manifest, str(self.output))
 
     def to_summary(self) -> RunSummary:
-        """What `--json` prints (kconvert.run_summary)."""
+        """What `--json` prints (kconvert.driver.run_summary)."""
         tensors = self.manifest.tensors if self.manifest is not None else {}
         roles = Counter(str(parse_name(name).role) for name in tensors)
         return RunSummary(
@@ -103,10 +103,10 @@ def run_recipe(recipe: str, src: str, dst: str, *, revision: str | None = None,
     with `token` into `cache_dir`; a dry run fetches config, index and headers; `stream`:
     the shards are fetched `stream_window` at a time during the run and deleted once converted)
     into DST. `gpu_memory` ('40GiB', or bytes) is the GPU memory budget of every step on a GPU
-    (kconvert.gpu_budget; default: what the card has free less a safety margin).
+    (kconvert.gpu.budget; default: what the card has free less a safety margin).
     `options` are the stage options by name (`OPTIONS`, the command line's long options with
     `_` for `-`); one the recipe does not use is an error."""
-    from kconvert.commands import run_conversion
+    from kconvert.driver.commands import run_conversion
 
     messages: list[str] = []
 
@@ -222,7 +222,7 @@ def size_report(src: str, *, as_format: str | None = None, keep: int | None = No
     `p48` would write (planned by the converter itself), per GPU under TP/EP/PP, the MLA KV
     cache per token and the longest context beside the weights in `gpu_mem` GiB per GPU.
     Reads headers and config.json only; also plans each GPU command's memory on the model's
-    shapes for `gpu_memory` (kconvert.gpu_budget). `report.to_json()` has the `--json`
+    shapes for `gpu_memory` (kconvert.gpu.budget). `report.to_json()` has the `--json`
     keys."""
     return inspect_checkpoint(
         src, Options(as_format, keep, p48, targets, format), gpus=gpus, gpu_mem=gpu_mem,

@@ -26,8 +26,8 @@ from safetensors.torch import save_file
 
 from conftest import BUNDLED
 from kconvert.cli import main
-from kconvert.convert import RunControl, convert
-from kconvert.recipes import load_recipe
+from kconvert.driver.convert import RunControl, convert
+from kconvert.driver.recipes import load_recipe
 
 CLI = [sys.executable, "-m", "kconvert.cli"]
 

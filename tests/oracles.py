@@ -33,10 +33,10 @@ from compressed_tensors.utils.match import match_name
 from safetensors.torch import save_file
 
 from helpers import checkpoint_tensors, shard_files
-from kconvert.convert import RunControl, convert
+from kconvert.driver.convert import RunControl, convert
+from kconvert.driver.recipes import load_recipe
 from kconvert.formats import nvfp4
 from kconvert.formats.nvfp4_ct import Nvfp4Codec
-from kconvert.recipes import load_recipe
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 

@@ -23,14 +23,11 @@ PACKAGE = ROOT / "kconvert"
 FORMAT_CONTRACT = {"kconvert.formats", "kconvert.formats.base", "kconvert.formats.linear",
                    "kconvert.formats.quant_config"}
 # The engine and the driver, which run any format through that face.
-ENGINE_AND_DRIVER = ("kconvert.engine", "kconvert.convert", "kconvert.run_plan",
-                     "kconvert.finish_output")
-# Who may import kconvert.stages (the registry of stage kinds): the kinds themselves, the recipes
-# that build them, and the driver and the command layers above it.
-STAGE_IMPORTERS = ("kconvert.stages", "kconvert.recipes", "kconvert.convert", "kconvert.commands",
-                   "kconvert.run_plan", "kconvert.finish_output", "kconvert.dry_run",
-                   "kconvert.manifest_writer", "kconvert.run_summary", "kconvert.testing",
-                   "kconvert.api", "kconvert.cli", "kconvert.__main__")
+ENGINE_AND_DRIVER = ("kconvert.engine", "kconvert.driver")
+# Who may import kconvert.stages (the registry of stage kinds): the kinds themselves, the
+# fixtures, and the driver and the command layers above it.
+STAGE_IMPORTERS = ("kconvert.stages", "kconvert.driver", "kconvert.testing", "kconvert.api",
+                   "kconvert.cli", "kconvert.__main__")
 # Modules beside the driver in the package order (tests/test_architecture.py, LAYERS) that still
 # read the stages' records: the audit validates a manifest's options as a RunRecord, which is
 # built from the registry of kinds; `inspect --keep` makes the prune stage it plans with.

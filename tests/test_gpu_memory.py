@@ -16,26 +16,28 @@ from click.testing import CliRunner
 
 from conftest import BUNDLED
 from helpers import built_layer
-from kconvert import api, gpu_budget, gpu_plan
+from kconvert import api
 from kconvert.calibrate.plan import forward, forward_plan
 from kconvert.cli import main
 from kconvert.cli.base import KconvertCommand
+from kconvert.common.options import parse_size
 from kconvert.engine.execute import gpu_encode
 from kconvert.errors import KconvertError, UsageError
 from kconvert.evaluate.metrics import LOGIT_ELEMS
-from kconvert.gpu_budget import GpuContext, GpuRequest
-from kconvert.gpu_parts import GpuWork, Obs
-from kconvert.gpu_plan import GpuMemoryError, plan_conversion, plan_forward
-from kconvert.gpu_shapes import Shapes
+from kconvert.gpu import budget as gpu_budget
+from kconvert.gpu import plan as gpu_plan
+from kconvert.gpu.budget import GpuContext, GpuRequest
+from kconvert.gpu.parts import GpuWork, Obs
+from kconvert.gpu.plan import GpuMemoryError, plan_conversion, plan_forward
+from kconvert.gpu.shapes import Shapes
 from kconvert.io.checkpoint import open_checkpoint
-from kconvert.manifest import MANIFEST
 from kconvert.methods import MethodInputs, obs
 from kconvert.methods.gptq import Gptq
 from kconvert.methods.hessians import Calibration, CalibrationHessians
 from kconvert.methods.sparsegpt import SparseGpt
 from kconvert.model.names import Role
-from kconvert.options import parse_size
 from kconvert.pruning.repair import REPAIR_TOKENS, stream_bytes
+from kconvert.records.manifest import MANIFEST
 from kconvert.sizing.gpu_memory import command_plans
 from kconvert.stages.quantize import Quantize
 from kconvert.stages.sparsify import Sparsify
@@ -364,7 +366,7 @@ def test_each_rank_plans_for_the_hidden_states_of_its_own_batches(monkeypatch):
     fit on an 80 GB card beside a Kimi MoE layer, one rank's half does."""
     from types import SimpleNamespace
 
-    from kconvert import distributed
+    from kconvert.common import distributed
 
     ckpt = SimpleNamespace(text_config=k2_config(KIMI_K2_THINKING, quantized=True))
 

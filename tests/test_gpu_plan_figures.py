@@ -18,11 +18,11 @@ import torch
 
 from conftest import BUNDLED, ROOT
 from helpers import cli_inproc, write_input_ids
-from kconvert import run_plan
 from kconvert.calibrate import plan as calibrate_plan
 from kconvert.calibrate import run
 from kconvert.calibrate.load import build_layer
-from kconvert.gpu_budget import GpuContext, GpuRequest
+from kconvert.driver import run_plan
+from kconvert.gpu.budget import GpuContext, GpuRequest
 from kconvert.io.checkpoint import open_checkpoint
 
 GIB = 1 << 30

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from conftest import BUNDLED
-from kconvert.convert import RunControl, convert
+from kconvert.driver.convert import RunControl, convert
+from kconvert.driver.recipes import load_recipe
 from kconvert.errors import KconvertError
-from kconvert.recipes import load_recipe
 
 
 def _shard_bytes(d):
@@ -63,7 +63,7 @@ def test_every_stage_kind_builds_the_stage_it_names_and_records():
 def test_prepared_inputs_are_typed_by_stage_kind(tmp_path):
     """What a command prepares from the source reaches a stage only as the input type its kind
     declares, and only a stage the recipe has."""
-    from kconvert.recipes import build_stages
+    from kconvert.driver.recipes import build_stages
     from kconvert.stages.prune import Prune
 
     prune = Prune(keep=((1, (0, 2)),), plan_json="{}")

@@ -26,10 +26,10 @@ import torch
 
 from benchmarks.harness import REPO, Timer, arguments, record
 from kconvert.audit.auditor import run_audit
-from kconvert.convert import RunControl, convert
+from kconvert.driver.convert import RunControl, convert
+from kconvert.driver.recipes import load_recipe
 from kconvert.evaluate.run import evaluate
 from kconvert.io.checkpoint import open_checkpoint
-from kconvert.recipes import load_recipe
 from kconvert.testing.tiny_moe import heldout_ids
 
 SRC = REPO / "tests" / "fixtures" / "tiny-moe-trained"

@@ -28,10 +28,10 @@ from safetensors import safe_open
 from benchmarks.harness import REPO, Timer, arguments, record
 from kconvert.calibrate.run import measure_stats
 from kconvert.calibrate.stats import ACT_FILE, save_stats
-from kconvert.convert import RunControl, convert
+from kconvert.driver.convert import RunControl, convert
+from kconvert.driver.recipes import load_recipe
 from kconvert.evaluate.run import evaluate
 from kconvert.io.checkpoint import open_checkpoint
-from kconvert.recipes import load_recipe
 from kconvert.testing.tiny_moe import corpus_ids, heldout_ids, windows
 
 SRC = REPO / "tests" / "fixtures" / "tiny-moe-trained"

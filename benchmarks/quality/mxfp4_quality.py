@@ -28,11 +28,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spin-waiting threads on a
 import torch
 
 from benchmarks.harness import REPO, Timer, arguments, record
-from kconvert.convert import RunControl, convert
+from kconvert.driver.convert import RunControl, convert
+from kconvert.driver.recipes import load_recipe
 from kconvert.evaluate.run import evaluate
 from kconvert.formats import mxfp4, nvfp4
 from kconvert.io.checkpoint import open_checkpoint
-from kconvert.recipes import load_recipe
 from kconvert.testing.tiny_moe import heldout_ids
 
 SRC = REPO / "tests" / "fixtures" / "tiny-moe-trained"

@@ -26,12 +26,12 @@ import torch
 
 from benchmarks.harness import REPO, Timer, arguments, record
 from kconvert.calibrate.run import measure_stats
-from kconvert.convert import RunControl, convert
+from kconvert.driver.convert import RunControl, convert
+from kconvert.driver.recipes import load_recipe
 from kconvert.io.checkpoint import open_checkpoint
 from kconvert.pruning.plan import PrunePlan
 from kconvert.pruning.reap import plan_from_scores, scores_of
 from kconvert.pruning.repair import RepairSettings, RouterRepair, with_repair
-from kconvert.recipes import load_recipe
 from kconvert.stages.prune import prune_stage
 from kconvert.testing.tiny_moe import corpus_ids, heldout_ids, load_kimi_checkpoint, windows
 

@@ -27,7 +27,7 @@ The report (report.py) renders as a table or as JSON.
 from kconvert.audit import auditor
 from kconvert.audit.auditor import CHUNK, run_audit
 from kconvert.audit.report import Report
-from kconvert.callable_package import callable_package
+from kconvert.common.callable_package import callable_package
 
 
 def audit(ckpt: str, *, source: str | None = None, plan: str | None = None,
@@ -36,11 +36,11 @@ def audit(ckpt: str, *, source: str | None = None, plan: str | None = None,
           gpu_memory: str | int | None = None, serve: str | None = None) -> Report:
     """`kconvert audit CKPT` in the Python API (kconvert.audit(...)): the report
     (`report.passed`, `report.render()`, `report.to_json()`); a failed check is in the report,
-    not an exception. `gpu_memory` caps its GPU memory (kconvert.gpu_budget). `serve`:
+    not an exception. `gpu_memory` caps its GPU memory (kconvert.gpu.budget). `serve`:
     "vllm,sglang"-like engines (or "auto") whose loaders' checks run too
     (kconvert.audit.serve; `report.serve`, `report.serve_ready`)."""
-    from kconvert.devices import pick_device
-    from kconvert.gpu_budget import GpuRequest, size_option
+    from kconvert.gpu.budget import GpuRequest, size_option
+    from kconvert.gpu.devices import pick_device
 
     gpu = GpuRequest(pick_device(device), size_option(gpu_memory)).context
     with gpu.enforced("audit", "--chunk-mb"):

@@ -13,8 +13,8 @@ from kconvert.audit.report import Report
 from kconvert.checks.quant_config import check_quant_config
 from kconvert.checks.structure import check_config, check_layers
 from kconvert.checks.survey import survey_checkpoint
-from kconvert.devices import pick_device
 from kconvert.errors import KconvertError
+from kconvert.gpu.devices import pick_device
 from kconvert.io.checkpoint import open_checkpoint
 from kconvert.pruning.plan import load_plan
 

@@ -20,9 +20,9 @@ from kconvert.formats.base import Codec
 from kconvert.formats.linear import ModuleWork, as_linear, module_params
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.shards import ShardReader, TensorInfo
-from kconvert.manifest import Manifest
 from kconvert.model.names import Role, parse_name
 from kconvert.pruning.plan import PrunePlan
+from kconvert.records.manifest import Manifest
 from kconvert.stages.records import RunRecord
 
 ROUTER_ROLES = (Role.ROUTER_WEIGHT, Role.ROUTER_BIAS)

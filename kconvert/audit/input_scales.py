@@ -1,7 +1,7 @@
 """The routed experts' W4A4 input scales, as engines read them (docs/input-scales.md):
 in an MoE layer where one expert stores an input scale, every expert does (a missing one loads
 as 0 in vLLM, then inf, then NaN output: vLLM #45212); and they follow the policy the run
-recorded or the config declares (kconvert.options.INPUT_SCALES): "one" every scale 1.0,
+recorded or the config declares (kconvert.common.options.INPUT_SCALES): "one" every scale 1.0,
 "layer-max" one value for the layer's gates and ups and one for its downs. A zero, NaN or Inf
 scale is the scales family's (`scales.check_scale_values`)."""
 

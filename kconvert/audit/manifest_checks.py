@@ -28,10 +28,10 @@ from kconvert.errors import KconvertError, invalid_fields
 from kconvert.formats import SOURCE_CODECS
 from kconvert.io.checkpoint import CONFIG
 from kconvert.io.files import hash_file
-from kconvert.manifest import MANIFEST, read_manifest
 from kconvert.model.arch import arch_of
 from kconvert.model.names import Role, parse_name
 from kconvert.pruning.plan import PLAN_FILE, load_plan
+from kconvert.records.manifest import MANIFEST, read_manifest
 from kconvert.stages.records import RunRecord
 
 M = "manifest"

@@ -10,7 +10,7 @@ from kconvert.audit.context import AuditContext
 from kconvert.checks.findings import Checks
 from kconvert.formats.linear import ModuleWork
 from kconvert.formats.p48 import check_packed
-from kconvert.manifest import MANIFEST
+from kconvert.records.manifest import MANIFEST
 
 P = "p48"
 

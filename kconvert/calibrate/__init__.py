@@ -43,8 +43,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kconvert.callable_package import callable_package
-from kconvert.options import BATCH_SIZE, REAP_SAMPLES, SEED, SEQ_LEN
+from kconvert.common.callable_package import callable_package
+from kconvert.common.options import BATCH_SIZE, REAP_SAMPLES, SEED, SEQ_LEN
 
 if TYPE_CHECKING:
     from kconvert.calibrate.stats import CalibrationStats
@@ -61,11 +61,11 @@ def calibrate_to(src: str, data: str, output: str, *, samples: int = REAP_SAMPLE
     """`kconvert calibrate SRC --data FILE -o OUTPUT` in the Python API
     (kconvert.calibrate(...)): the statistics, also written to OUTPUT (stats.safetensors,
     stats.json, act_stats.json). `gpu_memory` ('40GiB' or bytes) is the GPU memory budget
-    (kconvert.gpu_budget; default: what the card has free less a safety margin). Data that
+    (kconvert.gpu.budget; default: what the card has free less a safety margin). Data that
     cannot fill `samples` sequences of `seq_len` tokens is an error, or with
     `allow_short_data` a warning, to `warn` (default: `progress`)."""
     from kconvert.calibrate.startup import phase
-    from kconvert.gpu_budget import size_option
+    from kconvert.gpu.budget import size_option
 
     with phase("imports"):
         from kconvert.calibrate.run import run_calibration

@@ -33,8 +33,8 @@ from itertools import pairwise
 
 import torch
 
-from kconvert import distributed
 from kconvert.calibrate.moe import Experts, MoEBlock
+from kconvert.common import distributed
 from kconvert.io.shards import TensorInfo
 from kconvert.model.names import Role, parse_name
 

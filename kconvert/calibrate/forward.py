@@ -76,7 +76,7 @@ GRAM_ROWS = 1 << 12
 def gram_bytes(widths: list[int], held_out: bool) -> int:
     """Device bytes of the input Grams of linears of input `widths` (one per fused set): an
     fp32 [in, in] sum each, two with `held_out`, and one accumulation step's rows (the GPU
-    memory plan's term, kconvert.gpu_plan.Forward.gram_bytes)."""
+    memory plan's term, kconvert.gpu.parts.Forward.gram_bytes)."""
     if not widths:
         return 0
     return 4 * ((2 if held_out else 1) * sum(w * w for w in widths)

@@ -1,12 +1,12 @@
 """The layer-streamed forward's GPU memory (docs/gpu-memory.md): the forward as the planner
-(kconvert.gpu_plan) sees it, with this package's own term, a layer's decode; and the start
+(kconvert.gpu.plan) sees it, with this package's own term, a layer's decode; and the start
 shared by the commands that run it alone (calibrate, eval, reap --data).
 
 Those commands start CUDA on a thread before they load their data (startup.start_device), then
 enter `planned_forward`: transformers' model code imported while CUDA finishes starting, the
-run's GpuContext (resolved once per run, kconvert.gpu_budget), the forward's plan on it and the
+run's GpuContext (resolved once per run, kconvert.gpu.budget), the forward's plan on it and the
 budget enforced around the forward. The OBS engine's calibration runs beside a conversion and
-is planned with it (kconvert.gpu_plan.plan_gpu, kconvert.convert).
+is planned with it (kconvert.gpu.plan.plan_gpu, kconvert.driver.convert).
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from collections.abc import Iterator
 
 import torch
 
-from kconvert import distributed
 from kconvert.calibrate.load import decode_bytes
 from kconvert.calibrate.startup import model_code_and_device
-from kconvert.gpu_budget import GpuContext, GpuRequest
-from kconvert.gpu_parts import Forward
-from kconvert.gpu_plan import GpuPlan, plan_forward
-from kconvert.gpu_shapes import Shapes
+from kconvert.common import distributed
+from kconvert.gpu.budget import GpuContext, GpuRequest
+from kconvert.gpu.parts import Forward
+from kconvert.gpu.plan import GpuPlan, plan_forward
+from kconvert.gpu.shapes import Shapes
 from kconvert.io.checkpoint import Checkpoint
 
 
@@ -30,7 +30,7 @@ def forward(shapes: Shapes, sequences: int, seq_len: int, batch_size: int,
             dtype_bytes: int = 2, **terms) -> Forward:
     """The forward of `sequences` sequences of `seq_len` tokens, `batch_size` a step, as the
     planner sees it: a layer's decode beside it (kconvert.calibrate.load), and `terms`, the
-    other fields of gpu_plan.Forward (what the forward keeps, the other owners' bytes).
+    other fields of gpu.parts.Forward (what the forward keeps, the other owners' bytes).
 
     Under torchrun, this rank's part (docs/many-gpus.md): the hidden states of its batches
     (dealt round-robin, distributed.own_batches: rank 0's share is the largest), and in a

@@ -6,7 +6,7 @@ Bounded: at most one layer ahead. The thread starts on layer L+1 when the loop t
 and on L+2 only when the loop asks for L+1 (after it has let go of L). Where the layer lands:
 its raw bytes always go to host memory (pinned for a GPU); on a GPU they are copied to the
 device, and the layer decoded there, only while the layer fits in the device budget
-(`device_bytes`: what the command's GPU memory plan leaves, kconvert.gpu_plan; its decode
+(`device_bytes`: what the command's GPU memory plan leaves, kconvert.gpu.plan; its decode
 temporaries counted); what was not done ahead is done when the loop asks for the layer.
 Errors in a prefetched layer (a short file, a tensor of the wrong shape or dtype, ...) are
 raised when the loop asks for that layer, as the KconvertError that names its file and tensor.

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 
-from kconvert import distributed
 from kconvert.calibrate.data import PAD_ID, load_calibration_data, shortfall
 from kconvert.calibrate.expert_ranks import model_ranks, note_small_run
 from kconvert.calibrate.forward import (
@@ -37,10 +36,11 @@ from kconvert.calibrate.stats import (
     save_stats,
     stats_key,
 )
-from kconvert.devices import pick_device
+from kconvert.common import distributed
 from kconvert.errors import KconvertError
-from kconvert.gpu_budget import GpuRequest
-from kconvert.gpu_plan import GpuPlan, gib
+from kconvert.gpu.budget import GpuRequest
+from kconvert.gpu.devices import pick_device
+from kconvert.gpu.plan import GpuPlan, gib
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.model.names import Role, parse_name
 from kconvert.version import __version__
@@ -71,7 +71,7 @@ def measure_stats(
 
     `attention_mask` (1 real, 0 padding) is optional: PAD_ID entries of `input_ids` are
     padding too. Positions are 0..seq_len-1 in every sequence. `device`: a torch device or
-    --device's spec (kconvert.devices.pick_device). `batch_size` sequences run through a layer
+    --device's spec (kconvert.gpu.devices.pick_device). `batch_size` sequences run through a layer
     at a time, fewer on a GPU where `gpu_plan` (the command's plan, kconvert.calibrate.plan;
     a GPU needs one) lowers the micro-batch; the hidden states of all
     tokens are kept in `dtype` on the device (`hidden_on_device` None: where the plan puts
@@ -286,7 +286,7 @@ def run_calibration(src: str, data: str, out: str, samples: int, seq_len: int, b
                     warn: Callable[[str], None] | None = None) -> CalibrationStats:
     """`kconvert calibrate`: calibrate SRC on the JSONL `data` and write the statistics to
     `out`; `progress` gets the notes, per-layer lines and the closing summary. `gpu_memory`:
-    --gpu-memory in bytes (kconvert.gpu_budget). Data that cannot fill `samples` sequences of
+    --gpu-memory in bytes (kconvert.gpu.budget). Data that cannot fill `samples` sequences of
     `seq_len` tokens is an error, or with `allow_short_data` a warning (the statistics'
     `samples` and `tokens` say what was used); warnings go to `warn` (default: `progress`)."""
     from kconvert.io.checkpoint import open_checkpoint

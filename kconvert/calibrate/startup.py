@@ -1,6 +1,6 @@
 """Start-up of the data-driven commands (calibrate, eval, reap --data): what runs before the
 first decoder layer and after the last, timed, and the GPU started on a thread of its own (a
-conversion starts it so too, while it opens SRC: kconvert.convert).
+conversion starts it so too, while it opens SRC: kconvert.driver.convert).
 
 Python's imports (torch, then transformers' DeepSeek-V3 modules: seconds, and transformers'
 module imports pull in torch._dynamo, torch.distributed.tensor and scipy whatever is used)
@@ -91,7 +91,7 @@ def model_code_and_device(device: torch.device) -> None:
     """On a GPU: transformers' DeepSeek-V3 modules imported (phase "model code") while CUDA
     starts on its thread, then the device ready (phase "CUDA start"): what a command does
     before the first step that waits for the device (its GPU memory budget,
-    kconvert.gpu_budget.GpuRequest.context), so that the two still overlap. The forward's own "model
+    kconvert.gpu.budget.GpuRequest.context), so that the two still overlap. The forward's own "model
     code" phase then takes no time. Nothing on a CPU (no budget waits there)."""
     if device.type != "cuda":
         return

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from kconvert import distributed
+from kconvert.common import distributed
 from kconvert.errors import KconvertError
 from kconvert.model.names import Role, parse_name
 

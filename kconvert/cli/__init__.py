@@ -84,7 +84,7 @@ def exit_now(code: int | str | None) -> None:
     if isinstance(code, str):  # sys.exit's message
         print(code, file=sys.stderr)
     status = 0 if code is None else code if isinstance(code, int) else 1
-    ranks = sys.modules.get("kconvert.distributed")  # loaded where a command used it
+    ranks = sys.modules.get("kconvert.common.distributed")  # loaded where a command used it
     if status and ranks is not None:
         ranks.mark_failed()  # leave the process group at once: the others' collectives fail
     atexit._run_exitfuncs()

@@ -21,12 +21,12 @@ from collections.abc import Callable, Iterator
 import click
 from click.core import ParameterSource
 
-from kconvert import options
-from kconvert.errors import KconvertError, Terminated, UsageError
-from kconvert.options import (
+from kconvert.common import options
+from kconvert.common.options import (
     GPU_MEMORY_HELP,
     parse_size,
 )
+from kconvert.errors import KconvertError, Terminated, UsageError
 from kconvert.version import __version__
 
 DEVICE_SPEC = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -35,7 +35,7 @@ DEVICE_SPEC = re.compile(r"auto|cpu|cuda(:\d+)?")
 AUDIT_CHUNK_MB = 8  # kconvert.audit.CHUNK, in MiB (a test keeps the two equal)
 
 
-# The choice lists of the stage options (kconvert.options, which imports no torch).
+# The choice lists of the stage options (kconvert.common.options, which imports no torch).
 FORMATS = options.OUTPUT_FORMATS
 
 
@@ -89,7 +89,7 @@ def _is_cuda_oom(exc: BaseException) -> bool:
 
 
 def _cuda_oom_message(exc: BaseException, ctx: click.Context) -> str:
-    from kconvert.gpu_budget import oom_message
+    from kconvert.gpu.budget import oom_message
 
     lower = " ".join(f"--{p.replace('_', '-')}" for p in ("batch_size", "samples")
                      if p in ctx.params)
@@ -192,7 +192,7 @@ def device_option(help_text: str = "auto | cpu | cuda | cuda:N"):
 
 
 def _gpu_memory(_ctx, _param, value: str | None) -> int | None:
-    """--gpu-memory SIZE in bytes: past the command line it is bytes (kconvert.gpu_budget)."""
+    """--gpu-memory SIZE in bytes: past the command line it is bytes (kconvert.gpu.budget)."""
     if value is None:
         return None
     try:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import click
 
-from kconvert import options
 from kconvert.cli.base import FORMATS, device_option, gpu_memory_option
 from kconvert.cli.declared import choice_option, setting_options
-from kconvert.options import (
+from kconvert.common import options
+from kconvert.common.options import (
     BATCH_SIZE,
     BLOCK_SCALE_RULES,
     CASTS,
@@ -29,7 +29,7 @@ METHOD_KINDS = tuple(dict.fromkeys(k for d in METHODS for k in d.kinds))
 
 
 # The options of the commands that write a converted checkpoint. An option's destination is
-# its long name with `_` for `-`: the run controls are kconvert.convert.RunControl's fields
+# its long name with `_` for `-`: the run controls are kconvert.driver.convert.RunControl's fields
 # (plus --revision), every other option is a stage option of kconvert.stages' kinds by name
 # (StageKind.settings or .input_options; a test holds the two equal).
 RUN_OPTIONS = [
@@ -67,7 +67,7 @@ RUN_OPTIONS = [
 ]
 
 
-# The destinations of RUN_OPTIONS: kconvert.convert.RunControl's fields and --revision (and
+# The destinations of RUN_OPTIONS: kconvert.driver.convert.RunControl's fields and --revision (and
 # --json, which the command line itself handles).
 RUN_CONTROL_OPTIONS = ("revision", "token", "cache_dir", "device", "gpu_memory", "resume",
                        "trust_complete", "overwrite", "dry_run", "quiet", "readers", "stream",

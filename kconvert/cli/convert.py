@@ -1,5 +1,5 @@
 """The commands that write a converted checkpoint: a thin layer over the Python API
-(kconvert.api, kconvert.commands). Each command is a recipe plus option groups
+(kconvert.api, kconvert.driver.commands). Each command is a recipe plus option groups
 (kconvert.cli.conversion_options); an option's value reaches the stages by its name, as a
 setting or as what the command prepares from the source."""
 
@@ -22,7 +22,7 @@ from kconvert.cli.conversion_options import (
     method_options,
     prune_options,
 )
-from kconvert.options import REAP_SAMPLES, SPARSEGPT_SAMPLES
+from kconvert.common.options import REAP_SAMPLES, SPARSEGPT_SAMPLES
 
 
 def _run(recipe_name: str, src: str, dst: str, params: dict) -> None:
@@ -40,8 +40,8 @@ def _run(recipe_name: str, src: str, dst: str, params: dict) -> None:
         if result.manifest is not None and not run["quiet"]:
             click.echo(result.summary_line())
         return
-    from kconvert import events
-    from kconvert.run_summary import RunSummary, WrittenBytes
+    from kconvert.common import events
+    from kconvert.driver.run_summary import RunSummary, WrittenBytes
 
     messages: list[str] = []
 

@@ -7,7 +7,7 @@ import json
 import click
 
 from kconvert.cli.base import FORMATS, KconvertCommand, gpu_memory_option
-from kconvert.options import AS_FORMATS
+from kconvert.common.options import AS_FORMATS
 
 P48_STORAGES = ("pair-bitmask", "dense")  # kconvert.sizing.predict.P48_STORAGES
 KV_DTYPES = ("bf16", "fp16", "fp8")  # kconvert.sizing.deploy.KV_DTYPE_BYTES

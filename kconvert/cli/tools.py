@@ -16,8 +16,8 @@ from kconvert.cli.base import (
     echo_unless_quiet,
     gpu_memory_option,
 )
+from kconvert.common.options import BATCH_SIZE, EVAL_SAMPLES, REAP_SAMPLES, SEED, SEQ_LEN
 from kconvert.evaluate.loops import LoopRule
-from kconvert.options import BATCH_SIZE, EVAL_SAMPLES, REAP_SAMPLES, SEED, SEQ_LEN
 
 LOOP_RULE = LoopRule()  # the defaults (kconvert.evaluate.loops: why these)
 

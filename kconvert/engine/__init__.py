@@ -15,6 +15,6 @@ reader, writer and hasher threads get cores of their own (`split_cores`), the ke
 Modules: items.py (the plan and its items), work.py (building it, sharing it among ranks),
 compute.py (read_item, compute_item), sink.py (ShardSink: partial files, hashes, rename on
 complete), execute.py (the threads, the knobs).
-Every step of every item is a timing event (kconvert.events) for benchmarks and tests that
+Every step of every item is a timing event (kconvert.common.events) for benchmarks and tests that
 subscribe with `timings=True`; with no such listener nothing is timed.
 """

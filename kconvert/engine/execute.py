@@ -15,13 +15,13 @@ from typing import Protocol
 
 import torch
 
-from kconvert import events
+from kconvert.common import events
 from kconvert.engine.compute import compute_item, read_item
 from kconvert.engine.items import Item, WorkPlan
 from kconvert.engine.sink import ShardSink
 from kconvert.engine.work import Share
 from kconvert.formats import SOURCE_CODECS, cpu_threads
-from kconvert.gpu_parts import Encode
+from kconvert.gpu.parts import Encode
 from kconvert.io.readahead import read_ahead
 
 # The engine's knobs, read at the start of each run (benchmarks/cpu_engine.py sets them to
@@ -47,7 +47,7 @@ CHUNK_ELEMS = {"cuda": 1 << 27, "cpu": 1 << 22}
 
 
 def gpu_encode() -> Encode:
-    """The encode of a work item on a GPU, for the command's memory plan (kconvert.gpu_plan):
+    """The encode of a work item on a GPU, for the command's memory plan (kconvert.gpu.plan):
     items of up to 2^28 decoded elements (~18 Kimi expert matrices; fewer where the plan says
     so), large enough to keep the GPU busy, small enough that prefetch and queued results stay
     within ~4 GB of host RAM; per decoded element four fp32 copies (the decode, the method's

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
-from kconvert import events
+from kconvert.common import events
 from kconvert.engine.compute import Result
 from kconvert.engine.items import WorkPlan
 from kconvert.engine.work import Share

@@ -15,9 +15,9 @@ from kconvert.formats.linear import ModuleWork
 from kconvert.model.names import TensorName
 
 if TYPE_CHECKING:
-    from kconvert.gpu_parts import GpuWork
-    from kconvert.gpu_plan import GpuPlan
-    from kconvert.gpu_shapes import Shapes
+    from kconvert.gpu.parts import GpuWork
+    from kconvert.gpu.plan import GpuPlan
+    from kconvert.gpu.shapes import Shapes
 
 
 # The stage kinds the modules beside the driver find by name, in what a run recorded (a tensor's

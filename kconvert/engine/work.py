@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kconvert import events
+from kconvert.common import events
 from kconvert.engine.items import (
     Chunk,
     CopyItem,

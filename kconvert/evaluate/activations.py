@@ -88,10 +88,11 @@ def input_scales(ckpt: Checkpoint, tensors: dict[str, TensorInfo]) -> dict[str, 
 
 
 def served(scales: dict[str, torch.Tensor], policy: str | None) -> dict[str, torch.Tensor]:
-    """The quantization scales g a W4A4 engine serving `policy` (kconvert.options.INPUT_SCALES;
-    None or "expert": each module's own) runs a layer's modules with: "layer-max" the routed
-    experts' largest input amax (smallest g) over the layer, gates and ups together and downs
-    apart, as vLLM's FlashInfer backends take it; "one" g = 1 for every module."""
+    """The quantization scales g a W4A4 engine serving `policy`
+    (kconvert.common.options.INPUT_SCALES; None or "expert": each module's own) runs a layer's
+    modules with: "layer-max" the routed experts' largest input amax (smallest g) over the layer,
+    gates and ups together and downs apart, as vLLM's FlashInfer backends take it; "one" g = 1 for
+    every module."""
     if policy == "one":
         return {m: torch.ones((), dtype=torch.float32) for m in scales}
     if policy != "layer-max":

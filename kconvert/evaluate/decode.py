@@ -26,7 +26,7 @@ from kconvert.calibrate.moe import ForwardContext
 from kconvert.errors import KconvertError
 from kconvert.evaluate.activations import build_served
 from kconvert.evaluate.generation import Continuation
-from kconvert.gpu_plan import Shapes, gib
+from kconvert.gpu.plan import Shapes, gib
 from kconvert.io.checkpoint import Checkpoint
 
 

@@ -4,7 +4,7 @@ chunk of positions at a time.
 
 Every sum is kept per batch (the batch's index in the whole run) and folded in batch order when
 the result is asked for, so that a run whose batches were spread over ranks (torchrun:
-kconvert.distributed.own_batches) gives the same numbers as one process, bit for bit: `merge`
+kconvert.common.distributed.own_batches) gives the same numbers as one process, bit for bit: `merge`
 joins the ranks' parts, and the fold does the same additions in the same order. Counts are
 integers; the per-position KL values are joined in batch order, so their mean and quantile are
 those of one process too.
@@ -25,7 +25,7 @@ from kconvert.evaluate.report import LayerError, LogitMetrics
 HIGH_ENTROPY_SHARE = 0.1
 
 # Logit elements (positions x vocabulary) of one chunk: 2^28 fp32 is 1 GiB on a GPU (the GPU
-# memory plan's term, kconvert.gpu_plan.Forward.logit_elems).
+# memory plan's term, kconvert.gpu.parts.Forward.logit_elems).
 LOGIT_ELEMS = {"cuda": 1 << 28, "cpu": 1 << 24}
 
 

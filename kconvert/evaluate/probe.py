@@ -21,7 +21,7 @@ from kconvert.evaluate import completions
 from kconvert.evaluate.decode import Sampling, check_fits, continuations
 from kconvert.evaluate.generation import Continuation, GenerationReport, compare
 from kconvert.evaluate.loops import LoopRule
-from kconvert.gpu_budget import GpuRequest
+from kconvert.gpu.budget import GpuRequest
 from kconvert.io.checkpoint import Checkpoint
 
 # The files `--generate -o DIR` writes beside eval.json: each model's continuations in the

@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-from kconvert import distributed
 from kconvert.calibrate.data import PAD_ID, load_calibration_data, shortfall
 from kconvert.calibrate.forward import (
     embed,
@@ -25,7 +24,7 @@ from kconvert.calibrate.moe import ForwardContext
 from kconvert.calibrate.plan import planned_forward
 from kconvert.calibrate.prefetch import LayerPrefetcher
 from kconvert.calibrate.startup import device_ready, phase, start_device
-from kconvert.devices import pick_device
+from kconvert.common import distributed
 from kconvert.errors import KconvertError
 from kconvert.evaluate import activations
 from kconvert.evaluate.generation import render
@@ -39,8 +38,9 @@ from kconvert.evaluate.metrics import (
 from kconvert.evaluate.outputs import open_model, refuse_earlier_report
 from kconvert.evaluate.probe import Probe, check_probe_fits, run_probe
 from kconvert.evaluate.report import CandidateResult, EvalReport, render_table, save_report
-from kconvert.gpu_budget import GpuRequest
-from kconvert.gpu_plan import GpuPlan, gib
+from kconvert.gpu.budget import GpuRequest
+from kconvert.gpu.devices import pick_device
+from kconvert.gpu.plan import GpuPlan, gib
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.version import __version__
 
@@ -69,7 +69,7 @@ def evaluate(source: Checkpoint, candidates: list[Checkpoint], input_ids: torch.
     padding, never measured). One decoder layer of one checkpoint is loaded at a time: the
     source's layer L runs on its stream, then each candidate's layer L runs on the candidate's
     own stream (accumulated error) and on the source's input to L (local error). `device`: a
-    torch device or --device's spec (kconvert.devices.pick_device). Hidden states stay on the
+    torch device or --device's spec (kconvert.gpu.devices.pick_device). Hidden states stay on the
     device where `gpu_plan` (the command's plan, kconvert.calibrate.plan; a GPU needs one)
     puts them, else in pinned host memory, and stream through the device `batch_size`
     sequences at a time (fewer where the plan lowers it).
@@ -330,7 +330,7 @@ def run_eval(src: str, candidates: list[str], data: str, out: str | None, sample
              probe: Probe | None = None, overwrite: bool = False) -> EvalReport:
     """`kconvert eval`: SRC against each candidate on the JSONL `data`; the table goes to
     `echo`, eval.json and eval.png to `out` when it is given. `gpu_memory`: --gpu-memory in
-    bytes (kconvert.gpu_budget). Data that cannot fill `samples` sequences of `seq_len`
+    bytes (kconvert.gpu.budget). Data that cannot fill `samples` sequences of `seq_len`
     tokens is an error, or with `allow_short_data` a warning (the report's `tokens` say what
     was used). `probe` (--generate, one candidate): the degeneration probe after the
     teacher-forced pass, in the report's `generation`, its table after eval's, and each

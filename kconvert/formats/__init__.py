@@ -6,7 +6,7 @@ recognised, the dtypes and shapes of its parameters, how a quantization_config n
 what its scheme must agree with, and (an output format) how its config family's
 quantization_config is written. Adding a format: its module here and one `register(codec)`
 below; an output format that the command line offers also needs its name in the command
-line's choices (kconvert.options.OUTPUT_FORMATS, which imports no torch; a test keeps the two
+line's choices (kconvert.common.options.OUTPUT_FORMATS, which imports no torch; a test keeps the two
 lists equal).
 """
 

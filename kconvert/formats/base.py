@@ -55,7 +55,7 @@ class OutputModule(Linear, Protocol):
     group_size: int
     # W4A4 whose activations the engine quantizes at run time (MXFP4): no input scales.
     dynamic_activations: bool
-    # W4A4 NVFP4: the policy its input scale follows (kconvert.options.INPUT_SCALES).
+    # W4A4 NVFP4: the policy its input scale follows (kconvert.common.options.INPUT_SCALES).
     input_scale_policy: str | None
 
     @property
@@ -303,7 +303,7 @@ class Codec:
 # Parameters that belong to a format but that a decode does not need (W4A4 input scales).
 OPTIONAL_PARAMS = {"input_scale", "input_global_scale"}
 # The quantization_config key (kconvert's own; loaders ignore it) that says which policy the
-# routed experts' W4A4 input scales follow (kconvert.options.INPUT_SCALES).
+# routed experts' W4A4 input scales follow (kconvert.common.options.INPUT_SCALES).
 INPUT_SCALE_POLICY = "input_scale_policy"
 
 

@@ -40,7 +40,7 @@ class ModuleWork:
     stages: list[str] = field(default_factory=list)
     # Calibrated activation amax (W4A4 input scale); shared by the module's fused set.
     input_amax: float | None = None
-    # The input-scale policy that amax follows (kconvert.options.INPUT_SCALES), which the
+    # The input-scale policy that amax follows (kconvert.common.options.INPUT_SCALES), which the
     # output's config declares.
     input_scale_policy: str | None = None
     # W4A4 with activations quantized at run time (MXFP4), declared in the config only.
@@ -92,7 +92,8 @@ class Transformed(NamedTuple):
 
     weights: torch.Tensor  # [B, M, K], fp32
     codes: torch.Tensor | None = None  # block-scale codes to encode them with (None: the rule's)
-    # Per matrix what the manifest records of the method's choice (kconvert.manifest.ObsEntry).
+    # Per matrix what the manifest records of the method's choice
+    # (kconvert.records.manifest.ObsEntry).
     records: list[dict] | None = None
 
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from kconvert.errors import KconvertError
 from kconvert.io.shards import ShardReader, TensorInfo
-from kconvert.manifest import MANIFEST
 from kconvert.model.config_check import text_config_problem
+from kconvert.records.manifest import MANIFEST
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"

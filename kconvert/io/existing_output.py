@@ -13,7 +13,7 @@ from pathlib import Path
 from kconvert.errors import KconvertError
 from kconvert.io.files import hash_file
 from kconvert.io.lock import STATE_DIR
-from kconvert.manifest import MANIFEST
+from kconvert.records.manifest import MANIFEST
 
 RUN_FILE = "run.json"  # under the state folder: what the run writes and what started it
 

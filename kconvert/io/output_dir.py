@@ -44,7 +44,7 @@ from kconvert.io.hashing import TensorHashes
 from kconvert.io.lock import LOCK_FILE, STATE_DIR, holder_of, in_use, unwritable
 from kconvert.io.shards import plan_header, read_header
 from kconvert.io.workspace import Workspace, remove_leftovers, staging_dir
-from kconvert.manifest import MANIFEST
+from kconvert.records.manifest import MANIFEST
 
 # Under the state folder: where REAP's compensation spills re-fitted matrices during its
 # calibration (kconvert.stages.prune_data), removed when the run ends.

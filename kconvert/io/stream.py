@@ -33,13 +33,13 @@ from pathlib import Path
 
 import torch
 
-from kconvert import events
+from kconvert.common import events
+from kconvert.common.options import STREAM_WINDOW
 from kconvert.errors import KconvertError
 from kconvert.io.checkpoint import Checkpoint, checked, download
 from kconvert.io.hub_downloads import DownloadWorker, RemoteFile, hub_settings, remote_files
 from kconvert.io.remote import HeaderOnlyShard, open_headers
 from kconvert.io.shards import ShardReader, TensorInfo
-from kconvert.options import STREAM_WINDOW
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kconvert import events
+from kconvert.common import events
 from kconvert.io.existing_output import RUN_FILE, accounted_files
 from kconvert.io.lock import LOCK_FILE, STATE_DIR, acquire
 

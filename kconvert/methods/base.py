@@ -17,16 +17,16 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from kconvert.common.options import SPARSEGPT_SAMPLES
 from kconvert.formats import Codec
 from kconvert.formats.linear import Batch, ModuleWork, Transformed
 from kconvert.model.names import Role
-from kconvert.options import SPARSEGPT_SAMPLES
 from kconvert.plugins.registry import Declaration
 
 if TYPE_CHECKING:
-    from kconvert.gpu_parts import GpuWork
-    from kconvert.gpu_plan import GpuPlan
-    from kconvert.gpu_shapes import Shapes
+    from kconvert.gpu.parts import GpuWork
+    from kconvert.gpu.plan import GpuPlan
+    from kconvert.gpu.shapes import Shapes
     from kconvert.methods.hessians import Calibration
 
 @dataclass(frozen=True)

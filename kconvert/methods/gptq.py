@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from kconvert import distributed
+from kconvert.common import distributed
 from kconvert.errors import KconvertError
 from kconvert.formats import nvfp4
 from kconvert.formats.linear import Transformed

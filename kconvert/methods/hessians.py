@@ -28,13 +28,13 @@ from pathlib import Path
 
 import torch
 
-from kconvert import distributed
 from kconvert.calibrate.data import PAD_ID, load_calibration_data, real_tokens
 from kconvert.calibrate.plan import forward
+from kconvert.common import distributed
 from kconvert.errors import KconvertError
-from kconvert.gpu_parts import GpuWork
-from kconvert.gpu_plan import GpuPlan
-from kconvert.gpu_shapes import Shapes
+from kconvert.gpu.parts import GpuWork
+from kconvert.gpu.plan import GpuPlan
+from kconvert.gpu.shapes import Shapes
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.methods.obs import HELDOUT_EVERY, HELDOUT_MIN, HessianSplit, gpu_work
 from kconvert.model.names import Role
@@ -82,7 +82,7 @@ class CalibrationHessians:
         # Roles whose linears' Hessians are input Grams collected during the forward
         # (attention, dense MLP), set before the first layer is asked for.
         self.gram_roles: frozenset[Role] = frozenset()
-        # The command's GPU memory plan (kconvert.gpu_plan), set before the first layer is
+        # The command's GPU memory plan (kconvert.gpu.plan), set before the first layer is
         # asked for: the forward's micro-batch, where its hidden states live, the OBS share.
         self.gpu_plan: GpuPlan | None = None
         self._replaced: set[tuple[int, int | None]] = set()  # (layer, expert): gate/up replaced
@@ -130,7 +130,7 @@ class CalibrationHessians:
 
     def obs_budget(self, device: torch.device) -> int | None:
         """Bytes one OBS batch may take on `device`: the plan's OBS share on a GPU (a plan is
-        made for every GPU run, kconvert.convert), None on a CPU (obs.CPU_BATCH matrices)."""
+        made for every GPU run, kconvert.driver.convert), None on a CPU (obs.CPU_BATCH matrices)."""
         if device.type != "cuda":
             return None
         if self.gpu_plan is None:
@@ -258,7 +258,7 @@ class CalibrationHessians:
         torchrun the pass runs to its end instead, handing its layers over to no one: every
         rank's pass runs the same collectives (the expert-parallel exchange, the sums of the
         statistics), so no rank may stop before the others (an error on this rank is reported
-        to the others after it, kconvert.distributed.agree)."""
+        to the others after it, kconvert.common.distributed.agree)."""
         if self._thread is None or self._closed:
             return
         if distributed.world() > 1:

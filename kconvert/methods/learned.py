@@ -18,17 +18,17 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kconvert.devices import Stopwatch, deterministic
+from kconvert.common.options import SEED
 from kconvert.errors import KconvertError
 from kconvert.formats import nvfp4, p48
 from kconvert.formats.linear import Batch, Transformed
+from kconvert.gpu.devices import Stopwatch, deterministic
 from kconvert.methods import expert_training as et
 from kconvert.methods.gptq import Gptq
 from kconvert.methods.obs import HELDOUT_EVERY, HELDOUT_MIN
 from kconvert.methods.obs_method import ObsMethod
 from kconvert.methods.sparsegpt import SparseGpt
 from kconvert.model.names import Role
-from kconvert.options import SEED
 from kconvert.plugins.methods import LEARNED_NVFP4, LEARNED_P48
 
 log = logging.getLogger(__name__)
@@ -204,8 +204,9 @@ class Learned(ObsMethod):
 
     def _record(self, learned: float | None, oneshot: float | None, fit: int, held: int
                 ) -> dict:
-        """What the manifest records of one expert's matrices (kconvert.manifest.LearnedEntry):
-        learned where its error is strictly below the one-shot's."""
+        """What the manifest records of one expert's matrices
+        (kconvert.records.manifest.LearnedEntry): learned where its error is strictly below the
+        one-shot's."""
         chose = learned is not None and oneshot is not None and learned < oneshot
         return {"method": self.name if chose else self.oneshot.name, "learned_error": learned,
                 "oneshot_error": oneshot, "oneshot": self.oneshot.name,

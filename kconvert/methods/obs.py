@@ -37,8 +37,8 @@ import torch
 
 from kconvert.calibrate.forward import gram_bytes
 from kconvert.formats import nvfp4
-from kconvert.gpu_parts import Forward, GpuWork, Obs
-from kconvert.gpu_shapes import Shapes
+from kconvert.gpu.parts import Forward, GpuWork, Obs
+from kconvert.gpu.shapes import Shapes
 from kconvert.methods import triangular
 from kconvert.model.names import Role, TensorName
 
@@ -60,11 +60,11 @@ PRECISIONS = ("fp32", "tf32", "bf16")
 
 
 # Matrices per OBS batch on a CPU (a GPU's batch is sized from the OBS share of the command's
-# GPU memory plan, kconvert.gpu_plan).
+# GPU memory plan, kconvert.gpu.plan).
 CPU_BATCH = 8
 
 # Decoded elements per OBS transform item on a CPU (batches are CPU_BATCH matrices, so items
-# are large; on a GPU the command's memory plan sizes items, kconvert.gpu_plan).
+# are large; on a GPU the command's memory plan sizes items, kconvert.gpu.plan).
 CPU_WORK_ELEMS = 1 << 26
 
 
@@ -128,7 +128,7 @@ def batch_bytes(rows: int, k: int, tokens: int = 0, against_rtn: bool = False) -
 def gpu_work(shapes: Shapes, forward: Forward, *, shared: bool, against_rtn: bool,
              linears: Collection[Role] = (), held_out: bool = False) -> GpuWork:
     """What the OBS engine runs on the GPU beside a conversion, for the command's memory plan
-    (kconvert.gpu_plan): the calibration `forward` that captures the Hessians' inputs, and the
+    (kconvert.gpu.plan): the calibration `forward` that captures the Hessians' inputs, and the
     OBS batches. An expert's gate and up share a Hessian and solve as one [2 * moe_inter,
     hidden] matrix, the largest shape of an expert batch; with `shared` the shared experts are
     solved too (their Hessians from every token), with `against_rtn` each result is compared

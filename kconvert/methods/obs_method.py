@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kconvert import distributed
+from kconvert.common import distributed
 from kconvert.errors import KconvertError
 from kconvert.formats import nvfp4
 from kconvert.formats.linear import Transformed

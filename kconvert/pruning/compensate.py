@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kconvert.devices import Stopwatch
+from kconvert.gpu.devices import Stopwatch
 
 
 @dataclass(frozen=True)

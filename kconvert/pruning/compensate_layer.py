@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from kconvert.calibrate.moe import MoEBlock
-from kconvert.devices import Stopwatch
 from kconvert.errors import KconvertError
+from kconvert.gpu.devices import Stopwatch
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.pruning import recode
 from kconvert.pruning.compensate import Judged, Refit, Routing, block

@@ -33,8 +33,8 @@ from kconvert.formats import (
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.files import human_bytes
 from kconvert.io.shards import TensorInfo
-from kconvert.manifest import MANIFEST, read_manifest
 from kconvert.model.names import Role, parse_name
+from kconvert.records.manifest import MANIFEST, read_manifest
 
 # Matrices encoded at once on the device: 16 Kimi down_proj are 0.9 GB in fp32.
 ENCODE_BATCH = 16

@@ -36,8 +36,8 @@ from torch import nn
 from kconvert.calibrate.data import PAD_ID
 from kconvert.calibrate.forward import embed, model_config, padding_aware_mask
 from kconvert.calibrate.moe import MoEBlock
-from kconvert.devices import Stopwatch, deterministic
 from kconvert.errors import KconvertError
+from kconvert.gpu.devices import Stopwatch, deterministic
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.model.names import Role, parse_name
 from kconvert.pruning import recode
@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 
 def stream_bytes(hidden: int, dtype_bytes: int, tokens: int) -> int:
     """Device bytes of the repair stream over `tokens` calibration tokens, at most
-    REPAIR_TOKENS (the GPU memory plan's term, kconvert.gpu_plan.Forward.repair_bytes)."""
+    REPAIR_TOKENS (the GPU memory plan's term, kconvert.gpu.parts.Forward.repair_bytes)."""
     return min(REPAIR_TOKENS, tokens) * hidden * (dtype_bytes + 4 * 4)
 
 
@@ -95,7 +95,7 @@ class RouterRepair:
     records: dict[int, LayerRepair] = field(default_factory=dict)
     compensations: dict[int, LayerCompensation] = field(default_factory=dict)
     matrices: dict[str, torch.Tensor] = field(default_factory=dict)  # output name -> written
-    # per layer, seconds per phase of its repair (kconvert.devices.Stopwatch; -v logs them)
+    # per layer, seconds per phase of its repair (kconvert.gpu.devices.Stopwatch; -v logs them)
     seconds: dict[int, dict[str, float]] = field(default_factory=dict)
     # Where each layer's re-fitted matrices go (one file per layer, memory-mapped back), so
     # host memory does not grow with the layers; None: held in memory.

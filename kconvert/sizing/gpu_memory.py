@@ -1,16 +1,22 @@
-"""`kconvert inspect`'s GPU memory section: each GPU command's plan (kconvert.gpu_budget) at
+"""`kconvert inspect`'s GPU memory section: each GPU command's plan (kconvert.gpu.budget) at
 its default options on the checkpoint's shapes."""
 
 from __future__ import annotations
 
 from kconvert.calibrate.plan import forward
+from kconvert.common.options import (
+    BATCH_SIZE,
+    EVAL_SAMPLES,
+    REAP_SAMPLES,
+    SEQ_LEN,
+    SPARSEGPT_SAMPLES,
+)
 from kconvert.engine.execute import gpu_encode
 from kconvert.evaluate.metrics import LOGIT_ELEMS
-from kconvert.gpu_plan import GpuMemoryError, plan_conversion, plan_forward
-from kconvert.gpu_shapes import Shapes
+from kconvert.gpu.plan import GpuMemoryError, plan_conversion, plan_forward
+from kconvert.gpu.shapes import Shapes
 from kconvert.methods import obs
 from kconvert.model.arch import arch_of
-from kconvert.options import BATCH_SIZE, EVAL_SAMPLES, REAP_SAMPLES, SEQ_LEN, SPARSEGPT_SAMPLES
 from kconvert.pruning.repair import REPAIR_TOKENS, stream_bytes
 
 

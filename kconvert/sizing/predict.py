@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from functools import cached_property
 
+from kconvert.driver.recipes import Recipe, build_stages, builtin_dir, load_recipe
 from kconvert.engine.stage import PRUNE
 from kconvert.engine.work import (
     WorkPlan,
@@ -28,7 +29,6 @@ from kconvert.formats.int4 import Int4Codec
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.shards import tensor_nbytes
 from kconvert.model.names import Role, TensorName, parse_name
-from kconvert.recipes import Recipe, build_stages, builtin_dir, load_recipe
 
 P48_STORAGES = ("pair-bitmask", "dense")
 

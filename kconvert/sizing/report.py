@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from kconvert.common.options import STREAM_WINDOW
 from kconvert.engine.source_order import HubDisk, hub_disk
 from kconvert.io.files import human_bytes
 from kconvert.model.names import parse_name
-from kconvert.options import STREAM_WINDOW
 from kconvert.sizing.deploy import (
     GIB,
     Parallelism,
@@ -160,8 +160,8 @@ def inspect_checkpoint(src: str, options: Options, *, gpus: int | None = None,
     """Inspect SRC (a directory or Hub repo id) from its headers and config alone; the GPU
     memory plans are for `gpu_memory` (default: this machine's first GPU's default budget,
     else an 80 GB H100's)."""
-    from kconvert.devices import pick_device
-    from kconvert.gpu_budget import GpuRequest, size_option
+    from kconvert.gpu.budget import GpuRequest, size_option
+    from kconvert.gpu.devices import pick_device
     from kconvert.io.remote import open_headers
     from kconvert.sizing.gpu_memory import command_plans
 

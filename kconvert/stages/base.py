@@ -18,16 +18,16 @@ from typing import Any
 import torch
 from pydantic import create_model
 
+from kconvert.common.options import calibration_run
 from kconvert.engine.stage import Stage, StageRecord
 from kconvert.errors import KconvertError, UsageError
-from kconvert.gpu_budget import GpuRequest
-from kconvert.gpu_parts import GpuWork
-from kconvert.gpu_plan import GpuPlan
-from kconvert.gpu_shapes import Shapes
+from kconvert.gpu.budget import GpuRequest
+from kconvert.gpu.parts import GpuWork
+from kconvert.gpu.plan import GpuPlan
+from kconvert.gpu.shapes import Shapes
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.methods import Method
 from kconvert.methods.hessians import Calibration
-from kconvert.options import calibration_run
 from kconvert.plugins.methods import METHODS
 
 # The command-line options that say which calibration data a command reads and how it runs

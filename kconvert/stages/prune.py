@@ -17,7 +17,7 @@ from pydantic import Field
 
 from kconvert.engine.stage import Stage, StageRecord
 from kconvert.errors import KconvertError, UsageError
-from kconvert.gpu_budget import GpuRequest
+from kconvert.gpu.budget import GpuRequest
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.model.arch import arch_of
 from kconvert.model.names import Role, TensorName
@@ -255,7 +255,7 @@ def prepare(stages: tuple[dict, ...], options: dict, gpu: GpuRequest
     router repair and compensation in the same pass when --repair, --compensate or the recipe
     asks for them, its micro-batch within the run's GPU memory budget, `gpu`'s;
     kconvert.stages.prune_data). The options are checked now, before the source is opened;
-    `options` also holds the run's `dst`, `dry_run` and `echo` (kconvert.commands)."""
+    `options` also holds the run's `dst`, `dry_run` and `echo` (kconvert.driver.commands)."""
     plan, stats, data = options.get("plan"), options.get("stats"), options.get("data")
     repair = options.get("repair") or next(
         (s["repair"] for s in stages if s["stage"] == Prune.name and "repair" in s),

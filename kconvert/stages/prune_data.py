@@ -21,13 +21,13 @@ from pathlib import Path
 
 import torch
 
-from kconvert import distributed
-from kconvert.gpu_budget import GpuRequest
+from kconvert.common import distributed
+from kconvert.common.options import REAP_SAMPLES, calibration_run
+from kconvert.gpu.budget import GpuRequest
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.lock import STATE_DIR
 from kconvert.io.output_dir import REFIT_DIR, resolve_dst
 from kconvert.model.names import Role, parse_name
-from kconvert.options import REAP_SAMPLES, calibration_run
 from kconvert.pruning.kinds import CompensationKind, RepairKind
 from kconvert.pruning.plan import PruneLayer, PrunePlan
 from kconvert.pruning.reap import moe_layers
@@ -58,7 +58,7 @@ def from_data(ckpt: Checkpoint, options: dict, gpu: GpuRequest, keep: int, crite
 
     samples, seq_len, batch_size, seed = calibration_run(options, REAP_SAMPLES)
     data = options["data"]
-    # (CUDA is starting on a thread since the run began: kconvert.convert)
+    # (CUDA is starting on a thread since the run began: kconvert.driver.convert)
     with phase("data"):
         ids = load_calibration_data(data, ckpt.root, samples, seq_len, seed,
                                     vocab=ckpt.text_config["vocab_size"],

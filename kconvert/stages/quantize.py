@@ -11,6 +11,7 @@ from pathlib import Path
 
 from pydantic import Field
 
+from kconvert.common.options import ACTIVATIONS, BLOCK_SCALE_RULES, CASTS, INPUT_SCALE, INPUT_SCALES
 from kconvert.engine.stage import StageRecord
 from kconvert.errors import KconvertError, UsageError
 from kconvert.formats import OUTPUT_CODECS, DenseCodec, stored_as
@@ -19,7 +20,6 @@ from kconvert.formats.nvfp4_cast import CAST_CODECS
 from kconvert.methods import Method, MethodInputs, methods_of
 from kconvert.methods.hessians import Calibration
 from kconvert.model.names import TARGET_ROLES, Role, parse_name
-from kconvert.options import ACTIVATIONS, BLOCK_SCALE_RULES, CASTS, INPUT_SCALE, INPUT_SCALES
 from kconvert.plugins.methods import METHODS
 from kconvert.stages.base import (
     CALIBRATION_OPTIONS,

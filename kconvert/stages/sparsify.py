@@ -15,13 +15,13 @@ from typing import Literal
 
 from pydantic import Field
 
+from kconvert.common.options import SPARSIFY_STORAGES
 from kconvert.engine.stage import StageRecord
 from kconvert.errors import KconvertError
 from kconvert.formats.linear import ModuleWork
 from kconvert.methods import Method, MethodInputs
 from kconvert.methods.hessians import Calibration
 from kconvert.model.names import Role
-from kconvert.options import SPARSIFY_STORAGES
 from kconvert.plugins.methods import METHODS
 from kconvert.stages.base import (
     CALIBRATION_OPTIONS,

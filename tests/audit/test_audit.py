@@ -22,10 +22,10 @@ from safetensors.torch import save_file
 
 from conftest import ROOT
 from helpers import audit_json, cli_inproc, st_header
-from kconvert.convert import RunControl, convert
+from kconvert.driver.convert import RunControl, convert
+from kconvert.driver.recipes import load_recipe
 from kconvert.formats.p48 import check_packed as p48_check
 from kconvert.pruning.plan import PrunePlan, load_plan, plan_json_schema
-from kconvert.recipes import load_recipe
 from kconvert.stages.prune import prune_stage
 from third_party_prune import prune
 
@@ -834,7 +834,7 @@ def test_memory_stays_bounded_with_large_shards(fixture_dir, tmp_path):
     """A 384 MB shard (embed_tokens and lm_head of 192 MB each): audit with default settings,
     hashing every tensor against a manifest and comparing every byte with a source, stays
     within 128 MB above an import-only process, a third of that one shard (measured: ~80 MB)."""
-    from kconvert.manifest import FileEntry, Manifest, SourceEntry, TensorEntry
+    from kconvert.records.manifest import FileEntry, Manifest, SourceEntry, TensorEntry
 
     bound_mb, vocab = 128, 3 << 18
     ckpt = copy(fixture_dir("bf16"), tmp_path / "big")

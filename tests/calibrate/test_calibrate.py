@@ -32,11 +32,11 @@ from helpers import (
 from kconvert.calibrate.data import PAD_ID, load_calibration_data
 from kconvert.calibrate.run import measure_stats as calibrate
 from kconvert.calibrate.stats import CalibrationStats, load_stats, save_stats
-from kconvert.convert import RunControl, convert
+from kconvert.driver.convert import RunControl, convert
+from kconvert.driver.recipes import load_recipe
 from kconvert.errors import KconvertError
 from kconvert.io.checkpoint import open_checkpoint
 from kconvert.pruning.reap import scores_from_stats
-from kconvert.recipes import load_recipe
 from kconvert.testing.fixture_weights import ct_int4_scheme
 
 hf_logging.set_verbosity_error()

@@ -18,13 +18,13 @@ from kconvert.calibrate import run
 from kconvert.calibrate.forward import model_config
 from kconvert.calibrate.load import build_layer, read_layer, tensors_by_layer
 from kconvert.calibrate.moe import ForwardContext, MoEBlock
-from kconvert.convert import RunControl, convert
+from kconvert.driver.convert import RunControl, convert
+from kconvert.driver.recipes import load_recipe
 from kconvert.errors import KconvertError
 from kconvert.evaluate.run import evaluate
 from kconvert.io.checkpoint import open_checkpoint
 from kconvert.plugins.pruning import CRITERIA
 from kconvert.pruning.reap import plan_from_scores, scores_of
-from kconvert.recipes import load_recipe
 from kconvert.testing.tiny_moe import heldout_ids
 from oracles import per_expert_routed
 

@@ -11,9 +11,9 @@ import shutil
 import pytest
 
 from helpers import assert_audit_passes, audit_json, run_inproc
-from kconvert.convert import RunControl, convert
+from kconvert.driver.convert import RunControl, convert
+from kconvert.driver.recipes import load_recipe
 from kconvert.pruning.plan import load_plan
-from kconvert.recipes import load_recipe
 from kconvert.stages.prune import prune_stage
 from kconvert.testing.fixture_config import kimi_quantization_config
 

@@ -119,9 +119,9 @@ def test_audit_and_conversion_refuse_the_same_structure(broken, name, tmp_path):
 
 def test_refusal_names_the_file_and_tensor(broken):
     """The KconvertError of a per-tensor failure names the shard that holds the tensor."""
-    from kconvert.convert import RunControl, convert
+    from kconvert.driver.convert import RunControl, convert
+    from kconvert.driver.recipes import load_recipe
     from kconvert.errors import KconvertError
-    from kconvert.recipes import load_recipe
 
     src = broken["n_routed_experts-12"]
     shard = json.loads((src / INDEX).read_text())["weight_map"]["model.layers.1.mlp.gate.weight"]

@@ -16,8 +16,8 @@ import pytest
 
 from conftest import BUNDLED, ROOT
 from helpers import assert_user_error, cli_inproc, small_fs, source_copy, write_input_ids
+from kconvert.driver.recipes import load_recipe
 from kconvert.errors import KconvertError
-from kconvert.recipes import load_recipe
 
 MANIFEST = "kconvert-manifest.json"
 TRAINED = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
@@ -172,7 +172,7 @@ def test_os_errors_are_one_line_naming_the_file(code, advice, tmp_path, monkeypa
     names the file and what to do. The OSError is injected where the conversion runs, since
     these tests run as root (chmod cannot make a directory unwritable for root) and cannot
     mount a small file system."""
-    import kconvert.convert
+    import kconvert.driver.convert
 
     dst = tmp_path / "out"
     shard = dst / "model-00002-of-000004.safetensors"
@@ -180,7 +180,7 @@ def test_os_errors_are_one_line_naming_the_file(code, advice, tmp_path, monkeypa
     def fail(*_args, **_kwargs):
         raise OSError(code, os.strerror(code), str(shard))
 
-    monkeypatch.setattr(kconvert.convert, "convert", fail)
+    monkeypatch.setattr(kconvert.driver.convert, "convert", fail)
     res = cli_inproc("int4-to-nvfp4", BUNDLED, dst, "--quiet")
     assert_user_error(res, str(shard), os.strerror(code), errno.errorcode[code], advice)
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
@@ -207,12 +207,12 @@ def test_full_and_read_only_file_systems_are_messages(tmp_path):
 
 def test_os_error_without_a_file_name_names_the_output(tmp_path, monkeypatch):
     """write() on a full disk raises ENOSPC with no file name: the message names DST."""
-    import kconvert.convert
+    import kconvert.driver.convert
 
     def fail(*_args, **_kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(kconvert.convert, "convert", fail)
+    monkeypatch.setattr(kconvert.driver.convert, "convert", fail)
     res = cli_inproc("int4-to-nvfp4", BUNDLED, tmp_path / "out", "--quiet")
     assert_user_error(res, str(tmp_path / "out"), "free space")
 
@@ -227,12 +227,12 @@ def test_dst_below_a_regular_file_is_a_message(tmp_path):
 def test_ctrl_c_says_how_to_continue(tmp_path, monkeypatch):
     """Ctrl-C used to print click's "Aborted!" alone: a conversion says --resume keeps its
     finished shards, and exits 130 as a shell reports SIGINT."""
-    import kconvert.convert
+    import kconvert.driver.convert
 
     def interrupted(*_args, **_kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(kconvert.convert, "convert", interrupted)
+    monkeypatch.setattr(kconvert.driver.convert, "convert", interrupted)
     res = cli_inproc("int4-to-nvfp4", BUNDLED, tmp_path / "out", "--quiet")
     assert res.exit_code == 130 and isinstance(res.exception, SystemExit), res.output
     assert "kconvert: interrupted" in res.stderr and "--resume" in res.stderr
@@ -240,12 +240,12 @@ def test_ctrl_c_says_how_to_continue(tmp_path, monkeypatch):
 
 
 def test_internal_error_keeps_traceback_and_says_it_is_a_bug(tmp_path, monkeypatch):
-    import kconvert.convert
+    import kconvert.driver.convert
 
     def fail(*_args, **_kwargs):
         raise ZeroDivisionError("division by zero")
 
-    monkeypatch.setattr(kconvert.convert, "convert", fail)
+    monkeypatch.setattr(kconvert.driver.convert, "convert", fail)
     res = cli_inproc("int4-to-nvfp4", BUNDLED, tmp_path / "out", "--quiet")
     assert res.exit_code == 3 and isinstance(res.exception, SystemExit), res.output
     assert "Traceback" in res.stderr and "ZeroDivisionError" in res.stderr

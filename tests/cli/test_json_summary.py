@@ -8,14 +8,14 @@ import json
 
 from conftest import ROOT
 from helpers import MANIFEST, cli_subprocess
+from kconvert.driver.run_summary import RunSummary
 from kconvert.model.names import parse_name
-from kconvert.run_summary import RunSummary
 
 
 def test_committed_run_summary_schema_is_current():
     committed = json.loads((ROOT / "manifests" / "run-summary.schema.json").read_text())
     assert committed == RunSummary.model_json_schema(), (
-        "regenerate: python -m kconvert.run_summary > manifests/run-summary.schema.json")
+        "regenerate: python -m kconvert.driver.run_summary > manifests/run-summary.schema.json")
 
 
 def test_json_summary_of_a_run(fixture_dir, tmp_path):

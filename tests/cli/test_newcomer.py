@@ -15,8 +15,8 @@ import pytest
 
 from conftest import BUNDLED, ROOT
 from helpers import cli_inproc, write_jsonl
-from kconvert import options
 from kconvert.cli import main
+from kconvert.common import options
 from kconvert.version import __version__
 
 HELP_BOUND_S = 3.0  # generous: ~0.1 s measured on the 2-core test machine
@@ -69,8 +69,8 @@ def test_cli_options_are_the_stage_kinds_options():
     """The command line declares its options without importing the stages (torch): by name,
     each conversion command's options are run controls or options of its recipe's stages (none
     is dropped), and every stage kind's command-line-only input option is offered."""
-    from kconvert.convert import RunControl
-    from kconvert.recipes import load_recipe
+    from kconvert.driver.convert import RunControl
+    from kconvert.driver.recipes import load_recipe
     from kconvert.stages import KINDS
 
     run_controls = {f.name for f in fields(RunControl)} | {"revision", "as_json"}

@@ -24,7 +24,7 @@ from helpers import (
     small_fs,
     write_input_ids,
 )
-from kconvert import events
+from kconvert.common import events
 from kconvert.errors import KconvertError
 from kconvert.io import lock
 

@@ -16,8 +16,8 @@ import os
 import signal
 import sys
 
-from kconvert import distributed, events
 from kconvert.cli import main
+from kconvert.common import distributed, events
 
 
 def die_after_first(event: str, _info: dict) -> None:

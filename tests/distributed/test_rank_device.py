@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kconvert import devices, distributed
+from kconvert.common import distributed
+from kconvert.gpu import devices
 
 
 @pytest.fixture

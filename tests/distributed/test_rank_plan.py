@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from kconvert import distributed
 from kconvert.calibrate.plan import forward
+from kconvert.common import distributed
 from kconvert.engine.execute import gpu_encode
-from kconvert.gpu_plan import forward_footprint, plan_conversion, plan_forward
-from kconvert.gpu_shapes import Shapes
+from kconvert.gpu.plan import forward_footprint, plan_conversion, plan_forward
+from kconvert.gpu.shapes import Shapes
 from kconvert.methods import obs
 from kconvert.pruning.repair import REPAIR_TOKENS, stream_bytes
 from kconvert.testing.fixture_config import k2_config

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kconvert import distributed
+from kconvert.common import distributed
 from kconvert.errors import KconvertError
 from kconvert.io.checkpoint import open_checkpoint
 from kconvert.methods import MethodInputs, method_named

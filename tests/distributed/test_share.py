@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from kconvert.calibrate.expert_ranks import blocks
+from kconvert.driver.recipes import build_stages, load_recipe
 from kconvert.engine.work import CopyItem, build_work_plan, share_work
 from kconvert.io.checkpoint import open_checkpoint
 from kconvert.model.names import Role
-from kconvert.recipes import build_stages, load_recipe
 
 BUNDLED = Path(__file__).resolve().parent.parent / "fixtures" / "tiny-k2-thinking-int4"
 

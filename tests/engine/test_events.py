@@ -1,4 +1,4 @@
-"""The engine's timing events (kconvert.events): every step of every work item, once, in the
+"""The engine's timing events (kconvert.common.events): every step of every work item, once, in the
 thread that did it, in causal order, with byte counts that add up to the source and output
 files; nothing timed when nobody listens."""
 
@@ -13,7 +13,7 @@ import pytest
 
 from conftest import BUNDLED
 from helpers import data_bytes, run_inproc
-from kconvert import events
+from kconvert.common import events
 from kconvert.engine import work
 
 ITEM_STEPS = ("read", "wait-read", "compute", "wait-put", "hash", "wait-get", "write",

@@ -779,7 +779,7 @@ def test_cpu_run_gives_io_threads_cores_of_their_own_and_restores_every_thread(
 
     import numba
 
-    from kconvert import events
+    from kconvert.common import events
     from kconvert.engine import execute
 
     allowed = os.sched_getaffinity(0)

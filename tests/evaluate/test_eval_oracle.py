@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from conftest import ROOT
-from kconvert.convert import RunControl, convert
+from kconvert.driver.convert import RunControl, convert
+from kconvert.driver.recipes import load_recipe
 from kconvert.evaluate.run import evaluate
 from kconvert.io.checkpoint import open_checkpoint
 from kconvert.pruning.plan import parse_plan
-from kconvert.recipes import load_recipe
 from kconvert.stages.prune import prune_stage
 from kconvert.testing.tiny_moe import heldout_ids, load_kimi_checkpoint
 

@@ -19,7 +19,7 @@ from kconvert.evaluate import decode
 from kconvert.evaluate.decode import cache_bytes, check_fits, model_bytes
 from kconvert.evaluate.metrics import high_entropy_mean
 from kconvert.evaluate.probe import CANDIDATE_FILE, SOURCE_FILE
-from kconvert.gpu_plan import gib
+from kconvert.gpu.plan import gib
 from kconvert.io.checkpoint import open_checkpoint
 from kconvert.testing.tiny_moe import heldout_ids
 

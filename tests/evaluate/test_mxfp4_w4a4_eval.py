@@ -27,12 +27,12 @@ from conftest import BUNDLED, ROOT
 from helpers import built_layer, eval_logits
 from kconvert.calibrate.forward import model_config
 from kconvert.calibrate.load import tensors_by_layer
-from kconvert.convert import RunControl, convert
+from kconvert.driver.convert import RunControl, convert
+from kconvert.driver.recipes import load_recipe
 from kconvert.errors import KconvertError
 from kconvert.evaluate import activations
 from kconvert.formats import Mxfp4Codec, QuarkMxfp4Codec, mxfp4
 from kconvert.io.checkpoint import open_checkpoint
-from kconvert.recipes import load_recipe
 from kconvert.testing.tiny_moe import heldout_ids
 
 SRC = ROOT / "tests" / "fixtures" / "tiny-moe-trained"

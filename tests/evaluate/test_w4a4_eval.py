@@ -21,9 +21,9 @@ from safetensors import safe_open
 
 from conftest import ROOT
 from helpers import built_layer, cli_inproc, eval_logits
-from kconvert.convert import RunControl, convert
+from kconvert.driver.convert import RunControl, convert
+from kconvert.driver.recipes import load_recipe
 from kconvert.evaluate import activations
-from kconvert.recipes import load_recipe
 from kconvert.testing.tiny_moe import heldout_ids
 
 SRC = ROOT / "tests" / "fixtures" / "tiny-moe-trained"

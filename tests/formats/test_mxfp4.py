@@ -24,13 +24,13 @@ from helpers import (
     edit_tensor,
     write_input_ids,
 )
-from kconvert.convert import RunControl, convert
+from kconvert.driver.convert import RunControl, convert
+from kconvert.driver.recipes import load_recipe
 from kconvert.formats import Mxfp4Codec, QuarkMxfp4Codec, mxfp4
 from kconvert.formats.ct_config import CT_TARGETS
 from kconvert.formats.int4 import Int4Codec
 from kconvert.model.names import Role
 from kconvert.pruning.plan import parse_plan
-from kconvert.recipes import load_recipe
 from kconvert.stages.prune import prune_stage
 from oracles import by_module
 

@@ -24,9 +24,9 @@ from quark.torch.utils.pack import create_pack_method
 
 from conftest import BUNDLED
 from helpers import assert_audit_passes, checkpoint_tensors
-from kconvert.convert import RunControl, convert
+from kconvert.driver.convert import RunControl, convert
+from kconvert.driver.recipes import load_recipe
 from kconvert.formats import mxfp4
-from kconvert.recipes import load_recipe
 
 # AMD's Kimi recipe as Quark's exclude patterns: everything but the routed experts and the
 # routers (Quark's linear-weight rule takes `mlp.gate.weight` for a linear's).

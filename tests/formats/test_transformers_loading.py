@@ -24,9 +24,9 @@ from safetensors.torch import save_file
 
 from conftest import BUNDLED, ROOT
 from helpers import checkpoint_tensors, run_inproc
-from kconvert.convert import RunControl, convert
+from kconvert.driver.convert import RunControl, convert
+from kconvert.driver.recipes import load_recipe
 from kconvert.pruning.plan import load_plan
-from kconvert.recipes import load_recipe
 from kconvert.stages.prune import prune_stage
 from oracles import (
     by_module,

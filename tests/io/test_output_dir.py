@@ -33,10 +33,10 @@ from kconvert.errors import KconvertError
 from kconvert.io import lock, output_dir
 
 MANIFEST = "kconvert-manifest.json"
-# Runs the CLI and SIGKILLs itself at the Nth occurrence of a run event (kconvert.events).
+# Runs the CLI and SIGKILLs itself at the Nth occurrence of a run event (kconvert.common.events).
 KILLER = """
 import os, signal, sys
-from kconvert import events
+from kconvert.common import events
 from kconvert.cli import main
 event, nth = sys.argv[1], int(sys.argv[2])
 seen = []
@@ -138,8 +138,8 @@ def test_overwrite_swaps_when_there_is_room_and_deletes_first_when_not(tmp_path,
         return real(path)._replace(free=4_000_000 - used)
 
     monkeypatch.setattr(output_dir.shutil, "disk_usage", free_for_one)
-    from kconvert.convert import RunControl, convert
-    from kconvert.recipes import load_recipe
+    from kconvert.driver.convert import RunControl, convert
+    from kconvert.driver.recipes import load_recipe
 
     convert(str(src), str(dst), load_recipe("int4-to-nvfp4"),
             {"format": None, "block_scale": "amax", "targets": None, "act_stats": None},
@@ -255,7 +255,7 @@ def test_kill_at_every_phase_then_resume_is_identical_and_audits(command, phase,
 
 def test_disk_full_at_the_manifest_then_resume(tmp_path, monkeypatch, clean_outputs):
     src, dst = BUNDLED, tmp_path / "out"
-    from kconvert import finish_output
+    from kconvert.driver import finish_output
 
     real = finish_output.write_text
 

@@ -23,14 +23,14 @@ from safetensors.torch import save_file
 
 import kconvert
 from helpers import CLI, INDEX, MANIFEST, cli_subprocess, file_tensors, snapshot
-from kconvert import events
+from kconvert.common import events
+from kconvert.common.options import STREAM_WINDOW
+from kconvert.driver.recipes import build_stages, load_recipe
 from kconvert.engine.source_order import source_order
 from kconvert.engine.work import build_work_plan
 from kconvert.errors import KconvertError, UsageError
 from kconvert.io.checkpoint import open_checkpoint
 from kconvert.io.stream import SOURCE_DIR, window_bytes
-from kconvert.options import STREAM_WINDOW
-from kconvert.recipes import build_stages, load_recipe
 from kconvert.testing.hub_server import COMMIT, LocalHub
 
 REPO = "kimi/tiny"
@@ -176,7 +176,7 @@ def test_streamed_run_is_the_local_run_with_the_window_on_disk(hub, sources, loc
 
 @pytest.fixture
 def seen():
-    """The timing events of the test's runs (kconvert.events), in order."""
+    """The timing events of the test's runs (kconvert.common.events), in order."""
     got: list[tuple[str, dict]] = []
     unsubscribe = events.subscribe(lambda e, info: got.append((e, info)), timings=True)
     yield got

@@ -18,7 +18,7 @@ from conftest import BUNDLED, ROOT
 from helpers import assert_audit_passes, built_layer, cli_inproc, eval_logits, write_input_ids
 from kconvert.calibrate.data import PAD_ID
 from kconvert.calibrate.run import measure_stats
-from kconvert.gpu_shapes import Shapes
+from kconvert.gpu.shapes import Shapes
 from kconvert.io.checkpoint import open_checkpoint
 from kconvert.model.names import Role, parse_name
 from oracles import raw_tensors
@@ -96,7 +96,7 @@ def test_input_grams_equal_xtx_of_transformers_module_inputs(fixture_dir):
 
 
 def test_planned_linear_shapes_are_transformers_layers():
-    """The plan's input widths and matrices of attention and the dense MLP (gpu_plan.Shapes)
+    """The plan's input widths and matrices of attention and the dense MLP (gpu.shapes.Shapes)
     against transformers' dense decoder layer, whose Grams build_layer collects: one per
     fused set."""
     with built_layer(BUNDLED, 0, grams=frozenset({Role.ATTENTION, Role.DENSE_MLP})) as (

@@ -8,8 +8,8 @@ import pytest
 from safetensors import safe_open
 
 from conftest import BUNDLED, ROOT
-from kconvert.manifest import Manifest
 from kconvert.model.names import PARAM_SUFFIXES, Role, parse_name, split_param
+from kconvert.records.manifest import Manifest
 
 
 @pytest.mark.parametrize(
@@ -68,7 +68,7 @@ def test_with_expert_renames_every_parameter():
 def test_committed_manifest_schema_is_current():
     committed = json.loads((ROOT / "manifests" / "manifest.schema.json").read_text())
     assert committed == Manifest.model_json_schema(), (
-        "regenerate: python -m kconvert.manifest > manifests/manifest.schema.json")
+        "regenerate: python -m kconvert.records.manifest > manifests/manifest.schema.json")
 
 
 def _split_by_trying_every_suffix(name: str) -> tuple[str, str]:

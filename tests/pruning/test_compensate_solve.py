@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kconvert.devices import Stopwatch
+from kconvert.gpu.devices import Stopwatch
 from kconvert.pruning.compensate import Block, Judged, Refit
 
 INTER, HIDDEN, TOKENS, HELD = 16, 8, 60, 24

@@ -15,10 +15,10 @@ import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from helpers import checkpoint_tensors
-from kconvert.convert import RunControl, convert
+from kconvert.driver.convert import RunControl, convert
+from kconvert.driver.recipes import load_recipe
 from kconvert.errors import KconvertError
 from kconvert.pruning.plan import parse_plan
-from kconvert.recipes import load_recipe
 from kconvert.stages.prune import prune_stage
 from oracles import dense_copy
 

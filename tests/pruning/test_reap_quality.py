@@ -15,11 +15,11 @@ import torch
 
 from conftest import ROOT
 from kconvert.calibrate.run import measure_stats as calibrate
-from kconvert.convert import RunControl, convert
+from kconvert.driver.convert import RunControl, convert
+from kconvert.driver.recipes import load_recipe
 from kconvert.io.checkpoint import open_checkpoint
 from kconvert.pruning.plan import parse_plan
 from kconvert.pruning.reap import plan_from_scores, scores_of
-from kconvert.recipes import load_recipe
 from kconvert.stages.prune import prune_stage
 from kconvert.testing.tiny_moe import corpus_ids, heldout_ids, heldout_loss, windows
 

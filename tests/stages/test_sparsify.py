@@ -25,7 +25,7 @@ from kconvert.formats.nvfp4_pair_bitmask import (
     to_pair_bitmask,
 )
 from kconvert.formats.p48 import check_packed, top2_pairs
-from kconvert.manifest import read_manifest
+from kconvert.records.manifest import read_manifest
 from oracles import (
     by_module,
     ct_int4_fp32,

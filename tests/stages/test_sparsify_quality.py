@@ -18,10 +18,10 @@ from conftest import ROOT
 from helpers import checkpoint_tensors
 from kconvert.calibrate.run import measure_stats as calibrate
 from kconvert.calibrate.stats import save_stats
-from kconvert.convert import RunControl, convert
+from kconvert.driver.convert import RunControl, convert
+from kconvert.driver.recipes import load_recipe
 from kconvert.io.checkpoint import open_checkpoint
 from kconvert.methods.hessians import Calibration, CalibrationHessians
-from kconvert.recipes import load_recipe
 from kconvert.testing.tiny_moe import (
     corpus_ids,
     heldout_ids,

@@ -10,8 +10,8 @@ from compressed_tensors.quantization.utils import generate_gparam
 
 from conftest import BUNDLED
 from helpers import checkpoint_tensors
-from kconvert.convert import RunControl, convert
-from kconvert.recipes import load_recipe
+from kconvert.driver.convert import RunControl, convert
+from kconvert.driver.recipes import load_recipe
 
 
 def test_input_scales_from_activation_stats(tmp_path):

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from kconvert import convert
+from kconvert.common.options import ONLY_WITH
+from kconvert.driver import convert
+from kconvert.driver.recipes import Recipe, check_format, check_options, load_recipe
 from kconvert.errors import UsageError
-from kconvert.gpu_budget import GpuRequest
+from kconvert.gpu.budget import GpuRequest
 from kconvert.io.checkpoint import Checkpoint
-from kconvert.manifest import Manifest
-from kconvert.options import ONLY_WITH
-from kconvert.recipes import Recipe, check_format, check_options, load_recipe
+from kconvert.records.manifest import Manifest
 from kconvert.stages import KINDS
 from kconvert.stages.base import stage_settings
 from kconvert.stages.quantize import parse_targets

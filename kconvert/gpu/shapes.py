@@ -1,4 +1,4 @@
-"""A model's shapes as the GPU memory plan sees them (kconvert.gpu_plan): the sizes it reads
+"""A model's shapes as the GPU memory plan sees them (kconvert.gpu.plan): the sizes it reads
 from the model config (DeepSeek-V3 / Kimi-K2 / Kimi-K3 key names) and the element counts of a
 decoder layer's parts derived from them."""
 

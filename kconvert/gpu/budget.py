@@ -11,7 +11,7 @@ the only one that reads what a card has free.
 
 `GpuContext.enforced` caps the process at the budget (`torch.cuda.set_per_process_memory_fraction`),
 so `torch.cuda.max_memory_reserved()` stays within it and an estimate of the plan
-(kconvert.gpu_plan) that falls short ends in a CUDA out-of-memory error, which it turns into
+(kconvert.gpu.plan) that falls short ends in a CUDA out-of-memory error, which it turns into
 one `kconvert: error:` line (GpuMemoryError).
 """
 
@@ -25,9 +25,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kconvert.common.options import GPU_MEMORY_MARGIN_FRACTION, GPU_MEMORY_MARGIN_MIN, parse_size
 from kconvert.errors import UsageError
-from kconvert.gpu_plan import GpuMemoryError, gib
-from kconvert.options import GPU_MEMORY_MARGIN_FRACTION, GPU_MEMORY_MARGIN_MIN, parse_size
+from kconvert.gpu.plan import GpuMemoryError, gib
 
 if TYPE_CHECKING:
     import torch

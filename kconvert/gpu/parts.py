@@ -1,12 +1,12 @@
 """The parts of a command's GPU work that their owners declare and the GPU memory plan
-(kconvert.gpu_plan) adds up: a layer-streamed forward (`Forward`), the OBS batches (`Obs`), the
+(kconvert.gpu.plan) adds up: a layer-streamed forward (`Forward`), the OBS batches (`Obs`), the
 engine's encode of a work item (`Encode`), and what a stage runs beside the engine (`GpuWork`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kconvert.gpu_shapes import Shapes
+from kconvert.gpu.shapes import Shapes
 
 
 @dataclass(frozen=True)

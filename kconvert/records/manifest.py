@@ -1,8 +1,8 @@
 """The audit manifest `DST/kconvert-manifest.json`: written last, its presence means complete.
 
 The pydantic models below ARE the schema; `manifests/manifest.schema.json` is generated from
-them (`python -m kconvert.manifest > manifests/manifest.schema.json`) and a test keeps the two
-in step. Hashes are xxh3-128 of a tensor's raw bytes: fast enough to hash 600 GB at disk speed.
+them (`python -m kconvert.records.manifest > manifests/manifest.schema.json`) and a test keeps the
+two in step. Hashes are xxh3-128 of a tensor's raw bytes: fast enough to hash 600 GB at disk speed.
 """
 
 from __future__ import annotations

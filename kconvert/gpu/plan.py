@@ -1,5 +1,5 @@
 """The GPU memory plan of a command, from shapes (docs/gpu-memory.md; the budget it is made
-for, and its enforcement: kconvert.gpu_budget).
+for, and its enforcement: kconvert.gpu.budget).
 
 A command's GPU work is split into what stays resident through a layer (the decoded weights of
 one decoder layer, the hidden states of every calibration token when they are kept on the
@@ -13,10 +13,10 @@ plan needs and which option lowers it, before anything runs.
 
 The figures are upper estimates of what torch's caching allocator reserves. The planner only
 adds up and searches: each part's bytes come from the code that allocates them, declared there
-and handed over as the parts of kconvert.gpu_parts (a layer's decode: kconvert.calibrate.load;
+and handed over as the parts of kconvert.gpu.parts (a layer's decode: kconvert.calibrate.load;
 input Grams: kconvert.calibrate.forward; eval's logits: kconvert.evaluate.metrics; REAP's
 repair stream: kconvert.pruning.repair; the OBS batches: kconvert.methods.obs; the engine's
-encode: kconvert.engine.execute), on the model's shapes (kconvert.gpu_shapes). What is left
+encode: kconvert.engine.execute), on the model's shapes (kconvert.gpu.shapes). What is left
 below is the planner's own model of one decoder layer's forward and its search.
 """
 
@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kconvert.errors import KconvertError
-from kconvert.gpu_parts import Encode, Forward, GpuWork
-from kconvert.gpu_shapes import Shapes
+from kconvert.gpu.parts import Encode, Forward, GpuWork
+from kconvert.gpu.shapes import Shapes
 
 # Bytes per token of one decoder layer's forward, in units of the compute dtype's element,
 # beyond the terms counted exactly: residual stream copies (input, norm, attention output,

@@ -29,7 +29,7 @@ RECIPE_KEYS = ("name", "description", "requires_source", "grid", "stages")
 
 def builtin_dir() -> Path:
     """`kconvert/pipelines` in an installed wheel, the repo's `pipelines/` in a checkout."""
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parents[1]
     packaged = here / "pipelines"
     return packaged if packaged.is_dir() else here.parent / "pipelines"
 

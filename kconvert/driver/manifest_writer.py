@@ -1,4 +1,4 @@
-"""The manifest of a finished run (kconvert.manifest is its schema), from the work plan, the
+"""The manifest of a finished run (kconvert.records.manifest is its schema), from the work plan, the
 records every shard's writer returned and the files written: per tensor its hash and the
 stages that made it, per fused set its scales, per layer the quantization error, and the run's
 summary in numbers."""
@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kconvert import distributed
+from kconvert.common import distributed
 from kconvert.engine.work import WorkPlan
 from kconvert.formats import OUTPUT_CODECS
 from kconvert.formats.linear import ModuleWork
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.files import human_bytes
-from kconvert.manifest import (
+from kconvert.model.names import Role, parse_name
+from kconvert.records.manifest import (
     CastEntry,
     FileEntry,
     FusedSetEntry,
@@ -23,7 +24,6 @@ from kconvert.manifest import (
     TensorEntry,
     matrix_entry,
 )
-from kconvert.model.names import Role, parse_name
 from kconvert.stages import KINDS
 from kconvert.stages.prune import GUARDS
 from kconvert.version import __version__

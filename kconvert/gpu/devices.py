@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kconvert import distributed
+from kconvert.common import distributed
 from kconvert.errors import KconvertError
 
 

@@ -1,6 +1,6 @@
 """What a conversion run will do, decided before anything is written: its stages, the work
 plan, the GPU memory plan on the run's GpuContext and, under torchrun, which rank computes
-which routed experts; with the checks of the source that need the plan (kconvert.convert runs
+which routed experts; with the checks of the source that need the plan (kconvert.driver.convert runs
 it)."""
 
 from __future__ import annotations
@@ -8,20 +8,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from kconvert import distributed
 from kconvert.checks.structure import validate_source
+from kconvert.common import distributed
+from kconvert.driver.recipes import Recipe, build_stages
 from kconvert.engine.execute import gpu_encode
 from kconvert.engine.stage import Stage
 from kconvert.engine.work import Part, TransformItem, WorkPlan, build_work_plan, header_shape_values
 from kconvert.errors import KconvertError
 from kconvert.formats.linear import ModuleWork
-from kconvert.gpu_budget import GpuContext
-from kconvert.gpu_plan import GpuMemoryError, GpuPlan, gib, plan_gpu
+from kconvert.gpu.budget import GpuContext
+from kconvert.gpu.plan import GpuMemoryError, GpuPlan, gib, plan_gpu
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.remote import HeaderOnlyShard
 from kconvert.io.stream import StreamedShard
 from kconvert.model.names import Role
-from kconvert.recipes import Recipe, build_stages
 
 log = logging.getLogger(__name__)
 

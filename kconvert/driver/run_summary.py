@@ -1,5 +1,5 @@
 """What `--json` prints for a conversion: one object on stdout, for scripts (its schema is
-committed as manifests/run-summary.schema.json; `python -m kconvert.run_summary` prints it).
+committed as manifests/run-summary.schema.json; `python -m kconvert.driver.run_summary` prints it).
 
 A finished run gives the output, bytes written, tensors by role and the run's phase timings; a
 dry run gives no output; a failed run gives `error` (the message the command line prints), the
@@ -48,7 +48,7 @@ class RunSummary(BaseModel):
 
 
 class WrittenBytes:
-    """A listener (kconvert.events, with timings) counting what a run writes to disk: each
+    """A listener (kconvert.common.events, with timings) counting what a run writes to disk: each
     finished shard's file size, and the data written into shards not finished."""
 
     def __init__(self) -> None:

@@ -1,10 +1,10 @@
 """One conversion run, start to finish: checks, plan, execute, then the files that say "done".
 
-Every input check and the whole plan (kconvert.run_plan) come before anything in DST is
+Every input check and the whole plan (kconvert.driver.run_plan) come before anything in DST is
 touched (kconvert.io.output_dir says what may be replaced and how). Order of writes, so that an
 interrupted run is never mistaken for a complete one: shards (each renamed into place when
 complete) -> non-weight files -> index -> config.json (+ hf_quant_config.json, stage files) ->
-kconvert-manifest.json (kconvert.finish_output). `.kconvert/` holds the lock and the resume
+kconvert-manifest.json (kconvert.driver.finish_output). `.kconvert/` holds the lock and the resume
 state until the manifest is written.
 """
 
@@ -22,20 +22,23 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kconvert import distributed, events
 from kconvert.calibrate.startup import start_device
-from kconvert.devices import pick_device
-from kconvert.dry_run import print_dry_run
+from kconvert.common import distributed, events
+from kconvert.common.options import STREAM_WINDOW
+from kconvert.driver.dry_run import print_dry_run
+from kconvert.driver.finish_output import finish_output
+from kconvert.driver.recipes import Recipe
+from kconvert.driver.run_plan import plan_run
 from kconvert.engine.execute import execute
 from kconvert.engine.sink import finish_parts
 from kconvert.engine.source_order import hub_disk, start_stream
 from kconvert.engine.stage import Stage
 from kconvert.engine.work import Share, WorkPlan, shard_file_bytes, share_work
 from kconvert.errors import KconvertError, UsageError
-from kconvert.finish_output import finish_output
 from kconvert.formats import warm_cpu_kernels
-from kconvert.gpu_budget import GpuContext, GpuRequest
-from kconvert.gpu_plan import gib
+from kconvert.gpu.budget import GpuContext, GpuRequest
+from kconvert.gpu.devices import pick_device
+from kconvert.gpu.plan import gib
 from kconvert.io import lock, output_dir, workspace
 from kconvert.io.checkpoint import GENERATED_FILES, Checkpoint, is_repo_id, open_checkpoint
 from kconvert.io.files import hash_file
@@ -43,11 +46,8 @@ from kconvert.io.output_dir import Planned
 from kconvert.io.remote import open_headers
 from kconvert.io.stream import SOURCE_DIR, ShardStream, StreamedShard, open_streamed
 from kconvert.io.workspace import Workspace
-from kconvert.manifest import Manifest
 from kconvert.model.arch import arch_of
-from kconvert.options import STREAM_WINDOW
-from kconvert.recipes import Recipe
-from kconvert.run_plan import plan_run
+from kconvert.records.manifest import Manifest
 from kconvert.stages.records import RunRecord
 from kconvert.version import __version__
 
@@ -62,7 +62,7 @@ class RunControl:
     """Options that change how a run goes, never what it writes. `device` is resolved here
     (`--device auto | cpu | cuda | cuda:N` -> the torch device, or a clear error); everything
     past this boundary gets a torch.device. `gpu_memory` is --gpu-memory in bytes, read where
-    the command takes it (kconvert.gpu_budget.size_option); with `device` it is the run's
+    the command takes it (kconvert.gpu.budget.size_option); with `device` it is the run's
     GpuRequest, resolved once per run."""
 
     device: torch.device | str = "auto"

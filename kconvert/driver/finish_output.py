@@ -1,12 +1,14 @@
 """The files a conversion writes after its shards, in the order that lets an interrupted run
 never pass for a complete one: non-weight files -> index -> config.json (+ the format's and the
-stages' files) -> kconvert-manifest.json (kconvert.convert runs it once every shard is done)."""
+stages' files) -> kconvert-manifest.json (kconvert.driver.convert runs it once every shard is
+done)."""
 
 from __future__ import annotations
 
 import json
 
-from kconvert import events
+from kconvert.common import events
+from kconvert.driver.manifest_writer import build_manifest
 from kconvert.engine.work import WorkPlan
 from kconvert.formats import HF_QUANT_CONFIG
 from kconvert.formats.quant_config import output_config, rewrite_config
@@ -14,8 +16,7 @@ from kconvert.io.checkpoint import GENERATED_FILES, INDEX, Checkpoint
 from kconvert.io.files import copy_file, hash_file, write_text
 from kconvert.io.shards import tensor_nbytes
 from kconvert.io.workspace import Workspace
-from kconvert.manifest import MANIFEST, Manifest, render_manifest
-from kconvert.manifest_writer import build_manifest
+from kconvert.records.manifest import MANIFEST, Manifest, render_manifest
 
 
 def finish_output(ckpt: Checkpoint, ws: Workspace, plan: WorkPlan, records: dict[str, dict],
