@@ -159,10 +159,10 @@ def least_budget(src: Path, samples: int, seq: int) -> int:
     from kconvert.engine.execute import gpu_encode
     from kconvert.gpu.plan import GpuMemoryError, plan_conversion
     from kconvert.gpu.shapes import Shapes
-    from kconvert.methods import obs
+    from kconvert.methods import obs_memory
 
     s = Shapes.from_config(json.loads((src / "config.json").read_text()))
-    work = obs.gpu_work(s, forward(s, samples, seq, BATCH_SIZE, capture=True), shared=False,
+    work = obs_memory.gpu_work(s, forward(s, samples, seq, BATCH_SIZE, capture=True), shared=False,
                         against_rtn=False)
     lo, hi = 1 << 20, 1 << 40
     while lo < hi:

@@ -9,7 +9,7 @@ and SparseGPT side by side, the fused Triton in-block loop against the torch loo
 Parts (--parts, stage,kernel,e2e by default; a JSON line each on stdout, all in --json):
   stage   384 synthetic experts (gate+up as one [4096, 7168] matrix sharing a 7168^2 Hessian,
           down [7168, 2048] with a 2048^2 one), --tokens (2800) random routed tokens per expert,
-          in batches sized as the commands size them (obs.experts_per_batch of the OBS share
+          in batches sized as the commands size them (obs_memory.experts_per_batch of the OBS share
           of their GPU memory plan at the default budget, `obs_share`):
           rtn       the NVFP4 encode alone (mse block scales)
           gptq      Hessians X^T X + U = chol(H^-1) + the OBS loop without a mask + the
@@ -83,7 +83,7 @@ from benchmarks.harness import (
 from benchmarks.synthetic import Dims, add_dims, kimi_set, random_ids, write_ids
 from kconvert.engine.execute import CHUNK_ELEMS, gpu_encode
 from kconvert.formats import nvfp4
-from kconvert.methods import obs, sparsegpt, triangular
+from kconvert.methods import obs, obs_memory, sparsegpt, triangular
 
 METHODS = {"gptq": None, "sparsegpt": sparsegpt.p48_mask}
 
@@ -153,7 +153,7 @@ def obs_share(dev: torch.device, method: str) -> int | None:
     from kconvert.testing.header_only import KIMI_K2_THINKING
 
     s = Shapes.from_config(k2_config(KIMI_K2_THINKING, quantized=True))
-    work = obs.gpu_work(s, forward(s, SPARSEGPT_SAMPLES, SEQ_LEN, BATCH_SIZE, capture=True),
+    work = obs_memory.gpu_work(s, forward(s, SPARSEGPT_SAMPLES, SEQ_LEN, BATCH_SIZE, capture=True),
                         shared=False, against_rtn=method == "gptq")
     return plan_conversion(s, GpuRequest(dev).context.budget, method, s.expert_set(), work,
                            encode=gpu_encode()).obs_bytes
@@ -171,7 +171,7 @@ def stage_part(dev: torch.device, method: str, experts: int, dims, tokens: int, 
     stage = Timer(dev)
     share = obs_share(dev, method)
     for name, rows, k in (("gate_up", 2 * inter, hidden), ("down", hidden, inter)):
-        step = obs.experts_per_batch(rows, k, share, against_rtn=method == "gptq")
+        step = obs_memory.experts_per_batch(rows, k, share, against_rtn=method == "gptq")
         batches[name] = step
         for start in range(0, experts, step):
             w, x = problem(dev, min(step, experts - start), rows, k, tokens, gen)

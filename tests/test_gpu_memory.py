@@ -31,7 +31,7 @@ from kconvert.gpu.parts import GpuWork, Obs
 from kconvert.gpu.plan import GpuMemoryError, plan_conversion, plan_forward
 from kconvert.gpu.shapes import Shapes
 from kconvert.io.checkpoint import open_checkpoint
-from kconvert.methods import MethodInputs, obs
+from kconvert.methods import MethodInputs, obs, obs_memory
 from kconvert.methods.gptq import Gptq
 from kconvert.methods.hessians import Calibration, CalibrationHessians
 from kconvert.methods.sparsegpt import SparseGpt
@@ -46,7 +46,7 @@ from kconvert.testing.header_only import KIMI_K2_THINKING, kimi_int4_shards
 
 GIB = 1 << 30
 KIMI = Shapes.from_config(k2_config(KIMI_K2_THINKING, quantized=True))
-KIMI_OBS = Obs(obs.batch_bytes(2 * KIMI.moe_inter, KIMI.hidden), KIMI.experts, KIMI.hidden)
+KIMI_OBS = Obs(obs_memory.batch_bytes(2 * KIMI.moe_inter, KIMI.hidden), KIMI.experts, KIMI.hidden)
 
 # A real allocator message (torch 2.x, one H100), as the error line must quote it.
 ALLOCATOR = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
@@ -137,7 +137,7 @@ def test_sparsegpt_splits_the_budget_between_forward_and_obs_batches():
     for b, plan in plans.items():
         assert plan.footprint.peak <= b * GIB
         # what the stage's batch sizing makes of the OBS share is the plan's batch
-        assert obs.experts_per_batch(2 * KIMI.moe_inter, KIMI.hidden,
+        assert obs_memory.experts_per_batch(2 * KIMI.moe_inter, KIMI.hidden,
                                            plan.obs_bytes) == plan.obs_matrices
         assert plan.work_elems == plan.obs_matrices * KIMI.expert_elems()
     assert plans[40].batch_size < 8 and plans[75].batch_size == 8
@@ -236,7 +236,8 @@ def _least_sparsify_bytes() -> int:
     s = Shapes.from_config(json.loads((BUNDLED / "config.json").read_text()))
     plan = plan_conversion(s, 1 << 40, "sparsify", s.expert_set(),
                            GpuWork(forward(s, 2, 16, 1, capture=True),
-                                   Obs(obs.batch_bytes(2 * s.moe_inter, s.hidden), 1, s.hidden)),
+                                   Obs(obs_memory.batch_bytes(2 * s.moe_inter, s.hidden), 1,
+                                       s.hidden)),
                            encode=gpu_encode())
     return plan.footprint.peak
 
@@ -339,7 +340,7 @@ def _obs_stages(ckpt):
 def test_both_obs_stages_take_their_batches_from_the_one_plan():
     """SparseGPT and GPTQ: the plan made for the run is the one their calibration forward
     and OBS batches read; on a GPU an OBS batch is the plan's share (never sized from the
-    memory free at the moment), on a CPU obs.CPU_BATCH matrices."""
+    memory free at the moment), on a CPU obs_memory.CPU_BATCH matrices."""
     ckpt = open_checkpoint(str(BUNDLED))
     try:
         s = Shapes.from_config(ckpt.text_config)
@@ -349,13 +350,13 @@ def test_both_obs_stages_take_their_batches_from_the_one_plan():
             assert hessians.gpu_plan is plan and plan.obs_matrices >= 1
             assert hessians.obs_budget(torch.device("cuda")) == plan.obs_bytes
             assert hessians.obs_budget(torch.device("cpu")) is None
-            assert obs.experts_per_batch(8, 16, None) == obs.CPU_BATCH
+            assert obs_memory.experts_per_batch(8, 16, None) == obs_memory.CPU_BATCH
             gptq = stage.name == "quantize"
-            assert obs.experts_per_batch(2 * s.moe_inter, s.hidden, plan.obs_bytes,
+            assert obs_memory.experts_per_batch(2 * s.moe_inter, s.hidden, plan.obs_bytes,
                                          against_rtn=gptq) == plan.obs_matrices
             work = stage.gpu_work(s)
             assert work.forward.capture and work.forward.tokens() == 2 * 16
-            assert work.obs.bytes_per_matrix == obs.batch_bytes(2 * s.moe_inter, s.hidden,
+            assert work.obs.bytes_per_matrix == obs_memory.batch_bytes(2 * s.moe_inter, s.hidden,
                                                                 against_rtn=gptq)
     finally:
         ckpt.close()

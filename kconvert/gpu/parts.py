@@ -73,7 +73,7 @@ class Forward:
 class Obs:
     """Batches of Hessian-sharing matrices solved together (SparseGPT, GPTQ): the bytes of
     one matrix of the largest shape (`bytes_per_matrix`: Hessian, factor and temporaries,
-    weights and result, kconvert.methods.obs.batch_bytes), and the matrices there are."""
+    weights and result, kconvert.methods.obs_memory.batch_bytes), and the matrices there are."""
 
     bytes_per_matrix: int
     matrices: int

@@ -36,7 +36,8 @@ from kconvert.gpu.parts import GpuWork
 from kconvert.gpu.plan import GpuPlan
 from kconvert.gpu.shapes import Shapes
 from kconvert.io.checkpoint import Checkpoint
-from kconvert.methods.obs import HELDOUT_EVERY, HELDOUT_MIN, HessianSplit, gpu_work
+from kconvert.methods.obs import HELDOUT_EVERY, HELDOUT_MIN, HessianSplit
+from kconvert.methods.obs_memory import gpu_work
 from kconvert.model.names import Role
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ class CalibrationHessians:
 
     def gpu_work(self, shapes: Shapes, *, shared: bool, against_rtn: bool) -> GpuWork:
         """This calibration forward (its inputs captured for the Hessians) and the OBS batches
-        beside it, for the command's GPU memory plan (obs.gpu_work)."""
+        beside it, for the command's GPU memory plan (obs_memory.gpu_work)."""
         return gpu_work(shapes, forward(shapes, *self.input_ids.shape, self.batch_size,
                                         self.dtype.itemsize, capture=True,
                                         rerun=self.sequential),
@@ -130,7 +131,8 @@ class CalibrationHessians:
 
     def obs_budget(self, device: torch.device) -> int | None:
         """Bytes one OBS batch may take on `device`: the plan's OBS share on a GPU (a plan is
-        made for every GPU run, kconvert.driver.convert), None on a CPU (obs.CPU_BATCH matrices)."""
+        made for every GPU run, kconvert.driver.convert), None on a CPU
+        (obs_memory.CPU_BATCH matrices)."""
         if device.type != "cuda":
             return None
         if self.gpu_plan is None:

@@ -29,17 +29,15 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from kconvert.calibrate.forward import gram_bytes
 from kconvert.formats import nvfp4
-from kconvert.gpu.parts import Forward, GpuWork, Obs
-from kconvert.gpu.shapes import Shapes
 from kconvert.methods import triangular
+from kconvert.methods.obs_memory import experts_per_batch
 from kconvert.model.names import Role, TensorName
 
 BLOCKSIZE = 128  # columns per lazy-update block (else one NVFP4 block, for small K)
@@ -58,10 +56,6 @@ PERCDAMP = 0.1  # damping, as a fraction of the mean Hessian diagonal (p48.md)
 # on a CPU the same as fp32) or bf16 operands with fp32 accumulation.
 PRECISIONS = ("fp32", "tf32", "bf16")
 
-
-# Matrices per OBS batch on a CPU (a GPU's batch is sized from the OBS share of the command's
-# GPU memory plan, kconvert.gpu.plan).
-CPU_BATCH = 8
 
 # Decoded elements per OBS transform item on a CPU (batches are CPU_BATCH matrices, so items
 # are large; on a GPU the command's memory plan sizes items, kconvert.gpu.plan).
@@ -106,51 +100,6 @@ def prepare_inverse(h: torch.Tensor, percdamp: float = PERCDAMP, leaf: int | Non
     h = h.flip(-2, -1)
     with _matmul_precision("fp32", h.device):
         return triangular.inverse_cholesky_factor_(h, leaf or triangular.LEAF).flip(-2, -1)
-
-
-def experts_per_batch(rows: int, k: int, budget: int | None, tokens: int = 0,
-                      against_rtn: bool = False) -> int:
-    """How many Hessian-sharing matrices [rows, k] one OBS batch takes within `budget` bytes
-    (`batch_bytes`); CPU_BATCH when the budget is None."""
-    if budget is None:
-        return CPU_BATCH
-    return max(1, budget // batch_bytes(rows, k, tokens, against_rtn))
-
-
-def batch_bytes(rows: int, k: int, tokens: int = 0, against_rtn: bool = False) -> int:
-    """Device bytes one matrix [rows, k] of an OBS batch needs: the Hessian, its factor and
-    their temporaries, the weights, their copy and the result, the routed inputs, and with
-    `against_rtn` the held-out Hessian, RTN's values, the difference and its product with H."""
-    return 4 * ((5 if against_rtn else 4) * k * k + (7 if against_rtn else 4) * rows * k
-                + tokens * k)
-
-
-def gpu_work(shapes: Shapes, forward: Forward, *, shared: bool, against_rtn: bool,
-             linears: Collection[Role] = (), held_out: bool = False) -> GpuWork:
-    """What the OBS engine runs on the GPU beside a conversion, for the command's memory plan
-    (kconvert.gpu.plan): the calibration `forward` that captures the Hessians' inputs, and the
-    OBS batches. An expert's gate and up share a Hessian and solve as one [2 * moe_inter,
-    hidden] matrix, the largest shape of an expert batch; with `shared` the shared experts are
-    solved too (their Hessians from every token), with `against_rtn` each result is compared
-    with RTN's (`batch_bytes`). `linears`: the attention and dense MLP roles solved too, their
-    Hessians the input Grams the forward collects (two per fused set with `held_out`), held
-    while their layer is solved; a batch holds at least one of the largest such matrix."""
-    n_shared = shapes.shared if shared else 0
-    rows = 2 * shapes.moe_inter * max(1, n_shared)
-    widths, matrices = [], []
-    if Role.ATTENTION in linears:
-        widths += shapes.attention_inputs()
-        matrices += shapes.attention_matrices()
-    # the dense MLP's Grams sit beside attention's in the first layers (the largest layer)
-    if Role.DENSE_MLP in linears and shapes.dense_layers:
-        widths += shapes.dense_inputs()
-        matrices += shapes.dense_matrices()
-    least = max((batch_bytes(r, k, against_rtn=against_rtn) for r, k in matrices), default=0)
-    # an expert-parallel rank solves its block of the routed experts (forward.ranks)
-    return GpuWork(replace(forward, gram_bytes=gram_bytes(widths, held_out)),
-                   Obs(batch_bytes(rows, shapes.hidden, against_rtn=against_rtn),
-                       -(-shapes.experts // forward.ranks) + n_shared, shapes.hidden,
-                       every_token=n_shared > 0, least_bytes=least))
 
 
 @contextlib.contextmanager

@@ -112,8 +112,8 @@ class RouterRepair:
         n_seq, seq_len = self.input_ids.shape
         n = min(n_seq, max(2, self.settings.max_tokens // seq_len))
         if n < 2:
-            asked = [what for what, on in (("router repair", s.method != "none"), (
-                f"{s.compensate} compensation", s.compensate != "none")) if on]
+            asked = [what for what, on in (("router repair", s.repair.fits), (
+                f"{s.compensate} compensation", s.compensation.refits)) if on]
             raise KconvertError(f"{' and '.join(asked)}: at least 2 calibration sequences (fit "
                                 "and held-out) are needed; give data for --samples 2 or more")
         self.n_fit = n - max(1, round(n * self.settings.heldout))

@@ -15,7 +15,7 @@ from kconvert.engine.execute import gpu_encode
 from kconvert.evaluate.metrics import LOGIT_ELEMS
 from kconvert.gpu.plan import GpuMemoryError, plan_conversion, plan_forward
 from kconvert.gpu.shapes import Shapes
-from kconvert.methods import obs
+from kconvert.methods import obs_memory
 from kconvert.model.arch import arch_of
 from kconvert.pruning.repair import REPAIR_TOKENS, stream_bytes
 
@@ -39,10 +39,10 @@ def command_plans(text_config: dict, budget: int) -> dict[str, dict]:
                        repair_bytes=stream_bytes(s.hidden, 2, REPAIR_TOKENS)),
             budget, "reap"),
         "sparsify --method sparsegpt": lambda: plan_conversion(
-            s, budget, "sparsify", least, obs.gpu_work(s, obs_forward, shared=False,
+            s, budget, "sparsify", least, obs_memory.gpu_work(s, obs_forward, shared=False,
                                                        against_rtn=False), encode=gpu_encode()),
         "quantize --method gptq": lambda: plan_conversion(
-            s, budget, "quantize", least, obs.gpu_work(s, obs_forward, shared=False,
+            s, budget, "quantize", least, obs_memory.gpu_work(s, obs_forward, shared=False,
                                                        against_rtn=True), encode=gpu_encode()),
     }
     makers = {**forwards,

@@ -15,7 +15,7 @@ from kconvert.common import distributed
 from kconvert.engine.execute import gpu_encode
 from kconvert.gpu.plan import forward_footprint, plan_conversion, plan_forward
 from kconvert.gpu.shapes import Shapes
-from kconvert.methods import obs
+from kconvert.methods import obs_memory
 from kconvert.pruning.repair import REPAIR_TOKENS, stream_bytes
 from kconvert.testing.fixture_config import k2_config
 from kconvert.testing.header_only import KIMI_K2_THINKING
@@ -83,10 +83,10 @@ def test_eval_is_data_parallel_only(world):
 
 def test_gptq_rank_captures_rows_routed_to_its_experts_and_solves_its_block(world):
     world(1)
-    one = obs.gpu_work(KIMI, forward(KIMI, 128, 2048, 8, capture=True), shared=False,
+    one = obs_memory.gpu_work(KIMI, forward(KIMI, 128, 2048, 8, capture=True), shared=False,
                        against_rtn=True)
     world(4)
-    four = obs.gpu_work(KIMI, forward(KIMI, 128, 2048, 8, capture=True), shared=False,
+    four = obs_memory.gpu_work(KIMI, forward(KIMI, 128, 2048, 8, capture=True), shared=False,
                         against_rtn=True)
     assert (one.obs.matrices, four.obs.matrices) == (384, 96)
     # every token of the job may come to a rank (1 - (3/4)^8 of them do, with one of their 8

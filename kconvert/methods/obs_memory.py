@@ -1,0 +1,62 @@
+"""What the OBS engine (kconvert.methods.obs) asks of the memory it runs in: the device bytes
+of one matrix of a batch, how many matrices a batch takes within a budget, and what the engine
+runs on the GPU beside a conversion, for the command's memory plan (kconvert.gpu.plan)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import replace
+
+from kconvert.calibrate.forward import gram_bytes
+from kconvert.gpu.parts import Forward, GpuWork, Obs
+from kconvert.gpu.shapes import Shapes
+from kconvert.model.names import Role
+
+# Matrices per OBS batch on a CPU (a GPU's batch is sized from the OBS share of the command's
+# GPU memory plan, kconvert.gpu.plan).
+CPU_BATCH = 8
+
+
+def experts_per_batch(rows: int, k: int, budget: int | None, tokens: int = 0,
+                      against_rtn: bool = False) -> int:
+    """How many Hessian-sharing matrices [rows, k] one OBS batch takes within `budget` bytes
+    (`batch_bytes`); CPU_BATCH when the budget is None."""
+    if budget is None:
+        return CPU_BATCH
+    return max(1, budget // batch_bytes(rows, k, tokens, against_rtn))
+
+
+def batch_bytes(rows: int, k: int, tokens: int = 0, against_rtn: bool = False) -> int:
+    """Device bytes one matrix [rows, k] of an OBS batch needs: the Hessian, its factor and
+    their temporaries, the weights, their copy and the result, the routed inputs, and with
+    `against_rtn` the held-out Hessian, RTN's values, the difference and its product with H."""
+    return 4 * ((5 if against_rtn else 4) * k * k + (7 if against_rtn else 4) * rows * k
+                + tokens * k)
+
+
+def gpu_work(shapes: Shapes, forward: Forward, *, shared: bool, against_rtn: bool,
+             linears: Collection[Role] = (), held_out: bool = False) -> GpuWork:
+    """What the OBS engine runs on the GPU beside a conversion, for the command's memory plan
+    (kconvert.gpu.plan): the calibration `forward` that captures the Hessians' inputs, and the
+    OBS batches. An expert's gate and up share a Hessian and solve as one [2 * moe_inter,
+    hidden] matrix, the largest shape of an expert batch; with `shared` the shared experts are
+    solved too (their Hessians from every token), with `against_rtn` each result is compared
+    with RTN's (`batch_bytes`). `linears`: the attention and dense MLP roles solved too, their
+    Hessians the input Grams the forward collects (two per fused set with `held_out`), held
+    while their layer is solved; a batch holds at least one of the largest such matrix."""
+    n_shared = shapes.shared if shared else 0
+    rows = 2 * shapes.moe_inter * max(1, n_shared)
+    widths, matrices = [], []
+    if Role.ATTENTION in linears:
+        widths += shapes.attention_inputs()
+        matrices += shapes.attention_matrices()
+    # the dense MLP's Grams sit beside attention's in the first layers (the largest layer)
+    if Role.DENSE_MLP in linears and shapes.dense_layers:
+        widths += shapes.dense_inputs()
+        matrices += shapes.dense_matrices()
+    least = max((batch_bytes(r, k, against_rtn=against_rtn) for r, k in matrices), default=0)
+    # an expert-parallel rank solves its block of the routed experts (forward.ranks)
+    return GpuWork(replace(forward, gram_bytes=gram_bytes(widths, held_out)),
+                   Obs(batch_bytes(rows, shapes.hidden, against_rtn=against_rtn),
+                       -(-shapes.experts // forward.ranks) + n_shared, shapes.hidden,
+                       every_token=n_shared > 0, least_bytes=least))
