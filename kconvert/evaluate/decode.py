@@ -13,6 +13,7 @@ says what it needs; a model that large is probed through its serving engine's te
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from dataclasses import dataclass
@@ -106,6 +107,13 @@ def eos_ids(ckpt: Checkpoint) -> set[int]:
     return found
 
 
+def cache_keyword(layer: type) -> str:
+    """The keyword under which the installed transformers' decoder layer takes its KV cache
+    (`cache` in transformers 5.2x, `past_key_values` before)."""
+    params = inspect.signature(layer.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 class LoadedModel:
     """Every decoder layer of one checkpoint decoded on the device, with its embedding table
     and head."""
@@ -121,6 +129,7 @@ class LoadedModel:
         self.table = embed(ckpt, torch.arange(cfg.vocab_size), dtype, device)
         self.head = load_head(ckpt, cfg, device, dtype)
         self.positions, (self.cos, self.sin) = position_embeddings(cfg, max_len, device, dtype)
+        self.cache_kw = cache_keyword(type(self.layers[0]))
 
     def step(self, ids: torch.Tensor, start: int, cache) -> torch.Tensor:
         """Logits (fp32) after the last of `ids` [b, s], which sit at positions start..start+s-1,
@@ -130,7 +139,14 @@ class LoadedModel:
         x = self.table[ids]
         for layer in self.layers:
             x = layer(x, attention_mask=None, position_ids=self.positions[:, start:end],
-                      position_embeddings=pos, cache=cache, use_cache=True)
+                      position_embeddings=pos, use_cache=True, **{self.cache_kw: cache})
+        if cache.get_seq_length() != end:
+            # a decoder layer that took the cache under another name would attend to the new
+            # token alone: every continuation garbage, and the loop rates with it
+            raise KconvertError(f"--generate: the KV cache holds {cache.get_seq_length()} "
+                                f"positions after {end} tokens: this transformers version's "
+                                "decoder layer did not fill it; use another transformers "
+                                "version, or --generations with your engine's texts")
         return self.head(x[:, -1]).float()
 
 

@@ -152,3 +152,27 @@ def test_the_high_entropy_kl_is_the_mean_over_the_top_tenth():
     entropy[7], entropy[13] = 3.0, 2.0  # the two highest of 20 positions: 10%
     assert high_entropy_mean(kl, entropy) == (7 + 13) / 2
     assert high_entropy_mean(kl[:5], entropy[:5]) == 0  # ceil(0.5) = 1 position: the first tie
+
+
+def test_the_cache_goes_under_the_name_the_decoder_layer_takes():
+    """transformers renamed the decoder layer's KV-cache argument (past_key_values -> cache);
+    a cache passed under the other name lands in **kwargs and is ignored."""
+    class Older:
+        def forward(self, hidden_states, past_key_values=None, **kwargs): ...
+
+    class Newer:
+        def forward(self, hidden_states, cache=None, **kwargs): ...
+
+    assert decode.cache_keyword(Older) == "past_key_values"
+    assert decode.cache_keyword(Newer) == "cache"
+
+
+def test_a_layer_that_ignores_the_cache_is_refused_not_measured(data, monkeypatch):
+    """Without its cache each step would attend to the new token alone: every continuation
+    garbage and both loop rates meaningless. The probe refuses in one line instead."""
+    monkeypatch.setattr(decode, "cache_keyword", lambda layer: "not_the_cache")
+    res = cli_inproc("eval", TRAINED, TRAINED, "--data", data, "--seq-len", PROMPT_TOKENS,
+                     "--samples", 2, "--device", "cpu", "--quiet", "--generate", 2,
+                     "--prompt-tokens", PROMPT_TOKENS, "--new-tokens", 4)
+    assert_user_error(res, "the KV cache holds 0 positions after 24 tokens",
+                      "did not fill it")
