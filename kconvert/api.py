@@ -198,17 +198,19 @@ def evaluate_candidates(src: str, candidates: list[str], data: str, out: str | N
          seed: int = SEED,
          device: str = "auto", dtype: str = "bfloat16", tokenizer: str | None = None,
          quiet: bool = True, echo: Callable[[str], None] = print,
-         gpu_memory: str | int | None = None, allow_short_data: bool = False) -> EvalReport:
+         gpu_memory: str | int | None = None, allow_short_data: bool = False,
+         overwrite: bool = False) -> EvalReport:
     """`kconvert eval`: SRC against each candidate on the JSONL `data`, layer by layer;
     returns the report (`eval.json`'s contents) and writes eval.json and eval.png to `out`
-    when it is given. The table goes to `echo` unless `quiet`. `gpu_memory` as in
-    `run_recipe`. Data that cannot fill `samples` sequences of `seq_len` tokens is an error,
-    or with `allow_short_data` a warning."""
+    when it is given (replacing a report there only with `overwrite`). The table goes to
+    `echo` unless `quiet`. `gpu_memory` as in `run_recipe`. Data that cannot fill `samples`
+    sequences of `seq_len` tokens is an error, or with `allow_short_data` a warning."""
     from kconvert.evaluate.run import run_eval
 
     return run_eval(src, list(candidates), data, out, samples, seq_len, batch_size, seed,
                     device, dtype, tokenizer, quiet, echo=echo,
-                    gpu_memory=size_option(gpu_memory), allow_short_data=allow_short_data)
+                    gpu_memory=size_option(gpu_memory), allow_short_data=allow_short_data,
+                    overwrite=overwrite)
 
 
 def size_report(src: str, *, as_format: str | None = None, keep: int | None = None,
