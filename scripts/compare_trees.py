@@ -34,6 +34,7 @@ def jobs(fx: dict[str, Path], w: Path) -> list[tuple[str, list[str]]]:
     i4, ct, k25, bf, tr = (str(fx[k]) for k in ("int4", "ct", "k25", "bf16", "trained"))
     data, plan, tplan = str(w / "data.jsonl"), str(w / "plan.json"), str(w / "trained-plan.json")
     out = "{OUT}"
+    cal = ["--data", data, "--samples", "8", "--seq-len", "64"]
     return [
         ("int4-to-nvfp4-mse", ["int4-to-nvfp4", i4, out]),
         ("int4-to-nvfp4-amax", ["int4-to-nvfp4", i4, out, "--block-scale", "amax"]),
@@ -69,6 +70,18 @@ def jobs(fx: dict[str, Path], w: Path) -> list[tuple[str, list[str]]]:
                              "--seq-len", "64", "--repair", "router", "--compensate", "down"]),
         ("calibrate", ["calibrate", tr, "--data", data, "-o", out, "--samples", "8",
                        "--seq-len", "64"]),
+        *[(name, [*args[:3], *cal, *args[3:]]) for name, args in (
+            ("quantize-learned", ["quantize", tr, out, "--method", "learned", "--steps", "3",
+                                  "--tokens", "64"]),
+            ("sparsify-learned", ["sparsify", tr, out, "--method", "learned", "--steps", "3"]),
+            ("sparsify-sparsegpt-sequential", ["sparsify", tr, out, "--method", "sparsegpt",
+                                               "--hessian", "sequential"]),
+            ("quantize-gptq-sequential", ["quantize", tr, out, "--method", "gptq", "--hessian",
+                                          "sequential"]),
+            ("reap-compensate-learned", ["reap", tr, out, "--keep", "12", "--compensate",
+                                         "learned"]),
+            ("reap-msan-bias-shared", ["reap", tr, out, "--keep", "12", "--criterion", "msan",
+                                       "--repair", "bias", "--compensate", "shared"]))],
     ]
 
 
