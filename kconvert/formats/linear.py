@@ -93,7 +93,7 @@ class Transformed(NamedTuple):
     weights: torch.Tensor  # [B, M, K], fp32
     codes: torch.Tensor | None = None  # block-scale codes to encode them with (None: the rule's)
     # Per matrix what the manifest records of the method's choice
-    # (kconvert.records.manifest.ObsEntry).
+    # (kconvert.plugins.methods.ObsEntry).
     records: list[dict] | None = None
 
 

@@ -205,7 +205,7 @@ class Learned(ObsMethod):
     def _record(self, learned: float | None, oneshot: float | None, fit: int, held: int
                 ) -> dict:
         """What the manifest records of one expert's matrices
-        (kconvert.records.manifest.LearnedEntry): learned where its error is strictly below the
+        (kconvert.plugins.methods.LearnedEntry): learned where its error is strictly below the
         one-shot's."""
         chose = learned is not None and oneshot is not None and learned < oneshot
         return {"method": self.name if chose else self.oneshot.name, "learned_error": learned,
