@@ -37,6 +37,7 @@ def run_conversion(recipe_name: str, src: str, dst: str, options: Mapping[str, o
     recipe = load_recipe(recipe_name)
     check_options(recipe, given)
     check_format(recipe, given.get("format"))
+    check_stages(recipe, given)
     if run.stream and "data" in given:
         raise UsageError("--stream reads each source shard once, as it arrives, and --data "
                          "calibrates on the source (every shard) before or beside the "
@@ -60,6 +61,16 @@ def run_conversion(recipe_name: str, src: str, dst: str, options: Mapping[str, o
     return convert.convert(src, dst, recipe, settings, run, revision=revision, echo=echo,
                            prepare=preparer(recipe, prepared, gpu), gpu=gpu,
                            forward="data" in given)
+
+
+def check_stages(recipe: Recipe, given: dict[str, object]) -> None:
+    """Each stage's settings with the options given, checked from the options alone
+    (StageKind.check): before any stage's preparation reads its data."""
+    tables = stage_settings(recipe.stages, given, KINDS)
+    for at, table in enumerate(tables):
+        check = KINDS[table["stage"]].check
+        if check is not None:
+            check(tables, at)
 
 
 def check_run_control(run: convert.RunControl) -> None:

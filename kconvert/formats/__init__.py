@@ -69,6 +69,13 @@ def stored_as(codec: type[Codec], storage: str) -> type[Codec]:
         raise KeyError(f"{codec.description} has no {storage} storage") from None
 
 
+def sparse_form_formats(group_size: int, storage: str) -> list[str]:
+    """The output formats (`--format` names) that write paired-4:8 blocks of `group_size` in
+    `storage` (docs/p48.md)."""
+    return [name for name, codec in OUTPUT_CODECS.items()
+            if (group_size, storage) in codec.sparse_forms]
+
+
 def dense_storage(codec: type[Codec]) -> type[Codec] | None:
     """The codec of the dense storage whose values `codec` stores in another layout (a
     re-layout back to it changes no byte of a value: densify), or None."""

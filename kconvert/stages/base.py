@@ -56,6 +56,11 @@ class StageKind:
     input_options: tuple[str, ...] = ()
     # What a command prepares (an instance is handed to `build`); None: the stage takes none.
     input_type: type | None = None
+    # (the recipe's [[stages]] tables with the options given laid over them (`stage_settings`),
+    # this stage's index among them) -> None: raises for settings that are wrong or do not go
+    # together, from the options alone, so that a command refuses them before it reads
+    # anything (its calibration data included). `build` runs the same check on its settings.
+    check: Callable[[tuple[dict[str, Any], ...], int], None] | None = None
     # (kind, why): a stage kind that must come later in the same recipe.
     followed_by: tuple[str, str] | None = None
     # What it does to the modules it claims, for the recipe's order and the manifest's

@@ -14,7 +14,7 @@ from pydantic import Field
 from kconvert.common.options import ACTIVATIONS, BLOCK_SCALE_RULES, CASTS, INPUT_SCALE, INPUT_SCALES
 from kconvert.engine.stage import StageRecord
 from kconvert.errors import KconvertError, UsageError
-from kconvert.formats import OUTPUT_CODECS, DenseCodec, stored_as
+from kconvert.formats import OUTPUT_CODECS, DenseCodec, sparse_form_formats, stored_as
 from kconvert.formats.linear import ModuleWork
 from kconvert.formats.nvfp4_cast import CAST_CODECS
 from kconvert.methods import Method, MethodInputs, methods_of
@@ -58,6 +58,10 @@ class QuantizeStageRecord(StageRecord):
 QuantizeRecord = with_method_records(QuantizeStageRecord, "quantize")
 
 
+# The quantize stage's --format when neither the recipe nor the command line gives one.
+FORMAT = "compressed-tensors"
+
+
 @dataclass(frozen=True)
 class Quantize(MethodStage):
     """Targeted modules become NVFP4 or MXFP4 in the chosen on-disk format.
@@ -68,7 +72,7 @@ class Quantize(MethodStage):
 
     targets: frozenset[Role]
     method: Method = field(compare=False)
-    fmt: str = "compressed-tensors"
+    fmt: str = FORMAT
     scale_rule: str = "mse"
     # Activation statistics from calibration: JSON {"input_amax": {module: amax}}. A module
     # found there is W4A4 and gets an input scale (2688/amax in compressed-tensors, amax/2688
@@ -168,14 +172,8 @@ class Quantize(MethodStage):
             raise KconvertError(f"input dimension {m.shape[1]} is not a multiple of {block}; "
                                 f"{codec.description} needs it",
                                 file=m.primary.file.name, tensor=m.primary.name)
-        if m.group_size is not None and (m.group_size, m.storage) not in codec.sparse_forms:
-            # set by a sparsify stage: the format must have that p48 form
-            others = [f for f, c in OUTPUT_CODECS.items()
-                      if (m.group_size, m.storage) in c.sparse_forms]
-            raise KconvertError(f"--format {self.fmt} has no form for block size "
-                                f"{m.group_size} / {m.storage} storage"
-                                + (f"; use {' or '.join(others)}" if others else ""),
-                                tensor=m.module)
+        if m.group_size is not None:  # set by a sparsify stage
+            check_sparse_form(self.fmt, m.group_size, m.storage, tensor=m.module)
         m.out_codec = stored_as(codec, m.storage)
         if self.cast != "none":
             m.out_codec = self._cast_codec(m)
@@ -259,8 +257,21 @@ def parse_targets(spec: str | list[str] | tuple[str, ...]) -> frozenset[Role]:
     return frozenset(QUANTIZE_TARGETS[n.strip()] for n in names if n.strip())
 
 
-def build(settings: dict, calibration: Calibration | None) -> Quantize:
-    fmt = settings.get("format", "compressed-tensors")
+def check_sparse_form(fmt: str, group_size: int, storage: str, tensor: str | None = None
+                      ) -> None:
+    """A sparsify stage's blocks against the quantize stage's --format: the format must write
+    that paired-4:8 form (block size and storage)."""
+    writers = sparse_form_formats(group_size, storage)
+    if fmt not in writers:
+        raise UsageError(f"--format {fmt} has no form for block size {group_size} / {storage} "
+                         "storage" + (f"; use {' or '.join(writers)}" if writers else ""),
+                         tensor=tensor)
+
+
+def check(tables: tuple[dict, ...], at: int) -> None:
+    """The quantize stage `tables[at]`'s settings, from the options alone (StageKind.check)."""
+    settings = tables[at]
+    fmt = settings.get("format", FORMAT)
     if fmt not in OUTPUT_CODECS:
         raise KconvertError(f"unknown format {fmt!r}")
     codec = OUTPUT_CODECS[fmt]
@@ -299,20 +310,29 @@ def build(settings: dict, calibration: Calibration | None) -> Quantize:
     cast = settings.get("cast") or "none"
     if cast not in CASTS:
         raise KconvertError(f"unknown cast {cast!r}; choose from {list(CASTS)}")
-    method, own = method_settings(Quantize.name, settings)
+    method, _own = method_settings(Quantize.name, settings)
     if not method.supports(codec):
         formats = [f for f, c in OUTPUT_CODECS.items() if method.supports(c)]
         methods = [n for n, m in methods_of(Quantize.name).items() if m.supports(codec)]
         raise UsageError(f"--method {method.name} writes {method.grid} ({', '.join(formats)}); "
                          f"--format {fmt} is quantized by --method {' or '.join(methods)} only")
+
+
+def build(settings: dict, calibration: Calibration | None) -> Quantize:
+    check((settings,), 0)
+    targets = parse_targets(settings.get("targets", ["experts"]))
+    method, own = method_settings(Quantize.name, settings)
     check_needs(method, calibration, None)
     return Quantize(targets=targets, method=method(MethodInputs(targets, calibration,
                                                                 settings=own)),
-                    fmt=fmt, scale_rule=scale_rule, act_stats=settings.get("act_stats"),
-                    activations=activations, cast=cast, input_scale=input_scale)
+                    fmt=settings.get("format", FORMAT),
+                    scale_rule=settings.get("block_scale", "mse"),
+                    act_stats=settings.get("act_stats"), activations=settings.get("activations"),
+                    cast=settings.get("cast") or "none",
+                    input_scale=settings.get("input_scale") or INPUT_SCALE)
 
 
-KIND = StageKind(Quantize.name, build, QuantizeRecord,
+KIND = StageKind(Quantize.name, build, QuantizeRecord, check=check,
                  settings=("targets", "format", "block_scale", "cast", "act_stats",
                            "input_scale", "activations", "method",
                            *METHODS.setting_names(Quantize.name)),

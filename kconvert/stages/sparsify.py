@@ -32,6 +32,7 @@ from kconvert.stages.base import (
     prepare_method,
     with_method_records,
 )
+from kconvert.stages.quantize import FORMAT, Quantize, check_sparse_form
 
 GROUP_SIZES = (16, 32)
 
@@ -57,11 +58,7 @@ class Sparsify(MethodStage):
     name: str = "sparsify"
 
     def __post_init__(self) -> None:
-        if self.group_size not in GROUP_SIZES:
-            raise KconvertError(f"--group-size must be one of {GROUP_SIZES}")
-        if self.storage not in SPARSIFY_STORAGES:
-            raise KconvertError(f"unknown --storage {self.storage!r}; choose from "
-                                f"{SPARSIFY_STORAGES}")
+        check_blocks(self.group_size, self.storage)
 
 
     def claim(self, m: ModuleWork) -> None:
@@ -85,18 +82,41 @@ class Sparsify(MethodStage):
 
 
 
-def build(settings: dict, calibration: Calibration | None) -> Sparsify:
+def check_blocks(group_size: int, storage: str) -> None:
+    """A paired-4:8 block size and storage kconvert writes (docs/p48.md)."""
+    if group_size not in GROUP_SIZES:
+        raise KconvertError(f"--group-size must be one of {GROUP_SIZES}")
+    if storage not in SPARSIFY_STORAGES:
+        raise KconvertError(f"unknown --storage {storage!r}; choose from {SPARSIFY_STORAGES}")
+
+
+def check(tables: tuple[dict, ...], at: int) -> None:
+    """The sparsify stage `tables[at]`'s settings, from the options alone (StageKind.check):
+    its blocks must be a form the format of the quantize stage after it writes."""
+    settings = tables[at]
     if settings.get("pattern", "p48") != "p48":
         raise KconvertError(f"unknown sparsity pattern {settings['pattern']!r}; only p48")
+    group_size = settings.get("group_size", Sparsify.group_size)
+    storage = settings.get("storage", Sparsify.storage)
+    check_blocks(group_size, storage)
+    method_settings(Sparsify.name, settings)
+    quantize = next((t for t in tables[at + 1:] if t["stage"] == Quantize.name), None)
+    if quantize is not None:
+        check_sparse_form(quantize.get("format", FORMAT), group_size, storage)
+
+
+def build(settings: dict, calibration: Calibration | None) -> Sparsify:
+    check((settings,), 0)
     method, own = method_settings(Sparsify.name, settings)
     check_needs(method, calibration, settings.get("stats"))
     inputs = MethodInputs(frozenset({Role.ROUTED_EXPERT}), calibration, settings.get("stats"),
                           own)
-    return Sparsify(method=method(inputs), group_size=settings.get("group_size", 16),
-                    storage=settings.get("storage", "dense"))
+    return Sparsify(method=method(inputs),
+                    group_size=settings.get("group_size", Sparsify.group_size),
+                    storage=settings.get("storage", Sparsify.storage))
 
 
-KIND = StageKind(Sparsify.name, build, SparsifyRecord,
+KIND = StageKind(Sparsify.name, build, SparsifyRecord, check=check,
                  settings=("pattern", "method", "group_size", "storage", "stats",
                            *METHODS.setting_names(Sparsify.name)),
                  input_options=CALIBRATION_OPTIONS, input_type=Calibration,

@@ -421,3 +421,20 @@ def test_shard_problems_name_the_tensor_and_what_the_path_is(tmp_path):
     target.mkdir()
     res = cli_inproc("int4-to-nvfp4", other, tmp_path / "out2", "--quiet")
     assert_user_error(res, "is a directory, not a file", target.name)
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["sparsify", "--format", "quark-mxfp4"], "--format quark-mxfp4 has no form for block size 16"),
+    (["sparsify", "--method", "sparsegpt", "--data", "BAD", "--format", "quark-mxfp4"],
+     "--format quark-mxfp4 has no form for block size 16"),
+    (["quantize", "--method", "gptq", "--data", "BAD", "--format", "mxfp4-pack-quantized"],
+     "--method gptq writes NVFP4"),
+])
+def test_option_conflicts_are_usage_errors_before_the_data(args, said, tmp_path):
+    bad = write_input_ids(tmp_path / "bad.jsonl", [[1, 2, 100000]])
+    cmd, *rest = args
+    rest = [str(bad) if a == "BAD" else a for a in rest]
+    res = cli_inproc(cmd, BUNDLED, tmp_path / "out", *rest, "--device", "cpu", "--quiet")
+    assert_user_error(res, said, code=2)
+    assert "token id" not in res.output
+    assert not (tmp_path / "out").exists()
