@@ -29,6 +29,7 @@ from kconvert.io.checkpoint import Checkpoint
 from kconvert.methods import Method
 from kconvert.methods.hessians import Calibration
 from kconvert.plugins.methods import METHODS
+from kconvert.plugins.registry import Declaration
 
 # The command-line options that say which calibration data a command reads and how it runs
 # (REAP's saliency for a prune stage, a data-driven method's inputs for the others).
@@ -130,10 +131,19 @@ def stage_settings(stages: tuple[dict, ...], given: dict[str, Any],
     return tuple(out)
 
 
+def named_method(stage: str, name: str | None) -> Declaration:
+    """The method `name` of stage kind `stage` (None: the kind's default); a name that is not
+    one of the kind's is a usage error."""
+    try:
+        return METHODS.named(stage, name, "method")
+    except KconvertError as exc:
+        raise UsageError(str(exc)) from exc
+
+
 def method_settings(stage: str, settings: dict[str, Any]) -> tuple[type[Method], dict]:
     """The method a stage's settings name (its kind's default where none) and the settings that
     are that method's own; a setting of another of the stage's methods is refused."""
-    declared = METHODS.named(stage, settings.get("method"), "method")
+    declared = named_method(stage, settings.get("method"))
     mine = declared.settings.model_fields
     for key in METHODS.setting_names(stage):
         if key not in mine and settings.get(key) is not None:
@@ -181,10 +191,7 @@ def prepare_method(stage: str) -> Callable[[tuple[dict, ...], dict[str, Any], Gp
         tables = [t for t in stages if t["stage"] == stage]
         if not tables:
             return None
-        try:
-            method = METHODS.named(stage, tables[0].get("method"), "method")
-        except KconvertError as exc:
-            raise UsageError(str(exc)) from exc
+        method = named_method(stage, tables[0].get("method"))
         for option, need in (("data", "data"), ("stats", "stats")):
             if options.get(option) is None or method.needs == need:
                 continue
