@@ -303,11 +303,11 @@ def check(tables: tuple[dict, ...], at: int) -> None:
         others = [f for f, c in OUTPUT_CODECS.items() if c.quantizes_routers]
         raise UsageError(f"--targets routers: only {', '.join(others)} quantizes the "
                          f"routers (AMD's MXFP4 recipe), not --format {fmt}")
-    scale_rule = settings.get("block_scale", "mse")
+    scale_rule = settings.get("block_scale", Quantize.scale_rule)
     if scale_rule not in BLOCK_SCALE_RULES:  # a recipe file's value: checked before any write
         raise KconvertError(f"unknown block_scale {scale_rule!r}; choose from "
                             f"{list(BLOCK_SCALE_RULES)}")
-    cast = settings.get("cast") or "none"
+    cast = settings.get("cast") or Quantize.cast
     if cast not in CASTS:
         raise KconvertError(f"unknown cast {cast!r}; choose from {list(CASTS)}")
     method, _own = method_settings(Quantize.name, settings)
@@ -326,9 +326,9 @@ def build(settings: dict, calibration: Calibration | None) -> Quantize:
     return Quantize(targets=targets, method=method(MethodInputs(targets, calibration,
                                                                 settings=own)),
                     fmt=settings.get("format", FORMAT),
-                    scale_rule=settings.get("block_scale", "mse"),
+                    scale_rule=settings.get("block_scale", Quantize.scale_rule),
                     act_stats=settings.get("act_stats"), activations=settings.get("activations"),
-                    cast=settings.get("cast") or "none",
+                    cast=settings.get("cast") or Quantize.cast,
                     input_scale=settings.get("input_scale") or INPUT_SCALE)
 
 
