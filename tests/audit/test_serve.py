@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from conftest import BUNDLED
 from helpers import INDEX, assert_user_error, cli_inproc, edit_json, edit_tensor, file_tensors
 from kconvert.audit.serve import ENGINES
-from kconvert.audit.serve_checks import ep_divisors
+from kconvert.model.expert_parallel import ep_divisors
 
 # (command, its options) -> the engines the README's loader table says read the output.
 OUTPUTS = {
