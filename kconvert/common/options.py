@@ -35,7 +35,6 @@ ONLY_WITH = {
     "save_stats": ("data",), "allow_short_data": ("data",),
     "keep": ("data", "stats", "plan"), "prune_ratio": ("data", "stats", "plan"),
     "criterion": ("data", "stats"),
-    "allow_uneven_ep": ("keep", "prune_ratio", "plan"),
 }
 
 # The choices of the stage options, here so that the command line lists them without importing
