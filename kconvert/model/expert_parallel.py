@@ -5,13 +5,12 @@ divide (vLLM #52435: `n_physical_experts=256 must be divisible by ep_size=3`). O
 
 from __future__ import annotations
 
-import math
-
 # Expert-parallel sizes a serving layout commonly takes (GPUs of one node, two nodes of 8).
 COMMON_EP_SIZES = (2, 4, 8, 16)
 EP_SIZES = range(1, 17)
-# The smallest count every common size divides: the step between the counts suggested instead.
-EVEN_STEP = math.lcm(*COMMON_EP_SIZES)
+# The step between the counts suggested instead of an uneven one: what a node of 8 GPUs (and
+# so EP 2 and 4) splits; the nearest multiples of 16 are often far (keep 5 of 16: only 16).
+NODE_STEP = 8
 
 
 def ep_divisors(count: int) -> list[int]:
@@ -36,10 +35,10 @@ def prime_factors(count: int) -> list[int]:
 
 
 def even_counts_near(count: int, low: int, high: int) -> list[int]:
-    """The counts within [low, high] that every common size divides, nearest `count` above and
-    below (the one above first); where neither is in range, the neighbours some common size
+    """The counts within [low, high] that EP 2, 4 and 8 divide, nearest `count` above and below
+    (the one above first); where neither is in range, the neighbours some common size
     divides."""
-    above, below = -(-count // EVEN_STEP) * EVEN_STEP, count // EVEN_STEP * EVEN_STEP
+    above, below = -(-count // NODE_STEP) * NODE_STEP, count // NODE_STEP * NODE_STEP
     found = [c for c in dict.fromkeys((above, below)) if low <= c <= high]
     return found or [c for c in (count + 1, count - 1)
                      if low <= c <= high and splits_on_common_ep(c)]

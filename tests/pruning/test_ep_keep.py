@@ -23,7 +23,7 @@ from kconvert.model.expert_parallel import (
 )
 
 REFUSED = "keep 15: no expert-parallel size of 2, 4, 8 or 16 divides it (15 = 3 x 5"
-INSTEAD = "keep 16, or pass --allow-uneven-ep"
+INSTEAD = "keep 16 or 8, or pass --allow-uneven-ep"
 WARNING = "kconvert: warning: keep 15:"
 
 
@@ -66,10 +66,10 @@ def test_the_reason_and_the_counts_suggested():
     assert uneven_ep_reason(255) == ("no expert-parallel size of 2, 4, 8 or 16 divides it "
                                      "(255 = 3 x 5 x 17; only 1, 3, 5, 15 do)")
     assert "13 is prime" in uneven_ep_reason(13)
-    assert even_counts_near(255, 8, 384) == [256, 240]
-    assert even_counts_near(255, 8, 255) == [240]  # no more than the source has
-    assert even_counts_near(15, 4, 16) == [16]  # 0 keeps fewer than the router's top-k
-    assert even_counts_near(5, 4, 6) == [6, 4]  # no multiple of 16 in range: the neighbours
+    assert even_counts_near(255, 8, 384) == [256, 248]
+    assert even_counts_near(255, 8, 255) == [248]  # no more than the source has
+    assert even_counts_near(5, 4, 16) == [8]  # 0 keeps fewer than the router's top-k
+    assert even_counts_near(5, 4, 6) == [6, 4]  # no multiple of 8 in range: the neighbours
 
 
 @pytest.mark.parametrize("command", ["reap", "run reap"])
