@@ -594,13 +594,13 @@ def test_a_new_pruning_criterion_is_its_registration(tmp_path, monkeypatch):
     monkeypatch.setattr(CRITERIA, "declared", list(CRITERIA.declared))  # put back after
     CRITERIA.register(Busiest.declaration)
     result = kconvert.reap(str(BUNDLED), str(tmp_path / "out"), stats=str(tmp_path / "stats"),
-                           keep=5, criterion="busiest", device="cpu")
+                           keep=6, criterion="busiest", device="cpu")
     plan = json.loads((result.output / "reap-plan.json").read_text())
     assert plan["criterion"] == "busiest"
     for layer in layers:
-        busiest = stats[f"layers.{layer}.count"].argsort(descending=True)[:5]
+        busiest = stats[f"layers.{layer}.count"].argsort(descending=True)[:6]
         assert plan["layers"][str(layer)]["keep"] == sorted(busiest.tolist())
-    assert result.summary["pruned_experts"] == sum(n - 5 for n in layers.values())
+    assert result.summary["pruned_experts"] == sum(n - 6 for n in layers.values())
 
 
 def test_no_test_skips_when_an_oracle_or_a_dependency_is_missing():

@@ -26,6 +26,7 @@ from kconvert.formats.ct_config import tensor_group
 from kconvert.formats.nvfp4_modelopt import modelopt_view
 from kconvert.io.checkpoint import CONFIG
 from kconvert.io.shards import TensorInfo
+from kconvert.model.expert_parallel import COMMON_EP_SIZES, ep_divisors, splits_on_common_ep
 from kconvert.model.names import Role
 
 # Rows of each NVFP4 matrix decoded under both readings of its per-tensor scale.
@@ -34,9 +35,6 @@ DECODED_ROWS = 4
 # scale times an E2M1 value reaches with a per-tensor scale of 1, and no trained linear's
 # weights need a per-tensor scale below 1 (formats.md §2: gs = 2688 / amax).
 PLAUSIBLE_MAX = 2688.0
-# Expert-parallel sizes a serving layout commonly takes (GPUs of one node, two nodes of 8).
-COMMON_EP_SIZES = (2, 4, 8, 16)
-EP_SIZES = range(1, 17)
 # The NVFP4 block size every engine's NVFP4 kernels read (p48's 32 needs MoESQ's patched vLLM).
 NVFP4_BLOCK = 16
 
@@ -303,11 +301,6 @@ def expert_counts(served: Served) -> list[Problem]:
     return out
 
 
-def ep_divisors(count: int) -> list[int]:
-    """The expert-parallel sizes 1-16 that split `count` experts evenly."""
-    return [e for e in EP_SIZES if count % e == 0]
-
-
 def ep_sizes(served: Served) -> list[Problem]:
     """The expert-parallel sizes 1-16 that divide each layer's expert count; failing where no
     common size (2, 4, 8, 16) does (vLLM #52435: n_physical_experts must be divisible by
@@ -315,7 +308,7 @@ def ep_sizes(served: Served) -> list[Problem]:
     out = []
     for count in sorted({len(ids) for ids in served.experts_per_layer().values()}):
         sizes = ", ".join(map(str, ep_divisors(count)))
-        if set(ep_divisors(count)) & set(COMMON_EP_SIZES):
+        if splits_on_common_ep(count):
             out.append(Problem(f"{count} routed experts: expert-parallel sizes {sizes} divide "
                                "it", CONFIG, fails=False))
         else:
@@ -326,6 +319,5 @@ def ep_sizes(served: Served) -> list[Problem]:
     return out
 
 
-__all__ = ["COMMON_EP_SIZES", "Check", "Problem", "Served", "block_problems",
-           "ep_divisors", "ep_sizes", "expert_counts", "global_scales", "input_scales",
-           "name_prefixes", "quantized_names", "router_biases"]
+__all__ = ["Check", "Problem", "Served", "block_problems", "ep_sizes", "expert_counts",
+           "global_scales", "input_scales", "name_prefixes", "quantized_names", "router_biases"]

@@ -138,6 +138,10 @@ def prune_options(samples_default: int | None, samples_help: str) -> list:
                      help="Routed experts to keep per layer (at least num_experts_per_tok)."),
         click.option("--prune-ratio", type=click.FloatRange(0, 1, max_open=True), default=None,
                      help="Fraction of routed experts to drop, in [0, 1) (instead of --keep)."),
+        click.option("--allow-uneven-ep", is_flag=True, default=None,
+                     help="Keep a count that no common expert-parallel size (2, 4, 8, 16) "
+                          "divides (a warning; otherwise an error: engines refuse to split "
+                          "it across GPUs)."),
         choice_option(CRITERIA, "criterion", PRUNE, "How experts are ranked:",
                       default=CRITERIA.default(PRUNE[0]).name),
         click.option("--plan", type=click.Path(exists=True, dir_okay=False), default=None,

@@ -20,6 +20,7 @@ from kconvert.errors import KconvertError, UsageError
 from kconvert.gpu.budget import GpuRequest
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.model.arch import arch_of
+from kconvert.model.expert_parallel import even_counts_near, splits_on_common_ep, uneven_ep_reason
 from kconvert.model.names import Role, TensorName
 from kconvert.plugins.pruning import (
     COMPENSATIONS,
@@ -284,13 +285,17 @@ def prepare(stages: tuple[dict, ...], options: dict, gpu: GpuRequest
         )
         from kconvert.stages import prune_data
 
+        echo = options.get("echo") or (lambda _message: None)
         if plan is not None:
             loaded = load_plan(plan)
             check_plan_keep(loaded, ckpt, options.get("keep"), options.get("prune_ratio"), plan)
-            return prune_stage(loaded, ckpt)
+            planned = prune_stage(loaded, ckpt)
+            check_ep_split(planned.kept, ckpt, bool(options.get("allow_uneven_ep")), echo)
+            return planned
         keep = keep_count(ckpt, options.get("keep"), options.get("prune_ratio"))
+        # before the statistics are read or the calibration runs
+        check_ep_split(keep, ckpt, bool(options.get("allow_uneven_ep")), echo)
         criterion = options.get("criterion") or CRITERIA.default(PRUNE[0]).name
-        echo = options.get("echo") or (lambda _message: None)
         if stats is not None:
             scores = scores_from_stats(stats)
             made = plan_from_scores(scores, keep, criterion, ckpt.identity)
@@ -312,7 +317,25 @@ def prepare(stages: tuple[dict, ...], options: dict, gpu: GpuRequest
     return make
 
 
+def check_ep_split(kept: int, ckpt: Checkpoint, allow: bool, echo: Callable[[str], None]
+                   ) -> None:
+    """A keep that no common expert-parallel size divides is a usage error naming the sizes
+    that do and the nearest counts that every common size divides; with --allow-uneven-ep
+    (`allow`) a warning line through `echo`."""
+    if splits_on_common_ep(kept):
+        return
+    n_routed, top_k = routing_limits(ckpt)
+    instead = " or ".join(map(str, even_counts_near(kept, top_k, n_routed)))
+    message = f"keep {kept}: {uneven_ep_reason(kept)}"
+    if allow:
+        echo(f"kconvert: warning: {message}; engines refuse to split it across GPUs "
+             "(--allow-uneven-ep)")
+        return
+    raise UsageError(f"{message}; keep {instead}, or pass --allow-uneven-ep" if instead else
+                     f"{message}; pass --allow-uneven-ep")
+
+
 KIND = StageKind(Prune.name, build, PruneRecord, input_type=Prune, prepare=prepare,
                  settings=("repair", "compensate"),
-                 input_options=("keep", "prune_ratio", "criterion", "plan", "stats",
-                                *CALIBRATION_OPTIONS, "save_stats"))
+                 input_options=("keep", "prune_ratio", "allow_uneven_ep", "criterion", "plan",
+                                "stats", *CALIBRATION_OPTIONS, "save_stats"))
