@@ -47,7 +47,7 @@ def run_conversion(recipe_name: str, src: str, dst: str, options: Mapping[str, o
     for option, needs in ONLY_WITH.items():
         if option in given and not set(needs) & set(given):
             raise UsageError(f"--{option.replace('_', '-')} applies only with "
-                             + " or ".join(f"--{n}" for n in needs))
+                             + " or ".join(f"--{n.replace('_', '-')}" for n in needs))
     settings = {k: v for k, v in given.items()
                 if any(k in kind.settings for kind in KINDS.values())}
     # One GpuRequest for the run: a stage's preparation (REAP's calibration) and the
