@@ -4,7 +4,8 @@ committed as manifests/run-summary.schema.json; `python -m kconvert.driver.run_s
 A finished run gives the output, bytes written, tensors by role and the run's phase timings; a
 dry run gives no output; a failed run gives `error` (the message the command line prints), the
 bytes it had written to disk (`WrittenBytes`: its finished shards and the unfinished shards'
-data, which --resume keeps or checks) and the command exits non-zero."""
+data, which --resume keeps or checks) and `exit_code`, the command's non-zero exit status; a usage
+error that click finds while parsing gives the same object (KconvertCommand.make_context)."""
 
 from __future__ import annotations
 
@@ -38,13 +39,17 @@ class RunSummary(BaseModel):
                     "read_shape_values, build_work_plan, execute)")
     messages: list[str] = Field(description="warnings and notes, as printed")
     error: str | None = Field(description="why the run failed; None when it did not")
+    exit_code: int = Field(0, description="the command's exit status: 0 done, 2 a usage error "
+                                          "(found before the run began: `command` only), 1 "
+                                          "bad input, 3 a bug in kconvert")
 
     @classmethod
     def failed(cls, command: str, src: str, dry_run: bool, error: str, seconds: float,
-               messages: list[str], bytes_written: int) -> RunSummary:
+               messages: list[str], bytes_written: int, exit_code: int) -> RunSummary:
         return cls(command=command, src=src, output=None, ok=False, dry_run=dry_run,
                    bytes_written=bytes_written, tensors_by_role={}, summary={},
-                   timings={"total": seconds}, messages=messages, error=error)
+                   timings={"total": seconds}, messages=messages, error=error,
+                   exit_code=exit_code)
 
 
 class WrittenBytes:
