@@ -96,7 +96,7 @@ def learned_warning(manifest: Manifest, text_config: dict) -> str | None:
     if not s.get("learned_of_matrices") or s["learned_too_few_tokens"] < s["learned_of_matrices"]:
         return None
     data = next(o["data"] for o in manifest.options.values()
-                if isinstance(o, dict) and isinstance(o.get("data"), dict) and "method" in o)
+                if isinstance(o, dict) and o.get("method") == "learned")
     arch = arch_of(text_config)
     experts, top_k = int(arch.get("experts")), int(arch.get("top_k"))
     tokens = math.ceil(MIN_ROUTED_TOKENS * experts / top_k)
