@@ -121,6 +121,22 @@ class KconvertCommand(click.Command):
             callback=_log_verbosely,
             help="Log the steps of the run to stderr (-vv: details too)."))
 
+    def make_context(self, info_name, args, parent=None, **extra) -> click.Context:
+        """click's parsing, and where it finds a usage error (a bad choice, size or range, an
+        unknown option) on a command given --json, that error as the failure JSON on stdout
+        before click prints its usage message on stderr: every failure prints one object."""
+        as_json = "--json" in args and any(p.name == "as_json" for p in self.params)
+        try:
+            return super().make_context(info_name, list(args), parent, **extra)
+        except click.UsageError as exc:
+            if as_json:
+                from kconvert.driver.run_summary import RunSummary
+
+                click.echo(RunSummary.failed(
+                    info_name or self.name or "", "", False, exc.format_message(), 0.0, [], 0,
+                    exit_status(exc)).model_dump_json())
+            raise
+
     def invoke(self, ctx: click.Context):
         with _sigterm_interrupts():
             return self._invoke(ctx)
@@ -134,19 +150,19 @@ class KconvertCommand(click.Command):
             raise click.UsageError(str(exc), ctx) from exc
         except KconvertError as exc:
             click.echo(f"kconvert: error: {exc}", err=True)
-            ctx.exit(EXIT_BAD_INPUT)
+            ctx.exit(exit_status(exc))
         except OSError as exc:
             if exc.errno == errno.EPIPE:  # output piped into `head`: click ends quietly
                 raise
             click.echo(f"kconvert: error: {_os_error_message(exc, ctx)}", err=True)
-            ctx.exit(EXIT_BAD_INPUT)
+            ctx.exit(exit_status(exc))
         except Exception as exc:
             if _is_cuda_oom(exc):  # outside a planned step: still the user's to lower
                 click.echo(f"kconvert: error: {_cuda_oom_message(exc, ctx)}", err=True)
-                ctx.exit(EXIT_BAD_INPUT)
-            traceback.print_exc()
-            click.echo(BUG_REPORT.format(version=__version__), err=True)
-            ctx.exit(EXIT_BUG)
+            else:
+                traceback.print_exc()
+                click.echo(BUG_REPORT.format(version=__version__), err=True)
+            ctx.exit(exit_status(exc))
         except KeyboardInterrupt as exc:
             hint = ("; nothing unfinished was marked complete: the same command with --resume "
                     "keeps every finished shard") if "resume" in ctx.params else ""
@@ -154,6 +170,18 @@ class KconvertCommand(click.Command):
             click.echo(f"\nkconvert: {'terminated (SIGTERM)' if terminated else 'interrupted'}"
                        f"{hint}", err=True)
             ctx.exit(EXIT_TERMINATED if terminated else EXIT_INTERRUPTED)
+
+
+def exit_status(exc: Exception) -> int:
+    """The exit status a command ends with when `exc` reaches KconvertCommand (the module's
+    docstring): also what a failure's --json says."""
+    if isinstance(exc, UsageError):
+        return click.UsageError.exit_code
+    if isinstance(exc, click.ClickException):
+        return exc.exit_code
+    if isinstance(exc, (KconvertError, OSError)) or _is_cuda_oom(exc):
+        return EXIT_BAD_INPUT
+    return EXIT_BUG
 
 
 @contextlib.contextmanager

@@ -9,7 +9,7 @@ import time
 
 import click
 
-from kconvert.cli.base import KconvertCommand, apply_options, given_options
+from kconvert.cli.base import KconvertCommand, apply_options, exit_status, given_options
 from kconvert.cli.conversion_options import (
     DEQUANT_OPTIONS,
     METHOD_KINDS,
@@ -58,7 +58,7 @@ def _run(recipe_name: str, src: str, dst: str, params: dict) -> None:
         # The same error then reaches KconvertCommand, which prints it and sets the exit code.
         click.echo(RunSummary.failed(recipe_name, src, run["dry_run"], str(exc),
                                      time.perf_counter() - start, messages,
-                                     written.total).model_dump_json())
+                                     written.total, exit_status(exc)).model_dump_json())
         raise
     finally:
         unsubscribe()

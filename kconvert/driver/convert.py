@@ -29,6 +29,7 @@ from kconvert.driver.dry_run import print_dry_run
 from kconvert.driver.finish_output import finish_output
 from kconvert.driver.recipes import Recipe
 from kconvert.driver.run_plan import plan_run
+from kconvert.driver.run_summary import learned_warning
 from kconvert.engine.execute import execute
 from kconvert.engine.sink import finish_parts
 from kconvert.engine.source_order import hub_disk, start_stream
@@ -225,6 +226,8 @@ def _convert(ckpt: Checkpoint, dst: Path, recipe: Recipe, settings: Mapping[str,
             ckpt, ws, plan, records, recipe.name, recorded) if main else None)
         if main:
             workspace.commit(ws, echo)
+            if (warning := learned_warning(manifest, ckpt.text_config)) is not None:
+                echo(warning)
             events.emit("run-finished", dst=str(dst))
     except OSError as exc:
         if exc.errno in NO_SPACE:

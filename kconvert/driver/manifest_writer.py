@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kconvert.common import distributed
+from kconvert.driver.run_summary import learned_line, learned_outcome
 from kconvert.engine.work import WorkPlan
 from kconvert.formats import OUTPUT_CODECS
 from kconvert.formats.linear import ModuleWork
@@ -69,7 +70,7 @@ def build_manifest(ckpt: Checkpoint, plan: WorkPlan, records: dict[str, dict], c
         fused.members.sort()
     files = {shard: FileEntry(bytes=(root / shard).stat().st_size, tensors=len(e))
              for shard, e in plan.shard_entries.items()}
-    summary = summary_numbers(plan, by_layer, files)
+    summary = {**summary_numbers(plan, by_layer, files), **learned_outcome(obs)}
     if cast:
         summary["cast_exact_blocks"] = sum(c.exact_blocks for c in cast.values())
         summary["cast_blocks"] = sum(c.blocks for c in cast.values())
@@ -132,6 +133,8 @@ def summary_line(manifest: Manifest, dst: str) -> str:
             parts.append(f"{guard.name} applied in {applied} of {applied + refused} MoE layers"
                          + (f" (refused by its guard in {refused}: {guard.kept} kept)"
                             if refused else ""))
+    if (learned := learned_line(s)) is not None:
+        parts.append(learned)
     if s.get("sparsified_modules"):
         parts.append(f"{s['sparsified_modules']} modules made paired-4:8 sparse")
     if s.get("quantized_modules"):

@@ -40,6 +40,10 @@ P48_LR, P48_MASK_LR = 4e-2, 2e-2
 NVFP4_LR = 5e-3
 # An expert with fewer routed tokens than this to fit on keeps the one-shot result.
 MIN_FIT_TOKENS = 64
+# The routed tokens an expert needs to be trained and judged (fewer: it keeps the one-shot
+# result): HELDOUT_MIN held out, every HELDOUT_EVERY-th, and MIN_FIT_TOKENS left to fit on.
+MIN_ROUTED_TOKENS = max(HELDOUT_MIN * HELDOUT_EVERY,
+                        math.ceil(MIN_FIT_TOKENS * HELDOUT_EVERY / (HELDOUT_EVERY - 1)))
 # The most fit tokens an expert trains on (evenly spaced where it has more): bounds the
 # inputs and reference outputs a training batch holds.
 MAX_FIT_TOKENS = 8192

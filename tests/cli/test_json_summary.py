@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from conftest import ROOT
 from helpers import MANIFEST, cli_subprocess
 from kconvert.driver.run_summary import RunSummary
@@ -52,3 +54,42 @@ def test_json_summary_of_a_dry_run_and_of_a_failure(fixture_dir, tmp_path):
     assert not summary.ok and summary.output is None
     assert summary.error.startswith("source directory does not exist")
     assert "kconvert: error: source directory does not exist" in done.stderr
+
+
+@pytest.mark.parametrize("bad, said", [
+    (("--format", "nope"), "'nope' is not one of"),
+    (("--gpu-memory", "lots"), "--gpu-memory"),
+    (("--samples", "0"), "0 is not in the range x>=1"),
+    (("--no-such-option",), "--no-such-option"),
+])
+def test_json_failure_of_a_usage_error(fixture_dir, tmp_path, bad, said):
+    """click's usage errors (found while parsing, before the command runs) print the failure
+    object too, with exit_code 2, and click's usage message on stderr."""
+    done = cli_subprocess("quantize", fixture_dir("k2-int4-kimi"), tmp_path / "out", "--json",
+                          *bad)
+    assert done.returncode == 2, done.stderr
+    summary = RunSummary.model_validate_json(done.stdout)
+    assert not summary.ok and summary.exit_code == 2 and summary.command == "quantize"
+    assert said in summary.error
+    assert "Usage: " in done.stderr and said in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("bad, said", [
+    (("--chunk-mb", "0"), "0 is not in the range 1<=x<=1024"),
+    (("--gpu-memory", "lots"), "--gpu-memory"),
+    (("--no-such-option",), "--no-such-option"),
+])
+def test_json_failure_of_an_audit_usage_error(fixture_dir, bad, said):
+    done = cli_subprocess("audit", fixture_dir("k2-int4-kimi"), "--json", *bad)
+    assert done.returncode == 2, done.stderr
+    failure = json.loads(done.stdout)
+    assert failure["ok"] is False and failure["exit_code"] == 2 and said in failure["error"]
+    assert "Usage: " in done.stderr
+
+
+def test_json_failure_carries_the_exit_code(fixture_dir, tmp_path):
+    """A failure during the run: its exit status in the object."""
+    done = cli_subprocess("dequant", tmp_path / "no-such-dir", tmp_path / "out", "--json")
+    assert done.returncode == 1
+    assert RunSummary.model_validate_json(done.stdout).exit_code == 1

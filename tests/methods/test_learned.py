@@ -244,3 +244,51 @@ def test_an_experts_result_does_not_depend_on_the_experts_beside_it():
     for n in ("gate_up", "down"):
         assert torch.equal(together[0][n][1], single[0][n][0]), n
         assert torch.equal(together[1][n][1], single[1][n][0]), n
+
+
+@pytest.mark.parametrize("command", ["sparsify", "quantize"])
+def test_a_run_that_could_judge_no_expert_says_so_and_what_data_it_needs(tmp_path, command):
+    """Two sequences of 32 tokens give no expert of the trained tiny MoE (top-4 of 24) the
+    1024 routed tokens learning needs: the closing numbers say nothing was learned and why,
+    and a warning names the tokens it takes (1024 x 24 / 4) beside what the data gave."""
+    from helpers import MANIFEST, cli_subprocess
+    from kconvert.driver.run_summary import RunSummary
+
+    data = write_input_ids(tmp_path / "d.jsonl", [list(range(i, i + 32)) for i in range(2)])
+    out = tmp_path / "out"
+    done = cli_subprocess(command, TINY_MOE, out, "--method", "learned", "--data", data,
+                          "--samples", "2", "--seq-len", "32", "--steps", "2", "--device",
+                          "cpu", "--json")
+    assert done.returncode == 0, done.stderr
+    summary = RunSummary.model_validate_json(done.stdout)
+    obs = json.loads((out / MANIFEST).read_text())["obs"]
+    routed = [r for r in obs.values() if "oneshot" in r]
+    assert routed and all(r["learned_error"] is None for r in routed)
+    assert {k: summary.summary[k] for k in ("learned_matrices", "learned_of_matrices",
+                                            "learned_too_few_tokens", "learned_refused")} == {
+        "learned_matrices": 0, "learned_of_matrices": len(routed),
+        "learned_too_few_tokens": len(routed), "learned_refused": 0}
+    [warning] = [m for m in summary.messages if "learned nothing" in m]
+    assert f"{learned.MIN_ROUTED_TOKENS} routed tokens" in warning
+    assert f"at least {learned.MIN_ROUTED_TOKENS * 24 // 4} calibration tokens" in warning
+    assert "gave 64 (--samples 2 x --seq-len 32)" in warning
+    assert warning in done.stderr
+
+
+def test_the_learned_counts_add_up_where_some_experts_learn(tmp_path):
+    """With 48 x 256 tokens most experts have enough to train and judge: the summary's counts
+    are the manifest records' (learned, kept for too few tokens, refused), some learned, no
+    warning, and the closing line says them."""
+    data = _calibration(tmp_path)
+    result = kconvert.sparsify(str(TINY_MOE), str(tmp_path / "out"), method="learned",
+                               data=str(data), samples=48, seq_len=256, device="cpu", steps=4)
+    obs = json.loads((tmp_path / "out" / "kconvert-manifest.json").read_text())["obs"]
+    routed = [r for r in obs.values() if "oneshot" in r]
+    wrote = sum(r["method"] == "learned" for r in routed)
+    few = sum(r["oneshot_error"] is None for r in routed)
+    s = result.summary
+    assert (s["learned_matrices"], s["learned_too_few_tokens"]) == (wrote, few)
+    assert s["learned_of_matrices"] == len(routed) == wrote + few + s["learned_refused"]
+    assert wrote > 0
+    assert f"learned {wrote} of {len(routed)} matrices" in result.summary_line()
+    assert not [m for m in result.messages if "learned nothing" in m]
