@@ -95,8 +95,9 @@ def learned_warning(manifest: Manifest, text_config: dict) -> str | None:
     s = manifest.summary
     if not s.get("learned_of_matrices") or s["learned_too_few_tokens"] < s["learned_of_matrices"]:
         return None
+    # the stage that read calibration data: a learned method's own (its run's data record)
     data = next(o["data"] for o in manifest.options.values()
-                if isinstance(o, dict) and o.get("method") == "learned")
+                if isinstance(o, dict) and o.get("data"))
     arch = arch_of(text_config)
     experts, top_k = int(arch.get("experts")), int(arch.get("top_k"))
     tokens = math.ceil(MIN_ROUTED_TOKENS * experts / top_k)
