@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
-import sysconfig
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,13 @@ from kconvert.formats.int4 import Int4Codec
 from kconvert.testing.fixture_config import k2_config
 from kconvert.testing.fixture_weights import PROJS, FixtureDims, quant_kimi
 from kconvert.testing.fixtures import make_fixture
-from kconvert.testing.tiny_moe import deepseek_config, is_heldout, json_bytes
+from kconvert.testing.tiny_moe import (
+    NOT_STDLIB,
+    deepseek_config,
+    is_heldout,
+    json_bytes,
+    stdlib_files,
+)
 
 RECORD_FILE = "proxy.json"  # training record written next to the weights
 
@@ -50,26 +55,20 @@ PROXY_DIMS = FixtureDims(
 
 
 # Unlike the tiny MoE's corpus, the stdlib's own test suites stay in: three times the text.
-_EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
-
-
 def stdlib_sources() -> list[tuple[str, str]]:
-    """(relative path, text) of every UTF-8 ``*.py`` under the stdlib, sorted by path."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+    """(relative path, text) of every UTF-8 ``*.py`` under the stdlib, its test suites
+    included, sorted by path."""
     out = []
-    for p in root.rglob("*.py"):
-        rel = p.relative_to(root)
-        if _EXCLUDED_DIRS & set(rel.parts[:-1]) or not p.is_file():
-            continue
+    for rel, p in stdlib_files(NOT_STDLIB):
         try:  # a few test files are deliberately in other encodings
             text = p.read_bytes().decode("utf-8")
         except UnicodeDecodeError:
             continue
         if text:
-            out.append((rel.as_posix(), text))
+            out.append((rel, text))
     if not out:
-        raise RuntimeError(f"no stdlib sources under {root}")
-    return sorted(out)
+        raise RuntimeError("no stdlib sources found")
+    return out
 
 
 def split_sources(sources: list[tuple[str, str]]) -> dict[str, list[tuple[str, str]]]:

@@ -31,7 +31,10 @@ VOCAB = 258
 META_FILE = "tiny_moe.json"  # training record written next to the weights
 
 
-_EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+# Folders never read: installed packages and bytecode (NOT_STDLIB), and for the tiny MoE the
+# stdlib's test suites too (the proxy reads them: kconvert.testing.proxy).
+NOT_STDLIB = frozenset({"site-packages", "dist-packages", "__pycache__"})
+_EXCLUDED_DIRS = NOT_STDLIB | {"test", "tests", "idle_test"}
 
 
 # The fixture's dims with more experts and layers (hidden/intermediates are multiples of 32 so
@@ -39,13 +42,14 @@ _EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test"
 TINY_MOE_DIMS = FixtureDims(experts=24, moe_layers=3, vocab=VOCAB)
 
 
-def stdlib_files() -> list[tuple[str, Path]]:
-    """(relative path, path) of the stdlib's ``*.py`` sources, sorted; tests excluded."""
+def stdlib_files(excluded: frozenset[str] = _EXCLUDED_DIRS) -> list[tuple[str, Path]]:
+    """(relative path, path) of the stdlib's ``*.py`` sources outside the `excluded` folders
+    (default: tests excluded), sorted."""
     root = Path(sysconfig.get_paths()["stdlib"])
     out = []
     for p in root.rglob("*.py"):
         rel = p.relative_to(root)
-        if _EXCLUDED_DIRS & set(rel.parts[:-1]) or not p.is_file():
+        if excluded & set(rel.parts[:-1]) or not p.is_file():
             continue
         out.append((rel.as_posix(), p))
     return sorted(out)
