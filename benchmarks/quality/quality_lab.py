@@ -1,16 +1,20 @@
 """Every recipe's quality in one table: each output made through the command line's default
-path from one source, then compared with it by one `kconvert eval` on held-out text (issue 46).
+path from one source, then compared with it by `kconvert eval` on held-out text (issue 46).
 
 Each row is a chain of `kconvert` commands (the last one's output is the candidate; a
-composition such as REAP 192 + GPTQ NVFP4 is two commands, as a user runs them). Per row: the
-eval's KL, top-1, ΔNLL (and its high-entropy KL and the generation probe's loop rate, z and p
-where `kconvert eval` reports them: `--generate N`), the output's bytes, the chain's wall time,
-and with --repeat whether a second run wrote the same bytes, with --audit whether `kconvert
-audit --source` passes. Keeps are fractions of the source's routed experts (keep 288 and 192
-of Kimi's 384: 75% and 50%).
+composition such as REAP 192 + GPTQ NVFP4 is two commands, as a user runs them). Per row, in
+one `kconvert eval` of the source and the row's output: KL, top-1, ΔNLL and the KL on the
+source's 10% highest-entropy positions, and with --generate N the degeneration probe (loop
+rate, its z and p against the source's, length-limit rate, median divergence); the output's
+bytes and the chain's wall time; with --repeat whether a second run wrote the same bytes, with
+--audit whether `kconvert audit --source` passes. Keeps are fractions of the source's routed
+experts (keep 288 and 192 of Kimi's 384: 75% and 50%). --jobs runs rows side by side (each
+row's commands stay in order); --rows picks rows, so the table can be made in parts and joined
+with --merge, which also judges the issue's goals (`goals`).
 
     python -m benchmarks quality_lab --src tests/fixtures/kimi-proxy --calib calib.jsonl \\
-        --heldout heldout.jsonl --device cuda --generate 1000 --repeat --audit
+        --heldout heldout.jsonl --device cuda --generate 1000 --repeat --audit --jobs 6
+    python -m benchmarks quality_lab --merge part1.json part2.json --out results/quality_lab
     python -m benchmarks quality_lab --tiny     # CPU check on the trained tiny MoE, 3 rows
 
 --calib and --heldout are JSONL files as every data-driven command reads them (token ids, or
@@ -27,10 +31,12 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.harness import REPO, arguments, comma_list, log, parse, record, save
+from benchmarks.quality.quality_table import goals, merge, table
 
 TINY_MOE = REPO / "tests" / "fixtures" / "tiny-moe-trained"
 CLI = [sys.executable, "-m", "kconvert.cli"]
@@ -84,7 +90,9 @@ def rows(experts: int) -> list[Row]:
             Row("reap-learned-learned", f"REAP keep {k50} (router+learned), then learned NVFP4",
                 ((*best[:-1], "learned"), (*nvfp4, "--method", "learned", *data))),
             Row("reap-p48-sparsegpt", f"REAP keep {k50} (router+down), then p48 SparseGPT",
-                (best, ("sparsify", "{SRC}", "{OUT}", "--method", "sparsegpt", *data)))]
+                (best, (*sparse, "sparsegpt", *data))),
+            Row("reap-p48-learned", f"REAP keep {k50} (router+learned), then p48 learned",
+                ((*best[:-1], "learned"), (*sparse, "learned", *data)))]
     # Restoring pruned experts: keeps between 50% and all, the best repair, for the smallest
     # keep whose loop rate is not significantly above the source's.
     # (of 24 experts: keep 15 and 21, which no common expert-parallel size divides; measured
@@ -101,16 +109,24 @@ def run_chain(row: Row, src: Path, out: Path, values: dict[str, str], common: li
     shutil.rmtree(out, ignore_errors=True)
     prev, lines, start = src, [], time.perf_counter()
     for i, step in enumerate(row.chain):
-        dst = out if i == len(row.chain) - 1 else out.with_name(f"{out.name}.step{i}")
+        dst = out if i == len(row.chain) - 1 else step_dir(out, i)
         args = [a.format(SRC=prev, OUT=dst, **values) for a in step]
-        cmd = [*CLI, *args, "--overwrite", "--quiet", *common]
         lines.append(args)
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"{row.name}: {' '.join(args)} exited {done.returncode}:\n"
-                               f"{done.stderr[-2000:]}")
+        cli([*args, "--overwrite", "--quiet", *common], f"{row.name}: {' '.join(args)}")
         prev = dst
     return time.perf_counter() - start, lines
+
+
+def step_dir(out: Path, i: int) -> Path:
+    return out.with_name(f"{out.name}.step{i}")
+
+
+def cli(args: list[str], what: str) -> str:
+    """`kconvert ARGS`; its stdout, or an error naming `what` with the end of its stderr."""
+    done = subprocess.run([*CLI, *args], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{what} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return done.stdout
 
 
 def same_tree(a: Path, b: Path) -> bool:
@@ -145,50 +161,56 @@ def default_data(root: Path, calib: int, heldout: int, seq_len: int) -> tuple[Pa
     return paths[0], paths[1]
 
 
-def kconvert_eval(args: list[str], out: Path) -> dict:
-    """`kconvert eval ARGS -o out`: its eval.json."""
+def evaluate(src: Path, cand: Path, heldout: Path, out: Path, a) -> dict:
+    """One `kconvert eval` of the source and one candidate on the held-out data, with the
+    probe where --generate is given: its eval.json."""
+    probe = [] if not a.generate else [
+        "--generate", str(a.generate), "--new-tokens", str(a.new_tokens),
+        "--generate-batch-size", str(a.generate_batch_size)]
     shutil.rmtree(out, ignore_errors=True)
-    done = subprocess.run([*CLI, "eval", *args, "-o", str(out), "--quiet"], capture_output=True,
-                          text=True)
-    if done.returncode:
-        raise RuntimeError(f"eval exited {done.returncode}:\n{done.stderr[-3000:]}")
+    cli(["eval", str(src), str(cand), "--data", str(heldout), "--seq-len", str(a.seq_len),
+         "--samples", str(a.eval_samples), "--device", a.device, *a.gpu_memory, *probe,
+         "-o", str(out), "--quiet"], f"eval of {cand.name}")
     return json.loads((out / "eval.json").read_text())
 
 
-def evaluate(src: Path, cands: dict[str, Path], heldout: Path, a) -> tuple[dict, dict]:
-    """One teacher-forced `kconvert eval` of every candidate on the held-out data, and with
-    --generate one probe per candidate (the probe takes one candidate a run): the eval.json
-    of the first, and the probe's generation object by row."""
-    data = ["--data", str(heldout), "--seq-len", str(a.seq_len), "--device", a.device]
-    report = kconvert_eval([str(src), *map(str, cands.values()), *data, "--samples",
-                            str(a.eval_samples)], a.root / "eval")
-    probes = {}
-    for name, cand in cands.items() if a.generate else ():
-        # one teacher-forced sequence: the probe's figures are what this run is for
-        probe = kconvert_eval([str(src), str(cand), *data, "--samples", "1", "--generate",
-                               str(a.generate), "--new-tokens", str(a.new_tokens)],
-                              a.root / f"probe-{name}")
-        probes[name] = probe["generation"]
-        log(f"{name}: loop rate {probes[name]['candidate']['loop_rate']:.3f} against the "
-            f"source's {probes[name]['source']['loop_rate']:.3f}, p {probes[name]['p']:.3g}")
-    return report, probes
-
-
-def table(results: list[dict]) -> list[str]:
-    head = ("row", "what", "KL", "top-1", "ΔNLL", "loop rate", "p", "MB", "wall s",
-            "same bytes", "audit")
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in results:
-        m, g = r.get("logits") or {}, r.get("generation") or {}
-        cells = (r["row"], r["what"], f"{m['kl_mean']:.4f}" if m else "-",
-                 f"{m['top1_agreement']:.4f}" if m else "-",
-                 f"{m['nll_candidate'] - m['nll_source']:+.4f}" if m else "-",
-                 f"{g['candidate']['loop_rate']:.3f}" if g else "-",
-                 f"{g['p']:.3g}" if g else "-", f"{r['bytes'] / 1e6:.1f}",
-                 f"{r['wall_s']:.1f}", {True: "yes", False: "NO", None: "-"}[r["same_bytes"]],
-                 {True: "PASS", False: "FAIL", None: "-"}[r["audit"]])
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+def measure(row: Row, a, values: dict[str, str], heldout: Path) -> dict:
+    """One row: its chain (twice with --repeat), the audit of its last command with --audit,
+    and the eval of its output against the source. Its outputs are removed after, unless
+    --keep-outputs."""
+    out = a.root / row.name
+    takes_data = any("{CALIB}" in step for step in row.chain)
+    opts = ["--device", a.device, *a.gpu_memory] + (
+        ["--samples", str(a.samples), "--seq-len", str(a.seq_len)] if takes_data else [])
+    wall, lines = run_chain(row, a.src, out, values, opts)
+    log(f"{row.name}: made in {wall:.1f} s")
+    same = None
+    if a.repeat and row.deterministic:
+        again = out.with_name(out.name + ".again")
+        run_chain(row, a.src, again, values, opts)
+        same = same_tree(out, again)
+    audited = None
+    if a.audit:
+        last_src = a.src if len(row.chain) == 1 else step_dir(out, len(row.chain) - 2)
+        audited = subprocess.run([*CLI, "audit", str(out), "--source", str(last_src)],
+                                 capture_output=True).returncode == 0
+    report = evaluate(a.src, out, heldout, a.root / f"eval-{row.name}", a)
+    made = report["candidates"][0]
+    result = {"row": row.name, "what": row.what, "commands": lines, "wall_s": round(wall, 2),
+              "bytes": tree_bytes(out), "same_bytes": same, "audit": audited,
+              "logits": made["logits"], "generation": report.get("generation")}
+    g = result["generation"]
+    log(f"{row.name}: KL {made['logits']['kl_mean']:.4g}" + (
+        "" if not g else f", loop rate {g['candidate']['loop_rate']:.3f} against the source's "
+        f"{g['source']['loop_rate']:.3f}, p {g['p']:.3g}") + f", same bytes {same}, audit "
+        f"{audited}")
+    if not a.keep_outputs:
+        # this row's directories only: another row's name may start with this one's
+        for path in [out, out.with_name(out.name + ".again"), a.root / f"eval-{row.name}",
+                     *(step_dir(d, i) for d in (out, out.with_name(out.name + ".again"))
+                       for i in range(len(row.chain)))]:
+            shutil.rmtree(path, ignore_errors=True)
+    return result
 
 
 def main(argv: list[str]) -> None:
@@ -198,60 +220,67 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--heldout", type=Path, help="held-out JSONL (default: tiny corpus)")
     ap.add_argument("--rows", type=comma_list, help="only these rows (comma list)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--gpu-memory", help="every command's --gpu-memory (rows run side by side "
+                                         "share one GPU)")
+    ap.add_argument("--jobs", type=int, default=1, help="rows run side by side")
     ap.add_argument("--samples", type=int, default=64, help="calibration sequences")
     ap.add_argument("--eval-samples", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--generate", type=int, default=0, help="eval --generate N (0: none)")
     ap.add_argument("--new-tokens", type=int, default=192, help="eval --new-tokens")
+    ap.add_argument("--generate-batch-size", type=int, default=16)
     ap.add_argument("--repeat", action="store_true", help="run each row twice: same bytes?")
     ap.add_argument("--audit", action="store_true", help="audit --source each output")
+    ap.add_argument("--keep-outputs", action="store_true", help="keep each row's checkpoints")
+    ap.add_argument("--merge", type=Path, nargs="+", help="join these results files (parts "
+                    "of one table, the same source and data) instead of running rows")
     ap.add_argument("--tiny", action="store_true", help="CPU check: 3 rows, little data")
     ap.add_argument("--out", type=Path, default=Path("/tmp/quality-lab/quality_lab"),
                     help="OUT.json and the Markdown table beside it are written")
     a = parse(ap, argv, tiny={"rows": ["nvfp4-rtn", "reap12-router-down", "reap-gptq"],
                               "samples": 8, "eval_samples": 8, "seq_len": 64, "generate": 8,
-                              "new_tokens": 32})
-    a.root.mkdir(parents=True, exist_ok=True)
-    experts = json.loads((a.src / "config.json").read_text())["n_routed_experts"]
-    chosen = [r for r in rows(experts) if a.rows is None or r.name in a.rows]
-    calib, heldout = (a.calib, a.heldout) if a.calib else default_data(
-        a.root, a.samples, a.eval_samples, a.seq_len)
-    common = ["--device", a.device]
-    data_opts = ["--samples", str(a.samples), "--seq-len", str(a.seq_len)]
-    stats = a.root / "stats"
-    subprocess.run([*CLI, "calibrate", str(a.src), "--data", str(calib), *data_opts, "-o",
-                    str(stats), "--overwrite", "--quiet", *common], check=True)
-    values = {"CALIB": f"{calib}", "STATS": str(stats)}
-    results, cands = [], {}
-    for row in chosen:
-        out = a.root / row.name
-        takes_data = any("{CALIB}" in step for step in row.chain)
-        opts = common + (data_opts if takes_data else [])
-        wall, lines = run_chain(row, a.src, out, values, opts)
-        log(f"{row.name}: {wall:.1f} s")
-        same = None
-        if a.repeat and row.deterministic:
-            run_chain(row, a.src, out.with_name(out.name + ".again"), values, opts)
-            same = same_tree(out, out.with_name(out.name + ".again"))
-        audited = None
-        if a.audit:
-            last_src = a.src if len(row.chain) == 1 else out.with_name(
-                f"{out.name}.step{len(row.chain) - 2}")
-            audited = subprocess.run([*CLI, "audit", str(out), "--source", str(last_src)],
-                                     capture_output=True).returncode == 0
-        cands[row.name] = out
-        results.append({"row": row.name, "what": row.what, "commands": lines,
-                        "wall_s": round(wall, 2), "bytes": tree_bytes(out),
-                        "same_bytes": same, "audit": audited})
-    report, probes = evaluate(a.src, cands, heldout, a)
-    for r, c in zip(results, report["candidates"], strict=True):
-        r["logits"] = c["logits"]
-        r["generation"] = probes.get(r["row"])
-    result = {"record": record("quality_lab", gpu=a.device != "cpu"), "source": str(a.src),
-              "experts": experts, "calib": str(calib), "heldout": str(heldout),
-              "eval_samples": a.eval_samples, "seq_len": a.seq_len, "rows": results,
-              "source_nll": report["candidates"][0]["logits"]["nll_source"]}
+                              "new_tokens": 32, "jobs": 2})
+    result = merge([json.loads(p.read_text()) for p in a.merge]) if a.merge else run_rows(a)
+    order = [r.name for r in rows(result["experts"])]
+    result["rows"].sort(key=lambda r: order.index(r["row"]))
+    result["goals"] = goals(result["rows"], result["experts"])
     save(result, a.out.with_suffix(".json"))
-    lines = table(results)
+    lines = table(result)
     a.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def run_rows(a) -> dict:
+    """The chosen rows, --jobs at a time, after one calibration their options may read."""
+    a.root.mkdir(parents=True, exist_ok=True)
+    a.gpu_memory = [] if a.gpu_memory is None else ["--gpu-memory", a.gpu_memory]
+    experts = json.loads((a.src / "config.json").read_text())["n_routed_experts"]
+    chosen = [r for r in rows(experts) if a.rows is None or r.name in a.rows]
+    if a.rows is not None and len(chosen) != len(a.rows):
+        unknown = sorted(set(a.rows) - {r.name for r in chosen})
+        raise SystemExit(f"quality_lab: no row named {', '.join(unknown)}")
+    calib, heldout = (a.calib, a.heldout) if a.calib else default_data(
+        a.root, a.samples, a.eval_samples, a.seq_len)
+    stats = a.root / "stats"
+    cli(["calibrate", str(a.src), "--data", str(calib), "--samples", str(a.samples),
+         "--seq-len", str(a.seq_len), "-o", str(stats), "--overwrite", "--quiet", "--device",
+         a.device, *a.gpu_memory], "calibrate")
+    values = {"CALIB": f"{calib}", "STATS": str(stats)}
+    head = {"record": record("quality_lab", gpu=a.device != "cpu"), "source": str(a.src),
+            "experts": experts, "calib": str(calib), "heldout": str(heldout),
+            "samples": a.samples, "eval_samples": a.eval_samples, "seq_len": a.seq_len,
+            "generate": a.generate, "new_tokens": a.new_tokens}
+
+    def one(row: Row) -> dict:
+        # each row's figures saved as it ends: a part --merge can join if the run is cut short
+        made = measure(row, a, values, heldout)
+        save(head | {"rows": [made]}, a.out.with_name(f"{a.out.name}.row-{row.name}.json"))
+        return made
+
+    # the longest rows first (learned methods, then chains), so side-by-side jobs end together
+    chosen.sort(key=lambda r: (-sum("learned" in step for step in r.chain), -len(r.chain)))
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=a.jobs) as pool:
+        done = list(pool.map(one, chosen))
+    log(f"{len(done)} rows in {time.perf_counter() - start:.0f} s, {a.jobs} at a time")
+    return head | {"rows": done}
