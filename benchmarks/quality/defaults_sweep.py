@@ -4,7 +4,8 @@ compared with the source by one `kconvert eval` on held-out text (KL, top-1, ΔN
 
 Knobs, where each is declared, and how a run sets it:
 - learned NVFP4 / p48 steps (kconvert.plugins.methods LearnedNvfp4Settings, LearnedP48Settings:
-  `--steps`) and step size (kconvert.methods.learned NVFP4_LR, P48_LR: class settings);
+  `--steps`) and step size (kconvert.methods.learned NVFP4_LR, P48_LR: class settings; p48's
+  pattern step P48_MASK_LR moves with it);
 - the GPTQ / learned guard's held-out split (kconvert.methods.obs HELDOUT_EVERY: every 8th
   routed token judged on, not fitted);
 - the repair/compensation guard's held-out split (kconvert.pruning.router_fit RepairSettings
@@ -38,6 +39,7 @@ import functools
 import json
 import math
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -99,15 +101,18 @@ FAMILIES = {f.name: f for f in (
 
 LEARNED = "kconvert/methods/learned.py"
 REPAIR = "kconvert/pruning/router_fit.py RepairSettings"
+SAMPLES = ("this sweep's --samples (the CLI's, of 2048 tokens: 1024 for reap, 128 for the "
+           "learned methods; kconvert/common/options.py REAP_SAMPLES, SPARSEGPT_SAMPLES)")
 KNOBS = (
     Knob("steps", "nvfp4-learned", "kconvert/plugins/methods.py LearnedNvfp4Settings", 50,
          (25, 150), option="--steps"),
     Knob("lr", "nvfp4-learned", f"{LEARNED} NVFP4_LR", 5e-3, (2e-3, 1.25e-2),
          patch="method_lr"),
-    Knob("held-out every", "nvfp4-learned", "kconvert/methods/obs.py HELDOUT_EVERY", 8, (4, 16),
+    # every 16th: the routed-token floor (MIN_ROUTED_TOKENS) doubles to 2,048
+    Knob("held-out every", "nvfp4-learned", "kconvert/methods/obs.py HELDOUT_EVERY", 8, (4,),
          patch="held_every"),
-    Knob("samples", "nvfp4-learned", "kconvert/common/options.py (--samples)", "{SAMPLES}",
-         ("{SAMPLES/4}", "{SAMPLES*4}"), option="--samples"),
+    # a quarter: most experts fall below the routed-token floor, which leaves them GPTQ's
+    Knob("samples", "nvfp4-learned", SAMPLES, "{SAMPLES}", ("{SAMPLES*4}",), option="--samples"),
     Knob("steps", "p48-learned", "kconvert/plugins/methods.py LearnedP48Settings", 25, (75,),
          option="--steps"),
     Knob("lr", "p48-learned", f"{LEARNED} P48_LR", 4e-2, (2e-2, 8e-2), patch="method_lr"),
@@ -115,8 +120,8 @@ KNOBS = (
          ((1e-2,), (1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)), patch="repair.ridges"),
     Knob("held-out share", "reap-down", f"{REPAIR}.heldout", 0.25, (0.125, 0.5),
          patch="repair.heldout"),
-    Knob("samples", "reap-down", "kconvert/common/options.py (--samples)", "{SAMPLES}",
-         ("{SAMPLES/4}", "{SAMPLES*4}"), option="--samples"),
+    # four times: the repair stream takes 32,768 tokens whatever the data (REPAIR_TOKENS)
+    Knob("samples", "reap-down", SAMPLES, "{SAMPLES}", ("{SAMPLES/4}",), option="--samples"),
     Knob("steps", "reap-learned", "kconvert/pruning/compensate_learned.py LearnedSettings", 200,
          (400,), patch="learned_compensation.steps"),
     Knob("lr", "reap-learned", "kconvert/pruning/compensate_learned.py LearnedSettings", 2e-3,
@@ -176,8 +181,11 @@ def patched_cli(argv: list[str]) -> None:
 
 
 def set_method_lr(lr: float) -> None:
-    from kconvert.methods.learned import LearnedNvfp4, LearnedP48
-    LearnedNvfp4.lr = LearnedP48.lr = lr
+    """The learned methods' weight step; p48's pattern step keeps its ratio to it (as
+    learned_sweep moved them)."""
+    from kconvert.methods import learned
+    learned.LearnedNvfp4.lr = learned.LearnedP48.lr = lr
+    learned.LearnedP48.mask_lr = lr * learned.P48_MASK_LR / learned.P48_LR
 
 
 def set_held_every(every: int) -> None:
@@ -213,12 +221,19 @@ def child_env(threads: int) -> dict[str, str]:
         "OMP_NUM_THREADS": str(threads)}
 
 
-def execute(cmd: list[str], env: dict[str, str], what: str) -> float:
-    start = time.perf_counter()
+def children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def execute(cmd: list[str], env: dict[str, str], what: str) -> tuple[float, float]:
+    """Runs `cmd`: its wall seconds and the CPU seconds of this process's finished children
+    meanwhile (the command's own where one runs at a time: --jobs 1)."""
+    start, cpu = time.perf_counter(), children_cpu_s()
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     if done.returncode:
         raise RuntimeError(f"{what} exited {done.returncode}:\n{done.stderr[-3000:]}")
-    return time.perf_counter() - start
+    return time.perf_counter() - start, children_cpu_s() - cpu
 
 
 def guards(out: Path) -> dict | None:
@@ -253,9 +268,9 @@ def one(run: Run, a, values: dict[str, str], env: dict[str, str]) -> dict:
         cmd = [*PATCHED, json.dumps(run.patch), *args]
     else:
         cmd = [sys.executable, "-m", "kconvert.cli", *args]
-    wall = execute(cmd, env, run.name)
+    wall, cpu = execute(cmd, env, run.name)
     report = out.with_name(f"{out.name}.eval")
-    eval_s = execute([sys.executable, "-m", "kconvert.cli", "eval", str(a.src), str(out),
+    eval_s, eval_cpu = execute([sys.executable, "-m", "kconvert.cli", "eval", str(a.src), str(out),
                       "--data", str(values["HELDOUT"]), "--samples", str(a.eval_samples),
                       "--seq-len", str(a.seq_len), "--dtype", "float32", "--device", a.device,
                       *a.gpu_memory_args, "-o", str(report), "--overwrite", "--quiet"],
@@ -265,7 +280,9 @@ def one(run: Run, a, values: dict[str, str], env: dict[str, str]) -> dict:
     return {"run": run.name, "family": run.family.name,
             "knob": run.knob.name if run.knob else None, "value": run.value,
             "command": args, "process_settings": run.patch, "wall_s": round(wall, 2),
-            "eval_s": round(eval_s, 2), "logits": logits, "guards": guards(out)}
+            "eval_s": round(eval_s, 2), "logits": logits, "guards": guards(out),
+            **({"cpu_s": round(cpu, 1), "eval_cpu_s": round(eval_cpu, 1)} if a.jobs == 1
+               else {})}
 
 
 def attempt(run: Run, a, values: dict[str, str], env: dict[str, str]) -> dict:
@@ -343,7 +360,8 @@ def verdicts(results: list[dict], samples: int) -> list[dict]:
 
 
 def table(results: list[dict], judged: list[dict]) -> list[str]:
-    head = ("run", "knob", "value", "KL", "KL / default", "top-1", "ΔNLL", "wall s", "eval s")
+    head = ("run", "knob", "value", "KL", "KL / default", "top-1", "ΔNLL", "wall s", "eval s",
+            "CPU s")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     done = {r["run"]: r for r in results if "logits" in r}
     for r in results:
@@ -356,7 +374,7 @@ def table(results: list[dict], judged: list[dict]) -> list[str]:
                  "-" if r["value"] is None else str(r["value"]), f"{m['kl_mean']:.5f}",
                  f"{m['kl_mean'] / kl(base):.3f}" if base and kl(base) else "-",
                  f"{m['top1_agreement']:.4f}", f"{m['nll_candidate'] - m['nll_source']:+.4f}",
-                 f"{r['wall_s']:.1f}", f"{r['eval_s']:.1f}")
+                 f"{r['wall_s']:.1f}", f"{r['eval_s']:.1f}", str(r.get("cpu_s", "-")))
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "| family | knob | default (KL) | best (KL) | noise | verdict |",
               "|---|---|---|---|---|---|"]
