@@ -14,18 +14,19 @@ Knobs, where each is declared, and how a run sets it:
 - learned compensation's steps, step size and batch (kconvert.pruning.compensate_learned
   LearnedSettings);
 - REAP's criterion (`reap --criterion`) and the calibration samples (`--samples`).
-Command-line options are passed as options; the others are not options (no user sets them), so
-the run's command is started through this module, which sets them in that process and then runs
-the command line unchanged (`patched_cli`), as learned_sweep overrides class settings. Each
-run's command, and what it set, is in the results.
+Command-line options are passed as options. The others are not options (no user sets them):
+the run's command starts through benchmarks.quality.process_settings, which sets them in that
+process and then runs the command line unchanged (as learned_sweep overrides class settings).
+Each run's command, and what it set, is in the results; a reap run's plan records what its
+guards chose (ridge, held-out tokens, learned settings) and the results carry it.
 
-Noise: the default of each data-driven family again with another calibration order (`--seed
-1`); a knob's best value is called for only where its KL is below the default's by more than
-that family's difference.
+Noise: each family's default again, calibrated on other training windows (a second draw,
+seed 1); a knob's best value is called for only where its KL is below the default's by more
+than that family's difference.
 
     python -m benchmarks defaults_sweep --src tests/fixtures/kimi-proxy --device cuda \\
         --jobs 8 --out benchmarks/results/defaults_sweep_proxy
-    python -m benchmarks defaults_sweep --tiny     # CPU check: trained tiny MoE, 3 runs
+    python -m benchmarks defaults_sweep --tiny     # CPU check: trained tiny MoE, 4 runs
 
 Calibration and held-out data are made by scripts/make_calibration_data.py (text lines the
 source's tokenizer reads where the source has one, else byte ids): training split to calibrate
@@ -35,9 +36,7 @@ table in Markdown beside it (suffix .md).
 
 from __future__ import annotations
 
-import functools
 import json
-import math
 import os
 import resource
 import subprocess
@@ -47,10 +46,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.harness import REPO, arguments, comma_list, log, parse, record, save
+from benchmarks.harness import (
+    REPO,
+    arguments,
+    child_env,
+    comma_list,
+    log,
+    parse,
+    record,
+    save,
+)
 
 TINY_MOE = REPO / "tests" / "fixtures" / "tiny-moe-trained"
-PATCHED = [sys.executable, "-m", "benchmarks.quality.defaults_sweep"]
+PATCHED = [sys.executable, "-m", "benchmarks.quality.process_settings"]
 
 
 @dataclass(frozen=True)
@@ -69,7 +77,7 @@ class Knob:
     default: object
     values: tuple  # the alternatives tried
     option: str | None = None  # its command-line option; None: set in the process (`patch`)
-    patch: str | None = None  # PATCHES key
+    patch: str | None = None  # a process_settings.SETTERS key[.its key]
 
     def setting(self, value) -> tuple[tuple[str, ...], dict]:
         """(extra command-line arguments, process settings) that give it `value`."""
@@ -169,58 +177,6 @@ def runs(samples: int) -> list[Run]:
     return out
 
 
-def patched_cli(argv: list[str]) -> None:
-    """`python -m benchmarks.quality.defaults_sweep SETTINGS ARGS...`: the command line with
-    ARGS, after the process settings SETTINGS (JSON, PATCHES keys) are set."""
-    settings = json.loads(argv[0])
-    for key, value in settings.items():
-        PATCHES[key](value)
-    sys.argv = ["kconvert", *argv[1:]]
-    from kconvert.cli import run
-    run()
-
-
-def set_method_lr(lr: float) -> None:
-    """The learned methods' weight step; p48's pattern step keeps its ratio to it (as
-    learned_sweep moved them)."""
-    from kconvert.methods import learned
-    learned.LearnedNvfp4.lr = learned.LearnedP48.lr = lr
-    learned.LearnedP48.mask_lr = lr * learned.P48_MASK_LR / learned.P48_LR
-
-
-def set_held_every(every: int) -> None:
-    """Every module that reads HELDOUT_EVERY at call time, and the routed-token floor it
-    sets (kconvert.methods.learned)."""
-    from kconvert.methods import hessians, learned, obs
-    for module in (obs, hessians, learned):
-        module.HELDOUT_EVERY = every
-    learned.MIN_ROUTED_TOKENS = max(obs.HELDOUT_MIN * every,
-                                    math.ceil(learned.MIN_FIT_TOKENS * every / (every - 1)))
-
-
-def set_repair(settings: dict) -> None:
-    """RepairSettings as the prune stage builds it (kconvert.stages.prune_data imports it from
-    kconvert.pruning.repair when it runs), with `settings` as its defaults."""
-    from kconvert.pruning import repair
-    from kconvert.pruning.compensate_learned import LearnedSettings
-    given = dict(settings)
-    if "ridges" in given:
-        given["ridges"] = tuple(given["ridges"])
-    if "learned" in given:
-        given["learned"] = LearnedSettings(**given["learned"])
-    repair.RepairSettings = functools.partial(repair.RepairSettings, **given)
-
-
-PATCHES = {"method_lr": set_method_lr, "held_every": set_held_every, "repair": set_repair,
-           "learned_compensation": lambda value: set_repair({"learned": value})}
-
-
-def child_env(threads: int) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(
-        filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
-        "OMP_NUM_THREADS": str(threads)}
-
-
 def children_cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
@@ -311,7 +267,7 @@ def make_data(a) -> dict[str, str]:
         subprocess.run([sys.executable, str(REPO / "scripts" / "make_calibration_data.py"),
                         str(path), "--samples", str(lines), "--seq-len", str(width), "--split",
                         split, "--seed", str(seed), *(["--text"] if text else [])],
-                       check=True, capture_output=True, env=child_env(os.cpu_count() or 1))
+                       check=True, capture_output=True, env=child_env())
         made[key] = str(path)
     return made
 
@@ -414,7 +370,8 @@ def main(argv: list[str]) -> None:
         raise SystemExit(f"no run {sorted(unknown)}; runs: {', '.join(r.name for r in every)}")
     values = {**make_data(a), "KEEP": str(experts // 2)}
     a.gpu_memory_args = gpu_share(a)
-    env = child_env(max(1, (os.cpu_count() or 1) // a.jobs))
+    # the cores shared among the runs at once
+    env = child_env(OMP_NUM_THREADS=max(1, (os.cpu_count() or 1) // a.jobs))
     start = time.perf_counter()
     with ThreadPoolExecutor(a.jobs) as pool:
         results = list(pool.map(lambda r: attempt(r, a, values, env), chosen))
@@ -432,7 +389,3 @@ def main(argv: list[str]) -> None:
     log(f"{len(chosen)} runs in {wall:.0f} s with --jobs {a.jobs}")
     for v in judged:
         print(f"{v['family']} {v['knob']}: {v['verdict']}")
-
-
-if __name__ == "__main__":
-    patched_cli(sys.argv[1:])
