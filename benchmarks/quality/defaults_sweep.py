@@ -42,7 +42,7 @@ import resource
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,13 +97,15 @@ class Run:
     patch: dict = field(default_factory=dict)
 
 
+# slowest first (on the CPU: learned compensation, then the learned methods), so that runs
+# started together with --jobs end near together
 FAMILIES = {f.name: f for f in (
+    Family("reap-learned", ("reap", "--keep", "{KEEP}", "--repair", "router", "--compensate",
+                            "learned")),
     Family("nvfp4-learned", ("quantize", "--method", "learned")),
     Family("p48-learned", ("sparsify", "--method", "learned")),
     Family("reap-down", ("reap", "--keep", "{KEEP}", "--repair", "router", "--compensate",
                          "down")),
-    Family("reap-learned", ("reap", "--keep", "{KEEP}", "--repair", "router", "--compensate",
-                            "learned")),
     Family("reap-plain", ("reap", "--keep", "{KEEP}")),
 )}
 
@@ -161,19 +163,19 @@ def sized(value: object, samples: int) -> object:
 
 
 def runs(samples: int) -> list[Run]:
-    """Every run: each family's default, its noise run, and one run per knob value."""
+    """Every run, family by family: its default, its noise run, and one run per knob value."""
     out = []
     for family in FAMILIES.values():
-        out.append(Run(family.name, family, None))
-        out.append(Run(f"{family.name}.seed1", family, None, "calibration seed 1",
-                       ("--data", "{CALIB1}")))
-    for knob in KNOBS:
-        for value in knob.values:
-            value = sized(value, samples)
-            args, patch = knob.setting(value)
-            label = ",".join(map(str, value)) if isinstance(value, tuple) else value
-            out.append(Run(f"{knob.family}.{knob.name.replace(' ', '-')}={label}",
-                           FAMILIES[knob.family], knob, value, args, patch))
+        out += [Run(family.name, family, None),
+                Run(f"{family.name}.seed1", family, None, "calibration seed 1",
+                    ("--data", "{CALIB1}"))]
+        for knob in (k for k in KNOBS if k.family == family.name):
+            for value in knob.values:
+                value = sized(value, samples)
+                args, patch = knob.setting(value)
+                label = ",".join(map(str, value)) if isinstance(value, tuple) else value
+                out.append(Run(f"{knob.family}.{knob.name.replace(' ', '-')}={label}", family,
+                               knob, value, args, patch))
     return out
 
 
@@ -366,26 +368,29 @@ def main(argv: list[str]) -> None:
     every = runs(a.samples)
     chosen = [r for r in every if a.runs is None or r.name in a.runs]
     unknown = set(a.runs or ()) - {r.name for r in every}
-    if unknown:
+    if unknown or not chosen:
         raise SystemExit(f"no run {sorted(unknown)}; runs: {', '.join(r.name for r in every)}")
     values = {**make_data(a), "KEEP": str(experts // 2)}
     a.gpu_memory_args = gpu_share(a)
     # the cores shared among the runs at once
     env = child_env(OMP_NUM_THREADS=max(1, (os.cpu_count() or 1) // a.jobs))
-    start = time.perf_counter()
+    start, done = time.perf_counter(), {}
     with ThreadPoolExecutor(a.jobs) as pool:
-        results = list(pool.map(lambda r: attempt(r, a, values, env), chosen))
-    wall = time.perf_counter() - start
-    judged = verdicts(results, a.samples)
-    result = {"record": record("defaults_sweep", gpu=a.device != "cpu"), "source": str(a.src),
-              "experts": experts, "keep": experts // 2, "samples": a.samples,
-              "seq_len": a.seq_len, "eval_samples": a.eval_samples, "jobs": a.jobs,
-              "data": values, "wall_s": round(wall, 1), "runs": results, "verdicts": judged,
-              "not_swept": NOT_SWEPT}
-    save(result, a.out.with_suffix(".json"))
-    lines = table(results, judged)
-    a.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+        for future in as_completed([pool.submit(attempt, r, a, values, env) for r in chosen]):
+            finished = future.result()
+            done[finished["run"]] = finished
+            # written as each run ends: a call cut at its time limit keeps what finished
+            results = [done[r.name] for r in chosen if r.name in done]
+            judged = verdicts(results, a.samples)
+            save({"record": record("defaults_sweep", gpu=a.device != "cpu"),
+                  "source": str(a.src), "experts": experts, "keep": experts // 2,
+                  "samples": a.samples, "seq_len": a.seq_len, "eval_samples": a.eval_samples,
+                  "jobs": a.jobs, "data": values, "wall_s": round(time.perf_counter() - start, 1),
+                  "runs": results, "verdicts": judged, "not_swept": NOT_SWEPT},
+                 a.out.with_suffix(".json"))
+            lines = table(results, judged)
+            a.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    log(f"{len(chosen)} runs in {wall:.0f} s with --jobs {a.jobs}")
+    log(f"{len(chosen)} runs in {time.perf_counter() - start:.0f} s with --jobs {a.jobs}")
     for v in judged:
         print(f"{v['family']} {v['knob']}: {v['verdict']}")
