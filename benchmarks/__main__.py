@@ -17,7 +17,7 @@ BENCHES = {name: f"benchmarks.{name}" for name in (
     "stream", "torchrun")} | {name: f"benchmarks.quality.{name}" for name in (
     "eval_pipelines", "reap_quality", "repair_quality", "guard_kl", "mxfp4_quality",
     "obs_layer_error", "learned_quality", "learned_sweep", "input_scales",
-    "exact_cast", "compensation_sweep", "quality_lab")}
+    "exact_cast", "compensation_sweep", "quality_lab", "defaults_sweep")}
 
 
 def summary(module: str, width: int = 78) -> str:
