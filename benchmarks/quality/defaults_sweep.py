@@ -173,7 +173,8 @@ def runs(samples: int) -> list[Run]:
             for value in knob.values:
                 value = sized(value, samples)
                 args, patch = knob.setting(value)
-                label = ",".join(map(str, value)) if isinstance(value, tuple) else value
+                # "+" joins a tuple: a run name must pass through --runs, a comma list
+                label = "+".join(map(str, value)) if isinstance(value, tuple) else value
                 out.append(Run(f"{knob.family}.{knob.name.replace(' ', '-')}={label}", family,
                                knob, value, args, patch))
     return out
