@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from kconvert.calibrate.forward import Layer
+from kconvert.calibrate.input_scales import served_policy
 from kconvert.calibrate.load import LayerBytes, build_layer
 from kconvert.calibrate.moe import ForwardContext, MoEBlock
 from kconvert.checks.quant_config import governed_name, quant_blocks
@@ -76,7 +77,7 @@ def fake_quantize(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 def input_scales(ckpt: Checkpoint, tensors: dict[str, TensorInfo]) -> dict[str, torch.Tensor]:
     """Module name -> quantization scale g of every module of a decoder layer's tensors that
     stores an input scale (empty for weight-only checkpoints), as an engine serving the
-    input-scale policy the config declares runs it (`served`)."""
+    input-scale policy the config declares runs it."""
     out = {}
     for name, info in tensors.items():
         module, param = name.rsplit(".", 1)
@@ -84,29 +85,8 @@ def input_scales(ckpt: Checkpoint, tensors: dict[str, TensorInfo]) -> dict[str, 
             out[module] = global_input_scale(ckpt.reader_for(info).read(info), param)
     policy = next((q[INPUT_SCALE_POLICY] for _, q in quant_blocks(ckpt.config)
                    if INPUT_SCALE_POLICY in q), None)
-    return served(out, policy)
-
-
-def served(scales: dict[str, torch.Tensor], policy: str | None) -> dict[str, torch.Tensor]:
-    """The quantization scales g a W4A4 engine serving `policy`
-    (kconvert.common.options.INPUT_SCALES; None or "expert": each module's own) runs a layer's
-    modules with: "layer-max" the routed experts' largest input amax (smallest g) over the layer,
-    gates and ups together and downs apart, as vLLM's FlashInfer backends take it; "one" g = 1 for
-    every module."""
-    if policy == "one":
-        return {m: torch.ones((), dtype=torch.float32) for m in scales}
-    if policy != "layer-max":
-        return scales
-    groups: dict[tuple, list[str]] = {}
-    for module in scales:
-        tn = parse_name(module + ".weight")
-        if tn.role is Role.ROUTED_EXPERT:
-            groups.setdefault((tn.layer, tn.part == "down"), []).append(module)
-    out = dict(scales)
-    for members in groups.values():
-        g = torch.stack([scales[m] for m in members]).min()
-        out.update(dict.fromkeys(members, g))
-    return out
+    # as an engine serving the declared policy runs them (kconvert.calibrate.input_scales)
+    return served_policy(policy).served(out)
 
 
 def dynamic_inputs(ckpt: Checkpoint, tensors: dict[str, TensorInfo]) -> set[str]:
