@@ -51,10 +51,40 @@ def global_input_scale(stored: torch.Tensor, param: str) -> torch.Tensor:
     return 1.0 / g if param == "input_scale" else g
 
 
-def fake_quantize(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+class BlockClamps:
+    """How many NVFP4 activation blocks a model's W4A4 modules quantized, and how many of
+    them clamp: a block whose amax is above what the global scale can represent, FP8's 448 x
+    E2M1's 6 / g, gets the block scale 448 and its largest values are cut to +-6 steps of it.
+    Counted on the device (no host sync) while `counting`."""
+
+    def __init__(self) -> None:
+        self.blocks: torch.Tensor | int = 0
+        self.clamped: torch.Tensor | int = 0
+        self.counting = True
+
+    def add(self, over: torch.Tensor, rows: torch.Tensor | None) -> None:
+        """over [..., blocks] (bool): whether each block clamps; rows [...] (bool, None: all):
+        the rows that count (real positions, rows that were quantized)."""
+        if not self.counting:
+            return
+        if rows is None:
+            self.blocks, self.clamped = self.blocks + over.numel(), self.clamped + over.sum()
+            return
+        rows = rows.reshape(over.shape[:-1])
+        self.blocks = self.blocks + rows.sum() * over.shape[-1]
+        self.clamped = self.clamped + (over & rows[..., None]).sum()
+
+    def totals(self) -> tuple[int, int]:
+        """(blocks, clamped) so far."""
+        return int(self.blocks), int(self.clamped)
+
+
+def fake_quantize(x: torch.Tensor, g: torch.Tensor, clamps: BlockClamps | None = None,
+                  rows: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (K a multiple of 16) NVFP4-quantized and dequantized with the global scale
     g (a scalar, or one per row: [...]), as the W4A4 kernels quantize activations (module
-    docstring); returns x's dtype."""
+    docstring); returns x's dtype. `clamps` counts its blocks (of `rows` [...], bool, where
+    given) and those whose block scale clamps."""
     k = x.shape[-1]
     if k % BLOCK:
         raise ValueError(f"activations of {k} features are not whole 16-element blocks")
@@ -64,7 +94,10 @@ def fake_quantize(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     blocks = x.reshape(*x.shape[:-1], k // BLOCK, BLOCK)
     amax = blocks.abs().amax(-1, keepdim=True).float()
     inv6 = torch.tensor(1.0 / FP4_MAX, dtype=torch.float32, device=x.device)
-    scale = (g * (amax * inv6)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    wanted = g * (amax * inv6)
+    if clamps is not None:
+        clamps.add((wanted > FP8_MAX)[..., 0], rows)
+    scale = wanted.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
     # vLLM's order of operations: quantize with 1 / (scale x (1 / g)), dequantize with
     # scale / g (a zero scale, from a block of zeros or one below FP8's range, gives zeros).
     step = scale * (1.0 / g)
@@ -114,14 +147,15 @@ def dynamic_inputs(ckpt: Checkpoint, tensors: dict[str, TensorInfo]) -> set[str]
 
 
 def emulate(layer: nn.Module, moe: MoEBlock | None, prefix: str,
-            scales: dict[str, torch.Tensor], dynamic: set[str] | frozenset = frozenset()
-            ) -> None:
+            scales: dict[str, torch.Tensor], dynamic: set[str] | frozenset = frozenset(),
+            clamps: BlockClamps | None = None, ctx: ForwardContext | None = None) -> None:
     """Make a loaded decoder layer (`prefix`: its tensors' name prefix) quantize the inputs of
     every module in `scales` (NVFP4, with its g) and in `dynamic` (MXFP4) as a W4A4 kernel
     does: a pre-hook on each linear (or router), and the MoE block's routed experts through
     `MoEBlock.quantize_input`. An expert's gate/up share one quantized input, as the fused
     kernel reads one: NVFP4's with the larger g, as vLLM takes it; MXFP4's when either is
-    declared (both are, in every config kconvert writes or reads)."""
+    declared (both are, in every config kconvert writes or reads). `clamps` counts the NVFP4
+    blocks that clamp, over the real positions `ctx` marks (the routed experts' rows are)."""
     experts: dict[tuple[int, int], torch.Tensor] = {}
     mx_experts: set[tuple[int, int]] = set()
     for module in [*scales, *dynamic]:
@@ -134,8 +168,9 @@ def emulate(layer: nn.Module, moe: MoEBlock | None, prefix: str,
                 g = scales[module]
                 experts[key] = torch.maximum(experts[key], g) if key in experts else g
             continue
-        quantize = (mxfp4.fake_quantize if module in dynamic
-                    else lambda x, g=scales[module]: fake_quantize(x, g))
+        quantize = (mxfp4.fake_quantize if module in dynamic else
+                    lambda x, g=scales[module]: fake_quantize(
+                        x, g, clamps, None if ctx is None else ctx.valid))
         layer.get_submodule(module[len(prefix):]).register_forward_pre_hook(
             lambda _mod, args, q=quantize: (q(args[0]), *args[1:]))
     if (experts or mx_experts) and moe is not None:
@@ -151,7 +186,8 @@ def emulate(layer: nn.Module, moe: MoEBlock | None, prefix: str,
             if experts:
                 g = table[which].to(x.device)[expert]
                 has = ~torch.isnan(g)
-                x = torch.where(has[:, None], fake_quantize(x, torch.where(has, g, 1.0)), x)
+                x = torch.where(has[:, None],
+                                fake_quantize(x, torch.where(has, g, 1.0), clamps, has), x)
             if mx_experts:
                 x = torch.where(mx[which].to(x.device)[expert][:, None],
                                 mxfp4.fake_quantize(x), x)
@@ -161,13 +197,15 @@ def emulate(layer: nn.Module, moe: MoEBlock | None, prefix: str,
 
 
 def build_served(ckpt: Checkpoint, cfg, tensors: dict[str, TensorInfo], raw: LayerBytes,
-                 ctx: ForwardContext, device: torch.device, dtype: torch.dtype) -> Layer:
+                 ctx: ForwardContext, device: torch.device, dtype: torch.dtype,
+                 clamps: BlockClamps | None = None) -> Layer:
     """A decoder layer built from its bytes (`tensors`: the layer's) for eval's forward (no
     calibration statistics), run as served: a W4A4 checkpoint's activations quantized where it
-    stores input scales (NVFP4) or its config declares them quantized at run time (MXFP4)."""
+    stores input scales (NVFP4) or its config declares them quantized at run time (MXFP4);
+    `clamps` counts its NVFP4 activation blocks that clamp."""
     loaded = build_layer(raw, cfg, ctx, device, dtype, stats=False)
     scales = input_scales(ckpt, tensors)
     dynamic = dynamic_inputs(ckpt, tensors)
     if scales or dynamic:
-        emulate(loaded.module, loaded.moe, raw.prefix, scales, dynamic)
+        emulate(loaded.module, loaded.moe, raw.prefix, scales, dynamic, clamps, ctx)
     return loaded

@@ -37,7 +37,13 @@ from kconvert.evaluate.metrics import (
 )
 from kconvert.evaluate.outputs import open_model, refuse_earlier_report
 from kconvert.evaluate.probe import Probe, check_probe_fits, run_probe
-from kconvert.evaluate.report import CandidateResult, EvalReport, render_table, save_report
+from kconvert.evaluate.report import (
+    ActivationBlocks,
+    CandidateResult,
+    EvalReport,
+    render_table,
+    save_report,
+)
 from kconvert.gpu.budget import GpuRequest
 from kconvert.gpu.devices import pick_device
 from kconvert.gpu.plan import GpuPlan, gib
@@ -125,6 +131,8 @@ def evaluate(source: Checkpoint, candidates: list[Checkpoint], input_ids: torch.
     results = [r.merge(other.results[i] for other in parts[1:])
                for i, r in enumerate(parts[0].results)]
     nll = {b: v for p in parts for b, v in p.nll_source.items()}
+    blocks = [tuple(map(sum, zip(*(p.clamps[i] for p in parts), strict=True)))
+              for i in range(len(candidates))]
     n_scored = int(scored.sum())
     nll_source = in_batch_order(nll) / n_scored
     report = EvalReport(
@@ -136,9 +144,10 @@ def evaluate(source: Checkpoint, candidates: list[Checkpoint], input_ids: torch.
         timing=part.timing,
         candidates=[CandidateResult(candidate=label, identity=ckpt.identity,
                                     n_routed_experts=cfg.n_routed_experts,
-                                    logits=r.result(nll_source, n_scored), layers=e.result())
-                    for label, ckpt, cfg, r, e in zip(labels, candidates, cfgs[1:], results,
-                                                      errors, strict=True)])
+                                    logits=r.result(nll_source, n_scored), layers=e.result(),
+                                    activation_blocks=ActivationBlocks.of(*counted))
+                    for label, ckpt, cfg, r, e, counted in zip(
+                        labels, candidates, cfgs[1:], results, errors, blocks, strict=True)])
     return report.model_copy(update=meta or {})
 
 
@@ -148,6 +157,7 @@ class _Part:
 
     errors: list[LayerErrors]  # per candidate
     results: list[LogitsComparison]  # per candidate
+    clamps: list[tuple[int, int]]  # per candidate: NVFP4 activation blocks, those clamped
     nll_source: dict[int, list[float]]  # batch -> its chunks' NLL sums of the source
     layer_seconds: list[float]
     timing: dict
@@ -175,7 +185,8 @@ def _measure(models: list[tuple[str, Checkpoint, Any]], input_ids: torch.Tensor,
     n_cands = len(models) - 1
     if not batches:  # more ranks than batches: nothing to run here
         return _Part([LayerErrors() for _ in range(n_cands)],
-                     [LogitsComparison() for _ in range(n_cands)], {}, [], {})
+                     [LogitsComparison() for _ in range(n_cands)], [(0, 0)] * n_cands, {}, [],
+                     {})
     where = device if gpu_plan is None or gpu_plan.hidden_on_device else torch.device("cpu")
     with phase("embedding"):
         streams = [_stream(label, ckpt, cfg, input_ids, valid, device, dtype, where)
@@ -184,6 +195,8 @@ def _measure(models: list[tuple[str, Checkpoint, Any]], input_ids: torch.Tensor,
     src_out = torch.empty_like(src.hidden)
     valid_dev = valid.to(device)
     errors = [LayerErrors() for _ in cands]
+    # per model (None: the source), its NVFP4 activation blocks on its own stream
+    clamps = [None, *(activations.BlockClamps() for _ in cands)]
     ctx = ForwardContext()
     n_layers = src.cfg.num_hidden_layers
     layer_seconds = []
@@ -192,7 +205,7 @@ def _measure(models: list[tuple[str, Checkpoint, Any]], input_ids: torch.Tensor,
                                    streams[job[0]].cfg, job[1],
                                    streams[job[0]].layers[job[1]], dtype, device),
         build=lambda job, raw: _labelled(streams[job[0]], _build, streams[job[0]], job[1], raw,
-                                         ctx, device, dtype),
+                                         ctx, device, dtype, clamps[job[0]]),
         device=device, device_bytes=None if gpu_plan is None else gpu_plan.prefetch_bytes)
     # Source layer L, then each candidate's layer L: the next one read while one computes.
     jobs = [(i, layer) for layer in range(n_layers) for i in range(len(streams))]
@@ -211,11 +224,13 @@ def _measure(models: list[tuple[str, Checkpoint, Any]], input_ids: torch.Tensor,
                     finite &= _finite(out, v)
                     src_out[rows].copy_(out)
             else:
-                cand, err = streams[i], errors[i - 1]
+                cand, err, counted = streams[i], errors[i - 1], clamps[i]
                 for b, rows in batches:
                     v = valid_dev[rows]
+                    counted.counting = False  # the source's input: not the candidate's own
                     local = layer_forward(loaded, ctx, src.hidden[rows].to(device), v,
                                           *cand.rope)
+                    counted.counting = True
                     own = layer_forward(loaded, ctx, cand.hidden[rows].to(device), v,
                                         *cand.rope)
                     finite &= _finite(own, v)
@@ -244,7 +259,8 @@ def _measure(models: list[tuple[str, Checkpoint, Any]], input_ids: torch.Tensor,
                                               device, dtype)
         bar.update()
     # on the CPU, for the other ranks
-    return _Part([e.merge(()) for e in errors], results, nll_source, layer_seconds,
+    return _Part([e.merge(()) for e in errors], results, [c.totals() for c in clamps[1:]],
+                 nll_source, layer_seconds,
                  prefetcher.summary(src.cfg.first_k_dense_replace, len(streams)))
 
 
@@ -287,10 +303,10 @@ def _labelled(stream: Stream, step, *args, **kwargs):
 
 
 def _build(stream: Stream, layer: int, raw, ctx: ForwardContext, device: torch.device,
-           dtype: torch.dtype):
+           dtype: torch.dtype, clamps: activations.BlockClamps | None):
     """Layer `layer` of `stream` built from its bytes, as served (activations.build_served)."""
     return activations.build_served(stream.ckpt, stream.cfg, stream.layers[layer], raw, ctx,
-                                    device, dtype)
+                                    device, dtype, clamps)
 
 
 def _finite(out: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -45,8 +45,8 @@ class QuantizeStageRecord(StageRecord):
                              "codes kept where NVFP4 holds their scales, the other blocks by "
                              "block_scale")
     act_stats: str | None = Field(description="activation statistics file (W4A4), or None")
-    input_scale: str | None = Field(None, description="W4A4 routed experts' input scales: "
-                                    "expert | layer-max | one")
+    input_scale: str | None = Field(None, description="W4A4 routed experts' input-scale "
+                                    "policy (kconvert.plugins.input_scales)")
     input_scale_filled: list[str] | None = Field(
         None, description="expert policy: modules never routed in calibration (input amax 0), "
                           "given their layer's largest")
