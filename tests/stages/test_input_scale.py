@@ -1,4 +1,4 @@
-"""`--input-scale expert|layer-max|one` (docs/input-scales.md; headroom: test_headroom.py): the routed experts' W4A4 input
+"""`--input-scale expert|layer-max|one` (docs/input-scales.md; headroom: test_headroom.py):
 scales per policy in both NVFP4 formats, against the policies' definitions (ModelOpt 0.45's
 layer sync, vLLM's FlashInfer reduction, K3's 1.0) computed here from the statistics; the
 manifest and config say which; eval runs the declared policy as served; the audit fails on a
