@@ -86,6 +86,13 @@ def kconvert(*args: str) -> str:
     return done.stdout
 
 
+def clamp_cell(blocks: dict | None) -> str:
+    """'0.0078% (183 of 2359296)', or '-' for a candidate without NVFP4 activations."""
+    if blocks is None:
+        return "-"
+    return f"{blocks['clamped_share']:.4%} ({blocks['clamped']} of {blocks['blocks']})"
+
+
 def distinct_scales(path: Path) -> int:
     """How many different input scale values the checkpoint's routed experts store."""
     values = set()
@@ -139,10 +146,7 @@ def main(argv: list[str]) -> None:
         clamped[name] = None if blocks is None else blocks["clamped_share"]
         rows.append(f"| {name} | {CANDIDATES[name][0]} | {distinct[name] or '-'} | "
                     f"{m['kl_mean']:.5f} | {m['kl_p99']:.4f} | {m['top1_agreement']:.4f} | "
-                    f"{m['nll_candidate'] - m['nll_source']:+.4f} | "
-                    f"{'-' if blocks is None else format(blocks['clamped_share'], '.4%')} "
-                    f"({'-' if blocks is None else blocks['clamped']} of "
-                    f"{'-' if blocks is None else blocks['blocks']}) |")
+                    f"{m['nll_candidate'] - m['nll_source']:+.4f} | {clamp_cell(blocks)} |")
     best = min((n for n in kl if n != "w4a16"), key=kl.get)
     md = [f"# NVFP4 W4A4 input-scale policies on {fixture}", "",
           f"Source: tests/fixtures/{fixture}; routed experts NVFP4 (mse block scales), through "

@@ -32,7 +32,7 @@ from kconvert.evaluate.metrics import (
     LOGIT_ELEMS,
     LayerErrors,
     LogitsComparison,
-    NextToken,
+    compare_logits,
     in_batch_order,
 )
 from kconvert.evaluate.outputs import open_model, refuse_earlier_report
@@ -255,8 +255,10 @@ def _measure(models: list[tuple[str, Checkpoint, Any]], input_ids: torch.Tensor,
                 bar.set_postfix_str(", ".join(f"{e.result()[str(layer)].rel_err:.3g}"
                                               for e in errors))
                 bar.update()
-        results, nll_source = _compare_logits(streams, batches, valid, targets, scored,
-                                              device, dtype)
+        results, nll_source = compare_logits(
+            [load_head(st.ckpt, st.cfg, device, dtype) for st in streams],
+            [st.hidden for st in streams], batches, valid, targets, scored, device,
+            src.cfg.vocab_size)
         bar.update()
     # on the CPU, for the other ranks
     return _Part([e.merge(()) for e in errors], results, [c.totals() for c in clamps[1:]],
@@ -312,31 +314,6 @@ def _build(stream: Stream, layer: int, raw, ctx: ForwardContext, device: torch.d
 def _finite(out: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Whether every real position's output is finite, as a device bool (no host sync)."""
     return (torch.isfinite(out) | ~valid[..., None]).all()
-
-
-def _compare_logits(streams: list[Stream], batches: list[tuple[int, slice]],
-                    valid: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor,
-                    device: torch.device, dtype: torch.dtype
-                    ) -> tuple[list[LogitsComparison], dict[int, list[float]]]:
-    """Final norm + lm_head of every model over the real positions, a chunk of positions at
-    a time: the comparisons of each candidate with the source and the source's NLL sums (per
-    batch, per chunk)."""
-    heads = [load_head(s.ckpt, s.cfg, device, dtype) for s in streams]
-    rows_per_chunk = max(1, LOGIT_ELEMS.get(device.type, LOGIT_ELEMS["cpu"])
-                         // streams[0].cfg.vocab_size)
-    results = [LogitsComparison() for _ in streams[1:]]
-    nll_source: dict[int, list[float]] = {}
-    for b, rows in batches:
-        v = valid[rows]
-        hidden = [s.hidden[rows][v.to(s.hidden.device)] for s in streams]
-        t, sc = targets[rows][v].to(device), scored[rows][v].to(device)
-        for start in range(0, t.shape[0], rows_per_chunk):
-            chunk = slice(start, start + rows_per_chunk)
-            ref = NextToken(heads[0](hidden[0][chunk].to(device)))
-            nll_source.setdefault(b, []).append(ref.nll_sum(t[chunk], sc[chunk]))
-            for head, h, result in zip(heads[1:], hidden[1:], results, strict=True):
-                result.add(b, ref, NextToken(head(h[chunk].to(device))), t[chunk], sc[chunk])
-    return results, nll_source
 
 
 def run_eval(src: str, candidates: list[str], data: str, out: str | None, samples: int,
