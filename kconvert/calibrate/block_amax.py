@@ -44,7 +44,9 @@ def block_amax(rows: torch.Tensor) -> torch.Tensor:
     pad = -rows.shape[-1] % BLOCK
     if pad:
         rows = torch.nn.functional.pad(rows, (0, pad))
-    return rows.reshape(rows.shape[0], -1, BLOCK).abs().amax(-1).float()
+    # one reduction, no rows-sized |x| temporary
+    return torch.linalg.vector_norm(rows.reshape(rows.shape[0], -1, BLOCK), ord=math.inf,
+                                    dim=-1, dtype=torch.float32)
 
 
 def add_rows(rows: torch.Tensor, hist: torch.Tensor) -> None:
