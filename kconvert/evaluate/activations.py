@@ -116,10 +116,14 @@ def input_scales(ckpt: Checkpoint, tensors: dict[str, TensorInfo]) -> dict[str, 
         module, param = name.rsplit(".", 1)
         if param in INPUT_SCALE_PARAMS:
             out[module] = global_input_scale(ckpt.reader_for(info).read(info), param)
-    policy = next((q[INPUT_SCALE_POLICY] for _, q in quant_blocks(ckpt.config)
-                   if INPUT_SCALE_POLICY in q), None)
     # as an engine serving the declared policy runs them (kconvert.calibrate.input_scales)
-    return served_policy(policy).served(out)
+    return served_policy(declared_policy(ckpt)).served(out)
+
+
+def declared_policy(ckpt: Checkpoint) -> str | None:
+    """The input-scale policy a checkpoint's quantization_config declares, if any."""
+    return next((q[INPUT_SCALE_POLICY] for _, q in quant_blocks(ckpt.config)
+                 if INPUT_SCALE_POLICY in q), None)
 
 
 def dynamic_inputs(ckpt: Checkpoint, tensors: dict[str, TensorInfo]) -> set[str]:

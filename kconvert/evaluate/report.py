@@ -56,12 +56,16 @@ class ActivationBlocks(BaseModel):
                                      "input scale g can represent (448 x 6 / g): their FP8 "
                                      "block scale clamps to 448")
     clamped_share: float = Field(description="clamped / blocks")
+    input_scale_policy: str | None = Field(description="The input-scale policy its config "
+                                           "declares (kconvert.plugins.input_scales)")
 
     @classmethod
-    def of(cls, blocks: int, clamped: int) -> ActivationBlocks | None:
+    def of(cls, blocks: int, clamped: int, policy: str | None) -> ActivationBlocks | None:
         """None for a candidate that quantizes no activation with a global scale."""
-        return cls(blocks=blocks, clamped=clamped, clamped_share=clamped / blocks) if blocks \
-            else None
+        if not blocks:
+            return None
+        return cls(blocks=blocks, clamped=clamped, clamped_share=clamped / blocks,
+                   input_scale_policy=policy)
 
 
 class CandidateResult(BaseModel):

@@ -145,7 +145,8 @@ def evaluate(source: Checkpoint, candidates: list[Checkpoint], input_ids: torch.
         candidates=[CandidateResult(candidate=label, identity=ckpt.identity,
                                     n_routed_experts=cfg.n_routed_experts,
                                     logits=r.result(nll_source, n_scored), layers=e.result(),
-                                    activation_blocks=ActivationBlocks.of(*counted))
+                                    activation_blocks=ActivationBlocks.of(
+                                        *counted, activations.declared_policy(ckpt)))
                     for label, ckpt, cfg, r, e, counted in zip(
                         labels, candidates, cfgs[1:], results, errors, blocks, strict=True)])
     return report.model_copy(update=meta or {})

@@ -237,6 +237,7 @@ def test_eval_counts_every_routed_block_and_its_clamps(planted, tmp_path):
     blocks = [c.activation_blocks for c in report.candidates]
     assert blocks[0].blocks == ids.numel() * moe_layers * per_token
     assert blocks[0].clamped < blocks[0].blocks and blocks[1] is None
+    assert blocks[0].input_scale_policy == "headroom"
     assert blocks[2].blocks == blocks[0].blocks
     # g = 1e30 clamps every gate/up block; their outputs, 6 x 448 / 1e30 at most, make the
     # down's inputs underflow to 0 in fp32: blocks of zeros, which never clamp
