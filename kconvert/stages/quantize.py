@@ -48,7 +48,7 @@ class QuantizeStageRecord(StageRecord):
     input_scale: str | None = Field(None, description="W4A4 routed experts' input-scale "
                                     "policy (kconvert.plugins.input_scales)")
     input_scale_filled: list[str] | None = Field(
-        None, description="expert policy: modules never routed in calibration (input amax 0), "
+        None, description="expert, headroom: modules never routed in calibration (no amax), "
                           "given their layer's largest")
     activations: str | None = Field(None, description="MXFP4 activations: none (W4A16) or "
                                     "dynamic (W4A4, quantized at run time)")
