@@ -30,6 +30,8 @@ dense MLP, shared and routed experts), over the inputs that linear actually sees
 expert: its routed tokens; for down_proj: act(gate x) * up x):
   input_amax     max |x|                                     (`<key>.input_amax`, 0-dim)
   input_sq_sum   per input column sum x^2 (Wanda's ||X_j||^2) (`<key>.input_sq_sum`)
+  block_amax_hist  counts of log2(amax) of its blocks of 16     (`<key>.block_amax_hist`,
+                 int64 [512]; kconvert.calibrate.block_amax: --input-scale headroom)
 with <key> = `layers.L.experts.E.{proj}`, `layers.L.shared_experts.{proj}`, `layers.L.mlp.{proj}`
 (dense) or `layers.L.self_attn.{proj}`; `stats.json` maps every key to its checkpoint module.
 

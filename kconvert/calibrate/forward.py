@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from kconvert.calibrate import block_amax
 from kconvert.calibrate.data import PAD_ID
 from kconvert.calibrate.moe import ForwardContext, MoEBlock
 from kconvert.errors import KconvertError
@@ -57,15 +58,18 @@ def model_config(ckpt: Checkpoint):
 
 
 class LinearStats:
-    """Input amax and per-column sum of squares of one linear, accumulated on the device."""
+    """Input amax, per-column sum of squares and per-block amax histogram
+    (kconvert.calibrate.block_amax) of one linear, accumulated on the device."""
 
     def __init__(self, n_in: int, device: torch.device):
         self.amax = torch.zeros((), dtype=torch.float32, device=device)
         self.sq = torch.zeros(n_in, dtype=torch.float64, device=device)
+        self.block_amax = block_amax.new_histogram(device=device)
 
     def add(self, x: torch.Tensor) -> None:
         if x.shape[0]:
             _accumulate(x, self.amax, self.sq)
+            block_amax.add_rows(x, self.block_amax)
 
 
 # Rows per step of an input Gram's accumulation (InputGram): its fp32 copy of those rows and
@@ -134,12 +138,12 @@ class Layer:
 
     def stat_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(sums, maxima): the accumulators of the layer's statistics (reduced over ranks)."""
-        sums = [acc.sq for acc in self.linear_stats.values()]
+        sums = [t for acc in self.linear_stats.values() for t in (acc.sq, acc.block_amax)]
         maxima = [acc.amax for acc in self.linear_stats.values()]
         if self.moe is not None:
             m = self.moe
             sums += [m.count, m.gate_sum, m.reap_sum, m.ean_sum, m.ean_sq_sum, m.sq_in,
-                     m.sq_down]
+                     m.sq_down, m.block_amax_in, m.block_amax_down]
             maxima += [m.amax_in, m.amax_down]
         return sums, maxima
 

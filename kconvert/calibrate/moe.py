@@ -20,6 +20,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from kconvert.calibrate import block_amax
+from kconvert.calibrate.block_amax import BLOCK_AMAX_STAT
 from kconvert.errors import KconvertError
 
 # Rows per step of the per-expert activation statistics (fp32 temporaries of rows x width).
@@ -27,8 +29,9 @@ GROUP_STAT_ROWS = 1 << 15
 
 
 def _accumulate_groups(rows: torch.Tensor, counts: torch.Tensor, amax: torch.Tensor,
-                       sq: torch.Tensor, offset: int = 0) -> None:
-    """amax[g] <- max(amax[g], max|x|) and sq[g] += sum over rows of x^2 for each group g of
+                       sq: torch.Tensor, hist: torch.Tensor, offset: int = 0) -> None:
+    """amax[g] <- max(amax[g], max|x|), sq[g] += sum over rows of x^2 and hist[g] += the
+    rows' per-block amaxes (kconvert.calibrate.block_amax) for each group g of
     consecutive rows (counts[g] of them), GROUP_STAT_ROWS rows at a time (bounds the fp32
     temporaries). `rows` are rows offset.. of a batch's rows sorted by expert: the steps are
     cut at multiples of GROUP_STAT_ROWS of the whole batch's rows, so a group's sums are added
@@ -45,6 +48,7 @@ def _accumulate_groups(rows: torch.Tensor, counts: torch.Tensor, amax: torch.Ten
         torch.maximum(amax, torch.segment_reduce(row_max, "max", lengths=lengths, initial=0),
                       out=amax)
         sq += torch.segment_reduce(chunk.square(), "sum", lengths=lengths).double()
+        block_amax.add_grouped_rows(chunk, lengths, hist)
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -133,6 +137,8 @@ class MoEBlock(nn.Module):
         self.amax_down = torch.zeros(n, dtype=torch.float32, device=device)
         self.sq_in = torch.zeros(n, hidden, **f64)
         self.sq_down = torch.zeros(n, inter, **f64)
+        self.block_amax_in = block_amax.new_histogram(n, device=device)
+        self.block_amax_down = block_amax.new_histogram(n, device=device)
         # With `capture`, the real rows of every batch's input and their top-k expert ids are
         # kept (SparseGPT builds each expert's Hessian from them); `captured()` joins them.
         # With `capture_rows` (the layer's real tokens, when known) they are written into one
@@ -215,8 +221,9 @@ class MoEBlock(nn.Module):
         for acc, values in ((self.gate_sum, w), (self.reap_sum, w * norms),
                             (self.ean_sum, norms), (self.ean_sq_sum, norms.square())):
             acc += torch.segment_reduce(values.double(), "sum", lengths=counts)
-        _accumulate_groups(xs, counts, self.amax_in, self.sq_in, offset)
-        _accumulate_groups(a, counts, self.amax_down, self.sq_down, offset)
+        _accumulate_groups(xs, counts, self.amax_in, self.sq_in, self.block_amax_in, offset)
+        _accumulate_groups(a, counts, self.amax_down, self.sq_down, self.block_amax_down,
+                           offset)
         return f
 
     def keep(self, x: torch.Tensor, indices: torch.Tensor) -> None:
@@ -271,10 +278,13 @@ class MoEBlock(nn.Module):
                f"{base}.ean_sum": self.ean_sum.cpu(), f"{base}.ean_sq_sum": self.ean_sq_sum.cpu()}
         amax_in, amax_down = self.amax_in.cpu(), self.amax_down.cpu()
         sq_in, sq_down = self.sq_in.float().cpu(), self.sq_down.float().cpu()
+        hist_in, hist_down = self.block_amax_in.cpu(), self.block_amax_down.cpu()
         for e in range(self.n_experts):
-            for proj, amax, sq in (("gate_proj", amax_in, sq_in), ("up_proj", amax_in, sq_in),
-                                   ("down_proj", amax_down, sq_down)):
+            for proj, amax, sq, hist in (("gate_proj", amax_in, sq_in, hist_in),
+                                         ("up_proj", amax_in, sq_in, hist_in),
+                                         ("down_proj", amax_down, sq_down, hist_down)):
                 key = f"layers.{layer}.experts.{e}.{proj}"
                 out[f"{key}.input_amax"] = amax[e].clone()
                 out[f"{key}.input_sq_sum"] = sq[e].clone()
+                out[f"{key}.{BLOCK_AMAX_STAT}"] = hist[e].clone()
         return out

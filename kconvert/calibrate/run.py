@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from kconvert.calibrate.block_amax import BLOCK_AMAX_STAT
 from kconvert.calibrate.data import PAD_ID, load_calibration_data, shortfall
 from kconvert.calibrate.expert_ranks import model_ranks, note_small_run
 from kconvert.calibrate.forward import (
@@ -207,6 +208,7 @@ def measure_stats(
             modules[key] = module
             tensors[f"{key}.input_amax"] = acc.amax.cpu()
             tensors[f"{key}.input_sq_sum"] = acc.sq.float().cpu()
+            tensors[f"{key}.{BLOCK_AMAX_STAT}"] = acc.block_amax.cpu()
         if on_captured is not None and (loaded.moe is not None or loaded.grams):
             on_captured(layer, loaded.moe, loaded.grams)
         if loaded.moe is not None:

@@ -10,11 +10,15 @@ from pathlib import Path
 
 import torch
 
+from kconvert.calibrate.block_amax import BLOCK_AMAX_STAT, quantiles
 from kconvert.common import distributed
 from kconvert.errors import KconvertError
 from kconvert.model.names import Role, parse_name
 
 STATS_FILE, META_FILE, ACT_FILE = "stats.safetensors", "stats.json", "act_stats.json"
+# act_stats.json's per-block amax percentiles of each module (kconvert.calibrate.block_amax):
+# absent from files written before calibration kept them.
+ACT_BLOCK_P1, ACT_BLOCK_P9999 = "block_amax_p1", "block_amax_p99.99"
 
 
 ROUTING_CONVENTION = "sigmoid+bias selection, renormalised sigmoid weights x routed_scaling_factor"
@@ -53,8 +57,22 @@ class CalibrationStats:
         return {module: float(self.tensors[f"{key}.input_amax"])
                 for key, module in self.modules.items()}
 
+    def block_amax_quantiles(self) -> dict[str, tuple[float, float]]:
+        """{checkpoint module name: (anchor p1, upper p99.99)} of its per-block input amax
+        (kconvert.calibrate.block_amax), for the modules whose histogram counts any block;
+        empty for statistics written before calibration kept the histograms."""
+        out = {}
+        for key, module in self.modules.items():
+            hist = self.tensors.get(f"{key}.{BLOCK_AMAX_STAT}")
+            found = None if hist is None else quantiles(hist)
+            if found is not None:
+                out[module] = found
+        return out
+
     def act_stats(self) -> dict[str, dict[str, float]]:
-        """The `act_stats.json` that `kconvert quantize --act-stats` reads.
+        """The `act_stats.json` that `kconvert quantize --act-stats` reads: `input_amax`, and
+        per module whose inputs had a non-zero block the two percentiles of its per-block
+        amax that `--input-scale headroom` reads (ACT_BLOCK_P1, ACT_BLOCK_P9999).
 
         A routed expert that no calibration token reached has no measured amax; it gets the
         largest amax of the same projection over the layer's other experts (a zero amax would
@@ -71,7 +89,35 @@ class CalibrationStats:
             parts = key.split(".")
             if parts[2] == "experts" and amax[module] == 0.0:
                 amax[module] = fill[(int(parts[1]), parts[4])]
-        return {"input_amax": dict(sorted(amax.items()))}
+        found = sorted(self.block_amax_quantiles().items())
+        return {"input_amax": dict(sorted(amax.items())),
+                **({ACT_BLOCK_P1: {m: q[0] for m, q in found},
+                    ACT_BLOCK_P9999: {m: q[1] for m, q in found}} if found else {})}
+
+
+@dataclass(frozen=True)
+class ActStats:
+    """`act_stats.json` as `quantize --act-stats` reads it: each module's input amax, and the
+    per-block amax percentiles (CalibrationStats.act_stats; empty in older files)."""
+
+    input_amax: dict[str, float]
+    block_amax_p1: dict[str, float]
+    block_amax_p9999: dict[str, float]
+    path: str | None = None  # the file they were read from
+
+
+def read_act_stats(path: str | Path) -> ActStats:
+    """An act_stats.json, or KconvertError naming the file."""
+    try:
+        data = json.loads(Path(path).read_text())
+        return ActStats(_floats(data["input_amax"]), _floats(data.get(ACT_BLOCK_P1, {})),
+                        _floats(data.get(ACT_BLOCK_P9999, {})), str(path))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise KconvertError(f"bad activation statistics: {exc}", file=str(path)) from exc
+
+
+def _floats(by_module: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in by_module.items()}
 
 
 def stats_key(module: str) -> str:

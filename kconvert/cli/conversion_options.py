@@ -13,12 +13,11 @@ from kconvert.common.options import (
     BATCH_SIZE,
     BLOCK_SCALE_RULES,
     CASTS,
-    INPUT_SCALE,
-    INPUT_SCALES,
     SEED,
     SEQ_LEN,
     SPARSEGPT_SAMPLES,
 )
+from kconvert.plugins.input_scales import INPUT_SCALE_POLICIES, QUANTIZE
 from kconvert.plugins.methods import METHODS
 from kconvert.plugins.pruning import COMPENSATIONS, CRITERIA, PRUNE, REPAIRS
 
@@ -95,12 +94,8 @@ QUANTIZE_OPTIONS = [
     click.option("--act-stats", type=click.Path(exists=True, dir_okay=False), default=None,
                  help="Calibration statistics JSON {\"input_amax\": {module: amax}}: "
                       "listed modules become W4A4 with input scales."),
-    click.option("--input-scale", type=click.Choice(INPUT_SCALES), default=None,
-                 help="NVFP4 W4A4 routed experts' input scales: expert (each its own "
-                      "calibrated amax), layer-max (the layer's largest, gate/up and down "
-                      "apart: what FlashInfer backends run, ModelOpt 0.45's export), one "
-                      "(1.0 without --act-stats: Kimi-K3 NVFP4, FlashInfer's unified MoE API) "
-                      f"[default: {INPUT_SCALE}]."),
+    choice_option(INPUT_SCALE_POLICIES, "input-scale", QUANTIZE,
+                  "NVFP4 W4A4 routed experts' input scales (docs/input-scales.md):"),
     click.option("--targets", default=None,
                  help="Comma list of experts,shared_experts,dense_mlp,attention "
                       "[default: experts]."),

@@ -3,6 +3,8 @@ here: the command line imports this at start-up)."""
 
 from __future__ import annotations
 
+from kconvert.plugins.input_scales import INPUT_SCALE_POLICIES
+
 # --samples when it is not given: REAP ranks experts on many routed tokens per expert, while
 # SparseGPT's per-expert Hessians are good from a few dozen sequences and cost far more each.
 REAP_SAMPLES = 1024
@@ -20,12 +22,11 @@ BLOCK_SCALE_RULES = ("amax", "mse")
 # rule ("none"), or its codes kept with exact scales where NVFP4 holds them, the other blocks
 # by the rule ("exact", kconvert.formats.nvfp4_cast).
 CASTS = ("none", "exact")
-# quantize's --input-scale: the per-tensor input scale of NVFP4 W4A4 routed experts: each
-# expert's own calibrated amax ("expert"), its layer's largest over experts, gate/up and down
-# apart ("layer-max", ModelOpt 0.45's export), or 1.0 ("one", Kimi-K3 NVFP4; FlashInfer's
-# unified MoE API); the default was chosen by measurement (docs/input-scales.md).
-INPUT_SCALES = ("expert", "layer-max", "one")
-INPUT_SCALE = "layer-max"
+# quantize's --input-scale: the per-tensor input scale of NVFP4 W4A4 routed experts, by the
+# policies declared in kconvert.plugins.input_scales; the default was chosen by measurement
+# (docs/input-scales.md).
+INPUT_SCALES = INPUT_SCALE_POLICIES.names()
+INPUT_SCALE = INPUT_SCALE_POLICIES.default("quantize").name
 
 # Options that only act beside another one: given alone they would be silently dropped.
 ONLY_WITH = {

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from kconvert.calibrate.forward import Layer
+from kconvert.calibrate.input_scales import served_policy
 from kconvert.calibrate.load import LayerBytes, build_layer
 from kconvert.calibrate.moe import ForwardContext, MoEBlock
 from kconvert.checks.quant_config import governed_name, quant_blocks
@@ -50,10 +51,40 @@ def global_input_scale(stored: torch.Tensor, param: str) -> torch.Tensor:
     return 1.0 / g if param == "input_scale" else g
 
 
-def fake_quantize(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+class BlockClamps:
+    """How many NVFP4 activation blocks a model's W4A4 modules quantized, and how many of
+    them clamp: a block whose amax is above what the global scale can represent, FP8's 448 x
+    E2M1's 6 / g, gets the block scale 448 and its largest values are cut to +-6 steps of it.
+    Counted on the device (no host sync) while `counting`."""
+
+    def __init__(self) -> None:
+        self.blocks: torch.Tensor | int = 0
+        self.clamped: torch.Tensor | int = 0
+        self.counting = True
+
+    def add(self, over: torch.Tensor, rows: torch.Tensor | None) -> None:
+        """over [..., blocks] (bool): whether each block clamps; rows [...] (bool, None: all):
+        the rows that count (real positions, rows that were quantized)."""
+        if not self.counting:
+            return
+        if rows is None:
+            self.blocks, self.clamped = self.blocks + over.numel(), self.clamped + over.sum()
+            return
+        rows = rows.reshape(over.shape[:-1])
+        self.blocks = self.blocks + rows.sum() * over.shape[-1]
+        self.clamped = self.clamped + (over & rows[..., None]).sum()
+
+    def totals(self) -> tuple[int, int]:
+        """(blocks, clamped) so far."""
+        return int(self.blocks), int(self.clamped)
+
+
+def fake_quantize(x: torch.Tensor, g: torch.Tensor, clamps: BlockClamps | None = None,
+                  rows: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (K a multiple of 16) NVFP4-quantized and dequantized with the global scale
     g (a scalar, or one per row: [...]), as the W4A4 kernels quantize activations (module
-    docstring); returns x's dtype."""
+    docstring); returns x's dtype. `clamps` counts its blocks (of `rows` [...], bool, where
+    given) and those whose block scale clamps."""
     k = x.shape[-1]
     if k % BLOCK:
         raise ValueError(f"activations of {k} features are not whole 16-element blocks")
@@ -63,7 +94,10 @@ def fake_quantize(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     blocks = x.reshape(*x.shape[:-1], k // BLOCK, BLOCK)
     amax = blocks.abs().amax(-1, keepdim=True).float()
     inv6 = torch.tensor(1.0 / FP4_MAX, dtype=torch.float32, device=x.device)
-    scale = (g * (amax * inv6)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    wanted = g * (amax * inv6)
+    if clamps is not None:
+        clamps.add((wanted > FP8_MAX)[..., 0], rows)
+    scale = wanted.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
     # vLLM's order of operations: quantize with 1 / (scale x (1 / g)), dequantize with
     # scale / g (a zero scale, from a block of zeros or one below FP8's range, gives zeros).
     step = scale * (1.0 / g)
@@ -76,37 +110,20 @@ def fake_quantize(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 def input_scales(ckpt: Checkpoint, tensors: dict[str, TensorInfo]) -> dict[str, torch.Tensor]:
     """Module name -> quantization scale g of every module of a decoder layer's tensors that
     stores an input scale (empty for weight-only checkpoints), as an engine serving the
-    input-scale policy the config declares runs it (`served`)."""
+    input-scale policy the config declares runs it."""
     out = {}
     for name, info in tensors.items():
         module, param = name.rsplit(".", 1)
         if param in INPUT_SCALE_PARAMS:
             out[module] = global_input_scale(ckpt.reader_for(info).read(info), param)
-    policy = next((q[INPUT_SCALE_POLICY] for _, q in quant_blocks(ckpt.config)
-                   if INPUT_SCALE_POLICY in q), None)
-    return served(out, policy)
+    # as an engine serving the declared policy runs them (kconvert.calibrate.input_scales)
+    return served_policy(declared_policy(ckpt)).served(out)
 
 
-def served(scales: dict[str, torch.Tensor], policy: str | None) -> dict[str, torch.Tensor]:
-    """The quantization scales g a W4A4 engine serving `policy`
-    (kconvert.common.options.INPUT_SCALES; None or "expert": each module's own) runs a layer's
-    modules with: "layer-max" the routed experts' largest input amax (smallest g) over the layer,
-    gates and ups together and downs apart, as vLLM's FlashInfer backends take it; "one" g = 1 for
-    every module."""
-    if policy == "one":
-        return {m: torch.ones((), dtype=torch.float32) for m in scales}
-    if policy != "layer-max":
-        return scales
-    groups: dict[tuple, list[str]] = {}
-    for module in scales:
-        tn = parse_name(module + ".weight")
-        if tn.role is Role.ROUTED_EXPERT:
-            groups.setdefault((tn.layer, tn.part == "down"), []).append(module)
-    out = dict(scales)
-    for members in groups.values():
-        g = torch.stack([scales[m] for m in members]).min()
-        out.update(dict.fromkeys(members, g))
-    return out
+def declared_policy(ckpt: Checkpoint) -> str | None:
+    """The input-scale policy a checkpoint's quantization_config declares, if any."""
+    return next((q[INPUT_SCALE_POLICY] for _, q in quant_blocks(ckpt.config)
+                 if INPUT_SCALE_POLICY in q), None)
 
 
 def dynamic_inputs(ckpt: Checkpoint, tensors: dict[str, TensorInfo]) -> set[str]:
@@ -134,14 +151,15 @@ def dynamic_inputs(ckpt: Checkpoint, tensors: dict[str, TensorInfo]) -> set[str]
 
 
 def emulate(layer: nn.Module, moe: MoEBlock | None, prefix: str,
-            scales: dict[str, torch.Tensor], dynamic: set[str] | frozenset = frozenset()
-            ) -> None:
+            scales: dict[str, torch.Tensor], dynamic: set[str] | frozenset = frozenset(),
+            clamps: BlockClamps | None = None, ctx: ForwardContext | None = None) -> None:
     """Make a loaded decoder layer (`prefix`: its tensors' name prefix) quantize the inputs of
     every module in `scales` (NVFP4, with its g) and in `dynamic` (MXFP4) as a W4A4 kernel
     does: a pre-hook on each linear (or router), and the MoE block's routed experts through
     `MoEBlock.quantize_input`. An expert's gate/up share one quantized input, as the fused
     kernel reads one: NVFP4's with the larger g, as vLLM takes it; MXFP4's when either is
-    declared (both are, in every config kconvert writes or reads)."""
+    declared (both are, in every config kconvert writes or reads). `clamps` counts the NVFP4
+    blocks that clamp, over the real positions `ctx` marks (the routed experts' rows are)."""
     experts: dict[tuple[int, int], torch.Tensor] = {}
     mx_experts: set[tuple[int, int]] = set()
     for module in [*scales, *dynamic]:
@@ -154,8 +172,9 @@ def emulate(layer: nn.Module, moe: MoEBlock | None, prefix: str,
                 g = scales[module]
                 experts[key] = torch.maximum(experts[key], g) if key in experts else g
             continue
-        quantize = (mxfp4.fake_quantize if module in dynamic
-                    else lambda x, g=scales[module]: fake_quantize(x, g))
+        quantize = (mxfp4.fake_quantize if module in dynamic else
+                    lambda x, g=scales[module]: fake_quantize(
+                        x, g, clamps, None if ctx is None else ctx.valid))
         layer.get_submodule(module[len(prefix):]).register_forward_pre_hook(
             lambda _mod, args, q=quantize: (q(args[0]), *args[1:]))
     if (experts or mx_experts) and moe is not None:
@@ -171,7 +190,8 @@ def emulate(layer: nn.Module, moe: MoEBlock | None, prefix: str,
             if experts:
                 g = table[which].to(x.device)[expert]
                 has = ~torch.isnan(g)
-                x = torch.where(has[:, None], fake_quantize(x, torch.where(has, g, 1.0)), x)
+                x = torch.where(has[:, None],
+                                fake_quantize(x, torch.where(has, g, 1.0), clamps, has), x)
             if mx_experts:
                 x = torch.where(mx[which].to(x.device)[expert][:, None],
                                 mxfp4.fake_quantize(x), x)
@@ -181,13 +201,15 @@ def emulate(layer: nn.Module, moe: MoEBlock | None, prefix: str,
 
 
 def build_served(ckpt: Checkpoint, cfg, tensors: dict[str, TensorInfo], raw: LayerBytes,
-                 ctx: ForwardContext, device: torch.device, dtype: torch.dtype) -> Layer:
+                 ctx: ForwardContext, device: torch.device, dtype: torch.dtype,
+                 clamps: BlockClamps | None = None) -> Layer:
     """A decoder layer built from its bytes (`tensors`: the layer's) for eval's forward (no
     calibration statistics), run as served: a W4A4 checkpoint's activations quantized where it
-    stores input scales (NVFP4) or its config declares them quantized at run time (MXFP4)."""
+    stores input scales (NVFP4) or its config declares them quantized at run time (MXFP4);
+    `clamps` counts its NVFP4 activation blocks that clamp."""
     loaded = build_layer(raw, cfg, ctx, device, dtype, stats=False)
     scales = input_scales(ckpt, tensors)
     dynamic = dynamic_inputs(ckpt, tensors)
     if scales or dynamic:
-        emulate(loaded.module, loaded.moe, raw.prefix, scales, dynamic)
+        emulate(loaded.module, loaded.moe, raw.prefix, scales, dynamic, clamps, ctx)
     return loaded

@@ -162,3 +162,26 @@ def in_batch_order(sums: dict[int, list[float]]) -> float:
         for value in sums[b]:
             total += value
     return total
+
+
+def compare_logits(heads: list, hidden: list[torch.Tensor], batches: list[tuple[int, slice]],
+                   valid: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor,
+                   device: torch.device, vocab: int
+                   ) -> tuple[list[LogitsComparison], dict[int, list[float]]]:
+    """Each model's final norm + lm_head (`heads`, the source's first) over the real positions
+    of its hidden states, a chunk of positions at a time: the comparisons of each candidate
+    with the source and the source's NLL sums (per batch, per chunk)."""
+    rows_per_chunk = max(1, LOGIT_ELEMS.get(device.type, LOGIT_ELEMS["cpu"]) // vocab)
+    results = [LogitsComparison() for _ in heads[1:]]
+    nll_source: dict[int, list[float]] = {}
+    for b, rows in batches:
+        v = valid[rows]
+        states = [h[rows][v.to(h.device)] for h in hidden]
+        t, sc = targets[rows][v].to(device), scored[rows][v].to(device)
+        for start in range(0, t.shape[0], rows_per_chunk):
+            chunk = slice(start, start + rows_per_chunk)
+            ref = NextToken(heads[0](states[0][chunk].to(device)))
+            nll_source.setdefault(b, []).append(ref.nll_sum(t[chunk], sc[chunk]))
+            for head, h, result in zip(heads[1:], states[1:], results, strict=True):
+                result.add(b, ref, NextToken(head(h[chunk].to(device))), t[chunk], sc[chunk])
+    return results, nll_source

@@ -46,6 +46,28 @@ class LogitMetrics(BaseModel):
     ppl_candidate: float = Field(description="exp(nll_candidate)")
 
 
+class ActivationBlocks(BaseModel):
+    """A W4A4 NVFP4 candidate's quantized activation blocks on its own stream over the eval's
+    real positions (kconvert.evaluate.activations.BlockClamps)."""
+
+    blocks: int = Field(description="Blocks of 16 activations quantized (every W4A4 NVFP4 "
+                                     "module's input, each routed expert's over its tokens)")
+    clamped: int = Field(description="Blocks whose amax is above what the module's global "
+                                     "input scale g can represent (448 x 6 / g): their FP8 "
+                                     "block scale clamps to 448")
+    clamped_share: float = Field(description="clamped / blocks")
+    input_scale_policy: str | None = Field(description="The input-scale policy its config "
+                                           "declares (kconvert.plugins.input_scales)")
+
+    @classmethod
+    def of(cls, blocks: int, clamped: int, policy: str | None) -> ActivationBlocks | None:
+        """None for a candidate that quantizes no activation with a global scale."""
+        if not blocks:
+            return None
+        return cls(blocks=blocks, clamped=clamped, clamped_share=clamped / blocks,
+                   input_scale_policy=policy)
+
+
 class CandidateResult(BaseModel):
     candidate: str = Field(description="The candidate as given on the command line")
     identity: dict = Field(description="Where it was read from (path, or Hub repo and "
@@ -53,6 +75,9 @@ class CandidateResult(BaseModel):
     n_routed_experts: int = Field(description="Routed experts per MoE layer of the candidate")
     logits: LogitMetrics
     layers: dict[str, LayerError] = Field(description="Decoder layer index -> errors")
+    activation_blocks: ActivationBlocks | None = Field(default=None, description=(
+        "W4A4 NVFP4: its activation blocks and the share that clamp (None: no activation "
+        "quantized with a global input scale)"))
 
 
 class EvalReport(BaseModel):
@@ -91,6 +116,9 @@ def render_table(report: EvalReport) -> str:
     """One row per candidate: logits metrics and its worst layer by local error."""
     head = ("candidate", "KL mean", "KL p99", "KL hi-H", "top-1", "top-5", "NLL src", "NLL cand",
             "ppl cand", "final err", "worst local")
+    clamping = any(c.activation_blocks is not None for c in report.candidates)
+    if clamping:
+        head = (*head, "clamped")
     rows = [head]
     for c in report.candidates:
         m = c.logits
@@ -99,12 +127,17 @@ def render_table(report: EvalReport) -> str:
         rows.append((c.candidate, f"{m.kl_mean:.4g}", f"{m.kl_p99:.4g}", f"{m.kl_high_entropy:.4g}",
                      f"{m.top1_agreement:.4f}", f"{m.top5_overlap:.4f}", f"{m.nll_source:.4f}",
                      f"{m.nll_candidate:.4f}", f"{m.ppl_candidate:.4g}", f"{last.rel_err:.4g}",
-                     f"L{worst} {c.layers[worst].rel_err_local:.3g}"))
+                     f"L{worst} {c.layers[worst].rel_err_local:.3g}")
+                    + ((_share(c.activation_blocks),) if clamping else ()))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(v.ljust(w) if i == 0 else v.rjust(w)
                        for i, (v, w) in enumerate(zip(r, widths, strict=True))) for r in rows]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
+
+
+def _share(blocks: ActivationBlocks | None) -> str:
+    return "-" if blocks is None else f"{blocks.clamped_share:.3%}"
 
 
 def draw_figure(report: EvalReport, fh) -> None:

@@ -32,12 +32,18 @@ from kconvert.evaluate.metrics import (
     LOGIT_ELEMS,
     LayerErrors,
     LogitsComparison,
-    NextToken,
+    compare_logits,
     in_batch_order,
 )
 from kconvert.evaluate.outputs import open_model, refuse_earlier_report
 from kconvert.evaluate.probe import Probe, check_probe_fits, run_probe
-from kconvert.evaluate.report import CandidateResult, EvalReport, render_table, save_report
+from kconvert.evaluate.report import (
+    ActivationBlocks,
+    CandidateResult,
+    EvalReport,
+    render_table,
+    save_report,
+)
 from kconvert.gpu.budget import GpuRequest
 from kconvert.gpu.devices import pick_device
 from kconvert.gpu.plan import GpuPlan, gib
@@ -125,6 +131,8 @@ def evaluate(source: Checkpoint, candidates: list[Checkpoint], input_ids: torch.
     results = [r.merge(other.results[i] for other in parts[1:])
                for i, r in enumerate(parts[0].results)]
     nll = {b: v for p in parts for b, v in p.nll_source.items()}
+    blocks = [tuple(map(sum, zip(*(p.clamps[i] for p in parts), strict=True)))
+              for i in range(len(candidates))]
     n_scored = int(scored.sum())
     nll_source = in_batch_order(nll) / n_scored
     report = EvalReport(
@@ -136,9 +144,11 @@ def evaluate(source: Checkpoint, candidates: list[Checkpoint], input_ids: torch.
         timing=part.timing,
         candidates=[CandidateResult(candidate=label, identity=ckpt.identity,
                                     n_routed_experts=cfg.n_routed_experts,
-                                    logits=r.result(nll_source, n_scored), layers=e.result())
-                    for label, ckpt, cfg, r, e in zip(labels, candidates, cfgs[1:], results,
-                                                      errors, strict=True)])
+                                    logits=r.result(nll_source, n_scored), layers=e.result(),
+                                    activation_blocks=ActivationBlocks.of(
+                                        *counted, activations.declared_policy(ckpt)))
+                    for label, ckpt, cfg, r, e, counted in zip(
+                        labels, candidates, cfgs[1:], results, errors, blocks, strict=True)])
     return report.model_copy(update=meta or {})
 
 
@@ -148,6 +158,7 @@ class _Part:
 
     errors: list[LayerErrors]  # per candidate
     results: list[LogitsComparison]  # per candidate
+    clamps: list[tuple[int, int]]  # per candidate: NVFP4 activation blocks, those clamped
     nll_source: dict[int, list[float]]  # batch -> its chunks' NLL sums of the source
     layer_seconds: list[float]
     timing: dict
@@ -175,7 +186,8 @@ def _measure(models: list[tuple[str, Checkpoint, Any]], input_ids: torch.Tensor,
     n_cands = len(models) - 1
     if not batches:  # more ranks than batches: nothing to run here
         return _Part([LayerErrors() for _ in range(n_cands)],
-                     [LogitsComparison() for _ in range(n_cands)], {}, [], {})
+                     [LogitsComparison() for _ in range(n_cands)], [(0, 0)] * n_cands, {}, [],
+                     {})
     where = device if gpu_plan is None or gpu_plan.hidden_on_device else torch.device("cpu")
     with phase("embedding"):
         streams = [_stream(label, ckpt, cfg, input_ids, valid, device, dtype, where)
@@ -184,6 +196,8 @@ def _measure(models: list[tuple[str, Checkpoint, Any]], input_ids: torch.Tensor,
     src_out = torch.empty_like(src.hidden)
     valid_dev = valid.to(device)
     errors = [LayerErrors() for _ in cands]
+    # per model (None: the source), its NVFP4 activation blocks on its own stream
+    clamps = [None, *(activations.BlockClamps() for _ in cands)]
     ctx = ForwardContext()
     n_layers = src.cfg.num_hidden_layers
     layer_seconds = []
@@ -192,7 +206,7 @@ def _measure(models: list[tuple[str, Checkpoint, Any]], input_ids: torch.Tensor,
                                    streams[job[0]].cfg, job[1],
                                    streams[job[0]].layers[job[1]], dtype, device),
         build=lambda job, raw: _labelled(streams[job[0]], _build, streams[job[0]], job[1], raw,
-                                         ctx, device, dtype),
+                                         ctx, device, dtype, clamps[job[0]]),
         device=device, device_bytes=None if gpu_plan is None else gpu_plan.prefetch_bytes)
     # Source layer L, then each candidate's layer L: the next one read while one computes.
     jobs = [(i, layer) for layer in range(n_layers) for i in range(len(streams))]
@@ -211,11 +225,13 @@ def _measure(models: list[tuple[str, Checkpoint, Any]], input_ids: torch.Tensor,
                     finite &= _finite(out, v)
                     src_out[rows].copy_(out)
             else:
-                cand, err = streams[i], errors[i - 1]
+                cand, err, counted = streams[i], errors[i - 1], clamps[i]
                 for b, rows in batches:
                     v = valid_dev[rows]
+                    counted.counting = False  # the source's input: not the candidate's own
                     local = layer_forward(loaded, ctx, src.hidden[rows].to(device), v,
                                           *cand.rope)
+                    counted.counting = True
                     own = layer_forward(loaded, ctx, cand.hidden[rows].to(device), v,
                                         *cand.rope)
                     finite &= _finite(own, v)
@@ -240,11 +256,14 @@ def _measure(models: list[tuple[str, Checkpoint, Any]], input_ids: torch.Tensor,
                 bar.set_postfix_str(", ".join(f"{e.result()[str(layer)].rel_err:.3g}"
                                               for e in errors))
                 bar.update()
-        results, nll_source = _compare_logits(streams, batches, valid, targets, scored,
-                                              device, dtype)
+        results, nll_source = compare_logits(
+            [load_head(st.ckpt, st.cfg, device, dtype) for st in streams],
+            [st.hidden for st in streams], batches, valid, targets, scored, device,
+            src.cfg.vocab_size)
         bar.update()
     # on the CPU, for the other ranks
-    return _Part([e.merge(()) for e in errors], results, nll_source, layer_seconds,
+    return _Part([e.merge(()) for e in errors], results, [c.totals() for c in clamps[1:]],
+                 nll_source, layer_seconds,
                  prefetcher.summary(src.cfg.first_k_dense_replace, len(streams)))
 
 
@@ -287,40 +306,15 @@ def _labelled(stream: Stream, step, *args, **kwargs):
 
 
 def _build(stream: Stream, layer: int, raw, ctx: ForwardContext, device: torch.device,
-           dtype: torch.dtype):
+           dtype: torch.dtype, clamps: activations.BlockClamps | None):
     """Layer `layer` of `stream` built from its bytes, as served (activations.build_served)."""
     return activations.build_served(stream.ckpt, stream.cfg, stream.layers[layer], raw, ctx,
-                                    device, dtype)
+                                    device, dtype, clamps)
 
 
 def _finite(out: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Whether every real position's output is finite, as a device bool (no host sync)."""
     return (torch.isfinite(out) | ~valid[..., None]).all()
-
-
-def _compare_logits(streams: list[Stream], batches: list[tuple[int, slice]],
-                    valid: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor,
-                    device: torch.device, dtype: torch.dtype
-                    ) -> tuple[list[LogitsComparison], dict[int, list[float]]]:
-    """Final norm + lm_head of every model over the real positions, a chunk of positions at
-    a time: the comparisons of each candidate with the source and the source's NLL sums (per
-    batch, per chunk)."""
-    heads = [load_head(s.ckpt, s.cfg, device, dtype) for s in streams]
-    rows_per_chunk = max(1, LOGIT_ELEMS.get(device.type, LOGIT_ELEMS["cpu"])
-                         // streams[0].cfg.vocab_size)
-    results = [LogitsComparison() for _ in streams[1:]]
-    nll_source: dict[int, list[float]] = {}
-    for b, rows in batches:
-        v = valid[rows]
-        hidden = [s.hidden[rows][v.to(s.hidden.device)] for s in streams]
-        t, sc = targets[rows][v].to(device), scored[rows][v].to(device)
-        for start in range(0, t.shape[0], rows_per_chunk):
-            chunk = slice(start, start + rows_per_chunk)
-            ref = NextToken(heads[0](hidden[0][chunk].to(device)))
-            nll_source.setdefault(b, []).append(ref.nll_sum(t[chunk], sc[chunk]))
-            for head, h, result in zip(heads[1:], hidden[1:], results, strict=True):
-                result.add(b, ref, NextToken(head(h[chunk].to(device))), t[chunk], sc[chunk])
-    return results, nll_source
 
 
 def run_eval(src: str, candidates: list[str], data: str, out: str | None, samples: int,

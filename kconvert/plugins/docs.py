@@ -44,11 +44,12 @@ def render(families: list[tuple[Registry, str]]) -> str:
 
 def families() -> list[tuple[Registry, str]]:
     """Every registry of plug-ins, with the option that chooses one."""
+    from kconvert.plugins.input_scales import INPUT_SCALE_POLICIES
     from kconvert.plugins.methods import METHODS
     from kconvert.plugins.pruning import COMPENSATIONS, CRITERIA, REPAIRS
 
     return [(METHODS, "method"), (CRITERIA, "criterion"), (REPAIRS, "repair"),
-            (COMPENSATIONS, "compensate")]
+            (COMPENSATIONS, "compensate"), (INPUT_SCALE_POLICIES, "input-scale")]
 
 
 if __name__ == "__main__":

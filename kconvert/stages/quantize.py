@@ -4,13 +4,13 @@ GPTQ, kept per matrix only where it beats round to nearest on held-out calibrati
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from functools import cached_property
-from pathlib import Path
 
 from pydantic import Field
 
+from kconvert.calibrate.input_scales import InputScalePolicy, input_scale_policy
+from kconvert.calibrate.stats import read_act_stats
 from kconvert.common.options import ACTIVATIONS, BLOCK_SCALE_RULES, CASTS, INPUT_SCALE, INPUT_SCALES
 from kconvert.engine.stage import StageRecord
 from kconvert.errors import KconvertError, UsageError
@@ -19,7 +19,8 @@ from kconvert.formats.linear import ModuleWork
 from kconvert.formats.nvfp4_cast import CAST_CODECS
 from kconvert.methods import Method, MethodInputs, methods_of
 from kconvert.methods.hessians import Calibration
-from kconvert.model.names import TARGET_ROLES, Role, parse_name
+from kconvert.model.names import TARGET_ROLES, Role
+from kconvert.plugins.input_scales import INPUT_SCALE_POLICIES
 from kconvert.plugins.methods import METHODS
 from kconvert.stages.base import (
     CALIBRATION_OPTIONS,
@@ -44,10 +45,10 @@ class QuantizeStageRecord(StageRecord):
                              "codes kept where NVFP4 holds their scales, the other blocks by "
                              "block_scale")
     act_stats: str | None = Field(description="activation statistics file (W4A4), or None")
-    input_scale: str | None = Field(None, description="W4A4 routed experts' input scales: "
-                                    "expert | layer-max | one")
+    input_scale: str | None = Field(None, description="W4A4 routed experts' input-scale "
+                                    "policy (kconvert.plugins.input_scales)")
     input_scale_filled: list[str] | None = Field(
-        None, description="expert policy: modules never routed in calibration (input amax 0), "
+        None, description="expert, headroom: modules never routed in calibration (no amax), "
                           "given their layer's largest")
     activations: str | None = Field(None, description="MXFP4 activations: none (W4A16) or "
                                     "dynamic (W4A4, quantized at run time)")
@@ -105,24 +106,19 @@ class Quantize(MethodStage):
     @property
     def w4a4(self) -> bool:
         """Whether targets get input scales (calibrated, or 1.0)."""
-        return self.act_stats is not None or self.input_scale == "one"
+        return self.act_stats is not None or self.scale_policy.uniform_amax is not None
 
     @cached_property
-    def calibrated(self) -> dict[str, float]:
-        """The activation statistics' input amax per module, as calibrated."""
-        if self.act_stats is None:
-            return {}
-        try:
-            return {k: float(v) for k, v in
-                    json.loads(Path(self.act_stats).read_text())["input_amax"].items()}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise KconvertError(f"bad activation statistics: {exc}", file=self.act_stats) from exc
+    def scale_policy(self) -> InputScalePolicy:
+        return input_scale_policy(self.input_scale)
 
     @cached_property
     def policy(self) -> tuple[dict[str, float], list[str]]:
         """(input amax per module under the input-scale policy, the experts never routed in
         calibration that took their layer's largest)."""
-        return policy_amax(self.calibrated, self.input_scale)
+        if self.act_stats is None:
+            return {}, []
+        return self.scale_policy.amax(read_act_stats(self.act_stats))
 
     @property
     def input_amax(self) -> dict[str, float]:
@@ -159,8 +155,8 @@ class Quantize(MethodStage):
                 m.out_codec = DenseCodec
                 m.stages.append("dequant")
             return
-        m.input_amax = (ONE_AMAX if self.input_scale == "one" and self.w4a4
-                        else self.input_amax.get(m.module))
+        uniform = self.scale_policy.uniform_amax
+        m.input_amax = uniform if uniform is not None else self.input_amax.get(m.module)
         if m.input_amax is not None:
             m.input_scale_policy = self.input_scale
         if self.act_stats is not None and m.input_amax is None:
@@ -205,44 +201,6 @@ class Quantize(MethodStage):
                                 "changes the weights (a sparsify stage, --method gptq) cannot "
                                 "run with it", tensor=m.module)
         return cast
-
-
-# The input amax whose scale is 1.0 in both NVFP4 flavours (2688 / amax, amax / 2688).
-ONE_AMAX = 2688.0
-
-
-def policy_amax(calibrated: dict[str, float], policy: str) -> tuple[dict[str, float], list[str]]:
-    """Input amax per module under an input-scale policy (options.INPUT_SCALES), and the
-    routed experts whose calibrated amax is 0 (never routed) that took their layer's largest,
-    as ModelOpt's export fills them (a zero scale gives inf, then NaN, in the engines: vLLM
-    #45212). "layer-max": every routed expert's gate and up the largest over the layer's
-    experts' gates and ups, its down the largest of their downs; other modules keep theirs."""
-    if policy == "one":
-        return {}, []
-    largest: dict[tuple, float] = {}
-    for module, amax in calibrated.items():
-        key = _expert_group(module)
-        if key is not None:
-            largest[key] = max(largest.get(key, 0.0), amax)
-    out, filled = dict(calibrated), []
-    for module, amax in calibrated.items():
-        key = _expert_group(module)
-        if key is None:
-            continue
-        if policy == "layer-max":
-            out[module] = largest[key]
-        elif amax == 0.0 and largest[key] > 0.0:
-            out[module], filled = largest[key], [*filled, module]
-    return out, sorted(filled)
-
-
-def _expert_group(module: str) -> tuple | None:
-    """(layer, "w13" | "down") of a routed expert's linear, the group layer-max takes the
-    largest over; None for any other module."""
-    tn = parse_name(f"{module}.weight")
-    if tn.role is not Role.ROUTED_EXPERT:
-        return None
-    return tn.prefix, tn.layer, "down" if tn.part == "down" else "w13"
 
 
 # What --targets may name: the linears' roles, and the MoE routers (AMD's MXFP4 recipe).
@@ -293,11 +251,12 @@ def check(tables: tuple[dict, ...], at: int) -> None:
         if dynamic is not None:
             raise UsageError(f"--input-scale is for NVFP4 W4A4; --format {fmt} quantizes "
                              "activations at run time with no input scale")
-        if (input_scale == "one") == (settings.get("act_stats") is not None):
-            raise UsageError("--input-scale one writes 1.0 without statistics: give no "
-                             "--act-stats" if input_scale == "one" else
-                             f"--input-scale {input_scale} takes the calibrated input amax: "
-                             "give --act-stats")
+        from_stats = INPUT_SCALE_POLICIES.get(Quantize.name, input_scale).needs is not None
+        if from_stats != (settings.get("act_stats") is not None):
+            raise UsageError(f"--input-scale {input_scale} takes the calibrated input amax: "
+                             "give --act-stats" if from_stats else
+                             f"--input-scale {input_scale} writes its scales without "
+                             "statistics: give no --act-stats")
     targets = parse_targets(settings.get("targets", ["experts"]))
     if Role.ROUTER_WEIGHT in targets and not codec.quantizes_routers:
         others = [f for f, c in OUTPUT_CODECS.items() if c.quantizes_routers]

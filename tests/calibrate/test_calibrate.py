@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -155,7 +156,9 @@ def _independent_stats(files: dict[str, torch.Tensor], routers: dict, real: torc
              **{k: torch.zeros(n_experts, dtype=torch.float64)
                 for k in ("reap_sum", "ean_sum", "gate_sum", "amax_in", "amax_down")},
              "sq_in": torch.zeros(n_experts, hidden, dtype=torch.float64),
-             "sq_down": torch.zeros(n_experts, inter, dtype=torch.float64)}
+             "sq_down": torch.zeros(n_experts, inter, dtype=torch.float64),
+             "hist_in": torch.zeros(n_experts, 512, dtype=torch.int64),
+             "hist_down": torch.zeros(n_experts, 512, dtype=torch.int64)}
         for t in range(x_all.shape[0]):
             if not real[t]:
                 continue
@@ -173,9 +176,22 @@ def _independent_stats(files: dict[str, torch.Tensor], routers: dict, real: torc
                 s["amax_down"][e] = max(float(s["amax_down"][e]), float(a.abs().max()))
                 s["sq_in"][e] += x * x
                 s["sq_down"][e] += a * a
+                s["hist_in"][e] += _block_hist(x)
+                s["hist_down"][e] += _block_hist(a)
         s["saliency"] = torch.where(s["count"] > 0, s["reap_sum"] / s["count"].clamp(min=1), 0.0)
         out[layer] = s
     return out
+
+
+def _block_hist(x: torch.Tensor) -> torch.Tensor:
+    """ModelOpt's histogram of one input row's blocks of 16 (nvfp4_act_headroom.py): 512 bins
+    of log2(block amax) over [-40, 40), zero blocks not counted; one block at a time."""
+    hist = torch.zeros(512, dtype=torch.int64)
+    for block in x.reshape(-1, 16):
+        amax = float(block.abs().max())
+        if amax > 0:
+            hist[min(max(int((math.log2(amax) + 40) / 80 * 512), 0), 511)] += 1
+    return hist
 
 
 def test_reap_saliency_counts_ean_match_direct_computation(bf16, fixture_dir, padded_run):
@@ -209,9 +225,11 @@ def test_activation_stats_match_direct_computation(bf16, padded_run, tmp_path):
         for e in range(n_experts):
             for proj in PROJS:
                 key = f"layers.{layer}.experts.{e}.{proj}"
-                amax, sq = ("amax_down", "sq_down") if proj == "down_proj" else ("amax_in", "sq_in")
+                amax, sq, hist = (("amax_down", "sq_down", "hist_down") if proj == "down_proj"
+                                  else ("amax_in", "sq_in", "hist_in"))
                 torch.testing.assert_close(stats.tensors[f"{key}.input_amax"].double(),
                                            ref[layer][amax][e], rtol=1e-6, atol=0, msg=key)
+                assert torch.equal(stats.tensors[f"{key}.block_amax_hist"], ref[layer][hist][e])
                 torch.testing.assert_close(stats.tensors[f"{key}.input_sq_sum"].double(),
                                            ref[layer][sq][e], rtol=1e-5, atol=1e-6, msg=key)
     # Non-expert linears: amax over the real positions of the input they actually see.
@@ -228,11 +246,13 @@ def test_activation_stats_match_direct_computation(bf16, padded_run, tmp_path):
     for key, name in (("layers.0.mlp.down_proj", "down"), ("layers.2.self_attn.o_proj", "o")):
         torch.testing.assert_close(stats.tensors[f"{key}.input_amax"],
                                    seen[name][real].abs().max(), rtol=1e-6, atol=0, msg=key)
+        assert torch.equal(stats.tensors[f"{key}.block_amax_hist"],
+                           sum(_block_hist(row.double()) for row in seen[name][real]))
 
     # act_stats.json: exactly the checkpoint's linear module names, routed experts included.
     save_stats(stats, tmp_path)
     act = json.loads((tmp_path / "act_stats.json").read_text())
-    assert set(act) == {"input_amax"}
+    assert set(act) == {"input_amax", "block_amax_p1", "block_amax_p99.99"}
     files = checkpoint_tensors(d)
     linears = {n.removesuffix(".weight") for n in files if n.startswith("model.layers.")
                and "layernorm" not in n and ".mlp.gate." not in n}
@@ -243,6 +263,15 @@ def test_activation_stats_match_direct_computation(bf16, padded_run, tmp_path):
         layer, e, proj = module.split(".")[2], module.split(".")[5], module.split(".")[6]
         assert act["input_amax"][module] == float(
             stats.tensors[f"layers.{layer}.experts.{e}.{proj}.input_amax"])
+    # every routed expert with a token has its percentiles, within its calibrated range
+    routed = {f"model.layers.{L}.mlp.experts.{e}.{p}" for L in MOE_LAYERS
+              for e in range(n_experts) if stats.layer(L, "count")[e] > 0 for p in PROJS}
+    assert set(act["block_amax_p1"]) == set(act["block_amax_p99.99"]) == linears - (
+        experts - routed)
+    for module in act["block_amax_p1"]:
+        # a bin centre: at most half a bin (2^(80/1024)) above the largest block
+        assert act["block_amax_p1"][module] <= act["block_amax_p99.99"][module] <= (
+            act["input_amax"][module] * 2 ** (80 / 1024))
     # stats round-trip; scores where reap.py looks for them.
     back = load_stats(tmp_path)
     assert back.modules == stats.modules and set(back.tensors) == set(stats.tensors)

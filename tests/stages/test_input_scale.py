@@ -1,4 +1,4 @@
-"""`--input-scale expert|layer-max|one` (docs/input-scales.md): the routed experts' W4A4 input
+"""`--input-scale expert|layer-max|one` (docs/input-scales.md; headroom: test_headroom.py):
 scales per policy in both NVFP4 formats, against the policies' definitions (ModelOpt 0.45's
 layer sync, vLLM's FlashInfer reduction, K3's 1.0) computed here from the statistics; the
 manifest and config say which; eval runs the declared policy as served; the audit fails on a
@@ -25,9 +25,9 @@ from helpers import (
     eval_logits,
     file_tensors,
 )
-from kconvert.evaluate.activations import served
+from kconvert.calibrate.input_scales import LayerMax, served_policy
+from kconvert.calibrate.stats import ActStats
 from kconvert.formats import nvfp4
-from kconvert.stages.quantize import policy_amax
 
 SCALE = {"compressed-tensors": "input_global_scale", "modelopt": "input_scale"}
 
@@ -118,7 +118,7 @@ def test_policy_amax_leaves_other_modules_alone():
                   "model.layers.1.mlp.experts.1.up_proj": 3.0,
                   "model.layers.1.mlp.experts.1.down_proj": 2.0,
                   "model.layers.1.self_attn.o_proj": 7.0}
-    got, filled = policy_amax(calibrated, "layer-max")
+    got, filled = LayerMax().amax(ActStats(calibrated, {}, {}))
     assert got == {"model.layers.1.mlp.experts.0.gate_proj": 3.0,
                    "model.layers.1.mlp.experts.1.up_proj": 3.0,
                    "model.layers.1.mlp.experts.1.down_proj": 2.0,
@@ -130,10 +130,10 @@ def test_served_collapses_to_the_smallest_g_per_group():
          "model.layers.1.mlp.experts.1.up_proj": torch.tensor(2.0),
          "model.layers.1.mlp.experts.1.down_proj": torch.tensor(8.0),
          "model.layers.1.mlp.experts.0.down_proj": torch.tensor(16.0)}
-    layer_max = served(g, "layer-max")
+    layer_max = served_policy("layer-max").served(g)
     assert [float(layer_max[m]) for m in g] == [2.0, 2.0, 8.0, 8.0]
-    assert all(float(v) == 1.0 for v in served(g, "one").values())
-    assert served(g, "expert") is g
+    assert all(float(v) == 1.0 for v in served_policy("one").served(g).values())
+    assert served_policy("expert").served(g) is g
 
 
 def test_eval_runs_the_declared_policy(stats, tmp_path):
