@@ -62,7 +62,7 @@ def rows(experts: int) -> list[Row]:
     ]
     out += [Row(f"w4a4-{policy}", f"NVFP4 W4A4, --input-scale {policy}",
                 ((*nvfp4, "--act-stats", "{STATS}/act_stats.json", "--input-scale", policy),))
-            for policy in ("expert", "layer-max")]
+            for policy in ("expert", "layer-max", "headroom")]
     out.append(Row("mxfp4", "MXFP4 (compressed-tensors mxfp4-pack-quantized)",
                    (("quantize", "{SRC}", "{OUT}", "--format", "mxfp4-pack-quantized"),)))
     out.append(Row("mxfp4-exact-cast", "the exact cast of the MXFP4 twin to NVFP4", (
