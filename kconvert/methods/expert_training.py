@@ -15,14 +15,19 @@ allowed patterns. A step:
               cosine from `lr` to a tenth; temperature and scale annealed linearly
 Export takes each chunk's most likely pattern (ties to the lower pattern index), zeroes its
 pruned pairs (+0) and quantizes by the rule: exactly what the codec writes. Every random draw
-comes from the expert's own generator, seeded by (seed, layer, expert): the tokens of a step,
-and the seed of each step's Gumbel noise, whose draws a counter-based hash makes. So a run is
-reproducible, and an expert's result does not depend on which experts train beside it (the
-GPU budget's batch size).
+comes from the expert's own generator, seeded by (seed, layer, expert), all made before the
+first step: the tokens of every step, then the seed of each step's and matrix's Gumbel noise,
+whose draws a counter-based hash makes. So a run is reproducible, and an expert's result does
+not depend on which experts train beside it (the GPU budget's batch size).
 
-The weight path of a step (soft mask, E2M1 rounding) and the optimiser's update are
-elementwise passes over every weight, the bulk of a step's memory traffic: on a GPU each is
-compiled (torch.compile) into a few fused kernels; the same functions run eagerly on a CPU.
+A step is elementwise passes over every weight (the bulk of its memory traffic) around two
+small batched products. The weights are masked and rounded without autograd, and the rounded
+values (bf16 on a GPU: what the products read) are the leaves of the loss's graph; their
+gradient then goes through the rounding (the identity) and the mask (its backward written out,
+the Gumbel sample recomputed from its seed) straight into Adam, one fused pass per matrix. So
+no fp32 copy of a matrix is kept for a backward pass, and the fp32 gradient of the masters is
+never written. On a GPU the mask, the rounding and the update are each compiled
+(torch.compile) into a few fused kernels; the same functions run eagerly on a CPU.
 """
 
 from __future__ import annotations
