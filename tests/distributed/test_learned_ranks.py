@@ -14,9 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from helpers import write_input_ids
-from kconvert.testing.tiny_moe import corpus_ids, windows
 from test_ranks import (
     HERE,
     MANIFEST,
@@ -27,6 +24,9 @@ from test_ranks import (
     torchrun,
     write_commands,
 )
+
+from helpers import write_input_ids
+from kconvert.testing.tiny_moe import corpus_ids, windows
 
 COMMANDS = ("sparsify", "quantize")
 
