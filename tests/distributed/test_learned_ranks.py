@@ -82,9 +82,10 @@ def test_every_byte_as_one_process(runs, command, ranks):
     assert_as_one_process(runs["one"] / command, runs[ranks] / command, ranks)
     obs = json.loads((runs["one"] / command / MANIFEST).read_text())["obs"]
     routed = [r for r in obs.values() if "oneshot" in r]
-    # the comparison covers trained experts: many had the tokens, some were written learned
-    assert sum(r["oneshot_error"] is not None for r in routed) > len(routed) // 4
-    assert any(r["method"] == "learned" for r in routed)
+    # the comparison covers trained experts (their recorded held-out errors are the trained
+    # values'): many had the tokens; p48 writes some learned (2 steps of NVFP4 beat none)
+    assert sum(r["learned_error"] is not None for r in routed) > len(routed) // 4
+    assert command == "quantize" or any(r["method"] == "learned" for r in routed)
 
 
 def test_killed_rank_fails_the_job_and_resume_on_three_ranks_completes(runs):
