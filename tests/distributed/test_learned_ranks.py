@@ -21,7 +21,6 @@ from test_ranks import (
     env_launch,
     files,
     manifest_without_world,
-    torchrun,
     write_commands,
 )
 
@@ -29,6 +28,14 @@ from helpers import write_input_ids
 from kconvert.testing.tiny_moe import corpus_ids, windows
 
 COMMANDS = ("sparsify", "quantize")
+# Seconds a job may take: each trains every MoE layer's experts, ranks sharing a CPU.
+JOB_TIMEOUT = 1800
+
+
+def torchrun(ranks: int, cmds_file: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc-per-node={ranks}", str(HERE / "rank_main.py"),
+                           str(cmds_file)], capture_output=True, text=True, timeout=JOB_TIMEOUT)
 
 
 def learned(command: str, dst: Path, data: Path) -> list[str]:
@@ -47,7 +54,7 @@ def runs(tmp_path_factory):
     one = subprocess.run([sys.executable, str(HERE / "rank_main.py"), str(write_commands(
         root / "one.json", [learned(c, root / "one" / c, data) for c in COMMANDS]))],
         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-        timeout=900)
+        timeout=JOB_TIMEOUT)
     assert one.returncode == 0, one.stderr[-4000:]
     two = torchrun(2, write_commands(root / "two.json", [learned(c, root / "two" / c, data)
                                                          for c in COMMANDS]))
