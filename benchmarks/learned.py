@@ -17,7 +17,8 @@ one's, interleaved (old p48, new p48, old NVFP4, new NVFP4). Per run: exit, wall
 each MoE layer's method seconds per phase (one-shot, routing, data, train, guard: the sum of its
 items' lines), its first item (where the trainer compiles) and `steady_s`: the layer's items at
 the median of its later items (what a layer costs once compiled). The JSON is rewritten after
-every run; a run that would start past --deadline-s is skipped.
+every run; a run that would start past --deadline-s is skipped (`--methods nvfp4` runs the rest
+in another call on the same machine, the set kept in ROOT).
     git archive 7a98966 kconvert pipelines | tar -x -C .bench/old      # the old tree
     python3 -m benchmarks learned --layer .bench/old --root /tmp/kbench --out-dir $OUT
 CPU check (tiny dims, a few minutes):
@@ -44,6 +45,7 @@ from benchmarks.harness import (
     STARTED,
     arguments,
     child_env,
+    comma_list,
     record,
     result_path,
     run_child,
@@ -150,7 +152,7 @@ def layer_runs(a) -> None:
                                                                   trees.items()}, "runs": []}
     path = result_path(rec, a.out, out_dir=Path(a.out_dir))
     budget = [] if a.tiny else ["--gpu-memory", a.gpu_memory]
-    for method in ("p48", "nvfp4"):
+    for method in a.methods:
         for tree in ("old", "new"):
             name = f"{tree}-{method}"
             if time.perf_counter() - STARTED > a.deadline_s:
@@ -183,6 +185,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--seqs", type=int, default=64)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--gpu-memory", default="74GiB")
+    ap.add_argument("--methods", type=comma_list, default=list(COMMANDS),
+                    help="of p48,nvfp4 (default both)")
     a = ap.parse_args(argv)
     if a.layer:
         layer_runs(a)
