@@ -1,11 +1,28 @@
-"""The learned method's trainer on full-size experts (issue 36): seconds per step of a batch of
-Kimi-shaped routed experts (hidden 7168, moe_intermediate 2048), eager and compiled, p48 and
-dense NVFP4, and the peak GPU memory per expert.
+"""The learned methods on full-size experts.
+
+The trainer (issue 36): seconds per step of a batch of Kimi-shaped routed experts (hidden 7168,
+moe_intermediate 2048), eager and compiled, p48 and dense NVFP4, and the peak GPU memory per
+expert.
 
 Device (one H100):
     python3 -m benchmarks learned $OUT/learned.json [--experts 8] [--steps 12] [--tokens 256]
 CPU check (tiny dims):
     python -m benchmarks learned --tiny /tmp/learned_tiny.json
+
+A whole MoE layer against another tree (issue 47, `--layer OLD_TREE`): `sparsify --method
+learned` (p48) and `int4-to-nvfp4 --method learned` (NVFP4) on synthetic.kimi_set (layer 0
+dense, --moe-layers MoE layers of 384 INT4 experts) with --seqs random sequences of --seq
+tokens, each command in its own process under --gpu-memory, from OLD_TREE's kconvert and this
+one's, interleaved (old p48, new p48, old NVFP4, new NVFP4). Per run: exit, wall, and from `-v`
+each MoE layer's method seconds per phase (one-shot, routing, data, train, guard: the sum of its
+items' lines), its first item (where the trainer compiles) and `steady_s`: the layer's items at
+the median of its later items (what a layer costs once compiled). The JSON is rewritten after
+every run; a run that would start past --deadline-s is skipped (`--methods nvfp4` runs the rest
+in another call on the same machine, the set kept in ROOT).
+    git archive 7a98966 kconvert pipelines | tar -x -C .bench/old      # the old tree
+    python3 -m benchmarks learned --layer .bench/old --root /tmp/kbench --out-dir $OUT
+CPU check (tiny dims, a few minutes):
+    python -m benchmarks learned --layer OLD_TREE --tiny --root /tmp/kl --out-dir /tmp/kl
 
 Random weights and tokens (speed only: quality is measured on the trained tiny MoEs,
 `python -m benchmarks learned_quality`). Each configuration trains E experts for STEPS steps
@@ -15,11 +32,29 @@ the projection for a 384-expert layer at the method's default steps, and the pea
 
 from __future__ import annotations
 
+import re
+import shutil
+import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from benchmarks.harness import arguments, record, result_path, save, sync
+from benchmarks.harness import (
+    STARTED,
+    arguments,
+    child_env,
+    comma_list,
+    record,
+    result_path,
+    run_child,
+    save,
+    sync,
+)
+from benchmarks.synthetic import FULL, random_ids, write_ids
+from benchmarks.synthetic import TINY as TINY_SET
+from benchmarks.synthetic import kimi_set as make_set
 
 KIMI = (7168, 2048)
 TINY = (256, 64)
@@ -47,7 +82,8 @@ def problem(experts: int, hidden: int, inter: int, sparse: bool, dev: torch.devi
 def measure(experts: int, dims: tuple[int, int], sparse: bool, compiled: bool, steps: int,
             tokens: int, dev: torch.device) -> dict:
     from kconvert.methods import expert_training as et
-    from kconvert.methods.learned import LearnedNvfp4, LearnedP48, training_bytes
+    from kconvert.methods.learned import training_bytes
+    from kconvert.plugins.methods import LearnedNvfp4Settings, LearnedP48Settings
 
     et.COMPILE = compiled
     et._compiled.cache_clear()
@@ -67,7 +103,8 @@ def measure(experts: int, dims: tuple[int, int], sparse: bool, compiled: bool, s
     per = out["timed_s"] / steps / experts
     out.update(step_s=round(out["timed_s"] / steps, 4), expert_step_ms=round(per * 1e3, 3),
                layer_384_default_steps_s=round(
-                   per * 384 * (LearnedP48 if sparse else LearnedNvfp4).steps, 1),
+                   per * 384 * (LearnedP48Settings if sparse else LearnedNvfp4Settings)
+                   .model_fields["steps"].default, 1),
                planned_bytes_per_expert=training_bytes(*dims, sparse, tokens))
     if dev.type == "cuda":
         out["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
@@ -75,19 +112,90 @@ def measure(experts: int, dims: tuple[int, int], sparse: bool, compiled: bool, s
     return out
 
 
+# The learned method's line per work item under -v (kconvert.methods.learned.Learned.transform)
+ITEM = re.compile(r"layer (\d+) experts \d+-\d+: (.*?); learned written")
+PHASE = re.compile(r"([a-z -]+?) ([0-9.]+) s")
+COMMANDS = {"p48": "sparsify", "nvfp4": "int4-to-nvfp4"}
+
+
+def layer_seconds(log: str) -> dict[str, dict]:
+    """Per MoE layer (from `-v`'s item lines): seconds per phase summed over its items, the
+    total, the first item's, and `steady_s` (every item at the median of the later ones)."""
+    items: dict[str, list[dict[str, float]]] = {}
+    for layer, phases in ITEM.findall(log):
+        items.setdefault(layer, []).append({k.strip(): float(v) for k, v in
+                                            PHASE.findall(phases)})
+    out = {}
+    for layer, rows in items.items():
+        totals = [sum(r.values()) for r in rows]
+        later = totals[1:] or totals
+        out[layer] = {"items": len(rows), "total_s": round(sum(totals), 2),
+                      "first_item_s": round(totals[0], 2),
+                      "steady_s": round(statistics.median(later) * len(rows), 2),
+                      "phases_s": {k: round(sum(r.get(k, 0.0) for r in rows), 2)
+                                   for k in rows[0]}}
+    return out
+
+
+def layer_runs(a) -> None:
+    """--layer: each method from the old tree and this one, one process per run."""
+    dims = TINY_SET if a.tiny else FULL
+    root = Path(a.root)
+    src = make_set(root, dims, a.moe_layers)
+    data = write_ids(root / f"learned-{a.seqs}x{a.seq}.jsonl",
+                     random_ids(a.seqs, a.seq, dims.vocab))
+    device = "cpu" if a.tiny else "cuda"
+    trees = {"old": Path(a.layer).resolve(), "new": Path(__file__).resolve().parent.parent}
+    rec = record("learned_layer", gpu=not a.tiny)
+    result = {"record": rec, "dims": str(dims), "moe_layers": a.moe_layers, "seqs": a.seqs,
+              "seq": a.seq, "gpu_memory": a.gpu_memory, "trees": {k: str(v) for k, v in
+                                                                  trees.items()}, "runs": []}
+    path = result_path(rec, a.out, out_dir=Path(a.out_dir))
+    budget = [] if a.tiny else ["--gpu-memory", a.gpu_memory]
+    for method in a.methods:
+        for tree in ("old", "new"):
+            name = f"{tree}-{method}"
+            if time.perf_counter() - STARTED > a.deadline_s:
+                result["runs"].append({"run": name, "skipped": "past --deadline-s"})
+                save(result, path)
+                continue
+            dst = root / "learned-out" / name
+            shutil.rmtree(dst, ignore_errors=True)
+            argv = [sys.executable, "-m", "kconvert", COMMANDS[method], str(src), str(dst),
+                    "--method", "learned", "--data", str(data), "--samples", str(a.seqs),
+                    "--seq-len", str(a.seq), "--device", device, *budget, "-v"]
+            c = run_child(argv, env=child_env(trees[tree]), cwd=trees[tree], merge=True)
+            result["runs"].append({"run": name, "rc": c.rc, "wall_s": c.wall_s,
+                                   "layers": layer_seconds(c.stdout),
+                                   "last_lines": c.stdout.splitlines()[-6:]})
+            save(result, path)
+            print(result["runs"][-1], flush=True)
+
+
 def main(argv: list[str]) -> None:
-    ap = arguments("learned", __doc__)
+    ap = arguments("learned", __doc__, root="/tmp/kbench", results=True, deadline_s=570.0)
     ap.add_argument("out", nargs="?")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--layer", metavar="OLD_TREE",
+                    help="time whole MoE layers against OLD_TREE's kconvert (module doc)")
+    ap.add_argument("--moe-layers", type=int, default=1)
+    ap.add_argument("--seqs", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--gpu-memory", default="74GiB")
+    ap.add_argument("--methods", type=comma_list, default=list(COMMANDS),
+                    help="of p48,nvfp4 (default both)")
     a = ap.parse_args(argv)
+    if a.layer:
+        layer_runs(a)
+        return
     dev = torch.device("cuda" if torch.cuda.is_available() and not a.tiny else "cpu")
     dims = TINY if a.tiny else KIMI
     rec = record("learned", gpu=dev.type == "cuda")
     result = {"record": rec, "dims": dims, "runs": []}
-    path = result_path(rec, a.out)
+    path = result_path(rec, a.out, out_dir=Path(a.out_dir))
     for sparse in (True, False):
         for compiled in ((False, True) if dev.type == "cuda" else (False,)):
             got = measure(a.experts, dims, sparse, compiled, a.steps, a.tokens, dev)

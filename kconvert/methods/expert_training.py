@@ -15,14 +15,19 @@ allowed patterns. A step:
               cosine from `lr` to a tenth; temperature and scale annealed linearly
 Export takes each chunk's most likely pattern (ties to the lower pattern index), zeroes its
 pruned pairs (+0) and quantizes by the rule: exactly what the codec writes. Every random draw
-comes from the expert's own generator, seeded by (seed, layer, expert): the tokens of a step,
-and the seed of each step's Gumbel noise, whose draws a counter-based hash makes. So a run is
-reproducible, and an expert's result does not depend on which experts train beside it (the
-GPU budget's batch size).
+comes from the expert's own generator, seeded by (seed, layer, expert), all made before the
+first step: the tokens of every step, then the seed of each step's and matrix's Gumbel noise,
+whose draws a counter-based hash makes. So a run is reproducible, and an expert's result does
+not depend on which experts train beside it (the GPU budget's batch size).
 
-The weight path of a step (soft mask, E2M1 rounding) and the optimiser's update are
-elementwise passes over every weight, the bulk of a step's memory traffic: on a GPU each is
-compiled (torch.compile) into a few fused kernels; the same functions run eagerly on a CPU.
+A step is elementwise passes over every weight (the bulk of its memory traffic) around two
+small batched products. The weights are masked and rounded without autograd, and the rounded
+values (bf16 on a GPU: what the products read) are the leaves of the loss's graph; their
+gradient then goes through the rounding (the identity) and the mask (its backward written out,
+the Gumbel sample recomputed from its seed) straight into Adam, one fused pass per matrix. So
+no fp32 copy of a matrix is kept for a backward pass, and the fp32 gradient of the masters is
+never written. On a GPU the mask, the rounding and the update are each compiled
+(torch.compile) into a few fused kernels; the same functions run eagerly on a CPU.
 """
 
 from __future__ import annotations
@@ -110,16 +115,15 @@ def block_codes(w: torch.Tensor, gs: torch.Tensor, enc: Encoding) -> torch.Tenso
     return codes.reshape(*lead, k // enc.group)
 
 
-def straight_through(w: torch.Tensor, codes: torch.Tensor, gs: torch.Tensor, group: int,
-                     arithmetic: str) -> torch.Tensor:
+def grid_values(w: torch.Tensor, codes: torch.Tensor, gs: torch.Tensor, group: int,
+                arithmetic: str, dtype: torch.dtype) -> torch.Tensor:
     """w [..., R, K] rounded to NVFP4's grid on block-scale codes [..., R, K/group] and per-row
-    per-tensor scales gs [..., R] forward (the encoder's values), the identity backward (no
-    gradient through the scales)."""
-    with torch.no_grad():
-        step = nvfp4.block_step(codes, gs.unsqueeze(-1), arithmetic)
-        blocks = w.reshape(*w.shape[:-1], -1, group)
-        q = (nvfp4.round_e2m1(blocks / step) * step).reshape(w.shape)
-    return w + (q - w).detach()
+    per-tensor scales gs [..., R] (the encoder's values), in `dtype`: the forward of the
+    straight-through estimator, whose backward is the identity (no gradient through the
+    scales)."""
+    step = nvfp4.block_step(codes, gs.unsqueeze(-1), arithmetic)
+    blocks = w.reshape(*w.shape[:-1], -1, group)
+    return (nvfp4.round_e2m1(blocks / step) * step).reshape(w.shape).to(dtype)
 
 
 def counter_uniform(shape: torch.Size, seed: torch.Tensor) -> torch.Tensor:
@@ -136,13 +140,40 @@ def counter_uniform(shape: torch.Size, seed: torch.Tensor) -> torch.Tensor:
     return (((x >> 40) & 0xFFFFFF).float() + 0.5) / (1 << 24)
 
 
-def _masked(w: torch.Tensor, logits: torch.Tensor, seed: torch.Tensor, scale: torch.Tensor,
-            temperature: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
-    """w times a Gumbel-softmax sample of its element masks, the noise -log(-log(u)) of
-    `counter_uniform` draws keyed by `seed`."""
+def _probs(logits: torch.Tensor, seed: torch.Tensor, scale: torch.Tensor,
+           temperature: torch.Tensor) -> torch.Tensor:
+    """A Gumbel-softmax sample of each chunk's pattern probabilities [..., K/8, 6], the noise
+    -log(-log(u)) of `counter_uniform` draws keyed by `seed`."""
     noise = -torch.log(-torch.log(counter_uniform(logits.shape, seed)))
-    probs = torch.softmax((logits * scale + noise) / temperature, dim=-1)
-    return w * (probs @ masks).reshape(w.shape)
+    return torch.softmax((logits * scale + noise) / temperature, dim=-1)
+
+
+def _element_masks(probs: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """probs [..., 6] times the patterns' element masks [6, 8]: [..., 8]. A sum over the 6
+    patterns rather than a matrix product, so that a compiler fuses it into its neighbours."""
+    return (probs.unsqueeze(-1) * masks).sum(-2)
+
+
+def masked_weights(w: torch.Tensor, logits: torch.Tensor, seed: torch.Tensor,
+                   scale: torch.Tensor, temperature: torch.Tensor, masks: torch.Tensor
+                   ) -> torch.Tensor:
+    """w times a Gumbel-softmax sample of its element masks."""
+    return w * _element_masks(_probs(logits, seed, scale, temperature), masks).reshape(w.shape)
+
+
+def mask_gradients(w: torch.Tensor, logits: torch.Tensor, grad: torch.Tensor,
+                   seed: torch.Tensor, scale: torch.Tensor, temperature: torch.Tensor,
+                   masks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients (of w [..., R, K], of its logits [..., R, K/8, 6]) of a loss whose
+    gradient on the masked and rounded weights is `grad` (the rounding's straight-through
+    backward is the identity): the backward of `masked_weights` by hand, its sample recomputed
+    from the same seed, so that one fused pass gives both without autograd keeping it."""
+    probs = _probs(logits, seed, scale, temperature)
+    chunks = (*logits.shape[:-1], masks.shape[1])
+    g = grad.float().reshape(chunks)
+    d_probs = (masks * (g * w.reshape(chunks)).unsqueeze(-2)).sum(-1)
+    d_logits = probs * (d_probs - (probs * d_probs).sum(-1, keepdim=True)) * (scale / temperature)
+    return (g * _element_masks(probs, masks)).reshape(w.shape), d_logits
 
 
 def _adam(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
@@ -152,6 +183,23 @@ def _adam(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
     m.mul_(b1).add_(grad, alpha=1 - b1)
     v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
     p.sub_((m / c1) / ((v / c2).sqrt() + ADAM_EPS) * step)
+
+
+def _update_values(w: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                   step: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor) -> None:
+    """Adam on a dense matrix from the gradient on its rounded values (bf16 on a GPU)."""
+    _adam(w, grad.float(), m, v, step, c1, c2)
+
+
+def _update_masked(w: torch.Tensor, logits: torch.Tensor, grad: torch.Tensor,
+                   seed: torch.Tensor, scale: torch.Tensor, temperature: torch.Tensor,
+                   masks: torch.Tensor, state: tuple[torch.Tensor, ...], step: torch.Tensor,
+                   mask_step: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor) -> None:
+    """Adam on a p48 matrix and its pattern logits from the gradient on its masked, rounded
+    values; state: the moments (m, v of w, m, v of the logits)."""
+    d_w, d_logits = mask_gradients(w, logits, grad, seed, scale, temperature, masks)
+    _adam(w, d_w, state[0], state[1], step, c1, c2)
+    _adam(logits, d_logits, state[2], state[3], mask_step, c1, c2)
 
 
 # Whether the weight path and the update are compiled on a GPU (the benchmark compares both).
@@ -187,7 +235,7 @@ def initial_logits(keep: torch.Tensor) -> torch.Tensor:
 
 def soft_mask(logits: torch.Tensor, scale: float, temperature: float) -> torch.Tensor:
     """The expected element masks [..., R, K] of logits [..., R, K/8, 6] at a scale and
-    temperature (a step's sample adds Gumbel noise to the scaled logits: `_masked`)."""
+    temperature (a step's sample adds Gumbel noise to the scaled logits: `masked_weights`)."""
     probs = torch.softmax(logits * scale / temperature, dim=-1)
     return (probs @ p48.patterns(logits.device)).reshape(*logits.shape[:-2], -1)
 
@@ -218,25 +266,45 @@ class Adam:
         self.t = 0
         self.update = _compiled(_adam, params[0].device.type)
 
-    @torch.no_grad()
-    def step(self, lr: float) -> None:
+    def corrections(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next step's bias corrections (1 - beta1^t, 1 - beta2^t), on the device."""
         self.t += 1
         dev = self.params[0].device
         c1, c2 = (torch.tensor(1 - b ** self.t, device=dev) for b in ADAM_BETAS)
+        return c1, c2
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        c1, c2 = self.corrections()
         for p, m, v, s in zip(self.params, self.m, self.v, self.scales, strict=True):
             self.update(p, p.grad, m, v, s * lr, c1, c2)
             p.grad = None
 
 
-def _sample(experts: Experts, tokens: int, generators: list[torch.Generator]
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`tokens` fit tokens per expert (with replacement, from its own generator): x [E, T, H],
-    y [E, T, H], g [E, T]."""
-    picks = [torch.randint(len(x), (tokens,), generator=gen, device=x.device)
-             for x, gen in zip(experts.x, generators, strict=True)]
-    return (torch.stack([x[i] for x, i in zip(experts.x, picks, strict=True)]),
-            torch.stack([y[i] for y, i in zip(experts.y, picks, strict=True)]),
-            torch.stack([g[i] for g, i in zip(experts.g, picks, strict=True)]))
+class _Draws:
+    """Every random draw of a training run, made up front (one call per expert, not per step),
+    each expert's from its own generator: per step the tokens each expert trains on (with
+    replacement, from its fit tokens) and, for p48, each matrix's Gumbel noise seed."""
+
+    def __init__(self, experts: Experts, settings: TrainSettings,
+                 generators: list[torch.Generator], matrices: int):
+        steps, tokens = settings.steps, settings.tokens
+        picks, seeds = [], []
+        for x, gen in zip(experts.x, generators, strict=True):
+            picks.append(torch.randint(len(x), (steps, tokens), generator=gen, device=x.device))
+            if experts.keep is not None:
+                seeds.append(torch.randint(1 << 62, (steps, matrices), generator=gen,
+                                           device=x.device))
+        self.picks = torch.stack(picks, 1)  # [steps, E, tokens]
+        self.seeds = torch.stack(seeds, -1) if seeds else None  # [steps, matrices, E]
+
+    def batch(self, experts: Experts, step: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Step `step`'s tokens: x [E, T, H], y [E, T, H], g [E, T]."""
+        picks = self.picks[step]
+        return (torch.stack([x[i] for x, i in zip(experts.x, picks, strict=True)]),
+                torch.stack([y[i] for y, i in zip(experts.y, picks, strict=True)]),
+                torch.stack([g[i] for g, i in zip(experts.g, picks, strict=True)]))
 
 
 def relative_error(out: torch.Tensor, y: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -250,41 +318,60 @@ def train(experts: Experts, enc: Encoding, settings: TrainSettings,
           generators: list[torch.Generator],
           compute_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Train `experts` (their `w` in place) and export them: (values per matrix on the NVFP4
-    grid, pruned entries +0, block codes per matrix) as the encoder writes them."""
+    grid, pruned entries +0, block codes per matrix) as the encoder writes them.
+
+    A step: each matrix's weights masked (p48) and rounded without autograd, the rounded values
+    (in `compute_dtype`) the leaves of the loss's graph; their gradients then go through the
+    rounding (identity) and the mask by hand into one fused update per matrix
+    (`_update_values`, `_update_masked`): no fp32 copy of a matrix is kept for a backward pass."""
     names = list(experts.w)
     dev = experts.w[names[0]].device
-    weights = {n: experts.w[n].requires_grad_(True) for n in names}
-    logits = ({n: initial_logits(experts.keep[n]).requires_grad_(True) for n in names}
+    weights = {n: experts.w[n].detach() for n in names}
+    logits = ({n: initial_logits(experts.keep[n]) for n in names}
               if experts.keep is not None else {})
-    rms = [w.detach().square().mean((-1, -2), keepdim=True).sqrt_().clamp_(min=1e-12)
+    rms = [w.square().mean((-1, -2), keepdim=True).sqrt_().clamp_(min=1e-12)
            for w in weights.values()]
     # the logits' step is mask_lr: the weights' base lr times this ratio
     ratio = torch.tensor(settings.mask_lr / settings.lr if settings.lr else 0.0, device=dev)
     opt = Adam([*weights.values(), *logits.values()], [*rms, *([ratio] * len(logits))])
+    draws = _Draws(experts, settings, generators, len(names))
     masks = p48.patterns(dev)
-    quantize = _compiled(straight_through, dev.type)
-    masked = _compiled(_masked, dev.type)
+    masked = _compiled(masked_weights, dev.type)
+    rounded = _compiled(grid_values, dev.type)
+    update = _compiled(_update_masked if logits else _update_values, dev.type)
     for step in range(settings.steps):
-        x, y, g = _sample(experts, settings.tokens, generators)
+        x, y, g = draws.batch(experts, step)
         scale = torch.tensor(_schedule(step, settings.steps, settings.logit_scale), device=dev)
         temperature = torch.tensor(_schedule(step, settings.steps, settings.temperature),
                                    device=dev)
         q = {}
-        for n in names:
-            w = weights[n]
-            if logits:
-                seed = torch.cat([torch.randint(1 << 62, (1,), generator=gen, device=dev)
-                                  for gen in generators])
-                w = masked(w, logits[n], seed, scale, temperature, masks)
-            codes = block_codes(w, experts.gs[n], enc)
-            q[n] = quantize(w, codes, experts.gs[n], enc.group, enc.arithmetic)
+        with torch.no_grad():
+            for i, n in enumerate(names):
+                w = weights[n]
+                if logits:
+                    w = masked(w, logits[n], draws.seeds[step, i], scale, temperature, masks)
+                codes = block_codes(w, experts.gs[n], enc)
+                q[n] = rounded(w, codes, experts.gs[n], enc.group, enc.arithmetic,
+                               compute_dtype).requires_grad_(True)
         out = expert_outputs(x.to(compute_dtype), q["gate_up"], q["down"])
         relative_error(out, y, g).sum().backward()
-        opt.step(settings.lr * lr_factor(step, settings.steps))
+        del out
+        c1, c2 = opt.corrections()
+        lr = settings.lr * lr_factor(step, settings.steps)
+        with torch.no_grad():
+            for i, n in enumerate(names):
+                if logits:
+                    j = len(names) + i
+                    update(weights[n], logits[n], q[n].grad, draws.seeds[step, i], scale,
+                           temperature, masks, (opt.m[i], opt.v[i], opt.m[j], opt.v[j]),
+                           rms[i] * lr, ratio * lr, c1, c2)
+                else:
+                    update(weights[n], q[n].grad, opt.m[i], opt.v[i], rms[i] * lr, c1, c2)
+        del q
     values, codes = {}, {}
     with torch.no_grad():
         for n in names:
-            w = weights[n].detach()
+            w = weights[n]
             if logits:
                 w = torch.where(hard_mask(logits[n]) > 0, w, 0.0)  # pruned pairs +0
             values[n], codes[n] = quantized(w, experts.gs[n], enc)

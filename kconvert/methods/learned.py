@@ -66,6 +66,10 @@ class Learned(ObsMethod):
     baseline, `sparse` whether the pattern logits are learned too."""
 
     unit = "expert"
+    # Under torchrun each rank trains the experts it holds, on the rows the expert-parallel
+    # calibration routed to them (kconvert.calibrate.expert_ranks): an expert's tokens, their
+    # order and so its fit and held-out split are one process's.
+    across_ranks = True
     oneshot: type[ObsMethod]
     sparse: bool
     lr: float
@@ -289,13 +293,15 @@ class LearnedNvfp4(Learned):
 
 
 def training_bytes(hidden: int, inter: int, sparse: bool, tokens: int) -> int:
-    """Device bytes training one expert holds: per weight the fp32 master, its gradient and
-    Adam's two moments (16) and a step's compiled weight path (16), and with p48 the pattern
-    logits (6 per 8 weights) with their gradient and moments (12) and the soft mask autograd
-    keeps (4); its fit tokens' inputs and reference outputs (bf16); a step's activations and
-    their gradients. (Measured on one H100: 29.8 bytes a weight dense, 43 with p48, the data
-    and activations included: benchmarks/results/README.md.)"""
-    per_weight = 32 + (16 if sparse else 0)
+    """Device bytes training one expert holds: per weight the fp32 master and Adam's two
+    moments (12), a step's rounded values and their gradient (bf16, 4) and slack for the
+    compiled passes' temporaries (8), and with p48 the pattern logits (6 per 8 weights) with
+    their moments (9) and a step's masked fp32 weights (4, one matrix at a time, plus 3 of
+    slack); its fit tokens' inputs and reference outputs (bf16); a step's activations and
+    their gradients. (Measured on one H100 before the trainer's fused update, which dropped the
+    fp32 gradients and autograd's copies: 29.8 bytes a weight dense, 43 with p48, the data and
+    activations included: benchmarks/results/README.md.)"""
+    per_weight = 24 + (16 if sparse else 0)
     data = MAX_FIT_TOKENS * hidden * 2 * 2
     step = tokens * (hidden * (2 + 2 + 4 + 4) + 3 * inter * (2 + 4) * 2)
     return 3 * hidden * inter * per_weight + data + step

@@ -1,7 +1,7 @@
 """What stays in one process under torchrun, refused in one line before anything runs (the
-world size patched: the methods decide when they are built, on every rank alike): the learned
-methods, and GPTQ of the linears whose Hessians come from every token; GPTQ and SparseGPT of
-the routed experts run (tests/distributed/test_ranks.py)."""
+world size patched: the methods decide when they are built, on every rank alike): GPTQ of the
+linears whose Hessians come from every token; GPTQ, SparseGPT and the learned methods of the
+routed experts run (tests/distributed/test_ranks.py, test_learned_ranks.py)."""
 
 from __future__ import annotations
 
@@ -33,9 +33,8 @@ def calibration():
 @pytest.mark.parametrize(("stage", "name", "targets", "refused"), [
     ("quantize", "gptq", EXPERTS, None),
     ("sparsify", "sparsegpt", EXPERTS, None),
-    ("quantize", "learned", EXPERTS, "--method learned does not run across ranks; run it "
-                                     "without torchrun"),
-    ("sparsify", "learned", EXPERTS, "--method learned does not run across ranks"),
+    ("quantize", "learned", EXPERTS, None),
+    ("sparsify", "learned", EXPERTS, None),
     ("quantize", "gptq", EXPERTS | {Role.ATTENTION}, "gptq of attention runs in one process"),
     ("quantize", "gptq", EXPERTS | {Role.SHARED_EXPERT}, "gptq of shared_expert runs in one"),
 ])
