@@ -12,7 +12,7 @@ timed from inside by benchmarks/process_phases.py, N times per kernel cache:
   fresh  numba's and Triton's caches empty (NUMBA_CACHE_DIR, TRITON_CACHE_DIR: a new folder per
          run) and the page cache dropped where this runs as root (--keep-page-cache keeps it):
          the first run on a fresh machine
-  warm   both caches filled by a run before the first timed one: every later run
+  warm   both caches filled by the first in-process run: every later run
 Each run's wall (process_s, the launcher's) is split into the main thread's phases, which add
 up to it:
   interpreter_exit_s  the interpreter's start and the process's exit (outside the script)
@@ -186,16 +186,21 @@ def run_line(label: str, got: dict) -> str:
 
 
 def measure(a, trees: dict[str, Path], scratch: Path) -> dict:
-    """Every tree's timed processes (a.reps per cache, interleaved so that a busy moment hits
-    the trees alike) and in-process runs, with their medians and the goal's figure."""
+    """Every tree's in-process runs, then its timed processes with warm caches, then with fresh
+    ones (a.reps each, the trees interleaved so that a busy moment hits them alike; the warm
+    runs before any page-cache drop), with their medians and the goal's figure."""
     src = a.src.resolve()
-    runs: dict[str, dict[str, list[dict]]] = {t: {c: [] for c in a.caches} for t in trees}
     inproc: dict[str, list[dict]] = {t: [] for t in trees}
-    if "warm" in a.caches:
-        for name, tree in trees.items():  # fills the warm caches: not timed
-            conversion(tree, src, scratch / f"out-{name}", a.device, scratch / f"warm-{name}")
-    for rep in range(a.reps):
-        for cache in sorted(a.caches, key=CACHES.index, reverse=True):  # warm before the drop
+    runs: dict[str, dict[str, list[dict]]] = {t: {c: [] for c in a.caches} for t in trees}
+    for rep in range(a.reps):  # the first fills each tree's warm caches
+        for name, tree in trees.items():
+            got = in_process(tree, src, scratch / f"out-{name}", a.device,
+                             scratch / f"warm-{name}")
+            inproc[name].append(got)
+            log(f"{name} in process {rep + 1}: {got['inprocess_s']:.2f} s "
+                f"({got['inprocess_cpu_s']:.2f} s CPU; its first run {got['first_run_s']:.2f} s)")
+    for cache in sorted(a.caches, key=CACHES.index, reverse=True):  # warm, then fresh
+        for rep in range(a.reps):
             for name, tree in trees.items():
                 folder = scratch / (f"warm-{name}" if cache == "warm" else
                                     f"fresh-{name}-{rep}")
@@ -203,12 +208,6 @@ def measure(a, trees: dict[str, Path], scratch: Path) -> dict:
                 got = conversion(tree, src, scratch / f"out-{name}", a.device, folder)
                 runs[name][cache].append({**got, "page_cache_dropped": dropped})
                 log(run_line(f"{name} {cache} {rep + 1}", got))
-        for name, tree in trees.items():
-            got = in_process(tree, src, scratch / f"out-{name}", a.device,
-                             scratch / f"warm-{name}")
-            inproc[name].append(got)
-            log(f"{name} in process {rep + 1}: {got['inprocess_s']:.2f} s "
-                f"({got['inprocess_cpu_s']:.2f} s CPU; its first run {got['first_run_s']:.2f} s)")
     out = {}
     for name in trees:
         base = medians(inproc[name])
