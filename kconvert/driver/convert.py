@@ -36,7 +36,7 @@ from kconvert.engine.source_order import hub_disk, start_stream
 from kconvert.engine.stage import Stage
 from kconvert.engine.work import Share, WorkPlan, shard_file_bytes, share_work
 from kconvert.errors import KconvertError, UsageError
-from kconvert.formats import warm_cpu_kernels
+from kconvert.formats import Int4Codec, warm_cpu_kernels
 from kconvert.gpu.budget import GpuContext, GpuRequest
 from kconvert.gpu.devices import pick_device
 from kconvert.gpu.plan import gib
@@ -291,12 +291,15 @@ def _execute(plan: WorkPlan, ws: Workspace, device: torch.device, done: dict[str
         name = f"{name} (rank 0 of {distributed.world()})"
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
               disable=run.quiet or not distributed.is_main(), desc=name, smoothing=0.1) as bar:
-        encodes = any(m.out_codec is not None and m.out_codec.quantized and not m.repack
-                      for m in plan.modules)
+        encodes = [m for m in plan.modules
+                   if m.out_codec is not None and m.out_codec.quantized and not m.repack]
         if device.type == "cpu" and encodes:
             bar.set_description("loading CPU kernels (the first run after installing compiles "
                                 "them: 10-50 s by the cores)")
-            warm_cpu_kernels()
+            # INT4 read as stored (compute's packed path) needs only the INT4 encoder
+            int4 = sum(m.transform is None and issubclass(m.codec, Int4Codec)
+                       and m.out_codec.reads_packed(m.codec, device) for m in encodes)
+            warm_cpu_kernels(float_rows=int4 < len(encodes), int4_rows=int4 > 0)
             bar.set_description(name)
         return execute(plan, ws.root, device, done, bar.update, readers=run.readers,
                        share=share, feed=stream)

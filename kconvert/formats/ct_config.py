@@ -2,12 +2,16 @@
 formats and modules it covers, the scheme checks its formats share, and the block kconvert
 writes for an NVFP4 or MXFP4 output.
 
-The block is built with compressed-tensors' own pydantic models, laid out as its
-ModelCompressor writes it.
+The block is laid out as compressed-tensors' ModelCompressor writes it, from its preset schemes
+(CT_PRESETS: the dumps of its pydantic models, which tests/formats/test_ct_config.py holds equal
+to the installed library's). compressed-tensors itself is not imported: it loads transformers,
+torch._dynamo and scipy, seconds of a conversion process that uses none of them.
 """
 
 from __future__ import annotations
 
+import copy
+import importlib.metadata
 import re
 from collections.abc import Iterable, Mapping
 
@@ -28,6 +32,24 @@ CT_TARGETS = {
                      r"re:.*self_attn\.(q_proj|k_proj|v_proj|g_proj|f_a_proj|f_b_proj|b_proj)$"),
 }
 QUANT_METHOD = "compressed-tensors"  # the config family's quant_method
+
+# compressed-tensors' preset schemes that kconvert writes (quant_scheme.PRESET_SCHEMES), as
+# QuantizationScheme.model_dump(mode="json") lays them out, less `targets` and `format`.
+_NVFP4_ARGS = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "symmetric": True,
+               "group_size": 16, "scale_dtype": "torch.float8_e4m3fn"}
+_MXFP4_ARGS = {"num_bits": 4, "type": "float", "strategy": "group", "symmetric": True,
+               "group_size": 32, "scale_dtype": "torch.uint8"}
+CT_PRESETS: dict[str, dict] = {
+    "NVFP4A16": {"weights": {**_NVFP4_ARGS, "dynamic": False}, "input_activations": None,
+                 "output_activations": None},
+    "NVFP4": {"weights": {**_NVFP4_ARGS, "dynamic": False},
+              "input_activations": {**_NVFP4_ARGS, "dynamic": "local", "observer": "static_minmax"},
+              "output_activations": None},
+    "MXFP4A16": {"weights": {**_MXFP4_ARGS, "dynamic": False}, "input_activations": None,
+                 "output_activations": None},
+    "MXFP4": {"weights": {**_MXFP4_ARGS, "dynamic": False},
+              "input_activations": {**_MXFP4_ARGS, "dynamic": True}, "output_activations": None},
+}
 
 
 def target_matches(name: str, target: str, linear: bool) -> bool:
@@ -91,41 +113,36 @@ def _roles_by_group(modules: Iterable[OutputModule]) -> dict[int, list[Role]]:
     return dict(sorted(by_size.items()))
 
 
+def config_block(preset: str, fmt: str, targets_by_group: Mapping[int, list[str]],
+                 ignore: list[str]) -> dict:
+    """compressed-tensors' quantization_config for scheme `preset` in format `fmt`: one config
+    group per weight group size (its targets), as ModelCompressor writes a QuantizationConfig
+    of preset_name_to_scheme(preset, targets) with weights.group_size and format set."""
+    groups = {}
+    for i, (group_size, targets) in enumerate(targets_by_group.items()):
+        scheme = copy.deepcopy(CT_PRESETS[preset])
+        scheme["weights"]["group_size"] = group_size
+        groups[f"group_{i}"] = {"targets": list(targets), **scheme, "format": fmt}
+    return {"version": importlib.metadata.version(QUANT_METHOD), "quant_method": QUANT_METHOD,
+            "config_groups": groups, "format": fmt, "global_compression_ratio": None,
+            "ignore": list(ignore), "kv_cache_scheme": None, "moe_sparsity_config": None,
+            "quantization_status": "compressed"}
+
+
 def compressed_tensors_config(modules: list[OutputModule], has_vision: bool) -> dict:
     """The output format's W4A16 preset (NVFP4A16, MXFP4A16), or its W4A4 one when
     calibrated input scales were written or activations are quantized at run time (MXFP4);
     one config group per group size (32 is p48's sparse-kernel form, see docs/commands.md); each
-    format in the output adds what it needs (`edit_config`)."""
-    # Imported here: compressed-tensors takes seconds to import (it loads transformers), and
-    # only runs that write its config need it.
-    import compressed_tensors
-    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
-
+    format in the output adds what it needs (`edit_config`). The block has no sparsity or
+    transform entry: vLLM refuses some sparsity_config forms (docs/p48.md)."""
     w4a4 = any(m.has_input_scale or m.dynamic_activations for m in modules)
     codecs = {m.out_codec or m.codec for m in modules}
     quantized = [m for m in modules if (m.out_codec or m.codec).config_family == QUANT_METHOD]
     written = next(c for c in codecs if c.config_family == QUANT_METHOD and c.ct_presets)
-    groups = {}
-    for i, (group_size, roles) in enumerate(_roles_by_group(modules).items()):
-        targets = [t for r in roles for t in ct_targets(r, quantized)]
-        scheme = preset_name_to_scheme(written.ct_presets[w4a4], targets)
-        scheme.weights.group_size = group_size
-        scheme.format = written.ct_format
-        groups[f"group_{i}"] = scheme
+    targets = {group_size: [t for r in roles for t in ct_targets(r, quantized)]
+               for group_size, roles in _roles_by_group(modules).items()}
     ignore = ["lm_head"] + (["re:vision_tower.*", "re:mm_projector.*"] if has_vision else [])
-    qc = QuantizationConfig(
-        config_groups=groups,
-        format=written.ct_format,
-        quantization_status="compressed",
-        ignore=ignore,
-    )
-    # The same layout as compressed-tensors' ModelCompressor.update_config, minus the empty
-    # sparsity/transform blocks (vLLM refuses some sparsity_config forms: docs/p48.md).
-    qconfig = {
-        "version": compressed_tensors.__version__,
-        "quant_method": QUANT_METHOD,
-        **qc.model_dump(mode="json", exclude={"quant_method"}),
-    }
+    qconfig = config_block(written.ct_presets[w4a4], written.ct_format, targets, ignore)
     for codec in codecs:
         codec.edit_config(qconfig)
     policy = input_scale_policy(modules)

@@ -283,15 +283,19 @@ def _cpu_kernels():
     return nvfp4_cpu
 
 
-def warm_cpu_kernels() -> None:
+def warm_cpu_kernels(float_rows: bool = True, int4_rows: bool = True) -> None:
     """Load the fused CPU kernels now (numba compiles them on the first run after installing,
     ~15 s, and caches them), through the same calls and argument types a conversion makes, so
-    the time is spent where a caller can say what is happening rather than at 0% mid-run."""
+    the time is spent where a caller can say what is happening rather than at 0% mid-run.
+    `float_rows`: the encoder of decoded matrices (`quantize`); `int4_rows`: the encoder that
+    decodes INT4 itself (`quantize_int4`). Each is most of the compile; a run loads those its
+    modules use."""
     if _cpu_kernels() is None:
         return
-    quantize(torch.zeros(1, 1, BLOCK), torch.ones(1))
+    if float_rows:
+        quantize(torch.zeros(1, 1, BLOCK), torch.ones(1))
     packed = torch.zeros(1, 1, 4, dtype=torch.int32)
-    for scale_dtype in (torch.bfloat16, torch.float32):
+    for scale_dtype in (torch.bfloat16, torch.float32) if int4_rows else ():
         scale = torch.ones(1, 1, 1, dtype=scale_dtype)
         quantize_int4(packed, scale, int4_amax(packed, scale))
 
