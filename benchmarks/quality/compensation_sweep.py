@@ -10,7 +10,7 @@ top-1 agreement, NLL increase), as `repair_quality` does. Calibration: 64 x 256 
 bytes (seed 1), the repair stream's default 32,768 tokens.
 
     python -m benchmarks compensation_sweep --out benchmarks/results/compensation_sweep_tiny_moe
-        [--settings 100:2e-3 200:2e-3 ...]
+        [--settings 100:2e-3 200:2e-3 200:2e-3:16:bf16 ...]
 
 Writes OUT + ".json" (every number, each layer's guard records, seconds) and OUT + ".md".
 CPU; a few minutes per setting on 2 cores.
@@ -38,9 +38,10 @@ DEFAULT_SETTINGS = ("100:2e-3", "200:2e-3", "400:2e-3", "200:1e-3", "200:5e-3", 
 
 
 def parse(setting: str) -> LearnedSettings:
-    steps, lr, *batch = setting.split(":")
-    extra = {"batch": int(batch[0])} if batch else {}
-    return LearnedSettings(steps=int(steps), lr=float(lr), **extra)
+    """steps:lr[:batch[:bf16]] (bf16: the products in bf16 as on a GPU, fp32 masters)."""
+    steps, lr, *rest = setting.split(":")
+    extra = {"batch": int(rest[0])} if rest else {}
+    return LearnedSettings(steps=int(steps), lr=float(lr), bf16="bf16" in rest[1:], **extra)
 
 
 def top1(source: torch.Tensor, pruned: torch.Tensor) -> float:
@@ -57,7 +58,8 @@ def table(results: list[dict]) -> str:
         kept = f"{sum(v['applied'] for v in learned)}/{len(learned)}" if learned else "-"
         lines.append(
             f"| {r['compensate']} | {s.get('steps', '-')} | {s.get('lr', '-')} | "
-            f"{s.get('batch', '-')} | {r['kl']:.4f} | {r['kl'] / down:.3f} | {r['top1']:.4f} | "
+            f"{s.get('batch', '-')}{' bf16' if s.get('bf16') else ''} | {r['kl']:.4f} | "
+            f"{r['kl'] / down:.3f} | {r['top1']:.4f} | "
             f"{r['nll_increase']:+.4f} | "
             f"{kept} | {r['seconds']} |")
     return "\n".join(lines) + "\n"

@@ -46,10 +46,11 @@ class LearnedSettings:
 
 def plan_bytes(hidden: int, inter: int, top_k: int, tokens: int, keep: int, batch: int) -> int:
     """Device bytes of one batch's training (the GPU memory plan's term beside the repair
-    stream): per expert its three matrices with gradient and Adam moments in fp32 (5 copies),
-    and the activations of every fit token routed into the batch (at most every token, k
-    times), their gradients and the batch's slot sums."""
-    per_expert = 5 * 4 * 3 * hidden * inter
+    stream): per expert its three matrices with gradient and Adam moments in fp32 (5 copies)
+    and their bf16 copy for the products, and the activations of every fit token routed into
+    the batch (at most every token, k times), their gradients and the batch's slot sums (fp32:
+    a bound for bf16 products too)."""
+    per_expert = (5 * 4 + 2) * 3 * hidden * inter
     rows = min(tokens * top_k, tokens * top_k * batch // max(keep, 1) * 4)
     return batch * per_expert + rows * (3 * hidden + 6 * inter) * 4 + tokens * hidden * 4 * 3
 
