@@ -1,22 +1,23 @@
 """Learned compensation of one full-size synthetic Kimi MoE layer, kconvert trees side by side
 (issue 47: at most 60 s per layer within `--gpu-memory 74GiB`, and fitting 40GiB).
 
-    git archive 7a98966 kconvert pipelines | (mkdir -p /tmp/old && tar -x -C /tmp/old)   # today's code
-    python3 -m benchmarks learned_compensation new=.,74GiB old=/tmp/old,74GiB new40=.,40GiB \
+    git archive 7a98966 kconvert pipelines | (mkdir -p /tmp/old && tar -x -C /tmp/old)
+    python3 -m benchmarks learned_compensation new=.,74GiB new40=.,40GiB old=/tmp/old,74GiB \
         --root /tmp/kbench --out-dir $OUT
-    python -m benchmarks learned_compensation new=. old=/tmp/old --tiny    # CPU check, tiny dims
+    python -m benchmarks learned_compensation new=. old=/tmp/old --tiny    # CPU check
 
 Builds synthetic.kimi_set's checkpoint (layer 0 dense, layer 1 MoE with 384 INT4 experts, real
 Kimi-K2 shapes) once in ROOT, then each variant NAME=TREE[,BUDGET] runs `kconvert reap --data
 --keep K --repair router --compensate learned -v` (--gpu-memory BUDGET where given) from the
-kconvert package in TREE, in its own process, on --seqs x --seq random tokens (the repair stream
-takes its first 32,768). Read per variant: `learned_s`, the MoE layer's "learned compensation"
-phase from the repair's own per-phase log line (the training of every kept expert, its
-encode and write-back, and the guard's two passes over the block), beside the layer's other
-repair phases, the process's wall and its peak GPU memory (nvidia-smi, every 200 ms). On these
-random weights the guard refuses the training (the block's held-out error does not fall), so
-nothing trained is written: the seconds are the work all the same, and the number to read.
-Writes OUT_DIR/learned_compensation_<device>_<date>_<code>.json.
+kconvert package in TREE, in its own process, on --seqs x --seq random tokens (default 16 x
+2,048: the repair stream's 32,768, as from any larger --data). Read per variant `learned_s`:
+the MoE layer's "learned compensation" phase from the repair's own per-phase log line (the
+training of every kept expert, its encode and write-back, the guard's two passes over the
+block; in a fresh process also the first compilation of the Adam update), beside the layer's
+other repair phases, the process's wall and its peak GPU memory (nvidia-smi, every 200 ms).
+On these random weights the guard may refuse the training (the block's held-out error does
+not fall) and then nothing trained is written: the seconds are the work all the same, and
+the number to read. Writes OUT_DIR/learned_compensation_<device>_<date>_<code>.json.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--tiny", action="store_true",
                     help="tiny dims (24 experts) on the CPU (a check), in /tmp/kbench-tiny")
     add_dims(ap, moe_layers=None)
-    ap.add_argument("--seqs", type=int, default=256, help="sequences (default: %(default)s)")
+    # 16 x 2,048 tokens fill the repair stream's 32,768 (more only lengthen the calibration)
+    ap.add_argument("--seqs", type=int, default=16, help="sequences (default: %(default)s)")
     ap.add_argument("--seq", type=int, default=2048, help="tokens each (default: %(default)s)")
     ap.add_argument("--keep", type=int, default=192,
                     help="experts kept per layer (default: %(default)s)")
