@@ -42,7 +42,9 @@ def parse(setting: str) -> LearnedSettings:
     """steps:lr[:batch[:bf16]] (bf16: the products in bf16 as on a GPU, fp32 masters)."""
     steps, lr, *rest = setting.split(":")
     extra = {"batch": int(rest[0])} if rest else {}
-    return LearnedSettings(steps=int(steps), lr=float(lr), bf16="bf16" in rest[1:], **extra)
+    if "bf16" in rest[1:]:
+        extra["bf16"] = True
+    return LearnedSettings(steps=int(steps), lr=float(lr), **extra)
 
 
 def top1(source: torch.Tensor, pruned: torch.Tensor) -> float:
