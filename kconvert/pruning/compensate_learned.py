@@ -12,9 +12,11 @@ descent, as the closed form's Gauss-Seidel sweeps): a Kimi layer's 192 kept expe
 state do not fit one GPU together (0.7 GB each in fp32).
 
 A batch trains full-batch (every fit token routed to it, every step), Adam with each matrix's
-step a fraction of its RMS (kconvert.methods.expert_training.Adam), cosine decay. There is no
-random draw, and each token's sum over its slots in the batch is taken in a fixed order (no
-atomic adds), so the same run writes the same bytes.
+step a fraction of its RMS (kconvert.methods.expert_training.Adam), cosine decay; the products
+run per expert over its own rows, in bf16 on a GPU (fp32 masters, moments and loss) and in
+fp32 on a CPU (LearnedSettings.dtype). There is no random draw, and each token's sum over its
+slots in the batch is taken in a fixed order (no atomic adds), so the same run writes the
+same bytes.
 """
 
 from __future__ import annotations
