@@ -57,11 +57,11 @@ def compare(source: torch.Tensor, pruned: torch.Tensor, ids: torch.Tensor) -> di
     return {"kl": kl, "nll": nll(pruned), "nll_increase": nll(pruned) - nll(source)}
 
 
-def prune(keep: int, settings: RepairSettings | None, calib: torch.Tensor, dst: Path
-          ) -> PrunePlan:
-    """Prune SRC into dst keeping `keep` experts per layer, with the router repair and
+def prune(keep: int, settings: RepairSettings | None, calib: torch.Tensor, dst: Path,
+          src: Path = SRC) -> PrunePlan:
+    """Prune `src` into dst keeping `keep` experts per layer, with the router repair and
     compensation `settings` ask for in the calibration pass (None: plain REAP); its plan."""
-    ckpt = open_checkpoint(str(SRC))
+    ckpt = open_checkpoint(str(src))
     try:
         fixer = None if settings is None else RouterRepair(
             ckpt, calib, settings, torch.device("cpu"), torch.float32, 16)
@@ -74,7 +74,7 @@ def prune(keep: int, settings: RepairSettings | None, calib: torch.Tensor, dst: 
     if fixer is not None:
         plan, rows, matrices = with_repair(plan, fixer), fixer.rows, fixer.matrices
         options = {"repair": settings.method, "compensate": settings.compensate}
-    convert(str(SRC), str(dst), load_recipe("reap"), options, RunControl(quiet=True),
+    convert(str(src), str(dst), load_recipe("reap"), options, RunControl(quiet=True),
             prepare=lambda c: {"prune": prune_stage(plan, c, rows, matrices)})
     return plan
 

@@ -12,9 +12,11 @@ descent, as the closed form's Gauss-Seidel sweeps): a Kimi layer's 192 kept expe
 state do not fit one GPU together (0.7 GB each in fp32).
 
 A batch trains full-batch (every fit token routed to it, every step), Adam with each matrix's
-step a fraction of its RMS (kconvert.methods.expert_training.Adam), cosine decay. There is no
-random draw, and each token's sum over its slots in the batch is taken in a fixed order (no
-atomic adds), so the same run writes the same bytes.
+step a fraction of its RMS (kconvert.methods.expert_training.Adam), cosine decay; the products
+run per expert over its own rows, in bf16 on a GPU (fp32 masters, moments and loss) and in
+fp32 on a CPU (LearnedSettings.dtype). There is no random draw, and each token's sum over its
+slots in the batch is taken in a fixed order (no atomic adds), so the same run writes the
+same bytes.
 """
 
 from __future__ import annotations
@@ -36,14 +38,21 @@ class LearnedSettings:
     steps: int = 200  # Adam steps per batch of experts
     lr: float = 2e-3  # a step, as a fraction of each matrix's RMS
     batch: int = 16  # kept experts trained together
+    bf16: bool | None = None  # products in bf16 (fp32 masters and loss); None: on a GPU
+
+    def dtype(self, device: torch.device) -> torch.dtype:
+        """The products' dtype on `device`."""
+        on = device.type == "cuda" if self.bf16 is None else self.bf16
+        return torch.bfloat16 if on else torch.float32
 
 
 def plan_bytes(hidden: int, inter: int, top_k: int, tokens: int, keep: int, batch: int) -> int:
     """Device bytes of one batch's training (the GPU memory plan's term beside the repair
-    stream): per expert its three matrices with gradient and Adam moments in fp32 (5 copies),
-    and the activations of every fit token routed into the batch (at most every token, k
-    times), their gradients and the batch's slot sums."""
-    per_expert = 5 * 4 * 3 * hidden * inter
+    stream): per expert its three matrices with gradient and Adam moments in fp32 (5 copies)
+    and their bf16 copy for the products, and the activations of every fit token routed into
+    the batch (at most every token, k times), their gradients and the batch's slot sums (fp32:
+    a bound for bf16 products too)."""
+    per_expert = (5 * 4 + 2) * 3 * hidden * inter
     rows = min(tokens * top_k, tokens * top_k * batch // max(keep, 1) * 4)
     return batch * per_expert + rows * (3 * hidden + 6 * inter) * 4 + tokens * hidden * 4 * 3
 
@@ -57,61 +66,62 @@ def learned_bytes(text: dict, tokens: int, keep: int) -> int:
 
 @dataclass
 class Pairs:
-    """The (token, slot) pairs of a batch of kept experts: per expert its rows, and where each
-    row's output goes among the batch's tokens (`local` token, `rank` among that token's pairs
-    in the batch, ascending expert)."""
+    """The (token, slot) pairs of a batch of kept experts: their rows, expert after expert
+    (ascending), each expert's tokens ascending, and where each row's output goes among the
+    batch's tokens (`local` token, `rank` among that token's pairs in the batch, ascending
+    expert). Rows are not padded to the busiest expert's count: under uneven routing the
+    padding was most of a batch's work (2.4x the rows at a load spread of 0.5 in the logits)."""
 
     tokens: torch.Tensor  # the batch's tokens [T_B] (indices into the fit tokens), ascending
-    x: torch.Tensor  # [E, R, H] the rows' inputs, zero-padded to the busiest expert's R
-    gate: torch.Tensor  # [E, R] fp32 the rows' router weights (0 on padding)
-    valid: torch.Tensor  # [E, R] bool
-    local: torch.Tensor  # [pairs] token position in `tokens` of each valid row
-    rank: torch.Tensor  # [pairs] its place among the token's pairs in the batch
+    x: torch.Tensor  # [N, H] the rows' inputs in the compute dtype
+    gate: torch.Tensor  # [N] fp32 the rows' router weights
+    counts: list[int]  # rows per expert of the batch
+    local: torch.Tensor  # [N] token position in `tokens` of each row
+    rank: torch.Tensor  # [N] its place among the token's pairs in the batch
     depth: int  # the most pairs a token has in the batch
 
     @classmethod
-    def of(cls, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-           experts: range) -> Pairs:
-        """The pairs of kept experts `experts` (new ids) under routing (weights, ids) [T, k]."""
+    def of(cls, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: range,
+           dtype: torch.dtype = torch.float32) -> Pairs:
+        """The pairs of kept experts `experts` (new ids) under routing (weights, ids) [T, k],
+        inputs in `dtype`."""
         rows = [(ids == e).nonzero(as_tuple=True) for e in experts]
-        longest = max((len(tok) for tok, _ in rows), default=0)
-        n, h = len(rows), x.shape[1]
-        xs = x.new_zeros(n, longest, h)
-        gate = torch.zeros(n, longest, dtype=torch.float32, device=x.device)
-        valid = torch.zeros(n, longest, dtype=torch.bool, device=x.device)
-        for i, (tok, slot) in enumerate(rows):
-            xs[i, :len(tok)] = x[tok]
-            gate[i, :len(tok)] = weights[tok, slot]
-            valid[i, :len(tok)] = True
-        flat = torch.cat([tok for tok, _ in rows]) if rows else ids.new_zeros(0)
-        tokens, local = torch.unique(flat, return_inverse=True)
+        tok = torch.cat([t for t, _ in rows]) if rows else ids.new_zeros(0)
+        slot = torch.cat([s for _, s in rows]) if rows else ids.new_zeros(0)
+        tokens, local = torch.unique(tok, return_inverse=True)
         order = torch.argsort(local, stable=True)  # by token, then expert
         counts = torch.bincount(local, minlength=len(tokens))
         starts = counts.cumsum(0) - counts
         rank = torch.empty_like(local)
         rank[order] = torch.arange(len(local), device=x.device) - starts[local[order]]
-        return cls(tokens, xs, gate, valid, local, rank, int(counts.max()) if len(flat) else 0)
+        return cls(tokens, x[tok].to(dtype), weights[tok, slot].float(),
+                   [len(t) for t, _ in rows], local, rank,
+                   int(counts.max()) if len(tok) else 0)
 
     def output(self, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
         """sum over the batch's experts of g f_j(x) per token [T_B, H] fp32 (differentiable
-        in gate_up [E, 2I, H] and down [E, H, I])."""
-        out = expert_outputs(self.x.float(), gate_up, down) * self.gate.unsqueeze(-1)
+        in gate_up [E, 2I, H] and down [E, H, I], fp32 masters: each expert's products in
+        the rows' dtype, with fp32 accumulation)."""
+        gate_up, down = gate_up.to(self.x.dtype), down.to(self.x.dtype)
+        out = torch.cat([expert_outputs(x.unsqueeze(0), gate_up[j:j + 1], down[j:j + 1])[0]
+                         for j, x in enumerate(self.x.split(self.counts))])
+        out = out.float() * self.gate.unsqueeze(-1)
         slots = out.new_zeros(len(self.tokens), self.depth, out.shape[-1])
-        slots = slots.index_put((self.local, self.rank), out[self.valid])
-        return slots.sum(1)
+        return slots.index_put((self.local, self.rank), out).sum(1)
 
 
 Matrices = Callable[[range], tuple[torch.Tensor, torch.Tensor]]
 
 
 def routed_sum(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: int,
-               read: Matrices, batch: int) -> torch.Tensor:
-    """The kept routed experts' weighted sum [T, H] fp32 on x under routing (weights, ids);
-    `read(part)`: the (gate_up [E, 2I, H], down [E, H, I]) of kept experts `part`."""
+               read: Matrices, batch: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The kept routed experts' weighted sum [T, H] fp32 on x under routing (weights, ids),
+    products in `dtype`; `read(part)`: the (gate_up [E, 2I, H], down [E, H, I]) of kept
+    experts `part`."""
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     for start in range(0, experts, batch):
         part = range(start, min(start + batch, experts))
-        pairs = Pairs.of(x, weights, ids, part)
+        pairs = Pairs.of(x, weights, ids, part, dtype)
         if pairs.depth:
             gate_up, down = read(part)
             out[pairs.tokens] += pairs.output(gate_up.float(), down.float())
@@ -126,11 +136,12 @@ def train(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, goal: torch
     ids) [T, k] on fit inputs x [T, H] approaches `goal` [T, H] fp32 (module docstring): each
     batch starts from `read(part)` and its result goes to `write(part, gate_up, down)` (fp32),
     after which `read` gives what was written (the next batches' residual is of those)."""
+    dtype = settings.dtype(x.device)
     with torch.no_grad():
-        current = routed_sum(x, weights, ids, experts, read, settings.batch)
+        current = routed_sum(x, weights, ids, experts, read, settings.batch, dtype)
     for start in range(0, experts, settings.batch):
         part = range(start, min(start + settings.batch, experts))
-        pairs = Pairs.of(x, weights, ids, part)
+        pairs = Pairs.of(x, weights, ids, part, dtype)
         if not pairs.depth:
             continue
         with torch.no_grad():

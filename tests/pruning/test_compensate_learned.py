@@ -86,6 +86,35 @@ def test_training_lowers_the_block_error_and_repeats_exactly():
         assert torch.equal(t, again[name]), name
 
 
+def test_bf16_products_train_fp32_masters_and_repeat_exactly():
+    """As on a GPU: the products in bf16, the masters, their moments and the loss in fp32."""
+    goal = _problem(seed=1)[0] * 0.3
+    settings = LearnedSettings(steps=60, lr=2e-2, batch=3, bf16=True)
+    assert settings.dtype(torch.device("cpu")) == torch.bfloat16
+    assert LearnedSettings().dtype(torch.device("cpu")) == torch.float32
+    store, _, before, after = _trained(settings, goal)
+    assert after < 0.8 * before
+    assert all(t.dtype == torch.float32 for t in store.values())
+    # the trained masters are fp32 values, not bf16's (bf16 masters would be on its grid)
+    for t in store.values():
+        assert not torch.equal(t, t.bfloat16().float())
+    again = _trained(settings, goal)[0]
+    for name, t in store.items():
+        assert torch.equal(t, again[name]), name
+
+
+def test_bf16_routed_sum_is_the_fp32_one_to_bf16_precision():
+    x, weights, ids, gate_up, down = _problem()
+
+    def read(p: range):
+        return gate_up[p.start:p.stop], down[p.start:p.stop]
+
+    exact = routed_sum(x, weights, ids, E, read, 3)
+    rounded = routed_sum(x, weights, ids, E, read, 3, torch.bfloat16)
+    assert rounded.dtype == torch.float32 and not torch.equal(rounded, exact)
+    torch.testing.assert_close(rounded, exact, rtol=0.05, atol=0.05)
+
+
 def test_no_step_changes_nothing():
     goal = _problem(seed=1)[0]
     store, _, before, after = _trained(LearnedSettings(steps=0, batch=4), goal)
