@@ -100,4 +100,9 @@ def test_every_batchs_experts_are_the_closed_forms_where_the_training_is_refused
     for name, t in fixer.matrices.items():
         assert torch.equal(t, closed.matrices[name]), name
     for layer, rec in fixer.compensations.items():
-        assert rec.matrices_xxh3 == closed.compensations[layer].matrices_xxh3, layer
+        # the stream went on with the closed form's experts: the later layers' inputs, and so
+        # their errors, are the closed form's run's
+        base = closed.compensations[layer]
+        assert rec.matrices_xxh3 == base.matrices_xxh3, layer
+        assert (rec.heldout_mse_before, rec.heldout_mse_after, rec.fit_mse_before) == (
+            base.heldout_mse_before, base.heldout_mse_after, base.fit_mse_before), layer
