@@ -19,16 +19,20 @@ from kconvert.checks.findings import Checks
 from kconvert.formats import mxfp4
 from kconvert.formats.linear import ModuleWork
 from kconvert.formats.nvfp4_cast import CAST_CODECS, exact_blocks, stored_exponent
+from kconvert.records.manifest import MANIFEST
 
 SRC = "source"
 
 
 def declared_for(ctx: AuditContext, m: ModuleWork, s: ModuleWork | None) -> bool:
     """Whether module `m` is an exact cast of source module `s`, per the run's record."""
-    quantize = ctx.record.quantize if ctx.record is not None else None
     cast = CAST_CODECS.get(m.codec)
-    return (s is not None and quantize is not None and quantize.cast == "exact"
-            and cast is not None and cast.casts(s.codec))
+    return s is not None and _exact_cast_run(ctx) and cast is not None and cast.casts(s.codec)
+
+
+def _exact_cast_run(ctx: AuditContext) -> bool:
+    quantize = ctx.record.quantize if ctx.record is not None else None
+    return quantize is not None and quantize.cast == "exact"
 
 
 def check_module(ctx: AuditContext, m: ModuleWork, s: ModuleWork, out: dict[str, torch.Tensor],
@@ -58,16 +62,32 @@ def check_module(ctx: AuditContext, m: ModuleWork, s: ModuleWork, out: dict[str,
         return checks
     n, total = int(exact.sum()), exact.numel()
     tally.update(exact=n, blocks=total)
-    recorded = ctx.manifest.cast.get(m.module) if ctx.manifest is not None else None
-    if recorded is not None:
-        checks.check(SRC, (recorded.exact_blocks, recorded.blocks) == (n, total), "cast",
-                     f"the manifest records {recorded.exact_blocks} of {recorded.blocks} "
-                     f"blocks cast exactly, the bytes hold {n} of {total}", **where)
+    if ctx.manifest is not None:
+        recorded = ctx.manifest.cast.get(m.module)
+        said = ("no count" if recorded is None else
+                f"{recorded.exact_blocks} of {recorded.blocks} blocks cast exactly")
+        checks.check(SRC, recorded is not None
+                     and (recorded.exact_blocks, recorded.blocks) == (n, total), "cast",
+                     f"the manifest records {said}, the bytes hold {n} of {total}", **where)
     return checks
 
 
 def note(ctx: AuditContext, tally: Counter) -> None:
-    """The report's line on the exact cast, once every module is checked."""
+    """The report's line on the exact cast, once every module is checked; where a manifest
+    records the cast, its module counts and its summary's totals against the recount (a count
+    for a module that is no exact cast makes the manifest's sum larger than the recount)."""
+    if ctx.source is not None and ctx.manifest is not None and (
+            _exact_cast_run(ctx) or ctx.manifest.cast):
+        entries = ctx.manifest.cast.values()
+        summary = ctx.manifest.summary
+        want = (tally["exact"], tally["blocks"])
+        for what, got in (("module counts add up to", (sum(e.exact_blocks for e in entries),
+                                                       sum(e.blocks for e in entries))),
+                          ("summary says", (summary.get("cast_exact_blocks"),
+                                            summary.get("cast_blocks")))):
+            ctx.report.check(SRC, got == want, "cast", f"the manifest's {what} {got[0]} of "
+                             f"{got[1]} blocks cast exactly, the bytes hold {want[0]} of "
+                             f"{want[1]}", file=MANIFEST)
     if tally["blocks"]:
         ctx.report.notes.append(f"exact MXFP4 cast: {tally['exact']} of {tally['blocks']} "
                                 "blocks decode to the source's values bit for bit; the rest "

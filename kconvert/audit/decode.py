@@ -25,6 +25,11 @@ SRC = "source"
 DEFAULT_REL_MSE = 0.05
 # A module decoded to BF16 must equal the source decode to BF16 rounding (2^-9 relative).
 DENSE_REL_TOL = 2.0**-8
+# The most a manifest's rel_mse_max can allow: a decode at relative MSE 1 is no closer to its
+# source than zeros, which no compression writes (p48 with NVFP4 gives ~0.25 on the fixtures).
+# A manifest recorded by a run that wrote rows into the wrong matrix (an expert's gate and up
+# swapped: ~2) would otherwise allow its own mistake.
+MANIFEST_REL_MSE_CAP = 1.0
 # Decoded elements per row block: small on the CPU (its temporaries stay in cache-sized
 # pieces), large on an accelerator (fewer, larger kernels).
 BLOCK_ELEMS = {"cpu": 1 << 21}
@@ -75,9 +80,13 @@ def bound(ctx: AuditContext, m: ModuleWork) -> Bound:
     man = ctx.manifest
     if man is not None and m.primary.name in man.tensors:
         entry = man.layers.get(str(m.tn.layer))
-        if entry is not None:
+        if entry is not None and entry.rel_mse_max < MANIFEST_REL_MSE_CAP:
             return Bound(False, entry.rel_mse_max * (1 + 1e-3) + 1e-9,
                          f"the manifest's rel_mse_max for layer {m.tn.layer}")
+        if entry is not None:
+            return Bound(False, MANIFEST_REL_MSE_CAP, f"the manifest's rel_mse_max for layer "
+                         f"{m.tn.layer}, {entry.rel_mse_max:.3g}, is no bound: a decode that "
+                         "far is no closer to its source than zeros")
     return Bound(False, DEFAULT_REL_MSE, "default bound for a re-encoded module")
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+import time
+from collections.abc import Iterator
 
 import click
 from click.core import ParameterSource
@@ -14,6 +17,7 @@ from kconvert.cli.base import (
     apply_options,
     device_option,
     echo_unless_quiet,
+    exit_status,
     gpu_memory_option,
 )
 from kconvert.common.options import BATCH_SIZE, EVAL_SAMPLES, REAP_SAMPLES, SEED, SEQ_LEN
@@ -40,6 +44,29 @@ FORWARD_OPTIONS = [
                  help="Run on what --data holds when it cannot fill --samples sequences of "
                       "--seq-len tokens (a warning; otherwise an error)."),
 ]
+
+
+@contextlib.contextmanager
+def json_failure(as_json: bool, command: str, src: str | None) -> Iterator[None]:
+    """With --json, a failure inside the command (a usage error it finds itself among them)
+    as the failure object on stdout, as KconvertCommand prints one for click's parsing
+    errors; the error then goes on to KconvertCommand, which prints it and sets the exit
+    status."""
+    start = time.perf_counter()
+    try:
+        yield
+    except Exception as exc:
+        if as_json:
+            from kconvert.driver.run_summary import RunSummary
+
+            click.echo(RunSummary.failed(command, src or "", False, _message(exc),
+                                         time.perf_counter() - start, [], 0,
+                                         exit_status(exc)).model_dump_json())
+        raise
+
+
+def _message(exc: Exception) -> str:
+    return exc.format_message() if isinstance(exc, click.ClickException) else str(exc)
 
 
 @click.command("calibrate", cls=KconvertCommand)
@@ -130,49 +157,50 @@ def eval_cmd(ctx, src, candidates, data, out, samples, seq_len, batch_size, seed
     degeneration probe (loop rates and their z test); --generations compares two engines'
     texts without checkpoints.
     """
-    from kconvert.calibrate.startup import phase
+    with json_failure(as_json, "eval", src):
+        from kconvert.calibrate.startup import phase
 
-    rule = LoopRule(loop_max_period, loop_min_copies, loop_min_cover)
-    echo = (lambda m: click.echo(m, err=True)) if as_json else click.echo
-    if generations is not None:
-        if src is not None or data is not None or out is not None or generate is not None:
-            raise click.UsageError("--generations compares two files of texts: give no SRC, "
-                                   "CANDIDATE, --data, -o or --generate with it")
-        from kconvert.evaluate.generation import render
-        from kconvert.evaluate.probe import compare_files
+        rule = LoopRule(loop_max_period, loop_min_copies, loop_min_cover)
+        echo = (lambda m: click.echo(m, err=True)) if as_json else click.echo
+        if generations is not None:
+            if src is not None or data is not None or out is not None or generate is not None:
+                raise click.UsageError("--generations compares two files of texts: give no SRC, "
+                                       "CANDIDATE, --data, -o or --generate with it")
+            from kconvert.evaluate.generation import render
+            from kconvert.evaluate.probe import compare_files
 
-        report = compare_files(*generations, tokenizer, rule)
+            report = compare_files(*generations, tokenizer, rule)
+            if as_json:
+                click.echo(json.dumps({"generation": report.model_dump(mode="json")}, indent=1))
+            else:
+                click.echo(render(report))
+            return
+        if src is None or not candidates:
+            raise click.UsageError("Missing argument 'CANDIDATES...': eval compares SRC with at "
+                                   "least one candidate (or two files, --generations)")
+        if data is None:
+            raise click.UsageError("Missing option '--data'")
+        given = [n for n in GENERATE_ONLY
+                 if ctx.get_parameter_source(n) is ParameterSource.COMMANDLINE]
+        if generate is None and given:
+            raise click.UsageError(f"--{given[0].replace('_', '-')} applies only with --generate")
+        if generate is not None and len(candidates) != 1:
+            raise click.UsageError("--generate compares SRC with one CANDIDATE; run one eval per "
+                                   "candidate")
+        # what kconvert.api's evaluate_candidates runs, without importing the rest of the API
+        with phase("imports"):
+            from kconvert.evaluate.decode import Sampling
+            from kconvert.evaluate.probe import Probe
+            from kconvert.evaluate.run import run_eval
+
+        probe = None if generate is None else Probe(
+            generate, Sampling(new_tokens, temperature, sample_seed), prompt_tokens,
+            generate_batch_size, rule)
+        report = run_eval(src, list(candidates), data, out, samples, seq_len, batch_size, seed,
+                          device, dtype, tokenizer, quiet, echo=echo, gpu_memory=gpu_memory,
+                          allow_short_data=allow_short_data, probe=probe, overwrite=overwrite)
         if as_json:
-            click.echo(json.dumps({"generation": report.model_dump(mode="json")}, indent=1))
-        else:
-            click.echo(render(report))
-        return
-    if src is None or not candidates:
-        raise click.UsageError("Missing argument 'CANDIDATES...': eval compares SRC with at "
-                               "least one candidate (or two files, --generations)")
-    if data is None:
-        raise click.UsageError("Missing option '--data'")
-    given = [n for n in GENERATE_ONLY
-             if ctx.get_parameter_source(n) is ParameterSource.COMMANDLINE]
-    if generate is None and given:
-        raise click.UsageError(f"--{given[0].replace('_', '-')} applies only with --generate")
-    if generate is not None and len(candidates) != 1:
-        raise click.UsageError("--generate compares SRC with one CANDIDATE; run one eval per "
-                               "candidate")
-    # what kconvert.api's evaluate_candidates runs, without importing the rest of the API
-    with phase("imports"):
-        from kconvert.evaluate.decode import Sampling
-        from kconvert.evaluate.probe import Probe
-        from kconvert.evaluate.run import run_eval
-
-    probe = None if generate is None else Probe(
-        generate, Sampling(new_tokens, temperature, sample_seed), prompt_tokens,
-        generate_batch_size, rule)
-    report = run_eval(src, list(candidates), data, out, samples, seq_len, batch_size, seed,
-                      device, dtype, tokenizer, quiet, echo=echo, gpu_memory=gpu_memory,
-                      allow_short_data=allow_short_data, probe=probe, overwrite=overwrite)
-    if as_json:
-        click.echo(report.model_dump_json(indent=1))
+            click.echo(report.model_dump_json(indent=1))
 
 
 @click.command("audit", cls=KconvertCommand)
@@ -206,18 +234,19 @@ def audit(ckpt, source, plan_path, as_json, device, gpu_memory, revision, max_re
     Exit status: 0 every check passed (and every --serve engine is READY), 1 some check
     failed, an engine is NOT READY or the audit could not run, 2 a usage error.
     """
-    from kconvert.api import audit as run_audit
+    with json_failure(as_json, "audit", ckpt):
+        from kconvert.api import audit as run_audit
 
-    if revision is not None and source is None:
-        raise click.UsageError("--revision applies only with --source (a Hub repo id)")
-    report = run_audit(ckpt, source=source, plan=plan_path, device=device, revision=revision,
-                       max_rel_mse=max_rel_mse, chunk_mb=chunk_mb, progress=not quiet,
-                       gpu_memory=gpu_memory, serve=serve)
-    if as_json:
-        click.echo(json.dumps(report.to_json(), indent=1, default=str))
-    else:
-        click.echo(report.render())
-    sys.exit(0 if report.passed and report.serve_ready else 1)
+        if revision is not None and source is None:
+            raise click.UsageError("--revision applies only with --source (a Hub repo id)")
+        report = run_audit(ckpt, source=source, plan=plan_path, device=device, revision=revision,
+                           max_rel_mse=max_rel_mse, chunk_mb=chunk_mb, progress=not quiet,
+                           gpu_memory=gpu_memory, serve=serve)
+        if as_json:
+            click.echo(json.dumps(report.to_json(), indent=1, default=str))
+        else:
+            click.echo(report.render())
+        sys.exit(0 if report.passed and report.serve_ready else 1)
 
 
 def _serve_engines(value: str | None) -> str | None:

@@ -256,11 +256,7 @@ def _finish_shared(ws: Workspace, share: Share, parts: dict[str, dict]) -> dict[
         out = {}
         for shard in sorted(share.owned & share.shared):
             have = [got[shard] for got in gathered if shard in got]
-            if len(have) != len(share.writers[shard]):
-                raise KconvertError(f"{len(have)} of the {len(share.writers[shard])} ranks "
-                                    "that write into the shard reported their part",
-                                    file=shard)
-            out[shard] = finish_parts(ws.root, shard, have)
+            out[shard] = finish_parts(ws.root, shard, have, len(share.writers[shard]))
         return out
 
     return {s: r for got in distributed.all_gather_object(distributed.agree(finish))

@@ -11,6 +11,7 @@ from kconvert.common import events
 from kconvert.engine.compute import Result
 from kconvert.engine.items import WorkPlan
 from kconvert.engine.work import Share
+from kconvert.errors import KconvertError
 from kconvert.io.files import write_json
 from kconvert.io.hashing import TensorHashes
 from kconvert.io.lock import STATE_DIR
@@ -148,10 +149,14 @@ class ShardSink:
             writer.abandon()
 
 
-def finish_parts(dst: Path, shard: str, parts: list[dict]) -> dict:
+def finish_parts(dst: Path, shard: str, parts: list[dict], writers: int) -> dict:
     """A shared shard (every rank that writes into it has written its tensors and kept its
     record of them, `ShardSink.parts`) renamed into place and recorded: its record, every
-    part's tensors and modules."""
+    part's tensors and modules. Fewer parts than the shard's `writers` is an error, and the
+    shard stays unfinished: a rank's tensors would be missing from a file marked done."""
+    if len(parts) != writers:
+        raise KconvertError(f"{len(parts)} of the {writers} ranks that write into the shard "
+                            "reported their part", file=shard)
     record: dict[str, dict] = {"tensors": {}, "modules": {}}
     for part in parts:
         for key in record:

@@ -1,13 +1,16 @@
 """`kconvert mxfp4-to-nvfp4` (quantize --cast exact, docs/formats.md §7) end to end: an MXFP4
 tiny MoE (compressed-tensors and Quark layouts) cast to NVFP4 in both output formats decodes to
 its source bit for bit, `kconvert eval` sees the same model (KL 0), `audit --source` checks
-every exact block and catches a flipped code and a -0 written +0; a block 2^-20 below the
-tensor's largest is counted inexact; what the cast cannot do is refused."""
+every exact block and catches a flipped code and a -0 written +0, and fails a manifest whose
+exact-block counts differ from its recount (a module's, a missing or an extra one, the
+summary's); a block 2^-20 below the tensor's largest is counted inexact; what the cast cannot
+do is refused."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ import torch
 from conftest import BUNDLED, ROOT
 from helpers import (
     INDEX,
+    MANIFEST,
     assert_audit_passes,
     assert_user_error,
     audit_json,
@@ -180,3 +184,55 @@ def test_a_nan_exponent_stops_the_cast(mx_source, tmp_path):
                                        torch.tensor(255, dtype=torch.uint8)))
     res = cli_inproc("mxfp4-to-nvfp4", src, tmp_path / "nv", "--device", "cpu", "--quiet")
     assert_user_error(res, "NaN or Inf in the source weights", module)
+
+
+EDITED = "model.layers.2.mlp.experts.5.up_proj"
+
+
+@pytest.fixture(scope="module")
+def cast(mx_source, tmp_path_factory) -> tuple[Path, Path]:
+    """(the MXFP4 source, its exact cast to compressed-tensors NVFP4)."""
+    src = mx_source("mxfp4-pack-quantized")
+    dst = tmp_path_factory.mktemp("cast") / "nv"
+    cast_to(src, dst, "compressed-tensors")
+    return src, dst
+
+
+def _edited(cast: tuple[Path, Path], tmp_path: Path, edit) -> tuple[int, dict]:
+    """audit --source of a copy of the cast whose manifest `edit` changed."""
+    src, nv = cast
+    out = tmp_path / "nv"
+    shutil.copytree(nv, out)
+    manifest = json.loads((out / MANIFEST).read_text())
+    edit(manifest)
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    return audit_json(out, "--source", src)
+
+
+def _lower(manifest: dict) -> None:
+    manifest["cast"][EDITED]["exact_blocks"] -= 1
+    manifest["summary"]["cast_exact_blocks"] -= 1  # the totals still add up
+
+
+def _drop(manifest: dict) -> None:
+    del manifest["cast"][EDITED]
+
+
+def _extra(manifest: dict) -> None:
+    manifest["cast"]["model.layers.2.self_attn.o_proj"] = {"exact_blocks": 4, "blocks": 4}
+
+
+def _summary(manifest: dict) -> None:
+    manifest["summary"]["cast_exact_blocks"] -= 1
+
+
+@pytest.mark.parametrize("edit, names_module", [(_lower, True), (_drop, True), (_extra, False),
+                                                (_summary, False)],
+                         ids=["lower", "missing", "extra", "summary"])
+def test_a_manifest_whose_count_differs_fails(cast, tmp_path, edit, names_module):
+    code, report = _edited(cast, tmp_path, edit)
+    assert code == 1
+    failures = [f for f in report["failures"] if f["check"] == "cast"]
+    assert failures, report["failures"]
+    if names_module:
+        assert any((f["tensor"] or "").startswith(EDITED) for f in failures), failures
