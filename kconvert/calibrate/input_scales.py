@@ -9,7 +9,13 @@ from typing import TYPE_CHECKING, ClassVar
 
 from kconvert.calibrate.stats import ActStats
 from kconvert.model.names import Role, parse_name
-from kconvert.plugins.input_scales import EXPERT, INPUT_SCALE_POLICIES, LAYER_MAX, ONE
+from kconvert.plugins.input_scales import (
+    EXPERT,
+    INPUT_SCALE_POLICIES,
+    LAYER_MAX,
+    ONE,
+    STAGE_KIND,
+)
 from kconvert.plugins.registry import Declaration
 
 if TYPE_CHECKING:
@@ -120,11 +126,11 @@ class One(InputScalePolicy):
 
 def input_scale_policy(name: str | None) -> InputScalePolicy:
     """The policy named `name` (None: the default) as an instance."""
-    return INPUT_SCALE_POLICIES.named("quantize", name, "input-scale").load()()
+    return INPUT_SCALE_POLICIES.named(STAGE_KIND, name, "input-scale").load()()
 
 
 def served_policy(name: str | None) -> InputScalePolicy:
     """The policy a checkpoint's config declares, as an engine serves it: a name no
     declaration knows, or none, is each module's own scale."""
-    found = INPUT_SCALE_POLICIES.get("quantize", name) if name is not None else None
+    found = INPUT_SCALE_POLICIES.get(STAGE_KIND, name) if name is not None else None
     return found.load()() if found is not None else InputScalePolicy()

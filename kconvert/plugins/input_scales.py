@@ -15,7 +15,8 @@ from kconvert.plugins.registry import Declaration, Registry
 
 INPUT_SCALE_POLICIES = Registry("input-scale policy")
 
-QUANTIZE = ("quantize",)  # the stage kind that takes them
+STAGE_KIND = "quantize"  # the stage kind that takes them
+QUANTIZE = (STAGE_KIND,)
 POLICIES = "kconvert.calibrate.input_scales"
 
 EXPERT = INPUT_SCALE_POLICIES.register(Declaration(
