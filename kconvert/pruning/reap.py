@@ -10,6 +10,7 @@ checking it against the checkpoint.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -26,6 +27,10 @@ from kconvert.pruning.plan import PruneLayer, PrunePlan
 
 # The per-layer statistics the criteria are computed from (`calibrate` writes them).
 SCORE_STATS = ("saliency", "count", "ean_sum", "ean_sq_sum")
+# How a multi-token-prediction layer without scores keeps its experts (docs/mtp.md): the
+# calibration's forward does not run it, so every expert of it has the same (no) evidence and
+# the criteria's own tie rule, lower id first, decides.
+MTP_RULE = "uncalibrated-lowest-ids"
 
 
 def with_means(s: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -73,7 +78,10 @@ def statistic(criterion: str) -> str:
 
 
 def plan_from_scores(scores: dict[int, dict[str, torch.Tensor]], keep: int, criterion: str,
-                     source: dict | None = None) -> PrunePlan:
+                     source: dict | None = None, mtp_layers: Iterable[int] = ()) -> PrunePlan:
+    """Keep the `keep` highest-scoring experts of every scored layer; each of `mtp_layers`
+    (the checkpoint's multi-token-prediction layers) without scores keeps its `keep` lowest
+    ids, the plan saying so (MTP_RULE), so that every MoE layer keeps one count."""
     ranked_by = statistic(criterion)
     layers = {}
     for layer, raw in scores.items():
@@ -91,9 +99,21 @@ def plan_from_scores(scores: dict[int, dict[str, torch.Tensor]], keep: int, crit
             frequency=s["count"].tolist() if "count" in s else None,
             ean=s["ean_sum"].tolist() if "ean_sum" in s else None,
         )
+    for layer in mtp_layers:
+        layers.setdefault(str(layer), PruneLayer(keep=list(range(keep)), rule=MTP_RULE))
     n_routed = next(iter(scores.values()))["count"].numel()
     return PrunePlan(criterion=criterion, routing="model", source=source,
                      n_routed_experts=n_routed, layers=layers)
+
+
+def note_mtp_rule(plan: PrunePlan, echo: Callable[[str], None]) -> None:
+    """Say which layers kept their experts by MTP_RULE rather than by the criterion."""
+    ruled = [int(k) for k, v in plan.layers.items() if v.rule == MTP_RULE]
+    if ruled:
+        echo(f"kconvert: warning: multi-token-prediction layer(s) {', '.join(map(str, ruled))} "
+             f"keep their {len(plan.layers[str(ruled[0])].keep)} lowest expert ids: the "
+             "calibration does not run MTP layers, so no criterion score ranks their experts "
+             "(docs/mtp.md; a --plan naming their keep chooses otherwise)")
 
 
 def keep_ids(score: torch.Tensor, keep: int) -> list[int]:

@@ -298,7 +298,8 @@ def prepare(stages: tuple[dict, ...], options: dict, gpu: GpuRequest
         criterion = options.get("criterion") or CRITERIA.default(PRUNE[0]).name
         if stats is not None:
             scores = scores_from_stats(stats)
-            made = plan_from_scores(scores, keep, criterion, ckpt.identity)
+            made = plan_from_scores(scores, keep, criterion, ckpt.identity,
+                                    arch_of(ckpt.text_config).mtp_layers)
             prune_data.note_unrouted(made, scores, echo)
             return prune_stage(made, ckpt)
         made = prune_data.from_data(ckpt, options, gpu, keep, criterion, repair_kind(repair),

@@ -27,10 +27,11 @@ from kconvert.gpu.budget import GpuRequest
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.lock import STATE_DIR
 from kconvert.io.output_dir import REFIT_DIR, resolve_dst
+from kconvert.model.arch import arch_of
 from kconvert.model.names import Role, parse_name
 from kconvert.pruning.kinds import CompensationKind, RepairKind
 from kconvert.pruning.plan import PruneLayer, PrunePlan
-from kconvert.pruning.reap import moe_layers
+from kconvert.pruning.reap import moe_layers, note_mtp_rule
 
 
 @dataclass
@@ -119,7 +120,8 @@ def _calibrate(ckpt: Checkpoint, ids: torch.Tensor, options: dict, gpu: GpuReque
     if options.get("save_stats"):
         save_stats(measured, options["save_stats"])
     scores = scores_of(measured)
-    made = plan_from_scores(scores, keep, criterion, ckpt.identity)
+    made = plan_from_scores(scores, keep, criterion, ckpt.identity,
+                            arch_of(ckpt.text_config).mtp_layers)
     note_unrouted(made, scores, echo)
     if fixer is None:
         return FromData(made, used)
@@ -152,8 +154,9 @@ def note_unrouted(plan: PrunePlan, scores: dict[int, dict[str, torch.Tensor]],
                   echo: Callable[[str], None]) -> None:
     """Say so when a layer keeps experts no calibration token was routed to: every score of
     theirs is 0, so the lower-id rule chose them, not the data."""
+    note_mtp_rule(plan, echo)
     unrouted = {layer: [e for e in entry.keep if float(scores[int(layer)]["count"][e]) == 0]
-                for layer, entry in plan.layers.items()}
+                for layer, entry in plan.layers.items() if int(layer) in scores}
     unrouted = {layer: ids for layer, ids in unrouted.items() if ids}
     if not unrouted:
         return
