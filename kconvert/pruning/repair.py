@@ -48,7 +48,7 @@ from kconvert.pruning.plan import (
     LayerRepair,
     PrunePlan,
 )
-from kconvert.pruning.reap import keep_ids, row_hashes, statistic, with_means
+from kconvert.pruning.reap import MTP_RULE, keep_ids, row_hashes, statistic, with_means
 from kconvert.pruning.router_fit import (
     REPAIR_TOKENS,
     Candidates,
@@ -249,6 +249,9 @@ def with_repair(plan: PrunePlan, repair: RouterRepair) -> PrunePlan:
     layers = {}
     s = repair.settings
     for key, entry in plan.layers.items():
+        if entry.rule == MTP_RULE:  # not calibrated: no tokens to re-fit it on (docs/mtp.md)
+            layers[key] = entry
+            continue
         if int(key) not in repair.kept:
             raise KconvertError(f"layer {key} of the plan was not repaired")
         if entry.keep != repair.kept[int(key)]:
