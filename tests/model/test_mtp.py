@@ -1,0 +1,184 @@
+"""Multi-token-prediction layers (DeepSeek-V3's num_nextn_predict_layers; docs/mtp.md), on a
+fixture with one MTP layer (layer 3 after the dense layer 0 and MoE layers 1-2): every data-free
+command converts it like a decoder layer and keeps its own tensors byte for byte, `reap` prunes
+it to the same count (its experts by the documented rule, the plan saying so), each output
+passes the audit against its source and is READY for its engines; an MTP layer left with the
+unpruned count is NOT READY, naming its shard, tensor and the engine's rule; a data-driven
+method that cannot calibrate it is refused before DST exists."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors.torch import save_file
+
+from helpers import (
+    INDEX,
+    assert_audit_passes,
+    assert_user_error,
+    audit_json,
+    checkpoint_tensors,
+    cli_inproc,
+    edit_json,
+    file_tensors,
+    write_input_ids,
+)
+from kconvert.model.names import Role, parse_name
+from kconvert.pruning.plan import PLAN_FILE, load_plan
+from kconvert.pruning.reap import MTP_RULE
+
+MTP = 3  # num_hidden_layers of the fixture (dense 0, MoE 1-2): the MTP layer's index
+OWN = ("embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_proj.weight",
+       "shared_head.norm.weight", "shared_head.head.weight")
+# command -> (fixture variant, options, whether its routed experts are re-encoded)
+COMMANDS = {
+    "int4-to-nvfp4": ("k2-int4-kimi", [], True),
+    "int4-to-mxfp4": ("k2-int4-kimi", ["--format", "quark-mxfp4"], True),
+    "quantize": ("bf16", [], True),
+    "sparsify": ("k2-int4-kimi", ["--method", "magnitude"], True),
+    "dequant": ("k2-int4-kimi", [], True),
+    "reap": ("k2-int4-kimi", ["--keep", "8"], False),
+}
+
+
+@pytest.fixture(scope="module")
+def sources(fixture_dir) -> dict[str, Path]:
+    return {v: fixture_dir(v, mtp_layers=1) for v in ("k2-int4-kimi", "bf16")}
+
+
+@pytest.fixture(scope="module")
+def outputs(sources, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("mtp")
+    data = write_input_ids(root / "data.jsonl", [[(7 * i + j) % 256 for j in range(32)]
+                                                 for i in range(8)])
+    made = {}
+    for command, (variant, options, _) in COMMANDS.items():
+        extra = ["--data", data, "--samples", "8", "--seq-len", "32"] if command == "reap" else []
+        res = cli_inproc(command, sources[variant], root / command, *options, *extra,
+                         "--device", "cpu", "--quiet")
+        assert res.exit_code == 0, res.output
+        made[command] = root / command
+    return made
+
+
+def test_the_fixture_has_deepseek_v3s_mtp_layout(sources):
+    src = sources["k2-int4-kimi"]
+    config = json.loads((src / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1 and config["num_hidden_layers"] == MTP
+    names = set(checkpoint_tensors(src))
+    assert {f"model.layers.{MTP}.{own}" for own in OWN} <= names
+    roles = {parse_name(n).role for n in names if n.startswith(f"model.layers.{MTP}.")}
+    assert {Role.MTP, Role.ROUTED_EXPERT, Role.ROUTER_BIAS, Role.SHARED_EXPERT,
+            Role.ATTENTION} <= roles
+    assert not any(parse_name(n).role is Role.MTP for n in names
+                   if not n.startswith(f"model.layers.{MTP}."))
+    # the rest of the model is the one without the MTP layer (it is drawn last)
+    assert_audit_passes(src)
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_every_command_converts_the_mtp_layer_and_the_audit_passes(command, sources, outputs):
+    variant, _, reencoded = COMMANDS[command]
+    src, out = checkpoint_tensors(sources[variant]), checkpoint_tensors(outputs[command])
+    for own in OWN:  # never quantized, never pruned: the source's bytes
+        name = f"model.layers.{MTP}.{own}"
+        assert out[name].dtype == src[name].dtype and out[name].equal(src[name]), name
+    mtp_experts = {n for n in out if parse_name(n).role is Role.ROUTED_EXPERT
+                   and parse_name(n).layer == MTP}
+    layer_1 = {n.replace("layers.1.", f"layers.{MTP}.", 1) for n in out
+               if parse_name(n).role is Role.ROUTED_EXPERT and parse_name(n).layer == 1}
+    assert mtp_experts == layer_1  # converted (and pruned) exactly like a decoder layer
+    if reencoded:
+        name = f"model.layers.{MTP}.mlp.experts.0.gate_proj"
+        assert {n.removeprefix(name + ".") for n in out if n.startswith(name + ".")} != {
+            n.removeprefix(name + ".") for n in src if n.startswith(name + ".")}
+    report = assert_audit_passes(outputs[command], "--source", sources[variant],
+                                 "--serve", "auto")
+    assert report["serve"] and all(e["ready"] for e in report["serve"].values()), report["serve"]
+
+
+def test_reap_prunes_the_mtp_layer_by_the_documented_rule(outputs):
+    out = outputs["reap"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["n_routed_experts"] == 8 and config["num_nextn_predict_layers"] == 1
+    plan = load_plan(out / PLAN_FILE)
+    assert [plan.layers[str(layer)].rule for layer in (1, 2, MTP)] == [None, None, MTP_RULE]
+    assert plan.layers[str(MTP)].keep == list(range(8))
+    assert plan.layers["1"].saliency is not None and plan.layers[str(MTP)].saliency is None
+    experts = {parse_name(n).expert for n in checkpoint_tensors(out)
+               if parse_name(n).layer == MTP and parse_name(n).role is Role.ROUTED_EXPERT}
+    assert experts == set(range(8))
+
+
+def test_reap_says_how_the_mtp_layer_kept_its_experts(sources, tmp_path):
+    data = write_input_ids(tmp_path / "d.jsonl", [list(range(32))] * 4)
+    res = cli_inproc("reap", sources["k2-int4-kimi"], tmp_path / "out", "--keep", "8",
+                     "--data", data, "--samples", "4", "--seq-len", "32", "--device", "cpu")
+    assert res.exit_code == 0, res.output
+    assert ("multi-token-prediction layer(s) 3 keep their 8 lowest expert ids" in res.output
+            and "docs/mtp.md" in res.output)
+
+
+def test_a_given_plan_without_the_mtp_layer_is_refused(sources, tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"layers": {str(k): {"keep": list(range(8))} for k in (1, 2)}}))
+    res = cli_inproc("reap", sources["k2-int4-kimi"], tmp_path / "out", "--plan", plan,
+                     "--device", "cpu")
+    assert_user_error(res, f"MTP/nextn layer {MTP} is not in the plan")
+    assert not (tmp_path / "out" / INDEX).exists()
+
+
+def test_an_mtp_layer_with_the_unpruned_count_is_not_ready(sources, outputs, tmp_path):
+    """The pruned output's MTP layer given back the source's experts 8..15."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for f in outputs["reap"].iterdir():
+        if f.is_file():
+            (ckpt / f.name).write_bytes(f.read_bytes())
+    source = checkpoint_tensors(sources["k2-int4-kimi"])
+    prefix = f"model.layers.{MTP}.mlp.experts."
+    extra = {n: t for n, t in source.items()
+             if n.startswith(prefix) and int(n[len(prefix):].split(".")[0]) >= 8}
+    shard = "model-mtp-extra.safetensors"
+    save_file(extra, str(ckpt / shard), metadata={"format": "pt"})
+    edit_json(ckpt / INDEX, lambda index: index["weight_map"].update(dict.fromkeys(extra, shard)))
+    code, report = audit_json(ckpt, "--serve", "vllm,sglang")
+    assert code == 1
+    for engine in ("vllm", "sglang"):
+        serve = report["serve"][engine]
+        assert not serve["ready"]
+        bad = [c for c in serve["checks"] if c["name"] == "expert-counts" and not c["ok"]]
+        assert [c["message"].split(":")[0] for c in bad] == [
+            f"MTP layer {MTP} holds 16 routed experts (ids 0..15), n_routed_experts is 8"]
+        assert bad[0]["file"] == shard and bad[0]["tensor"].startswith(f"{prefix}8.")
+        assert "MTP" in bad[0]["source"]
+
+
+def test_a_missing_mtp_tensor_fails_the_audit(outputs, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for f in outputs["int4-to-nvfp4"].iterdir():
+        if f.is_file():
+            (ckpt / f.name).write_bytes(f.read_bytes())
+    name = f"model.layers.{MTP}.eh_proj.weight"
+    index = json.loads((ckpt / INDEX).read_text())
+    shard = ckpt / index["weight_map"][name]
+    kept = {n: t for n, t in file_tensors(shard).items() if n != name}
+    save_file(kept, str(shard), metadata={"format": "pt"})
+    edit_json(ckpt / INDEX, lambda i: i["weight_map"].pop(name))
+    code, report = audit_json(ckpt)
+    assert code == 1
+    assert any(f["message"] == "MTP layer has no eh_proj.weight" and f["layer"] == MTP
+               for f in report["failures"]), report["failures"]
+
+
+def test_a_data_driven_method_is_refused_before_dst(sources, tmp_path):
+    data = write_input_ids(tmp_path / "d.jsonl", [list(range(32))] * 4)
+    for command, method in (("quantize", "gptq"), ("sparsify", "sparsegpt")):
+        dst = tmp_path / command
+        res = cli_inproc(command, sources["bf16"], dst, "--method", method, "--data", data,
+                         "--samples", "4", "--seq-len", "32", "--device", "cpu")
+        assert_user_error(res, "multi-token-prediction layer(s) [3]", "docs/mtp.md")
+        assert not list(dst.glob("*.safetensors"))
