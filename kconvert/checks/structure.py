@@ -278,11 +278,12 @@ def _check_moe_layer(checks: Checks, row: dict[str, str], layer: int, tns: list[
 
 
 def _mtp_shapes(hidden: int | None, vocab: int | None) -> dict[str, tuple]:
-    """What each tensor only an MTP layer holds is, DeepSeek-V3's layout (docs/mtp.md): the
-    norms of the next token's embedding and of the previous hidden state, the projection of
-    the two concatenated, the layer's own output head; its embedding copy is optional (vLLM
-    and SGLang read the model's own)."""
-    return {"enorm.weight": (hidden,), "hnorm.weight": (hidden,),
+    """What each tensor only an MTP layer holds is, DeepSeek-V3's layout (docs/mtp.md): its
+    own embedding copy (vLLM's MTP model loads it as its embedding), the norms of the next
+    token's embedding and of the previous hidden state, the projection of the two
+    concatenated, the layer's own output norm and head."""
+    return {"embed_tokens.weight": (vocab, hidden), "enorm.weight": (hidden,),
+            "hnorm.weight": (hidden,),
             "eh_proj.weight": (hidden, None if hidden is None else 2 * hidden),
             "shared_head.norm.weight": (hidden,), "shared_head.head.weight": (vocab, hidden)}
 

@@ -38,8 +38,7 @@ from kconvert.gpu.shapes import Shapes
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.methods.obs import HELDOUT_EVERY, HELDOUT_MIN, HessianSplit
 from kconvert.methods.obs_memory import gpu_work
-from kconvert.model.arch import arch_of
-from kconvert.model.names import Role, parse_name
+from kconvert.model.names import Role
 
 log = logging.getLogger(__name__)
 
@@ -297,18 +296,7 @@ class Calibration:
                   short: Callable[[str], None] | None = None) -> Calibration:
         """Calibration on `samples` sequences of `seq_len` tokens from the JSONL `path`, its
         ids checked against the vocabulary when read (data that cannot fill them: `short`,
-        kconvert.calibrate.data.load_calibration_data); the record says what was used.
-        Refused, before the data is read, for a source with multi-token-prediction layers: the
-        forward does not run them, so their matrices would have no Hessian (docs/mtp.md)."""
-        mtp = sorted({tn.layer for tn in map(parse_name, ckpt.weight_map)
-                      if tn.layer in arch_of(ckpt.text_config).mtp_layers})
-        if mtp:
-            raise KconvertError(
-                f"the source has multi-token-prediction layer(s) {mtp} "
-                "(num_nextn_predict_layers), which the calibration forward does not run: "
-                "their matrices would have no Hessian; use a data-free method (quantize "
-                "--method rtn, sparsify --method magnitude), which converts them like every "
-                "layer (docs/mtp.md)", file=str(ckpt.root / "config.json"))
+        kconvert.calibrate.data.load_calibration_data); the record says what was used."""
         ids = load_calibration_data(path, ckpt.root, samples, seq_len, seed,
                                     vocab=ckpt.text_config["vocab_size"], short=short)
         digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()

@@ -106,14 +106,23 @@ def plan_from_scores(scores: dict[int, dict[str, torch.Tensor]], keep: int, crit
                      n_routed_experts=n_routed, layers=layers)
 
 
-def note_mtp_rule(plan: PrunePlan, echo: Callable[[str], None]) -> None:
-    """Say which layers kept their experts by MTP_RULE rather than by the criterion."""
+def note_mtp_layers(plan: PrunePlan, echo: Callable[[str], None]) -> None:
+    """Say which layers kept their experts by MTP_RULE rather than by the criterion, and,
+    in a plan with router repair or compensation, which layers have no record of it (the
+    multi-token-prediction layers: the repair stream runs the decoder layers, docs/mtp.md)."""
     ruled = [int(k) for k, v in plan.layers.items() if v.rule == MTP_RULE]
     if ruled:
         echo(f"kconvert: warning: multi-token-prediction layer(s) {', '.join(map(str, ruled))} "
              f"keep their {len(plan.layers[str(ruled[0])].keep)} lowest expert ids: the "
-             "calibration does not run MTP layers, so no criterion score ranks their experts "
-             "(docs/mtp.md; a --plan naming their keep chooses otherwise)")
+             "statistics hold no scores of them, so no criterion ranks their experts "
+             "(docs/mtp.md; calibrate again, or give a --plan naming their keep)")
+    if plan.repair or plan.compensation:
+        bare = [int(k) for k, v in plan.layers.items() if v.repair is None
+                and v.compensation is None]
+        if bare:
+            echo(f"note: multi-token-prediction layer(s) {', '.join(map(str, bare))} are "
+                 "pruned without router repair or compensation: the repair stream runs the "
+                 "decoder layers only (docs/mtp.md)")
 
 
 def keep_ids(score: torch.Tensor, keep: int) -> list[int]:

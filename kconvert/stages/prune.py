@@ -280,6 +280,7 @@ def prepare(stages: tuple[dict, ...], options: dict, gpu: GpuRequest
         from kconvert.pruning.reap import (
             check_plan_keep,
             keep_count,
+            note_mtp_layers,
             plan_from_scores,
             scores_from_stats,
         )
@@ -301,6 +302,7 @@ def prepare(stages: tuple[dict, ...], options: dict, gpu: GpuRequest
             made = plan_from_scores(scores, keep, criterion, ckpt.identity,
                                     arch_of(ckpt.text_config).mtp_layers)
             prune_data.note_unrouted(made, scores, echo)
+            note_mtp_layers(made, echo)
             return prune_stage(made, ckpt)
         made = prune_data.from_data(ckpt, options, gpu, keep, criterion, repair_kind(repair),
                                     compensation_kind(compensate), echo)

@@ -31,7 +31,7 @@ from kconvert.model.arch import arch_of
 from kconvert.model.names import Role, parse_name
 from kconvert.pruning.kinds import CompensationKind, RepairKind
 from kconvert.pruning.plan import PruneLayer, PrunePlan
-from kconvert.pruning.reap import moe_layers, note_mtp_rule
+from kconvert.pruning.reap import moe_layers, note_mtp_layers
 
 
 @dataclass
@@ -124,8 +124,11 @@ def _calibrate(ckpt: Checkpoint, ids: torch.Tensor, options: dict, gpu: GpuReque
                             arch_of(ckpt.text_config).mtp_layers)
     note_unrouted(made, scores, echo)
     if fixer is None:
+        note_mtp_layers(made, echo)
         return FromData(made, used)
-    return FromData(with_repair(made, fixer), used, fixer.rows, fixer.matrices, spill)
+    repaired = with_repair(made, fixer)
+    note_mtp_layers(repaired, echo)
+    return FromData(repaired, used, fixer.rows, fixer.matrices, spill)
 
 
 def share_repair(fixer) -> None:
@@ -154,7 +157,6 @@ def note_unrouted(plan: PrunePlan, scores: dict[int, dict[str, torch.Tensor]],
                   echo: Callable[[str], None]) -> None:
     """Say so when a layer keeps experts no calibration token was routed to: every score of
     theirs is 0, so the lower-id rule chose them, not the data."""
-    note_mtp_rule(plan, echo)
     unrouted = {layer: [e for e in entry.keep if float(scores[int(layer)]["count"][e]) == 0]
                 for layer, entry in plan.layers.items() if int(layer) in scores}
     unrouted = {layer: ids for layer, ids in unrouted.items() if ids}

@@ -1,10 +1,10 @@
 """Multi-token-prediction layers (DeepSeek-V3's num_nextn_predict_layers; docs/mtp.md), on a
-fixture with one MTP layer (layer 3 after the dense layer 0 and MoE layers 1-2): every data-free
-command converts it like a decoder layer and keeps its own tensors byte for byte, `reap` prunes
-it to the same count (its experts by the documented rule, the plan saying so), each output
-passes the audit against its source and is READY for its engines; an MTP layer left with the
-unpruned count is NOT READY, naming its shard, tensor and the engine's rule; a data-driven
-method that cannot calibrate it is refused before DST exists."""
+fixture with one MTP layer (layer 3 after the dense layer 0 and MoE layers 1-2): the calibration
+forward runs it on vLLM's MTP input; every command converts it like a decoder layer and keeps its
+own tensors byte for byte; `reap` prunes it to the same count by its own scores (by the
+documented rule where statistics lack them, the plan saying so); each output passes the audit
+against its source and is READY for its engines; an MTP layer left with the unpruned count is
+NOT READY, naming its shard, tensor and the engine's rule."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import save_file
 
 from helpers import (
@@ -19,27 +20,38 @@ from helpers import (
     assert_audit_passes,
     assert_user_error,
     audit_json,
+    built_layer,
     checkpoint_tensors,
     cli_inproc,
     edit_json,
     file_tensors,
     write_input_ids,
 )
+from kconvert.calibrate.data import PAD_ID
+from kconvert.calibrate.forward import layer_forward, model_config, position_embeddings
+from kconvert.calibrate.moe import ForwardContext
+from kconvert.calibrate.run import measure_stats
+from kconvert.io.checkpoint import open_checkpoint
 from kconvert.model.names import Role, parse_name
 from kconvert.pruning.plan import PLAN_FILE, load_plan
-from kconvert.pruning.reap import MTP_RULE
+from kconvert.pruning.reap import MTP_RULE, keep_ids
 
 MTP = 3  # num_hidden_layers of the fixture (dense 0, MoE 1-2): the MTP layer's index
 OWN = ("embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_proj.weight",
        "shared_head.norm.weight", "shared_head.head.weight")
-# command -> (fixture variant, options, whether its routed experts are re-encoded)
+DATA = ["--samples", "8", "--seq-len", "32"]  # with --data
+# output -> (command, fixture variant, options, whether its routed experts are re-encoded)
 COMMANDS = {
-    "int4-to-nvfp4": ("k2-int4-kimi", [], True),
-    "int4-to-mxfp4": ("k2-int4-kimi", ["--format", "quark-mxfp4"], True),
-    "quantize": ("bf16", [], True),
-    "sparsify": ("k2-int4-kimi", ["--method", "magnitude"], True),
-    "dequant": ("k2-int4-kimi", [], True),
-    "reap": ("k2-int4-kimi", ["--keep", "8"], False),
+    "int4-to-nvfp4": ("int4-to-nvfp4", "k2-int4-kimi", [], True),
+    "int4-to-mxfp4": ("int4-to-mxfp4", "k2-int4-kimi", ["--format", "quark-mxfp4"], True),
+    "quantize": ("quantize", "bf16", [], True),
+    "gptq": ("quantize", "bf16", ["--method", "gptq", *DATA], True),
+    "sparsify": ("sparsify", "k2-int4-kimi", ["--method", "magnitude"], True),
+    "sparsegpt": ("sparsify", "bf16", ["--method", "sparsegpt", *DATA], True),
+    "dequant": ("dequant", "k2-int4-kimi", [], True),
+    "reap": ("reap", "k2-int4-kimi", ["--keep", "8", *DATA], False),
+    "reap-repair": ("reap", "k2-int4-kimi", ["--keep", "8", *DATA, "--repair", "router",
+                                             "--compensate", "down"], False),
 }
 
 
@@ -49,18 +61,24 @@ def sources(fixture_dir) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def outputs(sources, tmp_path_factory) -> dict[str, Path]:
+def printed(sources, tmp_path_factory) -> dict[str, tuple[Path, str]]:
+    """Each output: its directory and what its command printed."""
     root = tmp_path_factory.mktemp("mtp")
     data = write_input_ids(root / "data.jsonl", [[(7 * i + j) % 256 for j in range(32)]
                                                  for i in range(8)])
     made = {}
-    for command, (variant, options, _) in COMMANDS.items():
-        extra = ["--data", data, "--samples", "8", "--seq-len", "32"] if command == "reap" else []
-        res = cli_inproc(command, sources[variant], root / command, *options, *extra,
-                         "--device", "cpu", "--quiet")
+    for name, (command, variant, options, _) in COMMANDS.items():
+        extra = ["--data", data] if "--samples" in options else []
+        res = cli_inproc(command, sources[variant], root / name, *options, *extra,
+                         "--device", "cpu")
         assert res.exit_code == 0, res.output
-        made[command] = root / command
+        made[name] = (root / name, res.output)
     return made
+
+
+@pytest.fixture(scope="module")
+def outputs(printed) -> dict[str, Path]:
+    return {name: path for name, (path, _) in printed.items()}
 
 
 def test_the_fixture_has_deepseek_v3s_mtp_layout(sources):
@@ -78,10 +96,10 @@ def test_the_fixture_has_deepseek_v3s_mtp_layout(sources):
     assert_audit_passes(src)
 
 
-@pytest.mark.parametrize("command", list(COMMANDS))
-def test_every_command_converts_the_mtp_layer_and_the_audit_passes(command, sources, outputs):
-    variant, _, reencoded = COMMANDS[command]
-    src, out = checkpoint_tensors(sources[variant]), checkpoint_tensors(outputs[command])
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_every_command_converts_the_mtp_layer_and_the_audit_passes(name, sources, outputs):
+    _, variant, _, reencoded = COMMANDS[name]
+    src, out = checkpoint_tensors(sources[variant]), checkpoint_tensors(outputs[name])
     for own in OWN:  # never quantized, never pruned: the source's bytes
         name = f"model.layers.{MTP}.{own}"
         assert out[name].dtype == src[name].dtype and out[name].equal(src[name]), name
@@ -94,31 +112,90 @@ def test_every_command_converts_the_mtp_layer_and_the_audit_passes(command, sour
         name = f"model.layers.{MTP}.mlp.experts.0.gate_proj"
         assert {n.removeprefix(name + ".") for n in out if n.startswith(name + ".")} != {
             n.removeprefix(name + ".") for n in src if n.startswith(name + ".")}
-    report = assert_audit_passes(outputs[command], "--source", sources[variant],
+    report = assert_audit_passes(outputs[name], "--source", sources[variant],
                                  "--serve", "auto")
     assert report["serve"] and all(e["ready"] for e in report["serve"].values()), report["serve"]
 
 
-def test_reap_prunes_the_mtp_layer_by_the_documented_rule(outputs):
-    out = outputs["reap"]
-    config = json.loads((out / "config.json").read_text())
-    assert config["n_routed_experts"] == 8 and config["num_nextn_predict_layers"] == 1
-    plan = load_plan(out / PLAN_FILE)
-    assert [plan.layers[str(layer)].rule for layer in (1, 2, MTP)] == [None, None, MTP_RULE]
-    assert plan.layers[str(MTP)].keep == list(range(8))
-    assert plan.layers["1"].saliency is not None and plan.layers[str(MTP)].saliency is None
-    experts = {parse_name(n).expert for n in checkpoint_tensors(out)
-               if parse_name(n).layer == MTP and parse_name(n).role is Role.ROUTED_EXPERT}
-    assert experts == set(range(8))
+def test_the_mtp_layer_runs_on_vllms_input(sources):
+    """The calibration's MTP layer output against its input computed here by hand, as vLLM's
+    DeepSeekMultiTokenPredictorLayer does (module docstring of kconvert.calibrate.mtp), then
+    through the same decoder layer; in float32, with a padded sequence."""
+    src = sources["bf16"]
+    ids = torch.tensor([[(5 * i + 3 * j) % 256 for j in range(16)] for i in range(3)])
+    ids[2, 12:] = PAD_ID
+    seen: dict[int, torch.Tensor] = {}
+    ckpt = open_checkpoint(str(src))
+    try:
+        measure_stats(ckpt, ids, "cpu", 2, dtype=torch.float32,
+                      on_layer=lambda layer, hidden: seen.update({layer: hidden.clone()}))
+    finally:
+        ckpt.close()
+    t = {n: v.float() for n, v in checkpoint_tensors(src).items()}
+    eps = json.loads((src / "config.json").read_text())["rms_norm_eps"]
+
+    def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    p = f"model.layers.{MTP}."
+    ahead = torch.zeros_like(ids)
+    ahead[:, :-1] = ids[:, 1:].clamp(min=0)
+    e = t[p + "embed_tokens.weight"][ahead]
+    e[:, 0] = 0  # vLLM zeroes the embedding at position 0
+    h = rms(seen[MTP - 1], t["model.norm.weight"])  # the main model's output, final norm
+    x = torch.cat([rms(e, t[p + "enorm.weight"]), rms(h, t[p + "hnorm.weight"])], -1)
+    x = x @ t[p + "eh_proj.weight"].T
+    real = torch.ones_like(ids, dtype=torch.bool)
+    real[:, -1] = False  # no token i + 1
+    real[2, 11:] = False  # token i + 1 is padding
+    with built_layer(src, MTP, torch.float32) as layer:
+        cfg = model_config(layer.ckpt)
+        positions, pos_emb = position_embeddings(cfg, ids.shape[1], torch.device("cpu"),
+                                                 torch.float32)
+        with torch.no_grad():
+            out = layer_forward(layer.loaded, ForwardContext(), x, real, positions, pos_emb)
+    assert torch.allclose(out[real], seen[MTP][real], rtol=1e-4, atol=1e-4)
 
 
-def test_reap_says_how_the_mtp_layer_kept_its_experts(sources, tmp_path):
+def test_reap_prunes_the_mtp_layer_by_its_own_scores(printed, outputs):
+    for name in ("reap", "reap-repair"):
+        out = outputs[name]
+        config = json.loads((out / "config.json").read_text())
+        assert config["n_routed_experts"] == 8 and config["num_nextn_predict_layers"] == 1
+        plan = load_plan(out / PLAN_FILE)
+        entry = plan.layers[str(MTP)]
+        assert entry.rule is None and entry.saliency is not None
+        assert entry.keep == keep_ids(torch.tensor(entry.saliency), 8)
+        experts = {parse_name(n).expert for n in checkpoint_tensors(out)
+                   if parse_name(n).layer == MTP and parse_name(n).role is Role.ROUTED_EXPERT}
+        assert experts == set(range(8))
+    plan = load_plan(outputs["reap-repair"] / PLAN_FILE)
+    assert plan.layers[str(MTP)].repair is None and plan.layers["1"].repair is not None
+    assert "layer(s) 3 are pruned without router repair or compensation" in " ".join(
+        printed["reap-repair"][1].split())
+
+
+def test_statistics_without_the_mtp_layer_keep_its_lowest_ids(sources, tmp_path):
+    src = sources["k2-int4-kimi"]
     data = write_input_ids(tmp_path / "d.jsonl", [list(range(32))] * 4)
-    res = cli_inproc("reap", sources["k2-int4-kimi"], tmp_path / "out", "--keep", "8",
-                     "--data", data, "--samples", "4", "--seq-len", "32", "--device", "cpu")
+    stats = tmp_path / "stats"
+    res = cli_inproc("calibrate", src, "--data", data, "--samples", "4", "--seq-len", "32",
+                     "-o", stats, "--device", "cpu")
     assert res.exit_code == 0, res.output
-    assert ("multi-token-prediction layer(s) 3 keep their 8 lowest expert ids" in res.output
-            and "docs/mtp.md" in res.output)
+    assert json.loads((stats / "stats.json").read_text())["mtp_layers"] == [MTP]
+    held = file_tensors(stats / "stats.safetensors")
+    save_file({n: v for n, v in held.items() if not n.startswith(f"layers.{MTP}.")},
+              str(stats / "stats.safetensors"))
+    res = cli_inproc("reap", src, tmp_path / "out", "--keep", "8", "--stats", stats,
+                     "--device", "cpu")
+    assert res.exit_code == 0, res.output
+    said = " ".join(res.output.split())
+    assert "multi-token-prediction layer(s) 3 keep their 8 lowest expert ids" in said
+    plan = load_plan(tmp_path / "out" / PLAN_FILE)
+    assert plan.layers[str(MTP)].rule == MTP_RULE
+    assert plan.layers[str(MTP)].keep == list(range(8))
+    assert plan.layers["1"].rule is None
+    assert_audit_passes(tmp_path / "out", "--source", src, "--serve", "auto")
 
 
 def test_a_given_plan_without_the_mtp_layer_is_refused(sources, tmp_path):
@@ -172,13 +249,3 @@ def test_a_missing_mtp_tensor_fails_the_audit(outputs, tmp_path):
     assert code == 1
     assert any(f["message"] == "MTP layer has no eh_proj.weight" and f["layer"] == MTP
                for f in report["failures"]), report["failures"]
-
-
-def test_a_data_driven_method_is_refused_before_dst(sources, tmp_path):
-    data = write_input_ids(tmp_path / "d.jsonl", [list(range(32))] * 4)
-    for command, method in (("quantize", "gptq"), ("sparsify", "sparsegpt")):
-        dst = tmp_path / command
-        res = cli_inproc(command, sources["bf16"], dst, "--method", method, "--data", data,
-                         "--samples", "4", "--seq-len", "32", "--device", "cpu")
-        assert_user_error(res, "multi-token-prediction layer(s) [3]", "docs/mtp.md")
-        assert not list(dst.glob("*.safetensors"))
