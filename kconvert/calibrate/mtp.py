@@ -58,8 +58,11 @@ def into_mtp_input(ckpt: Checkpoint, cfg, tensors: dict[str, TensorInfo], step: 
             own[tn.proj] = (name, info)
     missing = [t for t in INPUT_TENSORS if t not in own]
     if missing:
-        raise KconvertError(f"multi-token-prediction layer {step} has no {', '.join(missing)}",
-                            tensor=next(iter(tensors)))
+        first = next(iter(tensors.values()))
+        raise KconvertError(f"layer {parse_name(first.name).layer}, the config's "
+                            f"multi-token-prediction layer {step} (num_nextn_predict_layers), "
+                            f"has no {', '.join(missing)}", file=first.file.name,
+                            tensor=first.name)
 
     def read(what: str) -> torch.Tensor:
         info = own[what][1]

@@ -101,17 +101,17 @@ def test_every_command_converts_the_mtp_layer_and_the_audit_passes(name, sources
     _, variant, _, reencoded = COMMANDS[name]
     src, out = checkpoint_tensors(sources[variant]), checkpoint_tensors(outputs[name])
     for own in OWN:  # never quantized, never pruned: the source's bytes
-        name = f"model.layers.{MTP}.{own}"
-        assert out[name].dtype == src[name].dtype and out[name].equal(src[name]), name
+        tensor = f"model.layers.{MTP}.{own}"
+        assert out[tensor].dtype == src[tensor].dtype and out[tensor].equal(src[tensor]), tensor
     mtp_experts = {n for n in out if parse_name(n).role is Role.ROUTED_EXPERT
                    and parse_name(n).layer == MTP}
     layer_1 = {n.replace("layers.1.", f"layers.{MTP}.", 1) for n in out
                if parse_name(n).role is Role.ROUTED_EXPERT and parse_name(n).layer == 1}
     assert mtp_experts == layer_1  # converted (and pruned) exactly like a decoder layer
-    if reencoded:
-        name = f"model.layers.{MTP}.mlp.experts.0.gate_proj"
-        assert {n.removeprefix(name + ".") for n in out if n.startswith(name + ".")} != {
-            n.removeprefix(name + ".") for n in src if n.startswith(name + ".")}
+    if reencoded:  # the MTP layer's experts are in the output's format, not the source's
+        module = f"model.layers.{MTP}.mlp.experts.0.gate_proj."
+        assert {n.removeprefix(module) for n in out if n.startswith(module)} != {
+            n.removeprefix(module) for n in src if n.startswith(module)}
     report = assert_audit_passes(outputs[name], "--source", sources[variant],
                                  "--serve", "auto")
     assert report["serve"] and all(e["ready"] for e in report["serve"].values()), report["serve"]
