@@ -27,9 +27,10 @@ from kconvert.pruning.plan import PruneLayer, PrunePlan
 
 # The per-layer statistics the criteria are computed from (`calibrate` writes them).
 SCORE_STATS = ("saliency", "count", "ean_sum", "ean_sq_sum")
-# How a multi-token-prediction layer without scores keeps its experts (docs/mtp.md): the
-# calibration's forward does not run it, so every expert of it has the same (no) evidence and
-# the criteria's own tie rule, lower id first, decides.
+# How a multi-token-prediction layer keeps its experts where the statistics hold no scores of
+# it (made before kconvert's calibration ran MTP layers, or by another tool; docs/mtp.md):
+# every expert of it has the same (no) evidence, so the criteria's own tie rule, lower id
+# first, decides.
 MTP_RULE = "uncalibrated-lowest-ids"
 
 
@@ -140,6 +141,12 @@ def moe_layers(ckpt: Checkpoint) -> dict[int, int]:
         if tn.role is Role.ROUTED_EXPERT:
             experts.setdefault(tn.layer, set()).add(tn.expert)
     return {layer: len(ids) for layer, ids in sorted(experts.items())}
+
+
+def mtp_moe_layers(ckpt: Checkpoint) -> list[int]:
+    """The multi-token-prediction layers (num_nextn_predict_layers) that hold routed experts."""
+    mtp = arch_of(ckpt.text_config).mtp_layers
+    return [layer for layer in moe_layers(ckpt) if layer in mtp]
 
 
 def repaired_tensors(plan: PrunePlan, ckpt: Checkpoint,

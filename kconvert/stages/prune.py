@@ -280,6 +280,7 @@ def prepare(stages: tuple[dict, ...], options: dict, gpu: GpuRequest
         from kconvert.pruning.reap import (
             check_plan_keep,
             keep_count,
+            mtp_moe_layers,
             note_mtp_layers,
             plan_from_scores,
             scores_from_stats,
@@ -300,7 +301,7 @@ def prepare(stages: tuple[dict, ...], options: dict, gpu: GpuRequest
         if stats is not None:
             scores = scores_from_stats(stats)
             made = plan_from_scores(scores, keep, criterion, ckpt.identity,
-                                    arch_of(ckpt.text_config).mtp_layers)
+                                    mtp_moe_layers(ckpt))
             prune_data.note_unrouted(made, scores, echo)
             note_mtp_layers(made, echo)
             return prune_stage(made, ckpt)

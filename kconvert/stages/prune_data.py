@@ -27,11 +27,10 @@ from kconvert.gpu.budget import GpuRequest
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.io.lock import STATE_DIR
 from kconvert.io.output_dir import REFIT_DIR, resolve_dst
-from kconvert.model.arch import arch_of
 from kconvert.model.names import Role, parse_name
 from kconvert.pruning.kinds import CompensationKind, RepairKind
 from kconvert.pruning.plan import PruneLayer, PrunePlan
-from kconvert.pruning.reap import moe_layers, note_mtp_layers
+from kconvert.pruning.reap import moe_layers, mtp_moe_layers, note_mtp_layers
 
 
 @dataclass
@@ -121,7 +120,7 @@ def _calibrate(ckpt: Checkpoint, ids: torch.Tensor, options: dict, gpu: GpuReque
         save_stats(measured, options["save_stats"])
     scores = scores_of(measured)
     made = plan_from_scores(scores, keep, criterion, ckpt.identity,
-                            arch_of(ckpt.text_config).mtp_layers)
+                            mtp_moe_layers(ckpt))
     note_unrouted(made, scores, echo)
     if fixer is None:
         note_mtp_layers(made, echo)
