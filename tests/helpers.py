@@ -376,6 +376,7 @@ def built_layer(path: Path, index: int, dtype: torch.dtype = torch.bfloat16,
     from kconvert.calibrate.forward import model_config
     from kconvert.calibrate.load import build_layer, read_layer, tensors_by_layer
     from kconvert.calibrate.moe import ForwardContext
+    from kconvert.calibrate.mtp import decoder_tensors
     from kconvert.io.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(str(path))
@@ -383,7 +384,7 @@ def built_layer(path: Path, index: int, dtype: torch.dtype = torch.bfloat16,
         cfg = model_config(ckpt)
         tensors = tensors_by_layer(ckpt, cfg.num_hidden_layers)[index]
         cpu = torch.device("cpu")
-        raw = read_layer(ckpt, cfg, index, tensors, dtype, cpu)
+        raw = read_layer(ckpt, cfg, index, decoder_tensors(tensors), dtype, cpu)
         yield BuiltLayer(ckpt, tensors, raw, build_layer(raw, cfg, ForwardContext(), cpu, dtype,
                                                          stats=False, **build))
     finally:

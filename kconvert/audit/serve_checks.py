@@ -26,6 +26,7 @@ from kconvert.formats.ct_config import tensor_group
 from kconvert.formats.nvfp4_modelopt import modelopt_view
 from kconvert.io.checkpoint import CONFIG
 from kconvert.io.shards import TensorInfo
+from kconvert.model.arch import arch_of
 from kconvert.model.expert_parallel import COMMON_EP_SIZES, ep_divisors, splits_on_common_ep
 from kconvert.model.names import Role
 
@@ -283,17 +284,27 @@ def router_biases(served: Served) -> list[Problem]:
 
 def expert_counts(served: Served) -> list[Problem]:
     """Every MoE layer (MTP layers, num_nextn_predict_layers, included) holds the same count of
-    routed experts, ids 0..N-1, N = n_routed_experts, and num_experts_per_tok <= N."""
+    routed experts, ids 0..N-1, N = n_routed_experts, and num_experts_per_tok <= N. A layer
+    that does not is named by its shard and the tensor the engine has no place for: its first
+    expert beyond N, else its router (whose rows are the experts)."""
     out = []
     n = served.n_routed()
     layers = served.experts_per_layer()
-    hidden = served.text.get("num_hidden_layers")
+    mtp = arch_of(served.text).mtp_layers
+    routers = served.side.routers()
     for layer, ids in sorted(layers.items()):
-        kind = "MTP layer" if isinstance(hidden, int) and layer >= hidden else "layer"
-        if len(ids) != n or ids != set(range(len(ids))):
-            out.append(Problem(f"{kind} {layer} holds {len(ids)} routed experts (ids "
-                               f"{min(ids)}..{max(ids)}), n_routed_experts is {n}: the engine "
-                               "builds every MoE layer with n_routed_experts", CONFIG))
+        if isinstance(n, int) and ids == set(range(n)):
+            continue
+        kind = "MTP layer" if layer in mtp else "layer"
+        beyond = sorted(ids - set(range(n))) if isinstance(n, int) else []
+        witness = next((m.primary for m in served.side.modules.values()
+                        if m.tn.role is Role.ROUTED_EXPERT and m.tn.layer == layer
+                        and beyond and m.tn.expert == beyond[0]), routers.get(layer, (None,))[0])
+        out.append(Problem(f"{kind} {layer} holds {len(ids)} routed experts (ids "
+                           f"{min(ids)}..{max(ids)}), n_routed_experts is {n}: the engine "
+                           "builds every MoE layer with n_routed_experts",
+                           served.file_of(witness) if witness is not None else CONFIG,
+                           witness.name if witness is not None else None))
     k = served.text.get("num_experts_per_tok", served.text.get("num_experts_per_token"))
     if layers and not (isinstance(k, int) and isinstance(n, int) and 1 <= k <= n):
         out.append(Problem(f"num_experts_per_tok {k!r} is not within 1..n_routed_experts "

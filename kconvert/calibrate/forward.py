@@ -149,12 +149,13 @@ class Layer:
 
 
 def embed(ckpt: Checkpoint, ids: torch.Tensor, dtype: torch.dtype,
-          device: torch.device | str = "cpu") -> torch.Tensor:
+          device: torch.device | str = "cpu", tensor: str | None = None) -> torch.Tensor:
     """Embedding rows of `ids` (PAD_ID -> zeros) on `device`, reading only the rows that are
-    used: only those rows and the ids travel there, and the gather runs there."""
+    used: only those rows and the ids travel there, and the gather runs there. `tensor`: the
+    embedding to read (an MTP layer's own copy), by default the model's."""
     # (only names that can be the embedding are parsed: a full-size checkpoint has 208,215)
-    names = [n for n in ckpt.weight_map
-             if "embed_tokens" in n and parse_name(n).role is Role.EMBEDDING]
+    names = [tensor] if tensor is not None else [
+        n for n in ckpt.weight_map if "embed_tokens" in n and parse_name(n).role is Role.EMBEDDING]
     if len(names) != 1:
         raise KconvertError(f"expected one embed_tokens tensor, found {names}")
     info = ckpt.tensor(names[0])
@@ -227,30 +228,38 @@ class Head:
         return nn.functional.linear(self.norm(hidden), self.weight)
 
 
-def load_head(ckpt: Checkpoint, cfg, device: torch.device, dtype: torch.dtype) -> Head:
-    """The checkpoint's final norm and lm_head (any prefix, K2.5/K2.6 wrappers included)."""
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
-
-    found: dict[Role, list[str]] = {Role.NORM: [], Role.LM_HEAD: []}
+def final_tensor(ckpt: Checkpoint, role: Role, shape: tuple[int, ...]) -> torch.Tensor:
+    """The language model's final norm (role NORM) or lm_head (LM_HEAD), of `shape`, in host
+    memory (any prefix, K2.5/K2.6 wrappers included)."""
+    found = []
     for name in ckpt.weight_map:
         if "norm" not in name and "lm_head" not in name:  # neither role: not parsed
             continue
         tn = parse_name(name)
-        if tn.layer is None and tn.role in found:
-            found[tn.role].append(name)
-    loaded = {}
-    for role, shape in ((Role.NORM, (cfg.hidden_size,)),
-                        (Role.LM_HEAD, (cfg.vocab_size, cfg.hidden_size))):
-        if len(found[role]) != 1:
-            raise KconvertError(f"expected one {role} tensor of the language model, found "
-                                f"{found[role]}")
-        info = ckpt.tensor(found[role][0])
-        if info.dtype not in ("BF16", "F16", "F32") or tuple(info.shape) != shape:
-            raise KconvertError(f"{role} is {info.dtype}{list(info.shape)}; a float tensor of "
-                                f"shape {list(shape)} is needed", file=info.file.name,
-                                tensor=info.name)
-        loaded[role] = ckpt.reader_for(info).read(info).to(device, dtype)
+        if tn.layer is None and tn.role is role:
+            found.append(name)
+    if len(found) != 1:
+        raise KconvertError(f"expected one {role} tensor of the language model, found {found}")
+    info = ckpt.tensor(found[0])
+    if info.dtype not in ("BF16", "F16", "F32") or tuple(info.shape) != shape:
+        raise KconvertError(f"{role} is {info.dtype}{list(info.shape)}; a float tensor of "
+                            f"shape {list(shape)} is needed", file=info.file.name,
+                            tensor=info.name)
+    return ckpt.reader_for(info).read(info)
+
+
+def rms_norm(weight: torch.Tensor, eps: float) -> nn.Module:
+    """transformers' DeepseekV3RMSNorm holding `weight` (on its device, in its dtype)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
+
     with torch.device("meta"):
-        norm = DeepseekV3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-    norm.load_state_dict({"weight": loaded[Role.NORM]}, assign=True)
-    return Head(norm, loaded[Role.LM_HEAD])
+        norm = DeepseekV3RMSNorm(weight.shape[0], eps=eps)
+    norm.load_state_dict({"weight": weight}, assign=True)
+    return norm
+
+
+def load_head(ckpt: Checkpoint, cfg, device: torch.device, dtype: torch.dtype) -> Head:
+    """The checkpoint's final norm and lm_head (any prefix, K2.5/K2.6 wrappers included)."""
+    norm = final_tensor(ckpt, Role.NORM, (cfg.hidden_size,)).to(device, dtype)
+    weight = final_tensor(ckpt, Role.LM_HEAD, (cfg.vocab_size, cfg.hidden_size))
+    return Head(rms_norm(norm, cfg.rms_norm_eps), weight.to(device, dtype))

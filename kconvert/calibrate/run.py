@@ -25,6 +25,7 @@ from kconvert.calibrate.load import (
     tensors_by_layer,
 )
 from kconvert.calibrate.moe import ForwardContext, MoEBlock
+from kconvert.calibrate.mtp import decoder_tensors, into_mtp_input, mtp_valid
 from kconvert.calibrate.plan import planned_forward
 from kconvert.calibrate.prefetch import LayerPrefetcher
 from kconvert.calibrate.startup import device_ready, phase, start_device
@@ -43,6 +44,7 @@ from kconvert.gpu.budget import GpuRequest
 from kconvert.gpu.devices import pick_device
 from kconvert.gpu.plan import GpuPlan, gib
 from kconvert.io.checkpoint import Checkpoint
+from kconvert.model.arch import arch_of
 from kconvert.model.names import Role, parse_name
 from kconvert.version import __version__
 
@@ -104,6 +106,7 @@ def measure_stats(
         if attention_mask.shape != input_ids.shape:
             raise KconvertError("attention_mask must have the shape of input_ids")
         valid &= attention_mask.bool()
+    tokens_valid = valid  # the decoder layers'; an MTP layer's are fewer (calibrate.mtp)
     if grams and distributed.world() > 1:
         raise KconvertError("the input Hessians of attention and dense MLP linears are built "
                             "from every token in one process; run without torchrun")
@@ -112,6 +115,9 @@ def measure_stats(
         cfg = model_config(ckpt)
     n_layers = cfg.num_hidden_layers
     layer_tensors = tensors_by_layer(ckpt, n_layers)
+    # the multi-token-prediction layers run after the decoder layers, on their own inputs
+    mtp = [L for L in arch_of(ckpt.text_config).mtp_layers if L in layer_tensors]
+    order = [*range(n_layers), *mtp]
     # Under torchrun every MoE layer is expert-parallel (kconvert.calibrate.expert_ranks).
     ranks = (model_ranks(layer_tensors, cfg.n_routed_experts,
                          range(cfg.first_k_dense_replace, n_layers))
@@ -157,8 +163,8 @@ def measure_stats(
         valid_dev = local_valid.to(device)
     ctx = ForwardContext()
     prefetcher = LayerPrefetcher(
-        read=lambda layer: read_layer(ckpt, cfg, layer, layer_tensors[layer], dtype, device,
-                                      ranks[layer].mine if layer in ranks else None),
+        read=lambda layer: read_layer(ckpt, cfg, layer, decoder_tensors(layer_tensors[layer]),
+                                      dtype, device, ranks[layer].mine if layer in ranks else None),
         build=lambda layer, raw: build_layer(raw, cfg, ctx, device, dtype, grams=grams,
                                              held_every=held_every, ranks=ranks.get(layer)),
         device=device, ahead=prefetch,
@@ -167,16 +173,25 @@ def measure_stats(
 
     tensors: dict[str, torch.Tensor] = {}
     modules: dict[str, str] = {}
-    for layer, loaded, timing in prefetcher.layers(range(n_layers), lambda L: f"layer {L}"):
+    for layer, loaded, timing in prefetcher.layers(order, lambda L: f"layer {L}"):
         t_loaded = time.perf_counter()
+        if layer in mtp:
+            step = layer - n_layers + 1
+            valid = mtp_valid(tokens_valid, step)
+            local_valid = valid[mine]
+            valid_dev, all_valid = local_valid.to(device), bool(local_valid.all())
+            n_real = int(local_valid.sum())
+            into_mtp_input(ckpt, cfg, layer_tensors[layer], step, hidden, local_ids,
+                           local_valid, batch_size, device, dtype)
         if loaded.moe is not None:
             loaded.moe.capture = on_captured is not None
             # expert-parallel: the rows routed here from every rank, each token at most once
-            loaded.moe.capture_rows = int(valid.sum()) if ranks else n_real
+            loaded.moe.capture_rows = int(valid.sum()) if layer in ranks else n_real
         rerun = rerun_moe and loaded.moe is not None
         layer_input = hidden.clone() if rerun else None
 
-        def forward(loaded=loaded) -> torch.Tensor:
+        def forward(loaded=loaded, valid_dev=valid_dev, local_valid=local_valid,
+                    all_valid=all_valid) -> torch.Tensor:
             """This rank's batches through the layer, in place; 1 where an output is not
             finite (a flag rather than an error, so that every rank learns of it), checked
             on the device and read once per layer."""
@@ -228,7 +243,7 @@ def measure_stats(
                 raise nonfinite_hidden_error(ckpt, layer_tensors[layer], layer,
                                              " with its compressed experts")
             del layer_input
-        if on_weights is not None:
+        if on_weights is not None and layer not in mtp:  # (a repair stream runs the decoder)
             if loaded.moe is not None and loaded.moe.ranks is not None:
                 # every expert on rank 0, where the hook runs, as one process holds them
                 experts = ranks[layer].gather(loaded.moe.experts)
@@ -244,8 +259,8 @@ def measure_stats(
         if on_layer is not None:
             on_layer(layer, hidden)
         timing.compute_s = time.perf_counter() - t_loaded
-        prefetcher.report(timing, n_layers)
-        say(f"layer {layer + 1}/{n_layers}: {timing.wall_s:.1f} s "
+        prefetcher.report(timing, len(order))
+        say(f"layer {layer + 1}/{len(order)}: {timing.wall_s:.1f} s "
             f"({int(valid.sum()) / max(timing.compute_s, 1e-9):,.0f} tokens/s)")
 
     meta_out = {
@@ -253,11 +268,12 @@ def measure_stats(
         "source": ckpt.identity,
         "samples": input_ids.shape[0],
         "seq_len": seq_len,
-        "tokens": int(valid.sum()),
-        "padding_tokens": int((~valid).sum()),
+        "tokens": int(tokens_valid.sum()),
+        "padding_tokens": int((~tokens_valid).sum()),
         "seed": None,
         "num_hidden_layers": n_layers,
-        "moe_layers": list(range(cfg.first_k_dense_replace, n_layers)),
+        "moe_layers": [*range(cfg.first_k_dense_replace, n_layers), *mtp],
+        "mtp_layers": mtp,
         "n_routed_experts": cfg.n_routed_experts,
         "num_experts_per_tok": cfg.num_experts_per_tok,
         "routing": ROUTING_CONVENTION,
@@ -270,8 +286,8 @@ def measure_stats(
         "timing": prefetcher.summary(cfg.first_k_dense_replace),
         **(meta or {}),
     }
-    if n_layers < len(layer_tensors):
-        meta_out["skipped_layers"] = sorted(set(layer_tensors) - set(range(n_layers)))
+    if len(order) < len(layer_tensors):
+        meta_out["skipped_layers"] = sorted(set(layer_tensors) - set(order))
     stats = CalibrationStats(meta_out, tensors, modules)
     unrouted = [m for m, a in stats.input_amax().items()
                 if a == 0.0 and parse_name(m + ".weight").role is Role.ROUTED_EXPERT]

@@ -197,6 +197,8 @@ def check_layers(checks: Checks, config: dict, tensors: dict[str, TensorInfo],
                          layer=layer)
             out.rows[layer]["experts"] = "dense"
         _check_attention_kind(checks, arch, layer, tns)
+    _check_mtp_tensors(checks, by_layer, tensors, range(n_layers, total), hidden,
+                       _int_key(checks, tc, "vocab_size", None))
     for m in modules:
         want = None
         if m.tn.role is Role.ROUTED_EXPERT:
@@ -273,6 +275,43 @@ def _check_moe_layer(checks: Checks, row: dict[str, str], layer: int, tns: list[
         row["ids"] = f"gap: {_ranges(missing)}" if missing else f"extra: {_ranges(extra)}"
     if ids:
         _check_experts_alike(checks, layer, experts, ids)
+
+
+def _mtp_shapes(hidden: int | None, vocab: int | None) -> dict[str, tuple]:
+    """What each tensor only an MTP layer holds is, DeepSeek-V3's layout (docs/mtp.md): its
+    own embedding copy (vLLM's MTP model loads it as its embedding), the norms of the next
+    token's embedding and of the previous hidden state, the projection of the two
+    concatenated, the layer's own output norm and head."""
+    return {"embed_tokens.weight": (vocab, hidden), "enorm.weight": (hidden,),
+            "hnorm.weight": (hidden,),
+            "eh_proj.weight": (hidden, None if hidden is None else 2 * hidden),
+            "shared_head.norm.weight": (hidden,), "shared_head.head.weight": (vocab, hidden)}
+
+
+def _check_mtp_tensors(checks: Checks, by_layer: dict[int, list[TensorName]],
+                       tensors: dict[str, TensorInfo], mtp: range, hidden: int | None,
+                       vocab: int | None) -> None:
+    """Each MTP layer holds its own tensors (enorm, hnorm, eh_proj, shared_head), unquantized
+    and of the config's shapes; no other layer holds any."""
+    S = "structure"
+    want = _mtp_shapes(hidden, vocab)
+    for layer, tns in sorted(by_layer.items()):
+        held = {tn.name.split(f"layers.{layer}.", 1)[1]: tn for tn in tns if tn.role is Role.MTP}
+        if layer not in mtp:
+            checks.check(S, not held, "layers", f"holds multi-token-prediction tensors "
+                         f"{sorted(held)} but is not an MTP layer (num_nextn_predict_layers)",
+                         layer=layer)
+            continue
+        for key, shape in want.items():
+            if not checks.check(S, key in held, "layers", f"MTP layer has no {key}",
+                                layer=layer):
+                continue
+            info = tensors[held[key].name]
+            fits = len(info.shape) == len(shape) and all(
+                w is None or w == got for w, got in zip(shape, info.shape, strict=True))
+            checks.check(S, fits and info.dtype in FLOAT_DTYPES, "shape",
+                         f"{info.dtype}{list(info.shape)}, an MTP layer's {key} is unquantized "
+                         f"{[w or '?' for w in shape]}", tensor=info.name)
 
 
 def _check_experts_alike(checks: Checks, layer: int,

@@ -42,7 +42,7 @@ class Linear(Protocol):
 
 def is_linear(m: Linear) -> bool:
     """Would the model hold an nn.Linear here (what a config's 'Linear' target means)?"""
-    if m.tn.role in (Role.EMBEDDING, Role.ROUTER_WEIGHT, Role.ROUTER_BIAS, Role.NORM):
+    if m.tn.role in (Role.EMBEDDING, Role.ROUTER_WEIGHT, Role.ROUTER_BIAS, Role.NORM, Role.MTP):
         return False
     return m.codec.quantized or len(m.shape) == 2
 

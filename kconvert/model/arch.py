@@ -56,6 +56,17 @@ class Arch:
         return self.text.get(self._keys[what], default)
 
     @property
+    def mtp_layers(self) -> range:
+        """The multi-token-prediction layers (DeepSeek-V3's num_nextn_predict_layers), stored
+        after the decoder layers: num_hidden_layers .. num_hidden_layers + n - 1 (docs/mtp.md).
+        Kimi-K3 has none."""
+        first = self.text.get("num_hidden_layers")
+        count = self.text.get("num_nextn_predict_layers") or 0
+        if self.family == KIMI_K3 or not isinstance(first, int) or not isinstance(count, int):
+            return range(0)
+        return range(first, first + count)
+
+    @property
     def expert_input(self) -> int | None:
         """A routed expert's input width: the hidden size, or K3's latent."""
         if self.family == KIMI_K3:

@@ -34,6 +34,12 @@ class Role(StrEnum):
     # output_attn_res_*).
     LATENT = "latent_projection"
     ATTN_RES = "attn_res"
+    # What only a DeepSeek-V3 multi-token-prediction layer (num_nextn_predict_layers) holds
+    # besides a decoder layer: its embedding copy, enorm, hnorm, eh_proj and shared_head (norm,
+    # head). vLLM's deepseek_mtp.py and SGLang's deepseek_nextn.py build them as a plain
+    # nn.Linear, embedding and lm head that no quantization config reaches: never quantized,
+    # never a config's "Linear" (docs/mtp.md).
+    MTP = "mtp"
     OTHER = "other"
 
 
@@ -86,6 +92,7 @@ _SHARED = re.compile(rf"^{_MOE}\.shared_experts\.(?P<proj>gate_proj|up_proj|down
 _DENSE = re.compile(r"^mlp\.(?P<proj>gate_proj|up_proj|down_proj)$")
 _ROUTER = re.compile(rf"^{_MOE}\.gate$")
 _LATENT = re.compile(r"^block_sparse_moe\.routed_expert_(?P<proj>down_proj|up_proj|norm)$")
+_MTP = re.compile(r"^(?:embed_tokens|enorm|hnorm|eh_proj|shared_head\.(?:norm|head))$")
 _ATTN_RES = re.compile(r"^(?P<proj>(?:self_attention|mlp|output_attn)_res_(?:norm|proj))$")
 # KDA's names hold digits (q_conv1d) and capitals (A_log), and some have no parameter suffix.
 _ATTN = re.compile(r"^self_attn\.(?P<proj>[A-Za-z0-9_]+)$")
@@ -183,6 +190,8 @@ def parse_name(name: str) -> TensorName:
         role, proj = Role.LATENT, lat["proj"]
     elif (res := _ATTN_RES.match(rest)) is not None:
         role, proj = Role.ATTN_RES, res["proj"]
+    elif _MTP.match(rest) is not None:
+        role, proj = Role.MTP, rest
     elif rest.endswith("layernorm"):
         role = Role.NORM
     elif (a := _ATTN.match(rest)) is not None:

@@ -124,6 +124,11 @@ class PruneLayer(BaseModel):
     compensation: LayerCompensation | None = Field(
         default=None, description="down_proj re-fit of this layer (learned: and the kept "
                                   "experts' training); absent: source matrices")
+    rule: str | None = Field(
+        default=None, description="how `keep` was chosen where no criterion score could be: "
+                                  "'uncalibrated-lowest-ids' for a multi-token-prediction "
+                                  "layer the calibration does not run (docs/mtp.md); absent: "
+                                  "by the plan's criterion")
 
     @field_validator("keep")
     @classmethod

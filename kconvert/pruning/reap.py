@@ -10,6 +10,7 @@ checking it against the checkpoint.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -26,6 +27,11 @@ from kconvert.pruning.plan import PruneLayer, PrunePlan
 
 # The per-layer statistics the criteria are computed from (`calibrate` writes them).
 SCORE_STATS = ("saliency", "count", "ean_sum", "ean_sq_sum")
+# How a multi-token-prediction layer keeps its experts where the statistics hold no scores of
+# it (made before kconvert's calibration ran MTP layers, or by another tool; docs/mtp.md):
+# every expert of it has the same (no) evidence, so the criteria's own tie rule, lower id
+# first, decides.
+MTP_RULE = "uncalibrated-lowest-ids"
 
 
 def with_means(s: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -73,7 +79,10 @@ def statistic(criterion: str) -> str:
 
 
 def plan_from_scores(scores: dict[int, dict[str, torch.Tensor]], keep: int, criterion: str,
-                     source: dict | None = None) -> PrunePlan:
+                     source: dict | None = None, mtp_layers: Iterable[int] = ()) -> PrunePlan:
+    """Keep the `keep` highest-scoring experts of every scored layer; each of `mtp_layers`
+    (the checkpoint's multi-token-prediction layers) without scores keeps its `keep` lowest
+    ids, the plan saying so (MTP_RULE), so that every MoE layer keeps one count."""
     ranked_by = statistic(criterion)
     layers = {}
     for layer, raw in scores.items():
@@ -91,9 +100,30 @@ def plan_from_scores(scores: dict[int, dict[str, torch.Tensor]], keep: int, crit
             frequency=s["count"].tolist() if "count" in s else None,
             ean=s["ean_sum"].tolist() if "ean_sum" in s else None,
         )
+    for layer in mtp_layers:
+        layers.setdefault(str(layer), PruneLayer(keep=list(range(keep)), rule=MTP_RULE))
     n_routed = next(iter(scores.values()))["count"].numel()
     return PrunePlan(criterion=criterion, routing="model", source=source,
                      n_routed_experts=n_routed, layers=layers)
+
+
+def note_mtp_layers(plan: PrunePlan, echo: Callable[[str], None]) -> None:
+    """Say which layers kept their experts by MTP_RULE rather than by the criterion, and,
+    in a plan with router repair or compensation, which layers have no record of it (the
+    multi-token-prediction layers: the repair stream runs the decoder layers, docs/mtp.md)."""
+    ruled = [int(k) for k, v in plan.layers.items() if v.rule == MTP_RULE]
+    if ruled:
+        echo(f"kconvert: warning: multi-token-prediction layer(s) {', '.join(map(str, ruled))} "
+             f"keep their {len(plan.layers[str(ruled[0])].keep)} lowest expert ids: the "
+             "statistics hold no scores of them, so no criterion ranks their experts "
+             "(docs/mtp.md; calibrate again, or give a --plan naming their keep)")
+    if plan.repair or plan.compensation:
+        bare = [int(k) for k, v in plan.layers.items() if v.repair is None
+                and v.compensation is None]
+        if bare:
+            echo(f"note: multi-token-prediction layer(s) {', '.join(map(str, bare))} are "
+                 "pruned without router repair or compensation: the repair stream runs the "
+                 "decoder layers only (docs/mtp.md)")
 
 
 def keep_ids(score: torch.Tensor, keep: int) -> list[int]:
@@ -111,6 +141,12 @@ def moe_layers(ckpt: Checkpoint) -> dict[int, int]:
         if tn.role is Role.ROUTED_EXPERT:
             experts.setdefault(tn.layer, set()).add(tn.expert)
     return {layer: len(ids) for layer, ids in sorted(experts.items())}
+
+
+def mtp_moe_layers(ckpt: Checkpoint) -> list[int]:
+    """The multi-token-prediction layers (num_nextn_predict_layers) that hold routed experts."""
+    mtp = arch_of(ckpt.text_config).mtp_layers
+    return [layer for layer in moe_layers(ckpt) if layer in mtp]
 
 
 def repaired_tensors(plan: PrunePlan, ckpt: Checkpoint,

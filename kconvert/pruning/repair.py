@@ -39,6 +39,7 @@ from kconvert.calibrate.moe import MoEBlock
 from kconvert.errors import KconvertError
 from kconvert.gpu.devices import Stopwatch, deterministic
 from kconvert.io.checkpoint import Checkpoint
+from kconvert.model.arch import arch_of
 from kconvert.model.names import Role, parse_name
 from kconvert.pruning import recode
 from kconvert.pruning.compensate import mse
@@ -248,7 +249,11 @@ def with_repair(plan: PrunePlan, repair: RouterRepair) -> PrunePlan:
     experts differ from those the repair chose."""
     layers = {}
     s = repair.settings
+    stream_skips = arch_of(repair.ckpt.text_config).mtp_layers
     for key, entry in plan.layers.items():
+        if int(key) in stream_skips:  # the repair stream runs the decoder layers (docs/mtp.md)
+            layers[key] = entry
+            continue
         if int(key) not in repair.kept:
             raise KconvertError(f"layer {key} of the plan was not repaired")
         if entry.keep != repair.kept[int(key)]:

@@ -28,7 +28,7 @@ from kconvert.model.names import Role, TensorName
 KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1}
 GIB = 1 << 30
 REPLICATED_ROLES = {Role.ROUTER_WEIGHT, Role.ROUTER_BIAS, Role.NORM, Role.VISION,
-                    Role.PROJECTOR, Role.OTHER, Role.ATTN_RES, Role.LATENT}
+                    Role.PROJECTOR, Role.OTHER, Role.ATTN_RES, Role.LATENT, Role.MTP}
 REPLICATED_ATTENTION = {"q_a_proj", "kv_a_proj_with_mqa"}
 FIRST_STAGE_ROLES = {Role.EMBEDDING, Role.VISION, Role.PROJECTOR}
 

@@ -43,7 +43,7 @@ COMPONENTS: dict[str, tuple[Role, ...]] = {
     "attn_res": (Role.ATTN_RES,),
     "embeddings_lm_head": (Role.EMBEDDING, Role.LM_HEAD),
     "vision_projector": (Role.VISION, Role.PROJECTOR),
-    "other": (Role.NORM, Role.OTHER),
+    "other": (Role.NORM, Role.OTHER, Role.MTP),
 }
 COMPONENT_OF = {role: name for name, roles in COMPONENTS.items() for role in roles}
 

@@ -280,6 +280,8 @@ def prepare(stages: tuple[dict, ...], options: dict, gpu: GpuRequest
         from kconvert.pruning.reap import (
             check_plan_keep,
             keep_count,
+            mtp_moe_layers,
+            note_mtp_layers,
             plan_from_scores,
             scores_from_stats,
         )
@@ -298,8 +300,10 @@ def prepare(stages: tuple[dict, ...], options: dict, gpu: GpuRequest
         criterion = options.get("criterion") or CRITERIA.default(PRUNE[0]).name
         if stats is not None:
             scores = scores_from_stats(stats)
-            made = plan_from_scores(scores, keep, criterion, ckpt.identity)
+            made = plan_from_scores(scores, keep, criterion, ckpt.identity,
+                                    mtp_moe_layers(ckpt))
             prune_data.note_unrouted(made, scores, echo)
+            note_mtp_layers(made, echo)
             return prune_stage(made, ckpt)
         made = prune_data.from_data(ckpt, options, gpu, keep, criterion, repair_kind(repair),
                                     compensation_kind(compensate), echo)

@@ -30,7 +30,7 @@ from kconvert.io.output_dir import REFIT_DIR, resolve_dst
 from kconvert.model.names import Role, parse_name
 from kconvert.pruning.kinds import CompensationKind, RepairKind
 from kconvert.pruning.plan import PruneLayer, PrunePlan
-from kconvert.pruning.reap import moe_layers
+from kconvert.pruning.reap import moe_layers, mtp_moe_layers, note_mtp_layers
 
 
 @dataclass
@@ -119,11 +119,15 @@ def _calibrate(ckpt: Checkpoint, ids: torch.Tensor, options: dict, gpu: GpuReque
     if options.get("save_stats"):
         save_stats(measured, options["save_stats"])
     scores = scores_of(measured)
-    made = plan_from_scores(scores, keep, criterion, ckpt.identity)
+    made = plan_from_scores(scores, keep, criterion, ckpt.identity,
+                            mtp_moe_layers(ckpt))
     note_unrouted(made, scores, echo)
     if fixer is None:
+        note_mtp_layers(made, echo)
         return FromData(made, used)
-    return FromData(with_repair(made, fixer), used, fixer.rows, fixer.matrices, spill)
+    repaired = with_repair(made, fixer)
+    note_mtp_layers(repaired, echo)
+    return FromData(repaired, used, fixer.rows, fixer.matrices, spill)
 
 
 def share_repair(fixer) -> None:
@@ -153,7 +157,7 @@ def note_unrouted(plan: PrunePlan, scores: dict[int, dict[str, torch.Tensor]],
     """Say so when a layer keeps experts no calibration token was routed to: every score of
     theirs is 0, so the lower-id rule chose them, not the data."""
     unrouted = {layer: [e for e in entry.keep if float(scores[int(layer)]["count"][e]) == 0]
-                for layer, entry in plan.layers.items()}
+                for layer, entry in plan.layers.items() if int(layer) in scores}
     unrouted = {layer: ids for layer, ids in unrouted.items() if ids}
     if not unrouted:
         return

@@ -30,6 +30,9 @@ class FixtureDims:
     experts: int = 16  # n_routed_experts
     top_k: int = 4  # num_experts_per_tok
     moe_layers: int = 2  # layers 1..moe_layers are MoE; layer 0 dense (first_k_dense_replace=1)
+    # DeepSeek-V3's multi-token-prediction layers (num_nextn_predict_layers), stored after the
+    # decoder layers: layers moe_layers + 1 .. moe_layers + mtp_layers.
+    mtp_layers: int = 0
     q_lora_rank: int = 64
     kv_lora_rank: int = 32
     qk_nope_head_dim: int = 16
@@ -47,6 +50,8 @@ class FixtureDims:
             raise ValueError(f"top_k={self.top_k} must be in 1..experts={self.experts}")
         if self.moe_layers < 1:
             raise ValueError("moe_layers must be >= 1")
+        if self.mtp_layers < 0:
+            raise ValueError("mtp_layers must be >= 0")
         if self.qk_rope_head_dim % 2:
             raise ValueError("qk_rope_head_dim must be even (rotary pairs)")
         if self.vocab < 512:
@@ -216,6 +221,23 @@ def moe_layer_tensors(
             else:
                 base = name.removesuffix(".weight")
                 t.update({f"{base}.{k}": v for k, v in quant(w).items()})
+    return t
+
+
+def mtp_layer_tensors(
+    p: str, d: FixtureDims, rng: Rng, quant: Callable[[torch.Tensor], Tensors] | None
+) -> Tensors:
+    """One multi-token-prediction layer as DeepSeek-V3 stores it (`model.layers.61.*`): a full
+    MoE decoder layer plus its own embedding copy, enorm/hnorm (RMSNorms of the embedding and of
+    the previous hidden state), eh_proj ([hidden, 2 x hidden], the projection of the two
+    concatenated) and shared_head (norm and head, the layer's own output head); all BF16."""
+    t = moe_layer_tensors(p, d, rng, quant)
+    t[f"{p}.embed_tokens.weight"] = rng.normal(d.vocab, d.hidden, std=1.0)
+    t[f"{p}.enorm.weight"] = rng.norm(d.hidden)
+    t[f"{p}.hnorm.weight"] = rng.norm(d.hidden)
+    t[f"{p}.eh_proj.weight"] = rng.linear(d.hidden, 2 * d.hidden)
+    t[f"{p}.shared_head.norm.weight"] = rng.norm(d.hidden)
+    t[f"{p}.shared_head.head.weight"] = rng.linear(d.vocab, d.hidden)
     return t
 
 

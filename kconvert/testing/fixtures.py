@@ -26,7 +26,11 @@ approximations of the ``bf16`` fixture and ``k25-int4``'s language model equals 
 CLI::
 
     python scripts/make_fixture.py OUT_DIR --variant k2-int4-kimi [--seed 0] [--hidden 128]
-        [--experts 16] [--moe-layers 2] [--moe-intermediate 64] [--overwrite]
+        [--experts 16] [--moe-layers 2] [--moe-intermediate 64] [--mtp-layers 1] [--overwrite]
+
+``--mtp-layers N`` (DeepSeek-V3 variants and ``bf16``) adds N multi-token-prediction layers after
+the decoder layers, each a full MoE layer plus embed_tokens, enorm, hnorm, eh_proj and
+shared_head, and sets ``num_nextn_predict_layers`` to N.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from kconvert.testing.fixture_weights import (
     ct_int4_scheme,
     mlp_tensors,
     moe_layer_tensors,
+    mtp_layer_tensors,
     quant_ct,
     quant_kimi,
     self_check,
@@ -204,6 +209,9 @@ def make_fixture(
             shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
 
+    if variant == "k3-mxfp4" and dims.mtp_layers:
+        raise ValueError("Kimi-K3 has no multi-token-prediction layers (num_nextn_predict_layers "
+                         "0); --mtp-layers is for the DeepSeek-V3 variants")
     rng = Rng(seed)
     if variant == "k3-mxfp4":
         bos, eos = special_ids(dims.vocab)
@@ -237,6 +245,9 @@ def make_fixture(
     if multimodal:  # drawn last so the language model matches k2-int4-kimi for the same seed
         proj, vision = vision_tensors(dims, rng)
         shards += [proj, vision]
+    # Drawn after everything else, so the rest of the model is the one without MTP layers.
+    for layer in range(dims.moe_layers + 1, dims.moe_layers + 1 + dims.mtp_layers):
+        shards.append(mtp_layer_tensors(f"{mp}.{layer}", dims, rng, quant))
     config = (k25_config(dims, k26=variant == "k26-int4") if multimodal
               else k2_config(dims, quantized=quant is not None))
     return _write(out, shards, config, _side_files(dims, rng, variant))
@@ -273,6 +284,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--experts", type=int)
     ap.add_argument("--moe-layers", type=int)
     ap.add_argument("--moe-intermediate", type=int)
+    ap.add_argument("--mtp-layers", type=int, help="multi-token-prediction layers "
+                    "(num_nextn_predict_layers, DeepSeek-V3's layout)")
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
     a = ap.parse_args(argv)
     over = {
@@ -280,6 +293,7 @@ def main(argv: list[str] | None = None) -> None:
         "experts": a.experts,
         "moe_layers": a.moe_layers,
         "moe_intermediate": a.moe_intermediate,
+        "mtp_layers": a.mtp_layers,
     }
     dims = replace(FixtureDims(), **{k: v for k, v in over.items() if v is not None})
     dims = replace(dims, top_k=min(dims.top_k, dims.experts))  # --experts 2 stays valid

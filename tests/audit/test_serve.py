@@ -235,7 +235,8 @@ def test_mtp_layer_with_the_unpruned_expert_count(outputs, tmp_path):
         counts = [c for c in failures(serve, engine) if c["name"] == "expert-counts"]
         assert [c["message"].split(":")[0] for c in counts] == [
             "MTP layer 3 holds 16 routed experts (ids 0..15), n_routed_experts is 8"]
-        assert counts[0]["file"] == "config.json" and "MTP" in counts[0]["source"]
+        assert counts[0]["file"] == shard and "MTP" in counts[0]["source"]
+        assert counts[0]["tensor"].startswith("model.layers.3.mlp.experts.8.")
 
 
 def test_expert_count_no_common_ep_size_divides(outputs):

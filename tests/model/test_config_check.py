@@ -81,6 +81,9 @@ def test_calibrate_refuses_layers_beyond_the_config(tmp_path):
     assert_user_error(cli_inproc(*cmd), "the shards hold decoder layers [2] beyond the "
                       "config's num_hidden_layers=2 (and num_nextn_predict_layers=0)",
                       "tensor model.layers.2.")
+    # now layer 2 is the config's MTP layer, which calibration runs: without an MTP layer's
+    # own tensors it is refused, named, rather than skipped
     edit_json(src / "config.json", _set("num_nextn_predict_layers", 1))
-    res = cli_inproc(*cmd)  # now layer 2 is the config's MTP layer, which calibration skips
-    assert res.exit_code == 0, res.output
+    assert_user_error(cli_inproc(*cmd), "layer 2, the config's multi-token-prediction layer 1 "
+                      "(num_nextn_predict_layers), has no embed_tokens, enorm, hnorm, eh_proj",
+                      "tensor model.layers.2.")
