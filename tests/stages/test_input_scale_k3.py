@@ -1,20 +1,25 @@
 """`--input-scale layer-max` on Kimi-K3's expert names (w1 gate, w3 up, w2 down): one input
 scale per MoE layer for the gates and ups together (w1 with w3) and one for the downs (w2),
-as the conversion writes them (quantize.policy_amax) and as eval serves them
-(activations.served); a DeepSeek-named layer beside them is grouped by its own names."""
+as the conversion writes them (the policy's amax) and as eval serves them (the policy's
+served); a DeepSeek-named layer beside them is grouped by its own names."""
 
 from __future__ import annotations
 
 import torch
 
-from kconvert.evaluate.activations import served
-from kconvert.stages.quantize import policy_amax
+from kconvert.calibrate.input_scales import input_scale_policy
+from kconvert.calibrate.stats import ActStats
 
 K3_MOE = "language_model.model.layers.{layer}.block_sparse_moe"
 DEEPSEEK_MOE = "model.layers.{layer}.mlp"
 # per (layer, expert) the input amax of w1 (gate), w3 (up), w2 (down)
 AMAX = {(1, 0): (1.0, 5.0, 100.0), (1, 1): (2.0, 3.0, 50.0), (2, 0): (7.0, 1.0, 20.0),
         (2, 1): (4.0, 6.0, 30.0)}
+
+
+def policy_amax(calibrated: dict[str, float], policy: str
+                ) -> tuple[dict[str, float], list[str]]:
+    return input_scale_policy(policy).amax(ActStats(calibrated, {}, {}))
 
 
 def _modules(block: str, names: tuple[str, str, str]) -> dict[str, float]:
@@ -53,6 +58,6 @@ def test_layer_max_groups_each_familys_names_by_their_parts():
 def test_eval_serves_k3s_layer_max_as_written():
     """served takes the smallest g = 2688 / amax of each group: the largest amax's."""
     g = {m: torch.tensor(2688.0 / a) for m, a in _modules(K3_MOE, K3).items()}
-    got = served(g, "layer-max")
+    got = input_scale_policy("layer-max").served(g)
     for m, a in _expected(K3_MOE, K3).items():
         assert float(got[m]) == float(torch.tensor(2688.0 / a)), m
