@@ -45,6 +45,7 @@ def check_module(ctx: AuditContext, m: ModuleWork, s: ModuleWork, out: dict[str,
     if not checks.check(SRC, m_exp is not None, "cast", f"per-tensor scale "
                         f"{float(scale.reshape(()))!r} is not a power of two: not an exact "
                         "cast", **where):
+        tally.update(uncounted=1)  # already a failure: the totals cannot be recounted
         return checks
     packed, scales = (src[p] for p in s.codec.params)
     exact = exact_blocks(packed[None], scales[None], torch.tensor([m_exp]))[0]
@@ -54,14 +55,16 @@ def check_module(ctx: AuditContext, m: ModuleWork, s: ModuleWork, out: dict[str,
     same = (want.view(torch.int32) == got.view(torch.int32)).view(*scales.shape,
                                                                   mxfp4.BLOCK).all(-1)
     bad = (exact & ~same).nonzero()
+    # counted from the source's blocks before the bytes are judged: a wrong byte is reported
+    # once, by the check below, not again as a total that no longer adds up
+    n, total = int(exact.sum()), exact.numel()
+    tally.update(exact=n, blocks=total)
     if not checks.check(SRC, len(bad) == 0, "cast", f"{len(bad)} of the {int(exact.sum())} "
                         "blocks the exact cast holds do not decode to the source's values bit "
                         f"for bit; first: row {int(bad[0, 0])}, elements "
                         f"{int(bad[0, 1]) * mxfp4.BLOCK}..{int(bad[0, 1]) * mxfp4.BLOCK + 31}"
                         if len(bad) else "", **where):
         return checks
-    n, total = int(exact.sum()), exact.numel()
-    tally.update(exact=n, blocks=total)
     if ctx.manifest is not None:
         recorded = ctx.manifest.cast.get(m.module)
         said = ("no count" if recorded is None else
@@ -76,7 +79,7 @@ def note(ctx: AuditContext, tally: Counter) -> None:
     """The report's line on the exact cast, once every module is checked; where a manifest
     records the cast, its module counts and its summary's totals against the recount (a count
     for a module that is no exact cast makes the manifest's sum larger than the recount)."""
-    if ctx.source is not None and ctx.manifest is not None and (
+    if ctx.source is not None and ctx.manifest is not None and not tally["uncounted"] and (
             _exact_cast_run(ctx) or ctx.manifest.cast):
         entries = ctx.manifest.cast.values()
         summary = ctx.manifest.summary

@@ -160,6 +160,10 @@ def test_bf16_statistics_plans_and_eval_as_before(monkeypatch, tmp_path):
     for k, v in before.tensors.items():
         if k.endswith(".count") or k.endswith(".tokens"):
             assert torch.equal(stats.tensors[k], v), k
+        elif k.endswith(".block_amax_hist"):
+            # the per-expert reference path above gathers no block histograms (they are
+            # checked block by block in test_calibrate.py)
+            continue
         else:
             # the same bf16 expert products; only fp32 summation orders differ
             torch.testing.assert_close(stats.tensors[k].double(), v.double(), rtol=1e-5,
