@@ -91,7 +91,10 @@ def test_every_byte_as_one_process(runs, command, ranks):
     obs = json.loads((runs["one"] / command / MANIFEST).read_text())["obs"]
     routed = [r for r in obs.values() if "oneshot" in r]
     # the comparison covers trained experts (their recorded held-out errors are the trained
-    # values'): many had the tokens; p48 writes some learned (2 steps of NVFP4 beat none)
+    # values'): many had the tokens; p48 writes some learned (2 steps of NVFP4 beat none).
+    # Margin, measured in one process on a 2-core CPU: p48 trains 126 of 216 matrices (the
+    # bound is 54) and writes all 126 learned, the best at 0.948x its one-shot error: the
+    # "some learned" needs only one of 126 to beat its one-shot result
     assert sum(r["learned_error"] is not None for r in routed) > len(routed) // 4
     assert command == "quantize" or any(r["method"] == "learned" for r in routed)
 

