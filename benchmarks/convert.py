@@ -75,17 +75,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks import convert_children, inprocess, io_floor
+from benchmarks.child_process import child_env, run_child
 from benchmarks.harness import (
     REPO,
     Timer,
     arguments,
-    child_env,
     comma_ints,
     drop_page_cache,
     log,
     record,
     result_path,
-    run_child,
     save,
 )
 from benchmarks.outputs import compare_dirs

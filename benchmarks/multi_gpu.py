@@ -42,18 +42,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.calibrate import LAYER_LINE
+from benchmarks.child_process import child_env, run_child
 from benchmarks.harness import (
     REPO,
     Timer,
     arguments,
-    child_env,
     comma_ints,
     comma_list,
     drop_page_cache,
     parse,
     record,
     result_path,
-    run_child,
     save,
 )
 from benchmarks.outputs import compare_dirs, same_output

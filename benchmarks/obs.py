@@ -66,17 +66,16 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.child_process import child_env, run_child
+from benchmarks.gpu_sampler import GpuSampler
 from benchmarks.harness import (
-    GpuSampler,
     Timer,
     arguments,
-    child_env,
     comma_ints,
     comma_list,
     parse,
     record,
     result_path,
-    run_child,
     save,
     sync,
 )
