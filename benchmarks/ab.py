@@ -26,16 +26,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from benchmarks.harness import (
-    arguments,
-    child_env,
-    drop_page_cache,
-    kconvert_sha,
-    record,
-    result_path,
-    run_child,
-    save,
-)
+from benchmarks.child_process import child_env, run_child
+from benchmarks.harness import arguments, drop_page_cache, kconvert_sha, record, result_path, save
 from benchmarks.synthetic import add_anchor_dims, anchor_set
 
 # Runs with TREE first on its path (its working directory and PYTHONPATH), so kconvert is

@@ -25,16 +25,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.harness import (
-    REPO,
-    arguments,
-    child_env,
-    drop_page_cache,
-    record,
-    result_path,
-    run_child,
-    save,
-)
+from benchmarks.child_process import child_env, run_child
+from benchmarks.harness import REPO, arguments, drop_page_cache, record, result_path, save
 
 PIECE = 16 << 20
 READ = r"""

@@ -42,17 +42,16 @@ import shutil
 import sys
 from pathlib import Path
 
+from benchmarks.child_process import child_env, run_child
 from benchmarks.harness import (
     REPO,
     Timer,
     arguments,
-    child_env,
     comma_list,
     drop_page_cache,
     parse,
     record,
     result_path,
-    run_child,
     save,
 )
 from benchmarks.synthetic import TINY, add_dims, kimi_set, random_ids, write_ids

@@ -1,5 +1,5 @@
 """The children of `convert` that time a computation in memory or the anchor: each runs in
-its own process (harness.run_child) and prints one RESULT line."""
+its own process (child_process.run_child) and prints one RESULT line."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import resource
 import statistics
 from pathlib import Path
 
+from benchmarks.child_process import report
 from benchmarks.encode import as_engine
-from benchmarks.harness import Timer, report
+from benchmarks.harness import Timer
 from benchmarks.synthetic import random_int4
 
 H, I_MOE = 7168, 2048  # Kimi-K2 hidden size and expert intermediate size

@@ -32,17 +32,16 @@ from __future__ import annotations
 import json
 import sys
 
+from benchmarks.child_process import child_env, run_child
 from benchmarks.harness import (
     REPO,
     Timer,
     arguments,
-    child_env,
     comma_ints,
     comma_list,
     log,
     record,
     result_path,
-    run_child,
     save,
 )
 from benchmarks.synthetic import FIXTURE, expert_set

@@ -21,17 +21,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import (
-    Timer,
-    arguments,
-    now,
-    parse,
-    record,
-    reset_vmhwm,
-    result_path,
-    save,
-    vmhwm_bytes,
-)
+from benchmarks.child_process import reset_vmhwm, vmhwm_bytes
+from benchmarks.harness import Timer, arguments, now, parse, record, result_path, save
 from benchmarks.synthetic import TINY, add_dims, kimi_set, random_ids
 
 

@@ -49,20 +49,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from benchmarks.harness import (
-    GIB,
-    GpuSampler,
-    Timer,
-    arguments,
-    child_env,
-    comma_list,
-    parse,
-    record,
-    report,
-    result_path,
-    run_child,
-    save,
-)
+from benchmarks.child_process import child_env, report, run_child
+from benchmarks.gpu_sampler import GpuSampler
+from benchmarks.harness import GIB, Timer, arguments, comma_list, parse, record, result_path, save
 from benchmarks.synthetic import TINY, add_dims, kimi_set, random_ids, write_ids
 
 # Rough seconds of each run on one H100 (a run is skipped when less than this is left).

@@ -1,5 +1,6 @@
 """What every benchmark shares: the record a result carries, its file name, one timer, one
-page-cache drop and one child-process runner.
+page-cache drop and the options of its command line. A command run in its own process is
+benchmarks.child_process's, the GPU sampled beside it benchmarks.gpu_sampler's.
 
 A result is a JSON object with a `record`: when it ran, its command line, the machine, the
 device (the GPUs nvidia-smi lists, or the CPU) and the code measured (git commit and whether
@@ -17,15 +18,12 @@ import json
 import os
 import platform
 import re
-import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 STARTED = time.perf_counter()
@@ -262,223 +260,7 @@ def drop_page_cache(keep: bool = False) -> str | None:
     return None
 
 
-# ------------------------------------------------------------------ child processes
-
-# Between a benchmark and the command it runs: the command is this launcher's only child, so
-# wait4's peak RSS is the command's own (Linux carries a parent's peak RSS into a child across
-# fork and exec: a benchmark that built a 15 GB set in memory would read 15 GB for any child).
-# It writes the command's pid and start (time.monotonic: one clock for every process on Linux)
-# as soon as it runs, then its exit status, wall seconds and peak RSS, one line each, on the
-# descriptor it is given.
-LAUNCHER = """\
-import json, os, subprocess, sys, time
-report = os.fdopen(int(sys.argv[1]), "w", buffering=1)
-t0 = time.monotonic()
-child = subprocess.Popen(sys.argv[2:])
-report.write(f"{child.pid} {t0!r}\\n")
-_, status, usage = os.wait4(child.pid, 0)
-report.write(json.dumps({"rc": os.waitstatus_to_exitcode(status),
-                         "wall_s": time.monotonic() - t0,
-                         "maxrss_kib": usage.ru_maxrss}) + "\\n")
-"""
-
-
-class Watcher(Protocol):
-    """Samples something while a child runs (its process, the GPU, a directory)."""
-
-    def finish(self) -> dict: ...
-
-
-@dataclass
-class Child:
-    """One command run in its own process."""
-
-    cmd: list[str]
-    rc: int | None  # None: killed at the timeout
-    wall_s: float
-    peak_rss_bytes: int | None  # None where the command did not end by itself
-    stdout: str
-    stderr: str  # empty when merged into stdout
-    lines: list[tuple[float, str]]  # stdout's lines (merged: both), seconds from its start
-    result: dict = field(default_factory=dict)  # the last `RESULT {json}` line it printed
-    watched: dict = field(default_factory=dict)  # what the watcher gathered
-
-    @property
-    def timed_out(self) -> bool:
-        return self.rc is None
-
-    @property
-    def output(self) -> str:
-        return self.stdout + self.stderr
-
-    @property
-    def peak_rss_gb(self) -> float | None:
-        return None if self.peak_rss_bytes is None else round(self.peak_rss_bytes / 1e9, 3)
-
-    @property
-    def peak_gpu_reserved_bytes(self) -> int | None:
-        """The peak the command reported (`report` in the child), where it did."""
-        return self.result.get("max_memory_reserved")
-
-
-def child_env(*trees: Path, **extra: object) -> dict[str, str]:
-    """This environment for a child that imports kconvert from the first of `trees` (this
-    repository when none is given) and benchmarks from this repository, ahead of any
-    PYTHONPATH already set (where carried packages live on the device machine); its output
-    unbuffered; `extra` set on top."""
-    paths = dict.fromkeys(str(p) for p in (*trees, REPO))
-    rest = os.environ.get("PYTHONPATH")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*paths, *([rest] if rest else [])]),
-           "PYTHONUNBUFFERED": "1"}
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
-
-
-def run_child(cmd: Sequence[str | Path], *, env: dict[str, str] | None = None,
-              cwd: Path | None = None, timeout: float | None = None, merge: bool = False,
-              echo: Callable[[str], None] | None = None,
-              watch: Callable[[int], Watcher] | None = None) -> Child:
-    """Run `cmd` in its own process (and process group): exit status, wall seconds, peak RSS,
-    its output (stdout and stderr apart, or merged in order with `merge`) with each line's
-    arrival time, the last `RESULT {json}` line it printed (`report`), and what
-    `watch(pid)` gathered while it ran. `echo` gets every other line as it comes. Past
-    `timeout` seconds the whole group is killed and rc is None."""
-    cmd = [str(c) for c in cmd]
-    read_fd, write_fd = os.pipe()
-    t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-S", "-c", LAUNCHER, str(write_fd), *cmd],
-                            env=env, cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT if merge else subprocess.PIPE, text=True,
-                            pass_fds=(write_fd,), start_new_session=True)
-    os.close(write_fd)
-    streams: dict[str, list[tuple[float, str]]] = {"stdout": [], "stderr": []}
-
-    def drain(name: str, pipe: Any) -> None:
-        for line in pipe:
-            streams[name].append((time.monotonic(), line))
-            if echo is not None and not line.startswith("RESULT "):
-                echo(line)
-
-    readers = [threading.Thread(target=drain, args=(name, pipe), daemon=True)
-               for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)) if pipe]
-    for reader in readers:
-        reader.start()
-    with os.fdopen(read_fd) as launcher:
-        started = launcher.readline().split()
-        if started:
-            t0 = float(started[1])
-        watcher = watch(int(started[0])) if watch is not None and started else None
-        killed = False
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            killed = True
-        end = launcher.readline()
-    wall = time.monotonic() - t0
-    for reader in readers:
-        reader.join()
-    for lines in streams.values():
-        lines[:] = [(t - t0, line) for t, line in lines]
-    watched = watcher.finish() if watcher is not None else {}
-    ended = json.loads(end) if end.strip() else None
-    text = {name: "".join(line for _, line in lines) for name, lines in streams.items()}
-    results = [ln for _, ln in streams["stdout"] if ln.startswith("RESULT ")]
-    if ended is None and not killed:  # the launcher could not start the command
-        ended = {"rc": proc.returncode or 127, "wall_s": wall, "maxrss_kib": None}
-    return Child(
-        cmd=cmd, rc=None if ended is None else ended["rc"],
-        wall_s=round(wall if ended is None else ended["wall_s"], 3),
-        peak_rss_bytes=None if ended is None or ended["maxrss_kib"] is None
-        else ended["maxrss_kib"] * 1024,
-        stdout=text["stdout"], stderr=text["stderr"], lines=streams["stdout"],
-        result=json.loads(results[-1][len("RESULT "):]) if results else {}, watched=watched)
-
-
-def report(result: dict) -> None:
-    """In a child: print `result` as the `RESULT {json}` line run_child reads, with this
-    process's peak RSS (VmHWM, GB) and, where it used CUDA, torch's peak GPU memory (bytes)."""
-    out = {**result, "vmhwm_gb": vmhwm_gb()}
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        out.update(max_memory_reserved=torch.cuda.max_memory_reserved(),
-                   max_memory_allocated=torch.cuda.max_memory_allocated())
-    print("RESULT " + json.dumps(out, default=str), flush=True)
-
-
-def vmhwm_bytes() -> int:
-    """This process's peak RSS since it started (or since `reset_vmhwm`)."""
-    kib = next(int(ln.split()[1]) for ln in Path("/proc/self/status").read_text().splitlines()
-               if ln.startswith("VmHWM"))
-    return kib * 1024
-
-
-def vmhwm_gb() -> float:
-    return round(vmhwm_bytes() / 1e9, 3)
-
-
-def reset_vmhwm() -> None:
-    """Start a new peak RSS for this process (Linux: clear_refs 5 resets VmHWM)."""
-    Path("/proc/self/clear_refs").write_text("5")
-
-
-# ------------------------------------------------------------------ the GPU, sampled
-
-
-class GpuSampler:
-    """nvidia-smi's utilisation and memory.used of the first visible GPU every 200 ms, on a
-    thread, from when it is made (or entered) until `finish` (or the end of the with block).
-    Without a GPU it samples nothing and its summaries are empty."""
-
-    def __init__(self, _pid: int | None = None) -> None:
-        self.samples: list[tuple[float, float]] = []
-        found = gpus()
-        self._proc = subprocess.Popen(
-            ["nvidia-smi", "--query-gpu=utilization.gpu,memory.used",
-             "--format=csv,noheader,nounits", "-lms", "200", "-i", str(found[0]["index"])],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) if found else None
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        if self._proc is not None:
-            self._thread.start()
-
-    def _read(self) -> None:
-        for line in self._proc.stdout:
-            with contextlib.suppress(ValueError):
-                util, mem = (float(x) for x in line.split(","))
-                self.samples.append((util, mem))
-
-    def finish(self) -> dict:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            self._proc.wait()
-            self._thread.join()
-        return self.detail()
-
-    def __enter__(self) -> GpuSampler:
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self.finish()
-
-    def summary(self) -> dict:
-        """Mean utilisation and the peak memory.used (GiB)."""
-        if not self.samples:
-            return {}
-        util = [u for u, _ in self.samples]
-        return {"gpu_util_mean_pct": round(sum(util) / len(util), 1),
-                "gpu_mem_used_peak_gib": round(max(m for _, m in self.samples) / 1024, 1)}
-
-    def detail(self) -> dict:
-        """Mean and peak utilisation, the share of samples with the GPU busy, the peak
-        memory.used (MiB) and every other utilisation sample."""
-        if not self.samples:
-            return {}
-        util = [u for u, _ in self.samples]
-        return {"util_mean_pct": round(sum(util) / len(util), 1), "util_max_pct": max(util),
-                "busy_frac": round(sum(u > 0 for u in util) / len(util), 3),
-                "mem_max_mib": max(m for _, m in self.samples), "samples": len(util),
-                "util_series_pct": util[::2]}
+# ------------------------------------------------------------------ the command line
 
 
 def arguments(bench: str, doc: str | None, *, root: str | None = None, results: bool = False,

@@ -8,7 +8,8 @@ import resource
 import time
 from collections.abc import Callable
 
-from benchmarks.harness import Timer, report
+from benchmarks.child_process import report
+from benchmarks.harness import Timer
 
 # Stage keys of a kconvert child's result, from the engine's timing events (kconvert.common.events).
 STAGE_KEYS = {"read": "read_{kind}", "compute": "compute_{kind}", "hash": "hash_item",

@@ -11,7 +11,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks.harness import Timer, drop_page_cache, report
+from benchmarks.child_process import report
+from benchmarks.harness import Timer, drop_page_cache
 
 
 def together(*fns: Callable[[], None]) -> None:

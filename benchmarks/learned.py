@@ -41,17 +41,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import (
-    STARTED,
-    arguments,
-    child_env,
-    comma_list,
-    record,
-    result_path,
-    run_child,
-    save,
-    sync,
-)
+from benchmarks.child_process import child_env, run_child
+from benchmarks.harness import STARTED, arguments, comma_list, record, result_path, save, sync
 from benchmarks.synthetic import FULL, random_ids, write_ids
 from benchmarks.synthetic import TINY as TINY_SET
 from benchmarks.synthetic import kimi_set as make_set

@@ -31,17 +31,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import (
-    GpuSampler,
-    arguments,
-    child_env,
-    kconvert_sha,
-    parse,
-    record,
-    result_path,
-    run_child,
-    save,
-)
+from benchmarks.child_process import child_env, run_child
+from benchmarks.gpu_sampler import GpuSampler
+from benchmarks.harness import arguments, kconvert_sha, parse, record, result_path, save
 from benchmarks.synthetic import TINY, add_dims, kimi_set, random_ids, write_ids
 
 CLI = "import sys; from kconvert.cli import main; sys.argv[0] = 'kconvert'; main()"

@@ -54,16 +54,15 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.child_process import child_env, run_child
 from benchmarks.harness import (
     REPO,
     arguments,
-    child_env,
     comma_list,
     drop_page_cache,
     log,
     record,
     result_path,
-    run_child,
     save,
 )
 
@@ -78,7 +77,7 @@ P48 = r"""
 import json, os, sys, time
 from concurrent.futures import ThreadPoolExecutor
 import torch
-from benchmarks.harness import report
+from benchmarks.child_process import report
 from kconvert.formats.p48 import check_packed
 from kconvert.io.checkpoint import open_checkpoint
 from kconvert.model.names import Role, parse_name

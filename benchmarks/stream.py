@@ -56,17 +56,15 @@ import threading
 from collections import defaultdict
 from pathlib import Path
 
+from benchmarks.child_process import Child, child_env, run_child
 from benchmarks.harness import (
-    Child,
     Timer,
     arguments,
-    child_env,
     comma_ints,
     drop_page_cache,
     log,
     record,
     result_path,
-    run_child,
     save,
 )
 from benchmarks.inprocess import run_cli

@@ -1,5 +1,5 @@
 """A child process's timeline: its RSS, I/O bytes and CPU seconds, and the disks' bytes, sampled
-every 0.25 s, with the GPU's utilisation beside it (a `watch` for harness.run_child)."""
+every 0.25 s, with the GPU's utilisation beside it (a `watch` for child_process.run_child)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.harness import GpuSampler
+from benchmarks.gpu_sampler import GpuSampler
 
 GB = 1e9
 

@@ -29,15 +29,14 @@ import json
 import shutil
 import sys
 
+from benchmarks.child_process import child_env, run_child
 from benchmarks.harness import (
     REPO,
     arguments,
-    child_env,
     comma_list,
     drop_page_cache,
     record,
     result_path,
-    run_child,
     save,
 )
 from benchmarks.outputs import MANIFEST, same_output

@@ -1,7 +1,7 @@
-"""The benchmarks' harness (benchmarks/harness.py), on the CPU: what a result records and how
-it is named, the child runner measuring real children, the shared arguments, and `python -m
-benchmarks` finding, importing and explaining (`NAME --help`) every bench it lists; no bench
-takes a setting from the environment."""
+"""The benchmarks' harness (benchmarks/harness.py, benchmarks/child_process.py), on the CPU:
+what a result records and how it is named, the child runner measuring real children, the
+shared arguments, and `python -m benchmarks` finding, importing and explaining (`NAME --help`)
+every bench it lists; no bench takes a setting from the environment."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import grouped_experts, harness
+from benchmarks import child_process, grouped_experts, harness
 from benchmarks.__main__ import BENCHES
 from conftest import ROOT
 
@@ -109,8 +109,8 @@ def test_the_child_runner_measures_the_childs_own_peak_rss():
     held[::4096] = b"\1" * len(held[::4096])
     naive = subprocess.Popen([sys.executable, "-c", "pass"])
     assert os.wait4(naive.pid, 0)[2].ru_maxrss * 1024 > 300 * MB  # the pollution
-    small = harness.run_child([sys.executable, "-c", "pass"])
-    big = harness.run_child([sys.executable, "-c", "x = bytearray(200 << 20); "
+    small = child_process.run_child([sys.executable, "-c", "pass"])
+    big = child_process.run_child([sys.executable, "-c", "x = bytearray(200 << 20); "
                              "x[::4096] = b'\\1' * len(x[::4096])"])
     del held
     assert small.rc == big.rc == 0
@@ -119,10 +119,10 @@ def test_the_child_runner_measures_the_childs_own_peak_rss():
 
 
 def test_a_childs_own_report_agrees_with_the_runners_peak_rss():
-    """A child that reports (harness.report) its own peak RSS: it is the runner's figure."""
-    code = ("from benchmarks.harness import report; x = bytearray(150 << 20); "
+    """A child that reports (child_process.report) its own peak RSS: it is the runner's figure."""
+    code = ("from benchmarks.child_process import report; x = bytearray(150 << 20); "
             "x[::4096] = b'\\1' * len(x[::4096]); report({'held_mib': 150})")
-    c = harness.run_child([sys.executable, "-c", code], env=harness.child_env())
+    c = child_process.run_child([sys.executable, "-c", code], env=child_process.child_env())
     assert c.rc == 0 and c.result["held_mib"] == 150
     assert c.peak_gpu_reserved_bytes is None  # it never used CUDA
     assert abs(c.result["vmhwm_gb"] - c.peak_rss_gb) < 0.01
@@ -133,7 +133,7 @@ def test_the_child_runner_returns_status_output_and_result_line():
     code = ("import json, sys, time; print('hello'); print('warn', file=sys.stderr); "
             "time.sleep(0.3); print('RESULT ' + json.dumps({'n': 3})); sys.exit(3)")
     echoed: list[str] = []
-    c = harness.run_child([sys.executable, "-c", code], echo=echoed.append)
+    c = child_process.run_child([sys.executable, "-c", code], echo=echoed.append)
     assert c.rc == 3 and not c.timed_out
     assert c.stdout.splitlines() == ["hello", 'RESULT {"n": 3}']
     assert c.stderr == "warn\n"
@@ -142,18 +142,18 @@ def test_the_child_runner_returns_status_output_and_result_line():
     assert c.lines[-1][0] - c.lines[0][0] > 0.25  # stamped as they came
     assert 0.3 < c.wall_s < 30
     assert 0 < c.lines[0][0] <= c.lines[-1][0] <= c.wall_s  # from the command's own start
-    merged = harness.run_child([sys.executable, "-c", code], merge=True)
+    merged = child_process.run_child([sys.executable, "-c", code], merge=True)
     assert merged.stderr == "" and "warn" in merged.stdout
-    signalled = harness.run_child([sys.executable, "-c",
+    signalled = child_process.run_child([sys.executable, "-c",
                                    "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"])
     assert signalled.rc == -15
-    missing = harness.run_child(["/nonexistent/command"])
+    missing = child_process.run_child(["/nonexistent/command"])
     assert missing.rc not in (0, None) and "nonexistent" in missing.stderr
 
 
 def test_the_child_runner_kills_the_whole_command_at_its_timeout(tmp_path):
     pid_file = tmp_path / "pid"
-    c = harness.run_child(["sh", "-c", f"sleep 60 & echo $! > {pid_file}; wait"], timeout=1)
+    c = child_process.run_child(["sh", "-c", f"sleep 60 & echo $! > {pid_file}; wait"], timeout=1)
     assert c.timed_out and c.rc is None and c.peak_rss_bytes is None
     assert c.wall_s < 30
     grandchild = int(pid_file.read_text())
@@ -183,7 +183,7 @@ def test_the_child_runner_hands_the_commands_pid_to_its_watcher():
         def finish(self) -> dict:
             return {"cmdline": self.cmdline}
 
-    c = harness.run_child([sys.executable, "-c", "import time; time.sleep(2)"], watch=Own)
+    c = child_process.run_child([sys.executable, "-c", "import time; time.sleep(2)"], watch=Own)
     assert b"time.sleep(2)" in c.watched["cmdline"]  # the command's pid, not the launcher's
     assert len(seen) == 1
 

@@ -46,16 +46,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.harness import (
-    REPO,
-    arguments,
-    child_env,
-    comma_list,
-    log,
-    parse,
-    record,
-    save,
-)
+from benchmarks.child_process import child_env
+from benchmarks.harness import REPO, arguments, comma_list, log, parse, record, save
 
 TINY_MOE = REPO / "tests" / "fixtures" / "tiny-moe-trained"
 PATCHED = [sys.executable, "-m", "benchmarks.quality.process_settings"]

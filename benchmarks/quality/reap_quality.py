@@ -33,7 +33,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spin-waiting threads on a
 
 import torch
 
-from benchmarks.harness import REPO, arguments, child_env, record, run_child
+from benchmarks.child_process import child_env, run_child
+from benchmarks.harness import REPO, arguments, record
 from benchmarks.synthetic import write_ids
 from kconvert.testing.tiny_moe import corpus_ids, heldout_ids, windows
 

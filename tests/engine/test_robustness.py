@@ -40,7 +40,7 @@ import torch
 import xxhash
 from safetensors import safe_open
 
-from benchmarks.harness import run_child
+from benchmarks.child_process import run_child
 from conftest import BUNDLED
 from helpers import (
     CLI,
@@ -183,7 +183,8 @@ BOUND = 1 * GiB  # peak RSS of a conversion above the import-only baseline
 
 def probe(cmd: list) -> dict:
     """Peak RSS (MiB) and wall seconds of `cmd`, measured by the benchmarks' child runner: the
-    command's own peak, not this process's (benchmarks/harness.py says why that needs care)."""
+    command's own peak, not this process's (benchmarks/child_process.py says why that needs
+    care)."""
     out = run_child(cmd, timeout=600)
     assert out.rc is not None, f"{cmd} did not end within 600 s"
     return {"rc": out.rc, "maxrss_mb": (out.peak_rss_bytes or 0) / MiB, "wall_s": out.wall_s,
