@@ -1,12 +1,13 @@
 """Helpers shared by the tests: the command line in this process (click's runner) and in a
 subprocess, a conversion in-process exactly as the command line calls it, snapshots of a
 directory, edits of a source checkpoint, safetensors headers read straight from the bytes
-(independently of kconvert), and a real small file system."""
+(independently of kconvert), and pieces of the tiny model computed as the tests need them (a
+MoE block from the plan's routing, an OBS problem, a built decoder layer, logits compared, a
+repair). A real small file system (a tmpfs) is tests/tmpfs.py's."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import os
@@ -18,7 +19,6 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-import pytest
 import torch
 from click.testing import CliRunner, Result
 from safetensors import safe_open
@@ -216,78 +216,6 @@ def st_header(path: Path) -> tuple[dict, int]:
 def data_bytes(path: Path) -> int:
     """Tensor bytes of a safetensors file: its size less the 8-byte length and the header."""
     return path.stat().st_size - st_header(path)[1]
-
-
-@dataclasses.dataclass(frozen=True)
-class SmallFs:
-    """A real tmpfs mounted at `path`, seen by the commands `run` starts. Run as root, it is
-    mounted on this machine (`enter` empty); as another user, it is mounted in a user+mount
-    namespace of its own, which `enter` (nsenter) runs a command in: this process does not see
-    it, so a test looks at it only through `run` (e.g. `exists`)."""
-
-    path: Path
-    enter: tuple[str, ...]
-
-    def run(self, *argv, timeout: float = 300) -> subprocess.CompletedProcess:
-        return subprocess.run([*self.enter, *map(str, argv)], capture_output=True, text=True,
-                              timeout=timeout)
-
-    def kconvert(self, *args) -> subprocess.CompletedProcess:
-        """cli_subprocess where the file system is mounted."""
-        return self.run(*CLI, *args)
-
-    def exists(self, path: Path) -> bool:
-        probe = self.run("test", "-e", path)
-        assert probe.returncode in (0, 1) and not probe.stderr, probe.stderr
-        return probe.returncode == 0
-
-
-@contextlib.contextmanager
-def small_fs(where: Path, options: str) -> Iterator[SmallFs]:
-    """A real tmpfs at `where` (a new directory) with mount `options` ("size=16k",
-    "ro,size=1m", ...). As root it is mounted here, and a refused mount fails the test: CI runs
-    the suite as root, and the disk-full and read-only tests must run there. As another user
-    it is mounted in a user+mount namespace (unshare --user --map-root-user --mount); the test
-    is skipped, saying why, only where that is refused too."""
-    where.mkdir()
-    mount = ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)]
-    if os.geteuid() == 0:
-        done = subprocess.run(mount, capture_output=True, text=True)
-        if done.returncode != 0:
-            pytest.fail(f"{' '.join(mount)} refused as root: {done.stderr.strip()}")
-        try:
-            yield _mounted(SmallFs(where, ()))
-        finally:
-            subprocess.run(["umount", "-l", str(where)], check=True)
-        return
-    missing = [tool for tool in ("unshare", "nsenter") if shutil.which(tool) is None]
-    if missing:
-        pytest.skip(f"not root, and no {' or '.join(missing)} here to mount a tmpfs in a "
-                    "user+mount namespace")
-    # The namespace lives as long as this holder: it mounts, says so, then waits.
-    holder = subprocess.Popen(
-        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
-         '"$@" && echo mounted && exec sleep infinity', "sh", *mount],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        if holder.stdout.readline().strip() != "mounted":
-            holder.wait(timeout=60)
-            pytest.skip(f"not root, and no tmpfs can be mounted in a user+mount namespace "
-                        f"here (unshare --user --map-root-user --mount {' '.join(mount)}): "
-                        f"{holder.stderr.read().strip()}")
-        yield _mounted(SmallFs(where, ("nsenter", f"--target={holder.pid}", "--user",
-                                       "--mount", "--preserve-credentials")))
-    finally:
-        holder.kill()
-        holder.communicate()
-
-
-def _mounted(fs: SmallFs) -> SmallFs:
-    """fs, once its path is seen as a mount point where its commands run (else the test would
-    write to the ordinary directory beneath and prove nothing)."""
-    seen = fs.run("mountpoint", fs.path)
-    assert seen.returncode == 0, f"{fs.path} is no mount point: {seen.stdout}{seen.stderr}"
-    return fs
 
 
 def kimi_moe_block(x: torch.Tensor, t: dict[str, torch.Tensor], layer: int, cfg: dict

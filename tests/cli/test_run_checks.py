@@ -21,12 +21,12 @@ from helpers import (
     audit_json,
     cli_inproc,
     edit_tensor,
-    small_fs,
     write_input_ids,
 )
 from kconvert.common import events
 from kconvert.errors import KconvertError
 from kconvert.io import lock
+from tmpfs import small_fs
 
 TINY_MOE = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
 

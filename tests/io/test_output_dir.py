@@ -25,12 +25,12 @@ from helpers import (
     edit_tensor,
     run_inproc,
     set_at,
-    small_fs,
     snapshot,
     source_copy,
 )
 from kconvert.errors import KconvertError
 from kconvert.io import lock, output_dir
+from tmpfs import small_fs
 
 MANIFEST = "kconvert-manifest.json"
 # Runs the CLI and SIGKILLs itself at the Nth occurrence of a run event (kconvert.common.events).

@@ -23,7 +23,6 @@ from helpers import (
     assert_audit_passes,
     assert_user_error,
     cli_inproc,
-    small_fs,
     snapshot,
     write_input_ids,
 )
@@ -31,6 +30,7 @@ from kconvert.io.lock import STATE_DIR
 from kconvert.io.output_dir import REFIT_DIR
 from kconvert.pruning.plan import PLAN_FILE, load_plan
 from kconvert.testing.tiny_moe import corpus_ids, windows
+from tmpfs import small_fs
 
 SRC = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
 REAP = ["--keep", "12", "--samples", "12", "--seq-len", "64", "--device", "cpu"]
