@@ -4,8 +4,8 @@ The Python API (kconvert.api) is reachable from here, imported on first use so t
 `import kconvert` stays light: `kconvert.inspect(...)`, `kconvert.int4_to_nvfp4(...)`, ...
 Every function raises `kconvert.KconvertError` with the command line's message.
 
-The package's layers, lowest first, are declared once below (LAYERS; tests/test_architecture.py
-holds the code to them).
+The package's layers, lowest first, are declared once below (LAYERS;
+tests/test_architecture_rules.py holds the code to them).
 """
 
 from kconvert.errors import KconvertError

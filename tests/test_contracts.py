@@ -28,9 +28,9 @@ ENGINE_AND_DRIVER = ("kconvert.engine", "kconvert.driver")
 # fixtures, and the driver and the command layers above it.
 STAGE_IMPORTERS = ("kconvert.stages", "kconvert.driver", "kconvert.testing", "kconvert.api",
                    "kconvert.cli", "kconvert.__main__")
-# Modules beside the driver in the package order (tests/test_architecture.py, LAYERS) that still
-# read the stages' records: the audit validates a manifest's options as a RunRecord, which is
-# built from the registry of kinds; `inspect --keep` makes the prune stage it plans with.
+# Modules beside the driver in the package order (tests/test_architecture_rules.py, LAYERS) that
+# still read the stages' records: the audit validates a manifest's options as a RunRecord, which
+# is built from the registry of kinds; `inspect --keep` makes the prune stage it plans with.
 STAGE_RECORD_READERS = {"kconvert.audit.context", "kconvert.audit.manifest_checks",
                         "kconvert.sizing.predict"}
 

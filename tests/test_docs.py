@@ -98,7 +98,7 @@ def test_slugs_are_githubs():
 
 
 def test_a_planted_broken_link_or_anchor_is_found(tmp_path):
-    # The pages' names are built, so that test_architecture's scan for cited documents does
+    # The pages' names are built, so that test_architecture_rules' scan for cited documents does
     # not take them for citations.
     target, page, missing = (f"{name}.{'md'}" for name in ("target", "page", "missing"))
     (tmp_path / "sub").mkdir()

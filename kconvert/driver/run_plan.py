@@ -37,7 +37,7 @@ def plan_run(ckpt: Checkpoint, recipe: Recipe, settings: Mapping[str, object],
     device = context.device
     # GPU items as the GPU memory plan sizes them (engine.execute.gpu_encode). On a CPU, items
     # of 2^24 elements (~one expert matrix; the fused kernel is per row anyway) keep the
-    # decode temporaries to ~200 MB (measured in tests/test_robustness.py).
+    # decode temporaries to ~200 MB (measured in tests/engine/test_memory_bound.py).
     def gpu_plan(budget: int, largest: int | None = None) -> GpuPlan | None:
         """The plan on a GPU; on a CPU (a dry run shows it) what the run would need on one:
         told, never a refusal of a run on this device."""
