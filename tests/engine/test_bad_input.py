@@ -1,4 +1,4 @@
-"""Bad input: every case fails with exit code 2 / KconvertError, a message naming the file (and
+"""Bad input: every case fails with exit code 1 / KconvertError, a message naming the file (and
 the tensor where one is involved), the source byte-for-byte unchanged, and no
 kconvert-manifest.json / config.json in DST.
 """
@@ -156,7 +156,7 @@ def _patterns(dtype: torch.dtype) -> torch.Tensor:
 def test_pass_through_nan_inf_check_equals_torch_isfinite(name):
     """Pass-through bytes are checked on their bits (numpy, in the reader threads): the verdict
     on each value is torch.isfinite's."""
-    from kconvert.io.finite import check_finite as _check_finite
+    from kconvert.io.finite import check_finite
     from kconvert.io.shards import DTYPES, TensorInfo
 
     values = _patterns(DTYPES[name])
@@ -167,7 +167,7 @@ def test_pass_through_nan_inf_check_equals_torch_isfinite(name):
     verdicts = []
     for row in raw:
         try:
-            _check_finite(row.clone(), info)
+            check_finite(row.clone(), info)
             verdicts.append(True)
         except KconvertError as err:
             assert "a.safetensors" in str(err) and "model.layers.0.w" in str(err)
