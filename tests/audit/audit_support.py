@@ -1,7 +1,6 @@
 """What the `kconvert audit` test modules share: independent file I/O (headers parsed with
 struct + json, bytes patched in place, or safetensors; never kconvert's own readers), the
-assertions on a report's failures, and the fixtures every module audits (a pytest plugin of
-those modules: `pytest_plugins = ["audit_support"]`)."""
+assertions on a report's failures, and the commands and recipes whose outputs are audited."""
 
 from __future__ import annotations
 
@@ -9,19 +8,17 @@ import json
 import shutil
 from pathlib import Path
 
-import pytest
 import torch
 import xxhash
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import ROOT
-from helpers import cli_inproc, st_header
+from helpers import st_header
 from kconvert.driver.convert import RunControl, convert
 from kconvert.driver.recipes import load_recipe
 from kconvert.pruning.plan import load_plan
 from kconvert.stages.prune import prune_stage
-from third_party_prune import prune
 
 INDEX = "model.safetensors.index.json"
 
@@ -118,7 +115,7 @@ def run(src: Path, dst: Path, recipe: str, plan: Path | None = None, **options) 
 REAP_KEEP = {"1": [0, 2, 3, 5, 8, 9, 12, 15], "2": [1, 2, 4, 6, 7, 10, 11, 14]}
 
 
-# ------------------------------------------------------------------ fixtures
+# ------------------------------------------------------------------ outputs audited
 
 
 RECIPES = sorted(p.stem for p in (ROOT / "pipelines").glob("*.toml"))
@@ -129,60 +126,3 @@ OUTPUTS = [
     "reap", "reap-int4-to-nvfp4", "sparsify-dense-16", "sparsify-dense-32",
     "sparsify-pair-bitmask-16", "sparsify-pair-bitmask-32", "densify",
     *(f"run-{r}" for r in RECIPES)]
-
-
-@pytest.fixture(scope="session")
-def outputs(fixture_dir, tmp_path_factory):
-    """Every command and recipe, on the fixtures: name -> (output, source)."""
-    root = tmp_path_factory.mktemp("audit-outputs")
-    kimi, ct, k25, bf16 = (fixture_dir(v) for v in ("k2-int4-kimi", "k2-int4-ct", "k25-int4",
-                                                    "bf16"))
-    made = {
-        "int4-to-nvfp4-ct": (run(kimi, root / "a", "int4-to-nvfp4"), kimi),
-        "int4-to-nvfp4-amax": (run(kimi, root / "a2", "int4-to-nvfp4", block_scale="amax"),
-                               kimi),
-        "int4-to-nvfp4-modelopt": (run(ct, root / "b", "int4-to-nvfp4", format="modelopt"), ct),
-        "k25-int4-to-nvfp4-ct": (run(k25, root / "c", "int4-to-nvfp4"), k25),
-        "quantize-ct": (run(bf16, root / "e", "quantize"), bf16),
-        "quantize-modelopt-all": (run(bf16, root / "f", "quantize", format="modelopt",
-                                      targets="experts,shared_experts,dense_mlp,attention"),
-                                  bf16),
-        "dequant-int4": (run(ct, root / "g", "dequant"), ct),
-        "dequant-int4-f32": (run(kimi, root / "g2", "dequant", dtype="F32"), kimi),
-    }
-    made["dequant-nvfp4"] = (run(made["int4-to-nvfp4-ct"][0], root / "h", "dequant"),
-                             made["int4-to-nvfp4-ct"][0])
-    plan = root / "reap-plan.json"
-    plan.write_text(json.dumps({"criterion": "manual", "layers": {
-        k: {"keep": v} for k, v in REAP_KEEP.items()}}))
-    made["reap"] = (run(kimi, root / "i", "reap", plan=plan), kimi)
-    made["reap-int4-to-nvfp4"] = (run(k25, root / "j", "reap-int4-to-nvfp4", plan=plan), k25)
-    for storage in ("dense", "pair-bitmask"):
-        for group in (16, 32):
-            name = f"sparsify-{storage}-{group}"
-            made[name] = (run(kimi, root / name, "sparsify", storage=storage, group_size=group),
-                          kimi)
-    bitmask = made["sparsify-pair-bitmask-16"][0]
-    made["densify"] = (run(bitmask, root / "densify", "densify"), bitmask)
-    for recipe in RECIPES:  # as `kconvert run NAME` runs them
-        spec = load_recipe(recipe)
-        src = {"nvfp4-pair-bitmask": bitmask,
-               "mxfp4": made.get("run-int4-to-mxfp4", (kimi,))[0]}.get(spec.requires_source, kimi)
-        prunes = any(s.get("stage") == "prune" for s in spec.stages)
-        dst = root / f"run-{recipe}"
-        res = cli_inproc("run", recipe, src, dst, "--quiet",
-                         *(["--plan", str(plan)] if prunes else []))
-        assert res.exit_code == 0, res.output
-        made[f"run-{recipe}"] = (dst, src)
-    assert sorted(made) == sorted(OUTPUTS)
-    return made
-
-
-@pytest.fixture(scope="session")
-def pruned(fixture_dir, tmp_path_factory):
-    """The third-party pruned checkpoint (8 of 16 experts per layer) and its plan."""
-    src = fixture_dir("k2-int4-kimi")
-    root = tmp_path_factory.mktemp("pruned")
-    plan = prune(src, root / "pruned", keep=8, rule="router-l2")
-    (root / "plan.json").write_text(json.dumps(plan))
-    return root / "pruned", src, root / "plan.json", plan

@@ -24,7 +24,7 @@ from helpers import audit_json, cli_inproc
 
 # The fixture `outputs` (every command and recipe on the fixtures), built once for all
 # the audit test modules.
-pytest_plugins = ["audit_support"]
+pytest_plugins = ["audit_fixtures"]
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 

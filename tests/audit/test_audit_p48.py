@@ -19,7 +19,7 @@ from kconvert.formats.p48 import check_packed as p48_check
 
 # The fixture `outputs` (every command and recipe on the fixtures), built once for all
 # the audit test modules.
-pytest_plugins = ["audit_support"]
+pytest_plugins = ["audit_fixtures"]
 
 
 # ------------------------------------------------------------------ p48

@@ -16,7 +16,7 @@ from helpers import audit_json
 
 # The fixture `outputs` (every command and recipe on the fixtures), built once for all
 # the audit test modules.
-pytest_plugins = ["audit_support"]
+pytest_plugins = ["audit_fixtures"]
 
 
 # ------------------------------------------------------------- 2. tampering: quantization blocks

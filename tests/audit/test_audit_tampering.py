@@ -30,7 +30,7 @@ from helpers import audit_json
 
 # The fixtures `outputs` (every command and recipe on the fixtures) and `pruned` (a
 # third-party pruned checkpoint and its plan), built once for all the audit test modules.
-pytest_plugins = ["audit_support"]
+pytest_plugins = ["audit_fixtures"]
 
 
 # ------------------------------------------------------------------ 2. tampering

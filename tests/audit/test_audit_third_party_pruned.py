@@ -12,7 +12,7 @@ from helpers import audit_json
 
 # The fixture `pruned` (a third-party pruned checkpoint and its plan), built once for all
 # the audit test modules.
-pytest_plugins = ["audit_support"]
+pytest_plugins = ["audit_fixtures"]
 
 
 # ------------------------------------------------------------------ 3. third-party pruning
