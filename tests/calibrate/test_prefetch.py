@@ -162,7 +162,7 @@ def test_bf16_statistics_plans_and_eval_as_before(monkeypatch, tmp_path):
             assert torch.equal(stats.tensors[k], v), k
         elif k.endswith(".block_amax_hist"):
             # the per-expert reference path above gathers no block histograms (they are
-            # checked block by block in test_calibrate.py)
+            # checked block by block in test_streamed_calibration.py)
             continue
         else:
             # the same bf16 expert products; only fp32 summation orders differ
