@@ -4,7 +4,10 @@ architecture tests walk."""
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
+
+import pytest
 
 from conftest import ROOT
 
@@ -42,3 +45,21 @@ def import_graph() -> dict[str, set[str]]:
     return {name: {m for m, _, _ in kconvert_imports(path, modules) if m != name}
             for name, path in modules.items()}
 
+
+
+def fake_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, files: dict[str, str]
+                 ) -> Path:
+    """A stand-in `kconvert` package in tmp_path that the walks read instead of the real one:
+    each of `files` (its path in the package -> its source), every folder with an empty
+    __init__.py. The checks' self-tests plant their defects in it. Returns its folder."""
+    pkg = tmp_path / "kconvert"
+    for name, source in files.items():
+        path = pkg / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for folder in [path.parent, *path.parent.parents]:
+            if folder == tmp_path:
+                break
+            (folder / "__init__.py").touch()
+        path.write_text(source)
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", pkg)
+    return pkg

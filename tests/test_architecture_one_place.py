@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import ast
 
-import architecture_support
 import pytest
-from architecture_support import package_modules
+from architecture_support import fake_package, package_modules
 
 from conftest import ROOT
 
@@ -35,12 +34,8 @@ def test_no_format_family_is_chosen_by_comparing_its_name():
 
 def test_the_name_check_finds_a_comparison(tmp_path, monkeypatch):
     """The walk above is not vacuous: `fmt == "modelopt"` in an engine module is reported."""
-    pkg = tmp_path / "kconvert"
-    (pkg / "engine").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "engine" / "__init__.py").write_text("")
-    (pkg / "engine" / "x.py").write_text('def f(fmt):\n    return fmt == "modelopt"\n')
-    monkeypatch.setattr(architecture_support, "PACKAGE", pkg)
+    fake_package(tmp_path, monkeypatch,
+                 {"engine/x.py": 'def f(fmt):\n    return fmt == "modelopt"\n'})
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     with pytest.raises(AssertionError, match=r"engine/x\.py:2"):
         test_no_format_family_is_chosen_by_comparing_its_name()
@@ -84,13 +79,9 @@ def test_no_method_name_is_compared_outside_methods():
 def test_the_method_check_finds_a_comparison(tmp_path, monkeypatch):
     """The walk above is not vacuous: `method == "gptq"` and `m in ("rtn",)` in a stage are
     reported."""
-    pkg = tmp_path / "kconvert"
-    (pkg / "stages").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "stages" / "__init__.py").write_text("")
-    (pkg / "stages" / "x.py").write_text('def f(method):\n    return method == "gptq"\n'
-                                          'def g(m):\n    return m in ("rtn",)\n')
-    monkeypatch.setattr(architecture_support, "PACKAGE", pkg)
+    fake_package(tmp_path, monkeypatch, {"stages/x.py": 'def f(method):\n'
+                                                        '    return method == "gptq"\n'
+                                                        'def g(m):\n    return m in ("rtn",)\n'})
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     with pytest.raises(AssertionError, match=r"stages/x\.py:2\n.*stages/x\.py:4"):
         test_no_method_name_is_compared_outside_methods()
@@ -118,12 +109,8 @@ def test_no_choice_list_outside_options_and_the_registries():
 
 def test_the_choice_list_check_finds_a_copy(tmp_path, monkeypatch):
     """The walk above is not vacuous: a copy of the output formats in a CLI module is found."""
-    pkg = tmp_path / "kconvert"
-    (pkg / "cli").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "cli" / "__init__.py").write_text("")
-    (pkg / "cli" / "x.py").write_text('FORMATS = ("compressed-tensors", "modelopt")\n')
-    monkeypatch.setattr(architecture_support, "PACKAGE", pkg)
+    fake_package(tmp_path, monkeypatch,
+                 {"cli/x.py": 'FORMATS = ("compressed-tensors", "modelopt")\n'})
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     with pytest.raises(AssertionError, match=r"cli/x\.py:1"):
         test_no_choice_list_outside_options_and_the_registries()
@@ -157,13 +144,9 @@ def test_no_hand_list_of_plugin_names_or_settings():
 def test_the_hand_list_check_finds_a_copy(tmp_path, monkeypatch):
     """The walk above is not vacuous: a methods tuple in kconvert.common.options and a criteria dict
     are found."""
-    pkg = tmp_path / "kconvert"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "options.py").write_text('QUANTIZE_METHODS = ("rtn", "gptq")\n'
-                                    'CRITERIA = {"reap": "saliency", "frequency": "count"}\n'
-                                    'SETTINGS = ["steps", "tokens"]\n')
-    monkeypatch.setattr(architecture_support, "PACKAGE", pkg)
+    fake_package(tmp_path, monkeypatch, {"options.py": 'QUANTIZE_METHODS = ("rtn", "gptq")\n'
+                                         'CRITERIA = {"reap": "saliency", "frequency": "count"}\n'
+                                         'SETTINGS = ["steps", "tokens"]\n'})
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     with pytest.raises(AssertionError, match=r"options\.py:1\n.*options\.py:2\n.*options\.py:3"):
         test_no_hand_list_of_plugin_names_or_settings()
@@ -215,15 +198,10 @@ def test_no_kind_name_is_compared_outside_its_registry():
 def test_the_kind_check_finds_a_comparison(tmp_path, monkeypatch):
     """The walk above is not vacuous: `repair != "none"`, `s.method == "router"` and
     `options.get("compensate") in ("down",)` are reported; `tn.part == "down"` is not."""
-    pkg = tmp_path / "kconvert"
-    (pkg / "stages").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "stages" / "__init__.py").write_text("")
-    (pkg / "stages" / "x.py").write_text(
+    fake_package(tmp_path, monkeypatch, {"stages/x.py": (
         'def f(repair, s, options, tn):\n    a = repair != "none"\n'
         '    b = s.method == "router"\n    c = options.get("compensate") in ("down",)\n'
-        '    return a, b, c, tn.part == "down"\n')
-    monkeypatch.setattr(architecture_support, "PACKAGE", pkg)
+        '    return a, b, c, tn.part == "down"\n')})
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     with pytest.raises(AssertionError, match=r"x\.py:2\n.*x\.py:3\n.*x\.py:4\nassert"):
         test_no_kind_name_is_compared_outside_its_registry()
@@ -266,19 +244,13 @@ def test_gpu_budget_resolved_in_one_place():
 def test_the_budget_check_finds_a_second_resolution(tmp_path, monkeypatch):
     """The walk above is not vacuous: a step that reads the free memory itself, and one that
     makes its own GpuContext, are reported; the budget module itself is not."""
-    pkg = tmp_path / "kconvert"
-    (pkg / "calibrate").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
     budget = tmp_path.joinpath(*BUDGET_MODULE.split(".")).with_suffix(".py")
-    budget.parent.mkdir(parents=True, exist_ok=True)
-    (budget.parent / "__init__.py").write_text("")
-    budget.write_text("import torch\n\nfree = torch.cuda.mem_get_info(0)\n")
-    (pkg / "calibrate" / "__init__.py").write_text("")
-    (pkg / "calibrate" / "x.py").write_text("import torch\n\n\ndef f():\n"
-                                            "    return torch.cuda.mem_get_info(0)[0]\n")
-    (pkg / "y.py").write_text(f"from {BUDGET_MODULE} import GpuContext\n\n"
-                              "ctx = GpuContext('cuda', 1, 1)\n")
-    monkeypatch.setattr(architecture_support, "PACKAGE", pkg)
+    fake_package(tmp_path, monkeypatch, {
+        str(budget.relative_to(tmp_path / "kconvert")):
+            "import torch\n\nfree = torch.cuda.mem_get_info(0)\n",
+        "calibrate/x.py": "import torch\n\n\ndef f():\n"
+                          "    return torch.cuda.mem_get_info(0)[0]\n",
+        "y.py": f"from {BUDGET_MODULE} import GpuContext\n\nctx = GpuContext('cuda', 1, 1)\n"})
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     with pytest.raises(AssertionError) as err:
         test_gpu_budget_resolved_in_one_place()

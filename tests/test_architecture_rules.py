@@ -6,9 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import architecture_support
 import pytest
-from architecture_support import import_graph, kconvert_imports, package_modules
+from architecture_support import fake_package, import_graph, kconvert_imports, package_modules
 
 from conftest import ROOT
 from kconvert import LAYERS
@@ -38,12 +37,8 @@ def test_no_import_circles():
 
 def test_the_check_finds_a_circle(tmp_path, monkeypatch):
     """The walk above is not vacuous: a two-module circle is reported."""
-    pkg = tmp_path / "kconvert"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "a.py").write_text("from kconvert.b import f\n")
-    (pkg / "b.py").write_text("def f():\n    from kconvert import a\n")
-    monkeypatch.setattr(architecture_support, "PACKAGE", pkg)
+    fake_package(tmp_path, monkeypatch, {"a.py": "from kconvert.b import f\n",
+                                         "b.py": "def f():\n    from kconvert import a\n"})
     graph = import_graph()
     assert graph["kconvert.a"] == {"kconvert.b"} and graph["kconvert.b"] == {"kconvert.a"}
 
@@ -142,13 +137,9 @@ def test_the_order_check_finds_an_upward_import_and_a_module_in_no_layer(tmp_pat
                                                                            monkeypatch):
     """The checks above are not vacuous: io importing the API inside a function, and a module
     no layer holds, are reported."""
-    pkg = tmp_path / "kconvert"
-    (pkg / "io").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "io" / "__init__.py").write_text("")
-    (pkg / "io" / "files.py").write_text("def f():\n    from kconvert.api import g\n")
-    (pkg / "api.py").write_text("from kconvert.io.files import f\n\n\ndef g():\n    f()\n")
-    monkeypatch.setattr(architecture_support, "PACKAGE", pkg)
+    pkg = fake_package(tmp_path, monkeypatch, {
+        "io/files.py": "def f():\n    from kconvert.api import g\n",
+        "api.py": "from kconvert.io.files import f\n\n\ndef g():\n    f()\n"})
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     with pytest.raises(AssertionError, match=r"io/files\.py:2: kconvert\.io\.files imports "
                                              r"kconvert\.api"):
