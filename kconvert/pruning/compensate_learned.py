@@ -102,9 +102,13 @@ class Pairs:
         """sum over the batch's experts of g f_j(x) per token [T_B, H] fp32 (differentiable
         in gate_up [E, 2I, H] and down [E, H, I], fp32 masters: each expert's products in
         the rows' dtype, with fp32 accumulation)."""
-        gate_up, down = gate_up.to(self.x.dtype), down.to(self.x.dtype)
-        out = torch.cat([expert_outputs(x.unsqueeze(0), gate_up[j:j + 1], down[j:j + 1])[0]
-                         for j, x in enumerate(self.x.split(self.counts))])
+        # split, not a slice per expert: a slice's backward writes a zero tensor the size of
+        # the whole batch's matrices per expert (quadratic in the batch, most of a step's time
+        # on a GPU at 16 experts), a split's is one concatenation
+        gate_ups = gate_up.to(self.x.dtype).split(1)
+        downs = down.to(self.x.dtype).split(1)
+        out = torch.cat([expert_outputs(x.unsqueeze(0), g, d)[0] for x, g, d in
+                         zip(self.x.split(self.counts), gate_ups, downs, strict=True)])
         out = out.float() * self.gate.unsqueeze(-1)
         slots = out.new_zeros(len(self.tokens), self.depth, out.shape[-1])
         return slots.index_put((self.local, self.rank), out).sum(1)
