@@ -264,7 +264,7 @@ class Adam:
         self.m = [torch.zeros_like(p) for p in params]
         self.v = [torch.zeros_like(p) for p in params]
         self.t = 0
-        self.update = _compiled(_adam, params[0].device.type)
+        self.update = _compiled(_update_values, params[0].device.type)
 
     def corrections(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next step's bias corrections (1 - beta1^t, 1 - beta2^t), on the device."""
@@ -274,11 +274,12 @@ class Adam:
         return c1, c2
 
     @torch.no_grad()
-    def step(self, lr: float) -> None:
+    def apply(self, grads: tuple[torch.Tensor, ...], lr: float) -> None:
+        """A step from gradients held apart from the parameters, in any dtype (bf16 from a
+        GPU's products): each cast to fp32 inside its fused update, never written in fp32."""
         c1, c2 = self.corrections()
-        for p, m, v, s in zip(self.params, self.m, self.v, self.scales, strict=True):
-            self.update(p, p.grad, m, v, s * lr, c1, c2)
-            p.grad = None
+        for p, g, m, v, s in zip(self.params, grads, self.m, self.v, self.scales, strict=True):
+            self.update(p, g, m, v, s * lr, c1, c2)
 
 
 class _Draws:

@@ -14,7 +14,10 @@ state do not fit one GPU together (0.7 GB each in fp32).
 A batch trains full-batch (every fit token routed to it, every step), Adam with each matrix's
 step a fraction of its RMS (kconvert.methods.expert_training.Adam), cosine decay; the products
 run per expert over its own rows, in bf16 on a GPU (fp32 masters, moments and loss) and in
-fp32 on a CPU (LearnedSettings.dtype). There is no random draw, and each token's sum over its
+fp32 on a CPU (LearnedSettings.dtype). The backward is autograd's written out
+(Pairs.gradients): gradients land in one buffer per batch in the products' dtype and go
+straight into the fused update, with no graph, no fp32 gradient and no per-expert slice's
+backward (which wrote a batch-sized zero tensor per expert). There is no random draw, and each token's sum over its
 slots in the batch is taken in a fixed order (no atomic adds), so the same run writes the
 same bytes.
 """
@@ -48,11 +51,11 @@ class LearnedSettings:
 
 def plan_bytes(hidden: int, inter: int, top_k: int, tokens: int, keep: int, batch: int) -> int:
     """Device bytes of one batch's training (the GPU memory plan's term beside the repair
-    stream): per expert its three matrices with gradient and Adam moments in fp32 (5 copies)
-    and their bf16 copy for the products, and the activations of every fit token routed into
-    the batch (at most every token, k times), their gradients and the batch's slot sums (fp32:
-    a bound for bf16 products too)."""
-    per_expert = (5 * 4 + 2) * 3 * hidden * inter
+    stream): per expert its three matrices' fp32 masters and Adam moments (3 copies) and their
+    bf16 copy and gradient for the products (Pairs.gradients), and the activations of every
+    fit token routed into the batch (at most every token, k times), their gradients and the
+    batch's slot sums (fp32: a bound for bf16 products too)."""
+    per_expert = (3 * 4 + 2 * 2) * 3 * hidden * inter
     rows = min(tokens * top_k, tokens * top_k * batch // max(keep, 1) * 4)
     return batch * per_expert + rows * (3 * hidden + 6 * inter) * 4 + tokens * hidden * 4 * 3
 
@@ -99,19 +102,48 @@ class Pairs:
                    int(counts.max()) if len(tok) else 0)
 
     def output(self, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-        """sum over the batch's experts of g f_j(x) per token [T_B, H] fp32 (differentiable
-        in gate_up [E, 2I, H] and down [E, H, I], fp32 masters: each expert's products in
-        the rows' dtype, with fp32 accumulation)."""
-        # split, not a slice per expert: a slice's backward writes a zero tensor the size of
-        # the whole batch's matrices per expert (quadratic in the batch, most of a step's time
-        # on a GPU at 16 experts), a split's is one concatenation
-        gate_ups = gate_up.to(self.x.dtype).split(1)
-        downs = down.to(self.x.dtype).split(1)
-        out = torch.cat([expert_outputs(x.unsqueeze(0), g, d)[0] for x, g, d in
-                         zip(self.x.split(self.counts), gate_ups, downs, strict=True)])
+        """sum over the batch's experts of g f_j(x) per token [T_B, H] fp32, from gate_up
+        [E, 2I, H] and down [E, H, I] (each expert's products in the rows' dtype, with fp32
+        accumulation)."""
+        gate_up, down = gate_up.to(self.x.dtype), down.to(self.x.dtype)
+        out = torch.cat([expert_outputs(x.unsqueeze(0), g.unsqueeze(0), d.unsqueeze(0))[0]
+                         for x, g, d in zip(self.x.split(self.counts), gate_up, down,
+                                            strict=True)])
+        return self.token_sums(out)
+
+    def token_sums(self, out: torch.Tensor) -> torch.Tensor:
+        """The rows' outputs [N, H] weighted by their router weights and summed per token
+        [T_B, H] fp32, each token's slots in a fixed order (no atomic adds)."""
         out = out.float() * self.gate.unsqueeze(-1)
         slots = out.new_zeros(len(self.tokens), self.depth, out.shape[-1])
         return slots.index_put((self.local, self.rank), out).sum(1)
+
+    def gradients(self, gate_up: torch.Tensor, down: torch.Tensor, residual: torch.Tensor,
+                  norm: torch.Tensor, grads: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """The gradients of |output(gate_up, down) - residual|^2 / norm in gate_up [E, 2I, H]
+        and down [E, H, I] (the rows' dtype) into `grads` (same shapes and dtype): autograd's
+        backward of `output`, op for op, written out so that no fp32 gradient of a whole
+        batch's matrices, no per-expert slice of one and no graph is made (on a CPU in fp32 the
+        same bits as autograd's: tests/pruning/test_compensate_learned.py)."""
+        saved, outs = [], []
+        for x, gu, dn in zip(self.x.split(self.counts), gate_up, down, strict=True):
+            x = x.unsqueeze(0)
+            gate, up = torch.bmm(x, gu.unsqueeze(0).transpose(1, 2)).chunk(2, dim=-1)
+            act = torch.nn.functional.silu(gate) * up
+            outs.append(torch.bmm(act, dn.unsqueeze(0).transpose(1, 2))[0])
+            saved.append((x, gate, up, act))
+        # d loss / d token sum: 2 (sum - residual) / norm
+        d_sum = (self.token_sums(torch.cat(outs)) - residual) * (2 / norm)
+        d_rows = (d_sum[self.local] * self.gate.unsqueeze(-1)).to(self.x.dtype)
+        for j, ((x, gate, up, act), d_out) in enumerate(
+                zip(saved, d_rows.split(self.counts), strict=True)):
+            d_out = d_out.unsqueeze(0)
+            grads[1][j] = torch.bmm(act.transpose(1, 2), d_out)[0].transpose(0, 1)
+            d_act = torch.bmm(d_out, down[j].unsqueeze(0))
+            d_gate = torch.ops.aten.silu_backward(d_act * up, gate)
+            d_up = d_act * torch.nn.functional.silu(gate)
+            d_h = torch.cat([d_gate, d_up], dim=-1)
+            grads[0][j] = torch.bmm(x.transpose(1, 2), d_h)[0].transpose(0, 1)
 
 
 Matrices = Callable[[range], tuple[torch.Tensor, torch.Tensor]]
@@ -155,14 +187,13 @@ def train(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, goal: torch
             norm = residual.square().sum().clamp(min=1e-30)
         scales = [p.square().mean((-1, -2), keepdim=True).sqrt().clamp(min=1e-12)
                   for p in params]
-        for p in params:
-            p.requires_grad_(True)
+        grads = tuple(torch.empty_like(p, dtype=dtype) for p in params)
         opt = Adam(params, scales)
-        with torch.enable_grad():
+        with torch.no_grad():
             for step in range(settings.steps):
-                loss = (pairs.output(*params) - residual).square().sum() / norm
-                loss.backward()
-                opt.step(settings.lr * lr_factor(step, settings.steps))
+                gate_up, down = (p.to(dtype) for p in params)
+                pairs.gradients(gate_up, down, residual, norm, grads)
+                opt.apply(grads, settings.lr * lr_factor(step, settings.steps))
         with torch.no_grad():
             write(part, params[0].detach(), params[1].detach())
             current[pairs.tokens] += pairs.output(*(t.float() for t in read(part))) - before

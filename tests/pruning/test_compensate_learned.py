@@ -57,6 +57,27 @@ def test_the_routed_sum_is_transformers_experts_weighted_per_token(batch):
     assert pairs.depth == int((ids < 3).sum(-1).max())  # a token's slots in the batch
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_hand_written_gradients_are_autograds(dtype):
+    """Pairs.gradients against torch's autograd through Pairs.output's loss: the same bits in
+    fp32 (op for op), within bf16's rounding in bf16."""
+    x, weights, ids, gate_up, down = _problem()
+    pairs = Pairs.of(x, weights, ids, range(1, 5), dtype)
+    residual = torch.randn(len(pairs.tokens), H, generator=torch.Generator().manual_seed(3))
+    norm = residual.square().sum()
+    part = [gate_up[1:5].to(dtype).requires_grad_(True), down[1:5].to(dtype).requires_grad_(True)]
+    ((pairs.output(*part) - residual).square().sum() / norm).backward()
+    got = tuple(torch.empty_like(p) for p in part)
+    with torch.no_grad():
+        pairs.gradients(*(p.detach() for p in part), residual, norm, got)
+    for expected, mine in zip((p.grad for p in part), got, strict=True):
+        assert expected.abs().max() > 0
+        if dtype == torch.float32:
+            assert torch.equal(mine, expected)
+        else:
+            torch.testing.assert_close(mine.float(), expected.float(), rtol=2e-2, atol=1e-3)
+
+
 def _trained(settings: LearnedSettings, goal: torch.Tensor, seed: int = 0):
     x, weights, ids, gate_up, down = _problem(seed)
     store = {"gate_up": gate_up.clone(), "down": down.clone()}
