@@ -17,9 +17,9 @@ run per expert over its own rows, in bf16 on a GPU (fp32 masters, moments and lo
 fp32 on a CPU (LearnedSettings.dtype). The backward is autograd's written out
 (Pairs.gradients): gradients land in one buffer per batch in the products' dtype and go
 straight into the fused update, with no graph, no fp32 gradient and no per-expert slice's
-backward (which wrote a batch-sized zero tensor per expert). There is no random draw, and each token's sum over its
-slots in the batch is taken in a fixed order (no atomic adds), so the same run writes the
-same bytes.
+backward (which wrote a batch-sized zero tensor per expert). There is no random draw, and
+each token's sum over its slots in the batch is taken in a fixed order (no atomic adds), so
+the same run writes the same bytes.
 """
 
 from __future__ import annotations
@@ -71,17 +71,24 @@ def learned_bytes(text: dict, tokens: int, keep: int) -> int:
 class Pairs:
     """The (token, slot) pairs of a batch of kept experts: their rows, expert after expert
     (ascending), each expert's tokens ascending, and where each row's output goes among the
-    batch's tokens (`local` token, `rank` among that token's pairs in the batch, ascending
-    expert). Rows are not padded to the busiest expert's count: under uneven routing the
-    padding was most of a batch's work (2.4x the rows at a load spread of 0.5 in the logits)."""
+    batch's tokens (`local`; `ranks`: the rows by their place among their token's pairs in the
+    batch, ascending expert). Rows are not padded to the busiest expert's count: under uneven
+    routing the padding was most of a batch's work (2.4x the rows at a load spread of 0.5 in
+    the logits)."""
 
     tokens: torch.Tensor  # the batch's tokens [T_B] (indices into the fit tokens), ascending
     x: torch.Tensor  # [N, H] the rows' inputs in the compute dtype
     gate: torch.Tensor  # [N] fp32 the rows' router weights
     counts: list[int]  # rows per expert of the batch
     local: torch.Tensor  # [N] token position in `tokens` of each row
-    rank: torch.Tensor  # [N] its place among the token's pairs in the batch
-    depth: int  # the most pairs a token has in the batch
+    # per place r among a token's pairs: (the rows in place r, their tokens' positions); a
+    # token has at most one row in each
+    ranks: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def depth(self) -> int:
+        """The most pairs a token has in the batch."""
+        return len(self.ranks)
 
     @classmethod
     def of(cls, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: range,
@@ -97,9 +104,10 @@ class Pairs:
         starts = counts.cumsum(0) - counts
         rank = torch.empty_like(local)
         rank[order] = torch.arange(len(local), device=x.device) - starts[local[order]]
+        depth = int(counts.max()) if len(tok) else 0
+        places = [(rank == r).nonzero(as_tuple=True)[0] for r in range(depth)]
         return cls(tokens, x[tok].to(dtype), weights[tok, slot].float(),
-                   [len(t) for t, _ in rows], local, rank,
-                   int(counts.max()) if len(tok) else 0)
+                   [len(t) for t, _ in rows], local, [(p, local[p]) for p in places])
 
     def output(self, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
         """sum over the batch's experts of g f_j(x) per token [T_B, H] fp32, from gate_up
@@ -113,10 +121,13 @@ class Pairs:
 
     def token_sums(self, out: torch.Tensor) -> torch.Tensor:
         """The rows' outputs [N, H] weighted by their router weights and summed per token
-        [T_B, H] fp32, each token's slots in a fixed order (no atomic adds)."""
+        [T_B, H] fp32, each token's pairs added in a fixed order (no atomic adds) and no
+        [T_B, depth, H] buffer (up to 6 GB on a Kimi layer)."""
         out = out.float() * self.gate.unsqueeze(-1)
-        slots = out.new_zeros(len(self.tokens), self.depth, out.shape[-1])
-        return slots.index_put((self.local, self.rank), out).sum(1)
+        total = out.new_zeros(len(self.tokens), out.shape[-1])
+        for rows, at in self.ranks:  # no token twice in one place: no two adds meet
+            total[at] += out[rows]
+        return total
 
     def gradients(self, gate_up: torch.Tensor, down: torch.Tensor, residual: torch.Tensor,
                   norm: torch.Tensor, grads: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -138,12 +149,12 @@ class Pairs:
         for j, ((x, gate, up, act), d_out) in enumerate(
                 zip(saved, d_rows.split(self.counts), strict=True)):
             d_out = d_out.unsqueeze(0)
-            grads[1][j] = torch.bmm(act.transpose(1, 2), d_out)[0].transpose(0, 1)
+            torch.bmm(act.transpose(1, 2), d_out, out=grads[1][j:j + 1].transpose(1, 2))
             d_act = torch.bmm(d_out, down[j].unsqueeze(0))
             d_gate = torch.ops.aten.silu_backward(d_act * up, gate)
             d_up = d_act * torch.nn.functional.silu(gate)
             d_h = torch.cat([d_gate, d_up], dim=-1)
-            grads[0][j] = torch.bmm(x.transpose(1, 2), d_h)[0].transpose(0, 1)
+            torch.bmm(x.transpose(1, 2), d_h, out=grads[0][j:j + 1].transpose(1, 2))
 
 
 Matrices = Callable[[range], tuple[torch.Tensor, torch.Tensor]]

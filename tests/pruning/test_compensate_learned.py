@@ -59,8 +59,10 @@ def test_the_routed_sum_is_transformers_experts_weighted_per_token(batch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_hand_written_gradients_are_autograds(dtype):
-    """Pairs.gradients against torch's autograd through Pairs.output's loss: the same bits in
-    fp32 (op for op), within bf16's rounding in bf16."""
+    """Pairs.gradients against torch's autograd through Pairs.output's loss: within fp32's
+    rounding in fp32 (the weight gradients' products are written straight into the buffer's
+    layout, which sums in another order than autograd's product-then-transpose), within
+    bf16's in bf16."""
     x, weights, ids, gate_up, down = _problem()
     pairs = Pairs.of(x, weights, ids, range(1, 5), dtype)
     residual = torch.randn(len(pairs.tokens), H, generator=torch.Generator().manual_seed(3))
@@ -72,10 +74,8 @@ def test_the_hand_written_gradients_are_autograds(dtype):
         pairs.gradients(*(p.detach() for p in part), residual, norm, got)
     for expected, mine in zip((p.grad for p in part), got, strict=True):
         assert expected.abs().max() > 0
-        if dtype == torch.float32:
-            assert torch.equal(mine, expected)
-        else:
-            torch.testing.assert_close(mine.float(), expected.float(), rtol=2e-2, atol=1e-3)
+        tol = {torch.float32: (1e-5, 1e-8), torch.bfloat16: (2e-2, 1e-3)}[dtype]
+        torch.testing.assert_close(mine.float(), expected.float(), rtol=tol[0], atol=tol[1])
 
 
 def _trained(settings: LearnedSettings, goal: torch.Tensor, seed: int = 0):
