@@ -85,7 +85,7 @@ class Compensator:
         learned = None
         if self.kind.trains:
             with watch.phase("learned compensation"):
-                learned = self.learn(layer, keep, moe, x, target, n_fit, (w, ids))
+                learned = self.learn(layer, keep, moe, x, target, n_fit, (w, ids), watch)
             kept.update(learned.tensors)
         ruled = any(lin.codec.uses_scale_rule for lin in sources[:count])
         return LayerCompensation(
@@ -102,14 +102,14 @@ class Compensator:
             **dataclasses.asdict(judged)), kept
 
     def learn(self, layer: int, keep: list[int], moe: MoEBlock, x: torch.Tensor,
-              target: torch.Tensor, n_fit: int, routing: tuple[torch.Tensor, torch.Tensor]
-              ) -> Outcome:
+              target: torch.Tensor, n_fit: int, routing: tuple[torch.Tensor, torch.Tensor],
+              watch: Stopwatch) -> Outcome:
         """Train the kept experts' gate, up and down against the unpruned block from what the
         closed form left in `moe` (kconvert.pruning.compensate_learned)."""
         linears = {proj: self.sources(layer, keep, proj)[1:] for proj in self.kind.projs()}
         experts = KeptExperts(self.ckpt, moe, keep, linears, self.block_scale, x.device)
         goal = target - moe.shared_experts(x).float()  # the shared expert as written, fixed
-        return learn(experts, *routing, x, goal, n_fit, self.learned)
+        return learn(experts, *routing, x, goal, n_fit, self.learned, watch)
 
     def sources(self, layer: int, keep: list[int], proj: str = "down_proj"
                 ) -> list[recode.SourceLinear]:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kconvert.gpu.devices import Stopwatch
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.methods.expert_training import Adam, expert_outputs, lr_factor
 from kconvert.model.arch import arch_of
@@ -178,36 +179,45 @@ def routed_sum(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expert
 def train(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, goal: torch.Tensor,
           experts: int, read: Matrices,
           write: Callable[[range, torch.Tensor, torch.Tensor], None],
-          settings: LearnedSettings) -> None:
+          settings: LearnedSettings, watch: Stopwatch | None = None) -> None:
     """Train the `experts` kept experts so that their weighted sum under routing (weights,
     ids) [T, k] on fit inputs x [T, H] approaches `goal` [T, H] fp32 (module docstring): each
     batch starts from `read(part)` and its result goes to `write(part, gate_up, down)` (fp32),
-    after which `read` gives what was written (the next batches' residual is of those)."""
+    after which `read` gives what was written (the next batches' residual is of those).
+    `watch` is charged per phase: the batches' set-up, the first step (where the update
+    compiles on a GPU), the other steps, and the writes."""
+    watch = watch or Stopwatch(x.device)
     dtype = settings.dtype(x.device)
+    first = True
     with torch.no_grad():
-        current = routed_sum(x, weights, ids, experts, read, settings.batch, dtype)
-    for start in range(0, experts, settings.batch):
-        part = range(start, min(start + settings.batch, experts))
-        pairs = Pairs.of(x, weights, ids, part, dtype)
-        if not pairs.depth:
-            continue
-        with torch.no_grad():
-            params = [t.float().clone() for t in read(part)]
-            before = pairs.output(*params)
-            residual = goal[pairs.tokens] - current[pairs.tokens] + before
-            norm = residual.square().sum().clamp(min=1e-30)
-        scales = [p.square().mean((-1, -2), keepdim=True).sqrt().clamp(min=1e-12)
-                  for p in params]
-        grads = tuple(torch.empty_like(p, dtype=dtype) for p in params)
-        opt = Adam(params, scales)
-        with torch.no_grad():
-            for step in range(settings.steps):
-                gate_up, down = (p.to(dtype) for p in params)
-                pairs.gradients(gate_up, down, residual, norm, grads)
-                opt.apply(grads, settings.lr * lr_factor(step, settings.steps))
-        with torch.no_grad():
-            write(part, params[0].detach(), params[1].detach())
-            current[pairs.tokens] += pairs.output(*(t.float() for t in read(part))) - before
+        with watch.phase("learned setup"):
+            current = routed_sum(x, weights, ids, experts, read, settings.batch, dtype)
+        for start in range(0, experts, settings.batch):
+            part = range(start, min(start + settings.batch, experts))
+            with watch.phase("learned setup"):
+                pairs = Pairs.of(x, weights, ids, part, dtype)
+                if not pairs.depth:
+                    continue
+                params = [t.float().clone() for t in read(part)]
+                before = pairs.output(*params)
+                residual = goal[pairs.tokens] - current[pairs.tokens] + before
+                norm = residual.square().sum().clamp(min=1e-30)
+                scales = [p.square().mean((-1, -2), keepdim=True).sqrt().clamp(min=1e-12)
+                          for p in params]
+                grads = tuple(torch.empty_like(p, dtype=dtype) for p in params)
+                opt = Adam(params, scales)
+            steps = range(settings.steps)
+            for name, some in ((("learned first step", steps[:1]), ("learned steps", steps[1:]))
+                               if first else (("learned steps", steps),)):
+                with watch.phase(name):
+                    for step in some:
+                        gate_up, down = (p.to(dtype) for p in params)
+                        pairs.gradients(gate_up, down, residual, norm, grads)
+                        opt.apply(grads, settings.lr * lr_factor(step, settings.steps))
+            first = False
+            with watch.phase("learned write"):
+                write(part, params[0], params[1])
+                current[pairs.tokens] += pairs.output(*(t.float() for t in read(part))) - before
 
 
 @dataclass(frozen=True)
@@ -280,7 +290,8 @@ class KeptExperts:
 
 
 def learn(kept: KeptExperts, weights: torch.Tensor, ids: torch.Tensor, x: torch.Tensor,
-          goal: torch.Tensor, n_fit: int, settings: LearnedSettings) -> Outcome:
+          goal: torch.Tensor, n_fit: int, settings: LearnedSettings, watch: Stopwatch
+          ) -> Outcome:
     """Train the kept experts on the first n_fit tokens of x [T, H] (routing (weights, ids)
     [T, k]; `goal` [T, H]: what the routed experts should add) and judge them on the others:
     the learned matrices stay in the block only where the held-out error falls."""
@@ -290,11 +301,11 @@ def learn(kept: KeptExperts, weights: torch.Tensor, ids: torch.Tensor, x: torch.
         out = routed_sum(x, weights, ids, len(kept.keep), kept.read, settings.batch)
         return mse(out[fit], goal[fit]), mse(out[held], goal[held])
 
-    with torch.no_grad():
+    with torch.no_grad(), watch.phase("learned errors"):
         fit_before, held_before = errors()
     train(x[fit], weights[fit], ids[fit], goal[fit], len(kept.keep), kept.read, kept.write,
-          settings)
-    with torch.no_grad():
+          settings, watch)
+    with torch.no_grad(), watch.phase("learned errors"):
         fit_after, held_after = errors()
     if held_after < held_before:
         return Outcome(fit_before, fit_after, held_before, held_after, kept.params)
