@@ -91,8 +91,10 @@ def measure_stats(
     outputs go on to the next layer (SparseGPT's sequential Hessians; the statistics are the
     first run's); `on_weights(L, module)` sees
     transformers' decoder layer L with its weights loaded after its statistics were taken,
-    hooks removed (a second stream may run it: REAP router repair; under torchrun it runs on
-    rank 0 alone, with every routed expert gathered there); `meta` is merged into the
+    hooks removed (a second stream may run it: REAP router repair; under torchrun it is called
+    on every rank, rank 0's module holding every routed expert, gathered there, and the
+    stream runs on rank 0: the other ranks' calls share its learned compensation, if any,
+    and return); `meta` is merged into the
     recorded meta. `prefetch` and `prefetch_bytes`: the layer prefetcher's `ahead` and
     `device_bytes` (kconvert.calibrate.prefetch).
     """
@@ -249,8 +251,7 @@ def measure_stats(
                 experts = ranks[layer].gather(loaded.moe.experts)
                 if experts is not None:
                     loaded.moe.experts, loaded.moe.ranks = experts, None
-            if distributed.is_main():
-                on_weights(layer, loaded.module)
+            on_weights(layer, loaded.module)
         if device.type == "cuda":  # layer L's kernels done before its memory can be reused
             torch.cuda.synchronize(device)
         del loaded, forward  # layer L's weights go before the prefetcher starts on L+2

@@ -185,6 +185,39 @@ def all_reduce_(tensors: list[torch.Tensor], op: str) -> None:
         pos += n
 
 
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """t's bytes as a flat uint8 view (a dtype every backend sends: gloo has no bf16)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def broadcast_(t: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Rank `src`'s `t` into every rank's `t` (same shape and dtype, contiguous), in place;
+    returns `t`."""
+    if world() == 1:
+        return t
+    buf = _bytes_of(t).to(_comm_device())
+    with _collective():
+        dist.broadcast(buf, src=src)
+    _bytes_of(t).copy_(buf)
+    return t
+
+
+def all_gather_rows(t: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Every rank's rows (rank r holds counts[r] rows of t's row shape and dtype) on every
+    rank, in rank order, on `t`'s device."""
+    if world() == 1:
+        return t
+    device, most = _comm_device(), max(counts)
+    padded = t.new_zeros((most, *t.shape[1:]))
+    padded[:len(t)] = t
+    mine = _bytes_of(padded).to(device)
+    bufs = [torch.empty_like(mine) for _ in counts]
+    with _collective():
+        dist.all_gather(bufs, mine)
+    rows = [b.view(t.dtype).reshape(padded.shape)[:n] for b, n in zip(bufs, counts, strict=True)]
+    return torch.cat(rows).to(t.device)
+
+
 def all_to_all(t: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
     """Rows of `t` to every rank (send[r] rows to rank r, in rank order) -> the rows every rank
     sent here (recv[r] from rank r, in rank order), on `t`'s device."""

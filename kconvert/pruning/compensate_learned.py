@@ -29,12 +29,15 @@ from dataclasses import dataclass
 
 import torch
 
+from kconvert.common import distributed
 from kconvert.gpu.devices import Stopwatch
 from kconvert.io.checkpoint import Checkpoint
-from kconvert.methods.expert_training import Adam, expert_outputs, lr_factor
+from kconvert.methods.expert_training import Adam, lr_factor
 from kconvert.model.arch import arch_of
 from kconvert.pruning import recode
 from kconvert.pruning.compensate import mse
+from kconvert.pruning.learned_pairs import Matrices, Pairs, routed_sum
+from kconvert.pruning.learned_team import Team
 
 
 @dataclass(frozen=True)
@@ -68,132 +71,84 @@ def learned_bytes(text: dict, tokens: int, keep: int) -> int:
                       text[arch_of(text).top_k_key], tokens, keep, LearnedSettings().batch)
 
 
-@dataclass
-class Pairs:
-    """The (token, slot) pairs of a batch of kept experts: their rows, expert after expert
-    (ascending), each expert's tokens ascending, and where each row's output goes among the
-    batch's tokens (`local`; `ranks`: the rows by their place among their token's pairs in the
-    batch, ascending expert). Rows are not padded to the busiest expert's count: under uneven
-    routing the padding was most of a batch's work (2.4x the rows at a load spread of 0.5 in
-    the logits)."""
+@dataclass(frozen=True)
+class Layer:
+    """What every rank needs of a layer's training, sent by the lead (`Team.leads`) before its
+    first batch, then its fit inputs, routing weights and ids: their sizes and dtypes, the
+    kept experts' count and matrices' sizes, the settings. None sent instead ends the layer."""
 
-    tokens: torch.Tensor  # the batch's tokens [T_B] (indices into the fit tokens), ascending
-    x: torch.Tensor  # [N, H] the rows' inputs in the compute dtype
-    gate: torch.Tensor  # [N] fp32 the rows' router weights
-    counts: list[int]  # rows per expert of the batch
-    local: torch.Tensor  # [N] token position in `tokens` of each row
-    # per place r among a token's pairs: (the rows in place r, their tokens' positions); a
-    # token has at most one row in each
-    ranks: list[tuple[torch.Tensor, torch.Tensor]]
-
-    @property
-    def depth(self) -> int:
-        """The most pairs a token has in the batch."""
-        return len(self.ranks)
-
-    @classmethod
-    def of(cls, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: range,
-           dtype: torch.dtype = torch.float32) -> Pairs:
-        """The pairs of kept experts `experts` (new ids) under routing (weights, ids) [T, k],
-        inputs in `dtype`."""
-        rows = [(ids == e).nonzero(as_tuple=True) for e in experts]
-        tok = torch.cat([t for t, _ in rows]) if rows else ids.new_zeros(0)
-        slot = torch.cat([s for _, s in rows]) if rows else ids.new_zeros(0)
-        tokens, local = torch.unique(tok, return_inverse=True)
-        order = torch.argsort(local, stable=True)  # by token, then expert
-        counts = torch.bincount(local, minlength=len(tokens))
-        starts = counts.cumsum(0) - counts
-        rank = torch.empty_like(local)
-        rank[order] = torch.arange(len(local), device=x.device) - starts[local[order]]
-        depth = int(counts.max()) if len(tok) else 0
-        places = [(rank == r).nonzero(as_tuple=True)[0] for r in range(depth)]
-        return cls(tokens, x[tok].to(dtype), weights[tok, slot].float(),
-                   [len(t) for t, _ in rows], local, [(p, local[p]) for p in places])
-
-    def output(self, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-        """sum over the batch's experts of g f_j(x) per token [T_B, H] fp32, from gate_up
-        [E, 2I, H] and down [E, H, I] (each expert's products in the rows' dtype, with fp32
-        accumulation)."""
-        gate_up, down = gate_up.to(self.x.dtype), down.to(self.x.dtype)
-        out = torch.cat([expert_outputs(x.unsqueeze(0), g.unsqueeze(0), d.unsqueeze(0))[0]
-                         for x, g, d in zip(self.x.split(self.counts), gate_up, down,
-                                            strict=True)])
-        return self.token_sums(out)
-
-    def token_sums(self, out: torch.Tensor) -> torch.Tensor:
-        """The rows' outputs [N, H] weighted by their router weights and summed per token
-        [T_B, H] fp32, each token's pairs added in a fixed order (no atomic adds) and no
-        [T_B, depth, H] buffer (up to 6 GB on a Kimi layer)."""
-        out = out.float() * self.gate.unsqueeze(-1)
-        total = out.new_zeros(len(self.tokens), out.shape[-1])
-        for rows, at in self.ranks:  # no token twice in one place: no two adds meet
-            total[at] += out[rows]
-        return total
-
-    def gradients(self, gate_up: torch.Tensor, down: torch.Tensor, residual: torch.Tensor,
-                  norm: torch.Tensor, grads: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """The gradients of |output(gate_up, down) - residual|^2 / norm in gate_up [E, 2I, H]
-        and down [E, H, I] (the rows' dtype) into `grads` (same shapes and dtype): autograd's
-        backward of `output`, op for op, written out so that no fp32 gradient of a whole
-        batch's matrices, no per-expert slice of one and no graph is made (on a CPU in fp32 the
-        same bits as autograd's: tests/pruning/test_compensate_learned.py)."""
-        saved, outs = [], []
-        for x, gu, dn in zip(self.x.split(self.counts), gate_up, down, strict=True):
-            x = x.unsqueeze(0)
-            gate, up = torch.bmm(x, gu.unsqueeze(0).transpose(1, 2)).chunk(2, dim=-1)
-            act = torch.nn.functional.silu(gate) * up
-            outs.append(torch.bmm(act, dn.unsqueeze(0).transpose(1, 2))[0])
-            saved.append((x, gate, up, act))
-        # d loss / d token sum: 2 (sum - residual) / norm
-        d_sum = (self.token_sums(torch.cat(outs)) - residual) * (2 / norm)
-        d_rows = (d_sum[self.local] * self.gate.unsqueeze(-1)).to(self.x.dtype)
-        for j, ((x, gate, up, act), d_out) in enumerate(
-                zip(saved, d_rows.split(self.counts), strict=True)):
-            d_out = d_out.unsqueeze(0)
-            torch.bmm(act.transpose(1, 2), d_out, out=grads[1][j:j + 1].transpose(1, 2))
-            d_act = torch.bmm(d_out, down[j].unsqueeze(0))
-            d_gate = torch.ops.aten.silu_backward(d_act * up, gate)
-            d_up = d_act * torch.nn.functional.silu(gate)
-            d_h = torch.cat([d_gate, d_up], dim=-1)
-            torch.bmm(x.transpose(1, 2), d_h, out=grads[0][j:j + 1].transpose(1, 2))
+    tokens: int
+    hidden: int
+    top_k: int
+    inter: int
+    experts: int
+    dtypes: tuple[torch.dtype, torch.dtype, torch.dtype]  # of x, the routing weights, the ids
+    settings: LearnedSettings
 
 
-Matrices = Callable[[range], tuple[torch.Tensor, torch.Tensor]]
+def fit(pairs: Pairs, params: list[torch.Tensor] | None, residual: torch.Tensor | None,
+        norm: torch.Tensor | None, layer: Layer, team: Team, dtype: torch.dtype,
+        watch: Stopwatch, first: bool) -> list[torch.Tensor]:
+    """Train one batch's experts (module docstring) from the lead's `params` (gate_up
+    [E, 2I, H], down [E, H, I] fp32) on its `residual` [T_B, H] and `norm`, each rank its
+    share (kconvert.pruning.learned_team); returns the batch's trained matrices on every
+    rank. `first`: the layer's first batch on this process, whose first step is charged
+    apart (where the update compiles)."""
+    n, dev, s = len(pairs.counts), pairs.x.device, layer.settings
+    shapes = ((n, 2 * layer.inter, layer.hidden), (n, layer.hidden, layer.inter))
+    mine = team.share(n)
+    residual = team.send(residual, (len(pairs.tokens), layer.hidden), torch.float32, dev)
+    norm = team.send(norm, (), torch.float32, dev)
+    params = [team.send(None if params is None else p, shape, torch.float32, dev)
+              [mine.start:mine.stop].clone() for p, shape in zip(params or [None, None],
+                                                                 shapes, strict=True)]
+    scales = [p.square().mean((-1, -2), keepdim=True).sqrt().clamp(min=1e-12) for p in params]
+    grads = tuple(torch.empty_like(p, dtype=dtype) for p in params)
+    opt = Adam(params, scales)
+    steps = range(s.steps)
+    for name, some in ((("learned first step", steps[:1]), ("learned steps", steps[1:]))
+                       if first else (("learned steps", steps),)):
+        with watch.phase(name):
+            for step in some:
+                gate_up, down = (p.to(dtype) for p in params)
+                pairs.gradients(gate_up, down, residual, norm, grads, mine,
+                                lambda rows: team.rows(rows, pairs.counts))
+                opt.apply(grads, s.lr * lr_factor(step, s.steps))
+    return [team.experts(p, n) for p in params]
 
 
-def routed_sum(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: int,
-               read: Matrices, batch: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The kept routed experts' weighted sum [T, H] fp32 on x under routing (weights, ids),
-    products in `dtype`; `read(part)`: the (gate_up [E, 2I, H], down [E, H, I]) of kept
-    experts `part`."""
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-    for start in range(0, experts, batch):
-        part = range(start, min(start + batch, experts))
-        pairs = Pairs.of(x, weights, ids, part, dtype)
-        if pairs.depth:
-            gate_up, down = read(part)
-            out[pairs.tokens] += pairs.output(gate_up.float(), down.float())
-    return out
+def batches(layer: Layer) -> list[range]:
+    """The layer's batches of kept experts, ascending."""
+    step = layer.settings.batch
+    return [range(a, min(a + step, layer.experts)) for a in range(0, layer.experts, step)]
 
 
 def train(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, goal: torch.Tensor,
           experts: int, read: Matrices,
           write: Callable[[range, torch.Tensor, torch.Tensor], None],
-          settings: LearnedSettings, watch: Stopwatch | None = None) -> None:
+          settings: LearnedSettings, watch: Stopwatch | None = None,
+          team: Team | None = None) -> None:
     """Train the `experts` kept experts so that their weighted sum under routing (weights,
     ids) [T, k] on fit inputs x [T, H] approaches `goal` [T, H] fp32 (module docstring): each
     batch starts from `read(part)` and its result goes to `write(part, gate_up, down)` (fp32),
-    after which `read` gives what was written (the next batches' residual is of those).
-    `watch` is charged per phase: the batches' set-up, the first step (where the update
-    compiles on a GPU), the other steps, and the writes."""
-    watch = watch or Stopwatch(x.device)
+    after which `read` gives what was written (the next batches' residual is of those). On
+    the lead rank of a `team`, the other ranks follow (`follow`). `watch` is charged per
+    phase: the batches' set-up, the first step (where the update compiles on a GPU), the
+    other steps, and the writes."""
+    watch, team = watch or Stopwatch(x.device), team or Team()
     dtype = settings.dtype(x.device)
-    first = True
+    inter = read(range(0, 1))[1].shape[-1]
+    layer = Layer(x.shape[0], x.shape[1], ids.shape[1], inter, experts,
+                  (x.dtype, weights.dtype, ids.dtype), settings)
     with torch.no_grad():
         with watch.phase("learned setup"):
             current = routed_sum(x, weights, ids, experts, read, settings.batch, dtype)
-        for start in range(0, experts, settings.batch):
-            part = range(start, min(start + settings.batch, experts))
+            if team.world > 1:
+                distributed.broadcast_object(layer)
+                for t in (x, weights, ids):
+                    distributed.broadcast_(t.contiguous())
+        first = True
+        for part in batches(layer):
             with watch.phase("learned setup"):
                 pairs = Pairs.of(x, weights, ids, part, dtype)
                 if not pairs.depth:
@@ -202,22 +157,30 @@ def train(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, goal: torch
                 before = pairs.output(*params)
                 residual = goal[pairs.tokens] - current[pairs.tokens] + before
                 norm = residual.square().sum().clamp(min=1e-30)
-                scales = [p.square().mean((-1, -2), keepdim=True).sqrt().clamp(min=1e-12)
-                          for p in params]
-                grads = tuple(torch.empty_like(p, dtype=dtype) for p in params)
-                opt = Adam(params, scales)
-            steps = range(settings.steps)
-            for name, some in ((("learned first step", steps[:1]), ("learned steps", steps[1:]))
-                               if first else (("learned steps", steps),)):
-                with watch.phase(name):
-                    for step in some:
-                        gate_up, down = (p.to(dtype) for p in params)
-                        pairs.gradients(gate_up, down, residual, norm, grads)
-                        opt.apply(grads, settings.lr * lr_factor(step, settings.steps))
+            params = fit(pairs, params, residual, norm, layer, team, dtype, watch, first)
             first = False
             with watch.phase("learned write"):
                 write(part, params[0], params[1])
                 current[pairs.tokens] += pairs.output(*(t.float() for t in read(part))) - before
+
+
+def follow(team: Team, device: torch.device) -> None:
+    """A rank other than the lead's, while the lead's repair stream works on a layer: train
+    this rank's share of each batch of every `train` the lead runs, until the lead ends the
+    layer (kconvert.pruning.repair)."""
+    watch = Stopwatch(device)
+    with torch.no_grad():
+        while (layer := distributed.broadcast_object(None)) is not None:
+            dtype = layer.settings.dtype(device)
+            x, weights, ids = (distributed.broadcast_(torch.empty(
+                layer.tokens, width, dtype=d, device=device)) for width, d in zip(
+                (layer.hidden, layer.top_k, layer.top_k), layer.dtypes, strict=True))
+            first = True
+            for part in batches(layer):
+                pairs = Pairs.of(x, weights, ids, part, dtype)
+                if pairs.depth:
+                    fit(pairs, None, None, None, layer, team, dtype, watch, first)
+                    first = False
 
 
 @dataclass(frozen=True)
@@ -304,7 +267,7 @@ def learn(kept: KeptExperts, weights: torch.Tensor, ids: torch.Tensor, x: torch.
     with torch.no_grad(), watch.phase("learned errors"):
         fit_before, held_before = errors()
     train(x[fit], weights[fit], ids[fit], goal[fit], len(kept.keep), kept.read, kept.write,
-          settings, watch)
+          settings, watch, Team.here())
     with torch.no_grad(), watch.phase("learned errors"):
         fit_after, held_after = errors()
     if held_after < held_before:

@@ -36,6 +36,7 @@ from torch import nn
 from kconvert.calibrate.data import PAD_ID
 from kconvert.calibrate.forward import embed, model_config, padding_aware_mask
 from kconvert.calibrate.moe import MoEBlock
+from kconvert.common import distributed
 from kconvert.errors import KconvertError
 from kconvert.gpu.devices import Stopwatch, deterministic
 from kconvert.io.checkpoint import Checkpoint
@@ -44,6 +45,8 @@ from kconvert.model.names import Role, parse_name
 from kconvert.pruning import recode
 from kconvert.pruning.compensate import mse
 from kconvert.pruning.compensate_layer import Compensator
+from kconvert.pruning.compensate_learned import follow
+from kconvert.pruning.learned_team import Team
 from kconvert.pruning.plan import (
     LayerCompensation,
     LayerRepair,
@@ -151,6 +154,23 @@ class RouterRepair:
                                        **self.forward_kw)
 
     def __call__(self, layer: int, module: nn.Module) -> None:
+        """Layer `layer`'s repair on the lead rank (or the one process); on the other ranks of
+        a torchrun, their share of its learned compensation (kconvert.pruning.learned_team)
+        until the lead ends the layer."""
+        team = Team.here()
+        trains = team.world > 1 and self.settings.compensation.trains
+        if not team.leads:
+            if trains:
+                follow(team, self.device)
+            return
+        try:
+            self._stream(layer, module)
+        finally:
+            if trains:  # the followers go on to the next layer
+                distributed.broadcast_object(None)
+
+    def _stream(self, layer: int, module: nn.Module) -> None:
+        """The stream through decoder layer `layer` (`module`), its MoE block repaired."""
         with torch.no_grad():
             moe = module.mlp
             if not isinstance(moe, MoEBlock):

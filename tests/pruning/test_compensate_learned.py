@@ -14,7 +14,8 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MLP
 
 from conftest import ROOT
 from helpers import compensated_on_trained
-from kconvert.pruning.compensate_learned import LearnedSettings, Pairs, routed_sum, train
+from kconvert.pruning.compensate_learned import LearnedSettings, train
+from kconvert.pruning.learned_pairs import Pairs, routed_sum
 from kconvert.pruning.repair import RepairSettings
 
 SRC = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
@@ -71,7 +72,8 @@ def test_the_hand_written_gradients_are_autograds(dtype):
     ((pairs.output(*part) - residual).square().sum() / norm).backward()
     got = tuple(torch.empty_like(p) for p in part)
     with torch.no_grad():
-        pairs.gradients(*(p.detach() for p in part), residual, norm, got)
+        pairs.gradients(*(p.detach() for p in part), residual, norm, got, range(4),
+                        lambda rows: rows)
     for expected, mine in zip((p.grad for p in part), got, strict=True):
         assert expected.abs().max() > 0
         tol = {torch.float32: (1e-5, 1e-8), torch.bfloat16: (2e-2, 1e-3)}[dtype]
