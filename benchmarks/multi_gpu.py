@@ -23,6 +23,8 @@ page cache warm:
   forward its engine waited for, then the OBS solve of the rank's experts; with --moe-layers 2
   the second layer is a steady-state one), efficiency, output bytes against 1 rank.
 - reap: `reap --data` on the first --tokens entry: wall, efficiency, same kept experts.
+- reap-learned: `reap --repair router --compensate learned` on --repair-seqs sequences: rank
+  0's learned compensation per MoE layer, its efficiency, output bytes against 1 rank.
 - eval: the set against its `int4-to-nvfp4` conversion (made once, 1 rank) on --eval-seqs
   sequences (default 128): wall, efficiency, every metric equal to 1 rank's.
 - convert: int4-to-nvfp4 of synthetic.expert_set's full-size routed experts split in --shards
@@ -38,11 +40,18 @@ from pathlib import Path
 
 from benchmarks.child_process import run_child
 from benchmarks.harness import Timer, arguments, comma_ints, comma_list, parse, record, result_path
-from benchmarks.multi_gpu_parts import part_calibrate, part_convert, part_eval, part_gptq, part_reap
+from benchmarks.multi_gpu_parts import (
+    part_calibrate,
+    part_convert,
+    part_eval,
+    part_gptq,
+    part_reap,
+    part_reap_learned,
+)
 from benchmarks.multi_gpu_ranks import Bench
 from benchmarks.synthetic import TINY, add_dims, kimi_set
 
-PARTS = ("calibrate", "gptq", "reap", "eval")
+PARTS = ("calibrate", "gptq", "reap", "reap-learned", "eval")
 
 
 def rank_counts(given: list[int] | None, gpus: int) -> list[int]:
@@ -67,6 +76,9 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--batch", type=int, default=8, help="batch size (default: %(default)s)")
     ap.add_argument("--gptq-seqs", type=int, default=128,
                     help="gptq's sequences (default: %(default)s)")
+    ap.add_argument("--repair-seqs", type=int, default=16,
+                    help="reap-learned's sequences (default: %(default)s: the repair stream's "
+                    "32,768 tokens at --seq 2048)")
     ap.add_argument("--eval-seqs", type=int, default=128,
                     help="eval's sequences (default: %(default)s)")
     ap.add_argument("--eval-repeat", action="store_true",
@@ -78,7 +90,7 @@ def main(argv: list[str]) -> None:
     a = parse(ap, argv, tiny={"root": Path("/tmp/kbench-multi-tiny"), "ranks": [1, 2],
                               "dims": TINY, "seq": 32, "batch": 2,
                               "tokens": {"small": 4, "large": 16}, "gptq_seqs": 8,
-                              "eval_seqs": 6})
+                              "repair_seqs": 8, "eval_seqs": 6})
     import torch
 
     timer = Timer(deadline_s=a.deadline_s)
@@ -89,19 +101,21 @@ def main(argv: list[str]) -> None:
     parts = a.parts
     rec = record("multi_gpu", gpu=dev == "cuda", scratch=root)
     b = Bench(root=root, ranks=ranks, dev=dev, dims=a.dims, seq=a.seq, batch=a.batch,
-              tokens=a.tokens, gptq_seqs=a.gptq_seqs, eval_seqs=a.eval_seqs,
+              tokens=a.tokens, gptq_seqs=a.gptq_seqs, repair_seqs=a.repair_seqs,
+              eval_seqs=a.eval_seqs,
               n_experts=a.n_experts, shards=a.shards, eval_repeat=a.eval_repeat,
               keep_page_cache=a.keep_page_cache, timer=timer,
               out=result_path(rec, a.out, out_dir=a.out_dir),
               res={"record": rec, "device": rec["device"]["name"],
                    "gpus": rec["device"]["count"], "ranks": ranks, "calibrate": {}})
     src = None
-    if {"calibrate", "gptq", "reap", "eval"} & set(parts):
+    if {"calibrate", "gptq", "reap", "reap-learned", "eval"} & set(parts):
         src = kimi_set(root, b.dims, a.moe_layers)
         run_child(["sh", "-c", f"cat {src}/*.safetensors > /dev/null"])  # page cache warm
         b.res["make_s"] = round(timer.elapsed(), 1)
     steps = {"calibrate": lambda: part_calibrate(b, src), "gptq": lambda: part_gptq(b, src),
-             "reap": lambda: part_reap(b, src), "eval": lambda: part_eval(b, src),
+             "reap": lambda: part_reap(b, src), "reap-learned": lambda: part_reap_learned(b, src),
+             "eval": lambda: part_eval(b, src),
              "convert": lambda: part_convert(b)}
     for part in parts:
         steps[part]()
@@ -119,11 +133,13 @@ def tokens_option(text: str) -> dict[str, int]:
 def summarize(res: dict) -> None:
     """One line per part: each rank count's wall and MoE-layer seconds, and the checks."""
     entries = [(f"calibrate {label}", e) for label, e in res["calibrate"].items()]
-    entries += [(name, res[name]) for name in ("gptq", "reap", "eval", "convert") if name in res]
+    entries += [(name, res[name]) for name in ("gptq", "reap", "reap-learned", "eval", "convert")
+                if name in res]
     for name, entry in entries:
         cells = []
         for r in entry["runs"]:
-            checks = {k: r[k] for k in ("efficiency_moe_layer", "efficiency_wall", "same_bytes",
+            checks = {k: r[k] for k in ("efficiency_moe_layer", "efficiency_wall",
+                                        "efficiency_learned", "same_bytes",
                                         "same_kept_experts", "same_metrics", "metrics_max_rel_diff",
                                         "repeat_max_rel_diff", "statistics", "errors")
                       if k in r}

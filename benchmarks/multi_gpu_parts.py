@@ -1,4 +1,5 @@
-"""The parts of `python -m benchmarks multi_gpu` (calibrate, gptq, reap, eval, convert), each on
+"""The parts of `python -m benchmarks multi_gpu` (calibrate, gptq, reap, reap-learned, eval,
+convert), each on
 every rank count, and their checks against one rank: scaling efficiency, statistics, bytes,
 kept experts and metrics."""
 
@@ -132,6 +133,36 @@ def part_reap(b: Bench, src: Path) -> None:
         if ranks > 1 and ranks in plans and 1 in plans:
             r["same_kept_experts"] = plans[ranks] == plans[1]
     b.res["reap"] = {"tokens": seqs * b.seq, "runs": list(runs.values())}
+    b.save()
+
+
+def part_reap_learned(b: Bench, src: Path) -> None:
+    """`reap --repair router --compensate learned` on the repair stream's 16 sequences: each
+    rank count's learned compensation per MoE layer (rank 0's -v line), its efficiency, and
+    the output's bytes against one rank's."""
+    outs = {}
+
+    def run(ranks: int) -> dict:
+        dst = outs[ranks] = b.root / f"reap-learned-{ranks}"
+        shutil.rmtree(dst, ignore_errors=True)
+        return b.run(ranks, ["reap", str(src), str(dst), "--keep", str(b.dims.experts // 2),
+                             "--repair", "router", "--compensate", "learned", "--quiet",
+                             *calib_args(b, b.repair_seqs)])
+
+    runs = b.each_rank_count("reap-learned", run)
+    scaling(runs)
+    one = runs.get(1, {})
+    for ranks, r in runs.items():
+        if ranks > 1 and r["rc"] == 0 and one.get("rc") == 0:
+            if one.get("learned_compensation_s") and r.get("learned_compensation_s"):
+                r["efficiency_learned"] = round(sum(one["learned_compensation_s"]) / (
+                    ranks * sum(r["learned_compensation_s"])), 3)
+            r["same_bytes"] = same_output(outs[1], outs[ranks])
+            if r["same_bytes"] is not True:
+                r["differences"] = differences(outs[1], outs[ranks])
+    for dst in outs.values():
+        shutil.rmtree(dst, ignore_errors=True)
+    b.res["reap-learned"] = {"tokens": b.repair_seqs * b.seq, "runs": list(runs.values())}
     b.save()
 
 

@@ -17,6 +17,9 @@ from benchmarks.synthetic import Dims
 # A -v line of kconvert.methods.hessians: where a MoE layer's seconds went in GPTQ/SparseGPT.
 OBS_LINE = re.compile(r"INFO: OBS layer (?P<layer>\d+): (?P<waited>[\d.]+) s waiting for its "
                       r"calibration forward, (?P<solving>[\d.]+) s solving it")
+# rank 0's -v line of a repaired MoE layer (kconvert.pruning.repair), its learned phase
+LEARNED_LINE = re.compile(r"INFO: layer (?P<layer>\d+) repair: .*?learned compensation "
+                          r"(?P<seconds>[\d.]+) s")
 # NCCL's NVLink multicast off for every rank, as the device machines require.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1"}
@@ -32,6 +35,7 @@ class Bench:
     batch: int
     tokens: dict[str, int]  # label -> sequences
     gptq_seqs: int
+    repair_seqs: int  # reap-learned's sequences
     eval_seqs: int
     n_experts: int  # the convert part's set
     shards: int
@@ -72,6 +76,9 @@ class Bench:
             # MoE layer the wait holds the start-up and layer 0 too: --moe-layers 2 for GPTQ)
             res["obs_layers"] = obs
             res["moe_layer_s"] = round(obs[-1]["waited"] + obs[-1]["solving"], 2)
+        learned = [float(m["seconds"]) for m in LEARNED_LINE.finditer(c.stderr)]
+        if learned:
+            res["learned_compensation_s"] = learned  # per repaired MoE layer
         notes = [ln.strip() for ln in c.stderr.splitlines() if "one process may be as fast" in ln]
         if notes:
             res["note"] = notes[0]
