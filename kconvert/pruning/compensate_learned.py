@@ -19,7 +19,8 @@ fp32 on a CPU (LearnedSettings.dtype). The backward is autograd's written out
 straight into the fused update, with no graph, no fp32 gradient and no per-expert slice's
 backward (which wrote a batch-sized zero tensor per expert). There is no random draw, and
 each token's sum over its slots in the batch is taken in a fixed order (no atomic adds), so
-the same run writes the same bytes.
+the same run writes the same bytes. Under torchrun every rank trains a share of each batch
+(kconvert.pruning.learned_team), and the bytes are one process's.
 """
 
 from __future__ import annotations
