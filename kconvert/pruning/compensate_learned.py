@@ -91,18 +91,17 @@ def fit(pairs: Pairs, params: list[torch.Tensor] | None, residual: torch.Tensor 
         norm: torch.Tensor | None, layer: Layer, team: Team, dtype: torch.dtype,
         watch: Stopwatch, first: bool) -> list[torch.Tensor]:
     """Train one batch's experts (module docstring) from the lead's `params` (gate_up
-    [E, 2I, H], down [E, H, I] fp32) on its `residual` [T_B, H] and `norm`, each rank its
-    share (kconvert.pruning.learned_team); returns the batch's trained matrices on every
-    rank. `first`: the layer's first batch on this process, whose first step is charged
-    apart (where the update compiles)."""
+    [E, 2I, H], down [E, H, I] fp32, trained in place in one process) on its `residual`
+    [T_B, H] and `norm`, each rank its share (kconvert.pruning.learned_team); returns the
+    batch's trained matrices on every rank. `first`: the layer's first batch on this
+    process, whose first step is charged apart (where the update compiles)."""
     n, dev, s = len(pairs.counts), pairs.x.device, layer.settings
     shapes = ((n, 2 * layer.inter, layer.hidden), (n, layer.hidden, layer.inter))
     mine = team.share(n)
     residual = team.send(residual, (len(pairs.tokens), layer.hidden), torch.float32, dev)
     norm = team.send(norm, (), torch.float32, dev)
-    params = [team.send(None if params is None else p, shape, torch.float32, dev)
-              [mine.start:mine.stop].clone() for p, shape in zip(params or [None, None],
-                                                                 shapes, strict=True)]
+    params = [team.start(p, shape, dev, mine)
+              for p, shape in zip(params or [None, None], shapes, strict=True)]
     scales = [p.square().mean((-1, -2), keepdim=True).sqrt().clamp(min=1e-12) for p in params]
     grads = tuple(torch.empty_like(p, dtype=dtype) for p in params)
     opt = Adam(params, scales)
