@@ -53,13 +53,13 @@ def largest_difference(one: object, many: object) -> float:
 
 
 def scaling(runs: dict[int, dict]) -> None:
-    """Per run of N > 1 ranks: efficiency t1 / (N tN) of the MoE layer and of the process, and
-    whether it beat one rank."""
+    """Per run of N > 1 ranks: efficiency t1 / (N tN) of the MoE layer, of the process and of
+    learned compensation (where it ran), and whether it beat one rank."""
     one = runs.get(1)
     for ranks, r in runs.items():
         if ranks == 1 or one is None or r["rc"] or one["rc"]:
             continue
-        for key in ("moe_layer_s", "wall_s"):
+        for key in ("moe_layer_s", "wall_s", "learned_s"):
             if one.get(key) and r.get(key):
                 r[f"efficiency_{key.removesuffix('_s')}"] = round(one[key] / (ranks * r[key]), 3)
         r["faster_than_one"] = r["wall_s"] < one["wall_s"]
@@ -91,16 +91,18 @@ def part_calibrate(b: Bench, src: Path) -> None:
         b.save()
 
 
-def part_gptq(b: Bench, src: Path) -> None:
+def part_same_bytes(b: Bench, name: str, seqs: int, command) -> None:
+    """`command(dst)` with --quiet and the calibration on `seqs` sequences, on every rank count
+    (each into its own DST, removed after): scaling, and the output's bytes against one
+    rank's."""
     outs = {}
 
     def run(ranks: int) -> dict:
-        dst = outs[ranks] = b.root / f"gptq-{ranks}"
+        dst = outs[ranks] = b.root / f"{name}-{ranks}"
         shutil.rmtree(dst, ignore_errors=True)
-        return b.run(ranks, ["quantize", "--method", "gptq", str(src), str(dst), "--quiet",
-                             *calib_args(b, b.gptq_seqs)])
+        return b.run(ranks, [*command(dst), "--quiet", *calib_args(b, seqs)])
 
-    runs = b.each_rank_count("gptq", run)
+    runs = b.each_rank_count(name, run)
     scaling(runs)
     for ranks, r in runs.items():
         if ranks > 1 and r["rc"] == 0 and runs.get(1, {}).get("rc") == 0:
@@ -109,8 +111,13 @@ def part_gptq(b: Bench, src: Path) -> None:
                 r["differences"] = differences(outs[1], outs[ranks])
     for dst in outs.values():
         shutil.rmtree(dst, ignore_errors=True)
-    b.res["gptq"] = {"tokens": b.gptq_seqs * b.seq, "runs": list(runs.values())}
+    b.res[name] = {"tokens": seqs * b.seq, "runs": list(runs.values())}
     b.save()
+
+
+def part_gptq(b: Bench, src: Path) -> None:
+    part_same_bytes(b, "gptq", b.gptq_seqs,
+                    lambda dst: ["quantize", "--method", "gptq", str(src), str(dst)])
 
 
 def part_reap(b: Bench, src: Path) -> None:
@@ -137,33 +144,11 @@ def part_reap(b: Bench, src: Path) -> None:
 
 
 def part_reap_learned(b: Bench, src: Path) -> None:
-    """`reap --repair router --compensate learned` on the repair stream's 16 sequences: each
-    rank count's learned compensation per MoE layer (rank 0's -v line), its efficiency, and
-    the output's bytes against one rank's."""
-    outs = {}
-
-    def run(ranks: int) -> dict:
-        dst = outs[ranks] = b.root / f"reap-learned-{ranks}"
-        shutil.rmtree(dst, ignore_errors=True)
-        return b.run(ranks, ["reap", str(src), str(dst), "--keep", str(b.dims.experts // 2),
-                             "--repair", "router", "--compensate", "learned", "--quiet",
-                             *calib_args(b, b.repair_seqs)])
-
-    runs = b.each_rank_count("reap-learned", run)
-    scaling(runs)
-    one = runs.get(1, {})
-    for ranks, r in runs.items():
-        if ranks > 1 and r["rc"] == 0 and one.get("rc") == 0:
-            if one.get("learned_compensation_s") and r.get("learned_compensation_s"):
-                r["efficiency_learned"] = round(sum(one["learned_compensation_s"]) / (
-                    ranks * sum(r["learned_compensation_s"])), 3)
-            r["same_bytes"] = same_output(outs[1], outs[ranks])
-            if r["same_bytes"] is not True:
-                r["differences"] = differences(outs[1], outs[ranks])
-    for dst in outs.values():
-        shutil.rmtree(dst, ignore_errors=True)
-    b.res["reap-learned"] = {"tokens": b.repair_seqs * b.seq, "runs": list(runs.values())}
-    b.save()
+    """`reap --repair router --compensate learned` on the repair stream's sequences: rank 0's
+    learned compensation per MoE layer (its -v line), its efficiency, and the bytes."""
+    part_same_bytes(b, "reap-learned", b.repair_seqs,
+                    lambda dst: ["reap", str(src), str(dst), "--keep", str(b.dims.experts // 2),
+                                 "--repair", "router", "--compensate", "learned"])
 
 
 def part_eval(b: Bench, src: Path) -> None:

@@ -78,7 +78,8 @@ class Bench:
             res["moe_layer_s"] = round(obs[-1]["waited"] + obs[-1]["solving"], 2)
         learned = [float(m["seconds"]) for m in LEARNED_LINE.finditer(c.stderr)]
         if learned:
-            res["learned_compensation_s"] = learned  # per repaired MoE layer
+            res["learned_layers_s"] = learned  # per repaired MoE layer
+            res["learned_s"] = round(sum(learned), 2)
         notes = [ln.strip() for ln in c.stderr.splitlines() if "one process may be as fast" in ln]
         if notes:
             res["note"] = notes[0]
