@@ -112,6 +112,17 @@ def write_input_ids(path: Path, rows: Iterable[Sequence[int] | torch.Tensor]) ->
                               for r in rows))
 
 
+def calibrated(src: Path, root: Path, stride: int) -> Path:
+    """Real `kconvert calibrate` statistics of `src` in root/stats, on 4 sequences of 16 token
+    ids ((stride * i + j) % 500), for --stats."""
+    data = write_input_ids(root / "ids.jsonl", ([(stride * i + j) % 500 for j in range(16)]
+                                                for i in range(4)))
+    res = cli_inproc("calibrate", src, "--data", data, "-o", root / "stats", "--samples", 4,
+                     "--seq-len", 16, "--device", "cpu", "--quiet")
+    assert res.exit_code == 0, res.output
+    return root / "stats"
+
+
 def source_copy(tmp_path: Path) -> Path:
     """A copy of the bundled fixture at tmp_path / "src", to edit or to watch for writes."""
     return Path(shutil.copytree(BUNDLED, tmp_path / "src"))

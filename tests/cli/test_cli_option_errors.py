@@ -14,20 +14,21 @@ from pathlib import Path
 import pytest
 
 from conftest import BUNDLED
-from helpers import MANIFEST, assert_user_error, cli_inproc, source_copy, write_input_ids
+from helpers import (
+    MANIFEST,
+    assert_user_error,
+    calibrated,
+    cli_inproc,
+    source_copy,
+    write_input_ids,
+)
 from kconvert.errors import KconvertError
 
 
 @pytest.fixture(scope="module")
 def stats_dir(tmp_path_factory) -> Path:
     """Real `kconvert calibrate` statistics of the bundled fixture (for --stats)."""
-    root = tmp_path_factory.mktemp("stats")
-    data = write_input_ids(root / "ids.jsonl", ([(5 * i + j) % 500 for j in range(16)]
-                                                for i in range(4)))
-    res = cli_inproc("calibrate", BUNDLED, "--data", data, "-o", root / "stats", "--samples", 4,
-                     "--seq-len", 16, "--device", "cpu", "--quiet")
-    assert res.exit_code == 0, res.output
-    return root / "stats"
+    return calibrated(BUNDLED, tmp_path_factory.mktemp("stats"), 5)
 
 
 # ------------------------------------------------------------------ reap: --keep / --prune-ratio

@@ -13,7 +13,7 @@ import pytest
 
 import kconvert
 from conftest import BUNDLED
-from helpers import assert_user_error, cli_inproc, write_input_ids, write_jsonl
+from helpers import assert_user_error, calibrated, cli_inproc, write_jsonl
 from kconvert.errors import UsageError
 from kconvert.model.expert_parallel import (
     ep_divisors,
@@ -30,13 +30,7 @@ WARNING = "kconvert: warning: keep 15:"
 @pytest.fixture(scope="module")
 def stats_dir(tmp_path_factory) -> Path:
     """Real `kconvert calibrate` statistics of the bundled fixture (for --stats)."""
-    root = tmp_path_factory.mktemp("stats")
-    data = write_input_ids(root / "ids.jsonl", ([(7 * i + j) % 500 for j in range(16)]
-                                                for i in range(4)))
-    res = cli_inproc("calibrate", BUNDLED, "--data", data, "-o", root / "stats", "--samples", 4,
-                     "--seq-len", 16, "--device", "cpu", "--quiet")
-    assert res.exit_code == 0, res.output
-    return root / "stats"
+    return calibrated(BUNDLED, tmp_path_factory.mktemp("stats"), 7)
 
 
 def plan_keeping(path: Path, kept: int) -> Path:
