@@ -6,12 +6,13 @@
         --root /tmp/kbench --out-dir $OUT
     python -m benchmarks learned_compensation new=. old=/tmp/old --tiny    # CPU check
 
-Builds synthetic.kimi_set's checkpoint (layer 0 dense, layer 1 MoE with 384 INT4 experts, real
-Kimi-K2 shapes) once in ROOT, then each variant NAME=TREE[,BUDGET] runs `kconvert reap --data
+Builds synthetic.kimi_set's checkpoint (layer 0 dense, then --moe-layers MoE layers of 384 INT4
+experts, real Kimi-K2 shapes; with 2 the last is a steady layer, the update compiled in the
+first) once in ROOT, then each variant NAME=TREE[,BUDGET] runs `kconvert reap --data
 --keep K --repair router --compensate learned -v` (--gpu-memory BUDGET where given) from the
 kconvert package in TREE, in its own process, on --seqs x --seq random tokens (default 16 x
 2,048: the repair stream's 32,768, as from any larger --data). Read per variant `learned_s`:
-the MoE layer's "learned compensation" phase from the repair's own per-phase log line (the
+the last MoE layer's "learned compensation" phase from the repair's own per-phase log line (the
 training of every kept expert, its encode and write-back, the guard's two passes over the
 block; in a fresh process also the first compilation of the Adam update), beside the layer's
 other repair phases, the process's wall and its peak GPU memory (nvidia-smi, every 200 ms).
@@ -56,7 +57,7 @@ def main(argv: list[str]) -> None:
                     help="the runs in order, e.g. new=.,74GiB old=/tmp/old,74GiB")
     ap.add_argument("--tiny", action="store_true",
                     help="tiny dims (24 experts) on the CPU (a check), in /tmp/kbench-tiny")
-    add_dims(ap, moe_layers=None)
+    add_dims(ap)  # --moe-layers 2: the second is a steady layer (the update compiled)
     # 16 x 2,048 tokens fill the repair stream's 32,768 (more only lengthen the calibration)
     ap.add_argument("--seqs", type=int, default=16, help="sequences (default: %(default)s)")
     ap.add_argument("--seq", type=int, default=2048, help="tokens each (default: %(default)s)")
@@ -67,7 +68,7 @@ def main(argv: list[str]) -> None:
                               "root": Path("/tmp/kbench-tiny")})
     dev = "cpu" if a.tiny or not torch.cuda.is_available() else "cuda"
     rec = record("learned_compensation", gpu=dev == "cuda", scratch=a.root)
-    src = kimi_set(a.root, a.dims)
+    src = kimi_set(a.root, a.dims, a.moe_layers)
     data = write_ids(a.root / "learned-compensation-ids.jsonl",
                      random_ids(a.seqs, a.seq, a.dims.vocab))
     out = result_path(rec, out_dir=a.out_dir)
@@ -89,6 +90,9 @@ def main(argv: list[str]) -> None:
         r = {"variant": name, "tree": str(tree), "kconvert_sha256": kconvert_sha(tree),
              "budget": budget[0] if budget else None, "rc": c.rc, "wall_s": c.wall_s,
              "learned_s": moe.get("learned compensation"), "moe_layer_phases": moe,
+             "learned_s_by_layer": {layer: p.get("learned compensation")
+                                    for layer, p in sorted(by_layer.items())},
+             "projection": re.findall(r".*projection.*", c.stdout)[-1:],
              "peak_gpu_mib": c.watched.get("mem_max_mib"),
              "gpu_util_mean_pct": c.watched.get("util_mean_pct")}
         if c.rc != 0:
@@ -96,4 +100,4 @@ def main(argv: list[str]) -> None:
         results.append(r)
         print(json.dumps(r), flush=True)
         save({"record": rec, "device": dev, "seqs": a.seqs, "seq_len": a.seq, "keep": a.keep,
-              "experts": a.dims.experts, "results": results}, out)
+              "experts": a.dims.experts, "moe_layers": a.moe_layers, "results": results}, out)

@@ -20,6 +20,7 @@ OBS_LINE = re.compile(r"INFO: OBS layer (?P<layer>\d+): (?P<waited>[\d.]+) s wai
 # rank 0's -v line of a repaired MoE layer (kconvert.pruning.repair), its learned phase
 LEARNED_LINE = re.compile(r"INFO: layer (?P<layer>\d+) repair: .*?learned compensation "
                           r"(?P<seconds>[\d.]+) s")
+REPAIR_LINE = re.compile(r"layer \d+ repair: .*")
 # NCCL's NVLink multicast off for every rank, as the device machines require.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1"}
@@ -80,6 +81,8 @@ class Bench:
         if learned:
             res["learned_layers_s"] = learned  # per repaired MoE layer
             res["learned_s"] = round(sum(learned), 2)
+            # rank 0's seconds per phase of each layer's repair
+            res["repair_lines"] = [m.group(0) for m in REPAIR_LINE.finditer(c.stderr)]
         notes = [ln.strip() for ln in c.stderr.splitlines() if "one process may be as fast" in ln]
         if notes:
             res["note"] = notes[0]

@@ -157,16 +157,23 @@ class LayerPrefetcher(Generic[J, T]):
     def summary(self, first_k_dense: int, models: int = 1) -> dict:
         """Per-layer records and the projection for the whole model (FULL_MODEL_LAYERS decoder
         layers of each of `models` checkpoints, the first `first_k_dense` dense) from the
-        measured layer times; logged."""
+        measured layer times: every MoE layer at the steady ones' mean (those after the first;
+        with one, the first), plus the first's extra once; logged."""
         out: dict = {"layers": [t.record() for t in self.timings]}
         walls = {moe: [t.wall_s for t in self.timings if t.moe == moe] for moe in (False, True)}
         if walls[True]:
             dense = sum(walls[False]) / len(walls[False]) if walls[False] else 0.0
-            moe = sum(walls[True]) / len(walls[True])
-            seconds = models * (first_k_dense * dense + (FULL_MODEL_LAYERS - first_k_dense) * moe)
+            first, *rest = walls[True]
+            steady = sum(rest) / len(rest) if rest else first
+            # what the first MoE layer takes beyond a steady one (the kernels compiling) is
+            # paid once a process
+            seconds = (models * (first_k_dense * dense + (FULL_MODEL_LAYERS - first_k_dense)
+                                 * steady) + first - steady)
+            out["steady_moe_layer_s"] = round(steady, 3)
             out["projected_full_model_s"] = round(seconds, 1)
-            log.info("projection for the whole model (%d decoder layers, %.1f s per MoE layer "
-                     "as measured): %.1f min", FULL_MODEL_LAYERS, moe, seconds / 60)
+            log.info("projection for the whole model (%d decoder layers; %.1f s per steady MoE "
+                     "layer as measured, the first %.1f s): %.1f min", FULL_MODEL_LAYERS, steady,
+                     first, seconds / 60)
         return out
 
     def report(self, timing: LayerTiming, count: int) -> None:

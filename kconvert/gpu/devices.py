@@ -43,15 +43,16 @@ def pick_device(spec: str) -> torch.device:
 
 @dataclass
 class Stopwatch:
-    """Seconds per phase. Each boundary waits for the device's queued work, so a phase is
-    charged for its own kernels (CUDA runs them after the host has moved on)."""
+    """Seconds per phase. Each boundary waits for the work queued on the current stream, so a
+    phase is charged for its own kernels (CUDA runs them after the host has moved on), not
+    for other streams' (a layer read ahead, copies to the host)."""
 
     device: torch.device
     seconds: dict[str, float] = field(default_factory=dict)
 
     def _now(self) -> float:
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
         return time.perf_counter()
 
     @contextlib.contextmanager

@@ -107,9 +107,10 @@ class Compensator:
         """Train the kept experts' gate, up and down against the unpruned block from what the
         closed form left in `moe` (kconvert.pruning.compensate_learned)."""
         linears = {proj: self.sources(layer, keep, proj)[1:] for proj in self.kind.projs()}
-        experts = KeptExperts(self.ckpt, moe, keep, linears, self.block_scale, x.device)
         goal = target - moe.shared_experts(x).float()  # the shared expert as written, fixed
-        return learn(experts, *routing, x, goal, n_fit, self.learned, watch)
+        with KeptExperts(self.ckpt, moe, keep, linears, self.block_scale, x.device,
+                         watch) as experts:
+            return learn(experts, *routing, x, goal, n_fit, self.learned, watch)
 
     def sources(self, layer: int, keep: list[int], proj: str = "down_proj"
                 ) -> list[recode.SourceLinear]:

@@ -32,6 +32,7 @@ import torch
 
 from kconvert.common import distributed
 from kconvert.gpu.devices import Stopwatch
+from kconvert.gpu.host_copies import HostCopies
 from kconvert.io.checkpoint import Checkpoint
 from kconvert.methods.expert_training import Adam, lr_factor
 from kconvert.model.arch import arch_of
@@ -57,10 +58,12 @@ class LearnedSettings:
 def plan_bytes(hidden: int, inter: int, top_k: int, tokens: int, keep: int, batch: int) -> int:
     """Device bytes of one batch's training (the GPU memory plan's term beside the repair
     stream): per expert its three matrices' fp32 masters and Adam moments (3 copies) and their
-    bf16 copy and gradient for the products (Pairs.gradients), and the activations of every
-    fit token routed into the batch (at most every token, k times), their gradients and the
-    batch's slot sums (fp32: a bound for bf16 products too)."""
-    per_expert = (3 * 4 + 2 * 2) * 3 * hidden * inter
+    bf16 copy and gradient for the products (Pairs.gradients), and the previous batch's
+    one-shot values and written parameters on their way to the host (KeptExperts.write; bf16,
+    a bound for the encoded), and the activations of every fit token routed into the batch
+    (at most every token, k times), their gradients and the batch's slot sums (fp32: a bound
+    for bf16 products too)."""
+    per_expert = (3 * 4 + 2 * 2 + 2 * 2) * 3 * hidden * inter
     rows = min(tokens * top_k, tokens * top_k * batch // max(keep, 1) * 4)
     return batch * per_expert + rows * (3 * hidden + 6 * inter) * 4 + tokens * hidden * 4 * 3
 
@@ -100,9 +103,14 @@ def fit(pairs: Pairs, params: list[torch.Tensor] | None, residual: torch.Tensor 
     mine = team.share(n)
     residual = team.send(residual, (len(pairs.tokens), layer.hidden), torch.float32, dev)
     norm = team.send(norm, (), torch.float32, dev)
-    params = [team.start(p, shape, dev, mine)
+    starts = [team.send(p, shape, torch.float32, dev)
               for p, shape in zip(params or [None, None], shapes, strict=True)]
-    scales = [p.square().mean((-1, -2), keepdim=True).sqrt().clamp(min=1e-12) for p in params]
+    # each expert's RMS taken over the whole batch on every rank: a GPU's reduction over a
+    # share of the experts may add in another order, and the bytes would depend on the ranks
+    scales = [team.own(p.square().mean((-1, -2), keepdim=True).sqrt().clamp(min=1e-12), mine)
+              for p in starts]
+    params = [team.own(p, mine) for p in starts]
+    del starts
     grads = tuple(torch.empty_like(p, dtype=dtype) for p in params)
     opt = Adam(params, scales)
     steps = range(s.steps)
@@ -203,16 +211,27 @@ class Outcome:
 
 class KeptExperts:
     """The kept experts of a MoE layer as the repair stream's block holds them, and a trained
-    batch written in the source's format (recode) and decoded back into the block; the
-    one-shot values stay on the host until the guard has judged (`restore`)."""
+    batch written in the source's format (recode) and decoded back into the block. The
+    written parameters and the one-shot values they replace go to the host behind the next
+    batch's training (HostCopies); the one-shot values stay there until the guard has judged
+    (`restore`). `watch` is charged for the writes' parts. A context manager: leaving it ends
+    the copying thread."""
 
     def __init__(self, ckpt: Checkpoint, moe, keep: list[int],
                  linears: dict[str, list[recode.SourceLinear]], rule: str | None,
-                 device: torch.device):
+                 device: torch.device, watch: Stopwatch):
         self.ckpt, self.moe, self.keep, self.rule, self.device = ckpt, moe, keep, rule, device
         self.linears = linears  # proj -> the kept experts' source linears, in keep order
-        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.params: dict[str, torch.Tensor] = {}
+        self.watch = watch
+        self.copies = HostCopies(device)
+        self.params: dict[str, torch.Tensor] = {}  # output name -> written parameter
+        self.saved: dict[tuple[int, str], torch.Tensor] = {}  # (i, matrix) -> one-shot values
+
+    def __enter__(self) -> KeptExperts:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.copies.__exit__(*exc)
 
     def read(self, part: range) -> tuple[torch.Tensor, torch.Tensor]:
         ids = [self.keep[i] for i in part]
@@ -225,31 +244,40 @@ class KeptExperts:
         # gate and up are one fused set: their per-tensor scales are made for the larger amax
         fused = gate_up.abs().amax((-1, -2))
         amax = {"gate_proj": fused, "up_proj": fused, "down_proj": None}
-        written = {}
+        experts = self.moe.experts
+        with self.watch.phase("learned write waits for the host"):
+            self.copies.wait()  # the previous batch's copies are made: one batch in flight
+        written, decoded = {}, {}
         for proj, w in matrices.items():
             lins = [self.linears[proj][i] for i in part]
-            encoded = recode.encode(self.ckpt, lins, lambda j, w=w: w[j], self.rule,
-                                    self.device, amax[proj])
-            for n, (i, lin, params) in enumerate(zip(part, lins, encoded, strict=True)):
+            with self.watch.phase("learned write encode"):
+                encoded = recode.encode(self.ckpt, lins, lambda j, w=w: w[j], self.rule,
+                                        self.device, amax[proj])
+            for i, lin, params in zip(part, lins, encoded, strict=True):
                 for param, t in params.items():
-                    self.params[recode.output_name(f"{lin.module}.{param}", i)] = t.cpu()
-                written[proj, n] = recode.decode(lin, params, self.device)
-        experts = self.moe.experts
-        for n, i in enumerate(part):
-            e = self.keep[i]
-            # copies (on a CPU, .cpu() would be the block's own storage)
-            self.saved.setdefault(i, (experts.gate_up[e].to("cpu", copy=True),
-                                      experts.down[e].to("cpu", copy=True)))
-            experts.gate_up[e].copy_(torch.cat([written["gate_proj", n], written["up_proj", n]])
-                                     .to(experts.gate_up.dtype))
-            experts.down[e].copy_(written["down_proj", n].to(experts.down.dtype))
+                    written[recode.output_name(f"{lin.module}.{param}", i)] = t
+            with self.watch.phase("learned write decode"):
+                into = experts.down if proj == "down_proj" else experts.gate_up
+                decoded[proj] = recode.decode_all(lins, encoded, self.device).to(into.dtype)
+        ids = [self.keep[i] for i in part]
+        before = self.read(part)  # copies, not the block's storage
+        self.copies.submit(written, self.params)
+        self.copies.submit({(i, matrix): t[n] for n, i in enumerate(part)
+                            for matrix, t in zip(("gate_up", "down"), before, strict=True)},
+                           self.saved)
+        experts.gate_up[ids] = torch.cat([decoded["gate_proj"], decoded["up_proj"]], 1)
+        experts.down[ids] = decoded["down_proj"]
+
+    def written(self) -> dict[str, torch.Tensor]:
+        """The written parameters by output name, on the host."""
+        self.copies.wait()
+        return self.params
 
     def restore(self) -> None:
         """Put the one-shot values back (the guard refused the learned ones)."""
-        for i, (gate_up, down) in self.saved.items():
-            e = self.keep[i]
-            self.moe.experts.gate_up[e].copy_(gate_up)
-            self.moe.experts.down[e].copy_(down)
+        self.copies.wait()
+        for (i, matrix), values in self.saved.items():
+            getattr(self.moe.experts, matrix)[self.keep[i]].copy_(values)
 
 
 def learn(kept: KeptExperts, weights: torch.Tensor, ids: torch.Tensor, x: torch.Tensor,
@@ -271,6 +299,7 @@ def learn(kept: KeptExperts, weights: torch.Tensor, ids: torch.Tensor, x: torch.
     with torch.no_grad(), watch.phase("learned errors"):
         fit_after, held_after = errors()
     if held_after < held_before:
-        return Outcome(fit_before, fit_after, held_before, held_after, kept.params)
-    kept.restore()
+        return Outcome(fit_before, fit_after, held_before, held_after, kept.written())
+    with watch.phase("learned restore"):
+        kept.restore()
     return Outcome(fit_before, fit_after, held_before, held_after, {})

@@ -61,15 +61,13 @@ class Team:
         return distributed.all_gather_rows(mine, [len(self.share(n, r))
                                                   for r in range(self.world)])
 
-    def start(self, t: torch.Tensor | None, shape: tuple[int, ...], device: torch.device,
-              mine: range) -> torch.Tensor:
-        """This rank's share `mine` of the lead's starting matrices `t` (fp32, `shape`; others
-        pass None): in one process `t` itself (trained in place, no second copy), elsewhere a
-        copy of the share, the rest of the batch freed."""
+    def own(self, t: torch.Tensor, mine: range) -> torch.Tensor:
+        """This rank's share `mine` of a batch's tensor `t` (every rank holds all of it): in
+        one process `t` itself (trained in place, no second copy), elsewhere a copy of the
+        share, so that the rest can be freed."""
         if self.world == 1:
-            assert t is not None
             return t
-        return self.send(t, shape, torch.float32, device)[mine.start:mine.stop].clone()
+        return t[mine.start:mine.stop].clone()
 
     def send(self, t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
              device: torch.device) -> torch.Tensor:

@@ -164,6 +164,16 @@ def decode(lin: SourceLinear, params: dict[str, torch.Tensor], device: torch.dev
     return lin.codec.decode(batch, None)[0]
 
 
+def decode_all(linears: Sequence[SourceLinear], params: Sequence[dict[str, torch.Tensor]],
+               device: torch.device) -> torch.Tensor:
+    """`decode` of matrices of one format and shape at once: [N, out, in] fp32 on `device`."""
+    lin = linears[0]
+    if not lin.quantized:
+        return torch.stack([p["weight"] for p in params]).to(device, torch.float32)
+    batch = {p: torch.stack([m[p] for m in params]).to(device) for p in lin.codec.params}
+    return lin.codec.decode(batch, None)
+
+
 def _encode_batch(codec: type[Codec], lin: SourceLinear, w: torch.Tensor, rule: str,
                   amax: torch.Tensor | None) -> list[dict[str, torch.Tensor]]:
     encoded = codec.encode(w, lin.spec(w.shape[-1], rule), amax=amax)

@@ -18,6 +18,7 @@ from kconvert.calibrate import run
 from kconvert.calibrate.forward import model_config
 from kconvert.calibrate.load import build_layer, read_layer, tensors_by_layer
 from kconvert.calibrate.moe import ForwardContext, MoEBlock
+from kconvert.calibrate.prefetch import FULL_MODEL_LAYERS, LayerPrefetcher, LayerTiming
 from kconvert.driver.convert import RunControl, convert
 from kconvert.driver.recipes import load_recipe
 from kconvert.errors import KconvertError
@@ -180,3 +181,20 @@ def test_bf16_statistics_plans_and_eval_as_before(monkeypatch, tmp_path):
                                                          abs=1e-6), key
     for layer, err in want.layers.items():
         assert got.layers[layer].rel_err == pytest.approx(err.rel_err, rel=1e-4), layer
+
+
+def test_projection_counts_the_first_moe_layers_extra_once():
+    """The first MoE layer of a process also compiles kernels: the projection takes the steady
+    layers' mean for every MoE layer, plus the first one's extra once."""
+    walls = {"layer 0": (False, 2.0), "layer 1": (True, 80.0), "layer 2": (True, 58.0),
+             "layer 3": (True, 62.0)}
+    prefetcher = LayerPrefetcher(read=None, build=None, device=torch.device("cpu"))
+    prefetcher.timings = [LayerTiming(label, moe, wait_s=0.0, compute_s=wall)
+                          for label, (moe, wall) in walls.items()]
+    summary = prefetcher.summary(first_k_dense=1)
+    assert summary["steady_moe_layer_s"] == 60.0
+    expected = 2.0 + (FULL_MODEL_LAYERS - 1) * 60.0 + 20.0  # the first layer 20 s over
+    assert summary["projected_full_model_s"] == round(expected, 1)
+    only = LayerPrefetcher(read=None, build=None, device=torch.device("cpu"))
+    only.timings = [LayerTiming("layer 1", True, compute_s=80.0)]
+    assert only.summary(first_k_dense=0)["projected_full_model_s"] == FULL_MODEL_LAYERS * 80.0
