@@ -162,7 +162,7 @@ def quantize(
             codes_in = block_codes is not None or local_dtype != torch.float32
             if block_codes is None and codes_in:
                 codes.copy_(amax_block_codes(blocks, gsi, local_dtype, arithmetic))
-            with _KERNEL_LAUNCH:
+            with _launch():
                 cpu.quantize_rows(blocks.reshape(-1, k).contiguous().numpy(),
                                   gsi[:, 0].contiguous().numpy(), codes.numpy(), codes_in,
                                   offsets, group_size, arithmetic == "modelopt",
@@ -196,7 +196,7 @@ def _int4_rows(kernels: ModuleType, packed: torch.Tensor, scale: torch.Tensor,
     rows = scale.reshape(b * m, -1).contiguous()
     if rows.dtype == torch.bfloat16:
         wide = np.empty(rows.shape, dtype=np.float32)
-        with _KERNEL_LAUNCH:
+        with _launch():
             kernels.widen_bf16(rows.view(torch.int16).numpy().view(np.uint16), wide)
     else:
         wide = rows.float().numpy()
@@ -222,7 +222,7 @@ def int4_amax(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return _int4_decode(packed, scale).abs().amax(dim=(1, 2))
     words, scales = _int4_rows(kernel, packed, scale)
     row_amax = np.empty(words.shape[0], dtype=np.float32)
-    with _KERNEL_LAUNCH:
+    with _launch():
         kernel.int4_row_amax(words, scales, row_amax)
     return torch.from_numpy(row_amax).reshape(packed.shape[:2]).amax(-1)
 
@@ -251,7 +251,7 @@ def quantize_int4(packed: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
     gs = tensor_scale(amax, arithmetic)
     out = _Rows.empty(b * m, k, group_size, packed.device)
     words, scales = _int4_rows(kernel, packed, scale)
-    with _KERNEL_LAUNCH:
+    with _launch():
         kernel.quantize_int4_rows(words, scales, gs.repeat_interleave(m).numpy(),
                                   _offsets(scale_rule == "mse"), group_size,
                                   arithmetic == "modelopt", out.packed.numpy(),
@@ -272,6 +272,21 @@ def _int4_kernels(packed: torch.Tensor, scale: torch.Tensor, fused_cpu: bool = T
 # fallback where neither OpenMP nor TBB is present) aborts the process when two threads launch
 # parallel kernels at once, so launches from different threads take turns, as under the GIL.
 _KERNEL_LAUNCH = threading.Lock()
+
+
+@contextlib.contextmanager
+def _launch() -> Iterator[None]:
+    """One launch of a CPU kernel (one thread's at a time), torch's thread count kept: numba's
+    OpenMP layer, started by a thread's first launch, sets that thread's OpenMP count to
+    numba's (every CPU), which is torch's count too, so the process's later CPU arithmetic
+    (learned compensation's sums) would add in another order than in a fresh process."""
+    with _KERNEL_LAUNCH:
+        threads = torch.get_num_threads()
+        try:
+            yield
+        finally:
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
 
 
 def _cpu_kernels():

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import numba  # a hard dependency (pyproject.toml): its absence fails, never skips
 import pytest
@@ -210,3 +212,17 @@ def test_int4_amax_propagates_nan():
     scale[1, 2, 1] = float("nan")
     amax = nvfp4.int4_amax(packed, scale)
     assert amax[0].isfinite() and amax[1].isnan()
+
+
+def test_a_kernel_launch_keeps_torchs_thread_count():
+    """numba's OpenMP layer, started by a process's first kernel launch, set the launching
+    thread's OpenMP count to numba's: torch ran on 2 threads after a conversion in a process
+    started with 1, and later CPU sums (learned compensation's) added in another order. In a
+    fresh process (the first launch is this one's), with numba's count above torch's."""
+    code = ("import torch; from kconvert.formats import nvfp4; nvfp4.warm_cpu_kernels(); "
+            "print(torch.get_num_threads())")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "2"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[-1] == "1"
