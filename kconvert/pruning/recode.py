@@ -158,15 +158,13 @@ def decode(lin: SourceLinear, params: dict[str, torch.Tensor], device: torch.dev
            ) -> torch.Tensor:
     """The matrix [out, in] that `params` (as `encode` wrote them) hold, fp32 on `device`
     (a quantized one decoded exactly)."""
-    if not lin.quantized:
-        return params["weight"].to(device, torch.float32)
-    batch = {p: params[p].unsqueeze(0).to(device) for p in lin.codec.params}
-    return lin.codec.decode(batch, None)[0]
+    return decode_all([lin], [params], device)[0]
 
 
 def decode_all(linears: Sequence[SourceLinear], params: Sequence[dict[str, torch.Tensor]],
                device: torch.device) -> torch.Tensor:
-    """`decode` of matrices of one format and shape at once: [N, out, in] fp32 on `device`."""
+    """The matrices [N, out, in] that `params` (as `encode` wrote them, one format and shape)
+    hold, fp32 on `device` (quantized ones decoded exactly), decoded at once."""
     lin = linears[0]
     if not lin.quantized:
         return torch.stack([p["weight"] for p in params]).to(device, torch.float32)
