@@ -11,11 +11,17 @@ cache dropped first, timed in-process after imports (on the CPU also after numba
 kernels are loaded), to os.sync(). Interleave the variants: this disk's speed drifts within a
 run. Per run: wall, peak RSS (VmHWM), whether the manifest's tensor hashes equal those of every
 earlier run on that device (they must), and, from the engine's timing events
-(kconvert.common.events, `timings=True`), the writer's busy time (`write` events) and the compute
-thread's waits at each copy -> transform item boundary (from one `compute` event to the next). A
+(kconvert.common.events, `timings=True`), the writer's busy time (`write` events), the compute
+thread's waits for reads (`compute_wait_read`) and its waits at each copy -> transform item
+boundary (from one `compute` event to the next). A
 tree whose engine has no timing events (before kconvert.common.events.TIMING_EVENTS, e.g. the tree
 before the packages) is timed by wall and peak RSS only: writer_busy and copy_to_xform_waits_s are
 null and `events` false.
+A variant `floor` (no tree) is the bare concurrent read+write of the same bytes instead
+(convert's `_iofloor`: every source byte read while the last output's size, else the source's,
+is written), page cache dropped first: the floor a conversion is measured against. Each run
+also has `process_s`, its whole process (imports and exit included), and `summary` gives
+each name's median wall and process, and the wall over the floors' median.
 Writes OUT_DIR/ab_<device>_<date>_<code>.json.
 """
 
@@ -23,10 +29,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import statistics
 import sys
 from pathlib import Path
 
 from benchmarks.child_process import child_env, run_child
+from benchmarks.convert_runs import du
 from benchmarks.harness import arguments, drop_page_cache, kconvert_sha, record, result_path, save
 from benchmarks.synthetic import add_anchor_dims, anchor_set
 
@@ -43,9 +51,11 @@ try:
     timed = hasattr(events, "TIMING_EVENTS")
 except ImportError:
     timed = False
-writes, computes = [], []
+writes, computes, waits = [], [], []
 def listen(event, info):
-    if event == "write":
+    if event == "wait-read":
+        waits.append(info["end"] - info["start"])
+    elif event == "write":
         writes.append(info["end"] - info["start"])
     elif event == "compute":
         computes.append((info["kind"] == "copy", info["start"], info["end"]))
@@ -64,6 +74,7 @@ hwm = next(ln for ln in open("/proc/self/status") if ln.startswith("VmHWM")).spl
 gaps = [b[1] - a[2] for a, b in zip(computes, computes[1:]) if a[0] and not b[0]]
 print("RESULT", json.dumps({
     "wall": round(wall, 2), "writer_busy": round(sum(writes), 2) if timed else None,
+    "compute_wait_read": round(sum(waits), 2) if timed else None,
     "vmhwm_gb": round(int(hwm) / 1e6, 2), "events": timed,
     "copy_to_xform_waits_s": [round(g, 3) for g in gaps] if timed else None}))
 '''
@@ -84,6 +95,11 @@ def main(argv: list[str]) -> None:
     out = result_path(rec, out_dir=a.out_dir)
     results, hash_sets = [], {}
     for spec in a.variants:
+        if spec == "floor":
+            results.append(floor(src, root, a.keep_page_cache))
+            print(json.dumps(results[-1]), flush=True)
+            save({"record": rec, "results": results, "summary": summary(results)}, out)
+            continue
         name, rest = spec.split("=", 1)
         tree_name, device = rest.rsplit(",", 1)
         tree = Path(tree_name).resolve()
@@ -93,7 +109,7 @@ def main(argv: list[str]) -> None:
         c = run_child([sys.executable, "-c", CHILD, src, root / "kc", tree, device], env=env,
                       cwd=tree)
         r = {"variant": name, "device": device, "tree": str(tree),
-             "kconvert_sha256": kconvert_sha(tree),
+             "kconvert_sha256": kconvert_sha(tree), "process_s": round(c.wall_s, 2),
              **(c.result or {"error": c.stderr[-1500:]})}
         manifest = root / "kc" / "kconvert-manifest.json"
         if manifest.is_file():
@@ -102,4 +118,29 @@ def main(argv: list[str]) -> None:
             r["same_hashes_as_earlier_runs"] = hash_sets.setdefault(device, hashes) == hashes
         results.append(r)
         print(json.dumps(r), flush=True)
-        save({"record": rec, "results": results}, out)
+        save({"record": rec, "results": results, "summary": summary(results)}, out)
+
+
+def floor(src: Path, root: Path, keep_page_cache: bool) -> dict:
+    """The concurrent read+write floor on the same disk, page cache dropped first."""
+    out = root / "kc"
+    nbytes = du(out) if out.is_dir() else du(src)
+    drop_page_cache(keep_page_cache)
+    c = run_child([sys.executable, "-m", "benchmarks", "convert", "_iofloor", str(src),
+                   str(root / "floor"), str(nbytes)], env=child_env())
+    return {"variant": "floor", "nbytes": nbytes, **(c.result or {"error": c.stderr[-1500:]})}
+
+
+def summary(results: list[dict]) -> dict:
+    """Per name: median wall and process seconds; with floors, the wall over their median."""
+    floors = [r["both_s"] for r in results if r["variant"] == "floor" and "both_s" in r]
+    out: dict = {"floor_s": round(statistics.median(floors), 2) if floors else None}
+    for name in dict.fromkeys(r["variant"] for r in results if r["variant"] != "floor"):
+        runs = [r for r in results if r["variant"] == name and "wall" in r]
+        if not runs:
+            continue
+        wall = statistics.median(r["wall"] for r in runs)
+        out[name] = {"wall_s": round(wall, 2),
+                     "process_s": round(statistics.median(r["process_s"] for r in runs), 2),
+                     "over_floor": round(wall / out["floor_s"], 3) if floors else None}
+    return out

@@ -18,7 +18,10 @@ each MoE layer's method seconds per phase (one-shot, routing, data, train, guard
 items' lines), its first item (where the trainer compiles) and `steady_s`: the layer's items at
 the median of its later items (what a layer costs once compiled). The JSON is rewritten after
 every run; a run that would start past --deadline-s is skipped (`--methods nvfp4` runs the rest
-in another call on the same machine, the set kept in ROOT).
+in another call on the same machine, the set kept in ROOT). `--methods gptq` times
+`int4-to-nvfp4 --method gptq` the same way, each MoE layer from its `-v` "OBS layer" line (the
+calibration forward it waited for, then its solve; with --moe-layers 2 the second is a
+steady layer).
     git archive 7a98966 kconvert pipelines | tar -x -C .bench/old      # the old tree
     python3 -m benchmarks learned --layer .bench/old --root /tmp/kbench --out-dir $OUT
 CPU check (tiny dims, a few minutes):
@@ -106,7 +109,12 @@ def measure(experts: int, dims: tuple[int, int], sparse: bool, compiled: bool, s
 # The learned method's line per work item under -v (kconvert.methods.learned.Learned.transform)
 ITEM = re.compile(r"layer (\d+) experts \d+-\d+: (.*?); learned written")
 PHASE = re.compile(r"([a-z -]+?) ([0-9.]+) s")
-COMMANDS = {"p48": "sparsify", "nvfp4": "int4-to-nvfp4"}
+# The OBS engine's line per MoE layer under -v (kconvert.methods.hessians).
+OBS_LAYER = re.compile(r"OBS layer (\d+): ([0-9.]+) s waiting for its calibration forward, "
+                       r"([0-9.]+) s solving it")
+# --layer's methods: (command, --method).
+COMMANDS = {"p48": ("sparsify", "learned"), "nvfp4": ("int4-to-nvfp4", "learned"),
+            "gptq": ("int4-to-nvfp4", "gptq")}
 
 
 def layer_seconds(log: str) -> dict[str, dict]:
@@ -126,6 +134,14 @@ def layer_seconds(log: str) -> dict[str, dict]:
                       "phases_s": {k: round(sum(r.get(k, 0.0) for r in rows), 2)
                                    for k in rows[0]}}
     return out
+
+
+def obs_layer_seconds(log: str) -> dict[str, dict]:
+    """Per MoE layer of an OBS method (from `-v`'s layer lines): the calibration forward it
+    waited for, its solve, and their sum."""
+    return {layer: {"waiting_s": float(w), "solving_s": float(s),
+                    "total_s": round(float(w) + float(s), 2)}
+            for layer, w, s in OBS_LAYER.findall(log)}
 
 
 def layer_runs(a) -> None:
@@ -152,15 +168,18 @@ def layer_runs(a) -> None:
                 continue
             dst = root / "learned-out" / name
             shutil.rmtree(dst, ignore_errors=True)
-            argv = [sys.executable, "-m", "kconvert", COMMANDS[method], str(src), str(dst),
-                    "--method", "learned", "--data", str(data), "--samples", str(a.seqs),
+            command, flag = COMMANDS[method]
+            argv = [sys.executable, "-m", "kconvert", command, str(src), str(dst),
+                    "--method", flag, "--data", str(data), "--samples", str(a.seqs),
                     "--seq-len", str(a.seq), "--device", device, *budget, "-v"]
             c = run_child(argv, env=child_env(trees[tree]), cwd=trees[tree], merge=True)
+            layers = obs_layer_seconds if flag != "learned" else layer_seconds
             result["runs"].append({"run": name, "rc": c.rc, "wall_s": c.wall_s,
-                                   "layers": layer_seconds(c.stdout),
+                                   "layers": layers(c.stdout),
                                    "last_lines": c.stdout.splitlines()[-6:]})
             save(result, path)
             print(result["runs"][-1], flush=True)
+            shutil.rmtree(dst, ignore_errors=True)  # a full-size output: the disk is small
 
 
 def main(argv: list[str]) -> None:
@@ -176,8 +195,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--seqs", type=int, default=64)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--gpu-memory", default="74GiB")
-    ap.add_argument("--methods", type=comma_list, default=list(COMMANDS),
-                    help="of p48,nvfp4 (default both)")
+    ap.add_argument("--methods", type=comma_list, default=["p48", "nvfp4"],
+                    help="of p48,nvfp4,gptq (default p48,nvfp4)")
     a = ap.parse_args(argv)
     if a.layer:
         layer_runs(a)

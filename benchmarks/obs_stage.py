@@ -11,6 +11,7 @@ from benchmarks.harness import Timer, sync
 from kconvert.engine.execute import CHUNK_ELEMS, gpu_encode
 from kconvert.formats import nvfp4
 from kconvert.methods import obs, obs_memory, sparsegpt
+from kconvert.methods.hessians import gram
 
 METHODS = {"gptq": None, "sparsegpt": sparsegpt.p48_mask}
 
@@ -29,8 +30,8 @@ def problem(dev: torch.device, e: int, rows: int, k: int, tokens: int, gen: torc
 
 
 def hessians(x: torch.Tensor) -> torch.Tensor:
-    """Each expert's X^T X of its routed inputs, in fp32."""
-    return torch.stack([xi.float().T @ xi.float() for xi in x])
+    """Each expert's X^T X of its routed inputs, in fp32, as the commands compute it."""
+    return torch.stack([gram(xi) for xi in x])
 
 
 def run_batch(ph: Timer, method: str, w: torch.Tensor, x: torch.Tensor, kernel: str

@@ -37,6 +37,7 @@ class Result:
 
 def read_item(ckpt: Checkpoint, item: Item, pin: bool) -> list[torch.Tensor]:
     """Host buffers for an item: one per copy chunk, or one stacked tensor per group param."""
+    _will_need_item(ckpt, item)
     if isinstance(item, CopyItem):
         # Pass-through bytes never reach the GPU: plain memory, and the NaN/Inf check and row
         # selection happen here in the reader threads, off the compute thread's critical path.
@@ -67,6 +68,23 @@ def read_item(ckpt: Checkpoint, item: Item, pin: bool) -> list[torch.Tensor]:
                 ckpt.reader_for(info).read_into(info, raw[i])
             bufs.append(raw.view(first.torch_dtype).reshape(len(group.modules), *first.shape))
     return bufs
+
+
+def _will_need_item(ckpt: Checkpoint, item: Item) -> None:
+    """Every byte range of `item` handed to the kernel at once (will_need), before the reads
+    that wait for each in turn: the disk then has the whole item in flight instead of one
+    tensor per reader thread (an item's ranges are scattered over its shard: an expert's
+    tensors lie between the other experts')."""
+    if isinstance(item, CopyItem):
+        for c in item.chunks:
+            if c.values is None:
+                ckpt.reader_for(c.info).will_need(c.info, c.offset, c.length)
+        return
+    for group in item.groups:
+        for param in group.params:
+            for m in group.modules:
+                info = m.params[param]
+                ckpt.reader_for(info).will_need(info)
 
 
 def _nonfinite_param(ckpt: Checkpoint, m: ModuleWork) -> TensorInfo:

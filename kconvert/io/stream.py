@@ -306,6 +306,10 @@ class StreamedShard:
         reader = self._open()
         return reader.read(reader.tensors[info.name], pin)
 
+    def will_need(self, info: TensorInfo, offset: int = 0, length: int | None = None) -> None:
+        reader = self._open()
+        reader.will_need(reader.tensors[info.name], offset, length)
+
     def release(self) -> None:
         """Close the download (about to be deleted)."""
         with self.lock:

@@ -54,6 +54,17 @@ class _Handoff:
     grams: dict  # fused set -> calibrate.forward.InputGram of the `gram_roles` linears
 
 
+def gram(x: torch.Tensor) -> torch.Tensor:
+    """X^T X in fp32. On a GPU, bf16 or fp16 inputs (the forward's activations) multiply on
+    tensor cores, accumulating in fp32: every product of two such values is exact in fp32, so
+    the result differs from the fp32 product's only in the order of the sums, at a fraction
+    of its time (a full-size MoE layer's Hessians: docs/obs.md, "Speed")."""
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(x.T, x, out_dtype=torch.float32)
+    x = x.float()
+    return x.T @ x
+
+
 class CalibrationHessians:
     """Per-matrix input Hessians from a layer-streamed calibration pass run beside the engine.
 
@@ -203,8 +214,7 @@ class CalibrationHessians:
         """X^T X [in, in] (fp32, on the device) over the tokens routed to the source expert
         (`expert` None: the shared expert, every token); X is the input of gate/up, or
         act(gate x) * up x for down."""
-        x = self.inputs(layer, expert, proj)
-        return x.T @ x
+        return gram(self.inputs(layer, expert, proj))
 
     def split_hessians(self, layer: int, expert: int | None, proj: str) -> HessianSplit:
         """`hessian`'s X^T X split in two: the fit's, without every HELDOUT_EVERY-th token, and
@@ -214,12 +224,11 @@ class CalibrationHessians:
         held = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
         held[HELDOUT_EVERY - 1::HELDOUT_EVERY] = True
         if int(held.sum()) < HELDOUT_MIN:
-            return HessianSplit(x.T @ x, None)
-        fit, out = x[~held], x[held]
-        return HessianSplit(fit.T @ fit, out.T @ out)
+            return HessianSplit(gram(x), None)
+        return HessianSplit(gram(x[~held]), gram(x[held]))
 
     def inputs(self, layer: int, expert: int | None, proj: str) -> torch.Tensor:
-        """X [tokens, in] (fp32, on the device) of `hessian`."""
+        """X [tokens, in] (on the device, in the calibration forward's dtype) of `hessian`."""
         moe = self.moe_layer(layer)
         if proj == "down_proj" and (layer, expert) in self._replaced:
             raise KconvertError(f"the OBS engine asked for layer {layer} expert {expert}'s "
@@ -236,7 +245,7 @@ class CalibrationHessians:
             else:
                 x = (moe.expert_inputs(expert)[1] if proj == "down_proj"
                      else moe.routed_inputs(expert))
-            return x.float().to(self.device)
+            return x.to(self.device)
 
     def replace(self, layer: int, expert: int | None, proj: str, w: torch.Tensor) -> None:
         """Put the compressed weights w [out, in] of one expert linear (`expert` None: the
