@@ -1,8 +1,8 @@
 """A/B of kconvert trees on the full-size synthetic set: GPU or CPU, cold, one process each.
 
     git archive REV kconvert pipelines | tar -x -C /tmp/old      # a tree to compare with
-    python -m benchmarks ab old=/tmp/old,cuda new=.,cuda old=/tmp/old,cuda new=.,cuda \
-        --root /tmp/kbench --out-dir $OUT
+    python -m benchmarks ab old=/tmp/old,cuda new=.,cuda floor new=.,cuda old=/tmp/old,cuda \
+        floor --root /tmp/kbench --out-dir $OUT
 
 Builds ROOT/src as `convert full` does (anchor_convert.make_src: 15.5 GB with --dims full,
 --moe-layers 1; --dims tiny makes a tiny set, to check the bench in seconds) if it is not there.
@@ -82,8 +82,8 @@ print("RESULT", json.dumps({
 
 def main(argv: list[str]) -> None:
     ap = arguments("ab", __doc__, root="/tmp/kbench", results=True, page_cache=True)
-    ap.add_argument("variants", nargs="+", metavar="NAME=TREE,DEVICE",
-                    help="the runs in order, e.g. old=/tmp/old,cuda new=.,cuda")
+    ap.add_argument("variants", nargs="+", metavar="NAME=TREE,DEVICE|floor",
+                    help="the runs in order, e.g. old=/tmp/old,cuda new=.,cuda floor")
     add_anchor_dims(ap)
     a = ap.parse_args(argv)
     root = a.root

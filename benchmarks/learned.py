@@ -46,6 +46,7 @@ import torch
 
 from benchmarks.child_process import child_env, run_child
 from benchmarks.harness import STARTED, arguments, comma_list, record, result_path, save, sync
+from benchmarks.multi_gpu_ranks import OBS_LINE
 from benchmarks.synthetic import FULL, random_ids, write_ids
 from benchmarks.synthetic import TINY as TINY_SET
 from benchmarks.synthetic import kimi_set as make_set
@@ -109,9 +110,6 @@ def measure(experts: int, dims: tuple[int, int], sparse: bool, compiled: bool, s
 # The learned method's line per work item under -v (kconvert.methods.learned.Learned.transform)
 ITEM = re.compile(r"layer (\d+) experts \d+-\d+: (.*?); learned written")
 PHASE = re.compile(r"([a-z -]+?) ([0-9.]+) s")
-# The OBS engine's line per MoE layer under -v (kconvert.methods.hessians).
-OBS_LAYER = re.compile(r"OBS layer (\d+): ([0-9.]+) s waiting for its calibration forward, "
-                       r"([0-9.]+) s solving it")
 # --layer's methods: (command, --method).
 COMMANDS = {"p48": ("sparsify", "learned"), "nvfp4": ("int4-to-nvfp4", "learned"),
             "gptq": ("int4-to-nvfp4", "gptq")}
@@ -139,9 +137,9 @@ def layer_seconds(log: str) -> dict[str, dict]:
 def obs_layer_seconds(log: str) -> dict[str, dict]:
     """Per MoE layer of an OBS method (from `-v`'s layer lines): the calibration forward it
     waited for, its solve, and their sum."""
-    return {layer: {"waiting_s": float(w), "solving_s": float(s),
-                    "total_s": round(float(w) + float(s), 2)}
-            for layer, w, s in OBS_LAYER.findall(log)}
+    return {m["layer"]: {"waiting_s": float(m["waited"]), "solving_s": float(m["solving"]),
+                         "total_s": round(float(m["waited"]) + float(m["solving"]), 2)}
+            for m in OBS_LINE.finditer(log)}
 
 
 def layer_runs(a) -> None:

@@ -57,8 +57,8 @@ class _Handoff:
 def gram(x: torch.Tensor) -> torch.Tensor:
     """X^T X in fp32. On a GPU, bf16 or fp16 inputs (the forward's activations) multiply on
     tensor cores, accumulating in fp32: every product of two such values is exact in fp32, so
-    the result differs from the fp32 product's only in the order of the sums, at a fraction
-    of its time (a full-size MoE layer's Hessians: docs/obs.md, "Speed")."""
+    the result agrees with the fp32 product within fp32 rounding of the sums, in a tenth of
+    its time (a full-size MoE layer's Hessians: docs/performance.md, session 18)."""
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
         return torch.mm(x.T, x, out_dtype=torch.float32)
     x = x.float()

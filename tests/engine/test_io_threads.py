@@ -1,6 +1,7 @@
 """The engine's reader, writer and hash threads: manifest hashes are the bytes written when a
 tensor spans many results; the shard writer queues dirty pages for the disk as it goes (no
-multi-GB final fsync); the read-ahead stays its depth ahead, in order. A CPU run gives the reader
+multi-GB final fsync); the read-ahead stays its depth ahead, in order, and a reader thread hands
+its item's byte ranges to the kernel before reading them. A CPU run gives the reader
 and writer threads cores of their own, the kernels the rest, and puts every thread back where it
 was; the bytes are the same either way.
 """
@@ -197,3 +198,44 @@ def test_cpu_run_gives_io_threads_cores_of_their_own_and_restores_every_thread(
         unsubscribe()
     assert os.sched_getaffinity(0) == allowed
     assert (torch.get_num_threads(), numba.get_num_threads()) == (torch_threads, numba_threads)
+
+
+def test_reader_threads_hint_each_item_before_reading_it(tmp_path, monkeypatch):
+    """A reader thread hands every byte range of its item to the kernel (will_need) before it
+    reads any of them, so the disk gets the whole item at once: each range read on a reader
+    thread lies in a range that thread hinted earlier, and nothing beyond the reads is hinted
+    (copy items split into 4 KiB chunks included)."""
+    import threading
+
+    from kconvert.engine import work
+    from kconvert.io import shards
+
+    monkeypatch.setattr(work, "COPY_CHUNK", 4096)
+    hinted: dict[str, list[tuple[str, int, int]]] = {}
+    read: list[tuple[str, str, int, int]] = []
+    late: list[tuple[str, int, int]] = []
+    real_hint, real_read = shards.ShardReader.will_need, shards.ShardReader.read_into
+
+    def hint(self, info, offset=0, length=None):
+        name = threading.current_thread().name
+        if name.startswith("kconvert-read"):
+            size = info.nbytes - offset if length is None else length
+            hinted.setdefault(name, []).append((info.file.name, info.start + offset, size))
+        return real_hint(self, info, offset, length)
+
+    def read_into(self, info, out, offset=0):
+        name = threading.current_thread().name
+        if name.startswith("kconvert-read"):
+            span = (info.file.name, info.start + offset, out.numel())
+            read.append((name, *span))
+            if not any(f == span[0] and s <= span[1] and span[1] + span[2] <= s + n
+                       for f, s, n in hinted.get(name, [])):
+                late.append(span)
+        return real_read(self, info, out, offset)
+
+    monkeypatch.setattr(shards.ShardReader, "will_need", hint)
+    monkeypatch.setattr(shards.ShardReader, "read_into", read_into)
+    run_inproc("int4-to-nvfp4", BUNDLED, tmp_path / "out")
+    assert read and not late
+    assert sum(n for spans in hinted.values() for _, _, n in spans) == \
+        sum(n for *_, n in read)

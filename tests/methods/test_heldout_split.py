@@ -2,7 +2,8 @@
 fit's Hessian and the held-out one, against Hessians rebuilt here from the matrix's inputs with
 every 8th of its tokens held out, and the two adding up to X^T X of all of them (so no token is
 in both, and none is lost). For the shared expert (every token), a routed expert with enough
-routed tokens to hold 128 out, and their down_proj inputs."""
+routed tokens to hold 128 out, and their down_proj inputs. And `gram`, the Hessian of bf16
+inputs, against float64."""
 
 from __future__ import annotations
 
@@ -55,3 +56,20 @@ def test_held_out_tokens_are_out_of_the_fit(handed_over):
                               (split.fit + split.held_out, x.double().T @ x.double())):
                 torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * scale,
                                            msg=lambda m, e=expert, p=proj: f"{e} {p}: {m}")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the tensor-core path needs a GPU"))])
+def test_gram_of_bf16_inputs_sums_their_exact_products_in_fp32(device):
+    """The Hessians of bf16 activations (on a GPU: tensor cores, fp32 accumulation) agree with
+    the float64 product within fp32 rounding of the sums; a bf16 accumulation would miss by
+    orders of magnitude more."""
+    from kconvert.methods.hessians import gram
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(3000, 256, generator=gen) * 3).to(torch.bfloat16)
+    got = gram(x.to(device))
+    want = x.double().T @ x.double()
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double().cpu(), want, rtol=0,
+                               atol=1e-6 * float(want.abs().max()))
