@@ -221,10 +221,11 @@ class CalibrationHessians:
         the held-out tokens' (None, and the fit's over every token, where fewer than
         HELDOUT_MIN would be held out)."""
         x = self.inputs(layer, expert, proj)
+        # rows HELDOUT_EVERY - 1, 2 * HELDOUT_EVERY - 1, ...: counted here, not on the device
+        if x.shape[0] // HELDOUT_EVERY < HELDOUT_MIN:
+            return HessianSplit(gram(x), None)
         held = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
         held[HELDOUT_EVERY - 1::HELDOUT_EVERY] = True
-        if int(held.sum()) < HELDOUT_MIN:
-            return HessianSplit(gram(x), None)
         return HessianSplit(gram(x[~held]), gram(x[held]))
 
     def inputs(self, layer: int, expert: int | None, proj: str) -> torch.Tensor:
