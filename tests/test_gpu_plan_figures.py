@@ -71,7 +71,7 @@ def test_gptq_plan_of_experts_attention_and_dense_mlp_with_held_out_tokens(tmp_p
         "overhead": OVERHEAD,
         "hidden states": 1024 * 128 * 2,
         "layer weights": LAYER_ELEMS * 2,
-        "captured layer inputs": 1024 * (128 * 2 + 4 * 8),
+        "captured layer inputs": 1024 * (128 * 2 + 4 * 3 * 8),
         "input Grams": grams,
     }
     # the engine's item: 16 experts x 3 x 128 x 64 elements, held as fp32 and its source bytes

@@ -18,6 +18,7 @@ from torch import nn
 
 from kconvert.calibrate import block_amax
 from kconvert.calibrate.data import PAD_ID
+from kconvert.calibrate.held_out import split_rows
 from kconvert.calibrate.moe import ForwardContext, MoEBlock
 from kconvert.errors import KconvertError
 from kconvert.io.checkpoint import Checkpoint
@@ -113,10 +114,9 @@ class InputGram:
             if self.held is None:
                 self.fit.addmm_(chunk.T, chunk)
                 continue
-            every = self.held_every
-            held = torch.zeros(n, dtype=torch.bool, device=chunk.device)
-            held[(every - 1 - first) % every::every] = True
-            for acc, rows in ((self.fit, chunk[~held]), (self.held, chunk[held])):
+            kept, held = split_rows(n, self.held_every, chunk.device, first)
+            for acc, at in ((self.fit, kept), (self.held, held)):
+                rows = chunk.index_select(0, at)
                 acc.addmm_(rows.T, rows)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -94,6 +94,14 @@ class Experts:
         return expert - self.first
 
 
+class RoutedRows(NamedTuple):
+    """Per expert of a layer, ascending: the captured rows (tokens) routed to it, and their
+    slots among the captured top-k ids (token * top_k + choice: where its gate weight is)."""
+
+    tokens: list[torch.Tensor]
+    slots: list[torch.Tensor]
+
+
 class Exchange(Protocol):
     """An expert-parallel layer's exchange (kconvert.calibrate.expert_ranks.ExpertRanks)."""
 
@@ -151,6 +159,7 @@ class MoEBlock(nn.Module):
         self.collect = True
         self._inputs: list[torch.Tensor] = []
         self._indices: list[torch.Tensor] = []
+        self._routed_rows: tuple[int, RoutedRows] | None = None  # (rows it was made of, ...)
         # Set by `kconvert eval` on a W4A4 checkpoint: (linear 0 gate/up or 1 down, input rows,
         # each row's expert) -> the rows as the serving kernel quantizes them
         # (evaluate/activations.py).
@@ -256,10 +265,23 @@ class MoEBlock(nn.Module):
             self._inputs, self._indices = [torch.cat(self._inputs)], [torch.cat(self._indices)]
         return self._inputs[0], self._indices[0]
 
+    def routed_rows(self) -> RoutedRows:
+        """Each of the layer's experts' rows of `captured()`: the captured top-k ids sorted by
+        expert once (stable, so tokens stay ascending within an expert, as a per-expert mask
+        would select them) and split on the host's counts: one device sync per layer instead
+        of one per expert. Kept with the layer; recomputed if more rows came."""
+        _, idx = self.captured()
+        if self._routed_rows is None or self._routed_rows[0] != idx.shape[0]:
+            flat = idx.reshape(-1)
+            order = torch.argsort(flat, stable=True)
+            counts = torch.bincount(flat, minlength=self.n_experts).tolist()
+            self._routed_rows = (idx.shape[0], RoutedRows(
+                list((order // idx.shape[1]).split(counts)), list(order.split(counts))))
+        return self._routed_rows[1]
+
     def routed_inputs(self, expert: int) -> torch.Tensor:
         """The inputs of gate/up [tokens, hidden] over the tokens routed to `expert`."""
-        x, idx = self.captured()
-        return x[(idx == expert).any(-1)]
+        return self.captured()[0].index_select(0, self.routed_rows().tokens[expert])
 
     def expert_inputs(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs of gate/up, inputs of down) over the tokens routed to `expert`."""

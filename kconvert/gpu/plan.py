@@ -160,7 +160,9 @@ def forward_footprint(s: Shapes, fw: Forward, batch: int, hidden_on_device: bool
         # expert-parallel, a buffer for every token of the job: each token routed to one of
         # the rank's experts comes once (Forward.held_fraction of them)
         kept = fw.job_tokens() if fw.ranks > 1 else tokens
-        resident["captured layer inputs"] = kept * (s.hidden * d + s.top_k * 8)
+        # per (token, choice): its int64 expert id, and its slot and token in the rows sorted
+        # by expert (MoEBlock.routed_rows)
+        resident["captured layer inputs"] = kept * (s.hidden * d + s.top_k * 3 * 8)
     if fw.repair_bytes:
         resident["repair stream"] = fw.repair_bytes
     if fw.gram_bytes:

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from kconvert.calibrate.data import PAD_ID, load_calibration_data, real_tokens
+from kconvert.calibrate.held_out import split_rows
 from kconvert.calibrate.plan import forward
 from kconvert.common import distributed
 from kconvert.errors import KconvertError
@@ -221,12 +222,10 @@ class CalibrationHessians:
         the held-out tokens' (None, and the fit's over every token, where fewer than
         HELDOUT_MIN would be held out)."""
         x = self.inputs(layer, expert, proj)
-        # rows HELDOUT_EVERY - 1, 2 * HELDOUT_EVERY - 1, ...: counted here, not on the device
         if x.shape[0] // HELDOUT_EVERY < HELDOUT_MIN:
             return HessianSplit(gram(x), None)
-        held = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
-        held[HELDOUT_EVERY - 1::HELDOUT_EVERY] = True
-        return HessianSplit(gram(x[~held]), gram(x[held]))
+        kept, held = split_rows(x.shape[0], HELDOUT_EVERY, x.device)
+        return HessianSplit(gram(x.index_select(0, kept)), gram(x.index_select(0, held)))
 
     def inputs(self, layer: int, expert: int | None, proj: str) -> torch.Tensor:
         """X [tokens, in] (on the device, in the calibration forward's dtype) of `hessian`."""

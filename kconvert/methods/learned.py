@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kconvert.calibrate.held_out import split_rows
 from kconvert.common.options import SEED
 from kconvert.errors import KconvertError
 from kconvert.formats import nvfp4, p48
@@ -161,23 +162,19 @@ class Learned(ObsMethod):
         if self._routing is not None and self._routing[0] == layer:
             return self._routing[1]
         moe = self.calibration.hessians.moe_layer(layer)
-        x, idx = moe.captured()
+        x = moe.captured()[0]
         with torch.no_grad():
             weights = torch.cat([moe.gate(part)[1] for part in x.split(1 << 14)]).float()
-        flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # by expert, tokens ascending within one
-        counts = torch.bincount(flat, minlength=moe.n_experts).tolist()
-        tokens = order // idx.shape[1]
-        g = weights.reshape(-1)[order]
+        rows = moe.routed_rows()
+        g = weights.reshape(-1)
         fit, held, fit_g, held_g = [], [], [], []
-        for t, w in zip(tokens.split(counts), g.split(counts), strict=True):
-            out = torch.zeros(len(t), dtype=torch.bool, device=t.device)
-            out[HELDOUT_EVERY - 1::HELDOUT_EVERY] = True
-            # evenly spaced, at most the cap
-            every = max(1, -(-int((~out).sum()) // MAX_FIT_TOKENS))
-            fit.append(t[~out][::every])
+        for t, slots in zip(rows.tokens, rows.slots, strict=True):
+            w = g[slots]
+            kept, out = split_rows(len(t), HELDOUT_EVERY, t.device)
+            every = max(1, -(-len(kept) // MAX_FIT_TOKENS))  # evenly spaced, at most the cap
+            fit.append(t[kept[::every]])
             held.append(t[out])
-            fit_g.append(w[~out][::every])
+            fit_g.append(w[kept[::every]])
             held_g.append(w[out])
         routing = _Routing(x, fit, held, fit_g, held_g)
         self._routing = (layer, routing)

@@ -73,3 +73,18 @@ def test_gram_of_bf16_inputs_sums_their_exact_products_in_fp32(device):
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double().cpu(), want, rtol=0,
                                atol=1e-6 * float(want.abs().max()))
+
+
+def test_routed_rows_select_what_a_mask_selects(handed_over):
+    """Each expert's rows from the one sort per layer: the tokens whose top-k ids name it, in
+    token order (what `x[(ids == e).any(-1)]` selects), and slots that point at those ids."""
+    moe = handed_over.moe_layer(1)
+    x, ids = moe.captured()
+    rows = moe.routed_rows()
+    assert len(rows.tokens) == moe.n_experts
+    for e in range(moe.n_experts):
+        chosen = (ids == e).any(-1)
+        assert torch.equal(rows.tokens[e], chosen.nonzero().reshape(-1)), e
+        assert torch.equal(ids.reshape(-1)[rows.slots[e]], torch.full_like(rows.slots[e], e))
+        assert torch.equal(rows.slots[e] // ids.shape[1], rows.tokens[e])
+        assert torch.equal(moe.routed_inputs(e), x[chosen]), e
