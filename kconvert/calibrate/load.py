@@ -106,7 +106,7 @@ def read_layer(ckpt: Checkpoint, cfg, layer: int, tensors: dict[str, TensorInfo]
         if tn.role is not Role.ROUTED_EXPERT or tn.expert in held:
             ckpt.reader_for(info).will_need(info)
     prefix = f"{parse_name(next(iter(tensors))).prefix}layers.{layer}."
-    shape_values = {n: tuple(int(v) for v in _read(ckpt, i).tolist())
+    shape_values = {n: ckpt.reader_for(i).read_ints(i)
                     for n, i in tensors.items() if n.endswith(".weight_shape")}
     modules, other_infos = group_modules(tensors, shape_values)
     experts = [m for m in modules if m.tn.role is Role.ROUTED_EXPERT]

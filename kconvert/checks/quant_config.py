@@ -121,8 +121,9 @@ def check_quant_config(checks: Checks, config: dict, modules: Iterable[Linear],
                 unknown[kind].append(m)
                 continue
             if not checks.check(Q, m.codec is codec, "format",
-                                f"{where} gives this module {codec.description} but its "
-                                f"tensors are {m.codec.description}", tensor=m.primary.name):
+                                lambda w=where, c=codec, m=m: f"{w} gives this module "
+                                f"{c.description} but its tensors are {m.codec.description}",
+                                tensor=m.primary.name):
                 continue
             if not m.codec.quantized:
                 continue
@@ -156,7 +157,8 @@ def check_quant_config(checks: Checks, config: dict, modules: Iterable[Linear],
             ok = info.dtype in dtypes and (shape is None or tuple(info.shape) == shape)
             if shape is None and p in ("weight_scale_2", "input_scale"):
                 ok = ok and tuple(info.shape) in ((), (1,))
-            checks.check(Q, ok, "scale-layout", f"{p} is {info.dtype}{list(info.shape)}, "
+            checks.check(Q, ok, "scale-layout", lambda p=p, info=info, m=m, dtypes=dtypes,
+                         shape=shape: f"{p} is {info.dtype}{list(info.shape)}, "
                          f"{m.codec.name} needs {'/'.join(sorted(dtypes))}"
                          f"{list(shape) if shape else '[] or [1]'}", tensor=info.name)
     for where, names in no_input.items():

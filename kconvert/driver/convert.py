@@ -116,7 +116,8 @@ def convert(src: str, dst: str, recipe: Recipe, settings: Mapping[str, object],
     request = gpu if gpu is not None else GpuRequest(run.device, run.gpu_memory)
     if not run.dry_run:
         start_device(request.device)  # CUDA starts while SRC opens and the stages prepare
-    ckpt = open_source(src, revision, run)
+    with events.span("phase", name="open_source"):
+        ckpt = open_source(src, revision, run)
     log.info("opened %s: %d shard(s), %d tensors, recipe %s", ckpt.root, len(ckpt.shards),
              len(ckpt.weight_map), recipe.name)
     if "repo" in ckpt.identity and distributed.is_main():

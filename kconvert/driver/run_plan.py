@@ -9,7 +9,7 @@ import logging
 from collections.abc import Mapping
 
 from kconvert.checks.structure import validate_source
-from kconvert.common import distributed
+from kconvert.common import distributed, events
 from kconvert.driver.recipes import Recipe, build_stages
 from kconvert.engine.execute import gpu_encode
 from kconvert.engine.stage import Stage
@@ -67,7 +67,9 @@ def plan_run(ckpt: Checkpoint, recipe: Recipe, settings: Mapping[str, object],
     log.info("planned on %s: %d modules, %d work items, %d output shard(s), %d tensors",
              device, len(plan.modules), len(plan.items), len(plan.shard_entries),
              len(plan.outputs))
-    for warning in validate_source(ckpt.config, ckpt.tensors, plan.modules, ckpt.root):
+    with events.span("phase", name="validate_source"):
+        warnings = validate_source(ckpt.config, ckpt.tensors, plan.modules, ckpt.root)
+    for warning in warnings:
         say(f"kconvert: warning: {warning}")
     if recipe.requires_source and not any(recipe.requires_source in (m.codec.name, m.codec.grid)
                                           for m in plan.modules):

@@ -87,7 +87,7 @@ class Checkpoint:
         for name, file in self.weight_map.items():
             if name.endswith(".weight_shape"):
                 info = self.readers[file].tensors[name]
-                values[name] = tuple(int(v) for v in self.readers[file].read(info).tolist())
+                values[name] = self.readers[file].read_ints(info)
         return values
 
     def fingerprint(self) -> str | None:

@@ -92,6 +92,11 @@ def _mis_sized(path: Path) -> str | None:
     return None
 
 
+# struct's little-endian codes of safetensors' integer dtypes (ShardReader.read_ints)
+INT_CODES = {"I8": "b", "U8": "B", "I16": "h", "U16": "H", "I32": "i", "U32": "I", "I64": "q",
+             "U64": "Q"}
+
+
 class ShardReader:
     """Header-validated, lazily read safetensors file."""
 
@@ -140,6 +145,18 @@ class ShardReader:
         if hasattr(os, "posix_fadvise"):
             length = info.nbytes - offset if length is None else length
             os.posix_fadvise(self._fd, info.start + offset, length, os.POSIX_FADV_WILLNEED)
+
+    def read_ints(self, info: TensorInfo) -> tuple[int, ...]:
+        """The values of a small tensor (an INT4 `weight_shape`) as ints. An integer one is
+        unpacked from its bytes without a torch tensor: a full-size checkpoint has 69,120 of
+        them, read while planning (docs/performance.md, planning a full-size Kimi)."""
+        code = INT_CODES.get(info.dtype)
+        if code is None:
+            return tuple(int(v) for v in self.read(info).reshape(-1).tolist())
+        data = os.pread(self._fd, info.nbytes, info.start)
+        if len(data) != info.nbytes:
+            raise KconvertError("file ended early", file=str(info.file), tensor=info.name)
+        return struct.unpack(f"<{info.nbytes // struct.calcsize(code)}{code}", data)
 
     def read(self, info: TensorInfo, pin: bool = False) -> torch.Tensor:
         """The tensor, typed and shaped, in a fresh (optionally pinned) CPU buffer."""

@@ -291,7 +291,7 @@ class StreamedShard:
                                     "planned from", file=self.path.name, tensor=name)
             planned = self.stream.expected_shapes.get(name)
             if planned is not None:
-                value = tuple(int(v) for v in reader.read(got).tolist())
+                value = reader.read_ints(got)
                 if value != planned:
                     raise KconvertError(f"weight_shape is {list(value)} but weight_packed's "
                                         f"header says {list(planned)}, which a streamed run "
@@ -305,6 +305,10 @@ class StreamedShard:
     def read(self, info: TensorInfo, pin: bool = False) -> torch.Tensor:
         reader = self._open()
         return reader.read(reader.tensors[info.name], pin)
+
+    def read_ints(self, info: TensorInfo) -> tuple[int, ...]:
+        reader = self._open()
+        return reader.read_ints(reader.tensors[info.name])
 
     def will_need(self, info: TensorInfo, offset: int = 0, length: int | None = None) -> None:
         reader = self._open()

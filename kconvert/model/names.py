@@ -12,6 +12,7 @@ name cannot tell them apart, the config's layer lists do (kconvert.model.arch).
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, replace
 from enum import StrEnum
@@ -99,7 +100,7 @@ _ATTN = re.compile(r"^self_attn\.(?P<proj>[A-Za-z0-9_]+)$")
 _TOP = re.compile(r"^(?P<prefix>language_model\.model\.|language_model\.|model\.)(?P<rest>.+)$")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorName:
     """A parsed tensor name. `module` + "." + `param` == `name` whenever `param` is set."""
 
@@ -154,9 +155,10 @@ def split_param(name: str) -> tuple[str, str]:
     return name, ""
 
 
+@functools.cache
 def parse_name(name: str) -> TensorName:
-    # Built with one constructor call (no dataclasses.replace): a full-size checkpoint's plan
-    # parses its 208,215 names several times over.
+    # Kept per name (a TensorName is immutable): a full-size checkpoint's plan asks for its
+    # 208,215 names about four times each (docs/performance.md, planning a full-size Kimi).
     module, param = split_param(name)
     if name.startswith("vision_tower."):
         return TensorName(name, Role.VISION, module=module, param=param)

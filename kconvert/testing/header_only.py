@@ -2,6 +2,8 @@
 dtypes, shapes, offsets as docs/kimi.md lists them), its data region a hole (a sparse file
 made with truncate), so the full-size 594 GB layout costs a few MB of disk. Only readers of
 headers (`kconvert inspect`, `--dry-run`) may be pointed at one: the tensors read as zeros.
+A conversion's plan reads the INT4 `weight_shape` values ([out, in] int32), which
+`write_header_only(..., shape_values=True)` writes (a disk block each: 330 MB at full size).
 
 The layout is the tiny fixtures' (kconvert.testing.fixtures, variant k2-int4-kimi) at any
 dims; a test holds the two equal at the fixtures' dims.
@@ -10,6 +12,7 @@ dims; a test holds the two equal at the fixtures' dims.
 from __future__ import annotations
 
 import os
+import struct
 from pathlib import Path
 
 from kconvert.io.shards import plan_header
@@ -79,19 +82,29 @@ def kimi_int4_shards(d: FixtureDims) -> list[list[Spec]]:
     return shards
 
 
-def write_header_only(out: Path, d: FixtureDims = KIMI_K2_THINKING) -> Path:
+def write_header_only(out: Path, d: FixtureDims = KIMI_K2_THINKING, shape_values: bool = False
+                      ) -> Path:
     """A header-only Kimi-K2-Thinking INT4 checkpoint at dims `d` in `out` (config.json,
-    index, shards whose data regions are holes)."""
+    index, shards whose data regions are holes, but for the INT4 weight_shape values with
+    `shape_values`: what `--dry-run` of a conversion reads)."""
     out.mkdir(parents=True, exist_ok=True)
     shards = kimi_int4_shards(d)
     weight_map, total = {}, 0
     for i, specs in enumerate(shards, start=1):
         name = f"model-{i:05d}-of-{len(shards):06d}.safetensors"
         head, offsets = plan_header(specs)
+        packed = {n: shape for n, _, shape in specs if n.endswith(".weight_packed")}
+        shapes = {n: (packed[p][0], packed[p][1] * 8) for n, _, _ in specs
+                  if n.endswith(".weight_shape")
+                  and (p := n.removesuffix("weight_shape") + "weight_packed") in packed}
         end = max(e for _, e in offsets.values())
         with open(out / name, "wb") as fh:
             fh.write(head)
             os.ftruncate(fh.fileno(), len(head) + end)
+            for tensor, (start, _) in offsets.items():
+                if shape_values and tensor.endswith(".weight_shape"):
+                    fh.seek(len(head) + start)
+                    fh.write(struct.pack("<2i", *shapes[tensor]))
         weight_map.update(dict.fromkeys((s[0] for s in specs), name))
         total += end
     (out / "model.safetensors.index.json").write_bytes(json_bytes(

@@ -203,6 +203,26 @@ def test_header_only_layout_is_the_fixture_layout(fixture_dir):
     assert made == real
 
 
+def test_header_only_int4_shapes_are_the_fixtures_and_plan(fixture_dir, tmp_path):
+    """Its INT4 weight_shape values are written (a conversion's plan reads them): at the
+    fixtures' dims, the fixture's own values, and `--dry-run` plans a conversion of it."""
+    from safetensors import safe_open
+
+    made = write_header_only(tmp_path / "headers", FixtureDims(), shape_values=True)
+    src = fixture_dir("k2-int4-kimi")
+    compared = 0
+    for path in sorted(src.glob("*.safetensors")):
+        with safe_open(path, "pt") as real, safe_open(made / path.name, "pt") as ours:
+            for name in real.keys():
+                if name.endswith(".weight_shape"):
+                    assert real.get_tensor(name).tolist() == ours.get_tensor(name).tolist(), name
+                    compared += 1
+    assert compared > 0
+    res = cli_inproc("int4-to-nvfp4", made, tmp_path / "out", "--dry-run")
+    assert res.exit_code == 0, res.output
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.fixture(scope="module")
 def full_size(tmp_path_factory):
     return write_header_only(tmp_path_factory.mktemp("kimi-k2-thinking-headers"))
