@@ -67,7 +67,9 @@ class ModuleWork:
     @property
     def carried(self) -> tuple[str, ...]:
         """Optional parameters (W4A4 input scales) a re-layout carries over unchanged."""
-        return tuple(p for p in sorted(OPTIONAL_PARAMS) if self.repack and p in self.params)
+        if not self.repack:  # asked of every module while planning: nothing to sort
+            return ()
+        return tuple(p for p in sorted(OPTIONAL_PARAMS) if p in self.params)
 
     @property
     def has_input_scale(self) -> bool:
