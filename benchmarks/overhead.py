@@ -17,10 +17,11 @@ Each run's wall (process_s, the launcher's) is split into the main thread's phas
 up to it:
   interpreter_exit_s  the interpreter's start and the process's exit (outside the script)
   cli_import_s        the script's first line to kconvert.cli imported
-  to_run_s            then to the run's first phase: click, the API's imports, SRC opened
+  to_run_s            then to the run's first planning phase: click, the API's imports, SRC
+                      opened (the open_source phase)
   plan_s              the run's planning phases (prepare, read_shape_values, build_work_plan)
-  startup_s           then to its pipeline: DST prepared, the CPU kernels loaded (compiled
-                      with a fresh cache)
+  startup_s           then to its pipeline: the source's checks (validate_source), DST
+                      prepared, the CPU kernels loaded (compiled with a fresh cache)
   execute_s           its pipeline (the `execute` phase: on a GPU, Triton's compiles too)
   finish_s            then to run-finished: config, index, manifest, the output committed
   serve_check_s       then to the end of the serve checks on the output (`audit --serve`'s,

@@ -159,7 +159,7 @@ class MoEBlock(nn.Module):
         self.collect = True
         self._inputs: list[torch.Tensor] = []
         self._indices: list[torch.Tensor] = []
-        self._routed_rows: tuple[int, RoutedRows] | None = None  # (rows it was made of, ...)
+        self._routed_rows: RoutedRows | None = None
         # Set by `kconvert eval` on a W4A4 checkpoint: (linear 0 gate/up or 1 down, input rows,
         # each row's expert) -> the rows as the serving kernel quantizes them
         # (evaluate/activations.py).
@@ -269,15 +269,16 @@ class MoEBlock(nn.Module):
         """Each of the layer's experts' rows of `captured()`: the captured top-k ids sorted by
         expert once (stable, so tokens stay ascending within an expert, as a per-expert mask
         would select them) and split on the host's counts: one device sync per layer instead
-        of one per expert. Kept with the layer; recomputed if more rows came."""
-        _, idx = self.captured()
-        if self._routed_rows is None or self._routed_rows[0] != idx.shape[0]:
+        of one per expert. Made at the first call, once the layer's capture is done (the
+        engine asks after the hand-over), and kept with the layer."""
+        if self._routed_rows is None:
+            _, idx = self.captured()
             flat = idx.reshape(-1)
             order = torch.argsort(flat, stable=True)
             counts = torch.bincount(flat, minlength=self.n_experts).tolist()
-            self._routed_rows = (idx.shape[0], RoutedRows(
-                list((order // idx.shape[1]).split(counts)), list(order.split(counts))))
-        return self._routed_rows[1]
+            self._routed_rows = RoutedRows(list((order // idx.shape[1]).split(counts)),
+                                           list(order.split(counts)))
+        return self._routed_rows
 
     def routed_inputs(self, expert: int) -> torch.Tensor:
         """The inputs of gate/up [tokens, hidden] over the tokens routed to `expert`."""

@@ -93,8 +93,7 @@ def _mis_sized(path: Path) -> str | None:
 
 
 # struct's little-endian codes of safetensors' integer dtypes (ShardReader.read_ints)
-INT_CODES = {"I8": "b", "U8": "B", "I16": "h", "U16": "H", "I32": "i", "U32": "I", "I64": "q",
-             "U64": "Q"}
+INT_CODES = {"I8": "b", "U8": "B", "I16": "h", "I32": "i", "I64": "q"}
 
 
 class ShardReader:

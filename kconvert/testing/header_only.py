@@ -95,16 +95,15 @@ def write_header_only(out: Path, d: FixtureDims = KIMI_K2_THINKING, shape_values
         head, offsets = plan_header(specs)
         packed = {n: shape for n, _, shape in specs if n.endswith(".weight_packed")}
         shapes = {n: (packed[p][0], packed[p][1] * 8) for n, _, _ in specs
-                  if n.endswith(".weight_shape")
+                  if shape_values and n.endswith(".weight_shape")
                   and (p := n.removesuffix("weight_shape") + "weight_packed") in packed}
         end = max(e for _, e in offsets.values())
         with open(out / name, "wb") as fh:
             fh.write(head)
             os.ftruncate(fh.fileno(), len(head) + end)
-            for tensor, (start, _) in offsets.items():
-                if shape_values and tensor.endswith(".weight_shape"):
-                    fh.seek(len(head) + start)
-                    fh.write(struct.pack("<2i", *shapes[tensor]))
+            for tensor, shape in shapes.items():
+                fh.seek(len(head) + offsets[tensor][0])
+                fh.write(struct.pack("<2i", *shape))
         weight_map.update(dict.fromkeys((s[0] for s in specs), name))
         total += end
     (out / "model.safetensors.index.json").write_bytes(json_bytes(

@@ -55,6 +55,17 @@ def _missing_expert(ckpt: Path) -> None:
     drop_tensors(ckpt, "model.layers.1.mlp.experts.5.")
 
 
+def _expert_scale_in_f64(ckpt: Path) -> None:
+    """Expert 5's down_proj scales of layer 1 stored as F64 (INT4 scales are BF16, F16 or
+    F32), the layer's others as BF16."""
+    name = "model.layers.1.mlp.experts.5.down_proj.weight_scale"
+    shard = json.loads((ckpt / INDEX).read_text())["weight_map"][name]
+    with safe_open(str(ckpt / shard), "pt") as fh:
+        kept = {k: fh.get_tensor(k) for k in fh.keys()}
+    kept[name] = kept[name].double()
+    save_file(kept, str(ckpt / shard), metadata={"format": "pt"})
+
+
 STRUCTURE = {
     # name: (fixture variant, edit, text of the audit's failure, its group/check)
     "layer-missing-expert-5": ("k2-int4-kimi", _missing_expert,
@@ -78,6 +89,9 @@ STRUCTURE = {
         c, lambda cfg: (cfg["text_config"].update(n_routed_experts=12),
                         cfg.update(n_routed_experts=12))),
         "disagree: n_routed_experts = 12, expert ids = 16", "structure/counts"),
+    "expert-5-scale-f64": ("k2-int4-kimi", _expert_scale_in_f64,
+                           "F64[128, 2] but the layer's other experts have BF16[128, 2]",
+                           "structure/experts"),
 }
 
 
@@ -115,6 +129,18 @@ def test_audit_and_conversion_refuse_the_same_structure(broken, name, tmp_path):
         assert ("config.json" in res.output) == (check == "structure/config"), res.output
         assert not dst.exists(), "a refused conversion wrote something"
     assert {p: p.read_bytes() for p in src.rglob("*") if p.is_file()} == before
+
+
+def test_a_mistyped_scale_fails_its_layout_check_by_name(broken):
+    """The quant-config check of every parameter's dtype and shape, on a failure: its message
+    (made only then) names the parameter, what it is and what the format needs."""
+    code, rep = audit_json(broken["expert-5-scale-f64"])
+    assert code == 1
+    layout = [f for f in rep["failures"] if f"{f['group']}/{f['check']}" ==
+              "quant-config/scale-layout"]
+    assert [f["tensor"] for f in layout] == ["model.layers.1.mlp.experts.5.down_proj.weight_scale"]
+    assert layout[0]["message"] == ("weight_scale is F64[128, 2], int4-pack-quantized needs "
+                                    "BF16/F16/F32[128, 2]")
 
 
 def test_refusal_names_the_file_and_tensor(broken):

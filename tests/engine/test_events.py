@@ -110,11 +110,14 @@ def test_bytes_add_up_to_the_source_and_output_files(recorded):
 def test_phases_nest_and_run_events_reach_every_listener(recorded):
     timed, plain, _ = recorded
     phases = {info["name"]: info for e, info in timed if e == "phase"}
-    assert sorted(phases) == ["build_work_plan", "execute", "prepare", "read_shape_values"]
-    prepare, shapes, plan, run = (phases[n] for n in ("prepare", "read_shape_values",
-                                                      "build_work_plan", "execute"))
+    assert sorted(phases) == ["build_work_plan", "execute", "open_source", "prepare",
+                              "read_shape_values", "validate_source"]
+    opened, prepare, shapes, plan, checked, run = (phases[n] for n in (
+        "open_source", "prepare", "read_shape_values", "build_work_plan", "validate_source",
+        "execute"))
+    assert opened["end"] <= prepare["start"]
     assert prepare["end"] <= plan["start"] <= shapes["start"] <= shapes["end"] <= plan["end"] \
-        <= run["start"]
+        <= checked["start"] <= checked["end"] <= run["start"]
     items = [info for e, info in timed if e in ITEM_STEPS]
     assert all(run["start"] <= info["start"] <= info["end"] <= run["end"] for info in items)
     # A listener that did not ask for timings gets the run events only, the same ones.
