@@ -270,8 +270,10 @@ def arguments(bench: str, doc: str | None, *, root: str | None = None, results: 
     with the options benches share: --root (its scratch directory, default `root`),
     --out-dir (where `results` go unless a file is named), --keep-page-cache (a bench that
     drops the `page_cache`) and --deadline-s (skip later steps after `deadline_s`)."""
+    # no abbreviations: `--out` would be taken for --out-dir and a file name for a folder
     ap = argparse.ArgumentParser(prog=f"python -m benchmarks {bench}", description=doc,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
     if root is not None:
         ap.add_argument("--root", type=Path, default=Path(root),
                         help="scratch directory: synthetic sets, data, outputs "
