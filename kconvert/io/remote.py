@@ -42,13 +42,15 @@ class HeaderOnlyShard:
             self.tensors[name] = TensorInfo(name, path, dtype, tuple(shape), start, end)
 
     def read(self, info: TensorInfo, pin: bool = False):
-        raise KconvertError("only the header of this shard was fetched", file=self.path.name,
-                            tensor=info.name)
+        raise self._absent(info)
 
     def read_ints(self, info: TensorInfo) -> tuple[int, ...]:
-        """Refused as `read` is: no byte of this shard is here."""
-        raise KconvertError("only the header of this shard was fetched", file=self.path.name,
-                            tensor=info.name)
+        raise self._absent(info)
+
+    def _absent(self, info: TensorInfo) -> KconvertError:
+        """No byte of this shard is here."""
+        return KconvertError("only the header of this shard was fetched", file=self.path.name,
+                             tensor=info.name)
 
     def close(self) -> None:
         """Nothing is open."""

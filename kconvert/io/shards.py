@@ -129,7 +129,11 @@ class ShardReader:
 
     def read_into(self, info: TensorInfo, out: torch.Tensor, offset: int = 0) -> None:
         """Fill the uint8 tensor `out` with the tensor's bytes starting at `offset`."""
-        view = memoryview(out.numpy()).cast("B")
+        self._fill(info, memoryview(out.numpy()).cast("B"), offset)
+
+    def _fill(self, info: TensorInfo, view: memoryview, offset: int) -> None:
+        """`view` filled with the tensor's bytes from `offset` on, however the OS splits the
+        reads."""
         pos, want = info.start + offset, len(view)
         done = 0
         while done < want:
@@ -152,9 +156,8 @@ class ShardReader:
         code = INT_CODES.get(info.dtype)
         if code is None:
             return tuple(int(v) for v in self.read(info).reshape(-1).tolist())
-        data = os.pread(self._fd, info.nbytes, info.start)
-        if len(data) != info.nbytes:
-            raise KconvertError("file ended early", file=str(info.file), tensor=info.name)
+        data = bytearray(info.nbytes)
+        self._fill(info, memoryview(data), 0)
         return struct.unpack(f"<{info.nbytes // struct.calcsize(code)}{code}", data)
 
     def read(self, info: TensorInfo, pin: bool = False) -> torch.Tensor:
