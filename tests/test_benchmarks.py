@@ -256,3 +256,60 @@ def test_no_bench_takes_a_setting_from_the_environment(tmp_path):
     planted = tmp_path / "bench.py"
     planted.write_text('seqs = int(os.environ.get("SEQS", 256))\nroot = os.getenv("ROOT")\n')
     assert set(READ_ENV.findall(planted.read_text())) == {"SEQS", "ROOT"}
+
+
+def test_the_trace_summary_counts_each_second_each_stage_and_the_disk():
+    """benchmarks.trace's summary of known spans: union and busy seconds, each second's share
+    of every stage (reads summed over reader threads), the disk's rates from its sectors."""
+    from benchmarks import trace
+
+    assert trace.union_s([(0, 2), (1, 3), (5, 6)]) == 4
+    assert trace.covered([(0.5, 2.5), (0, 1)], 1, 2) == 1
+    t0 = 100.0
+    events = [("phase", {"name": "execute", "start": 100.2, "end": 103.0, "thread": "MainThread"}),
+              ("read", {"start": 100.5, "end": 101.5, "thread": "kconvert-read_0"}),
+              ("read", {"start": 100.5, "end": 101.0, "thread": "kconvert-read_1"}),
+              ("compute", {"start": 101.5, "end": 102.5, "kind": "transform",
+                           "thread": "MainThread"}),
+              ("compute", {"start": 102.5, "end": 102.6, "kind": "transform",
+                           "thread": "MainThread"}),
+              ("compute", {"start": 102.6, "end": 102.8, "kind": "transform",
+                           "thread": "MainThread"}),
+              ("shard-done", {"shard": "a"})]
+    gb = 1e9 / trace.SECTOR
+    disk = [(100.0, 0, 0), (101.0, int(2 * gb), 0), (102.0, int(3 * gb), int(gb))]
+    got = trace.summarise(events, disk, t0, 103.0)
+    assert got["phases"] == {"execute": [0.2, 3.0]}
+    assert got["stages"]["read@kconvert-read"] == {"n": 2, "busy_s": 1.5, "union_s": 1.0}
+    assert got["stages"]["compute@MainThread"]["n"] == 3
+    assert got["first_transform_s"] == 1.0 and got["median_transform_s"] == 0.15
+    cols = got["seconds_cols"]
+    first, second = (dict(zip(cols, row, strict=True)) for row in got["seconds"][:2])
+    assert first["disk_read_gb_s"] == 2.0 and first["disk_write_gb_s"] == 0
+    assert second["disk_read_gb_s"] == 1.0 and second["disk_write_gb_s"] == 1.0
+    assert first["read@kconvert-read"] == 1.0  # 0.5 + 0.5 on two reader threads
+    assert second["read@kconvert-read"] == 0.5 and second["compute@MainThread"] == 0.5
+    assert len(got["seconds"]) == 4
+
+
+def test_the_trace_child_times_a_real_conversion(tmp_path):
+    """`trace _child` on the bundled checkpoint: the command's phases in order, every item's
+    read, compute and write seen, a row per second of its wall."""
+    from conftest import BUNDLED
+
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "trace", "_child", str(BUNDLED),
+                           str(tmp_path / "out"), "cpu"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(next(ln for ln in proc.stdout.splitlines()
+                          if ln.startswith("RESULT "))[len("RESULT "):])
+    phases = got["phases"]
+    assert phases["open_source"][0] <= phases["build_work_plan"][0] <= phases["execute"][0]
+    assert phases["execute"][0] < phases["execute"][1]
+    assert phases["execute"][1] <= got["wall"]
+    items = got["stages"]["compute@MainThread"]["n"]
+    assert items > 1
+    assert got["stages"]["read@kconvert-read"]["n"] == items
+    assert got["stages"]["write@kconvert-writer"]["n"] == items
+    assert len(got["seconds"]) == int(got["wall"]) + 1
+    assert (tmp_path / "out" / "kconvert-manifest.json").is_file()
