@@ -6,7 +6,8 @@ moved, for kconvert trees side by side on the full-size synthetic set.
 
 Builds ROOT/src as `ab` does (anchor_convert.make_src) if it is not there. Each run NAME=TREE,
 DEVICE is `int4-to-nvfp4 --device DEVICE -v` from TREE's kconvert in a process of its own,
-page cache dropped first, timed from the command's start (its lazy imports included) to
+page cache dropped first, timed from the command's start (its imports of torch and the rest
+included: the child imports none of them before; `torch_imported_before` says so) to
 os.sync(). The child subscribes to the engine's timing events (kconvert.common.events) and
 samples /proc/diskstats every 0.1 s. Per run:
 - `phases`: each phase's start and end (s from the command's start): open_source, planning,
@@ -32,7 +33,6 @@ from pathlib import Path
 
 from benchmarks.child_process import child_env, report, run_child
 from benchmarks.harness import arguments, drop_page_cache, record, result_path, save
-from benchmarks.synthetic import add_anchor_dims, anchor_set
 from benchmarks.timeline import disk_sectors
 
 # The columns of a `seconds` row after the disk rates: (event, what its thread's name starts
@@ -123,6 +123,7 @@ def child(argv: list[str]) -> None:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
+    torch_before = "torch" in sys.modules  # False: the command's own imports are timed
     t0 = time.perf_counter()
     rc = cli.main(["int4-to-nvfp4", src, dst, "--device", device, "-v", "--overwrite"],
                   standalone_mode=False)
@@ -131,13 +132,17 @@ def child(argv: list[str]) -> None:
     stop.set()
     sampler.join()
     disk.append((time.perf_counter(), *disk_sectors()))
-    report({"rc": rc or 0, "wall": round(end - t0, 2), **summarise(got, disk, t0, end)})
+    report({"rc": rc or 0, "wall": round(end - t0, 2), "torch_imported_before": torch_before,
+            **summarise(got, disk, t0, end)})
 
 
 def main(argv: list[str]) -> None:
     if argv and argv[0] == "_child":
         child(argv[1:])
         return
+    # here, not at the top: it imports torch, which the child must import inside its timer
+    from benchmarks.synthetic import add_anchor_dims, anchor_set
+
     ap = arguments("trace", __doc__, root="/tmp/kbench", results=True, page_cache=True)
     ap.add_argument("runs", nargs="+", metavar="NAME=TREE,DEVICE",
                     help="the runs in order, e.g. old=/tmp/old,cuda new=.,cuda")

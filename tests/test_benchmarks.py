@@ -303,6 +303,7 @@ def test_the_trace_child_times_a_real_conversion(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(next(ln for ln in proc.stdout.splitlines()
                           if ln.startswith("RESULT "))[len("RESULT "):])
+    assert got["torch_imported_before"] is False  # the command's imports are inside its wall
     phases = got["phases"]
     assert phases["open_source"][0] <= phases["build_work_plan"][0] <= phases["execute"][0]
     assert phases["execute"][0] < phases["execute"][1]
