@@ -74,15 +74,12 @@ def summarise(events: list[tuple[str, dict]], disk: list[tuple[float, int, int]]
             phases[info["name"]] = [round(x, 2) for x in span]
         if name == "compute" and info.get("kind") == "transform":
             transforms.append(span[1] - span[0])
-    stages = {}
+    # a pool's threads (kconvert-read_0, _1, ...) as one stage
+    by_stage: dict[str, list[tuple[float, float]]] = {}
     for (name, thread), got in sorted(spans.items()):
-        key = f"{name}@{thread.rstrip('_0123456789')}"
-        now = stages.setdefault(key, {"n": 0, "busy_s": 0.0, "spans": []})
-        now["n"] += len(got)
-        now["busy_s"] += sum(e - s for s, e in got)
-        now["spans"] += got
-    stages = {k: {"n": v["n"], "busy_s": round(v["busy_s"], 2),
-                  "union_s": round(union_s(v["spans"]), 2)} for k, v in stages.items()}
+        by_stage.setdefault(f"{name}@{thread.rstrip('_0123456789')}", []).extend(got)
+    stages = {k: {"n": len(v), "busy_s": round(sum(e - s for s, e in v), 2),
+                  "union_s": round(union_s(v), 2)} for k, v in by_stage.items()}
     rows = []
     for second in range(int(end - t0) + 1):
         a, b = second, second + 1.0
