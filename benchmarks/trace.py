@@ -4,8 +4,9 @@ moved, for kconvert trees side by side on the full-size synthetic set.
     python -m benchmarks trace old=/tmp/old,cuda new=.,cuda new=.,cuda --root /tmp/kbench \
         --out-dir $OUT
 
-Builds ROOT/src as `ab` does (anchor_convert.make_src) if it is not there. Each run NAME=TREE,
-DEVICE is `int4-to-nvfp4 --device DEVICE -v` from TREE's kconvert in a process of its own,
+Builds ROOT/src as `ab` does (anchor_convert.make_src) if it is not there, unless --src names
+another checkpoint. Each run NAME=TREE,DEVICE is `int4-to-nvfp4 --device DEVICE -v` (and
+--options, e.g. a method and its data) from TREE's kconvert in a process of its own,
 page cache dropped first, timed from the command's start (its imports of torch and the rest
 included: the child imports none of them before; `torch_imported_before` says so) to
 os.sync(). The child subscribes to the engine's timing events (kconvert.common.events) and
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import statistics
 import sys
@@ -103,8 +105,9 @@ def summarise(events: list[tuple[str, dict]], disk: list[tuple[float, int, int]]
 
 
 def child(argv: list[str]) -> None:
-    """In the child: SRC DST DEVICE; one conversion, traced; its summary as the RESULT."""
-    src, dst, device = argv
+    """In the child: SRC DST DEVICE [OPTION ...]; one conversion (the options added to its
+    command), traced; its summary as the RESULT."""
+    src, dst, device, *options = argv
     import kconvert.cli as cli
     from kconvert.common import events
 
@@ -122,8 +125,8 @@ def child(argv: list[str]) -> None:
     sampler.start()
     torch_before = "torch" in sys.modules  # False: the command's own imports are timed
     t0 = time.perf_counter()
-    rc = cli.main(["int4-to-nvfp4", src, dst, "--device", device, "-v", "--overwrite"],
-                  standalone_mode=False)
+    rc = cli.main(["int4-to-nvfp4", src, dst, "--device", device, "-v", "--overwrite",
+                   *options], standalone_mode=False)
     os.sync()
     end = time.perf_counter()
     stop.set()
@@ -143,12 +146,19 @@ def main(argv: list[str]) -> None:
     ap = arguments("trace", __doc__, root="/tmp/kbench", results=True, page_cache=True)
     ap.add_argument("runs", nargs="+", metavar="NAME=TREE,DEVICE",
                     help="the runs in order, e.g. old=/tmp/old,cuda new=.,cuda")
+    ap.add_argument("--src", type=Path, default=None,
+                    help="convert this checkpoint (e.g. the set `learned` builds) instead of "
+                         "ROOT/src, which is built if missing")
+    ap.add_argument("--options", default="",
+                    help="more options for every run's command, one string, e.g. "
+                         "\"--method gptq --data F --gpu-memory 74GiB\"")
     add_anchor_dims(ap)
     a = ap.parse_args(argv)
     a.root.mkdir(parents=True, exist_ok=True)
-    src = a.root / "src"
-    if not (src / "config.json").exists():
+    src = a.src or a.root / "src"
+    if a.src is None and not (src / "config.json").exists():
         anchor_set(src, a.dims, a.moe_layers)
+    options = shlex.split(a.options)
     rec = record("trace", scratch=a.root)
     out = result_path(rec, out_dir=a.out_dir)
     results = []
@@ -159,9 +169,10 @@ def main(argv: list[str]) -> None:
         dst = a.root / "kc"
         shutil.rmtree(dst, ignore_errors=True)
         drop_page_cache(a.keep_page_cache)
-        c = run_child([sys.executable, "-m", "benchmarks", "trace", "_child", src, dst, device],
-                      env=child_env(tree), cwd=tree)
-        r = {"run": name, "tree": str(tree), "device": device, "process_s": round(c.wall_s, 2),
+        c = run_child([sys.executable, "-m", "benchmarks", "trace", "_child", src, dst, device,
+                       *options], env=child_env(tree), cwd=tree)
+        r = {"run": name, "tree": str(tree), "device": device, "src": str(src),
+             "options": options, "process_s": round(c.wall_s, 2),
              **(c.result or {"error": c.stderr[-1500:]})}
         results.append(r)
         print(json.dumps({k: v for k, v in r.items() if k not in ("seconds", "stages")}),

@@ -314,3 +314,24 @@ def test_the_trace_child_times_a_real_conversion(tmp_path):
     assert got["stages"]["write@kconvert-writer"]["n"] == items
     assert len(got["seconds"]) == int(got["wall"]) + 1
     assert (tmp_path / "out" / "kconvert-manifest.json").is_file()
+
+
+def test_the_trace_runs_a_given_checkpoint_with_more_options(tmp_path):
+    """--src converts that checkpoint (no set is built) and --options reach every run's
+    command: a valid block-scale rule runs, a wrong one fails as the command fails."""
+    from benchmarks import trace
+    from conftest import BUNDLED
+
+    for rule in ("amax", "nonsense"):
+        out = tmp_path / rule
+        trace.main([f"{rule}={ROOT},cpu", "--src", str(BUNDLED), "--options",
+                    f"--block-scale {rule}", "--keep-page-cache", "--root", str(tmp_path),
+                    "--out-dir", str(out)])
+        (written,) = out.glob("trace_*.json")
+        got = json.loads(written.read_text())["results"][0]
+        assert got["src"] == str(BUNDLED) and got["options"] == ["--block-scale", rule]
+        if rule == "amax":
+            assert got["rc"] == 0 and got["stages"]["compute@MainThread"]["n"] > 1
+        else:
+            assert "error" in got and "nonsense" in got["error"]
+    assert not (tmp_path / "src").exists()
