@@ -70,6 +70,7 @@ def stage_key(event: str, info: dict) -> str | None:
 
 
 def intervals_union(iv: list[tuple[float, float]]) -> float:
+    """Seconds covered by at least one of the intervals `iv` (start, end)."""
     total, end = 0.0, float("-inf")
     for a, b in sorted(iv):
         if b > end:

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from benchmarks.child_process import child_env, report, run_child
 from benchmarks.harness import arguments, drop_page_cache, record, result_path, save
+from benchmarks.inprocess import intervals_union
 from benchmarks.timeline import disk_sectors
 
 # The columns of a `seconds` row after the disk rates: (event, what its thread's name starts
@@ -44,16 +45,6 @@ STAGES = (("read", "kconvert-read"), ("compute", "MainThread"), ("wait-read", "M
           ("wait-get", "kconvert-writer"), ("fsync", "kconvert-writer"))
 SAMPLE_S = 0.1
 SECTOR = 512
-
-
-def union_s(spans: list[tuple[float, float]]) -> float:
-    """Seconds covered by at least one of `spans` (start, end)."""
-    total, end = 0.0, float("-inf")
-    for s, e in sorted(spans):
-        if e > end:
-            total += e - max(s, end)
-            end = e
-    return total
 
 
 def covered(spans: list[tuple[float, float]], a: float, b: float) -> float:
@@ -81,7 +72,7 @@ def summarise(events: list[tuple[str, dict]], disk: list[tuple[float, int, int]]
     for (name, thread), got in sorted(spans.items()):
         by_stage.setdefault(f"{name}@{thread.rstrip('_0123456789')}", []).extend(got)
     stages = {k: {"n": len(v), "busy_s": round(sum(e - s for s, e in v), 2),
-                  "union_s": round(union_s(v), 2)} for k, v in by_stage.items()}
+                  "union_s": round(intervals_union(v), 2)} for k, v in by_stage.items()}
     rows = []
     for second in range(int(end - t0) + 1):
         a, b = second, second + 1.0

@@ -261,9 +261,9 @@ def test_no_bench_takes_a_setting_from_the_environment(tmp_path):
 def test_the_trace_summary_counts_each_second_each_stage_and_the_disk():
     """benchmarks.trace's summary of known spans: union and busy seconds, each second's share
     of every stage (reads summed over reader threads), the disk's rates from its sectors."""
-    from benchmarks import trace
+    from benchmarks import inprocess, trace
 
-    assert trace.union_s([(0, 2), (1, 3), (5, 6)]) == 4
+    assert inprocess.intervals_union([(0, 2), (1, 3), (5, 6)]) == 4
     assert trace.covered([(0.5, 2.5), (0, 1)], 1, 2) == 1
     t0 = 100.0
     events = [("phase", {"name": "execute", "start": 100.2, "end": 103.0, "thread": "MainThread"}),
