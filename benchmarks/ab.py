@@ -35,7 +35,15 @@ from pathlib import Path
 
 from benchmarks.child_process import child_env, run_child
 from benchmarks.convert_runs import du
-from benchmarks.harness import arguments, drop_page_cache, kconvert_sha, record, result_path, save
+from benchmarks.harness import (
+    arguments,
+    drop_page_cache,
+    kconvert_sha,
+    record,
+    result_path,
+    save,
+    tree_run,
+)
 from benchmarks.synthetic import add_anchor_dims, anchor_set
 
 # Runs with TREE first on its path (its working directory and PYTHONPATH), so kconvert is
@@ -100,9 +108,7 @@ def main(argv: list[str]) -> None:
             print(json.dumps(results[-1]), flush=True)
             save({"record": rec, "results": results, "summary": summary(results)}, out)
             continue
-        name, rest = spec.split("=", 1)
-        tree_name, device = rest.rsplit(",", 1)
-        tree = Path(tree_name).resolve()
+        name, tree, device = tree_run(spec)
         shutil.rmtree(root / "kc", ignore_errors=True)
         drop_page_cache(a.keep_page_cache)
         env = child_env(tree, **({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {}))

@@ -122,6 +122,13 @@ def kconvert_sha(tree: Path = REPO) -> str:
     return digest.hexdigest()[:16]
 
 
+def tree_run(spec: str) -> tuple[str, Path, str]:
+    """(name, tree, device) of a run given as NAME=TREE,DEVICE (`ab`, `trace`)."""
+    name, rest = spec.split("=", 1)
+    tree, device = rest.rsplit(",", 1)
+    return name, Path(tree).resolve(), device
+
+
 def source(tree: Path = REPO) -> dict:
     """Which code: `tree`'s git commit and whether its code differs from it (where git
     knows the tree), and always the content hash of its kconvert/."""

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from benchmarks.child_process import child_env, report, run_child
-from benchmarks.harness import arguments, drop_page_cache, record, result_path, save
+from benchmarks.harness import arguments, drop_page_cache, record, result_path, save, tree_run
 from benchmarks.inprocess import intervals_union
 from benchmarks.timeline import disk_sectors
 
@@ -154,9 +154,7 @@ def main(argv: list[str]) -> None:
     out = result_path(rec, out_dir=a.out_dir)
     results = []
     for spec in a.runs:
-        name, rest = spec.split("=", 1)
-        tree_name, device = rest.rsplit(",", 1)
-        tree = Path(tree_name).resolve()
+        name, tree, device = tree_run(spec)
         dst = a.root / "kc"
         shutil.rmtree(dst, ignore_errors=True)
         drop_page_cache(a.keep_page_cache)
