@@ -312,7 +312,8 @@ def test_the_trace_child_times_a_real_conversion(tmp_path):
     assert items > 1
     assert got["stages"]["read@kconvert-read"]["n"] == items
     assert got["stages"]["write@kconvert-writer"]["n"] == items
-    assert len(got["seconds"]) == int(got["wall"]) + 1
+    # a row per started second; the wall is rounded to 0.01 s, so one row fewer at an edge
+    assert int(got["wall"]) <= len(got["seconds"]) <= int(got["wall"]) + 1
     assert (tmp_path / "out" / "kconvert-manifest.json").is_file()
 
 
