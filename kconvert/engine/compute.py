@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from kconvert.engine.items import CopyItem, Item, WorkPlan
+from kconvert.engine.items import CopyItem, Item, TransformItem, WorkPlan
 from kconvert.errors import KconvertError
 from kconvert.formats.linear import Batch, ModuleWork, Transformed
 from kconvert.io.checkpoint import Checkpoint
@@ -54,18 +55,34 @@ def read_item(ckpt: Checkpoint, item: Item, pin: bool) -> list[torch.Tensor]:
                 buf = buf.view(c.info.torch_dtype).reshape(c.info.shape).index_select(0, rows)
             bufs.append(buf)
         return bufs
+    return _group_buffers(item, pin, lambda info, out: ckpt.reader_for(info).read_into(info, out))
+
+
+def zero_buffers(item: TransformItem, pin: bool) -> list[torch.Tensor]:
+    """Host buffers laid out as `read_item` lays out `item`'s, zero-filled: what
+    engine.warm_up computes on."""
+    return _group_buffers(item, pin, None)
+
+
+def _group_buffers(item: TransformItem, pin: bool,
+                   fill: Callable[[TensorInfo, torch.Tensor], None] | None
+                   ) -> list[torch.Tensor]:
+    """One stacked tensor per group parameter, [modules, *shape] in its source dtype, each
+    module's bytes put in place by `fill` (None: zeros)."""
     bufs = []
     for group in item.groups:
         for param in group.params:
             first = group.modules[0].params[param]
-            raw = torch.empty(len(group.modules), first.nbytes, dtype=torch.uint8, pin_memory=pin)
+            alloc = torch.empty if fill is not None else torch.zeros
+            raw = alloc(len(group.modules), first.nbytes, dtype=torch.uint8, pin_memory=pin)
             for i, m in enumerate(group.modules):
                 info = m.params[param]
                 if info.shape != first.shape or info.dtype != first.dtype:
                     raise KconvertError(
                         f"{param} is {info.dtype}{list(info.shape)} but its siblings are "
                         f"{first.dtype}{list(first.shape)}", file=info.file.name, tensor=info.name)
-                ckpt.reader_for(info).read_into(info, raw[i])
+                if fill is not None:
+                    fill(info, raw[i])
             bufs.append(raw.view(first.torch_dtype).reshape(len(group.modules), *first.shape))
     return bufs
 

@@ -19,6 +19,7 @@ from kconvert.common import events
 from kconvert.engine.compute import compute_item, read_item
 from kconvert.engine.items import Item, WorkPlan
 from kconvert.engine.sink import ShardSink
+from kconvert.engine.warm_up import start_warm_up
 from kconvert.engine.work import Share
 from kconvert.formats import SOURCE_CODECS, cpu_threads
 from kconvert.gpu.parts import Encode
@@ -109,6 +110,23 @@ def _execute(plan: WorkPlan, dst: Path, device: torch.device, done: dict[str, di
         progress(skipped)
     pin = device.type == "cuda"
     chunk_elems = CHUNK_ELEMS.get(device.type, CHUNK_ELEMS["cpu"])
+    warming = start_warm_up(plan, [it for _, it in todo], device, chunk_elems)
+    try:
+        _pipeline(plan, sink, todo, device, readers, prefetch, feed, chunk_elems, pin, warming,
+                  progress)
+    finally:
+        if warming is not None:  # no thread left using the device after the run
+            warming.join()
+    sink.finish_empty()
+    return sink.done, sink.parts
+
+
+def _pipeline(plan: WorkPlan, sink: ShardSink, todo: list[tuple[int, Item]],
+              device: torch.device, readers: int, prefetch: int, feed: SourceFeed | None,
+              chunk_elems: int, pin: bool, warming: threading.Thread | None,
+              progress: Callable[[int], None]) -> None:
+    """Read `todo` ahead on reader threads, compute each item here, hash and write it on
+    threads of their own; the first item that encodes waits for `warming` (engine.warm_up)."""
     results: queue.Queue = queue.Queue(maxsize=RESULT_QUEUE)
     failure: list[BaseException] = []
 
@@ -152,6 +170,9 @@ def _execute(plan: WorkPlan, dst: Path, device: torch.device, done: dict[str, di
                             break
                         with events.span("compute", item=index, kind=item.kind,
                                          nbytes=item.nbytes):
+                            if warming is not None and item.kind == "transform":
+                                warming.join()
+                                warming = None
                             res = compute_item(plan, item, bufs, device, index, chunk_elems)
                         queued = (res, hasher.submit(sink.hash, res))
                         with events.span("wait-put", item=index, kind=item.kind,
@@ -172,8 +193,6 @@ def _execute(plan: WorkPlan, dst: Path, device: torch.device, done: dict[str, di
     if failure:
         sink.abandon()
         raise failure[0]
-    sink.finish_empty()
-    return sink.done, sink.parts
 
 
 def _timed_waits(ready: Iterator[tuple[tuple[int, Item], list[torch.Tensor]]]
