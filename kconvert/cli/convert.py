@@ -23,17 +23,20 @@ from kconvert.cli.conversion_options import (
     prune_options,
 )
 from kconvert.common.options import REAP_SAMPLES, SPARSEGPT_SAMPLES
+from kconvert.io.early_read import start_early_read
 
 
 def _run(recipe_name: str, src: str, dst: str, params: dict) -> None:
     """The options given on the command line (defaults are the API's), then the conversion
     through the Python API; its summary line unless --quiet, or with --json one JSON object on
     stdout (messages go to stderr), which on failure carries the error."""
+    run = {k: params.pop(k) for k in RUN_CONTROL_OPTIONS}
+    if not (run["dry_run"] or run["stream"]):
+        start_early_read(src)  # the disk reads SRC's first bytes while torch imports
     from kconvert.api import run_recipe
 
     as_json = params.pop("as_json")
     given = set(given_options(click.get_current_context()))
-    run = {k: params.pop(k) for k in RUN_CONTROL_OPTIONS}
     options = {k: v for k, v in params.items() if k in given}
     if not as_json:
         result = run_recipe(recipe_name, src, dst, **run, **options, echo=click.echo)

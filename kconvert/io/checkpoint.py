@@ -21,13 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kconvert.errors import KconvertError
+from kconvert.io.checkpoint_files import INDEX, SINGLE
 from kconvert.io.shards import ShardReader, TensorInfo
 from kconvert.model.config_check import text_config_problem
 from kconvert.records.manifest import MANIFEST
 
 CONFIG = "config.json"
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 # Kimi-K2 / DeepSeek-V3 (and the K2.5/K2.6 wrapper), and Kimi-K3 (its wrapper, text_config
 # "kimi_linear"; kconvert.model.arch says what each family's config calls things).
 SUPPORTED_MODEL_TYPES = {"kimi_k2", "deepseek_v3", "kimi_linear"}
