@@ -45,14 +45,22 @@ Parts (--parts, stage,kernel,e2e by default; a JSON line each on stdout, all in 
           CUDA): seconds of each, bytes (and errors) equal; and the RTN comparison's pieces
           (stage's `rtn_compare`): block-scale choice, fake_quantize, one output error, the
           whole comparison.
+  precision  (not by default) for Gaussian inputs and inputs with outlier channels, one
+          gate+up and one down batch (--kernel-experts each, --tokens fitted and one in eight
+          more held out): prepare_inverse in fp32 and TF32 against obs_quantize's loop in
+          fp32, TF32 and bf16, the seconds of each, the held-out output error against fp32's
+          and RTN's, the block codes differing from fp32's (benchmarks/obs_precision.py;
+          docs/obs.md, "TF32"; `--tokens 5461` is a full-size expert's share of 128 x 2048
+          tokens).
   e2e     `kconvert int4-to-nvfp4 --method rtn`, `--method gptq --data` and `kconvert sparsify
           --method sparsegpt --data` on synthetic.kimi_set's full-size one-MoE-layer INT4
           checkpoint (--seqs x --seq random tokens, 16 x 2048 by default), each audited
           (`kconvert audit --source`); wall seconds, GPU peak memory (nvidia-smi) and mean
           utilisation; a failed run is recorded (its exit code and last line), not fatal.
 --tiny: a few small experts on the CPU, and e2e on the tiny k2-int4-kimi fixture.
-Matrix products in fp32 except obs.output_error's, which runs on TF32 by design (the process
-keeps torch.backends.cuda.matmul.allow_tf32 off; prepare_inverse forces it off).
+Matrix products in fp32 except obs.output_error's, which runs on TF32 by design, and part
+precision's (the process keeps torch.backends.cuda.matmul.allow_tf32 off; prepare_inverse and
+obs_quantize set it as their `precision` says).
 """
 
 from __future__ import annotations
@@ -76,6 +84,7 @@ from benchmarks.harness import (
 )
 from benchmarks.obs_e2e import e2e_part
 from benchmarks.obs_pieces import encode_part, inverse_part
+from benchmarks.obs_precision import precision_part
 from benchmarks.obs_stage import kernel_part, stage_part, warm
 from benchmarks.synthetic import add_dims
 from kconvert.formats import nvfp4
@@ -87,7 +96,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--tiny", action="store_true", help="small sizes, CPU (a check)")
     ap.add_argument("--json", help="where to write the results (default: in --out-dir)")
     ap.add_argument("--parts", type=comma_list, default=["stage", "kernel", "e2e"],
-                    help="of stage, kernel, inverse, encode, e2e (default: stage,kernel,e2e)")
+                    help="of stage, kernel, inverse, encode, precision, e2e "
+                         "(default: stage,kernel,e2e)")
     ap.add_argument("--tokens", type=int, default=2800,
                     help="routed tokens per expert (default: %(default)s; with --tiny 300)")
     ap.add_argument("--kernel", default="auto",
@@ -139,6 +149,10 @@ def main(argv: list[str]) -> None:
         with torch.no_grad():
             res["encode"] = encode_part(dev, dims, tokens, extra_experts)
         print("encode", res["encode"], flush=True)
+    if "precision" in parts:
+        with torch.no_grad():
+            res["precision"] = precision_part(dev, dims, tokens, extra_experts)
+        print("precision", res["precision"], flush=True)
     if "e2e" in parts:
         res["e2e"] = e2e_part(root, args.tiny, dev.type, args.dims, args.seqs, args.seq)
     res["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import child_process, grouped_experts, harness
 from benchmarks.__main__ import BENCHES
@@ -336,3 +337,17 @@ def test_the_trace_runs_a_given_checkpoint_with_more_options(tmp_path):
         else:
             assert "error" in got and "nonsense" in got["error"]
     assert not (tmp_path / "src").exists()
+
+
+def test_obs_precision_part_on_a_cpu():
+    """`obs --parts precision` on the CPU, which has no TF32: each TF32 row is fp32's to the
+    last code, and bf16's operands move codes and the error, so the part tells them apart."""
+    from benchmarks.obs_precision import precision_part
+
+    got = precision_part(torch.device("cpu"), (256, 128), 200, 2)
+    rows = got["runs"]
+    assert len(rows) == 2 * 2 * 2 * 3 and got["held_out_tokens"] == 25
+    for r in rows:
+        exact = r["loop"] != "bf16"
+        assert (r["codes_differ"] == 0 and r["held_err_vs_fp32"] == 1.0) is exact, r
+        assert r["u_finite"] and r["held_err_vs_rtn"] > 0

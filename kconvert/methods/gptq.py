@@ -21,6 +21,13 @@ from kconvert.plugins.methods import GPTQ
 # manifest records them as `gptq_targets`.
 ROLES = (Role.ROUTED_EXPERT, Role.SHARED_EXPERT, Role.DENSE_MLP, Role.ATTENTION)
 
+# The inverse's and the column loop's matrix products run on TF32 tensor cores on a GPU (on a
+# CPU, in fp32 as before): on full-size Kimi experts this halves the inverse and takes a third
+# off the loop, while the held-out output error stays within 0.04% of fp32's and on either
+# side of it (docs/obs.md, "TF32").
+INVERSE_PRECISION = "tf32"
+LOOP_PRECISION = "tf32"
+
 
 class Gptq(ObsMethod):
     declaration = GPTQ
@@ -59,5 +66,6 @@ class Gptq(ObsMethod):
         out, codes, choices = obs.quantize_batches(
             w, nvfp4.tensor_scale(amax, codec.arithmetic), obs.members_of([m.tn for m in modules]),
             split, spec.group(codec), spec.rule, spec.local_dtype, codec.arithmetic,
-            against_rtn=True, budget=hessians.obs_budget(w.device))
+            against_rtn=True, budget=hessians.obs_budget(w.device),
+            inverse_precision=INVERSE_PRECISION, precision=LOOP_PRECISION)
         return Transformed(out, codes, [asdict(c) for c in choices])

@@ -75,8 +75,8 @@ KERNELS = ("auto", "torch", "triton")
 MaskRule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def prepare_inverse(h: torch.Tensor, percdamp: float = PERCDAMP, leaf: int | None = None
-                    ) -> torch.Tensor:
+def prepare_inverse(h: torch.Tensor, percdamp: float = PERCDAMP, leaf: int | None = None,
+                    precision: str = "fp32") -> torch.Tensor:
     """U = upper Cholesky factor of (H + damp I)^-1, for H [B, K, K] (fp32).
 
     A column no token touched (zero diagonal) gets a unit diagonal: it neither receives nor
@@ -88,17 +88,22 @@ def prepare_inverse(h: torch.Tensor, percdamp: float = PERCDAMP, leaf: int | Non
     (H)^-1 = (J L^-1 J)^T (J L^-1 J) and J L^-1 J is upper with a positive diagonal: so U is
     L^-1 of the flipped H, where SparseGPT's code (Cholesky, explicit inverse, Cholesky again)
     takes about three times the arithmetic. L^-1 comes from one recursion of batched fp32
-    GEMMs (`triangular.inverse_cholesky_factor_`, TF32 off), with torch's Cholesky and
+    GEMMs (`triangular.inverse_cholesky_factor_`), with torch's Cholesky and
     triangular solve only on diagonal blocks of `leaf` to 2 `leaf` - 1 columns (default
     triangular.LEAF; K < 2 `leaf`: exactly one Cholesky and one solve_triangular against I).
+    `precision` is that of the recursion's GEMMs, whatever the process set: "fp32" (TF32 off)
+    or "tf32" (TF32 tensor cores on a GPU; on a CPU the same as fp32). bf16 operands would lose
+    the factor's small entries, and are refused.
     """
+    if precision not in ("fp32", "tf32"):
+        raise ValueError(f"the inverse runs in fp32 or tf32, not {precision!r}")
     h = h.float().clone()
     diag = h.diagonal(dim1=-2, dim2=-1)
     diag.masked_fill_(diag == 0, 1.0)
     diag += percdamp * diag.mean(-1, keepdim=True)
     del diag  # a view: the damped copy goes as soon as its flip is made
     h = h.flip(-2, -1)
-    with _matmul_precision("fp32", h.device):
+    with _matmul_precision(precision, h.device):
         return triangular.inverse_cholesky_factor_(h, leaf or triangular.LEAF).flip(-2, -1)
 
 
@@ -304,6 +309,7 @@ def quantize_batches(w: torch.Tensor, gs: torch.Tensor, members: Sequence[Member
                      hessian: Callable[[Member], HessianSplit], group_size: int, rule: str,
                      local_dtype: torch.dtype, arithmetic: str, *, mask: MaskRule | None = None,
                      against_rtn: bool = False, budget: int | None = None,
+                     inverse_precision: str = "fp32", precision: str = "fp32"
                      ) -> tuple[torch.Tensor, torch.Tensor, list[Choice] | None]:
     """OBS-quantize w [B, M, K] (B matrices, per-matrix global scales gs [B]), batching the
     Hessian-sharing groups of `members` (one per matrix) `experts_per_batch(budget)` at a time.
@@ -312,6 +318,8 @@ def quantize_batches(w: torch.Tensor, gs: torch.Tensor, members: Sequence[Member
     is kept (RTN's values and codes are the encoder's own, so an RTN choice gives exactly the
     bytes of a run without OBS); the choices come back per matrix. The comparison is on the
     held-out tokens' Hessian where `hessian` gives one, else on the fitted one.
+    `inverse_precision` is that of `prepare_inverse`'s products, `precision` that of the error
+    propagation's (PRECISIONS).
     Returns (weights [B, M, K], block codes uint8 [B, M, K/group_size],
     choices or None).
     """
@@ -336,13 +344,13 @@ def quantize_batches(w: torch.Tensor, gs: torch.Tensor, members: Sequence[Member
             held.append(split.held_out)
         h = torch.stack(fits)
         del fits, split
-        u = prepare_inverse(h)
+        u = prepare_inverse(h, precision=inverse_precision)
         rows = [j for i in batch for j in groups[i]]
         idx = torch.tensor(rows, device=w.device)
         row_gs = gs[idx].repeat_interleave(m).reshape(len(batch), per * m)
         target = w[idx].reshape(len(batch), per * m, k)
         w_hat, codes = obs_quantize(target, u, row_gs, group_size, rule, local_dtype,
-                                    arithmetic, mask=mask)
+                                    arithmetic, precision, mask=mask)
         del u
         if against_rtn:
             judged = torch.stack([h[n] if o is None else o.to(w.device)

@@ -119,7 +119,7 @@ def inverse_cholesky_factor_(spd: torch.Tensor, leaf: int = LEAF) -> torch.Tenso
     Cholesky and the inverse in one recursion of batched GEMMs (about n^3 / 3 multiply-adds
     in all), Cholesky and solve_triangular only on diagonal blocks of leaf to 2 * leaf - 1
     columns.
-    Products as in `invert_lower_` (keep TF32 off)."""
+    Products as in `invert_lower_` (obs.prepare_inverse sets TF32 as its caller asks)."""
     _check_square(spd)
     if _split(spd.shape[-1], leaf) is None:
         return _leaf_inverse(spd)
@@ -135,8 +135,8 @@ def _check_square(t: torch.Tensor) -> None:
 def invert_lower_(lower: torch.Tensor, leaf: int = LEAF) -> torch.Tensor:
     """Overwrite lower-triangular matrices L [B, n, n] (float, contiguous; what lies above the
     diagonal is not read) with L^-1 (zero above the diagonal) and return them. With n < 2 * leaf
-    it is exactly solve_triangular(L, I). The products follow torch's matmul settings: keep
-    TF32 off for an fp32 inverse (obs.prepare_inverse does)."""
+    it is exactly solve_triangular(L, I). The products follow torch's matmul settings: TF32
+    off for an fp32 inverse, on for a TF32 one (obs.prepare_inverse sets it)."""
     _check_square(lower)
     _invert_lower_(lower.tril_(), leaf)
     return lower

@@ -109,6 +109,13 @@ def test_a_non_square_batch_is_refused():
             fn(torch.ones(2, 4, 5))
 
 
+def test_the_inverse_runs_in_fp32_or_tf32_only():
+    h = torch.eye(8)[None] * 2
+    assert torch.equal(obs.prepare_inverse(h, precision="tf32"), obs.prepare_inverse(h))
+    with pytest.raises(ValueError, match="fp32 or tf32"):
+        obs.prepare_inverse(h, precision="bf16")
+
+
 def test_gptq_and_sparsegpt_barely_move_with_the_new_rounding(small_leaves):
     """The same OBS problem under the oracle's U and the blocked U: block codes and W-hat
     values that differ, and the reconstruction error, as measured in docs/obs.md."""
