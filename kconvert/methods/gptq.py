@@ -25,8 +25,7 @@ ROLES = (Role.ROUTED_EXPERT, Role.SHARED_EXPERT, Role.DENSE_MLP, Role.ATTENTION)
 # CPU, in fp32 as before): on full-size Kimi experts this halves the inverse and takes a third
 # off the loop, while the held-out output error stays within 0.04% of fp32's and on either
 # side of it (docs/obs.md, "TF32").
-INVERSE_PRECISION = "tf32"
-LOOP_PRECISION = "tf32"
+PRECISION = "tf32"
 
 
 class Gptq(ObsMethod):
@@ -51,7 +50,9 @@ class Gptq(ObsMethod):
         return m.tn.role in self.roles
 
     def record(self) -> dict[str, object]:
+        on_gpu = self.calibration.hessians.device.type == "cuda"
         return {**super().record(), "gptq_targets": sorted(r.value for r in self.roles),
+                **({"gptq_precision": PRECISION} if on_gpu else {}),
                 **self.sequential_record()}
 
     def transform_batch(self, batch) -> Transformed:
@@ -66,6 +67,5 @@ class Gptq(ObsMethod):
         out, codes, choices = obs.quantize_batches(
             w, nvfp4.tensor_scale(amax, codec.arithmetic), obs.members_of([m.tn for m in modules]),
             split, spec.group(codec), spec.rule, spec.local_dtype, codec.arithmetic,
-            against_rtn=True, budget=hessians.obs_budget(w.device),
-            inverse_precision=INVERSE_PRECISION, precision=LOOP_PRECISION)
+            against_rtn=True, budget=hessians.obs_budget(w.device), precision=PRECISION)
         return Transformed(out, codes, [asdict(c) for c in choices])

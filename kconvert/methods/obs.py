@@ -309,7 +309,7 @@ def quantize_batches(w: torch.Tensor, gs: torch.Tensor, members: Sequence[Member
                      hessian: Callable[[Member], HessianSplit], group_size: int, rule: str,
                      local_dtype: torch.dtype, arithmetic: str, *, mask: MaskRule | None = None,
                      against_rtn: bool = False, budget: int | None = None,
-                     inverse_precision: str = "fp32", precision: str = "fp32"
+                     precision: str = "fp32"
                      ) -> tuple[torch.Tensor, torch.Tensor, list[Choice] | None]:
     """OBS-quantize w [B, M, K] (B matrices, per-matrix global scales gs [B]), batching the
     Hessian-sharing groups of `members` (one per matrix) `experts_per_batch(budget)` at a time.
@@ -318,8 +318,8 @@ def quantize_batches(w: torch.Tensor, gs: torch.Tensor, members: Sequence[Member
     is kept (RTN's values and codes are the encoder's own, so an RTN choice gives exactly the
     bytes of a run without OBS); the choices come back per matrix. The comparison is on the
     held-out tokens' Hessian where `hessian` gives one, else on the fitted one.
-    `inverse_precision` is that of `prepare_inverse`'s products, `precision` that of the error
-    propagation's (PRECISIONS).
+    `precision` is that of the inverse's and the error propagation's matrix products ("fp32"
+    or "tf32").
     Returns (weights [B, M, K], block codes uint8 [B, M, K/group_size],
     choices or None).
     """
@@ -344,7 +344,7 @@ def quantize_batches(w: torch.Tensor, gs: torch.Tensor, members: Sequence[Member
             held.append(split.held_out)
         h = torch.stack(fits)
         del fits, split
-        u = prepare_inverse(h, precision=inverse_precision)
+        u = prepare_inverse(h, precision=precision)
         rows = [j for i in batch for j in groups[i]]
         idx = torch.tensor(rows, device=w.device)
         row_gs = gs[idx].repeat_interleave(m).reshape(len(batch), per * m)

@@ -55,6 +55,9 @@ class ObsRecord(BaseModel):
 class GptqRecord(ObsRecord):
     gptq_targets: list[str] | None = Field(
         None, description="gptq: the targeted roles quantized by GPTQ (the others RTN)")
+    gptq_precision: str | None = Field(
+        None, description="gptq: the inverse's and the column loop's matrix products, tf32 on "
+                          "a GPU (absent: fp32, a CPU)")
 
 
 class LearnedRecord(ObsRecord):
