@@ -9,9 +9,9 @@ import statistics
 import torch
 
 from benchmarks.harness import Timer
+from benchmarks.obs_stage import hessians, problem
 from kconvert.formats import nvfp4
 from kconvert.methods import obs
-from kconvert.methods.hessians import gram
 
 # Held-out tokens per expert beside --tokens fitted ones: one in eight, as GPTQ holds out
 # (obs.HELDOUT_EVERY).
@@ -21,14 +21,14 @@ HELD_OUT_SHARE = 1 / 8
 OUTLIER_SHARE, OUTLIER_SCALE = 0.01, 30.0
 
 
-def _inputs(kind: str, e: int, tokens: int, k: int, dev: torch.device, gen: torch.Generator
-            ) -> torch.Tensor:
-    """bf16 inputs [e, tokens, k]: Gaussian, or Gaussian with outlier channels."""
-    scale = torch.ones(k, device=dev)
-    if kind == "outliers":
-        scale[torch.randperm(k, generator=gen, device=dev)[:max(1, int(k * OUTLIER_SHARE))]] = (
-            OUTLIER_SCALE)
-    return (torch.randn(e, tokens, k, generator=gen, device=dev) * scale).to(torch.bfloat16)
+def _with_outliers(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """bf16 inputs [e, tokens, k] with OUTLIER_SHARE of their channels OUTLIER_SCALE times
+    larger."""
+    k = x.shape[-1]
+    scale = torch.ones(k, device=x.device)
+    scale[torch.randperm(k, generator=gen, device=x.device)[:max(1, int(k * OUTLIER_SHARE))]] = (
+        OUTLIER_SCALE)
+    return (x.float() * scale).to(torch.bfloat16)
 
 
 def precision_part(dev: torch.device, dims, tokens: int, e: int) -> dict:
@@ -44,10 +44,10 @@ def precision_part(dev: torch.device, dims, tokens: int, e: int) -> dict:
     for kind in ("gaussian", "outliers"):
         for name, (m, k) in (("gate_up", (2 * inter, hidden)), ("down", (hidden, inter))):
             gen = torch.Generator(device=dev).manual_seed(1)
-            x = _inputs(kind, e, tokens + held, k, dev, gen)
-            w = torch.randn(e, m, k, generator=gen, device=dev) * k ** -0.5
-            h_fit = torch.stack([gram(xi[:tokens]) for xi in x])
-            h_held = torch.stack([gram(xi[tokens:]) for xi in x])
+            w, x = problem(dev, e, m, k, tokens + held, gen)
+            if kind == "outliers":
+                x = _with_outliers(x, gen)
+            h_fit, h_held = hessians(x[:, :tokens]), hessians(x[:, tokens:])
             del x
             gs = nvfp4.tensor_scale(w.abs().amax((1, 2))).repeat_interleave(m).reshape(e, m)
             blocks = w.reshape(e * m, -1, 16)
