@@ -2,7 +2,9 @@
 
 The trainer (issue 36): seconds per step of a batch of Kimi-shaped routed experts (hidden 7168,
 moe_intermediate 2048), eager and compiled, p48 and dense NVFP4, and the peak GPU memory per
-expert.
+expert. On a GPU the compiled step is timed twice: as the method runs it, inside
+kconvert.gpu.devices.deterministic() (where inductor takes its reductions' untuned tiles), and
+outside it.
 
 Device (one H100):
     python3 -m benchmarks learned $OUT/learned.json [--experts 8] [--steps 12] [--tokens 256]
@@ -40,6 +42,7 @@ import shutil
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -75,23 +78,27 @@ def problem(experts: int, hidden: int, inter: int, sparse: bool, dev: torch.devi
 
 
 def measure(experts: int, dims: tuple[int, int], sparse: bool, compiled: bool, steps: int,
-            tokens: int, dev: torch.device) -> dict:
+            tokens: int, dev: torch.device, in_deterministic: bool = True) -> dict:
+    from kconvert.gpu.devices import deterministic
     from kconvert.methods import expert_training as et
     from kconvert.methods.learned import training_bytes
     from kconvert.plugins.methods import LearnedNvfp4Settings, LearnedP48Settings
 
     et.COMPILE = compiled
-    et._compiled.cache_clear()
+    et.compiled.cache_clear()
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    out = {"experts": experts, "sparse": sparse, "compiled": compiled, "tokens": tokens}
+    out = {"experts": experts, "sparse": sparse, "compiled": compiled, "tokens": tokens,
+           "deterministic": in_deterministic}
     for label, n in (("warmup", 2), ("timed", steps)):
         ex, enc = problem(experts, *dims, sparse, dev)
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         sync()
         t = time.perf_counter()
-        et.train(ex, enc, et.TrainSettings(n, tokens, 2e-3, 2e-3, 0),
-                 [torch.Generator(device=dev).manual_seed(e) for e in range(experts)], dtype)
+        with torch.enable_grad(), deterministic() if in_deterministic else nullcontext():
+            et.train(ex, enc, et.TrainSettings(n, tokens, 2e-3, 2e-3, 0),
+                     [torch.Generator(device=dev).manual_seed(e) for e in range(experts)],
+                     dtype)
         sync()
         out[f"{label}_s"] = round(time.perf_counter() - t, 3)
         del ex
@@ -204,9 +211,12 @@ def main(argv: list[str]) -> None:
     rec = record("learned", gpu=dev.type == "cuda")
     result = {"record": rec, "dims": dims, "runs": []}
     path = result_path(rec, a.out, out_dir=Path(a.out_dir))
+    configs = ([(False, True), (True, True), (True, False)] if dev.type == "cuda"
+               else [(False, True)])  # (compiled, inside deterministic())
     for sparse in (True, False):
-        for compiled in ((False, True) if dev.type == "cuda" else (False,)):
-            got = measure(a.experts, dims, sparse, compiled, a.steps, a.tokens, dev)
+        for compiled, in_deterministic in configs:
+            got = measure(a.experts, dims, sparse, compiled, a.steps, a.tokens, dev,
+                          in_deterministic)
             result["runs"].append(got)
             save(result, path)
             print(got, flush=True)

@@ -13,6 +13,9 @@ from kconvert.testing.fixtures import make_fixture
 # The suite runs on CPU tensors: Triton kernels (kconvert.methods.obs_kernel) run under
 # Triton's interpreter, which must be chosen before triton is first imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Where the Triton tests put their tensors: the interpreter reads CPU memory, a compiled kernel
+# (TRITON_INTERPRET=0 on a GPU machine) only CUDA memory.
+TRITON_DEVICE = "cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda"
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = ROOT / "tests" / "fixtures" / "tiny-k2-thinking-int4"

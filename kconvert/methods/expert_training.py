@@ -5,7 +5,7 @@ routed tokens, weighted by the router weight squared.
 Experts of a layer are independent: a batch of E experts trains as stacked tensors, one
 batched matrix product per projection. Per expert and matrix the trainable state is an fp32
 master weight and, for paired-4:8 (p48.md), one logit per 8-element chunk for each of the 6
-allowed patterns. A step:
+allowed patterns (kconvert.methods.pattern_masks). A step:
   soft mask   m = softmax((logits * scale + gumbel) / temperature) @ patterns  (p48 only)
   weights     q = NVFP4(m * W) by a straight-through estimator: block scales chosen on the
               masked weights by the --block-scale rule each step (no gradient through them),
@@ -41,16 +41,12 @@ from dataclasses import dataclass
 import torch
 
 from kconvert.formats import nvfp4, p48
+from kconvert.methods import pattern_masks as pm
 
 log = logging.getLogger(__name__)
 
 ADAM_BETAS = (0.9, 0.99)
 ADAM_EPS = 1e-12
-# Logits start at the one-shot pattern's advantage: +PRIOR for it, 0 for the four patterns
-# sharing one pair with it, -PRIOR for its complement (MaskLLM's and MoESQ's prior): at the
-# first step's scale and temperature the one-shot pattern has about three quarters of the
-# probability, so the others are explored from the start.
-PRIOR = 0.05
 
 
 @dataclass(frozen=True)
@@ -126,56 +122,6 @@ def grid_values(w: torch.Tensor, codes: torch.Tensor, gs: torch.Tensor, group: i
     return (nvfp4.round_e2m1(blocks / step) * step).reshape(w.shape).to(dtype)
 
 
-def counter_uniform(shape: torch.Size, seed: torch.Tensor) -> torch.Tensor:
-    """Uniform draws in (0, 1) (24 bits) of a counter-based generator, shape [E, ...]: element
-    i of batch entry e is a hash (splitmix64's finaliser) of i and seed[e] (int64 [E]).
-    Elementwise integer arithmetic only, so the same bits on every device, and a compiler fuses
-    it into its consumer instead of writing the draws out."""
-    per = torch.arange(shape[1:].numel(), dtype=torch.int64, device=seed.device)
-    x = (per.reshape(shape[1:]) + seed.reshape(-1, *[1] * (len(shape) - 1))
-         * 0x3C6EF372FE94F82B) * -0x61C8864680B583EB  # 0x9E3779B97F4A7C15
-    x = (x ^ ((x >> 30) & 0x3FFFFFFFF)) * -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9
-    x = (x ^ ((x >> 27) & 0x1FFFFFFFFF)) * -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
-    x = x ^ ((x >> 31) & 0x1FFFFFFFF)
-    return (((x >> 40) & 0xFFFFFF).float() + 0.5) / (1 << 24)
-
-
-def _probs(logits: torch.Tensor, seed: torch.Tensor, scale: torch.Tensor,
-           temperature: torch.Tensor) -> torch.Tensor:
-    """A Gumbel-softmax sample of each chunk's pattern probabilities [..., K/8, 6], the noise
-    -log(-log(u)) of `counter_uniform` draws keyed by `seed`."""
-    noise = -torch.log(-torch.log(counter_uniform(logits.shape, seed)))
-    return torch.softmax((logits * scale + noise) / temperature, dim=-1)
-
-
-def _element_masks(probs: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
-    """probs [..., 6] times the patterns' element masks [6, 8]: [..., 8]. A sum over the 6
-    patterns rather than a matrix product, so that a compiler fuses it into its neighbours."""
-    return (probs.unsqueeze(-1) * masks).sum(-2)
-
-
-def masked_weights(w: torch.Tensor, logits: torch.Tensor, seed: torch.Tensor,
-                   scale: torch.Tensor, temperature: torch.Tensor, masks: torch.Tensor
-                   ) -> torch.Tensor:
-    """w times a Gumbel-softmax sample of its element masks."""
-    return w * _element_masks(_probs(logits, seed, scale, temperature), masks).reshape(w.shape)
-
-
-def mask_gradients(w: torch.Tensor, logits: torch.Tensor, grad: torch.Tensor,
-                   seed: torch.Tensor, scale: torch.Tensor, temperature: torch.Tensor,
-                   masks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gradients (of w [..., R, K], of its logits [..., R, K/8, 6]) of a loss whose
-    gradient on the masked and rounded weights is `grad` (the rounding's straight-through
-    backward is the identity): the backward of `masked_weights` by hand, its sample recomputed
-    from the same seed, so that one fused pass gives both without autograd keeping it."""
-    probs = _probs(logits, seed, scale, temperature)
-    chunks = (*logits.shape[:-1], masks.shape[1])
-    g = grad.float().reshape(chunks)
-    d_probs = (masks * (g * w.reshape(chunks)).unsqueeze(-2)).sum(-1)
-    d_logits = probs * (d_probs - (probs * d_probs).sum(-1, keepdim=True)) * (scale / temperature)
-    return (g * _element_masks(probs, masks)).reshape(w.shape), d_logits
-
-
 def _adam(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
           step: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor) -> None:
     """One Adam update in place: p -= step * m_hat / (sqrt(v_hat) + eps)."""
@@ -197,7 +143,7 @@ def _update_masked(w: torch.Tensor, logits: torch.Tensor, grad: torch.Tensor,
                    mask_step: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor) -> None:
     """Adam on a p48 matrix and its pattern logits from the gradient on its masked, rounded
     values; state: the moments (m, v of w, m, v of the logits)."""
-    d_w, d_logits = mask_gradients(w, logits, grad, seed, scale, temperature, masks)
+    d_w, d_logits = pm.mask_gradients(w, logits, grad, seed, scale, temperature, masks)
     _adam(w, d_w, state[0], state[1], step, c1, c2)
     _adam(logits, d_logits, state[2], state[3], mask_step, c1, c2)
 
@@ -207,7 +153,7 @@ COMPILE = True
 
 
 @functools.cache
-def _compiled(fn: Callable, device_type: str) -> Callable:
+def compiled(fn: Callable, device_type: str) -> Callable:
     """`fn` compiled into fused kernels on a GPU (torch.compile; shapes fixed per batch size),
     as it is on a CPU."""
     if device_type != "cuda" or not COMPILE:
@@ -215,34 +161,28 @@ def _compiled(fn: Callable, device_type: str) -> Callable:
     return torch.compile(fn, dynamic=False)
 
 
+class _Linear(torch.autograd.Function):
+    """x [E, T, K] times w [E, N, K] transposed, whose weight gradient is made in w's layout:
+    autograd's bmm gives it as a transposed view, which AccumulateGrad then copies into w's
+    layout, a strided pass over every weight (a tenth of a p48 step on an H200)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return torch.bmm(x, w.transpose(1, 2))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        x, w = ctx.saved_tensors
+        return (torch.bmm(grad, w) if ctx.needs_input_grad[0] else None,
+                torch.bmm(grad.transpose(1, 2), x) if ctx.needs_input_grad[1] else None)
+
+
 def expert_outputs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """down(silu(gate x) * up x) of stacked experts: x [E, T, H], gate_up [E, 2I, H] (gate
     rows first), down [E, H, I] -> [E, T, H], in x's dtype with fp32 accumulation."""
-    h = torch.bmm(x, gate_up.to(x.dtype).transpose(1, 2))
-    gate, up = h.chunk(2, dim=-1)
-    return torch.bmm(torch.nn.functional.silu(gate) * up, down.to(x.dtype).transpose(1, 2))
-
-
-def initial_logits(keep: torch.Tensor) -> torch.Tensor:
-    """Pattern logits [..., R, K/8, 6] (fp32) favouring the pattern of a p48 pair mask
-    `keep` [..., R, K/2] by its overlap with each pattern (PRIOR per shared pair above the
-    mean)."""
-    masks = p48.patterns(keep.device)  # [6, 8]
-    chosen = masks[p48.pattern_of(keep)]  # [..., K/8, 8]
-    overlap = torch.einsum("...c,pc->...p", chosen, masks) / 2  # pairs shared: 0, 1 or 2
-    return PRIOR * (overlap - 1.0)
-
-
-def soft_mask(logits: torch.Tensor, scale: float, temperature: float) -> torch.Tensor:
-    """The expected element masks [..., R, K] of logits [..., R, K/8, 6] at a scale and
-    temperature (a step's sample adds Gumbel noise to the scaled logits: `masked_weights`)."""
-    probs = torch.softmax(logits * scale / temperature, dim=-1)
-    return (probs @ p48.patterns(logits.device)).reshape(*logits.shape[:-2], -1)
-
-
-def hard_mask(logits: torch.Tensor) -> torch.Tensor:
-    """Each chunk's most likely pattern (ties to the lower index) as element masks [..., R, K]."""
-    return p48.patterns(logits.device)[logits.argmax(-1)].reshape(*logits.shape[:-2], -1)
+    gate, up = _Linear.apply(x, gate_up.to(x.dtype)).chunk(2, dim=-1)
+    return _Linear.apply(torch.nn.functional.silu(gate) * up, down.to(x.dtype))
 
 
 def _schedule(step: int, steps: int, ends: tuple[float, float]) -> float:
@@ -264,7 +204,7 @@ class Adam:
         self.m = [torch.zeros_like(p) for p in params]
         self.v = [torch.zeros_like(p) for p in params]
         self.t = 0
-        self.update = _compiled(_update_values, params[0].device.type)
+        self.update = compiled(_update_values, params[0].device.type)
 
     def corrections(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next step's bias corrections (1 - beta1^t, 1 - beta2^t), on the device."""
@@ -328,7 +268,7 @@ def train(experts: Experts, enc: Encoding, settings: TrainSettings,
     names = list(experts.w)
     dev = experts.w[names[0]].device
     weights = {n: experts.w[n].detach() for n in names}
-    logits = ({n: initial_logits(experts.keep[n]) for n in names}
+    logits = ({n: pm.initial_logits(experts.keep[n]) for n in names}
               if experts.keep is not None else {})
     rms = [w.square().mean((-1, -2), keepdim=True).sqrt_().clamp_(min=1e-12)
            for w in weights.values()]
@@ -337,9 +277,9 @@ def train(experts: Experts, enc: Encoding, settings: TrainSettings,
     opt = Adam([*weights.values(), *logits.values()], [*rms, *([ratio] * len(logits))])
     draws = _Draws(experts, settings, generators, len(names))
     masks = p48.patterns(dev)
-    masked = _compiled(masked_weights, dev.type)
-    rounded = _compiled(grid_values, dev.type)
-    update = _compiled(_update_masked if logits else _update_values, dev.type)
+    masked = compiled(pm.masked_weights, dev.type)
+    rounded = compiled(grid_values, dev.type)
+    update = compiled(_update_masked if logits else _update_values, dev.type)
     for step in range(settings.steps):
         x, y, g = draws.batch(experts, step)
         scale = torch.tensor(_schedule(step, settings.steps, settings.logit_scale), device=dev)
@@ -374,6 +314,6 @@ def train(experts: Experts, enc: Encoding, settings: TrainSettings,
         for n in names:
             w = weights[n]
             if logits:
-                w = torch.where(hard_mask(logits[n]) > 0, w, 0.0)  # pruned pairs +0
+                w = torch.where(pm.hard_mask(logits[n]) > 0, w, 0.0)  # pruned pairs +0
             values[n], codes[n] = quantized(w, experts.gs[n], enc)
     return values, codes

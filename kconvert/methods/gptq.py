@@ -11,7 +11,7 @@ from kconvert.errors import KconvertError
 from kconvert.formats import nvfp4
 from kconvert.formats.linear import Transformed
 from kconvert.methods import obs
-from kconvert.methods.obs_method import ObsMethod
+from kconvert.methods.obs_method import PRECISION, ObsMethod
 from kconvert.model.names import Role
 from kconvert.plugins.methods import GPTQ
 
@@ -20,12 +20,6 @@ from kconvert.plugins.methods import GPTQ
 # forward collects (obs.EXPERT_ROLES and the rest). A targeted router is not among them; the
 # manifest records them as `gptq_targets`.
 ROLES = (Role.ROUTED_EXPERT, Role.SHARED_EXPERT, Role.DENSE_MLP, Role.ATTENTION)
-
-# The inverse's and the column loop's matrix products run on TF32 tensor cores on a GPU (on a
-# CPU, in fp32 as before): on full-size Kimi experts this halves the inverse and takes a third
-# off the loop, while the held-out output error stays within 0.04% of fp32's and on either
-# side of it (docs/obs.md, "TF32").
-PRECISION = "tf32"
 
 
 class Gptq(ObsMethod):
@@ -50,9 +44,7 @@ class Gptq(ObsMethod):
         return m.tn.role in self.roles
 
     def record(self) -> dict[str, object]:
-        on_gpu = self.calibration.hessians.device.type == "cuda"
         return {**super().record(), "gptq_targets": sorted(r.value for r in self.roles),
-                **({"gptq_precision": PRECISION} if on_gpu else {}),
                 **self.sequential_record()}
 
     def transform_batch(self, batch) -> Transformed:

@@ -18,6 +18,12 @@ from kconvert.methods.base import Method
 from kconvert.methods.hessians import Calibration
 from kconvert.plugins.methods import DataMethodSettings
 
+# The inverse's and the column loop's matrix products run on TF32 tensor cores on a GPU (on a
+# CPU, in fp32): on full-size Kimi experts this halves GPTQ's inverse and takes a third off its
+# loop, while the held-out output error stays within 0.04% of fp32's and on either side of it
+# (docs/obs.md, "TF32").
+PRECISION = "tf32"
+
 
 class ObsMethod(Method):
     """Base of the methods that solve OBS batches on calibration Hessians (docs/obs.md)."""
@@ -76,8 +82,9 @@ class ObsMethod(Method):
         return codec.arithmetic in nvfp4.ARITHMETIC
 
     def record(self) -> dict[str, object]:
+        on_gpu = self.calibration.hessians.device.type == "cuda"
         return {"method": self.name, "percdamp": obs.PERCDAMP, "blocksize": obs.BLOCKSIZE,
-                "data": self.calibration.data}
+                "data": self.calibration.data, **({"obs_precision": PRECISION} if on_gpu else {})}
 
     def sequential_record(self) -> dict[str, object]:
         """`hessian` in the record where it is not the default (records made before the

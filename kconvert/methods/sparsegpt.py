@@ -17,7 +17,7 @@ import torch
 from kconvert.formats import nvfp4, p48
 from kconvert.formats.linear import Transformed
 from kconvert.methods import obs
-from kconvert.methods.obs_method import ObsMethod
+from kconvert.methods.obs_method import PRECISION, ObsMethod
 from kconvert.plugins.methods import SPARSEGPT
 
 
@@ -65,5 +65,5 @@ class SparseGpt(ObsMethod):
             w, nvfp4.tensor_scale(amax, codec.arithmetic), obs.members_of([m.tn for m in modules]),
             lambda mb: obs.HessianSplit(hessians.hessian(mb.layer, mb.expert, mb.proj), None),
             spec.group(codec), spec.rule, spec.local_dtype, codec.arithmetic, mask=p48_mask,
-            budget=hessians.obs_budget(w.device))
+            budget=hessians.obs_budget(w.device), precision=PRECISION)
         return Transformed(out, codes)

@@ -50,14 +50,14 @@ class ObsRecord(BaseModel):
     data: dict | None = Field(None, description="the calibration data")
     hessian: str | None = Field(None, description="where a data-driven method's layer inputs "
                                                   "come from: sequential (absent: the source)")
+    obs_precision: str | None = Field(
+        None, description="the inverse's and the column loop's matrix products, tf32 on a GPU "
+                          "(absent: fp32, a CPU)")
 
 
 class GptqRecord(ObsRecord):
     gptq_targets: list[str] | None = Field(
         None, description="gptq: the targeted roles quantized by GPTQ (the others RTN)")
-    gptq_precision: str | None = Field(
-        None, description="gptq: the inverse's and the column loop's matrix products, tf32 on "
-                          "a GPU (absent: fp32, a CPU)")
 
 
 class LearnedRecord(ObsRecord):

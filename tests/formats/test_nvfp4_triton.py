@@ -1,9 +1,9 @@
 """The Triton block-scale choice (kconvert.formats.nvfp4_triton), run on CPU tensors through
-Triton's interpreter (TRITON_INTERPRET=1): its FP8 and bf16 rounding equal torch's casts on
-every FP8 code, every tie between neighbours and one ulp either side; its codes equal the torch
-path's bit for bit for both rules, both arithmetics, fp32 and bf16 local dtypes, 16- and
-32-element blocks, zero, negative-zero and tiny blocks, and the independent reference written
-from formats.md (tests/nvfp4_reference.py)."""
+Triton's interpreter (TRITON_INTERPRET=1) or compiled on CUDA tensors (TRITON_INTERPRET=0 on a
+GPU machine): its FP8 and bf16 rounding equal torch's casts on every FP8 code, every tie between
+neighbours and one ulp either side; its codes equal the torch path's bit for bit for both rules,
+both arithmetics, fp32 and bf16 local dtypes, 16- and 32-element blocks, zero, negative-zero and
+tiny blocks, and the independent reference written from formats.md (tests/nvfp4_reference.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 from nvfp4_reference import best_code, block_errors
 
+from conftest import TRITON_DEVICE
 from kconvert.formats import nvfp4, nvfp4_triton
 
 if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
@@ -36,7 +37,7 @@ def test_fp8_and_bf16_rounding_equal_torch_casts():
     pts = torch.cat([pts, torch.nextafter(pts, torch.tensor(0.0)),
                      torch.nextafter(pts, torch.tensor(1e9)),
                      torch.rand(4000, generator=torch.Generator().manual_seed(0)) * 500,
-                     torch.tensor([2.0**-12, 448.5, 1e30, float("inf")])])
+                     torch.tensor([2.0**-12, 448.5, 1e30, float("inf")])]).to(TRITON_DEVICE)
     fp8 = torch.empty_like(pts, dtype=torch.int32)
     bf16 = torch.empty_like(pts)
     _casts[(triton.cdiv(pts.numel(), 1024),)](pts, fp8, bf16, pts.numel(), R=1024)
@@ -44,6 +45,7 @@ def test_fp8_and_bf16_rounding_equal_torch_casts():
                        .view(torch.uint8).int())
     # bf16 ties: values halfway between two bf16 numbers, both parities
     ties = (torch.arange(1, 200, dtype=torch.int32) << 16 | 0x8000).view(torch.float32)
+    ties = ties.to(TRITON_DEVICE)
     bf16_ties = torch.empty_like(ties)
     _casts[(1,)](ties, torch.empty_like(ties, dtype=torch.int32), bf16_ties, ties.numel(), R=256)
     assert torch.equal(bf16, pts.bfloat16().float())
@@ -56,7 +58,7 @@ def _blocks(group: int, seed: int) -> torch.Tensor:
     x[3, 2] = 0.0
     x[4, 1] = -0.0
     x[5, 0, :3] = 0.0  # a block with zeros among its values
-    return x
+    return x.to(TRITON_DEVICE)
 
 
 @pytest.mark.parametrize("group", [16, 32])
@@ -73,7 +75,7 @@ def test_codes_equal_the_torch_path(group, rule, arithmetic, local):
     assert torch.equal(got, ref)
     if local == torch.float32:  # the reference computes the amax rule in fp32
         # the reference's error, not its code: blocks that round to 0 tie on every code
-        mag, row_gs = x.abs(), gs[:, 0]
+        mag, row_gs, got = x.abs().cpu(), gs[:, 0].cpu(), got.cpu()
         want = best_code(mag, row_gs, rule, arithmetic)
         assert torch.equal(block_errors(mag, row_gs, got.long()[..., None], arithmetic),
                            block_errors(mag, row_gs, want[..., None], arithmetic))
@@ -82,7 +84,8 @@ def test_codes_equal_the_torch_path(group, rule, arithmetic, local):
 def test_the_triton_chooser_refuses_a_local_dtype_it_does_not_reproduce():
     x = _blocks(16, 0)
     with pytest.raises(ValueError, match="local dtypes"):
-        nvfp4.choose_block_codes(x, torch.ones(40, 1), "mse", torch.float16, kernel="triton")
+        nvfp4.choose_block_codes(x, torch.ones(40, 1, device=x.device), "mse", torch.float16,
+                                 kernel="triton")
 
 
 @pytest.mark.parametrize("group,arithmetic", [(16, "compressed-tensors"),
@@ -95,11 +98,12 @@ def test_the_triton_encoder_writes_the_torch_encoders_bytes(group, arithmetic):
     x = _blocks(group, 7 + group)
     w = x.reshape(8, 5, 5 * group).clone()
     step = 2.0 ** -3  # ZERO_CODE (0.125) under a unit global scale: exact ties at midpoints
-    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.75, -3.5, 7.0])
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.75, -3.5, 7.0],
+                        device=w.device)
     w[7, 0, :ties.numel()] = ties * step
     amax = w.abs().amax((1, 2))
     amax[7] = nvfp4.GLOBAL_NUMERATOR  # a unit global scale in both arithmetics
-    given = torch.arange(w.numel() // group, dtype=torch.int64).remainder(0x7E).add(1)
+    given = torch.arange(w.numel() // group, device=w.device).remainder(0x7E).add(1)
     given = given.to(torch.uint8).reshape(8, 5, -1)
     given[7, 0] = nvfp4.ZERO_CODE
     for codes in (None, given):

@@ -17,6 +17,7 @@ from helpers import checkpoint_tensors, write_input_ids
 from kconvert.formats import EncodeSpec, Nvfp4Codec, nvfp4, p48
 from kconvert.methods import expert_training as et
 from kconvert.methods import learned
+from kconvert.methods import pattern_masks as pm
 from kconvert.testing.tiny_moe import corpus_ids, windows
 
 TINY_MOE = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
@@ -37,15 +38,15 @@ def test_the_six_p48_patterns_keep_two_pairs_each():
 def test_initial_logits_favour_the_one_shot_pattern_and_export_it():
     w = torch.randn(3, 8, 32, generator=torch.Generator().manual_seed(0))
     keep = p48.top2_pairs(p48.pair_scores(w))
-    logits = et.initial_logits(keep)
+    logits = pm.initial_logits(keep)
     assert logits.shape == (3, 8, 4, 6)
-    assert torch.equal(et.hard_mask(logits) > 0, keep.repeat_interleave(2, -1))
+    assert torch.equal(pm.hard_mask(logits) > 0, keep.repeat_interleave(2, -1))
     # the one-shot pattern +PRIOR, the 4 sharing one pair 0, the complement -PRIOR
     assert sorted(logits[0, 0, 0].tolist()) == pytest.approx(
-        [-et.PRIOR, 0, 0, 0, 0, et.PRIOR])
+        [-pm.PRIOR, 0, 0, 0, 0, pm.PRIOR])
     # at the first step's scale and temperature, without noise, the soft mask keeps its
     # elements more than half and its pruned ones less
-    soft = et.soft_mask(logits, 100.0, 2.0)
+    soft = pm.soft_mask(logits, 100.0, 2.0)
     assert torch.equal(soft > 0.5, keep.repeat_interleave(2, -1))
 
 
@@ -77,8 +78,8 @@ def test_the_mask_gradients_by_hand_are_autograds():
     scale, temperature = torch.tensor(150.0), torch.tensor(1.5)
     masks = p48.patterns()
     wa, la = w.clone().requires_grad_(True), logits.clone().requires_grad_(True)
-    (et.masked_weights(wa, la, seed, scale, temperature, masks) * grad).sum().backward()
-    d_w, d_logits = et.mask_gradients(w, logits, grad, seed, scale, temperature, masks)
+    (pm.masked_weights(wa, la, seed, scale, temperature, masks) * grad).sum().backward()
+    d_w, d_logits = pm.mask_gradients(w, logits, grad, seed, scale, temperature, masks)
     torch.testing.assert_close(d_w, wa.grad)
     # fp32 rounding: the softmax's backward subtracts nearly equal sums
     torch.testing.assert_close(d_logits, la.grad, rtol=1e-4, atol=1e-4)

@@ -22,7 +22,8 @@ from nvfp4_reference import on_grid, output_error, sparsegpt_p48_nvfp4
 from conftest import BUNDLED, ROOT
 from helpers import assert_audit_passes, cli_inproc, obs_problem, write_input_ids
 from kconvert.formats import nvfp4
-from kconvert.methods import gptq, obs
+from kconvert.methods import gptq, obs, obs_method, sparsegpt
+from kconvert.methods.sparsegpt import SparseGpt
 from oracles import raw_tensors
 
 TINY_MOE = ROOT / "tests" / "fixtures" / "tiny-moe-trained"
@@ -58,19 +59,20 @@ def _batches(w, h, gs):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="TF32 needs a GPU"))])
-def test_gptq_precision_is_fp32_on_a_cpu_and_as_good_on_a_gpu(device):
-    """GPTQ's inverse and column loop at the precision it runs with (gptq.PRECISION: TF32)
-    against fp32, on a problem whose inverse takes the
-    blocked recursion (K = 512, two leaves): on a CPU, which has no TF32, the same bytes; on a
-    GPU an output error within 0.5% of fp32's (measured on full-size Kimi experts: within
+@pytest.mark.parametrize("mask", [None, sparsegpt.p48_mask], ids=["gptq", "sparsegpt"])
+def test_obs_precision_is_fp32_on_a_cpu_and_as_good_on_a_gpu(device, mask):
+    """GPTQ's and SparseGPT's inverse and column loop at the precision they run with
+    (obs_method.PRECISION: TF32) against fp32, on a problem whose inverse takes the blocked
+    recursion (K = 512, two leaves): on a CPU, which has no TF32, the same bytes; on a GPU an
+    output error within 0.5% of fp32's (measured for GPTQ on full-size Kimi experts: within
     0.04%, on either side; docs/obs.md, "TF32")."""
     w, h, gs = obs_problem(4, 32, 512, 1500, seed=11, arithmetic="compressed-tensors")
     w, h, gs = w.to(device), h.to(device), gs.to(device)
     members = [obs.Member(0, e, "gate_proj") for e in range(4)]
     runs = {p: obs.quantize_batches(w, gs, members, lambda mb: obs.HessianSplit(h[mb.expert], None),
                                     16, "mse", torch.float32, "compressed-tensors",
-                                    precision=p)
-            for p in ("fp32", gptq.PRECISION)}
+                                    mask=mask, precision=p)
+            for p in ("fp32", obs_method.PRECISION)}
     (ref_w, ref_codes, _), (got_w, got_codes, _) = runs.values()
     if device == "cpu":
         assert torch.equal(got_w, ref_w) and torch.equal(got_codes, ref_codes)
@@ -78,21 +80,22 @@ def test_gptq_precision_is_fp32_on_a_cpu_and_as_good_on_a_gpu(device):
         assert output_error(w, got_w, h) <= output_error(w, ref_w, h) * 1.005
 
 
-def test_gptq_records_tf32_on_a_gpu_only():
-    """The manifest says where GPTQ's products ran on TF32: its calibration's device is a GPU
-    (no GPU is needed to build the record)."""
+@pytest.mark.parametrize("method", [gptq.Gptq, SparseGpt])
+def test_obs_methods_record_tf32_on_a_gpu_only(method):
+    """The manifest says where an OBS method's products ran on TF32: its calibration's device
+    is a GPU (no GPU is needed to build the record)."""
     from types import SimpleNamespace
 
     from kconvert.methods.base import MethodInputs
     from kconvert.model.names import Role
 
-    for device, want in (("cpu", None), ("cuda", gptq.PRECISION)):
+    for device, want in (("cpu", None), ("cuda", obs_method.PRECISION)):
         hessians = SimpleNamespace(device=torch.device(device), sequential=False,
                                    gram_roles=frozenset())
         calibration = SimpleNamespace(hessians=hessians, data={"samples": 4})
-        method = gptq.Gptq(MethodInputs(frozenset({Role.ROUTED_EXPERT}), calibration,
-                                        settings={"hessian": "source"}))
-        assert method.record().get("gptq_precision") == want
+        made = method(MethodInputs(frozenset({Role.ROUTED_EXPERT}), calibration,
+                                   settings={"hessian": "source"}))
+        assert made.record().get("obs_precision") == want
 
 
 def test_gptq_kept_only_where_it_beats_rtn():
@@ -168,7 +171,7 @@ def test_int4_to_nvfp4_gptq_end_to_end(tmp_path):
     man = json.loads((gptq / "kconvert-manifest.json").read_text())
     assert man["options"]["quantize"]["method"] == "gptq"
     assert man["options"]["quantize"]["gptq_targets"] == ["routed_expert"]
-    assert "gptq_precision" not in man["options"]["quantize"]  # a CPU: fp32
+    assert "obs_precision" not in man["options"]["quantize"]  # a CPU: fp32
     assert "method" not in json.loads((rtn / "kconvert-manifest.json").read_text()
                                       )["options"]["quantize"]
     got, ref = raw_tensors(gptq), raw_tensors(rtn)
