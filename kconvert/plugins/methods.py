@@ -58,6 +58,9 @@ class ObsRecord(BaseModel):
 class GptqRecord(ObsRecord):
     gptq_targets: list[str] | None = Field(
         None, description="gptq: the targeted roles quantized by GPTQ (the others RTN)")
+    gptq_precision: str | None = Field(
+        None, description="gptq: obs_precision's name in GPTQ's records before SparseGPT ran "
+                          "in TF32 too (read in those manifests, no longer written)")
 
 
 class LearnedRecord(ObsRecord):

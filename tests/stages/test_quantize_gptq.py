@@ -172,6 +172,14 @@ def test_int4_to_nvfp4_gptq_end_to_end(tmp_path):
     assert man["options"]["quantize"]["method"] == "gptq"
     assert man["options"]["quantize"]["gptq_targets"] == ["routed_expert"]
     assert "obs_precision" not in man["options"]["quantize"]  # a CPU: fp32
+    # GPU manifests written before SparseGPT took TF32 too name the field gptq_precision: the
+    # audit still reads them as kconvert's run record (not another tool's, whose checks of
+    # the stages' parameters it skips)
+    from kconvert.stages.records import RunRecord
+
+    earlier = {**man["options"], "quantize": {**man["options"]["quantize"],
+                                              "gptq_precision": "tf32"}}
+    assert RunRecord.model_validate(earlier).quantize.gptq_precision == "tf32"
     assert "method" not in json.loads((rtn / "kconvert-manifest.json").read_text()
                                       )["options"]["quantize"]
     got, ref = raw_tensors(gptq), raw_tensors(rtn)
