@@ -13,20 +13,26 @@ from kconvert.formats import p48
 # first step's scale and temperature the one-shot pattern has about three quarters of the
 # probability, so the others are explored from the start.
 PRIOR = 0.05
+BELOW_ONE = 1 - 2**-24  # the largest fp32 below 1
 
 
 def counter_uniform(shape: torch.Size, seed: torch.Tensor) -> torch.Tensor:
     """Uniform draws in (0, 1) (24 bits) of a counter-based generator, shape [E, ...]: element
     i of batch entry e is a hash (splitmix64's finaliser) of i and seed[e] (int64 [E]).
     Elementwise integer arithmetic only, so the same bits on every device, and a compiler fuses
-    it into its consumer instead of writing the draws out."""
+    it into its consumer instead of writing the draws out.
+
+    The largest code's (2^24 - 0.5) / 2^24 rounds to 1.0 in fp32, whose Gumbel noise
+    -log(-log(1)) is +inf and turns its chunk, and through the loss the whole expert, to NaN:
+    one draw in 2^24, about two per step of a full-size Kimi expert. It is held at the largest
+    fp32 below 1 (the next code's draw is 1 - 2^-23), and no other draw changes."""
     per = torch.arange(shape[1:].numel(), dtype=torch.int64, device=seed.device)
     x = (per.reshape(shape[1:]) + seed.reshape(-1, *[1] * (len(shape) - 1))
          * 0x3C6EF372FE94F82B) * -0x61C8864680B583EB  # 0x9E3779B97F4A7C15
     x = (x ^ ((x >> 30) & 0x3FFFFFFFF)) * -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9
     x = (x ^ ((x >> 27) & 0x1FFFFFFFFF)) * -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
     x = x ^ ((x >> 31) & 0x1FFFFFFFF)
-    return (((x >> 40) & 0xFFFFFF).float() + 0.5) / (1 << 24)
+    return ((((x >> 40) & 0xFFFFFF).float() + 0.5) / (1 << 24)).clamp(max=BELOW_ONE)
 
 
 def probs(logits: torch.Tensor, seed: torch.Tensor, scale: torch.Tensor,
