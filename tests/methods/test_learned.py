@@ -67,6 +67,28 @@ def test_straight_through_rounds_as_the_encoder_writes(rule):
                        values)
 
 
+def test_expert_outputs_gradients_are_autograds_in_the_weights_layout():
+    """expert_outputs' products (expert_training._Linear) against autograd's bmm in float64:
+    the same gradients of the inputs and both matrices, and the matrices' gradients made in
+    their own layout (contiguous), where autograd's bmm gives a transposed view that
+    AccumulateGrad then copies."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 7, 12, generator=g, dtype=torch.float64, requires_grad=True)
+    gate_up = torch.randn(2, 10, 12, generator=g, dtype=torch.float64, requires_grad=True)
+    down = torch.randn(2, 12, 5, generator=g, dtype=torch.float64, requires_grad=True)
+
+    def by_bmm(x, gate_up, down):
+        a, b = torch.bmm(x, gate_up.transpose(1, 2)).chunk(2, dim=-1)
+        return torch.bmm(torch.nn.functional.silu(a) * b, down.transpose(1, 2))
+
+    got, want = (torch.autograd.grad(f(x, gate_up, down).square().sum(), (x, gate_up, down))
+                 for f in (et.expert_outputs, by_bmm))
+    for mine, theirs in zip(got, want, strict=True):
+        torch.testing.assert_close(mine, theirs)
+    assert got[1].is_contiguous() and got[2].is_contiguous()
+    assert not want[1].is_contiguous()  # what the copy was for
+
+
 def test_the_largest_draw_stays_below_one():
     """The counter whose 24 hash bits are all ones (index 1,869,154 under seed 0, found by a
     search over 2^26 counters): its draw is the largest fp32 below 1, so the Gumbel noise and
