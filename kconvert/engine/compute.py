@@ -70,10 +70,10 @@ def _group_buffers(item: TransformItem, pin: bool,
     """One stacked tensor per group parameter, [modules, *shape] in its source dtype, each
     module's bytes put in place by `fill` (None: zeros)."""
     bufs = []
+    alloc = torch.empty if fill is not None else torch.zeros
     for group in item.groups:
         for param in group.params:
             first = group.modules[0].params[param]
-            alloc = torch.empty if fill is not None else torch.zeros
             raw = alloc(len(group.modules), first.nbytes, dtype=torch.uint8, pin_memory=pin)
             for i, m in enumerate(group.modules):
                 info = m.params[param]
