@@ -2,9 +2,10 @@
 
 The trainer (issue 36): seconds per step of a batch of Kimi-shaped routed experts (hidden 7168,
 moe_intermediate 2048), eager and compiled, p48 and dense NVFP4, and the peak GPU memory per
-expert. On a GPU the compiled step is timed twice: as the method runs it, inside
+expert. On a GPU the compiled step is timed as the method runs it, inside
 kconvert.gpu.devices.deterministic() (where inductor takes its reductions' untuned tiles), and
-outside it.
+outside it; p48's also with its mask passes compiled by inductor rather than the Triton kernels
+(kconvert.methods.pattern_masks_triton) the method uses.
 
 Device (one H100):
     python3 -m benchmarks learned $OUT/learned.json [--experts 8] [--steps 12] [--tokens 256]
@@ -37,6 +38,7 @@ the projection for a 384-expert layer at the method's default steps, and the pea
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import statistics
@@ -78,17 +80,18 @@ def problem(experts: int, hidden: int, inter: int, sparse: bool, dev: torch.devi
 
 
 def measure(experts: int, dims: tuple[int, int], sparse: bool, compiled: bool, steps: int,
-            tokens: int, dev: torch.device, in_deterministic: bool = True) -> dict:
+            tokens: int, dev: torch.device, in_deterministic: bool = True,
+            mask_kernel: bool = True) -> dict:
     from kconvert.gpu.devices import deterministic
     from kconvert.methods import expert_training as et
     from kconvert.methods.learned import training_bytes
     from kconvert.plugins.methods import LearnedNvfp4Settings, LearnedP48Settings
 
-    et.COMPILE = compiled
+    et.COMPILE, et.MASK_KERNEL = compiled, mask_kernel
     et.compiled.cache_clear()
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     out = {"experts": experts, "sparse": sparse, "compiled": compiled, "tokens": tokens,
-           "deterministic": in_deterministic}
+           "deterministic": in_deterministic, "mask_kernel": sparse and mask_kernel}
     for label, n in (("warmup", 2), ("timed", steps)):
         ex, enc = problem(experts, *dims, sparse, dev)
         if dev.type == "cuda":
@@ -149,6 +152,22 @@ def obs_layer_seconds(log: str) -> dict[str, dict]:
             for m in OBS_LINE.finditer(log)}
 
 
+def guard_summary(out: Path) -> dict:
+    """What the guard saw of a learned run's routed matrices (its manifest's records): how many
+    trained to a finite held-out error, how many were written learned, and the median ratio of
+    learned to one-shot error."""
+    manifest = out / "kconvert-manifest.json"
+    if not manifest.exists():
+        return {}
+    records = [r for k, r in json.loads(manifest.read_text()).get("obs", {}).items()
+               if ".mlp.experts." in k and "learned_error" in r]
+    ratios = [r["learned_error"] / r["oneshot_error"] for r in records
+              if r["learned_error"] is not None and r["oneshot_error"]]
+    return {"matrices": len(records), "finite": len(ratios),
+            "learned": sum(r["method"] != r["oneshot"] for r in records),
+            "median_learned_over_oneshot": round(statistics.median(ratios), 4) if ratios else None}
+
+
 def layer_runs(a) -> None:
     """--layer: each method from the old tree and this one, one process per run."""
     dims = TINY_SET if a.tiny else FULL
@@ -180,7 +199,7 @@ def layer_runs(a) -> None:
             c = run_child(argv, env=child_env(trees[tree]), cwd=trees[tree], merge=True)
             layers = obs_layer_seconds if flag != "learned" else layer_seconds
             result["runs"].append({"run": name, "rc": c.rc, "wall_s": c.wall_s,
-                                   "layers": layers(c.stdout),
+                                   "layers": layers(c.stdout), "guard": guard_summary(dst),
                                    "last_lines": c.stdout.splitlines()[-6:]})
             save(result, path)
             print(result["runs"][-1], flush=True)
@@ -211,12 +230,16 @@ def main(argv: list[str]) -> None:
     rec = record("learned", gpu=dev.type == "cuda")
     result = {"record": rec, "dims": dims, "runs": []}
     path = result_path(rec, a.out, out_dir=Path(a.out_dir))
-    configs = ([(False, True), (True, True), (True, False)] if dev.type == "cuda"
-               else [(False, True)])  # (compiled, inside deterministic())
-    for sparse in (True, False):
-        for compiled, in_deterministic in configs:
+    # (compiled, inside deterministic(), p48's mask kernels): eager, as the method runs, and
+    # with inductor's mask passes inside and outside the mode
+    configs = ([(False, True, False), (True, True, True), (True, True, False),
+                (True, False, False)] if dev.type == "cuda" else [(False, True, False)])
+    for sparse in (s == "p48" for s in a.methods):
+        for compiled, in_deterministic, mask_kernel in configs:
+            if mask_kernel and not sparse:
+                continue
             got = measure(a.experts, dims, sparse, compiled, a.steps, a.tokens, dev,
-                          in_deterministic)
+                          in_deterministic, mask_kernel)
             result["runs"].append(got)
             save(result, path)
             print(got, flush=True)

@@ -131,13 +131,13 @@ def _adam(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
     p.sub_((m / c1) / ((v / c2).sqrt() + ADAM_EPS) * step)
 
 
-def _update_values(w: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+def update_values(w: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
                    step: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor) -> None:
     """Adam on a dense matrix from the gradient on its rounded values (bf16 on a GPU)."""
     _adam(w, grad.float(), m, v, step, c1, c2)
 
 
-def _update_masked(w: torch.Tensor, logits: torch.Tensor, grad: torch.Tensor,
+def update_masked(w: torch.Tensor, logits: torch.Tensor, grad: torch.Tensor,
                    seed: torch.Tensor, scale: torch.Tensor, temperature: torch.Tensor,
                    masks: torch.Tensor, state: tuple[torch.Tensor, ...], step: torch.Tensor,
                    mask_step: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor) -> None:
@@ -148,8 +148,10 @@ def _update_masked(w: torch.Tensor, logits: torch.Tensor, grad: torch.Tensor,
     _adam(logits, d_logits, state[2], state[3], mask_step, c1, c2)
 
 
-# Whether the weight path and the update are compiled on a GPU (the benchmark compares both).
+# Whether the weight path and the update are compiled on a GPU, and whether p48's mask passes
+# are its Triton kernels there (the benchmark compares each with the other).
 COMPILE = True
+MASK_KERNEL = True
 
 
 @functools.cache
@@ -159,6 +161,18 @@ def compiled(fn: Callable, device_type: str) -> Callable:
     if device_type != "cuda" or not COMPILE:
         return fn
     return torch.compile(fn, dynamic=False)
+
+
+def mask_passes(device_type: str) -> tuple[Callable, Callable]:
+    """p48's two passes over every weight (the masked weights, the update): on a GPU the Triton
+    kernels (kconvert.methods.pattern_masks_triton: inductor's reductions run on untuned tiles
+    in deterministic mode), else the torch functions, compiled where `compiled` compiles."""
+    if device_type == "cuda" and MASK_KERNEL:
+        from kconvert.methods import pattern_masks_triton as kernels
+
+        return kernels.masked_weights, functools.partial(kernels.update_masked,
+                                                         betas=ADAM_BETAS, eps=ADAM_EPS)
+    return compiled(pm.masked_weights, device_type), compiled(update_masked, device_type)
 
 
 class _Linear(torch.autograd.Function):
@@ -204,7 +218,7 @@ class Adam:
         self.m = [torch.zeros_like(p) for p in params]
         self.v = [torch.zeros_like(p) for p in params]
         self.t = 0
-        self.update = compiled(_update_values, params[0].device.type)
+        self.update = compiled(update_values, params[0].device.type)
 
     def corrections(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next step's bias corrections (1 - beta1^t, 1 - beta2^t), on the device."""
@@ -264,7 +278,7 @@ def train(experts: Experts, enc: Encoding, settings: TrainSettings,
     A step: each matrix's weights masked (p48) and rounded without autograd, the rounded values
     (in `compute_dtype`) the leaves of the loss's graph; their gradients then go through the
     rounding (identity) and the mask by hand into one fused update per matrix
-    (`_update_values`, `_update_masked`): no fp32 copy of a matrix is kept for a backward pass."""
+    (`update_values`, `update_masked`): no fp32 copy of a matrix is kept for a backward pass."""
     names = list(experts.w)
     dev = experts.w[names[0]].device
     weights = {n: experts.w[n].detach() for n in names}
@@ -277,9 +291,9 @@ def train(experts: Experts, enc: Encoding, settings: TrainSettings,
     opt = Adam([*weights.values(), *logits.values()], [*rms, *([ratio] * len(logits))])
     draws = _Draws(experts, settings, generators, len(names))
     masks = p48.patterns(dev)
-    masked = compiled(pm.masked_weights, dev.type)
+    masked, update = (mask_passes(dev.type) if logits
+                      else (None, compiled(update_values, dev.type)))
     rounded = compiled(grid_values, dev.type)
-    update = compiled(_update_masked if logits else _update_values, dev.type)
     for step in range(settings.steps):
         x, y, g = draws.batch(experts, step)
         scale = torch.tensor(_schedule(step, settings.steps, settings.logit_scale), device=dev)

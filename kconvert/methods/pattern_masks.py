@@ -16,6 +16,21 @@ PRIOR = 0.05
 BELOW_ONE = 1 - 2**-24  # the largest fp32 below 1
 
 
+# splitmix64's constants as signed int64 (torch has no unsigned 64-bit arithmetic): the
+# seed's stride, the golden-ratio increment and the finaliser's two multipliers and three shifts.
+SEED_STRIDE = 0x3C6EF372FE94F82B
+GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15
+MIX1 = -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9
+MIX2 = -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
+SHIFTS = (30, 27, 31)
+CODE_BITS = 24  # the draw's bits, the hash's highest
+
+
+def logical_shift(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """x >> bits without the sign's extension (int64 shifts are arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
 def counter_uniform(shape: torch.Size, seed: torch.Tensor) -> torch.Tensor:
     """Uniform draws in (0, 1) (24 bits) of a counter-based generator, shape [E, ...]: element
     i of batch entry e is a hash (splitmix64's finaliser) of i and seed[e] (int64 [E]).
@@ -27,12 +42,12 @@ def counter_uniform(shape: torch.Size, seed: torch.Tensor) -> torch.Tensor:
     one draw in 2^24, about two per step of a full-size Kimi expert. It is held at the largest
     fp32 below 1 (the next code's draw is 1 - 2^-23), and no other draw changes."""
     per = torch.arange(shape[1:].numel(), dtype=torch.int64, device=seed.device)
-    x = (per.reshape(shape[1:]) + seed.reshape(-1, *[1] * (len(shape) - 1))
-         * 0x3C6EF372FE94F82B) * -0x61C8864680B583EB  # 0x9E3779B97F4A7C15
-    x = (x ^ ((x >> 30) & 0x3FFFFFFFF)) * -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9
-    x = (x ^ ((x >> 27) & 0x1FFFFFFFFF)) * -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
-    x = x ^ ((x >> 31) & 0x1FFFFFFFF)
-    return ((((x >> 40) & 0xFFFFFF).float() + 0.5) / (1 << 24)).clamp(max=BELOW_ONE)
+    x = (per.reshape(shape[1:]) + seed.reshape(-1, *[1] * (len(shape) - 1)) * SEED_STRIDE) * GOLDEN
+    x = (x ^ logical_shift(x, SHIFTS[0])) * MIX1
+    x = (x ^ logical_shift(x, SHIFTS[1])) * MIX2
+    x = x ^ logical_shift(x, SHIFTS[2])
+    code = logical_shift(x, 64 - CODE_BITS).float()
+    return ((code + 0.5) / (1 << CODE_BITS)).clamp(max=BELOW_ONE)
 
 
 def probs(logits: torch.Tensor, seed: torch.Tensor, scale: torch.Tensor,
