@@ -68,9 +68,27 @@ def gumbel_sample(logits, counter, pattern, seed, scale, temperature):
 
 
 @triton.jit
-def element_masks(sample, masks):
-    """pattern_masks.element_masks: sample [BLOCK, 8 patterns] times masks [8, 8]."""
-    return tl.sum(sample[:, :, None] * masks[None, :, :], 1)
+def element_masks(sample, masks_ptr):
+    """pattern_masks.element_masks: sample [BLOCK, 8 patterns] times the patterns' masks [6, 8],
+    a pattern at a time (a product of 3-d blocks would move them through shared memory)."""
+    col = tl.arange(0, 8)
+    out = tl.zeros_like(sample)
+    for p in tl.static_range(6):
+        chunk_p = tl.sum(tl.where(col[None, :] == p, sample, 0.0), 1)
+        out += chunk_p[:, None] * tl.load(masks_ptr + p * 8 + col)[None, :]
+    return out
+
+
+@triton.jit
+def pattern_sums(x, masks_ptr):
+    """Per chunk of x [BLOCK, 8 elements] the sum over each pattern's kept elements: [BLOCK, 8
+    patterns], 0 in the padding."""
+    col = tl.arange(0, 8)
+    out = tl.zeros_like(x)
+    for p in tl.static_range(6):
+        sum_p = tl.sum(x * tl.load(masks_ptr + p * 8 + col)[None, :], 1)
+        out = tl.where(col[None, :] == p, sum_p[:, None], out)
+    return out
 
 
 @triton.jit
@@ -98,14 +116,6 @@ def chunk_offsets(chunks, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def pattern_masks(masks_ptr):
-    """The patterns' element masks [6, 8] padded with zero rows to [8, 8]."""
-    row = tl.arange(0, 8)
-    return tl.load(masks_ptr + row[:, None] * 8 + row[None, :], mask=(row < 6)[:, None],
-                   other=0.0)
-
-
-@triton.jit
 def masked_kernel(w_ptr, logit_ptr, out_ptr, seed_ptr, masks_ptr, scale_ptr, temperature_ptr,
                   chunks, BLOCK: tl.constexpr):
     e, w_at, logit_at, counter, inside, pattern = chunk_offsets(chunks, BLOCK)
@@ -113,7 +123,7 @@ def masked_kernel(w_ptr, logit_ptr, out_ptr, seed_ptr, masks_ptr, scale_ptr, tem
     sample = gumbel_sample(logits, counter, pattern, tl.load(seed_ptr + e),
                            tl.load(scale_ptr), tl.load(temperature_ptr))
     w = tl.load(w_ptr + w_at, mask=inside, other=0.0)
-    tl.store(out_ptr + w_at, w * element_masks(sample, pattern_masks(masks_ptr)), mask=inside)
+    tl.store(out_ptr + w_at, w * element_masks(sample, masks_ptr), mask=inside)
 
 
 @triton.jit
@@ -126,14 +136,13 @@ def update_kernel(w_ptr, logit_ptr, grad_ptr, seed_ptr, masks_ptr, scale_ptr, te
     logits = tl.load(logit_ptr + logit_at, mask=at_logit, other=0.0)
     scale, temperature = tl.load(scale_ptr), tl.load(temperature_ptr)
     sample = gumbel_sample(logits, counter, pattern, tl.load(seed_ptr + e), scale, temperature)
-    masks = pattern_masks(masks_ptr)
     w = tl.load(w_ptr + w_at, mask=inside, other=0.0)
     g = tl.load(grad_ptr + w_at, mask=inside, other=0.0).to(tl.float32)
     # pattern_masks.mask_gradients
-    d_probs = tl.sum(masks[None, :, :] * (g * w)[:, None, :], 2)
+    d_probs = pattern_sums(g * w, masks_ptr)
     d_logits = (sample * (d_probs - tl.sum(sample * d_probs, 1)[:, None])
                 * (scale / temperature))
-    d_w = g * element_masks(sample, masks)
+    d_w = g * element_masks(sample, masks_ptr)
     c1, c2 = tl.load(c1_ptr), tl.load(c2_ptr)
     w, m, v = adam(w, d_w, tl.load(mw_ptr + w_at, mask=inside),
                    tl.load(vw_ptr + w_at, mask=inside), tl.load(step_ptr + e), c1, c2,
