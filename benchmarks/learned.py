@@ -30,6 +30,12 @@ steady layer).
 CPU check (tiny dims, a few minutes):
     python -m benchmarks learned --layer OLD_TREE --tiny --root /tmp/kl --out-dir /tmp/kl
 
+p48's two mask passes alone (`--passes`): the masked weights and the update of one stack of E
+gate_up matrices [E, 2I, H], inductor's compiled passes inside and outside deterministic() and
+the Triton kernels, milliseconds per call (the median of --steps calls after a first), beside
+a copy of the weights and logits (the memory floor of the masked pass's reads):
+    python3 -m benchmarks learned $OUT/passes.json --passes --experts 16
+
 Random weights and tokens (speed only: quality is measured on the trained tiny MoEs,
 `python -m benchmarks learned_quality`). Each configuration trains E experts for STEPS steps
 after WARMUP steps (compilation happens there); reported: seconds per step, per expert-step,
@@ -50,7 +56,16 @@ from pathlib import Path
 import torch
 
 from benchmarks.child_process import child_env, run_child
-from benchmarks.harness import STARTED, arguments, comma_list, record, result_path, save, sync
+from benchmarks.harness import (
+    STARTED,
+    Timer,
+    arguments,
+    comma_list,
+    record,
+    result_path,
+    save,
+    sync,
+)
 from benchmarks.multi_gpu_ranks import OBS_LINE
 from benchmarks.synthetic import FULL, random_ids, write_ids
 from benchmarks.synthetic import TINY as TINY_SET
@@ -206,6 +221,44 @@ def layer_runs(a) -> None:
             shutil.rmtree(dst, ignore_errors=True)  # a full-size output: the disk is small
 
 
+def pass_runs(experts: int, dims: tuple[int, int], calls: int, dev: torch.device) -> dict:
+    """--passes: milliseconds per call of each p48 mask pass, as the module doc says."""
+    from kconvert.formats import p48
+    from kconvert.gpu.devices import deterministic
+    from kconvert.methods import expert_training as et
+
+    hidden, inter = dims
+    g = torch.Generator(device=dev).manual_seed(0)
+    w = torch.randn(experts, 2 * inter, hidden, generator=g, device=dev) / 50
+    logits = torch.randn(*w.shape[:-1], hidden // 8, 6, generator=g, device=dev) / 10
+    seed = torch.randint(1 << 62, (experts,), generator=g, device=dev)
+    grad = (torch.randn(w.shape, generator=g, device=dev) / 1000).to(torch.bfloat16)
+    state = tuple(torch.zeros_like(t) for t in (w, w, logits, logits))
+    scalars = [torch.tensor(v, device=dev) for v in (100.0, 2.0, 1e-3, 0.1, 0.1)]
+    scale, temperature, mask_step, c1, c2 = scalars
+    step, masks = torch.full((experts, 1, 1), 1e-3, device=dev), p48.patterns(dev)
+    timer = Timer(dev)
+
+    def ms(fn, *args) -> float:
+        return round(statistics.median(timer.each(calls + 1, fn, *args)[0][1:]) * 1e3, 3)
+
+    out = {"experts": experts, "shape": list(w.shape),
+           "copy_ms": ms(lambda: (w.clone(), logits.clone()))}
+    configs = ([("inductor", True), ("inductor", False), ("kernel", True)]
+               if dev.type == "cuda" else [("eager", True)])
+    for passes, in_deterministic in configs:
+        et.MASK_KERNEL = passes == "kernel"
+        et.compiled.cache_clear()
+        masked, update = et.mask_passes(dev.type)
+        with deterministic() if in_deterministic else nullcontext():
+            key = f"{passes}{'_deterministic' if in_deterministic else ''}"
+            out[f"{key}_masked_ms"] = ms(masked, w, logits, seed, scale, temperature, masks)
+            out[f"{key}_update_ms"] = ms(update, w, logits, grad, seed, scale, temperature,
+                                         masks, state, step, mask_step, c1, c2)
+        print(out, flush=True)
+    return out
+
+
 def main(argv: list[str]) -> None:
     ap = arguments("learned", __doc__, root="/tmp/kbench", results=True, deadline_s=570.0)
     ap.add_argument("out", nargs="?")
@@ -213,6 +266,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--passes", action="store_true", help="p48's mask passes alone (module doc)")
     ap.add_argument("--layer", metavar="OLD_TREE",
                     help="time whole MoE layers against OLD_TREE's kconvert (module doc)")
     ap.add_argument("--moe-layers", type=int, default=1)
@@ -230,6 +284,10 @@ def main(argv: list[str]) -> None:
     rec = record("learned", gpu=dev.type == "cuda")
     result = {"record": rec, "dims": dims, "runs": []}
     path = result_path(rec, a.out, out_dir=Path(a.out_dir))
+    if a.passes:
+        result["passes"] = pass_runs(a.experts, dims, a.steps, dev)
+        save(result, path)
+        return
     # (compiled, inside deterministic(), p48's mask kernels): eager, as the method runs, and
     # with inductor's mask passes inside and outside the mode
     configs = ([(False, True, False), (True, True, True), (True, True, False),
