@@ -45,11 +45,11 @@ the projection for a 384-expert layer at the method's default steps, and the pea
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -66,7 +66,7 @@ from benchmarks.harness import (
     save,
     sync,
 )
-from benchmarks.multi_gpu_ranks import OBS_LINE
+from benchmarks.multi_gpu_ranks import OBS_LINE, layer_seconds
 from benchmarks.synthetic import FULL, random_ids, write_ids
 from benchmarks.synthetic import TINY as TINY_SET
 from benchmarks.synthetic import kimi_set as make_set
@@ -132,31 +132,9 @@ def measure(experts: int, dims: tuple[int, int], sparse: bool, compiled: bool, s
     return out
 
 
-# The learned method's line per work item under -v (kconvert.methods.learned.Learned.transform)
-ITEM = re.compile(r"layer (\d+) experts \d+-\d+: (.*?); learned written")
-PHASE = re.compile(r"([a-z -]+?) ([0-9.]+) s")
 # --layer's methods: (command, --method).
 COMMANDS = {"p48": ("sparsify", "learned"), "nvfp4": ("int4-to-nvfp4", "learned"),
             "gptq": ("int4-to-nvfp4", "gptq")}
-
-
-def layer_seconds(log: str) -> dict[str, dict]:
-    """Per MoE layer (from `-v`'s item lines): seconds per phase summed over its items, the
-    total, the first item's, and `steady_s` (every item at the median of the later ones)."""
-    items: dict[str, list[dict[str, float]]] = {}
-    for layer, phases in ITEM.findall(log):
-        items.setdefault(layer, []).append({k.strip(): float(v) for k, v in
-                                            PHASE.findall(phases)})
-    out = {}
-    for layer, rows in items.items():
-        totals = [sum(r.values()) for r in rows]
-        later = totals[1:] or totals
-        out[layer] = {"items": len(rows), "total_s": round(sum(totals), 2),
-                      "first_item_s": round(totals[0], 2),
-                      "steady_s": round(statistics.median(later) * len(rows), 2),
-                      "phases_s": {k: round(sum(r.get(k, 0.0) for r in rows), 2)
-                                   for k in rows[0]}}
-    return out
 
 
 def obs_layer_seconds(log: str) -> dict[str, dict]:
@@ -239,7 +217,7 @@ def pass_runs(experts: int, dims: tuple[int, int], calls: int, dev: torch.device
     step, masks = torch.full((experts, 1, 1), 1e-3, device=dev), p48.patterns(dev)
     timer = Timer(dev)
 
-    def ms(fn, *args) -> float:
+    def ms(fn: Callable, *args: object) -> float:
         return round(statistics.median(timer.each(calls + 1, fn, *args)[0][1:]) * 1e3, 3)
 
     out = {"experts": experts, "shape": list(w.shape),

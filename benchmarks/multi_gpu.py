@@ -25,6 +25,8 @@ page cache warm:
 - reap: `reap --data` on the first --tokens entry: wall, efficiency, same kept experts.
 - reap-learned: `reap --repair router --compensate learned` on --repair-seqs sequences: rank
   0's learned compensation per MoE layer, its efficiency, output bytes against 1 rank.
+- learned: `sparsify --method learned` (p48) on --gptq-seqs sequences: as gptq (rank 0's "OBS
+  layer" line holds the one-shot start and the training of its experts).
 - eval: the set against its `int4-to-nvfp4` conversion (made once, 1 rank) on --eval-seqs
   sequences (default 128): wall, efficiency, every metric equal to 1 rank's.
 - convert: int4-to-nvfp4 of synthetic.expert_set's full-size routed experts split in --shards
@@ -45,13 +47,14 @@ from benchmarks.multi_gpu_parts import (
     part_convert,
     part_eval,
     part_gptq,
+    part_learned,
     part_reap,
     part_reap_learned,
 )
 from benchmarks.multi_gpu_ranks import Bench
 from benchmarks.synthetic import TINY, add_dims, kimi_set
 
-PARTS = ("calibrate", "gptq", "reap", "reap-learned", "eval")
+PARTS = ("calibrate", "gptq", "learned", "reap", "reap-learned", "eval")
 
 
 def rank_counts(given: list[int] | None, gpus: int) -> list[int]:
@@ -109,14 +112,14 @@ def main(argv: list[str]) -> None:
               res={"record": rec, "device": rec["device"]["name"],
                    "gpus": rec["device"]["count"], "ranks": ranks, "calibrate": {}})
     src = None
-    if {"calibrate", "gptq", "reap", "reap-learned", "eval"} & set(parts):
+    if set(PARTS) & set(parts):
         src = kimi_set(root, b.dims, a.moe_layers)
         run_child(["sh", "-c", f"cat {src}/*.safetensors > /dev/null"])  # page cache warm
         b.res["make_s"] = round(timer.elapsed(), 1)
     steps = {"calibrate": lambda: part_calibrate(b, src), "gptq": lambda: part_gptq(b, src),
-             "reap": lambda: part_reap(b, src), "reap-learned": lambda: part_reap_learned(b, src),
-             "eval": lambda: part_eval(b, src),
-             "convert": lambda: part_convert(b)}
+             "learned": lambda: part_learned(b, src), "reap": lambda: part_reap(b, src),
+             "reap-learned": lambda: part_reap_learned(b, src),
+             "eval": lambda: part_eval(b, src), "convert": lambda: part_convert(b)}
     for part in parts:
         steps[part]()
     b.res["script_s"] = round(timer.elapsed(), 1)
@@ -133,8 +136,7 @@ def tokens_option(text: str) -> dict[str, int]:
 def summarize(res: dict) -> None:
     """One line per part: each rank count's wall and MoE-layer seconds, and the checks."""
     entries = [(f"calibrate {label}", e) for label, e in res["calibrate"].items()]
-    entries += [(name, res[name]) for name in ("gptq", "reap", "reap-learned", "eval", "convert")
-                if name in res]
+    entries += [(name, res[name]) for name in (*PARTS[1:], "convert") if name in res]
     for name, entry in entries:
         cells = []
         for r in entry["runs"]:

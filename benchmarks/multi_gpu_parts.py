@@ -151,6 +151,14 @@ def part_reap_learned(b: Bench, src: Path) -> None:
                                  "--repair", "router", "--compensate", "learned"])
 
 
+def part_learned(b: Bench, src: Path) -> None:
+    """`sparsify --method learned` (learned p48) on gptq's sequences: rank 0's MoE layer (its
+    -v "OBS layer" line: the one-shot start and the training of its experts), its efficiency,
+    and the bytes."""
+    part_same_bytes(b, "learned", b.gptq_seqs,
+                    lambda dst: ["sparsify", str(src), str(dst), "--method", "learned"])
+
+
 def part_eval(b: Bench, src: Path) -> None:
     candidate = b.root / "eval-candidate"
     if not (candidate / "kconvert-manifest.json").exists():

@@ -5,6 +5,7 @@ and results multi_gpu's parts share."""
 from __future__ import annotations
 
 import re
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,29 @@ REPAIR_LINE = re.compile(r"layer \d+ repair: .*")
 # NCCL's NVLink multicast off for every rank, as the device machines require.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+# The learned method's line per work item under -v (kconvert.methods.learned.Learned.transform)
+ITEM = re.compile(r"layer (\d+) experts \d+-\d+: (.*?); learned written")
+PHASE = re.compile(r"([a-z -]+?) ([0-9.]+) s")
+
+def layer_seconds(log: str) -> dict[str, dict]:
+    """Per MoE layer (from `-v`'s item lines): seconds per phase summed over its items, the
+    total, the first item's, and `steady_s` (every item at the median of the later ones)."""
+    items: dict[str, list[dict[str, float]]] = {}
+    for layer, phases in ITEM.findall(log):
+        items.setdefault(layer, []).append({k.strip(): float(v) for k, v in
+                                            PHASE.findall(phases)})
+    out = {}
+    for layer, rows in items.items():
+        totals = [sum(r.values()) for r in rows]
+        later = totals[1:] or totals
+        out[layer] = {"items": len(rows), "total_s": round(sum(totals), 2),
+                      "first_item_s": round(totals[0], 2),
+                      "steady_s": round(statistics.median(later) * len(rows), 2),
+                      "phases_s": {k: round(sum(r.get(k, 0.0) for r in rows), 2)
+                                   for k in rows[0]}}
+    return out
 
 
 @dataclass
@@ -77,6 +101,9 @@ class Bench:
             # MoE layer the wait holds the start-up and layer 0 too: --moe-layers 2 for GPTQ)
             res["obs_layers"] = obs
             res["moe_layer_s"] = round(obs[-1]["waited"] + obs[-1]["solving"], 2)
+        items = layer_seconds(c.stderr)
+        if items:  # a learned method's work items, per MoE layer and phase
+            res["learned_items"] = items
         learned = [float(m["seconds"]) for m in LEARNED_LINE.finditer(c.stderr)]
         if learned:
             res["learned_layers_s"] = learned  # per repaired MoE layer

@@ -26,8 +26,9 @@ values (bf16 on a GPU: what the products read) are the leaves of the loss's grap
 gradient then goes through the rounding (the identity) and the mask (its backward written out,
 the Gumbel sample recomputed from its seed) straight into Adam, one fused pass per matrix. So
 no fp32 copy of a matrix is kept for a backward pass, and the fp32 gradient of the masters is
-never written. On a GPU the mask, the rounding and the update are each compiled
-(torch.compile) into a few fused kernels; the same functions run eagerly on a CPU.
+never written. On a GPU the rounding and the update are compiled (torch.compile) into a few
+fused kernels, and p48's mask and update are Triton kernels (`mask_passes`); the same torch
+functions run eagerly on a CPU.
 """
 
 from __future__ import annotations
@@ -168,11 +169,16 @@ def mask_passes(device_type: str) -> tuple[Callable, Callable]:
     kernels (kconvert.methods.pattern_masks_triton: inductor's reductions run on untuned tiles
     in deterministic mode), else the torch functions, compiled where `compiled` compiles."""
     if device_type == "cuda" and MASK_KERNEL:
-        from kconvert.methods import pattern_masks_triton as kernels
-
-        return kernels.masked_weights, functools.partial(kernels.update_masked,
-                                                         betas=ADAM_BETAS, eps=ADAM_EPS)
+        return kernel_passes()
     return compiled(pm.masked_weights, device_type), compiled(update_masked, device_type)
+
+
+def kernel_passes() -> tuple[Callable, Callable]:
+    """p48's two passes as the Triton kernels, with this trainer's Adam constants."""
+    from kconvert.methods import pattern_masks_triton as kernels
+
+    return kernels.masked_weights, functools.partial(kernels.update_masked, betas=ADAM_BETAS,
+                                                     eps=ADAM_EPS)
 
 
 class _Linear(torch.autograd.Function):

@@ -4,10 +4,10 @@ kconvert.methods.pattern_masks, then Adam on the weights and on their pattern lo
 
 Hand-written because the method trains inside torch's deterministic mode, where inductor does
 not time the candidate tiles of a reduction but takes a fixed one, and the mask's passes are
-reductions (a softmax over 6 patterns, sums over 6 patterns and over 8 elements): compiled by
-inductor, a step of 16 full-size experts took 76.7 ms inside the mode against 45 ms outside
-(docs/performance.md). Here the tile is fixed in the code, as the scale-block kernel's is, so
-the bits are the same in any mode and on every run.
+reductions (a softmax over 6 patterns, sums over 6 patterns and over 8 elements), which made
+inductor's compiled step of full-size experts much slower inside the mode than outside it
+(docs/learned.md, "Determinism"). Here the tile is fixed in the code, as the scale-block
+kernel's is, so the bits are the same in any mode and on every run.
 
 One program takes BLOCK chunks of 8 weights of one expert and the chunks' 6 pattern logits,
 padded to 8 (the padding's probability is 0). The Gumbel draws are
@@ -60,7 +60,8 @@ def counter_uniform(counter, seed):
 @triton.jit
 def gumbel_sample(logits, counter, pattern, seed, scale, temperature):
     """pattern_masks.probs of logits [BLOCK, 8] (columns 6 and 7 padding, `pattern` [1, 8]
-    whether a column is one) whose draws' counters are `counter`: 0 in the padding."""
+    whether a column is one) whose draws' counters are `counter`: probability 0 in the
+    padding, whose draws are made and not used."""
     noise = -tl.log(-tl.log(counter_uniform(counter, seed)))
     z = tl.where(pattern, (logits * scale + noise) / temperature, float("-inf"))
     ex = tl.exp(z - tl.max(z, 1)[:, None])
@@ -108,7 +109,7 @@ def chunk_offsets(chunks, BLOCK: tl.constexpr):
     e = tl.program_id(1).to(tl.int64)
     chunk = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     col = tl.arange(0, 8)
-    inside = (chunk < chunks)[:, None] & (col < 8)[None, :]
+    inside = tl.broadcast_to((chunk < chunks)[:, None], (BLOCK, 8))
     pattern = (col < 6)[None, :]
     counter = chunk[:, None] * 6 + col[None, :]  # the logit's index in its expert
     return (e, e * chunks * 8 + chunk[:, None] * 8 + col[None, :], e * chunks * 6 + counter,
@@ -158,15 +159,25 @@ def update_kernel(w_ptr, logit_ptr, grad_ptr, seed_ptr, masks_ptr, scale_ptr, te
     tl.store(vl_ptr + logit_at, v, mask=at_logit)
 
 
-def chunk_grid(w: torch.Tensor, logits: torch.Tensor, *others: torch.Tensor
+def chunk_grid(w: torch.Tensor, logits: torch.Tensor, per_expert: tuple[torch.Tensor, ...],
+               like_w: tuple[torch.Tensor, ...] = (), like_logits: tuple[torch.Tensor, ...] = ()
                ) -> tuple[int, tuple[int, int]]:
-    """(chunks per expert, the launch grid) of stacked weights w [E, R, K] and their logits
-    [E, R, K/8, 6], refusing a layout the kernels do not index."""
+    """(chunks per expert, the launch grid) of stacked fp32 weights w [E, R, K] and their
+    logits [E, R, K/8, 6], with one value per expert in each of `per_expert` and tensors shaped
+    as w and as the logits: anything the kernels would index wrongly is refused."""
+    shapes = (w.dim() == 3 and not w.shape[-1] % 8
+              and logits.shape == (*w.shape[:-1], w.shape[-1] // 8, 6)
+              and all(t.shape == w.shape for t in like_w)
+              and all(t.shape == logits.shape for t in like_logits)
+              and all(t.numel() == w.shape[0] for t in per_expert))
+    fp32 = all(t.dtype == torch.float32 for t in (w, logits, *like_w[1:], *like_logits))
+    if not (shapes and fp32 and all(t.is_contiguous() for t in (w, logits, *like_w,
+                                                               *like_logits))):
+        raise ValueError(f"the p48 mask kernels take contiguous fp32 w [E, R, K], logits "
+                         f"[E, R, K/8, 6], state of their shapes and one seed and step per "
+                         f"expert, not w {tuple(w.shape)} {w.dtype}, logits "
+                         f"{tuple(logits.shape)}")
     chunks = w[0].numel() // 8
-    if (w.dim() != 3 or w.shape[-1] % 8 or logits.shape != (*w.shape[:-1], w.shape[-1] // 8, 6)
-            or not all(t.is_contiguous() for t in (w, logits, *others))):
-        raise ValueError(f"the p48 mask kernels take contiguous w [E, R, K] and logits "
-                         f"[E, R, K/8, 6], not {tuple(w.shape)} and {tuple(logits.shape)}")
     return chunks, (triton.cdiv(chunks, BLOCK), w.shape[0])
 
 
@@ -174,7 +185,7 @@ def masked_weights(w: torch.Tensor, logits: torch.Tensor, seed: torch.Tensor,
                    scale: torch.Tensor, temperature: torch.Tensor, masks: torch.Tensor
                    ) -> torch.Tensor:
     """pattern_masks.masked_weights in one pass."""
-    chunks, grid = chunk_grid(w, logits)
+    chunks, grid = chunk_grid(w, logits, (seed,))
     out = torch.empty_like(w)
     masked_kernel[grid](w, logits, out, seed, masks.contiguous(), scale, temperature, chunks,
                         BLOCK=BLOCK, num_warps=NUM_WARPS)
@@ -187,8 +198,9 @@ def update_masked(w: torch.Tensor, logits: torch.Tensor, grad: torch.Tensor,
                   mask_step: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, *,
                   betas: tuple[float, float], eps: float) -> None:
     """expert_training's update of a p48 matrix (the mask's backward, Adam on the weights
-    and on the logits) in one pass, in place; `step` per expert ([E] or [E, 1, 1])."""
-    chunks, grid = chunk_grid(w, logits, grad, *state)
+    and on the logits) in one pass, in place; `grad` as w (any float dtype), `state` the
+    moments (m, v of w, m, v of the logits), `step` per expert ([E] or [E, 1, 1])."""
+    chunks, grid = chunk_grid(w, logits, (seed, step), (grad, *state[:2]), state[2:])
     update_kernel[grid](w, logits, grad, seed, masks.contiguous(), scale, temperature, *state,
                         step.reshape(-1).contiguous(), mask_step, c1, c2, chunks,
                         B1=betas[0], B2=betas[1], EPS=eps, BLOCK=BLOCK, num_warps=NUM_WARPS)

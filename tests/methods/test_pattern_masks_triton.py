@@ -6,7 +6,6 @@ weights and the six updated tensors to fp32 rounding, and a short training run's
 
 from __future__ import annotations
 
-import functools
 import os
 
 import pytest
@@ -54,7 +53,8 @@ def test_the_largest_draw_stays_below_one_in_the_kernel():
     assert float(got[0, -1]) == pm.BELOW_ONE and float(got.max()) == pm.BELOW_ONE
 
 
-def mask_problem(seed: int, experts: int = 3, rows: int = 5, cols: int = 1040):
+def mask_problem(seed: int, experts: int = 3, rows: int = 5, cols: int = 1040
+                 ) -> tuple[torch.Tensor, ...]:
     """Weights [E, R, K] whose chunk count per expert (650) is not a multiple of the kernels'
     block, logits, per-expert seeds, and a scale and temperature at which the sample is soft."""
     g = torch.Generator().manual_seed(seed)
@@ -101,10 +101,22 @@ def test_the_update_is_the_torch_update():
 
 def test_a_layout_the_kernels_do_not_index_is_refused():
     w, logits, seeds, scale, temperature, masks = on_device(*mask_problem(3))
+    strided = w.transpose(1, 2).contiguous().transpose(1, 2)  # w's shape, not its layout
     with pytest.raises(ValueError, match="contiguous"):
-        kernels.masked_weights(w.transpose(1, 2), logits, seeds, scale, temperature, masks)
+        kernels.masked_weights(strided, logits, seeds, scale, temperature, masks)
     with pytest.raises(ValueError, match="logits"):
         kernels.masked_weights(w, logits[..., :5], seeds, scale, temperature, masks)
+    with pytest.raises(ValueError, match="one seed and step per expert"):
+        kernels.masked_weights(w, logits, seeds[:1], scale, temperature, masks)
+    state = tuple(torch.zeros_like(t) for t in (w, w, logits, logits))
+    grad = torch.zeros_like(w)
+    mask_step, c1, c2 = on_device(torch.tensor(1e-3), torch.tensor(0.5), torch.tensor(0.5))
+    # a scalar step (the kernel reads one per expert), and a moment of the logits in the
+    # weights' shape
+    for step, moments in ((mask_step, state), (torch.ones(3, device=DEV), state[:3] + state[:1])):
+        with pytest.raises(ValueError, match="state of their shapes"):
+            kernels.update_masked(w, logits, grad, seeds, scale, temperature, masks, moments,
+                                  step, mask_step, c1, c2, betas=et.ADAM_BETAS, eps=et.ADAM_EPS)
 
 
 def test_training_with_the_kernels_exports_the_torch_passes_values(monkeypatch):
@@ -135,9 +147,7 @@ def test_training_with_the_kernels_exports_the_torch_passes_values(monkeypatch):
 
     monkeypatch.setattr(et, "MASK_KERNEL", False)
     want_values, want_codes = run()
-    monkeypatch.setattr(et, "mask_passes", lambda device_type: (
-        kernels.masked_weights,
-        functools.partial(kernels.update_masked, betas=et.ADAM_BETAS, eps=et.ADAM_EPS)))
+    monkeypatch.setattr(et, "mask_passes", lambda device_type: et.kernel_passes())
     got_values, got_codes = run()
     for n in w:
         torch.testing.assert_close(got_values[n], want_values[n], rtol=0, atol=0)
