@@ -76,6 +76,25 @@ class _Ahead(Generic[T]):
     seconds: float
 
 
+def project_full_model(what: str, moe_walls: list[float], dense: float, first_k_dense: int,
+                       models: int = 1) -> tuple[float, float]:
+    """(a steady MoE layer's seconds, the whole model's) for FULL_MODEL_LAYERS decoder layers
+    of each of `models` checkpoints, the first `first_k_dense` dense at `dense` seconds, from
+    the MoE layers' measured seconds: every MoE layer at the steady ones' mean (those after
+    the first; with one, the first), plus the first's extra once; logged, `what` naming the
+    work projected."""
+    first, *rest = moe_walls
+    steady = sum(rest) / len(rest) if rest else first
+    # what the first MoE layer takes beyond a steady one (the kernels compiling) is paid once
+    # a process
+    seconds = (models * (first_k_dense * dense + (FULL_MODEL_LAYERS - first_k_dense) * steady)
+               + first - steady)
+    log.info("%sprojection for the whole model (%d decoder layers; %.1f s per steady MoE layer "
+             "as measured, the first %.1f s): %.1f min", what, FULL_MODEL_LAYERS, steady, first,
+             seconds / 60)
+    return steady, seconds
+
+
 @dataclass
 class LayerPrefetcher(Generic[J, T]):
     """Jobs (a decoder layer of a checkpoint) loaded in order, the next one in the background.
@@ -163,17 +182,9 @@ class LayerPrefetcher(Generic[J, T]):
         walls = {moe: [t.wall_s for t in self.timings if t.moe == moe] for moe in (False, True)}
         if walls[True]:
             dense = sum(walls[False]) / len(walls[False]) if walls[False] else 0.0
-            first, *rest = walls[True]
-            steady = sum(rest) / len(rest) if rest else first
-            # what the first MoE layer takes beyond a steady one (the kernels compiling) is
-            # paid once a process
-            seconds = (models * (first_k_dense * dense + (FULL_MODEL_LAYERS - first_k_dense)
-                                 * steady) + first - steady)
+            steady, seconds = project_full_model("", walls[True], dense, first_k_dense, models)
             out["steady_moe_layer_s"] = round(steady, 3)
             out["projected_full_model_s"] = round(seconds, 1)
-            log.info("projection for the whole model (%d decoder layers; %.1f s per steady MoE "
-                     "layer as measured, the first %.1f s): %.1f min", FULL_MODEL_LAYERS, steady,
-                     first, seconds / 60)
         return out
 
     def report(self, timing: LayerTiming, count: int) -> None:

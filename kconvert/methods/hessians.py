@@ -29,8 +29,10 @@ from pathlib import Path
 import torch
 
 from kconvert.calibrate.data import PAD_ID, load_calibration_data, real_tokens
+from kconvert.calibrate.forward import model_config
 from kconvert.calibrate.held_out import split_rows
 from kconvert.calibrate.plan import forward
+from kconvert.calibrate.prefetch import project_full_model
 from kconvert.common import distributed
 from kconvert.errors import KconvertError
 from kconvert.gpu.parts import GpuWork
@@ -104,6 +106,7 @@ class CalibrationHessians:
         self._thread: threading.Thread | None = None
         self._current: _Handoff | None = None
         self._times = (0.0, 0.0)  # the current layer: seconds waited for it, when it came
+        self._layer_seconds: list[tuple[bool, float]] = []  # per layer let go: MoE?, seconds
         self._done = False
         self._closed = False
         self.device = device
@@ -207,9 +210,21 @@ class CalibrationHessians:
         solve of this rank's matrices of it)."""
         if self._current is not None:
             waited, handed = self._times
+            solving = time.perf_counter() - handed
             log.info("OBS layer %d: %.2f s waiting for its calibration forward, %.2f s "
-                     "solving it", self._current.layer, waited, time.perf_counter() - handed)
+                     "solving it", self._current.layer, waited, solving)
+            self._layer_seconds.append((self._current.moe is not None, waited + solving))
         self._current = None
+
+    def _project(self) -> None:
+        """-v logs the whole model's projection from the layers' seconds (waited + solved).
+        A layer the engine never asked for (a dense layer under the default targets) has its
+        forward inside the next layer's wait, so it counts as nothing apart."""
+        moe = [seconds for is_moe, seconds in self._layer_seconds if is_moe]
+        dense = [seconds for is_moe, seconds in self._layer_seconds if not is_moe]
+        if moe:
+            project_full_model("OBS engine: ", moe, sum(dense) / len(dense) if dense else 0.0,
+                               model_config(self._args[0]).first_k_dense_replace)
 
     def hessian(self, layer: int, expert: int | None, proj: str) -> torch.Tensor:
         """X^T X [in, in] (fp32, on the device) over the tokens routed to the source expert
@@ -274,6 +289,7 @@ class CalibrationHessians:
             return
         if distributed.world() > 1:
             self._let_go()
+            self._project()
             while not self._done:
                 self._release.set()
                 got = self._handoffs.get()
@@ -283,6 +299,7 @@ class CalibrationHessians:
             return
         self._closed = True
         self._let_go()
+        self._project()
         while self._thread.is_alive():
             self._release.set()
             with contextlib.suppress(queue.Empty):  # unblock a pending hand-over

@@ -14,6 +14,7 @@ more than 1%.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -248,6 +249,27 @@ def test_quantize_gptq_shared_expert_and_usage(tmp_path):
     res = cli_inproc("run", "quantize", TINY_MOE, tmp_path / "c", "--method", "sparsegpt",
                      "--device", "cpu", "--quiet")
     assert res.exit_code == 2 and "is a sparsify method" in res.output
+
+
+def test_the_projection_for_the_whole_model_is_the_layers_measured(tmp_path):
+    """-v's whole-model projection of an OBS run is its MoE layers' own seconds (waited for
+    the forward + solved) carried to Kimi's 61 decoder layers: 60 MoE layers at the steady
+    ones' mean plus the first's extra, as the line's own figures say."""
+    res = cli_inproc("int4-to-nvfp4", BUNDLED, tmp_path / "out", "--method", "gptq", "--data",
+                     _data(tmp_path, 64), "--seq-len", "16", "--samples", "4", "--device",
+                     "cpu", "-v")
+    assert res.exit_code == 0, res.output
+    layers = [float(a) + float(b) for a, b in re.findall(
+        r"OBS layer \d+: ([\d.]+) s waiting for its calibration forward, ([\d.]+) s solving",
+        res.output)]
+    (line,) = re.findall(r"OBS engine: projection for the whole model \(61 decoder layers; "
+                         r"([\d.]+) s per steady MoE layer as measured, the first ([\d.]+) s\): "
+                         r"([\d.]+) min", res.output)
+    steady, first, minutes = map(float, line)
+    assert len(layers) == 2  # the bundled checkpoint's MoE layers 1 and 2 (layer 0 dense)
+    assert steady == pytest.approx(layers[1], abs=0.06)
+    assert first == pytest.approx(layers[0], abs=0.06)
+    assert minutes == pytest.approx((60 * layers[1] + layers[0] - layers[1]) / 60, abs=0.06)
 
 
 def test_gptq_is_nvfp4_only(tmp_path):
