@@ -17,8 +17,9 @@ Export takes each chunk's most likely pattern (ties to the lower pattern index),
 pruned pairs (+0) and quantizes by the rule: exactly what the codec writes. Every random draw
 comes from the expert's own generator, seeded by (seed, layer, expert), all made before the
 first step: the tokens of every step, then the seed of each step's and matrix's Gumbel noise,
-whose draws a counter-based hash makes. So a run is reproducible, and an expert's result does
-not depend on which experts train beside it (the GPU budget's batch size).
+whose draws a counter-based hash makes. So a run is reproducible, and an expert's draws do not
+depend on which experts train beside it (the GPU budget's batch size); on a CPU neither does
+its result (on a GPU the batched products may round by the batch's size: docs/learned.md).
 
 A step is elementwise passes over every weight (the bulk of its memory traffic) around two
 small batched products. The weights are masked and rounded without autograd, and the rounded
