@@ -187,8 +187,8 @@ def masked_weights(w: torch.Tensor, logits: torch.Tensor, seed: torch.Tensor,
     """pattern_masks.masked_weights in one pass."""
     chunks, grid = chunk_grid(w, logits, (seed,))
     out = torch.empty_like(w)
-    masked_kernel[grid](w, logits, out, seed, masks.contiguous(), scale, temperature, chunks,
-                        BLOCK=BLOCK, num_warps=NUM_WARPS)
+    masked_kernel[grid](w, logits, out, seed.contiguous(), masks.contiguous(), scale,
+                        temperature, chunks, BLOCK=BLOCK, num_warps=NUM_WARPS)
     return out
 
 
@@ -201,6 +201,7 @@ def update_masked(w: torch.Tensor, logits: torch.Tensor, grad: torch.Tensor,
     and on the logits) in one pass, in place; `grad` as w (any float dtype), `state` the
     moments (m, v of w, m, v of the logits), `step` per expert ([E] or [E, 1, 1])."""
     chunks, grid = chunk_grid(w, logits, (seed, step), (grad, *state[:2]), state[2:])
-    update_kernel[grid](w, logits, grad, seed, masks.contiguous(), scale, temperature, *state,
-                        step.reshape(-1).contiguous(), mask_step, c1, c2, chunks,
+    update_kernel[grid](w, logits, grad, seed.contiguous(), masks.contiguous(), scale,
+                        temperature, *state, step.reshape(-1).contiguous(), mask_step, c1, c2,
+                        chunks,
                         B1=betas[0], B2=betas[1], EPS=eps, BLOCK=BLOCK, num_warps=NUM_WARPS)
