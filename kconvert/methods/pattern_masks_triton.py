@@ -109,7 +109,8 @@ def chunk_offsets(chunks, BLOCK: tl.constexpr):
     e = tl.program_id(1).to(tl.int64)
     chunk = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     col = tl.arange(0, 8)
-    inside = tl.broadcast_to((chunk < chunks)[:, None], (BLOCK, 8))
+    # (col < 8) is always true: it broadcasts the chunks' mask to [BLOCK, 8]
+    inside = (chunk < chunks)[:, None] & (col < 8)[None, :]
     pattern = (col < 6)[None, :]
     counter = chunk[:, None] * 6 + col[None, :]  # the logit's index in its expert
     return (e, e * chunks * 8 + chunk[:, None] * 8 + col[None, :], e * chunks * 6 + counter,
