@@ -252,7 +252,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--gpu-memory", default="74GiB")
     ap.add_argument("--methods", type=comma_list, default=["p48", "nvfp4"],
-                    help="of p48,nvfp4,gptq (default p48,nvfp4)")
+                    help="of p48,nvfp4,gptq (default p48,nvfp4): --layer's commands, or the "
+                         "trainer's (p48 and nvfp4; gptq has none)")
     a = ap.parse_args(argv)
     if a.layer:
         layer_runs(a)
