@@ -8,6 +8,15 @@ from dataclasses import dataclass, field
 
 from kconvert.gpu.shapes import Shapes
 
+# Matrices an OBS batch solves (and the learned methods train) at once wherever the budget
+# holds that many, else as many as it holds; a plan never gives a batch more. On a GPU a batched
+# product's rounding depends on its batch count (cuBLAS picks its kernel by it: docs/obs.md,
+# "A batch's size changes its experts' bits on a GPU"), so every batch a GPU solves has the
+# plan's count, the last one padded: budgets that hold this many write the same bytes, whatever
+# the card's free memory or the rank count. 16, not 8: learned p48's full-size layer ran 2.5 s
+# faster in batches of 16 (benchmarks/results/README.md, session 24).
+OBS_BATCH = 16
+
 
 @dataclass(frozen=True)
 class Forward:

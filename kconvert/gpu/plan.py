@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kconvert.errors import KconvertError
-from kconvert.gpu.parts import Encode, Forward, GpuWork
+from kconvert.gpu.parts import OBS_BATCH, Encode, Forward, GpuWork
 from kconvert.gpu.shapes import Shapes
 
 # Bytes per token of one decoder layer's forward, in units of the compute dtype's element,
@@ -38,10 +38,6 @@ RESIDUAL_COPIES = 6
 # which one runs depends on the head sizes, the mask and the build, so the plan assumes the
 # largest).
 SCORE_BYTES = 6
-
-# OBS batches of this many experts keep the GPU busy: a plan gives them that many before it
-# keeps a larger forward micro-batch (and otherwise as many as fit, at least one).
-OBS_BATCH = 8
 
 # A routed expert's share of the tokens is planned at HOT_EXPERT times the mean (the Hessian
 # of the busiest expert is built from its routed inputs in fp32).
@@ -252,10 +248,11 @@ def plan_conversion(s: Shapes, budget: int, what: str, min_item_elems: int,
               for on_device in (True, False)]
     fits = {shape: most(*shape) for shape in shapes}
     # OBS_BATCH matrices at the largest micro-batch that leaves room for them, else the most
-    # matrices at any micro-batch (the OBS batches, not the forward, take a small budget's time)
+    # matrices at any micro-batch (the OBS batches, not the forward, take a small budget's time);
+    # never more: a batch solves OBS_BATCH at a time
     batch, on_device = next((sh for sh in shapes if fits[sh] >= min(OBS_BATCH, obs.matrices)),
                             max(shapes, key=lambda sh: fits[sh]))
-    n = fits[(batch, on_device)]
+    n = min(fits[(batch, on_device)], OBS_BATCH)
     if not n:
         raise _too_small(what, footprint(1, False, 1), budget, "--samples")
     return GpuPlan(budget, batch, on_device, obs_bytes=obs.batch(n),

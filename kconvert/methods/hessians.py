@@ -147,7 +147,7 @@ class CalibrationHessians:
     def obs_budget(self, device: torch.device) -> int | None:
         """Bytes one OBS batch may take on `device`: the plan's OBS share on a GPU (a plan is
         made for every GPU run, kconvert.driver.convert), None on a CPU
-        (obs_memory.CPU_BATCH matrices)."""
+        (obs_memory.experts_per_batch gives OBS_BATCH matrices)."""
         if device.type != "cuda":
             return None
         if self.gpu_plan is None:

@@ -24,7 +24,9 @@ from kconvert.errors import KconvertError
 from kconvert.formats import nvfp4, p48
 from kconvert.formats.linear import Batch, Transformed
 from kconvert.gpu.devices import Stopwatch, deterministic
+from kconvert.gpu.parts import OBS_BATCH
 from kconvert.methods import expert_training as et
+from kconvert.methods import obs_memory
 from kconvert.methods.gptq import Gptq
 from kconvert.methods.obs import HELDOUT_EVERY, HELDOUT_MIN
 from kconvert.methods.obs_method import ObsMethod
@@ -125,10 +127,12 @@ class Learned(ObsMethod):
                     None, None, len(routing.fit[e]), len(routing.held[e])))
             trained = [e for e in ids if e not in few]
             per = self._per_batch(batches)
+            pad = obs_memory.pads_batches(batches[0].weights.device)
             for start in range(0, len(trained), per):
                 chunk = trained[start:start + per]
-                self._learn(layer, chunk, [experts[(layer, e)] for e in chunk], batches, made,
-                            out, routing, watch)
+                group = obs_memory.padded(chunk, per if pad else len(chunk))
+                self._learn(layer, group, len(chunk), [experts[(layer, e)] for e in group],
+                            batches, made, out, routing, watch)
             chose = [r for o in out for r in o.records if r and "oneshot" in r]
             log.info("layer %d experts %d-%d: %s; learned written for %d of %d matrices",
                      layer, ids[0], ids[-1], ", ".join(f"{k} {v:.2f} s" for k, v in
@@ -149,14 +153,14 @@ class Learned(ObsMethod):
             work.obs.bytes_per_matrix, per_expert)))
 
     def _per_batch(self, batches: list[Batch]) -> int:
-        """Experts trained at once: all of the item's on a CPU, as the GPU plan's share
-        allows on a GPU."""
+        """Experts trained at once: OBS_BATCH, or on a GPU fewer where the GPU plan's share
+        holds fewer."""
         budget = self.calibration.hessians.obs_budget(batches[0].weights.device)
         if budget is None:
-            return 1 << 30
+            return OBS_BATCH
         down = next(b for b in batches if b.modules[0].tn.proj == "down_proj").weights
-        return max(1, budget // training_bytes(down.shape[1], down.shape[2], self.sparse,
-                                               self.train_settings.tokens))
+        return max(1, min(OBS_BATCH, budget // training_bytes(
+            down.shape[1], down.shape[2], self.sparse, self.train_settings.tokens)))
 
     def _layer_routing(self, layer: int) -> _Routing:
         if self._routing is not None and self._routing[0] == layer:
@@ -180,10 +184,12 @@ class Learned(ObsMethod):
         self._routing = (layer, routing)
         return routing
 
-    def _learn(self, layer: int, ids: list[int], slots: list[dict[str, tuple[int, int]]],
-               batches: list[Batch], made: list[Transformed], out: list[Transformed],
-               routing: _Routing, watch: Stopwatch) -> None:
-        """Train experts `ids` of `layer` and write the winners into `out`."""
+    def _learn(self, layer: int, ids: list[int], real: int,
+               slots: list[dict[str, tuple[int, int]]], batches: list[Batch],
+               made: list[Transformed], out: list[Transformed], routing: _Routing,
+               watch: Stopwatch) -> None:
+        """Train experts `ids` of `layer` and write the winners of the first `real` into `out`
+        (the rest repeat the last one: obs_memory.padded)."""
         first = batches[slots[0]["gate_proj"][0]]
         enc = et.Encoding(first.spec.group(first.codec), first.spec.rule,
                           first.codec.arithmetic, first.spec.local_dtype)
@@ -199,7 +205,7 @@ class Learned(ObsMethod):
             values, codes = et.train(experts, enc, self.train_settings, generators, dtype)
         del experts
         with torch.no_grad(), watch.phase("guard"):
-            for i, (x, y, g) in enumerate(held):
+            for i, (x, y, g) in enumerate(held[:real]):
                 learned = float(_error(x, y, g, values, i, dtype))
                 if not math.isfinite(learned):
                     learned = None  # training diverged: nothing to judge, the one-shot stays

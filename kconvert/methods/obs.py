@@ -36,8 +36,7 @@ from typing import NamedTuple
 import torch
 
 from kconvert.formats import nvfp4
-from kconvert.methods import triangular
-from kconvert.methods.obs_memory import experts_per_batch
+from kconvert.methods import obs_memory, triangular
 from kconvert.model.names import Role, TensorName
 
 BLOCKSIZE = 128  # columns per lazy-update block (else one NVFP4 block, for small K)
@@ -57,7 +56,7 @@ PERCDAMP = 0.1  # damping, as a fraction of the mean Hessian diagonal (p48.md)
 PRECISIONS = ("fp32", "tf32", "bf16")
 
 
-# Decoded elements per OBS transform item on a CPU (batches are CPU_BATCH matrices, so items
+# Decoded elements per OBS transform item on a CPU (batches are OBS_BATCH matrices, so items
 # are large; on a GPU the command's memory plan sizes items, kconvert.gpu.plan).
 CPU_WORK_ELEMS = 1 << 26
 
@@ -334,14 +333,16 @@ def quantize_batches(w: torch.Tensor, gs: torch.Tensor, members: Sequence[Member
     out = torch.empty_like(w)
     out_codes = torch.empty(b, m, k // group_size, dtype=torch.uint8, device=w.device)
     choices: list[Choice | None] = [None] * b
-    step = experts_per_batch(per * m, k, budget, against_rtn=against_rtn)
+    step = obs_memory.experts_per_batch(per * m, k, budget, against_rtn=against_rtn)
     for start in range(0, len(order), step):
-        batch = range(start, min(start + step, len(order)))
+        real = list(range(start, min(start + step, len(order))))
         fits, held = [], []
-        for i in batch:
+        for i in real:
             split = hessian(members[groups[i][0]])
             fits.append(split.fit.to(w.device))
             held.append(split.held_out)
+        size = step if obs_memory.pads_batches(w.device) else len(real)
+        batch, fits, held = (obs_memory.padded(v, size) for v in (real, fits, held))
         h = torch.stack(fits)
         del fits, split
         u = prepare_inverse(h, precision=precision)
@@ -360,8 +361,9 @@ def quantize_batches(w: torch.Tensor, gs: torch.Tensor, members: Sequence[Member
                                                 choices, [o is not None for o in held])
             del judged
         del h, held
-        out[idx] = w_hat.reshape(-1, m, k)
-        out_codes[idx] = codes.reshape(-1, m, k // group_size)
+        solved = len(real) * per  # the padding's repeats are dropped
+        out[idx[:solved]] = w_hat.reshape(-1, m, k)[:solved]
+        out_codes[idx[:solved]] = codes.reshape(-1, m, k // group_size)[:solved]
         del w_hat
     return out, out_codes, (choices if against_rtn else None)  # type: ignore[return-value]
 

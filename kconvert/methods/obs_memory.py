@@ -6,24 +6,40 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import replace
+from typing import TypeVar
+
+import torch
 
 from kconvert.calibrate.forward import gram_bytes
-from kconvert.gpu.parts import Forward, GpuWork, Obs
+from kconvert.gpu.parts import OBS_BATCH, Forward, GpuWork, Obs
 from kconvert.gpu.shapes import Shapes
 from kconvert.model.names import Role
 
-# Matrices per OBS batch on a CPU (a GPU's batch is sized from the OBS share of the command's
-# GPU memory plan, kconvert.gpu.plan).
-CPU_BATCH = 8
+T = TypeVar("T")
 
 
 def experts_per_batch(rows: int, k: int, budget: int | None, tokens: int = 0,
                       against_rtn: bool = False) -> int:
-    """How many Hessian-sharing matrices [rows, k] one OBS batch takes within `budget` bytes
-    (`batch_bytes`); CPU_BATCH when the budget is None."""
+    """How many Hessian-sharing matrices [rows, k] one OBS batch takes: OBS_BATCH, or fewer
+    where `budget` bytes (`batch_bytes`) hold fewer; OBS_BATCH when the budget is None (a
+    CPU)."""
     if budget is None:
-        return CPU_BATCH
-    return max(1, budget // batch_bytes(rows, k, tokens, against_rtn))
+        return OBS_BATCH
+    return max(1, min(OBS_BATCH, budget // batch_bytes(rows, k, tokens, against_rtn)))
+
+
+def pads_batches(device: torch.device) -> bool:
+    """Whether batches on `device` are solved or trained at one count, the last one padded
+    (`padded`): on a GPU a batched product's rounding depends on its batch count (cuBLAS picks
+    its kernel by it), so an expert's bits would depend on how many came with it; on a CPU they
+    do not, and padding would only cost time."""
+    return device.type == "cuda"
+
+
+def padded(members: list[T], size: int) -> list[T]:
+    """`members` with its last one repeated up to `size` (`pads_batches`); the repeats'
+    results are dropped."""
+    return members + members[-1:] * (size - len(members))
 
 
 def batch_bytes(rows: int, k: int, tokens: int = 0, against_rtn: bool = False) -> int:

@@ -17,7 +17,9 @@ import torch
 import kconvert
 from helpers import MANIFEST, assert_audit_passes, checkpoint_tensors, write_input_ids
 from kconvert.driver import run_plan
-from kconvert.methods import learned
+from kconvert.gpu.parts import OBS_BATCH
+from kconvert.methods import expert_training as et
+from kconvert.methods import learned, obs_memory
 from kconvert.model.names import parse_name
 
 SAMPLES, SEQ_LEN, TOP_K, EXPERTS = 16, 256, 2, 4
@@ -96,6 +98,20 @@ def test_an_experts_result_does_not_depend_on_the_experts_beside_it(runs, small,
     monkeypatch.setattr(run_plan, "build_work_plan", one_expert_per_item)
     alone = _sparsify(small, tmp_path / "alone")
     assert _same(checkpoint_tensors(alone), checkpoint_tensors(runs["learned"]))
+
+
+def test_padded_batches_write_the_same_bytes(runs, small, tmp_path, monkeypatch):
+    """The GPU's padding forced on the CPU (kconvert.methods.obs_memory.pads_batches): the 4
+    experts train and solve as a batch of OBS_BATCH with 12 repeats of the last, whose results
+    are dropped; every byte is the unpadded run's."""
+    trained = []
+    train = et.train
+    monkeypatch.setattr(et, "train", lambda experts, *a: trained.append(len(experts.x))
+                        or train(experts, *a))
+    monkeypatch.setattr(obs_memory, "pads_batches", lambda device: True)
+    padded = _sparsify(small, tmp_path / "padded")
+    assert trained == [OBS_BATCH]
+    assert _same(checkpoint_tensors(padded), checkpoint_tensors(runs["learned"]))
 
 
 @pytest.mark.parametrize("minimum", ["fit", "held-out"])

@@ -23,7 +23,7 @@ from nvfp4_reference import on_grid, output_error, sparsegpt_p48_nvfp4
 from conftest import BUNDLED, ROOT
 from helpers import assert_audit_passes, cli_inproc, obs_problem, write_input_ids
 from kconvert.formats import nvfp4
-from kconvert.methods import gptq, obs, obs_memory, obs_method, sparsegpt
+from kconvert.methods import gptq, obs, obs_method, sparsegpt
 from kconvert.methods.sparsegpt import SparseGpt
 from oracles import raw_tensors
 
@@ -79,24 +79,6 @@ def test_obs_precision_is_fp32_on_a_cpu_and_as_good_on_a_gpu(device, mask):
         assert torch.equal(got_w, ref_w) and torch.equal(got_codes, ref_codes)
     else:
         assert output_error(w, got_w, h) <= output_error(w, ref_w, h) * 1.005
-
-
-@pytest.mark.parametrize("mask", [None, sparsegpt.p48_mask], ids=["gptq", "sparsegpt"])
-def test_an_experts_result_on_a_cpu_does_not_depend_on_its_batch(mask):
-    """Four experts solved in one OBS batch and one at a time (the budget sets the batch, and
-    the budget and the rank count differ between runs): the same bytes on a CPU. On a GPU
-    they differ (the batched products choose their kernel by the batch's size: docs/obs.md,
-    "A batch's size changes its experts' bits on a GPU")."""
-    w, h, gs = obs_problem(4, 32, 512, 1500, seed=5, arithmetic="compressed-tensors")
-    members = [obs.Member(0, e, "gate_proj") for e in range(4)]
-    per_matrix = obs_memory.batch_bytes(32, 512, against_rtn=True)
-    runs = [obs.quantize_batches(w, gs, members, lambda mb: obs.HessianSplit(h[mb.expert], None),
-                                 16, "mse", torch.float32, "compressed-tensors", mask=mask,
-                                 against_rtn=True, budget=per_matrix * batch)
-            for batch in (4, 1)]
-    (whole_w, whole_codes, whole_choices), (one_w, one_codes, one_choices) = runs
-    assert torch.equal(whole_w, one_w) and torch.equal(whole_codes, one_codes)
-    assert whole_choices == one_choices
 
 
 @pytest.mark.parametrize("method", [gptq.Gptq, SparseGpt])
