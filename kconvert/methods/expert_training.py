@@ -19,7 +19,8 @@ comes from the expert's own generator, seeded by (seed, layer, expert), all made
 first step: the tokens of every step, then the seed of each step's and matrix's Gumbel noise,
 whose draws a counter-based hash makes. So a run is reproducible, and an expert's draws do not
 depend on which experts train beside it (the GPU budget's batch size); on a CPU neither does
-its result (on a GPU the batched products may round by the batch's size: docs/learned.md).
+its result (on a GPU the batched products may round by the batch's count, so
+kconvert.methods.learned trains every GPU batch at one count: docs/learned.md).
 
 A step is elementwise passes over every weight (the bulk of its memory traffic) around two
 small batched products. The weights are masked and rounded without autograd, and the rounded
