@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -50,6 +51,11 @@ MIN_ROUTED_TOKENS = max(HELDOUT_MIN * HELDOUT_EVERY,
 # The most fit tokens an expert trains on (evenly spaced where it has more): bounds the
 # inputs and reference outputs a training batch holds.
 MAX_FIT_TOKENS = 8192
+# Tokens per call of the router when its weights are taken for the loss. Under torchrun a rank
+# captures only the tokens routed to its experts, so the count differs between rank counts; on
+# a GPU a product's rounding may follow its row count, so there every call has this many rows
+# (the last padded with zeros, dropped).
+ROUTER_ROWS = 1 << 14
 
 
 @dataclass
@@ -167,8 +173,10 @@ class Learned(ObsMethod):
             return self._routing[1]
         moe = self.calibration.hessians.moe_layer(layer)
         x = moe.captured()[0]
+        rows_per_call = ROUTER_ROWS if obs_memory.pads_batches(x.device) else None
         with torch.no_grad():
-            weights = torch.cat([moe.gate(part)[1] for part in x.split(1 << 14)]).float()
+            weights = torch.cat([_router_weights(moe.gate, part, rows_per_call)
+                                 for part in x.split(ROUTER_ROWS)]).float()
         rows = moe.routed_rows()
         g = weights.reshape(-1)
         fit, held, fit_g, held_g = [], [], [], []
@@ -293,6 +301,15 @@ class LearnedNvfp4(Learned):
     oneshot = Gptq
     sparse = False
     lr = NVFP4_LR
+
+
+def _router_weights(gate: Callable[[torch.Tensor], tuple[torch.Tensor, ...]], x: torch.Tensor,
+                    rows: int | None) -> torch.Tensor:
+    """The router weights [T, k] of the tokens x [T, H], computed on `rows` rows (x, then zeros)
+    where given."""
+    if rows is None or len(x) == rows:
+        return gate(x)[1]
+    return gate(torch.cat([x, x.new_zeros(rows - len(x), x.shape[1])]))[1][:len(x)]
 
 
 def training_bytes(hidden: int, inter: int, sparse: bool, tokens: int) -> int:

@@ -102,8 +102,10 @@ def test_an_experts_result_does_not_depend_on_the_experts_beside_it(runs, small,
 
 def test_padded_batches_write_the_same_bytes(runs, small, tmp_path, monkeypatch):
     """The GPU's padding forced on the CPU (kconvert.methods.obs_memory.pads_batches): the 4
-    experts train and solve as a batch of OBS_BATCH with 12 repeats of the last, whose results
-    are dropped; every byte is the unpadded run's."""
+    experts train and solve as a batch of OBS_BATCH with 12 repeats of the last, and the router
+    weights its loss over ROUTER_ROWS rows, the data's 4,096 tokens then zeros; the padding's
+    results are dropped, and every byte is the unpadded run's."""
+    assert SAMPLES * SEQ_LEN < learned.ROUTER_ROWS
     trained = []
     train = et.train
     monkeypatch.setattr(et, "train", lambda experts, *a: trained.append(len(experts.x))
