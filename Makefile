@@ -1,8 +1,8 @@
 # Two commands on a fresh clone (README, first section):
 #   make demo   creates .venv if missing, installs kconvert with its test tools, converts the
 #               bundled tiny Kimi-K2-Thinking INT4 checkpoint to NVFP4 and audits it
-#   make test   the same venv; the versions it runs with, ruff, then the test suite (what CI
-#               runs: .ci/run)
+#   make test   the same venv; the versions it runs with, ruff, then the test suite in two
+#               processes, each module's tests in one (what CI runs: .ci/run)
 #   make lock   refreshes constraints.txt with the newest versions the ranges in pyproject.toml
 #               admit (then run `make test` and commit both if it passes)
 
@@ -24,7 +24,7 @@ demo: install
 test: install
 	$(BIN)/python scripts/print_versions.py
 	$(BIN)/ruff check kconvert scripts tests benchmarks
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadscope
 
 install: $(VENV)/.installed
 
