@@ -133,10 +133,9 @@ class Learned(ObsMethod):
                     None, None, len(routing.fit[e]), len(routing.held[e])))
             trained = [e for e in ids if e not in few]
             per = self._per_batch(batches)
-            pad = obs_memory.pads_batches(batches[0].weights.device)
             for start in range(0, len(trained), per):
                 chunk = trained[start:start + per]
-                group = obs_memory.padded(chunk, per if pad else len(chunk))
+                group = obs_memory.padded(chunk, per, batches[0].weights.device)
                 self._learn(layer, group, len(chunk), [experts[(layer, e)] for e in group],
                             batches, made, out, routing, watch)
             chose = [r for o in out for r in o.records if r and "oneshot" in r]

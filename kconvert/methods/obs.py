@@ -341,8 +341,7 @@ def quantize_batches(w: torch.Tensor, gs: torch.Tensor, members: Sequence[Member
             split = hessian(members[groups[i][0]])
             fits.append(split.fit.to(w.device))
             held.append(split.held_out)
-        size = step if obs_memory.pads_batches(w.device) else len(real)
-        batch, fits, held = (obs_memory.padded(v, size) for v in (real, fits, held))
+        batch, fits, held = (obs_memory.padded(v, step, w.device) for v in (real, fits, held))
         h = torch.stack(fits)
         del fits, split
         u = prepare_inverse(h, precision=precision)

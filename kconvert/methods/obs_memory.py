@@ -36,9 +36,11 @@ def pads_batches(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def padded(members: list[T], size: int) -> list[T]:
-    """`members` with its last one repeated up to `size` (`pads_batches`); the repeats'
-    results are dropped."""
+def padded(members: list[T], size: int, device: torch.device) -> list[T]:
+    """A batch's `members` as `device` solves or trains them: where it `pads_batches`, the last
+    one repeated up to `size` (the repeats' results are dropped), else as they are."""
+    if not pads_batches(device):
+        return members
     return members + members[-1:] * (size - len(members))
 
 
