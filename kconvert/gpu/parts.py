@@ -82,10 +82,11 @@ class Forward:
 class Obs:
     """Batches of Hessian-sharing matrices solved together (SparseGPT, GPTQ): the bytes of
     one matrix of the largest shape (`bytes_per_matrix`: Hessian, factor and temporaries,
-    weights and result, kconvert.methods.obs_memory.batch_bytes), and the matrices there are."""
+    weights and result, kconvert.methods.obs_memory.batch_bytes), and the most matrices one
+    batch solves (`per_batch`)."""
 
     bytes_per_matrix: int
-    matrices: int
+    per_batch: int
     k: int  # input dimension of that matrix (its routed inputs are taken in fp32)
     every_token: bool = False  # a matrix's Hessian is built from every token (shared expert)
     least_bytes: int = 0  # one matrix of the largest targeted shape: a batch holds at least it

@@ -234,7 +234,7 @@ def plan_conversion(s: Shapes, budget: int, what: str, min_item_elems: int,
         """The most matrices per OBS batch that fit beside this forward (0: not one)."""
         if footprint(batch, on_device, 1).peak > budget:
             return 0
-        lo, hi = 1, obs.matrices
+        lo, hi = 1, obs.per_batch
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if footprint(batch, on_device, mid).peak <= budget:
@@ -250,7 +250,7 @@ def plan_conversion(s: Shapes, budget: int, what: str, min_item_elems: int,
     # OBS_BATCH matrices at the largest micro-batch that leaves room for them, else the most
     # matrices at any micro-batch (the OBS batches, not the forward, take a small budget's time);
     # never more: a batch solves OBS_BATCH at a time
-    batch, on_device = next((sh for sh in shapes if fits[sh] >= min(OBS_BATCH, obs.matrices)),
+    batch, on_device = next((sh for sh in shapes if fits[sh] >= min(OBS_BATCH, obs.per_batch)),
                             max(shapes, key=lambda sh: fits[sh]))
     n = min(fits[(batch, on_device)], OBS_BATCH)
     if not n:

@@ -73,8 +73,10 @@ def gpu_work(shapes: Shapes, forward: Forward, *, shared: bool, against_rtn: boo
         widths += shapes.dense_inputs()
         matrices += shapes.dense_matrices()
     least = max((batch_bytes(r, k, against_rtn=against_rtn) for r, k in matrices), default=0)
-    # an expert-parallel rank solves its block of the routed experts (forward.ranks)
+    # OBS_BATCH matrices a batch however few experts there are (a small model, or an
+    # expert-parallel rank's block): on a GPU every batch is padded to the plan's count
+    # (`padded`), so a rank holding fewer than OBS_BATCH experts solves them at the count one
+    # process does and writes its bytes
     return GpuWork(replace(forward, gram_bytes=gram_bytes(widths, held_out)),
-                   Obs(batch_bytes(rows, shapes.hidden, against_rtn=against_rtn),
-                       -(-shapes.experts // forward.ranks) + n_shared, shapes.hidden,
-                       every_token=n_shared > 0, least_bytes=least))
+                   Obs(batch_bytes(rows, shapes.hidden, against_rtn=against_rtn), OBS_BATCH,
+                       shapes.hidden, every_token=n_shared > 0, least_bytes=least))
