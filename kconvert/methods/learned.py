@@ -51,10 +51,12 @@ MIN_ROUTED_TOKENS = max(HELDOUT_MIN * HELDOUT_EVERY,
 # The most fit tokens an expert trains on (evenly spaced where it has more): bounds the
 # inputs and reference outputs a training batch holds.
 MAX_FIT_TOKENS = 8192
-# Tokens per call of the router when its weights are taken for the loss. Under torchrun a rank
-# captures only the tokens routed to its experts, so the count differs between rank counts; on
-# a GPU a product's rounding may follow its row count, so there every call has this many rows
-# (the last padded with zeros, dropped).
+# Tokens per call of the router when its weights are taken for the loss, every call this many
+# rows (the last padded with zeros, dropped). Under torchrun a rank captures only the tokens
+# routed to its experts, so the count differs between rank counts, and a product's rounding
+# follows its row count: at Kimi's router shape a row's logits differed between calls of 1,000
+# and of 2,048, 15,600, 16,384 or 40,000 rows on an H200, and of 40,000 on a CPU
+# (`python -m benchmarks learned_batches`).
 ROUTER_ROWS = 1 << 14
 
 
@@ -172,9 +174,8 @@ class Learned(ObsMethod):
             return self._routing[1]
         moe = self.calibration.hessians.moe_layer(layer)
         x = moe.captured()[0]
-        rows_per_call = ROUTER_ROWS if obs_memory.pads_batches(x.device) else None
         with torch.no_grad():
-            weights = torch.cat([_router_weights(moe.gate, part, rows_per_call)
+            weights = torch.cat([router_weights(moe.gate, part)
                                  for part in x.split(ROUTER_ROWS)]).float()
         rows = moe.routed_rows()
         g = weights.reshape(-1)
@@ -302,13 +303,13 @@ class LearnedNvfp4(Learned):
     lr = NVFP4_LR
 
 
-def _router_weights(gate: Callable[[torch.Tensor], tuple[torch.Tensor, ...]], x: torch.Tensor,
-                    rows: int | None) -> torch.Tensor:
-    """The router weights [T, k] of the tokens x [T, H], computed on `rows` rows (x, then zeros)
-    where given."""
-    if rows is None or len(x) == rows:
+def router_weights(gate: Callable[[torch.Tensor], tuple[torch.Tensor, ...]], x: torch.Tensor
+                    ) -> torch.Tensor:
+    """The router weights [T, k] of at most ROUTER_ROWS tokens x [T, H], computed on
+    ROUTER_ROWS rows (x, then zeros)."""
+    if len(x) == ROUTER_ROWS:
         return gate(x)[1]
-    return gate(torch.cat([x, x.new_zeros(rows - len(x), x.shape[1])]))[1][:len(x)]
+    return gate(torch.cat([x, x.new_zeros(ROUTER_ROWS - len(x), x.shape[1])]))[1][:len(x)]
 
 
 def training_bytes(hidden: int, inter: int, sparse: bool, tokens: int) -> int:

@@ -102,10 +102,8 @@ def test_an_experts_result_does_not_depend_on_the_experts_beside_it(runs, small,
 
 def test_padded_batches_write_the_same_bytes(runs, small, tmp_path, monkeypatch):
     """The GPU's padding forced on the CPU (kconvert.methods.obs_memory.pads_batches): the 4
-    experts train and solve as a batch of OBS_BATCH with 12 repeats of the last, and the router
-    weights its loss over ROUTER_ROWS rows, the data's 4,096 tokens then zeros; the padding's
+    experts train and solve as a batch of OBS_BATCH with 12 repeats of the last; the padding's
     results are dropped, and every byte is the unpadded run's."""
-    assert SAMPLES * SEQ_LEN < learned.ROUTER_ROWS
     trained = []
     train = et.train
     monkeypatch.setattr(et, "train", lambda experts, *a: trained.append(len(experts.x))
@@ -114,6 +112,23 @@ def test_padded_batches_write_the_same_bytes(runs, small, tmp_path, monkeypatch)
     padded = _sparsify(small, tmp_path / "padded")
     assert trained == [OBS_BATCH]
     assert _same(checkpoint_tensors(padded), checkpoint_tensors(runs["learned"]))
+
+
+def test_the_router_weights_come_from_calls_of_one_row_count():
+    """A product's rounding follows its row count (benchmarks learned_batches), and a rank
+    captures another count of tokens than one process: every router call has ROUTER_ROWS rows,
+    the last padded with zeros, and each token's weights are its own row's."""
+    rows = []
+
+    def gate(x):  # a row's weights depend on that row alone, as the router's
+        rows.append(len(x))
+        return None, torch.stack([x.sum(-1), x.amax(-1)], -1)
+
+    x = torch.randn(learned.ROUTER_ROWS + 100, 8, generator=torch.Generator().manual_seed(0))
+    got = torch.cat([learned.router_weights(gate, part)
+                     for part in x.split(learned.ROUTER_ROWS)])
+    assert rows == [learned.ROUTER_ROWS] * 2
+    assert torch.equal(got, gate(x)[1])
 
 
 @pytest.mark.parametrize("minimum", ["fit", "held-out"])
