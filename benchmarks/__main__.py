@@ -12,8 +12,8 @@ HERE = Path(__file__).resolve().parent
 # name -> module: speed and memory on the device machine, then quality and figures.
 BENCHES = {name: f"benchmarks.{name}" for name in (
     "convert", "ab", "audit", "calibrate", "cpu_engine", "cpu_matrix", "eval", "gpu_memory",
-    "grouped_experts", "learned", "learned_compensation", "multi_gpu", "obs", "overhead",
-    "plan", "repair", "sparsegpt_batch", "sparsify",
+    "grouped_experts", "learned", "learned_batches", "learned_compensation", "multi_gpu",
+    "obs", "overhead", "plan", "repair", "sparsegpt_batch", "sparsify",
     "stream", "torchrun", "trace")} | {name: f"benchmarks.quality.{name}" for name in (
     "eval_pipelines", "reap_quality", "repair_quality", "guard_kl", "mxfp4_quality",
     "obs_layer_error", "learned_quality", "learned_sweep", "input_scales",

@@ -351,3 +351,18 @@ def test_obs_precision_part_on_a_cpu():
         exact = r["loop"] != "bf16"
         assert (r["codes_differ"] == 0 and r["held_err_vs_fp32"] == 1.0) is exact, r
         assert r["u_finite"] and r["held_err_vs_rtn"] > 0
+
+
+def test_learned_batches_on_a_cpu_finds_no_expert_that_depends_on_its_batch(tmp_path):
+    """On a CPU an expert's learned values do not depend on the experts trained beside it nor
+    on the batch's count (on an H200 the count changes them, which is why a GPU pads every
+    batch to one count: docs/obs.md)."""
+    out = tmp_path / "lb.json"
+    from benchmarks import learned_batches
+
+    learned_batches.main(["--tiny", str(out)])
+    res = json.loads(out.read_text())
+    for method in ("nvfp4", "p48"):
+        comparisons = {k: v for k, v in res[method].items() if k != "seconds"}
+        assert len(comparisons) == 5 and all(v == [] for v in comparisons.values()), res
+    assert res["router_rows"]["differing"] == {"32x24": [0] * 6}
