@@ -8,10 +8,12 @@ weights, and the source expert a little off the weights) are trained, each from 
 generator as the method seeds them, in six runs: A = experts 0-15; A again; B = 0-11 and
 four repeats of 11 (the padding of a GPU batch, kconvert.methods.obs_memory.padded); C = 12-23
 and four repeats; D = 16-23 and eight repeats; and E = 0-11 alone, a batch of 12. Each
-comparison counts the experts whose trained values differ in any bit: A again, B, C and D
-against A test the neighbours at one batch count, E the count itself. Then the router's
-product (fp32, as transformers' DeepseekV3TopkRouter takes it) of the first 1,000 rows as a
-call of 1,000 rows against calls of more rows, at the trained tiny MoE's shape and Kimi's.
+comparison lists the experts whose trained values differ in any bit: A again, B and C against
+A and D against C test the neighbours at one batch count, E against A the count itself. Then
+the router's product (fp32, as transformers' DeepseekV3TopkRouter takes it), at the trained
+tiny MoE's shape and Kimi's: 1,000 rows as a call of their own against the first rows of
+larger calls (the count), and against the same rows at the end of a call of 16,384 (the
+position; a rank's token lies elsewhere in its calls than in one process's).
 
     python3 -m benchmarks learned_batches --device cuda $OUT/learned_batches.json
     python -m benchmarks learned_batches --tiny /tmp/learned_batches.json   # CPU, seconds
@@ -32,11 +34,10 @@ from kconvert.methods.learned import NVFP4_LR, P48_LR, P48_MASK_LR
 BATCHES = {"A": list(range(16)), "B": list(range(12)) + [11] * 4,
            "C": list(range(12, 24)) + [23] * 4, "D": list(range(16, 24)) + [23] * 8,
            "E": list(range(12))}
-# (a run, the run it is compared with, the experts compared: ids, where the run starts)
-COMPARED = (("A again", "A", range(16), 0), ("B", "A", range(12), 0),
-            ("C", "A", range(12, 16), 12), ("D", "C", range(16, 24), 16),
-            ("E", "A", range(12), 0))
-ROUTER_ROWS = (1000, 2048, 4096, 15600, 16384, 40000)
+# (a run, the run it is compared with, the expert ids compared)
+COMPARED = (("A again", "A", range(16)), ("B", "A", range(12)), ("C", "A", range(12, 16)),
+            ("D", "C", range(16, 24)), ("E", "A", range(12)))
+CALL_ROWS = (1000, 2048, 4096, 15600, 16384, 40000)  # the router's calls
 
 
 class Problem:
@@ -86,25 +87,37 @@ def trained(problem: Problem, ids: list[int], sparse: bool, steps: int,
     return {n: v.cpu() for n, v in values.items()}
 
 
-def differing(a: dict, b: dict, experts: range, a_first: int, b_first: int) -> list[int]:
-    """The experts (ids) whose values differ between runs a and b, whose first experts are
-    a_first and b_first."""
-    return [e for e in experts
-            if not all(torch.equal(a[n][e - a_first], b[n][e - b_first]) for n in a)]
+def compare(runs: dict, label: str, first: str, experts: range) -> dict:
+    """Expert ids `experts` of run `label` against run `first` (each expert where it sits in
+    its run's batch): how many values were compared, and the experts whose values differ."""
+    ids = {name: BATCHES[name.split()[0]] for name in (label, first)}
+    values, differ = 0, []
+    for e in experts:
+        pairs = [(runs[first][n][ids[first].index(e)], runs[label][n][ids[label].index(e)])
+                 for n in runs[first]]
+        values += sum(p.numel() for p, _ in pairs)
+        if not all(torch.equal(p, q) for p, q in pairs):
+            differ.append(e)
+    return {"values": values, "differing": differ}
 
 
-def router_rows(device: torch.device, shapes: list[tuple[int, int]]) -> dict[str, list[int]]:
-    """Per (hidden, experts): rows of the first 1,000 whose fp32 router logits differ from a
-    call of 1,000 rows, in a call of each of ROUTER_ROWS rows."""
+def router_rows(device: torch.device, shapes: list[tuple[int, int]]) -> dict[str, dict]:
+    """Per (hidden, experts), of 1,000 rows whose fp32 router logits are taken as a call of
+    their own: how many differ as the first rows of a call of each of CALL_ROWS rows, and as
+    the last rows of a call of 16,384."""
     gen = torch.Generator().manual_seed(1)
     out = {}
     for hidden, experts in shapes:
         w = (torch.randn(experts, hidden, generator=gen) * 0.02).to(device)
-        x = torch.randn(ROUTER_ROWS[-1], hidden, generator=gen).to(device, torch.bfloat16)
+        x = torch.randn(CALL_ROWS[-1], hidden, generator=gen).to(device, torch.bfloat16)
         ref = torch.nn.functional.linear(x[:1000].float(), w)
-        out[f"{hidden}x{experts}"] = [
-            int((torch.nn.functional.linear(x[:m].float(), w)[:1000] != ref).any(-1).sum())
-            for m in ROUTER_ROWS]
+        calls = [x[:m] for m in CALL_ROWS]
+        moved = torch.cat([x[1000:16384], x[:1000]])
+        got = [torch.nn.functional.linear(c.float(), w)[:1000] for c in calls]
+        got.append(torch.nn.functional.linear(moved.float(), w)[-1000:])
+        differ = [int((g != ref).any(-1).sum()) for g in got]
+        out[f"{hidden}x{experts}"] = {"first rows of a call": differ[:-1],
+                                      "last rows of a call of 16384": differ[-1]}
     return out
 
 
@@ -132,12 +145,11 @@ def main(argv: list[str]) -> None:
         runs = {name: trained(problem, ids, sparse, steps, device)
                 for name, ids in BATCHES.items()}
         runs["A again"] = trained(problem, BATCHES["A"], sparse, steps, device)
-        res[method] = {f"{label} against {first}": differing(
-            runs[first], runs[label], experts, BATCHES[first][0], start)
-            for label, first, experts, start in COMPARED}
+        res[method] = {f"{label} against {first}": compare(runs, label, first, experts)
+                       for label, first, experts in COMPARED}
         res[method]["seconds"] = round(time.perf_counter() - t0, 1)
         log(method, res[method])
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.router_shapes.split(",")]
-    res["router_rows"] = {"rows": ROUTER_ROWS, "differing": router_rows(device, shapes)}
+    res["router_rows"] = {"calls": CALL_ROWS, "differing": router_rows(device, shapes)}
     log("router", res["router_rows"])
     print("wrote", save(res, result_path(rec, a.out, out_dir=a.out_dir)))

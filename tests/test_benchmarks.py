@@ -362,7 +362,12 @@ def test_learned_batches_on_a_cpu_finds_no_expert_that_depends_on_its_batch(tmp_
 
     learned_batches.main(["--tiny", str(out)])
     res = json.loads(out.read_text())
+    per_expert = 3 * 32 * 16  # the --tiny experts' gate, up and down values
+    compared = {"A again against A": 16, "B against A": 12, "C against A": 4,
+                "D against C": 8, "E against A": 12}
     for method in ("nvfp4", "p48"):
-        comparisons = {k: v for k, v in res[method].items() if k != "seconds"}
-        assert len(comparisons) == 5 and all(v == [] for v in comparisons.values()), res
-    assert res["router_rows"]["differing"] == {"32x24": [0] * 6}
+        assert {k: v["values"] for k, v in res[method].items() if k != "seconds"} == {
+            k: n * per_expert for k, n in compared.items()}
+        assert all(res[method][k]["differing"] == [] for k in compared), res[method]
+    assert res["router_rows"]["differing"] == {
+        "32x24": {"first rows of a call": [0] * 6, "last rows of a call of 16384": 0}}

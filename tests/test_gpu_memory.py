@@ -37,7 +37,8 @@ from kconvert.testing.header_only import KIMI_K2_THINKING, kimi_int4_shards
 
 GIB = 1 << 30
 KIMI = Shapes.from_config(k2_config(KIMI_K2_THINKING, quantized=True))
-KIMI_OBS = Obs(obs_memory.batch_bytes(2 * KIMI.moe_inter, KIMI.hidden), KIMI.experts, KIMI.hidden)
+KIMI_OBS = Obs(obs_memory.batch_bytes(2 * KIMI.moe_inter, KIMI.hidden), gpu_plan.OBS_BATCH,
+               KIMI.hidden)
 
 
 def test_sizes_parse_as_documented():

@@ -55,8 +55,8 @@ MAX_FIT_TOKENS = 8192
 # rows (the last padded with zeros, dropped). Under torchrun a rank captures only the tokens
 # routed to its experts, so the count differs between rank counts, and a product's rounding
 # follows its row count: at Kimi's router shape a row's logits differed between calls of 1,000
-# and of 2,048, 15,600, 16,384 or 40,000 rows on an H200, and of 40,000 on a CPU
-# (`python -m benchmarks learned_batches`).
+# and of 2,048, 15,600, 16,384 or 40,000 rows on an H200, and of 40,000 on a CPU (docs/obs.md,
+# "The router's rows"; `python -m benchmarks learned_batches` measures it).
 ROUTER_ROWS = 1 << 14
 
 
@@ -307,6 +307,8 @@ def router_weights(gate: Callable[[torch.Tensor], tuple[torch.Tensor, ...]], x: 
                     ) -> torch.Tensor:
     """The router weights [T, k] of at most ROUTER_ROWS tokens x [T, H], computed on
     ROUTER_ROWS rows (x, then zeros)."""
+    if len(x) > ROUTER_ROWS:
+        raise ValueError(f"router_weights takes at most {ROUTER_ROWS} tokens a call, not {len(x)}")
     if len(x) == ROUTER_ROWS:
         return gate(x)[1]
     return gate(torch.cat([x, x.new_zeros(ROUTER_ROWS - len(x), x.shape[1])]))[1][:len(x)]
