@@ -25,7 +25,6 @@ from kconvert.errors import KconvertError
 from kconvert.formats import nvfp4, p48
 from kconvert.formats.linear import Batch, Transformed
 from kconvert.gpu.devices import Stopwatch, deterministic
-from kconvert.gpu.parts import OBS_BATCH
 from kconvert.methods import expert_training as et
 from kconvert.methods import obs_memory
 from kconvert.methods.gptq import Gptq
@@ -163,11 +162,9 @@ class Learned(ObsMethod):
         """Experts trained at once: OBS_BATCH, or on a GPU fewer where the GPU plan's share
         holds fewer."""
         budget = self.calibration.hessians.obs_budget(batches[0].weights.device)
-        if budget is None:
-            return OBS_BATCH
         down = next(b for b in batches if b.modules[0].tn.proj == "down_proj").weights
-        return max(1, min(OBS_BATCH, budget // training_bytes(
-            down.shape[1], down.shape[2], self.sparse, self.train_settings.tokens)))
+        return obs_memory.per_batch(budget, training_bytes(
+            down.shape[1], down.shape[2], self.sparse, self.train_settings.tokens))
 
     def _layer_routing(self, layer: int) -> _Routing:
         if self._routing is not None and self._routing[0] == layer:

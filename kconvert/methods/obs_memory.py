@@ -23,9 +23,15 @@ def experts_per_batch(rows: int, k: int, budget: int | None, tokens: int = 0,
     """How many Hessian-sharing matrices [rows, k] one OBS batch takes: OBS_BATCH, or fewer
     where `budget` bytes (`batch_bytes`) hold fewer; OBS_BATCH when the budget is None (a
     CPU)."""
+    return per_batch(budget, batch_bytes(rows, k, tokens, against_rtn))
+
+
+def per_batch(budget: int | None, matrix_bytes: int) -> int:
+    """Matrices of `matrix_bytes` one batch (OBS or training) takes: OBS_BATCH, or fewer where
+    `budget` bytes hold fewer (at least one); OBS_BATCH when the budget is None (a CPU)."""
     if budget is None:
         return OBS_BATCH
-    return max(1, min(OBS_BATCH, budget // batch_bytes(rows, k, tokens, against_rtn)))
+    return max(1, min(OBS_BATCH, budget // matrix_bytes))
 
 
 def pads_batches(device: torch.device) -> bool:
